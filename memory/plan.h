@@ -1,0 +1,153 @@
+// memory::Plan: the exact byte layout of one rank's parameters, gradients and optimizer state.
+//
+// The plan is a pure function of (parameter specs, options): no allocation, no I/O. The engine
+// allocates exactly the buffers the plan lists (a test asserts allocated == planned per memory
+// kind), and `zerort plan` prints the same plan for any model and world size, so what a user
+// reads before renting hardware is what the runtime will really use.
+//
+// Layout (docs/architecture.md, "One partition scheme for every stage"):
+//  - Parameters are grouped into units: flat, contiguous groups following the trainer's modules
+//    in reverse registration order (the order backward produces gradients). Consecutive modules
+//    are merged while the unit stays within `unit_target_elements`; a module larger than that is
+//    split at parameter boundaries. A parameter never spans two units, so param(i) is contiguous.
+//  - Each parameter starts at a multiple of `param_alignment` elements inside its unit; each unit
+//    is padded to a multiple of world_size * shard_alignment and split into world_size equal
+//    shards; rank r owns shard r of every unit. A parameter may straddle shards.
+//  - The same units are the gradient buckets (stages 0-2) and the gather units (stage 3) for
+//    every stage, so every stage reduces each element in the same order: stages are bit-identical.
+//
+//   std::vector<ParamSpec> specs = {{"fc1.w", {1024, 512}, "fc1"}, ...};
+//   PlanOptions o; o.stage = 2; o.world_size = 8;
+//   absl::StatusOr<Plan> plan = MakePlan(specs, o);
+//
+// Thread safety: MakePlan is a pure function; a Plan is an immutable value.
+#ifndef ZERORT_MEMORY_PLAN_H_
+#define ZERORT_MEMORY_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "base/dtype.h"
+
+namespace zerort {
+namespace memory {
+
+// One named parameter tensor as the trainer registers it.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // every dimension >= 1; a scalar is {1}
+  std::string module;          // the layer it belongs to; parameters of one module stay together
+};
+
+// Where a buffer lives. On the CPU device, kDevice is ordinary host memory owned by the engine.
+enum class MemoryKind { kDevice = 0, kPinnedHost = 1, kPageableHost = 2 };
+constexpr int kNumMemoryKinds = 3;
+const char* MemoryKindName(MemoryKind kind);  // "device", "pinned_host", "host"
+
+// What a buffer holds. Model state is params + grads + master + m + v (what the ZeRO paper
+// counts); the other classes are the working buffers that estimators usually forget.
+enum class BufferClass {
+  kParams,           // compute-dtype parameters (full, or the owned shard in stage 3)
+  kGrads,            // compute-dtype gradients (full, or the owned shard in stages 2-3)
+  kMaster,           // fp32 master weights of the owned shard (mixed precision only)
+  kExpAvg,           // Adam m of the owned shard, fp32
+  kExpAvgSq,         // Adam v of the owned shard, fp32
+  kGradAccumulator,  // reduced-gradient accumulator when gradient_accumulation_steps > 1
+  kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
+  kGatherBuffer,     // full-unit parameter buffers for gathered units (stage 3)
+  kPersistentParams, // whole small units kept gathered on every rank (stage 3)
+  kOffloadStaging,   // pinned chunks that gradients and new parameters pass through (offload)
+};
+const char* BufferClassName(BufferClass c);
+bool IsModelState(BufferClass c);
+
+// One allocation the engine will make.
+struct Buffer {
+  std::string name;  // stable identifier, e.g. "params", "grad_bucket"
+  BufferClass cls;
+  MemoryKind kind;
+  DType dtype;
+  int64_t elements = 0;  // total elements over all `count` copies
+  int64_t count = 1;     // number of equal slots (buckets, gather slots, staging chunks)
+  int64_t bytes = 0;
+};
+
+// Everything that changes the layout. zero/planner fills it from the JSON config.
+struct PlanOptions {
+  int stage = 0;                  // 0..3
+  int world_size = 1;             // >= 1
+  int rank = 0;                   // 0..world_size-1
+  DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy
+  bool offload_optimizer = false;      // master + m + v in host memory (stages 1-3)
+  bool offload_param = false;          // stage 3: the parameter shard lives in host memory
+  bool pin_memory = true;              // offloaded state in pinned (true) or pageable host memory
+  int offload_buffer_count = 4;        // pinned staging chunks for the offload pipeline
+  int gradient_accumulation_steps = 1;
+  int64_t unit_target_elements = 500000000;  // reduce_bucket_size
+  int64_t shard_alignment = 128;  // elements; shard starts are multiples of this (256 B in bf16)
+  int64_t param_alignment = 8;    // elements; parameter starts inside a unit
+  int grad_bucket_count = 2;      // stages 2-3: full-unit gradient buffers in flight
+  int64_t persistence_threshold = 100000;   // stage 3: units this small stay whole
+  int64_t prefetch_elements = 50000000;     // stage 3: stage3_prefetch_bucket_size
+  int64_t max_live_elements = 1000000000;   // stage 3: stage3_max_live_parameters
+};
+
+// Where parameter i lives.
+struct ParamLayout {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int unit = 0;
+  int64_t offset_in_unit = 0;  // elements from the unit's start
+  int64_t flat_offset = 0;     // elements from the start of the full (all-units) buffer
+};
+
+// A flat group of parameters: a gradient bucket and a gather unit.
+struct Unit {
+  std::string name;              // "<first module>" or "<first>..<last>" when merged
+  std::vector<int> params;       // indices into Plan::params, in layout order
+  int64_t numel = 0;             // elements including gaps between parameters
+  int64_t padded = 0;            // multiple of world_size * shard_alignment
+  int64_t shard = 0;             // padded / world_size
+  int64_t flat_offset = 0;       // start in the full buffer (sum of earlier units' padded)
+  int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
+  bool persistent = false;       // stage 3 only: kept whole on every rank
+};
+
+struct Plan {
+  PlanOptions options;
+  std::vector<ParamLayout> params;
+  std::vector<Unit> units;
+  std::vector<Buffer> buffers;
+
+  int64_t num_params = 0;        // elements the trainer registered (P)
+  int64_t padded_elements = 0;   // sum of units' padded sizes (E >= P)
+  int64_t shard_elements = 0;    // E / world_size: elements this rank owns
+  int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot
+  int64_t gather_slots = 0;      // stage 3
+
+  int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0};
+  int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
+  int64_t comm_bytes_per_step = 0; // bytes this rank sends per optimizer step (nccl-tests'
+                                   // convention: (n-1)/n of each reduce-scatter/all-gather)
+  int64_t host_transfer_bytes_per_step = 0;  // offload: device<->host copies per step
+
+  int64_t device_bytes() const { return bytes_by_kind[0]; }
+  int64_t pinned_host_bytes() const { return bytes_by_kind[1]; }
+  int64_t host_bytes() const { return bytes_by_kind[2]; }
+  // First buffer of this class, or nullptr.
+  const Buffer* Find(BufferClass cls) const;
+};
+
+// Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
+// an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
+// 0..3, rank outside the world, offload_param below stage 3, a non-positive alignment.
+absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
+
+}  // namespace memory
+}  // namespace zerort
+
+#endif  // ZERORT_MEMORY_PLAN_H_

@@ -1,0 +1,295 @@
+#include "memory/plan.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+namespace zerort {
+namespace memory {
+namespace {
+
+// A random model: `modules` modules of 1..4 parameters with 1..3 dimensions.
+std::vector<ParamSpec> RandomModel(std::mt19937& rng, int modules, int max_dim) {
+  std::vector<ParamSpec> specs;
+  std::uniform_int_distribution<int> nparams(1, 4), ndims(1, 3), dim(1, max_dim);
+  for (int m = 0; m < modules; ++m) {
+    const int np = nparams(rng);
+    for (int p = 0; p < np; ++p) {
+      ParamSpec s;
+      s.module = "m" + std::to_string(m);
+      s.name = s.module + ".p" + std::to_string(p);
+      const int nd = ndims(rng);
+      for (int d = 0; d < nd; ++d) s.shape.push_back(dim(rng));
+      specs.push_back(s);
+    }
+  }
+  return specs;
+}
+
+int64_t TotalElements(const std::vector<ParamSpec>& specs) {
+  int64_t total = 0;
+  for (const ParamSpec& s : specs) {
+    int64_t n = 1;
+    for (int64_t d : s.shape) n *= d;
+    total += n;
+  }
+  return total;
+}
+
+// The ZeRO paper's model-state bytes per rank, written independently of the planner:
+// mixed precision keeps 2 (params) + 2 (grads) + 12 (master, m, v) bytes per element;
+// fp32 training keeps 4 + 4 + 8 (no master copy).
+int64_t ClosedForm(int stage, bool mixed, int64_t E, int64_t N) {
+  const int64_t p = mixed ? 2 : 4, g = mixed ? 2 : 4, o = mixed ? 12 : 8;
+  switch (stage) {
+    case 0: return (p + g + o) * E;
+    case 1: return (p + g) * E + o * E / N;
+    case 2: return p * E + (g + o) * E / N;
+    default: return (p + g + o) * E / N;
+  }
+}
+
+TEST_CASE("Planner: every element has exactly one owner and shards are equal and aligned",
+          "[memory]") {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 60; ++trial) {
+    const auto specs = RandomModel(rng, 1 + trial % 9, 1 + trial * 7);
+    PlanOptions o;
+    o.stage = trial % 4;
+    o.world_size = 1 + trial % 11;
+    o.shard_alignment = 1 + trial % 5 * 16;
+    o.unit_target_elements = 1 + trial * 13;
+    o.persistence_threshold = 0;
+    auto plan = MakePlan(specs, o);
+    REQUIRE(plan.ok());
+    // Count, for every element of every unit, how many ranks own it.
+    std::vector<std::vector<int>> owners(plan->units.size());
+    for (size_t u = 0; u < plan->units.size(); ++u) owners[u].assign(plan->units[u].padded, 0);
+    for (int r = 0; r < o.world_size; ++r) {
+      o.rank = r;
+      auto pr = MakePlan(specs, o);
+      REQUIRE(pr.ok());
+      REQUIRE(pr->units.size() == plan->units.size());
+      int64_t shard_offset = 0;
+      for (size_t u = 0; u < pr->units.size(); ++u) {
+        const Unit& unit = pr->units[u];
+        CHECK(unit.shard * o.world_size == unit.padded);
+        CHECK(unit.shard % o.shard_alignment == 0);
+        CHECK(unit.padded - unit.numel < o.world_size * o.shard_alignment);
+        CHECK(unit.shard_offset == shard_offset);
+        shard_offset += unit.shard;
+        for (int64_t e = r * unit.shard; e < (r + 1) * unit.shard; ++e) ++owners[u][e];
+      }
+      CHECK(pr->shard_elements * o.world_size == pr->padded_elements);
+    }
+    for (const auto& unit_owners : owners) {
+      CHECK(std::all_of(unit_owners.begin(), unit_owners.end(), [](int n) { return n == 1; }));
+    }
+    // Parameters: inside their unit, not overlapping, aligned, covering P.
+    int64_t covered = 0;
+    for (const Unit& unit : plan->units) {
+      int64_t end = 0;
+      for (int i : unit.params) {
+        const ParamLayout& p = plan->params[i];
+        CHECK(p.unit == &unit - plan->units.data());
+        CHECK(p.offset_in_unit >= end);
+        CHECK(p.offset_in_unit % o.param_alignment == 0);
+        CHECK(p.flat_offset == unit.flat_offset + p.offset_in_unit);
+        end = p.offset_in_unit + p.numel;
+        covered += p.numel;
+      }
+      CHECK(end == unit.numel);
+    }
+    CHECK(covered == TotalElements(specs));
+    CHECK(plan->num_params == covered);
+  }
+}
+
+TEST_CASE("Planner: model-state bytes equal the closed forms for mixed-precision Adam",
+          "[memory]") {
+  const std::vector<int64_t> sizes = {1, 7, 1000, 65537, 1000003, 123456789};
+  for (int64_t P : sizes) {
+    for (int N : {1, 2, 3, 8, 64, 1024}) {
+      for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+        for (int stage = 0; stage <= 3; ++stage) {
+          // Twelve equal-ish layers (P not divisible by 12 or N in general).
+          std::vector<ParamSpec> specs;
+          const int layers = P >= 12 ? 12 : 1;
+          for (int l = 0; l < layers; ++l) {
+            const int64_t n = P / layers + (l == layers - 1 ? P % layers : 0);
+            specs.push_back({"l" + std::to_string(l) + ".w", {n}, "l" + std::to_string(l)});
+          }
+          PlanOptions o;
+          o.stage = stage;
+          o.world_size = N;
+          o.compute_dtype = dtype;
+          o.persistence_threshold = 0;
+          o.unit_target_elements = std::max<int64_t>(1, P / 5);
+          auto plan = MakePlan(specs, o);
+          REQUIRE(plan.ok());
+          const int64_t E = plan->padded_elements;
+          INFO("P=" << P << " N=" << N << " stage=" << stage << " dtype=" << DTypeName(dtype));
+          CHECK(plan->num_params == P);
+          CHECK(E >= P);
+          // Padding is bounded by one world*alignment per unit plus parameter alignment gaps.
+          CHECK(E - P < static_cast<int64_t>(plan->units.size()) * N * o.shard_alignment +
+                            static_cast<int64_t>(specs.size()) * o.param_alignment);
+          CHECK(plan->model_state_bytes == ClosedForm(stage, dtype != DType::kF32, E, N));
+          // Nothing offloaded: model state and working buffers all live on the device.
+          CHECK(plan->pinned_host_bytes() == 0);
+          CHECK(plan->host_bytes() == 0);
+          CHECK(plan->device_bytes() >= plan->model_state_bytes);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Planner: a world larger than the parameter count still gives every rank a shard",
+          "[memory]") {
+  std::vector<ParamSpec> specs = {{"a", {3}, "m"}, {"b", {2}, "n"}};
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = 64;
+  o.shard_alignment = 1;
+  o.persistence_threshold = 0;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->shard_elements >= 1);
+  CHECK(plan->padded_elements == plan->shard_elements * 64);
+}
+
+TEST_CASE("Planner: units follow modules in reverse registration order", "[memory]") {
+  std::vector<ParamSpec> specs = {
+      {"emb", {100}, "embed"}, {"l0.w", {50}, "l0"}, {"l0.b", {5}, "l0"},
+      {"l1.w", {50}, "l1"},    {"head", {400}, "head"}};
+  PlanOptions o;
+  o.param_alignment = 1;
+  o.shard_alignment = 1;
+  o.unit_target_elements = 120;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  // head (400) exceeds the target and stands alone; l1 + l0 merge (105); embed alone.
+  REQUIRE(plan->units.size() == 3);
+  CHECK(plan->units[0].name == "head");
+  CHECK(plan->units[1].name == "l1..l0");
+  CHECK(plan->units[1].numel == 105);
+  CHECK(plan->units[2].name == "embed");
+  CHECK(plan->params[4].unit == 0);
+  CHECK(plan->params[0].unit == 2);
+}
+
+TEST_CASE("Planner: working buffers per stage", "[memory]") {
+  std::vector<ParamSpec> specs;
+  for (int l = 0; l < 10; ++l) {
+    specs.push_back({"l" + std::to_string(l), {1000 * (l + 1)}, "l" + std::to_string(l)});
+  }
+  PlanOptions o;
+  o.world_size = 4;
+  o.shard_alignment = 1;
+  o.param_alignment = 1;
+  o.unit_target_elements = 1;  // one unit per layer
+  o.persistence_threshold = 2000;
+  o.prefetch_elements = 15000;
+  o.gradient_accumulation_steps = 3;
+
+  o.stage = 0;
+  auto p0 = MakePlan(specs, o);
+  REQUIRE(p0.ok());
+  REQUIRE(p0->Find(BufferClass::kGradAccumulator) != nullptr);
+  CHECK(p0->Find(BufferClass::kGradAccumulator)->elements == p0->padded_elements);
+  CHECK(p0->Find(BufferClass::kGradBucket) == nullptr);
+
+  o.stage = 2;
+  auto p2 = MakePlan(specs, o);
+  REQUIRE(p2.ok());
+  CHECK(p2->Find(BufferClass::kGradAccumulator) == nullptr);
+  REQUIRE(p2->Find(BufferClass::kGradBucket) != nullptr);
+  CHECK(p2->Find(BufferClass::kGradBucket)->elements == 2 * 10000);
+
+  o.stage = 3;
+  auto p3 = MakePlan(specs, o);
+  REQUIRE(p3.ok());
+  // Units of 1000 and 2000 elements are persistent; the largest gathered unit is 10000, so
+  // the prefetch window of 15000 needs 2 slots beside the one in use.
+  int persistent = 0;
+  for (const Unit& u : p3->units) persistent += u.persistent;
+  CHECK(persistent == 2);
+  CHECK(p3->gather_slots == 3);
+  CHECK(p3->Find(BufferClass::kPersistentParams)->elements == 3000);
+  o.max_live_elements = 25000;
+  auto p3_capped = MakePlan(specs, o);
+  REQUIRE(p3_capped.ok());
+  CHECK(p3_capped->gather_slots == 2);
+}
+
+TEST_CASE("Planner: offload moves optimizer state to host memory", "[memory]") {
+  std::vector<ParamSpec> specs = {{"w", {1 << 20}, "m"}};
+  PlanOptions o;
+  o.stage = 2;
+  o.world_size = 4;
+  o.offload_optimizer = true;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->Find(BufferClass::kMaster)->kind == MemoryKind::kPinnedHost);
+  CHECK(plan->Find(BufferClass::kOffloadStaging)->count == 4);
+  CHECK(plan->pinned_host_bytes() ==
+        12 * plan->shard_elements + plan->Find(BufferClass::kOffloadStaging)->bytes);
+  CHECK(plan->model_state_bytes == ClosedForm(2, true, plan->padded_elements, 4));
+  o.pin_memory = false;
+  auto pageable = MakePlan(specs, o);
+  REQUIRE(pageable.ok());
+  CHECK(pageable->Find(BufferClass::kMaster)->kind == MemoryKind::kPageableHost);
+}
+
+TEST_CASE("Planner: bad input is an error naming the problem", "[memory]") {
+  std::vector<ParamSpec> ok_specs = {{"w", {4, 4}, "m"}};
+  PlanOptions o;
+  auto expect = [](const absl::StatusOr<Plan>& plan, const std::string& needle) {
+    REQUIRE_FALSE(plan.ok());
+    CHECK(plan.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(plan.status().message()), Catch::Contains(needle));
+  };
+  expect(MakePlan({}, o), "no parameters");
+  expect(MakePlan({{"w", {4, 0}, "m"}}, o), "'w' dimension 1 is 0");
+  expect(MakePlan({{"w", {}, "m"}}, o), "empty shape");
+  expect(MakePlan({{"w", {2}, "m"}, {"w", {3}, "n"}}, o), "'w' is registered twice");
+  PlanOptions bad = o;
+  bad.stage = 4;
+  expect(MakePlan(ok_specs, bad), "stage = 4");
+  bad = o;
+  bad.world_size = 4;
+  bad.rank = 4;
+  expect(MakePlan(ok_specs, bad), "rank = 4");
+  bad = o;
+  bad.stage = 2;
+  bad.offload_param = true;
+  expect(MakePlan(ok_specs, bad), "offload_param requires stage 3");
+}
+
+TEST_CASE("Planner: communication bytes per step follow the stage", "[memory]") {
+  std::vector<ParamSpec> specs = {{"w", {1 << 16}, "m"}};
+  PlanOptions o;
+  o.world_size = 8;
+  o.persistence_threshold = 0;
+  int64_t bytes[4];
+  for (int stage = 0; stage < 4; ++stage) {
+    o.stage = stage;
+    auto plan = MakePlan(specs, o);
+    REQUIRE(plan.ok());
+    bytes[stage] = plan->comm_bytes_per_step;
+  }
+  const int64_t one_pass = (1 << 16) / 8 * 7 * 2;  // (n-1)/n of the bf16 buffer
+  CHECK(bytes[0] == 2 * one_pass);  // all-reduce
+  CHECK(bytes[1] == 2 * one_pass);  // reduce-scatter + all-gather
+  CHECK(bytes[2] == 2 * one_pass);
+  CHECK(bytes[3] == 3 * one_pass);  // gather for forward and backward + reduce-scatter
+}
+
+}  // namespace
+}  // namespace memory
+}  // namespace zerort
