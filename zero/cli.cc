@@ -1,0 +1,214 @@
+#include "zero/cli.h"
+
+#include <map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/status.h"
+#include "zero/config.h"
+#include "zero/model_spec.h"
+#include "zero/planner.h"
+#include "zero/report.h"
+
+namespace zerort {
+namespace {
+
+// "--name value", "--name=value" and boolean "--name". Every flag must be known to the command.
+class Flags {
+ public:
+  static absl::StatusOr<Flags> Parse(const std::vector<std::string>& args,
+                                     const std::vector<std::string>& valued,
+                                     const std::vector<std::string>& booleans) {
+    Flags f;
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      if (!absl::StartsWith(a, "--")) {
+        return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "'"));
+      }
+      std::string name = a.substr(2), value;
+      const size_t eq = name.find('=');
+      const bool has_eq = eq != std::string::npos;
+      if (has_eq) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+      }
+      const bool is_valued = std::find(valued.begin(), valued.end(), name) != valued.end();
+      const bool is_bool = std::find(booleans.begin(), booleans.end(), name) != booleans.end();
+      if (!is_valued && !is_bool) {
+        std::vector<std::string> known;
+        for (const auto& v : valued) known.push_back("--" + v);
+        for (const auto& b : booleans) known.push_back("--" + b);
+        return absl::InvalidArgumentError(absl::StrCat("unknown flag '--", name,
+                                                       "': known flags are ",
+                                                       absl::StrJoin(known, ", ")));
+      }
+      if (is_valued && !has_eq) {
+        if (i + 1 >= args.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' needs a value"));
+        }
+        value = args[++i];
+      }
+      if (f.values_.count(name)) {
+        return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' is given twice"));
+      }
+      f.values_[name] = is_bool && !has_eq ? "true" : value;
+    }
+    return f;
+  }
+
+  bool Has(const std::string& name) const { return values_.count(name) > 0; }
+  std::string Get(const std::string& name, std::string fallback = "") const {
+    auto it = values_.find(name);
+    return it == values_.end() ? fallback : it->second;
+  }
+  absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback, int64_t min) const {
+    if (!Has(name)) return fallback;
+    double v = 0;
+    const std::string text = Get(name);
+    if (!absl::SimpleAtod(text, &v) || v != static_cast<double>(static_cast<int64_t>(v)) ||
+        v < static_cast<double>(min)) {
+      return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' value '", text,
+                                                     "' must be an integer >= ", min));
+    }
+    return static_cast<int64_t>(v);
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+absl::Status ApplyBudget(const std::string& text, MemoryBudget* budget) {
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(part, '=');
+    absl::string_view key = kv.second.empty() ? "device" : kv.first;
+    absl::string_view value = kv.second.empty() ? kv.first : kv.second;
+    absl::StatusOr<int64_t> bytes = ParseBytes(value);
+    if (!bytes.ok()) return Annotate(bytes.status(), "--budget");
+    if (key == "device") {
+      budget->device_bytes = *bytes;
+    } else if (key == "host") {
+      budget->host_bytes = *bytes;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--budget: unknown part '", key, "': expected SIZE or device=SIZE,host=SIZE"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string Usage() {
+  return R"(usage: zerort <command> [flags]
+
+commands:
+  plan   print the per-rank memory plan of a model without allocating anything
+         --model NAME|FILE   preset (gpt2-124m, gpt2-1.5b, llama2-7b, llama2-13b, llama2-70b)
+                             or a JSON model file
+         --params N          a synthetic model of N parameters in --layers equal layers (48)
+         --world N           data-parallel world size (1)        --rank R   rank to plan (0)
+         --stage 0-3|auto    ZeRO stage (config's, else 0)
+         --offload none|optimizer|all   CPU offload of optimizer state (and parameters)
+         --precision bf16|fp16|fp32     compute dtype (config's, else bf16)
+         --config FILE       a JSON config (DeepSpeed keys); flags above override it
+         --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto)
+         --json              machine-readable output
+         --resolved-config   print the effective config (every default filled in) and exit
+)";
+}
+
+absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& out) {
+  ASSIGN_OR_RETURN(Flags flags,
+                   Flags::Parse(args,
+                                {"model", "params", "layers", "world", "rank", "stage", "offload",
+                                 "precision", "config", "budget"},
+                                {"json", "resolved-config"}));
+  Config config;
+  config.precision = Precision::kBf16;  // the mixed-precision setting users plan for
+  if (flags.Has("config")) {
+    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
+  }
+  if (flags.Has("precision")) {
+    const std::string p = flags.Get("precision");
+    if (p == "bf16") {
+      config.precision = Precision::kBf16;
+    } else if (p == "fp16") {
+      config.precision = Precision::kFp16;
+    } else if (p == "fp32") {
+      config.precision = Precision::kFp32;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--precision '", p, "': expected bf16, fp16 or fp32"));
+    }
+  }
+  if (flags.Has("stage")) {
+    const std::string s = flags.Get("stage");
+    int stage = -1;
+    if (s == "auto") {
+      config.zero.stage_auto = true;
+    } else if (absl::SimpleAtoi(s, &stage) && stage >= 0 && stage <= 3) {
+      config.zero.stage_auto = false;
+      config.zero.stage = stage;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--stage '", s, "': expected 0..3 or auto"));
+    }
+  }
+  if (flags.Has("offload")) {
+    const std::string o = flags.Get("offload");
+    const bool optimizer = o == "optimizer" || o == "cpu" || o == "all";
+    const bool param = o == "all";
+    if (!optimizer && o != "none") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--offload '", o, "': expected none, optimizer or all"));
+    }
+    config.zero.offload_optimizer.device = optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
+    config.zero.offload_param.device = param ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  }
+  if (flags.Has("budget")) RETURN_IF_ERROR(ApplyBudget(flags.Get("budget"), &config.zero.memory_budget));
+  RETURN_IF_ERROR(ValidateConfig(config));
+  if (flags.Has("resolved-config")) {
+    out << ResolvedConfigJson(config) << "\n";
+    return absl::OkStatus();
+  }
+
+  std::vector<memory::ParamSpec> specs;
+  if (flags.Has("model") == flags.Has("params")) {
+    return absl::InvalidArgumentError("plan needs exactly one of --model NAME|FILE or --params N");
+  }
+  if (flags.Has("model")) {
+    const std::string m = flags.Get("model");
+    if (absl::EndsWith(m, ".json")) {
+      ASSIGN_OR_RETURN(specs, LoadModelFile(m));
+    } else {
+      ASSIGN_OR_RETURN(specs, ModelPreset(m));
+    }
+  } else {
+    ASSIGN_OR_RETURN(int64_t params, flags.GetInt("params", 0, 1));
+    ASSIGN_OR_RETURN(int64_t layers, flags.GetInt("layers", 48, 1));
+    ASSIGN_OR_RETURN(specs, SyntheticModel(params, static_cast<int>(std::min(layers, params))));
+  }
+  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world", 1, 1));
+  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0, 0));
+  if (rank >= world) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank ", rank, " is outside the world of ", world, " ranks"));
+  }
+  ASSIGN_OR_RETURN(PlanChoice choice,
+                   ChoosePlan(specs, config, static_cast<int>(world), static_cast<int>(rank)));
+  if (flags.Has("json")) {
+    nlohmann::ordered_json j = PlanJson(choice.plan);
+    j["fits_budget"] = choice.fits;
+    j["reason"] = choice.reason;
+    out << j.dump(2) << "\n";
+  } else {
+    out << PlanTable(choice.plan) << choice.reason << "\n";
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace zerort

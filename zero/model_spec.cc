@@ -1,0 +1,183 @@
+#include "zero/model_spec.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace zerort {
+namespace {
+
+using memory::ParamSpec;
+
+class Builder {
+ public:
+  void Module(std::string name) { module_ = std::move(name); }
+  void Param(absl::string_view name, std::vector<int64_t> shape) {
+    specs_.push_back({absl::StrCat(module_, ".", name), std::move(shape), module_});
+  }
+  std::vector<ParamSpec> Take() { return std::move(specs_); }
+
+ private:
+  std::string module_;
+  std::vector<ParamSpec> specs_;
+};
+
+// GPT-2 (Radford et al. 2019; Hugging Face layout): learned positions, LayerNorm with bias,
+// fused QKV, 4x MLP, output head tied to wte.
+std::vector<ParamSpec> Gpt2(int64_t layers, int64_t d, int64_t vocab = 50257, int64_t ctx = 1024) {
+  Builder b;
+  b.Module("embed");
+  b.Param("wte", {vocab, d});
+  b.Param("wpe", {ctx, d});
+  for (int64_t l = 0; l < layers; ++l) {
+    b.Module(absl::StrCat("h.", l));
+    b.Param("ln_1.weight", {d});
+    b.Param("ln_1.bias", {d});
+    b.Param("attn.c_attn.weight", {d, 3 * d});
+    b.Param("attn.c_attn.bias", {3 * d});
+    b.Param("attn.c_proj.weight", {d, d});
+    b.Param("attn.c_proj.bias", {d});
+    b.Param("ln_2.weight", {d});
+    b.Param("ln_2.bias", {d});
+    b.Param("mlp.c_fc.weight", {d, 4 * d});
+    b.Param("mlp.c_fc.bias", {4 * d});
+    b.Param("mlp.c_proj.weight", {4 * d, d});
+    b.Param("mlp.c_proj.bias", {d});
+  }
+  b.Module("ln_f");
+  b.Param("weight", {d});
+  b.Param("bias", {d});
+  return b.Take();
+}
+
+// Llama 2 (Touvron et al. 2023): RMSNorm without bias, SwiGLU MLP, untied head, GQA.
+std::vector<ParamSpec> Llama2(int64_t layers, int64_t d, int64_t ffn, int64_t kv_dim,
+                              int64_t vocab = 32000) {
+  Builder b;
+  b.Module("embed_tokens");
+  b.Param("weight", {vocab, d});
+  for (int64_t l = 0; l < layers; ++l) {
+    b.Module(absl::StrCat("layers.", l));
+    b.Param("input_layernorm.weight", {d});
+    b.Param("self_attn.q_proj.weight", {d, d});
+    b.Param("self_attn.k_proj.weight", {kv_dim, d});
+    b.Param("self_attn.v_proj.weight", {kv_dim, d});
+    b.Param("self_attn.o_proj.weight", {d, d});
+    b.Param("post_attention_layernorm.weight", {d});
+    b.Param("mlp.gate_proj.weight", {ffn, d});
+    b.Param("mlp.up_proj.weight", {ffn, d});
+    b.Param("mlp.down_proj.weight", {d, ffn});
+  }
+  b.Module("norm");
+  b.Param("weight", {d});
+  b.Module("lm_head");
+  b.Param("weight", {vocab, d});
+  return b.Take();
+}
+
+absl::Status ModelError(absl::string_view source, absl::string_view path, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, ": ", what));
+}
+
+}  // namespace
+
+std::vector<std::string> ModelPresetNames() {
+  return {"gpt2-124m", "gpt2-1.5b", "llama2-7b", "llama2-13b", "llama2-70b"};
+}
+
+absl::StatusOr<std::vector<ParamSpec>> ModelPreset(absl::string_view name) {
+  if (name == "gpt2-124m") return Gpt2(12, 768);
+  if (name == "gpt2-1.5b") return Gpt2(48, 1600);
+  if (name == "llama2-7b") return Llama2(32, 4096, 11008, 4096);
+  if (name == "llama2-13b") return Llama2(40, 5120, 13824, 5120);
+  if (name == "llama2-70b") return Llama2(80, 8192, 28672, 1024);
+  return absl::NotFoundError(absl::StrCat("unknown model preset '", name, "': known presets are ",
+                                          absl::StrJoin(ModelPresetNames(), ", "),
+                                          " (or pass a JSON model file)"));
+}
+
+absl::StatusOr<std::vector<ParamSpec>> ParseModelJson(absl::string_view text,
+                                                      absl::string_view source) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", e.what()));
+  }
+  if (!doc.is_object() || !doc.contains("modules") || !doc["modules"].is_array()) {
+    return ModelError(source, "modules", "expected an object with a \"modules\" array");
+  }
+  std::vector<ParamSpec> specs;
+  const auto& modules = doc["modules"];
+  for (size_t m = 0; m < modules.size(); ++m) {
+    const std::string mpath = absl::StrCat("modules[", m, "]");
+    const auto& mod = modules[m];
+    if (!mod.is_object() || !mod.contains("name") || !mod["name"].is_string()) {
+      return ModelError(source, mpath, "expected an object with a string \"name\"");
+    }
+    if (!mod.contains("params") || !mod["params"].is_array() || mod["params"].empty()) {
+      return ModelError(source, mpath + ".params", "expected a non-empty array of parameters");
+    }
+    for (const auto& [key, value] : mod.items()) {
+      if (key != "name" && key != "params") {
+        return ModelError(source, mpath + "." + key, "unknown key (expected name, params)");
+      }
+    }
+    const std::string module = mod["name"].get<std::string>();
+    const auto& params = mod["params"];
+    for (size_t p = 0; p < params.size(); ++p) {
+      const std::string ppath = absl::StrCat(mpath, ".params[", p, "]");
+      const auto& param = params[p];
+      if (!param.is_object() || !param.contains("name") || !param["name"].is_string()) {
+        return ModelError(source, ppath, "expected an object with a string \"name\"");
+      }
+      if (!param.contains("shape") || !param["shape"].is_array() || param["shape"].empty()) {
+        return ModelError(source, ppath + ".shape", "expected a non-empty array of dimensions");
+      }
+      ParamSpec spec;
+      spec.module = module;
+      spec.name = absl::StrCat(module, ".", param["name"].get<std::string>());
+      for (size_t d = 0; d < param["shape"].size(); ++d) {
+        const auto& dim = param["shape"][d];
+        if (!dim.is_number_integer() || dim.get<int64_t>() < 1) {
+          return ModelError(source, absl::StrCat(ppath, ".shape[", d, "]"),
+                            absl::StrCat("dimension ", dim.dump(), " must be an integer >= 1"));
+        }
+        spec.shape.push_back(dim.get<int64_t>());
+      }
+      specs.push_back(std::move(spec));
+    }
+  }
+  if (specs.empty()) return ModelError(source, "modules", "the model has no parameters");
+  return specs;
+}
+
+absl::StatusOr<std::vector<ParamSpec>> LoadModelFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return ParseModelJson(text.str(), path);
+}
+
+absl::StatusOr<std::vector<ParamSpec>> SyntheticModel(int64_t params, int layers) {
+  if (layers < 1 || params < layers) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a synthetic model needs params >= layers >= 1 (got params=", params, ", layers=", layers,
+        ")"));
+  }
+  std::vector<ParamSpec> specs;
+  specs.reserve(layers);
+  for (int l = 0; l < layers; ++l) {
+    const int64_t n = params / layers + (l == layers - 1 ? params % layers : 0);
+    const std::string module = absl::StrCat("layer", l);
+    specs.push_back({module + ".weight", {n}, module});
+  }
+  return specs;
+}
+
+}  // namespace zerort

@@ -1,0 +1,159 @@
+#include "zero/planner.h"
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "zero/cli.h"
+#include "zero/model_spec.h"
+#include "zero/report.h"
+
+namespace zerort {
+namespace {
+
+int64_t Count(const std::vector<memory::ParamSpec>& specs) {
+  int64_t n = 0;
+  for (const auto& s : specs) {
+    int64_t e = 1;
+    for (int64_t d : s.shape) e *= d;
+    n += e;
+  }
+  return n;
+}
+
+TEST_CASE("Models: presets match the published parameter counts", "[zero]") {
+  // Counts as reported by the models' reference implementations (Hugging Face
+  // num_parameters()), independent of how the presets are written.
+  const std::vector<std::pair<std::string, int64_t>> expected = {
+      {"gpt2-124m", 124439808},        {"gpt2-1.5b", 1557611200},
+      {"llama2-7b", 6738415616},       {"llama2-13b", 13015864320},
+      {"llama2-70b", 68976648192}};
+  for (const auto& [name, count] : expected) {
+    auto specs = ModelPreset(name);
+    REQUIRE(specs.ok());
+    CHECK(Count(*specs) == count);
+  }
+  auto unknown = ModelPreset("gpt5");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK_THAT(std::string(unknown.status().message()), Catch::Contains("llama2-70b"));
+}
+
+TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero]") {
+  auto ok = ParseModelJson(
+      R"({"modules": [{"name": "l0", "params": [{"name": "w", "shape": [3, 4]}]}]})", "m.json");
+  REQUIRE(ok.ok());
+  REQUIRE(ok->size() == 1);
+  CHECK((*ok)[0].name == "l0.w");
+  CHECK((*ok)[0].module == "l0");
+  auto bad = ParseModelJson(
+      R"({"modules": [{"name": "l0", "params": [{"name": "w", "shape": [3, 0]}]}]})", "m.json");
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(std::string(bad.status().message()),
+             Catch::Contains("m.json: modules[0].params[0].shape[1]"));
+  auto broken = ParseModelJson("{", "m.json");
+  REQUIRE_FALSE(broken.ok());
+  CHECK_THAT(std::string(broken.status().message()), Catch::Contains("m.json"));
+}
+
+TEST_CASE("Report: byte sizes parse with decimal and binary units", "[zero]") {
+  CHECK(*ParseBytes("80GiB") == 80LL << 30);
+  CHECK(*ParseBytes("16 GB") == 16000000000LL);
+  CHECK(*ParseBytes("8e10") == 80000000000LL);
+  CHECK(*ParseBytes("1.5KiB") == 1536);
+  CHECK_FALSE(ParseBytes("lots").ok());
+  CHECK_FALSE(ParseBytes("5 parsecs").ok());
+  CHECK(HumanBytes(1536) == "1.50 KiB");
+}
+
+// A config of `stage auto` with a device budget.
+Config AutoConfig(int64_t device_bytes, int64_t host_bytes = 0) {
+  Config c;
+  c.precision = Precision::kBf16;
+  c.zero.stage_auto = true;
+  c.zero.memory_budget.device_bytes = device_bytes;
+  c.zero.memory_budget.host_bytes = host_bytes;
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.reduce_bucket_size = 1000000;  // one unit per layer
+  c.zero.stage3_prefetch_bucket_size = 1000000;
+  return c;
+}
+
+TEST_CASE("Planner: auto picks the lowest stage that fits, at the byte boundary", "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  const int world = 8;
+  // The device bytes each explicit stage needs, computed through the explicit path.
+  int64_t need[4];
+  for (int stage = 0; stage < 4; ++stage) {
+    Config c = AutoConfig(0);
+    c.zero.stage_auto = false;
+    c.zero.stage = stage;
+    auto choice = ChoosePlan(*specs, c, world, 0);
+    REQUIRE(choice.ok());
+    need[stage] = choice->plan.device_bytes();
+  }
+  REQUIRE(need[0] > need[1]);
+  REQUIRE(need[1] > need[2]);
+  REQUIRE(need[2] > need[3]);
+  for (int stage = 0; stage < 4; ++stage) {
+    auto exact = ChoosePlan(*specs, AutoConfig(need[stage]), world, 0);
+    REQUIRE(exact.ok());
+    CHECK(exact->plan.options.stage == stage);
+    CHECK_FALSE(exact->plan.options.offload_optimizer);
+    CHECK_THAT(exact->reason, Catch::Contains("auto chose stage " + std::to_string(stage)));
+    if (stage < 3) {
+      auto under = ChoosePlan(*specs, AutoConfig(need[stage] - 1), world, 0);
+      REQUIRE(under.ok());
+      CHECK(under->plan.options.stage == stage + 1);
+    }
+  }
+  // One byte under stage 3 without offload: offload is next, and needs host memory.
+  auto offload = ChoosePlan(*specs, AutoConfig(need[3] - 1), world, 0);
+  REQUIRE(offload.ok());
+  CHECK(offload->plan.options.offload_optimizer);
+  CHECK(offload->plan.device_bytes() <= need[3] - 1);
+}
+
+TEST_CASE("Planner: when nothing fits the error names the smallest need and a world that fits",
+          "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  auto none = ChoosePlan(*specs, AutoConfig(1000, 1000), 8, 0);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
+  const std::string msg(none.status().message());
+  CHECK_THAT(msg, Catch::Contains("smallest requirement found"));
+  CHECK_THAT(msg, Catch::Contains("no world size up to 65536 fits"));
+  auto bigger_world = ChoosePlan(*specs, AutoConfig(12 << 20), 2, 0);
+  REQUIRE_FALSE(bigger_world.ok());
+  CHECK_THAT(std::string(bigger_world.status().message()), Catch::Contains("it would fit on"));
+}
+
+TEST_CASE("CLI: zerort plan prints the plan as JSON with the documented fields", "[zero]") {
+  std::ostringstream out;
+  auto status = RunPlanCommand(
+      {"--model", "llama2-7b", "--world", "8", "--stage", "3", "--offload", "optimizer", "--json"},
+      out);
+  REQUIRE(status.ok());
+  auto j = nlohmann::json::parse(out.str());
+  CHECK(j["params"] == 6738415616LL);
+  CHECK(j["world_size"] == 8);
+  CHECK(j["stage"] == 3);
+  CHECK(j["per_rank"]["pinned_host_bytes"].get<int64_t>() > 0);
+  CHECK(j["per_rank"]["model_state_bytes"].get<int64_t>() > 0);
+  CHECK(j["comm_bytes_per_step"].get<int64_t>() > 0);
+  CHECK(j["buffers"].size() >= 5);
+
+  std::ostringstream err;
+  auto unknown = RunPlanCommand({"--model", "gpt2-124m", "--wrld", "8"}, err);
+  REQUIRE_FALSE(unknown.ok());
+  CHECK_THAT(std::string(unknown.message()), Catch::Contains("--wrld"));
+  auto bad_stage = RunPlanCommand({"--params", "1000", "--stage", "5"}, err);
+  REQUIRE_FALSE(bad_stage.ok());
+  CHECK_THAT(std::string(bad_stage.message()), Catch::Contains("--stage '5'"));
+}
+
+}  // namespace
+}  // namespace zerort

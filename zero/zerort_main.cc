@@ -1,0 +1,28 @@
+// zerort: plan (and run) ZeRO-sharded training. See `zerort --help`.
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "zero/cli.h"
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    std::cout << zerort::Usage();
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  absl::Status status;
+  if (command == "plan") {
+    status = zerort::RunPlanCommand(args, std::cout);
+  } else {
+    std::cerr << "zerort: unknown command '" << command << "'\n" << zerort::Usage();
+    return 2;
+  }
+  if (!status.ok()) {
+    std::cerr << "zerort " << command << ": " << status.message() << "\n";
+    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
