@@ -1,0 +1,142 @@
+// The zerort configuration: the JSON file a trainer hands the engine, parsed into plain structs.
+//
+// Key names follow DeepSpeed wherever DeepSpeed has the setting, so a DeepSpeed config usually
+// parses unchanged; docs/config.md lists every key with its default, constraint and DeepSpeed
+// equivalent. Parsing is strict: an unknown key, a duplicate key, a value of the wrong type or
+// out of range is an error that names the key's JSON path. DeepSpeed keys that have no effect
+// here are accepted and reported one line each in Config::notes.
+//
+//   ASSIGN_OR_RETURN(zerort::Config config, zerort::LoadConfigFile("ds_config.json"));
+//   for (const std::string& note : config.notes) std::cerr << note << "\n";
+//   if (config.zero.stage_auto) { ... let the planner pick a stage within config.zero.memory_budget }
+//
+// Thread safety: the structs are plain values; the functions are pure and thread-safe.
+#ifndef ZERORT_ZERO_CONFIG_H_
+#define ZERORT_ZERO_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace zerort {
+
+// Compute dtype of parameters and gradients. Optimizer state is always fp32.
+enum class Precision { kFp32, kBf16, kFp16 };
+
+// Where offloaded state lives. DeepSpeed's "nvme" is recognised and rejected as Unimplemented.
+enum class OffloadDevice { kNone, kCpu };
+
+// zero_optimization.offload_optimizer: fp32 master weights and Adam moments in host memory.
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  bool pin_memory = true;  // page-locked host buffers (faster, asynchronous copies)
+  int buffer_count = 4;    // >= 1: host staging buffers for gradient copies in flight
+};
+
+// zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory. Stage 3 only.
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  bool pin_memory = true;
+};
+
+// zero_optimization.memory_budget (ours): what "stage": "auto" must fit into, per rank.
+struct MemoryBudget {
+  int64_t device_bytes = 0;  // >= 0; 0 = no limit
+  int64_t host_bytes = 0;    // >= 0; 0 = no limit
+};
+
+// zero_optimization. Sizes are in elements, as in DeepSpeed.
+struct ZeroConfig {
+  bool stage_auto = false;  // "stage": "auto": the planner picks the stage (needs memory_budget)
+  int stage = 0;            // 0..3, meaningful when !stage_auto
+  int64_t reduce_bucket_size = 500000000;     // >= 1 elements: the unit (bucket) size target
+  int64_t allgather_bucket_size = 500000000;  // >= 1 elements
+  bool overlap_comm = true;                   // reduce buckets while backward still runs
+  bool contiguous_gradients = true;           // gradients copied into one flat buffer
+  OffloadOptimizerConfig offload_optimizer;
+  OffloadParamConfig offload_param;                      // REQUIRES stage 3 when enabled
+  int64_t stage3_prefetch_bucket_size = 50000000;        // >= 0 elements; 0 = no prefetch
+  int64_t stage3_param_persistence_threshold = 100000;   // >= 0 elements
+  int64_t stage3_max_live_parameters = 1000000000;       // >= 1 elements
+  MemoryBudget memory_budget;
+};
+
+// fp16 loss scaling. loss_scale == 0 selects dynamic scaling, which starts at
+// 2^initial_scale_power, halves after `hysteresis` consecutive overflows, and doubles after
+// `loss_scale_window` clean steps, never going below min_loss_scale.
+struct Fp16Config {
+  double loss_scale = 0;         // >= 0; 0 = dynamic, else a fixed scale
+  int initial_scale_power = 16;  // 0..127
+  int loss_scale_window = 1000;  // >= 1 steps
+  int hysteresis = 2;            // >= 1 overflows
+  double min_loss_scale = 1;     // > 0
+};
+
+// optimizer. Weight decay is always decoupled (AdamW); DeepSpeed's "Adam" with its default
+// adam_w_mode=true is the same thing and is accepted as "AdamW".
+struct OptimizerConfig {
+  std::string type = "AdamW";  // always "AdamW" after parsing
+  double lr = 1e-3;            // >= 0
+  double beta1 = 0.9;          // [0, 1)
+  double beta2 = 0.999;        // [0, 1)
+  double eps = 1e-8;           // > 0
+  double weight_decay = 0.01;  // >= 0
+};
+
+struct Config {
+  ZeroConfig zero;
+  // DeepSpeed's rule: bf16.enabled -> bf16, fp16.enabled -> fp16, neither -> fp32 (also when
+  // both blocks are absent). Both enabled is an error.
+  Precision precision = Precision::kFp32;
+  Fp16Config fp16;  // read whenever present; used only when precision == kFp16
+  OptimizerConfig optimizer;
+  double gradient_clipping = 0;      // >= 0; global L2 norm limit, 0 = off
+  int gradient_accumulation_steps = 1;  // >= 1
+  int64_t comm_timeout_ms = 600000;  // >= 1 (ours): a collective taking longer fails
+  int cpu_threads = 0;               // >= 0 (ours): host AdamW threads, 0 = all cores
+  // Accepted-but-ignored DeepSpeed keys and other remarks, one line each, each starting with the
+  // JSON path it is about. Diagnostics, not settings: operator== ignores them.
+  std::vector<std::string> notes;
+};
+
+bool operator==(const OffloadOptimizerConfig& a, const OffloadOptimizerConfig& b);
+bool operator==(const OffloadParamConfig& a, const OffloadParamConfig& b);
+bool operator==(const MemoryBudget& a, const MemoryBudget& b);
+bool operator==(const ZeroConfig& a, const ZeroConfig& b);
+bool operator==(const Fp16Config& a, const Fp16Config& b);
+bool operator==(const OptimizerConfig& a, const OptimizerConfig& b);
+// Every setting; not `notes`, and not `stage` when both are "auto".
+bool operator==(const Config& a, const Config& b);
+inline bool operator!=(const Config& a, const Config& b) { return !(a == b); }
+
+// "fp32" / "bf16" / "fp16" and "none" / "cpu", as written in the JSON.
+absl::string_view PrecisionName(Precision p);
+absl::string_view OffloadDeviceName(OffloadDevice d);
+
+// Parses and validates a JSON config. `source` names the text in error messages (a file name).
+// Errors: InvalidArgument for malformed JSON ("<source>:LINE:COL: ..."), unknown or duplicate
+// keys, wrong types and out-of-range values (each naming the JSON path, e.g.
+// "zero_optimization.reduce_bucket_size"); Unimplemented for DeepSpeed features zerort does not
+// have (e.g. "nvme" offload).
+absl::StatusOr<Config> ParseConfig(absl::string_view json_text,
+                                   absl::string_view source = "<config>");
+
+// Reads and parses a file; every error names the file. NotFound / PermissionDenied when it
+// cannot be read.
+absl::StatusOr<Config> LoadConfigFile(const std::string& path);
+
+// Every key with its effective value as pretty JSON, in the documented order. ParseConfig of the
+// result gives back an equal Config, and dumping that again gives the same text.
+std::string ResolvedConfigJson(const Config& config);
+
+// Checks a Config built in code (not parsed) against the same rules ParseConfig applies, with the
+// same messages. OK for every Config that ParseConfig returns.
+absl::Status ValidateConfig(const Config& config);
+
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_CONFIG_H_

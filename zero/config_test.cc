@@ -1,0 +1,629 @@
+#include "zero/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "nlohmann/json.hpp"
+
+namespace zerort {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE(in.good());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+Config MustParse(const std::string& text) {
+  absl::StatusOr<Config> config = ParseConfig(text);
+  INFO(text);
+  INFO(config.status().ToString());
+  REQUIRE(config.ok());
+  return *config;
+}
+
+absl::Status ParseError(const std::string& text) {
+  absl::StatusOr<Config> config = ParseConfig(text);
+  INFO(text);
+  REQUIRE(!config.ok());
+  return config.status();
+}
+
+// Collects leaf paths ("a.b.c") of a JSON object; arrays are leaves.
+void Flatten(const Json& j, const std::string& prefix, std::map<std::string, Json>* out) {
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    std::string path = prefix.empty() ? it.key() : prefix + "." + it.key();
+    if (it->is_object()) {
+      Flatten(*it, path, out);
+    } else {
+      (*out)[path] = *it;
+    }
+  }
+}
+
+// The "## Settings" table of docs/config.md: key -> documented default.
+std::map<std::string, Json> DocumentedDefaults() {
+  std::string doc = ReadFile("docs/config.md");
+  size_t begin = doc.find("\n## Settings");
+  REQUIRE(begin != std::string::npos);
+  size_t end = doc.find("\n## ", begin + 1);
+  std::map<std::string, Json> defaults;
+  for (absl::string_view line :
+       absl::StrSplit(absl::string_view(doc).substr(begin, end - begin), '\n')) {
+    if (!absl::StartsWith(line, "| `")) continue;
+    std::vector<std::string> cells = absl::StrSplit(line, '|');
+    REQUIRE(cells.size() >= 4);
+    absl::string_view key = absl::StripAsciiWhitespace(cells[1]);
+    absl::string_view value = absl::StripAsciiWhitespace(cells[2]);
+    REQUIRE(absl::ConsumePrefix(&key, "`"));
+    REQUIRE(absl::ConsumeSuffix(&key, "`"));
+    REQUIRE(absl::ConsumePrefix(&value, "`"));
+    REQUIRE(absl::ConsumeSuffix(&value, "`"));
+    defaults[std::string(key)] = Json::parse(value);
+  }
+  return defaults;
+}
+
+TEST_CASE("Config: an empty object gives the defaults documented in docs/config.md", "[zero]") {
+  Config parsed = MustParse("{}");
+  CHECK(parsed.notes.empty());
+  CHECK(parsed == Config{});
+
+  std::map<std::string, Json> resolved;
+  Flatten(Json::parse(ResolvedConfigJson(parsed)), "", &resolved);
+  std::map<std::string, Json> documented = DocumentedDefaults();
+  REQUIRE(documented.size() >= 30);
+  for (const auto& [key, value] : resolved) {
+    INFO(key);
+    REQUIRE(documented.count(key) == 1);
+    CHECK(documented[key] == value);
+  }
+  for (const auto& [key, value] : documented) {
+    INFO(key);
+    CHECK(resolved.count(key) == 1);
+  }
+  // The documented precision rule: no bf16/fp16 block means fp32.
+  CHECK(parsed.precision == Precision::kFp32);
+}
+
+TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct", "[zero]") {
+  absl::StatusOr<Config> loaded = LoadConfigFile("zero/testdata/deepspeed_full.json");
+  INFO(loaded.status().ToString());
+  REQUIRE(loaded.ok());
+
+  Config expected;
+  expected.gradient_accumulation_steps = 16;
+  expected.gradient_clipping = 1.0;
+  expected.optimizer.lr = 3e-4;
+  expected.optimizer.beta1 = 0.9;
+  expected.optimizer.beta2 = 0.95;
+  expected.optimizer.eps = 1e-6;
+  expected.optimizer.weight_decay = 0.1;
+  expected.precision = Precision::kFp16;
+  expected.fp16.loss_scale = 0;
+  expected.fp16.initial_scale_power = 12;
+  expected.fp16.loss_scale_window = 500;
+  expected.fp16.hysteresis = 3;
+  expected.fp16.min_loss_scale = 0.5;
+  ZeroConfig& z = expected.zero;
+  z.stage = 3;
+  z.allgather_bucket_size = 200000000;
+  z.overlap_comm = false;
+  z.reduce_bucket_size = 500000000;
+  z.contiguous_gradients = false;
+  z.offload_optimizer = {OffloadDevice::kCpu, /*pin_memory=*/false, /*buffer_count=*/8};
+  z.offload_param = {OffloadDevice::kCpu, /*pin_memory=*/true};
+  z.stage3_prefetch_bucket_size = 50000000;
+  z.stage3_param_persistence_threshold = 100000;
+  z.stage3_max_live_parameters = 3000000000;
+  CHECK(*loaded == expected);
+
+  // One note per accepted-but-ignored key, each naming it.
+  const std::vector<std::string> ignored = {
+      "train_batch_size",
+      "train_micro_batch_size_per_gpu",
+      "steps_per_print",
+      "wall_clock_breakdown",
+      "zero_allow_untested_optimizer",
+      "zero_optimization.allgather_partitions",
+      "zero_optimization.reduce_scatter",
+      "zero_optimization.round_robin_gradients",
+      "zero_optimization.sub_group_size",
+      "zero_optimization.stage3_max_reuse_distance",
+      "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
+  CHECK(loaded->notes.size() == ignored.size());
+  for (const std::string& key : ignored) {
+    INFO(key);
+    int hits = 0;
+    for (const std::string& note : loaded->notes) hits += absl::StartsWith(note, key + ":");
+    CHECK(hits == 1);
+  }
+}
+
+TEST_CASE("Config: ResolvedConfigJson round-trips and is a fixed point", "[zero]") {
+  std::vector<Config> configs;
+  configs.push_back(MustParse("{}"));
+  configs.push_back(*LoadConfigFile("zero/testdata/deepspeed_full.json"));
+  configs.push_back(MustParse(R"({"bf16": {"enabled": true}, "zero_optimization": {"stage": "auto",
+      "memory_budget": {"device_bytes": 8e10, "host_bytes": 1}}, "cpu_threads": 7})"));
+  configs.push_back(MustParse(R"({"fp16": {"enabled": true, "loss_scale": 1024.5}})"));
+
+  // Random valid configs, with doubles that need all 17 digits to round-trip.
+  std::mt19937_64 rng(12345);
+  auto pick = [&rng](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  auto unit = [&rng]() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng); };
+  for (int i = 0; i < 200; ++i) {
+    Config c;
+    c.zero.stage_auto = pick(0, 3) == 0;
+    c.zero.stage = c.zero.stage_auto ? 0 : static_cast<int>(pick(0, 3));
+    c.zero.reduce_bucket_size = pick(1, INT64_MAX);
+    c.zero.allgather_bucket_size = pick(1, 1 << 30);
+    c.zero.overlap_comm = pick(0, 1);
+    c.zero.contiguous_gradients = pick(0, 1);
+    c.zero.offload_optimizer = {pick(0, 1) ? OffloadDevice::kCpu : OffloadDevice::kNone,
+                                pick(0, 1) == 1, static_cast<int>(pick(1, 64))};
+    bool stage3 = !c.zero.stage_auto && c.zero.stage == 3;
+    c.zero.offload_param = {stage3 && pick(0, 1) ? OffloadDevice::kCpu : OffloadDevice::kNone,
+                            pick(0, 1) == 1};
+    c.zero.stage3_prefetch_bucket_size = pick(0, INT64_MAX);
+    c.zero.stage3_param_persistence_threshold = pick(0, 1 << 20);
+    c.zero.stage3_max_live_parameters = pick(1, INT64_MAX);
+    c.zero.memory_budget = {pick(c.zero.stage_auto ? 1 : 0, INT64_MAX), pick(0, INT64_MAX)};
+    c.precision = static_cast<Precision>(pick(0, 2));
+    c.fp16.loss_scale = pick(0, 1) ? 0.0 : unit() * 65536;
+    c.fp16.initial_scale_power = static_cast<int>(pick(0, 127));
+    c.fp16.loss_scale_window = static_cast<int>(pick(1, 5000));
+    c.fp16.hysteresis = static_cast<int>(pick(1, 10));
+    c.fp16.min_loss_scale = unit() + 1e-300;
+    c.optimizer.lr = unit() / 3;
+    c.optimizer.beta1 = unit() * 0.999;
+    c.optimizer.beta2 = unit() * 0.999;
+    c.optimizer.eps = unit() * 1e-6 + 1e-300;
+    c.optimizer.weight_decay = unit();
+    c.gradient_clipping = pick(0, 1) ? 0.0 : unit() * 10;
+    c.gradient_accumulation_steps = static_cast<int>(pick(1, 1 << 20));
+    c.comm_timeout_ms = pick(1, INT64_MAX);
+    c.cpu_threads = static_cast<int>(pick(0, 256));
+    configs.push_back(c);
+  }
+
+  for (const Config& c : configs) {
+    std::string dump = ResolvedConfigJson(c);
+    INFO(dump);
+    absl::StatusOr<Config> again = ParseConfig(dump);
+    INFO(again.status().ToString());
+    REQUIRE(again.ok());
+    CHECK(*again == c);
+    CHECK(again->notes.empty());
+    CHECK(ResolvedConfigJson(*again) == dump);
+    CHECK(ValidateConfig(c).ok());
+  }
+}
+
+TEST_CASE("Config: unknown keys at every level name the path and suggest the nearest key",
+          "[zero]") {
+  struct Case {
+    const char* json;
+    const char* path;
+    const char* suggestion;
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"reduce_bucket_sise": 5}})", "zero_optimization.reduce_bucket_sise",
+       "reduce_bucket_size"},
+      {R"({"gradient_cliping": 1})", "gradient_cliping", "gradient_clipping"},
+      {R"({"zero_optimization": {"offload_optimizer": {"devise": "cpu"}}})",
+       "zero_optimization.offload_optimizer.devise", "device"},
+      {R"({"zero_optimization": {"offload_param": {"pin_memroy": true}}})",
+       "zero_optimization.offload_param.pin_memroy", "pin_memory"},
+      {R"({"zero_optimization": {"memory_budget": {"device_byte": 1}}})",
+       "zero_optimization.memory_budget.device_byte", "device_bytes"},
+      {R"({"bf16": {"enable": true}})", "bf16.enable", "enabled"},
+      {R"({"fp16": {"hysterisis": 2}})", "fp16.hysterisis", "hysteresis"},
+      {R"({"optimizer": {"typ": "AdamW"}})", "optimizer.typ", "type"},
+      {R"({"optimizer": {"params": {"weight_deacy": 0}}})", "optimizer.params.weight_deacy",
+       "weight_decay"},
+      {R"({"Stage": 1})", "Stage", nullptr},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ParseError(c.json);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(s.message(), absl::StrCat(c.path, ": unknown key")));
+    if (c.suggestion != nullptr) {
+      CHECK(absl::StrContains(s.message(), absl::StrCat("did you mean \"", c.suggestion, "\"")));
+    } else {
+      // Nothing close at the top level: the message lists what is valid there instead.
+      CHECK(absl::StrContains(s.message(), "zero_optimization"));
+      CHECK(absl::StrContains(s.message(), "gradient_clipping"));
+    }
+  }
+}
+
+TEST_CASE("Config: wrong types and out-of-range values name the key, the value and the range",
+          "[zero]") {
+  struct Case {
+    const char* json;
+    const char* path;
+    const char* value;  // as the message quotes it
+    const char* range;
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "4", "0..3 or \"auto\""},
+      {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "-1", "0..3"},
+      {R"({"zero_optimization": {"stage": "three"}})", "zero_optimization.stage", "\"three\"",
+       "\"auto\""},
+      {R"({"zero_optimization": {"stage": true}})", "zero_optimization.stage", "true", "0..3"},
+      {R"({"zero_optimization": {"reduce_bucket_size": 0}})", "zero_optimization.reduce_bucket_size",
+       "0", ">= 1"},
+      {R"({"zero_optimization": {"reduce_bucket_size": 1.5}})",
+       "zero_optimization.reduce_bucket_size", "1.5", ">= 1"},
+      {R"({"zero_optimization": {"reduce_bucket_size": "5e8"}})",
+       "zero_optimization.reduce_bucket_size", "\"5e8\"", ">= 1"},
+      {R"({"zero_optimization": {"reduce_bucket_size": 1e19}})",
+       "zero_optimization.reduce_bucket_size", "1e+19", ">= 1"},
+      {R"({"zero_optimization": {"allgather_bucket_size": 18446744073709551615}})",
+       "zero_optimization.allgather_bucket_size", "18446744073709551615", ">= 1"},
+      {R"({"zero_optimization": {"overlap_comm": "yes"}})", "zero_optimization.overlap_comm",
+       "\"yes\"", "true or false"},
+      {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})",
+       "zero_optimization.offload_optimizer.buffer_count", "0", ">= 1"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
+       "zero_optimization.offload_optimizer.device", "\"gpu\"", "\"none\" or \"cpu\""},
+      {R"({"zero_optimization": {"offload_param": {"device": 1}}})",
+       "zero_optimization.offload_param.device", "1", "\"none\" or \"cpu\""},
+      {R"({"zero_optimization": {"memory_budget": {"host_bytes": -5}}})",
+       "zero_optimization.memory_budget.host_bytes", "-5", ">= 0"},
+      {R"({"zero_optimization": {"stage3_max_live_parameters": 0}})",
+       "zero_optimization.stage3_max_live_parameters", "0", ">= 1"},
+      {R"({"zero_optimization": []})", "zero_optimization", "an array", "an object"},
+      {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "optimizer.params.betas[1]", "1.0",
+       "[0, 1)"},
+      {R"({"optimizer": {"params": {"betas": [-0.1, 0.9]}}})", "optimizer.params.betas[0]", "-0.1",
+       "[0, 1)"},
+      {R"({"optimizer": {"params": {"betas": [0.9]}}})", "optimizer.params.betas", "an array",
+       "two numbers"},
+      {R"({"optimizer": {"params": {"eps": 0}}})", "optimizer.params.eps", "0", "> 0"},
+      {R"({"optimizer": {"params": {"lr": -0.1}}})", "optimizer.params.lr", "-0.1", ">= 0"},
+      {R"({"optimizer": {"params": {"lr": "auto"}}})", "optimizer.params.lr", "\"auto\"", ">= 0"},
+      {R"({"optimizer": {"params": {"weight_decay": -1}}})", "optimizer.params.weight_decay", "-1",
+       ">= 0"},
+      {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type", "\"Lamb\"", "\"AdamW\""},
+      {R"({"fp16": {"initial_scale_power": 128}})", "fp16.initial_scale_power", "128", "0..127"},
+      {R"({"fp16": {"loss_scale_window": 0}})", "fp16.loss_scale_window", "0", ">= 1"},
+      {R"({"fp16": {"hysteresis": 0}})", "fp16.hysteresis", "0", ">= 1"},
+      {R"({"fp16": {"min_loss_scale": 0}})", "fp16.min_loss_scale", "0", "> 0"},
+      {R"({"fp16": {"loss_scale": -1}})", "fp16.loss_scale", "-1", ">= 0"},
+      {R"({"bf16": {"enabled": 1}})", "bf16.enabled", "1", "true or false"},
+      {R"({"gradient_clipping": -1})", "gradient_clipping", "-1", ">= 0"},
+      {R"({"gradient_accumulation_steps": 0})", "gradient_accumulation_steps", "0", ">= 1"},
+      {R"({"gradient_accumulation_steps": 3000000000})", "gradient_accumulation_steps",
+       "3000000000", "<= 2147483647"},
+      {R"({"comm_timeout_ms": 0})", "comm_timeout_ms", "0", ">= 1"},
+      {R"({"cpu_threads": -1})", "cpu_threads", "-1", ">= 0"},
+      {R"([1, 2])", "<root>", "an array", "a JSON object"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ParseError(c.json);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(s.message(), absl::StrCat(c.path, ": expected ")));
+    CHECK(absl::StrContains(s.message(), absl::StrCat("got ", c.value)));
+    CHECK(absl::StrContains(s.message(), c.range));
+  }
+}
+
+TEST_CASE("Config: integers may be written as integral floats", "[zero]") {
+  Config c = MustParse(R"({"zero_optimization": {"stage": 2.0, "reduce_bucket_size": 5e8,
+      "allgather_bucket_size": 1.25e3, "memory_budget": {"device_bytes": 8.0e10}},
+      "gradient_accumulation_steps": 4e0})");
+  CHECK(c.zero.stage == 2);
+  CHECK(c.zero.reduce_bucket_size == static_cast<int64_t>(5e8));
+  CHECK(c.zero.allgather_bucket_size == static_cast<int64_t>(1.25e3));
+  CHECK(c.zero.memory_budget.device_bytes == static_cast<int64_t>(8.0e10));
+  CHECK(c.gradient_accumulation_steps == 4);
+  // Largest int64 written as an integer, and a double just below 2^63.
+  c = MustParse(R"({"zero_optimization": {"reduce_bucket_size": 9223372036854775807,
+      "allgather_bucket_size": 9.2233720368547748e18}})");
+  CHECK(c.zero.reduce_bucket_size == INT64_MAX);
+  CHECK(c.zero.allgather_bucket_size == static_cast<int64_t>(9.2233720368547748e18));
+  // 2^63 itself does not fit.
+  CHECK(ParseError(R"({"zero_optimization": {"reduce_bucket_size": 9223372036854775808}})")
+            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(ParseError(R"({"zero_optimization": {"reduce_bucket_size": 9.223372036854775808e18}})")
+            .code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Config: duplicate keys are errors naming the path", "[zero]") {
+  struct Case {
+    const char* json;
+    const char* path;
+  };
+  const Case cases[] = {
+      {R"({"gradient_clipping": 1, "gradient_clipping": 2})", "gradient_clipping"},
+      {R"({"zero_optimization": {"stage": 1, "overlap_comm": true, "stage": 2}})",
+       "zero_optimization.stage"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "cpu", "device": "none"}}})",
+       "zero_optimization.offload_optimizer.device"},
+      // Even under a key that is otherwise ignored, and inside arrays.
+      {R"({"wandb": [{"project": "a"}, {"project": "b", "project": "c"}]})", "wandb[1].project"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ParseError(c.json);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(s.message(), absl::StrCat(c.path, ": duplicate key")));
+  }
+  // The same key in sibling objects is not a duplicate.
+  MustParse(R"({"zero_optimization": {"offload_optimizer": {"device": "none"},
+      "offload_param": {"device": "none"}}})");
+}
+
+// Line and column of byte `offset` in `text`, 1-based: the reference for the parser's report.
+std::string Position(const std::string& text, size_t offset) {
+  size_t line = 1 + std::count(text.begin(), text.begin() + offset, '\n');
+  size_t line_start = text.rfind('\n', offset == 0 ? 0 : offset - 1);
+  size_t column = line_start == std::string::npos || offset == 0 ? offset + 1
+                                                                  : offset - line_start;
+  return absl::StrCat(line, ":", column);
+}
+
+TEST_CASE("Config: text that is not JSON reports line and column", "[zero]") {
+  struct Case {
+    std::string json;
+    size_t offset;  // the offending byte
+  };
+  const std::string bad_key = "{\n  \"bf16\": {\"enabled\": true},\n  oops: 1\n}";
+  const std::string bad_value = "{\"gradient_clipping\": 1.0.0}";
+  const std::string truncated = "{\"bf16\": {";
+  const std::string not_closed = "{\n\"fp16\": {}\n\n";
+  const Case cases[] = {
+      {bad_key, bad_key.find("oops")},
+      {bad_value, bad_value.find(".0}")},  // "1.0." is where the number stops being one
+      {truncated, truncated.size()},
+      {not_closed, not_closed.size()},
+      {"", 0},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<Config> config = ParseConfig(c.json, "in.json");
+    INFO(c.json);
+    INFO(config.status().ToString());
+    REQUIRE(!config.ok());
+    CHECK(config.status().code() == absl::StatusCode::kInvalidArgument);
+    // At end of input the parser points one past the last byte; clamp the reference the same way.
+    std::string expected = Position(c.json, std::min(c.offset, c.json.empty() ? 0 : c.json.size() - 1));
+    CHECK(absl::StartsWith(config.status().message(), absl::StrCat("in.json:", expected, ": ")));
+    CHECK(absl::StrContains(config.status().message(), "not valid JSON"));
+  }
+
+  // From a file, the message names the file.
+  const std::string path = "zero/testdata/trailing_comma.json";
+  std::string text = ReadFile(path);
+  absl::StatusOr<Config> loaded = LoadConfigFile(path);
+  REQUIRE(!loaded.ok());
+  INFO(loaded.status().ToString());
+  CHECK(loaded.status().code() == absl::StatusCode::kInvalidArgument);
+  size_t comma = text.find(",");
+  size_t offending = text.find('}', comma);
+  CHECK(absl::StartsWith(loaded.status().message(),
+                         absl::StrCat(path, ":", Position(text, offending), ": not valid JSON")));
+}
+
+TEST_CASE("Config: unreadable files are errors naming the file", "[zero]") {
+  absl::StatusOr<Config> missing = LoadConfigFile("zero/testdata/no_such_file.json");
+  REQUIRE(!missing.ok());
+  CHECK(missing.status().code() == absl::StatusCode::kNotFound);
+  CHECK(absl::StrContains(missing.status().message(), "zero/testdata/no_such_file.json"));
+
+  absl::StatusOr<Config> directory = LoadConfigFile("zero/testdata");
+  REQUIRE(!directory.ok());
+  CHECK(absl::StrContains(directory.status().message(), "zero/testdata"));
+
+  // Validation errors from a file carry its name too.
+  absl::StatusOr<Config> config = ParseConfig(R"({"cpu_threads": -2})", "my.json");
+  REQUIRE(!config.ok());
+  CHECK(absl::StartsWith(config.status().message(), "my.json: cpu_threads: "));
+}
+
+TEST_CASE("Config: rules across keys name every key involved", "[zero]") {
+  struct Case {
+    const char* json;
+    absl::StatusCode code;
+    std::vector<const char*> mentions;
+  };
+  const Case cases[] = {
+      {R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})",
+       absl::StatusCode::kInvalidArgument,
+       {"bf16.enabled", "fp16.enabled"}},
+      {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.offload_param.device", "zero_optimization.stage", "2"}},
+      {R"({"zero_optimization": {"stage": "auto", "memory_budget": {"device_bytes": 1},
+           "offload_param": {"device": "cpu"}}})",
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.offload_param.device", "zero_optimization.stage", "\"auto\""}},
+      {R"({"zero_optimization": {"stage": "auto"}})",
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.stage", "zero_optimization.memory_budget.device_bytes"}},
+      {R"({"zero_optimization": {"stage": "auto", "memory_budget": {"host_bytes": 100}}})",
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.memory_budget.device_bytes"}},
+      {R"({"fp16": {"enabled": true, "initial_scale_power": 3, "min_loss_scale": 16}})",
+       absl::StatusCode::kInvalidArgument,
+       {"fp16.initial_scale_power", "fp16.min_loss_scale"}},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})",
+       absl::StatusCode::kUnimplemented,
+       {"zero_optimization.offload_optimizer.device", "nvme"}},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+       absl::StatusCode::kUnimplemented,
+       {"zero_optimization.offload_param.device", "nvme"}},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = ParseError(c.json);
+    INFO(s.ToString());
+    CHECK(s.code() == c.code);
+    for (const char* m : c.mentions) CHECK(absl::StrContains(s.message(), m));
+  }
+  // The valid counterparts parse.
+  CHECK(MustParse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})")
+            .zero.offload_param.device == OffloadDevice::kCpu);
+  Config automatic =
+      MustParse(R"({"zero_optimization": {"stage": "auto", "memory_budget": {"device_bytes": 1e9}}})");
+  CHECK(automatic.zero.stage_auto);
+  CHECK(automatic.zero.memory_budget.device_bytes == 1000000000);
+  // A static loss scale makes the dynamic-scaling bound irrelevant.
+  MustParse(R"({"fp16": {"enabled": true, "loss_scale": 128, "initial_scale_power": 3,
+      "min_loss_scale": 16}})");
+}
+
+TEST_CASE("Config: precision follows the bf16 and fp16 blocks", "[zero]") {
+  CHECK(MustParse(R"({"bf16": {"enabled": true}})").precision == Precision::kBf16);
+  CHECK(MustParse(R"({"fp16": {"enabled": true}})").precision == Precision::kFp16);
+  CHECK(MustParse(R"({"bf16": {"enabled": false}, "fp16": {"enabled": false}})").precision ==
+        Precision::kFp32);
+  CHECK(MustParse(R"({"bf16": {}})").precision == Precision::kFp32);
+  // An fp16 block that is not enabled is still validated and kept.
+  Config c = MustParse(R"({"fp16": {"initial_scale_power": 20}})");
+  CHECK(c.precision == Precision::kFp32);
+  CHECK(c.fp16.initial_scale_power == 20);
+  CHECK(ParseError(R"({"fp16": {"initial_scale_power": -1}})").code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Config: optimizer type accepts AdamW and Adam, always meaning AdamW", "[zero]") {
+  Config c = MustParse(R"({"optimizer": {"type": "adamw"}})");
+  CHECK(c.optimizer.type == "AdamW");
+  CHECK(c.notes.empty());
+  c = MustParse(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": true}}})");
+  CHECK(c.optimizer.type == "AdamW");
+  CHECK(c.notes.size() == 2);  // the type, and the no-op adam_w_mode
+  absl::Status coupled = ParseError(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})");
+  CHECK(coupled.code() == absl::StatusCode::kUnimplemented);
+  CHECK(absl::StrContains(coupled.message(), "optimizer.params.adam_w_mode"));
+}
+
+TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each", "[zero]") {
+  const std::vector<std::pair<std::string, std::string>> ignored = {
+      {"train_batch_size", "1024"},
+      {"train_micro_batch_size_per_gpu", "\"auto\""},
+      {"steps_per_print", "10"},
+      {"wall_clock_breakdown", "true"},
+      {"zero_allow_untested_optimizer", "true"},
+      {"tensorboard", R"({"enabled": true, "output_path": "x"})"},
+      {"prescale_gradients", "false"},
+      {"scheduler", "null"},
+  };
+  std::string json = "{";
+  for (const auto& [key, value] : ignored) json += "\"" + key + "\": " + value + ",";
+  json += R"("zero_optimization": {"round_robin_gradients": true, "sub_group_size": 1e9,
+      "reduce_scatter": false, "allgather_partitions": false, "stage3_max_reuse_distance": 0,
+      "stage3_gather_16bit_weights_on_model_save": true, "zero_quantized_weights": false,
+      "offload_optimizer": {"nvme_path": "/nvme", "ratio": 1.0}}})";
+  Config c = MustParse(json);
+  CHECK(c == Config{});  // no effect on any setting
+  const std::vector<std::string> paths = {
+      "zero_optimization.round_robin_gradients", "zero_optimization.sub_group_size",
+      "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
+      "zero_optimization.stage3_max_reuse_distance",
+      "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+      "zero_optimization.zero_quantized_weights", "zero_optimization.offload_optimizer.nvme_path",
+      "zero_optimization.offload_optimizer.ratio"};
+  CHECK(c.notes.size() == ignored.size() + paths.size());
+  std::vector<std::string> all = paths;
+  for (const auto& kv : ignored) all.push_back(kv.first);
+  for (const std::string& path : all) {
+    INFO(path);
+    int hits = 0;
+    for (const std::string& note : c.notes) hits += absl::StartsWith(note, path + ":");
+    CHECK(hits == 1);
+  }
+
+  // A DeepSpeed feature we do not have, switched on, is Unimplemented rather than ignored.
+  struct Case {
+    const char* json;
+    const char* path;
+  };
+  const Case unsupported[] = {
+      {R"({"scheduler": {"type": "WarmupLR"}})", "scheduler"},
+      {R"({"prescale_gradients": true})", "prescale_gradients"},
+      {R"({"zero_optimization": {"zero_quantized_gradients": true}})",
+       "zero_optimization.zero_quantized_gradients"},
+      {R"({"zero_optimization": {"cpu_offload": true}})", "zero_optimization.cpu_offload"},
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}})",
+       "zero_optimization.offload_optimizer.ratio"},
+      {R"({"fp16": {"consecutive_hysteresis": true}})", "fp16.consecutive_hysteresis"},
+  };
+  for (const Case& u : unsupported) {
+    absl::Status s = ParseError(u.json);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kUnimplemented);
+    CHECK(absl::StrContains(s.message(), absl::StrCat(u.path, ": not supported")));
+  }
+}
+
+TEST_CASE("Config: hostile input returns errors, never throws or crashes", "[zero]") {
+  // Every proper prefix of a valid config is incomplete JSON.
+  const std::string full = ReadFile("zero/testdata/deepspeed_full.json");
+  const size_t last = full.find_last_of('}');
+  for (size_t n = 0; n <= last; ++n) {
+    absl::StatusOr<Config> c;
+    REQUIRE_NOTHROW(c = ParseConfig(absl::string_view(full).substr(0, n)));
+    CHECK(!c.ok());
+  }
+  // Single-byte corruptions: whatever the outcome, a Status comes back.
+  std::mt19937 rng(7);
+  const std::string alphabet = "{}[]\":,0123456789.eE+-truefalsn \x80\xff\\";
+  for (int i = 0; i < 2000; ++i) {
+    std::string mutated = full;
+    mutated[rng() % mutated.size()] = alphabet[rng() % alphabet.size()];
+    REQUIRE_NOTHROW(ParseConfig(mutated));
+  }
+  // Deep nesting is refused with the path, not recursed into.
+  std::string deep = "{\"wandb\": " + std::string(100000, '[') + std::string(100000, ']') + "}";
+  absl::Status s = ParseError(deep);
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), "wandb[0]"));
+  CHECK(absl::StrContains(s.message(), "nested deeper"));
+}
+
+TEST_CASE("Config: ValidateConfig applies the parser's rules to a Config built in code",
+          "[zero]") {
+  Config c;
+  CHECK(ValidateConfig(c).ok());
+  c.zero.stage = 5;
+  absl::Status s = ValidateConfig(c);
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), "zero_optimization.stage"));
+
+  c = Config{};
+  c.optimizer.lr = std::nan("");
+  s = ValidateConfig(c);
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), "optimizer.params.lr"));
+
+  c = Config{};
+  c.zero.offload_param.device = OffloadDevice::kCpu;  // stage 0
+  CHECK(ValidateConfig(c).code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace zerort
