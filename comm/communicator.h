@@ -1,0 +1,112 @@
+// Communicator: the collective operations the engine needs, over equal-sized blocks of typed
+// elements, independent of the transport (in-process threads, MPI processes, NCCL on GPUs).
+//
+//   ASSIGN_OR_RETURN(auto comms, comm::CreateInProcessGroup(4));
+//   // on rank r's thread:
+//   RETURN_IF_ERROR(comms[r]->ReduceScatter(grads, shard, shard_count, DType::kBF16,
+//                                           comm::ReduceOp::kAvg));
+//
+// Buffers: `count` is always in elements of `dtype` (half types are raw uint16_t bits).
+// AllGather's recv and ReduceScatter's send hold size()*count elements; block r is at offset
+// r*count. Every rank must call the same operations in the same order with the same count,
+// dtype, op and root (checked when CommOptions::check_args is set).
+//
+// Completion: on CPU backends ("inprocess", "mpi") an operation is complete when it returns and
+// the stream argument is ignored (may be nullptr). On "nccl" the operation is only enqueued on
+// the cudaStream_t passed as `stream`; buffers may be reused after Synchronize(stream) or after
+// later work on that stream.
+//
+// Determinism (CPU backends): element i of every reduction is computed in fp32 in rank order,
+//   acc = float(x_0[i]); for r in 1..N-1: acc = op(acc, float(x_r[i])); if kAvg: acc /= N;
+// then rounded once to `dtype`. So AllReduce equals ReduceScatter + AllGather bit for bit, for any
+// world size and count, run to run. kMax keeps acc when acc > x or acc is NaN, else takes x
+// (so NaN propagates and ties take the later rank). Every NaN result is stored as the positive
+// quiet NaN, so results never depend on which input's NaN payload an add propagated.
+//
+// Failure: an operation that does not complete within CommOptions::timeout_ms returns
+// DeadlineExceeded naming the operation, its sequence number, count, dtype and rank (and, where
+// the backend knows it, the missing ranks), followed by the communicator's recent operations.
+// After a timeout or a lost peer the communicator is poisoned: later calls return
+// FailedPrecondition naming the original failure instead of hanging.
+//
+// Thread safety: one Communicator object is used by one thread at a time (each rank of an
+// in-process group has its own object and thread).
+#ifndef ZERORT_COMM_COMMUNICATOR_H_
+#define ZERORT_COMM_COMMUNICATOR_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "base/dtype.h"
+
+namespace zerort {
+namespace comm {
+
+enum class ReduceOp { kSum, kAvg, kMax };
+
+// "sum", "avg", "max".
+absl::string_view ReduceOpName(ReduceOp op);
+
+// Opaque stream handle: cudaStream_t for the NCCL backend, ignored (may be nullptr) on CPU
+// backends, whose operations are complete when they return.
+using Stream = void*;
+
+struct CommOptions {
+  // How long one collective may wait for its peers before failing with DeadlineExceeded.
+  // Config key comm_timeout_ms. Must be > 0.
+  int64_t timeout_ms = 600000;
+
+  // Verify that every rank called the same operation with the same count, dtype, op and root
+  // (costs one small exchange per call on MPI). On by default in debug builds only.
+#ifdef NDEBUG
+  bool check_args = false;
+#else
+  bool check_args = true;
+#endif
+
+  // Number of recent operations kept per communicator and printed with timeout errors.
+  size_t history = 16;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "inprocess", "mpi", "nccl".
+  virtual absl::string_view backend() const = 0;
+
+  // recv holds size()*count elements; rank r's send lands at recv + r*count.
+  // In-place when send == recv + rank()*count.
+  virtual absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
+                                 Stream stream = nullptr) = 0;
+
+  // send holds size()*count elements, recv count: rank r receives the reduction of block r.
+  // In-place when recv == send + rank()*count.
+  virtual absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
+                                     ReduceOp op, Stream stream = nullptr) = 0;
+
+  // send and recv hold count elements; every rank receives the reduction. In-place when
+  // send == recv.
+  virtual absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                                 ReduceOp op, Stream stream = nullptr) = 0;
+
+  // root's buf (count elements) is copied into every other rank's buf.
+  // REQUIRES: 0 <= root < size().
+  virtual absl::Status Broadcast(void* buf, size_t count, DType dtype, int root,
+                                 Stream stream = nullptr) = 0;
+
+  // Returns once every rank has entered Barrier (on NCCL: once every rank's barrier completed).
+  virtual absl::Status Barrier() = 0;
+
+  // Waits until every operation enqueued on `stream` has completed (no-op on CPU backends).
+  virtual absl::Status Synchronize(Stream stream) = 0;
+};
+
+}  // namespace comm
+}  // namespace zerort
+
+#endif  // ZERORT_COMM_COMMUNICATOR_H_

@@ -1,0 +1,40 @@
+// In-process communicator group: N ranks as N threads of one process, sharing one group state.
+// The embedded default (a single-process trainer) and the workhorse of the engine's tests.
+//
+//   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
+//                    comm::CreateInProcessGroup(4));
+//   std::vector<std::thread> threads;
+//   for (int r = 0; r < 4; ++r) threads.emplace_back([&, r] { Train(*comms[r]); });
+//
+// Ranks read their peers' buffers directly: all-gather is one memcpy per peer block,
+// reduce-scatter reduces the caller's own block straight from every peer's send buffer (see
+// comm/communicator.h for the determinism contract), all-reduce is a reduce-scatter over a
+// 1/N slice followed by an all-gather, with no intermediate copy unless it runs in place.
+//
+// Thread safety: each rank's object is used by one thread at a time; different ranks' objects
+// are used concurrently (that is the point). Operations are complete when they return.
+// Failures: a rank that does not arrive within options.timeout_ms makes the waiting ranks
+// return DeadlineExceeded naming the op, sequence, count, dtype, rank and the missing ranks; a
+// rank whose communicator is destroyed while others wait for it makes them return Unavailable.
+// Either poisons the group: later calls on any rank return FailedPrecondition at once.
+// The group state lives until the last of its communicators is destroyed.
+#ifndef ZERORT_COMM_INPROCESS_H_
+#define ZERORT_COMM_INPROCESS_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+
+namespace zerort {
+namespace comm {
+
+// REQUIRES: world_size >= 1, options.timeout_ms > 0 (else InvalidArgument).
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateInProcessGroup(
+    int world_size, CommOptions options = {});
+
+}  // namespace comm
+}  // namespace zerort
+
+#endif  // ZERORT_COMM_INPROCESS_H_

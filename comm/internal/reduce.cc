@@ -1,0 +1,192 @@
+#include "comm/internal/reduce.h"
+
+#include <cassert>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace zerort {
+namespace comm {
+namespace internal {
+namespace {
+
+// Elements per chunk: the fp32 accumulator (4 KiB) stays in L1 while the n sources stream past.
+constexpr size_t kChunk = 1024;
+
+inline float MaxOp(float acc, float x) { return (acc > x || acc != acc) ? acc : x; }
+
+template <DType D>
+inline float Load(const void* p, size_t i) {
+  if (D == DType::kF32) return static_cast<const float*>(p)[i];
+  if (D == DType::kBF16) return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+}
+
+// Any NaN result is stored as the positive quiet NaN: which input's payload an IEEE add
+// propagates depends on operand order, which compilers treat as commutative, so keeping payloads
+// would make the bits depend on the code path (SIMD body versus scalar tail).
+constexpr uint32_t kCanonicalNan = 0x7fc00000u;
+
+template <DType D>
+inline void Store(void* p, size_t i, float v) {
+  if (v != v) v = BitsToFloat(kCanonicalNan);
+  if (D == DType::kF32) {
+    static_cast<float*>(p)[i] = v;
+  } else if (D == DType::kBF16) {
+    static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
+  } else {
+    static_cast<uint16_t*>(p)[i] = FloatToHalf(v);
+  }
+}
+
+template <DType D>
+void ScalarImpl(const void* const* srcs, int n, void* dst, size_t count, ReduceOp op) {
+  const float divisor = static_cast<float>(n);
+  float acc[kChunk];
+  for (size_t base = 0; base < count; base += kChunk) {
+    const size_t len = count - base < kChunk ? count - base : kChunk;
+    for (size_t j = 0; j < len; ++j) acc[j] = Load<D>(srcs[0], base + j);
+    for (int k = 1; k < n; ++k) {
+      if (op == ReduceOp::kMax) {
+        for (size_t j = 0; j < len; ++j) acc[j] = MaxOp(acc[j], Load<D>(srcs[k], base + j));
+      } else {
+        for (size_t j = 0; j < len; ++j) acc[j] += Load<D>(srcs[k], base + j);
+      }
+    }
+    if (op == ReduceOp::kAvg) {
+      for (size_t j = 0; j < len; ++j) acc[j] /= divisor;
+    }
+    for (size_t j = 0; j < len; ++j) Store<D>(dst, base + j, acc[j]);
+  }
+}
+
+#if defined(__x86_64__)
+#define ZERORT_SIMD __attribute__((target("avx2,f16c")))
+
+template <DType D>
+ZERORT_SIMD inline __m256 Load8(const void* p, size_t i) {
+  if (D == DType::kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h =
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if (D == DType::kBF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+template <DType D>
+ZERORT_SIMD inline void Store8(void* p, size_t i, __m256 v) {
+  v = _mm256_blendv_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(kCanonicalNan)),
+                       _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  if (D == DType::kF32) {
+    _mm256_storeu_ps(static_cast<float*>(p) + i, v);
+    return;
+  }
+  __m128i h;
+  if (D == DType::kBF16) {
+    // Same arithmetic as FloatToBf16: NaN keeps its top bits and becomes quiet, else RNE.
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, is_nan);
+    // packus works per 128-bit lane; gather the two useful quarters into the low half.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    h = _mm256_castsi256_si128(packed);
+  } else {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+}
+
+template <DType D>
+ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t count, ReduceOp op) {
+  const __m256 divisor = _mm256_set1_ps(static_cast<float>(n));
+  alignas(32) float acc[kChunk];
+  const size_t vec_count = count & ~size_t{7};
+  for (size_t base = 0; base < vec_count; base += kChunk) {
+    const size_t len = vec_count - base < kChunk ? vec_count - base : kChunk;
+    for (size_t j = 0; j < len; j += 8) _mm256_store_ps(acc + j, Load8<D>(srcs[0], base + j));
+    for (int k = 1; k < n; ++k) {
+      const void* src = srcs[k];
+      if (op == ReduceOp::kMax) {
+        for (size_t j = 0; j < len; j += 8) {
+          const __m256 a = _mm256_load_ps(acc + j);
+          const __m256 x = Load8<D>(src, base + j);
+          // MaxOp: keep acc where acc > x or acc is NaN, else take x.
+          const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+          _mm256_store_ps(acc + j, _mm256_blendv_ps(x, a, keep));
+        }
+      } else {
+        for (size_t j = 0; j < len; j += 8) {
+          _mm256_store_ps(acc + j, _mm256_add_ps(_mm256_load_ps(acc + j), Load8<D>(src, base + j)));
+        }
+      }
+    }
+    for (size_t j = 0; j < len; j += 8) {
+      __m256 a = _mm256_load_ps(acc + j);
+      if (op == ReduceOp::kAvg) a = _mm256_div_ps(a, divisor);
+      Store8<D>(dst, base + j, a);
+    }
+  }
+  if (vec_count < count) {
+    // Tail of < 8 elements: the scalar path on offset pointers.
+    const size_t es = DTypeSize(D);
+    std::vector<const void*> tail(n);
+    for (int k = 0; k < n; ++k) tail[k] = static_cast<const char*>(srcs[k]) + vec_count * es;
+    ScalarImpl<D>(tail.data(), n, static_cast<char*>(dst) + vec_count * es, count - vec_count, op);
+  }
+}
+
+bool DetectSimd() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+#else
+bool DetectSimd() { return false; }
+#endif
+
+}  // namespace
+
+bool ReduceUsesSimd() {
+  static const bool simd = DetectSimd();
+  return simd;
+}
+
+void ReduceBlocksScalar(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                        ReduceOp op) {
+  assert(n >= 1);
+  switch (dtype) {
+    case DType::kF32:
+      return ScalarImpl<DType::kF32>(srcs, n, dst, count, op);
+    case DType::kBF16:
+      return ScalarImpl<DType::kBF16>(srcs, n, dst, count, op);
+    case DType::kF16:
+      return ScalarImpl<DType::kF16>(srcs, n, dst, count, op);
+  }
+}
+
+void ReduceBlocks(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                  ReduceOp op) {
+  assert(n >= 1);
+#if defined(__x86_64__)
+  if (ReduceUsesSimd()) {
+    switch (dtype) {
+      case DType::kF32:
+        return SimdImpl<DType::kF32>(srcs, n, dst, count, op);
+      case DType::kBF16:
+        return SimdImpl<DType::kBF16>(srcs, n, dst, count, op);
+      case DType::kF16:
+        return SimdImpl<DType::kF16>(srcs, n, dst, count, op);
+    }
+  }
+#endif
+  ReduceBlocksScalar(srcs, n, dst, count, dtype, op);
+}
+
+}  // namespace internal
+}  // namespace comm
+}  // namespace zerort
