@@ -31,7 +31,8 @@ float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return BitsToFloat(sign | 0x7f800000u | (mant << 13));  // inf / NaN
+  // Inf / NaN; a signaling NaN comes back quiet, as F16C's vcvtph2ps returns it.
+  if (exp == 0x1f) return BitsToFloat(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0));
   if (exp != 0) return BitsToFloat(sign | ((exp + 112u) << 23) | (mant << 13));
   if (mant == 0) return BitsToFloat(sign);
   // Subnormal half: normalise into a float.

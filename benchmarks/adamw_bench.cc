@@ -1,0 +1,252 @@
+// Host AdamW throughput against the memory floor of its own access pattern.
+//
+// For each size and dtype configuration it measures, at 1 thread and at all threads:
+//   adamw        offload::CpuAdamW (the engine's kernel, SIMD level from CPUID)
+//   floor        a streaming kernel touching exactly the arrays AdamW touches, in the same
+//                dtypes, with trivial arithmetic: the physical limit of this access pattern
+//   scalar_loop  the AdamW a trainer would write (plain loop, bias corrections hoisted)
+//   triad        STREAM triad a = b + s*c on fp32, as GB/s and as params/s at AdamW's bytes
+// and prints one JSON document. Goal: adamw >= 0.9 * floor for every size above the LLC.
+//
+// Bytes per parameter (reads + writes, ignoring write-allocate): bf16 grads in and bf16 params
+// out = 4*3 + 2 read, 4*3 + 2 written = 28; all fp32 = 32.
+//
+// Usage: adamw_bench [--quick] [--max_params=N] (default 2e8; --quick: 1e6 and 4e6 only).
+#include <immintrin.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "base/dtype.h"
+#include "nlohmann/json.hpp"
+#include "offload/cpu_adamw.h"
+#include "offload/simd.h"
+#include "offload/thread_pool.h"
+
+namespace zerort {
+namespace {
+
+using offload::AdamWArrays;
+using offload::AdamWStepParams;
+
+constexpr float kLr = 1e-3f, kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWd = 0.1f;
+
+template <typename T>
+T* AllocArray(size_t n) {
+  void* p = std::aligned_alloc(4096, std::max<size_t>(4096, (n * sizeof(T) + 4095) / 4096 * 4096));
+  if (p == nullptr) {
+    std::fprintf(stderr, "adamw_bench: out of memory for %zu elements\n", n);
+    std::exit(1);
+  }
+  return static_cast<T*>(p);
+}
+
+// Same split as the kernels: contiguous ranges, 64-element boundaries.
+void Parallel(size_t n, int threads, const std::function<void(size_t, size_t)>& fn) {
+  const size_t chunk = ((n + threads - 1) / threads + 63) / 64 * 64;
+  offload::DefaultThreadPool()->ParallelFor(threads, [&](int t) {
+    const size_t b = static_cast<size_t>(t) * chunk;
+    if (b < n) fn(b, std::min(n, b + chunk));
+  });
+}
+
+// The floor: every AdamW array read once and written once, in AdamW's dtypes, one add each.
+__attribute__((target("avx2"))) void FloorRange(const AdamWArrays& a, size_t begin,
+                                                 size_t end) {
+  size_t i = begin;
+  const bool bf16_grad = a.grad_dtype == DType::kBF16;
+  for (; i + 8 <= end; i += 8) {
+    __m256 g;
+    if (bf16_grad) {
+      const __m128i h = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a.grad) + i));
+      g = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      g = _mm256_loadu_ps(static_cast<const float*>(a.grad) + i);
+    }
+    _mm256_storeu_ps(a.m + i, _mm256_add_ps(_mm256_loadu_ps(a.m + i), g));
+    _mm256_storeu_ps(a.v + i, _mm256_add_ps(_mm256_loadu_ps(a.v + i), g));
+    const __m256 p = _mm256_add_ps(_mm256_loadu_ps(a.master + i), g);
+    _mm256_storeu_ps(a.master + i, p);
+    if (a.param_dtype == DType::kBF16) {
+      const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(p), 16);  // truncate: trivial
+      const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.param_out) + i), h);
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(a.param_out) + i, p);
+    }
+  }
+  for (; i < end; ++i) {
+    const float g = bf16_grad ? Bf16ToFloat(static_cast<const uint16_t*>(a.grad)[i])
+                              : static_cast<const float*>(a.grad)[i];
+    a.m[i] += g;
+    a.v[i] += g;
+    a.master[i] += g;
+    if (a.param_dtype == DType::kBF16) {
+      static_cast<uint16_t*>(a.param_out)[i] = static_cast<uint16_t>(FloatBits(a.master[i]) >> 16);
+    } else {
+      static_cast<float*>(a.param_out)[i] = a.master[i];
+    }
+  }
+}
+
+// What a trainer would write: one readable loop, bias corrections hoisted, no intrinsics.
+void ScalarLoopRange(const AdamWArrays& a, int t, size_t begin, size_t end) {
+  const float bc1 = 1.0f - std::pow(kBeta1, static_cast<float>(t));
+  const float bc2 = 1.0f - std::pow(kBeta2, static_cast<float>(t));
+  const bool bf16 = a.grad_dtype == DType::kBF16;
+  for (size_t i = begin; i < end; ++i) {
+    const float g = bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(a.grad)[i])
+                         : static_cast<const float*>(a.grad)[i];
+    a.m[i] = kBeta1 * a.m[i] + (1 - kBeta1) * g;
+    a.v[i] = kBeta2 * a.v[i] + (1 - kBeta2) * g * g;
+    const float mhat = a.m[i] / bc1, vhat = a.v[i] / bc2;
+    a.master[i] -= kLr * (mhat / (std::sqrt(vhat) + kEps) + kWd * a.master[i]);
+    if (a.param_dtype == DType::kBF16) {
+      static_cast<uint16_t*>(a.param_out)[i] = FloatToBf16(a.master[i]);
+    } else {
+      static_cast<float*>(a.param_out)[i] = a.master[i];
+    }
+  }
+}
+
+// Best wall time of `reps` runs (and at least 0.2 s of runs for small sizes), in seconds.
+double BestTime(int reps, const std::function<void()>& fn) {
+  double best = 1e30, total = 0;
+  for (int r = 0; r < reps || total < 0.2; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::min(best, s);
+    total += s;
+    if (r > 1000) break;
+  }
+  return best;
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false;
+  double max_params = 2e8;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") {
+      quick = true;
+    } else if (arg.rfind("--max_params=", 0) == 0) {
+      max_params = std::atof(arg.c_str() + 13);
+    } else {
+      std::fprintf(stderr, "usage: adamw_bench [--quick] [--max_params=N]\n");
+      return 2;
+    }
+  }
+  std::vector<size_t> sizes;
+  if (quick) {
+    sizes = {1000000, 4000000};
+  } else {
+    for (double s : {1e6, 1e7, 1e8, 2e8, 5e8, 1e9}) {
+      if (s <= max_params) sizes.push_back(static_cast<size_t>(s));
+    }
+  }
+  const int all_threads = offload::DefaultThreadPool()->num_threads();
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE) > 0 ? sysconf(_SC_LEVEL3_CACHE_SIZE)
+                                                      : sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const int reps = quick ? 2 : 3;
+
+  nlohmann::json out;
+  out["benchmark"] = "adamw_bench";
+  out["simd"] = std::string(offload::SimdLevelName(offload::ActiveSimd()));
+  out["threads_all"] = all_threads;
+  out["llc_bytes"] = llc;
+  out["limit"] = "floor: same arrays, same dtypes, trivial arithmetic (memory floor)";
+  out["bytes_per_param"] = {{"bf16", 28}, {"fp32", 32}};
+  nlohmann::json results = nlohmann::json::array();
+
+  for (size_t n : sizes) {
+    for (DType d : {DType::kBF16, DType::kF32}) {
+      const size_t bytes_per_param = d == DType::kBF16 ? 28 : 32;
+      float* master = AllocArray<float>(n);
+      float* m = AllocArray<float>(n);
+      float* v = AllocArray<float>(n);
+      void* grad = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n))
+                                     : static_cast<void*>(AllocArray<float>(n));
+      void* param = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n))
+                                      : static_cast<void*>(AllocArray<float>(n));
+      AdamWArrays a{master, m, v, grad, d, param, d, n};
+      // First touch from the threads that will use the pages (matters on multi-socket hosts).
+      Parallel(n, all_threads, [&](size_t b, size_t e) {
+        for (size_t i = b; i < e; ++i) {
+          master[i] = 0.01f * static_cast<float>(i % 1000);
+          m[i] = 0;
+          v[i] = 0;
+          const float g = 1e-3f * static_cast<float>(i % 77) - 0.03f;
+          if (d == DType::kBF16) {
+            static_cast<uint16_t*>(grad)[i] = FloatToBf16(g);
+            static_cast<uint16_t*>(param)[i] = 0;
+          } else {
+            static_cast<float*>(grad)[i] = g;
+            static_cast<float*>(param)[i] = 0;
+          }
+        }
+      });
+      const AdamWStepParams step = *offload::MakeAdamWStepParams(kLr, kBeta1, kBeta2, kEps, kWd, 1);
+      std::vector<int> thread_counts = {1};
+      if (all_threads > 1) thread_counts.push_back(all_threads);
+      for (int threads : thread_counts) {
+        const double t_adamw = BestTime(reps, [&] {
+          if (!offload::CpuAdamW(a, step, 1.0f, threads).ok()) std::abort();
+        });
+        const double t_floor =
+            BestTime(reps, [&] { Parallel(n, threads, [&](size_t b, size_t e) { FloorRange(a, b, e); }); });
+        const double t_scalar = BestTime(
+            reps, [&] { Parallel(n, threads, [&](size_t b, size_t e) { ScalarLoopRange(a, 1, b, e); }); });
+        // Triad over three fp32 arrays of the same n (master = m + s * v).
+        const double t_triad = BestTime(reps, [&] {
+          Parallel(n, threads, [&](size_t b, size_t e) {
+            for (size_t i = b; i < e; ++i) master[i] = m[i] + 0.5f * v[i];
+          });
+        });
+        // Keep the state finite for the next AdamW runs.
+        Parallel(n, threads, [&](size_t b, size_t e) {
+          std::fill(m + b, m + e, 0.0f);
+          std::fill(v + b, v + e, 0.0f);
+        });
+        const double triad_gbps = 12.0 * n / t_triad / 1e9;
+        nlohmann::json r;
+        r["params"] = n;
+        r["dtype"] = std::string(DTypeName(d));
+        r["threads"] = threads;
+        r["above_llc"] = n * bytes_per_param > static_cast<size_t>(llc);
+        r["adamw_params_per_s"] = n / t_adamw;
+        r["floor_params_per_s"] = n / t_floor;
+        r["adamw_over_floor"] = t_floor / t_adamw;
+        r["adamw_gbps"] = bytes_per_param * n / t_adamw / 1e9;
+        r["scalar_loop_params_per_s"] = n / t_scalar;
+        r["triad_gbps"] = triad_gbps;
+        r["triad_equiv_params_per_s"] = triad_gbps * 1e9 / bytes_per_param;
+        results.push_back(r);
+        std::fprintf(stderr, "n=%zu %s threads=%d adamw %.3g/s floor %.3g/s (%.2f) scalar %.3g/s triad %.1f GB/s\n",
+                     n, std::string(DTypeName(d)).c_str(), threads, n / t_adamw, n / t_floor,
+                     t_floor / t_adamw, n / t_scalar, triad_gbps);
+      }
+      for (void* p : {static_cast<void*>(master), static_cast<void*>(m), static_cast<void*>(v), grad, param}) {
+        std::free(p);
+      }
+    }
+  }
+  out["results"] = results;
+  std::printf("%s\n", out.dump(2).c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace zerort
+
+int main(int argc, char** argv) { return zerort::Main(argc, argv); }

@@ -1,0 +1,124 @@
+#include "memory/arena.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace zerort {
+namespace memory {
+namespace {
+
+class MmapAllocator final : public RawAllocator {
+ public:
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      return absl::ResourceExhaustedError(absl::StrCat("host mmap of ", bytes,
+                                                       " bytes failed: ", std::strerror(err)));
+    }
+    return p;
+  }
+  void Free(void* p, size_t bytes) override {
+    if (p != nullptr) munmap(p, bytes);
+  }
+  absl::string_view name() const override { return "host"; }
+};
+
+alignas(Arena::kAlignment) char g_empty_sentinel[Arena::kAlignment];
+
+}  // namespace
+
+RawAllocator* HostAllocator() {
+  static RawAllocator* const allocator = new MmapAllocator();
+  return allocator;
+}
+
+absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(std::string name, size_t capacity,
+                                                     RawAllocator* allocator) {
+  if (allocator == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("arena '", name, "': null allocator"));
+  }
+  absl::StatusOr<void*> base = allocator->Allocate(capacity);
+  if (!base.ok()) {
+    return absl::Status(base.status().code(),
+                        absl::StrCat("arena '", name, "' (", capacity, " bytes on ",
+                                     allocator->name(), "): ", base.status().message()));
+  }
+  if (capacity > 0 && *base == nullptr) {
+    return absl::InternalError(absl::StrCat("arena '", name, "': allocator ", allocator->name(),
+                                            " returned null for ", capacity, " bytes"));
+  }
+  return std::unique_ptr<Arena>(
+      new Arena(std::move(name), static_cast<char*>(*base), capacity, allocator));
+}
+
+Arena::~Arena() { allocator_->Free(base_, capacity_); }
+
+absl::StatusOr<void*> Arena::Allocate(absl::string_view buffer_name, size_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (buffers_.find(buffer_name) != buffers_.end()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("arena '", name_, "': buffer '", buffer_name, "' is already allocated"));
+  }
+  // The last buffer may end in the final partial alignment unit: only the next buffer's start
+  // needs the padding.
+  if (bytes > capacity_ - used_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("arena '", name_, "': buffer '", buffer_name, "' needs ", bytes,
+                     " bytes but only ", capacity_ - used_, " of ", capacity_, " remain"));
+  }
+  // Zero-byte buffers still get an aligned, non-null address (a sentinel for an empty arena) so
+  // callers never special-case null.
+  char* p = capacity_ == 0 ? g_empty_sentinel : base_ + used_;
+  used_ = std::min(capacity_, used_ + AlignUp(bytes, kAlignment));
+  requested_ += bytes;
+  buffers_.emplace(std::string(buffer_name), bytes);
+  return static_cast<void*>(p);
+}
+
+void Arena::Reset() {
+  absl::MutexLock lock(&mu_);
+  used_ = 0;
+  requested_ = 0;
+  buffers_.clear();
+}
+
+size_t Arena::used() const {
+  absl::MutexLock lock(&mu_);
+  return used_;
+}
+
+size_t Arena::remaining() const {
+  absl::MutexLock lock(&mu_);
+  return capacity_ - used_;
+}
+
+size_t Arena::requested() const {
+  absl::MutexLock lock(&mu_);
+  return requested_;
+}
+
+absl::StatusOr<size_t> Arena::BufferBytes(absl::string_view buffer_name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = buffers_.find(buffer_name);
+  if (it == buffers_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("arena '", name_, "': no buffer named '", buffer_name, "'"));
+  }
+  return it->second;
+}
+
+std::map<std::string, size_t> Arena::Buffers() const {
+  absl::MutexLock lock(&mu_);
+  return std::map<std::string, size_t>(buffers_.begin(), buffers_.end());
+}
+
+}  // namespace memory
+}  // namespace zerort

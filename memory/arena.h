@@ -1,0 +1,110 @@
+// Arena: one large allocation carved by bump allocation into named, 256-byte-aligned buffers.
+//
+// The engine allocates exactly what memory::Plan lists, in a few arenas, and then asserts that
+// what was allocated equals what was planned; the arena therefore counts every byte: capacity,
+// bytes used (including alignment padding), and the requested bytes of each named buffer.
+// The backing memory comes from a RawAllocator so that the CUDA device can supply cudaMalloc
+// later; HostAllocator() (page-aligned anonymous mmap) is the host implementation.
+//
+//   ASSIGN_OR_RETURN(std::unique_ptr<Arena> arena,
+//                    Arena::Create("host_state", plan.host_bytes, HostAllocator()));
+//   ASSIGN_OR_RETURN(void* master, arena->Allocate("master", shard_elems * 4));
+//
+// Thread-safe (allocation happens at setup, so a mutex costs nothing). Buffers live until the
+// arena is destroyed or Reset(); nothing is freed individually.
+#ifndef ZERORT_MEMORY_ARENA_H_
+#define ZERORT_MEMORY_ARENA_H_
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace zerort {
+namespace memory {
+
+// Where an arena's (or a pinned pool's) big allocations come from. Implementations must be
+// thread-safe. Allocate(0) is allowed to return nullptr.
+class RawAllocator {
+ public:
+  virtual ~RawAllocator() = default;
+  // Returns memory aligned to at least 4096 bytes, or ResourceExhausted naming `bytes`.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  // REQUIRES: `p` came from Allocate(bytes) on this allocator with the same `bytes`.
+  virtual void Free(void* p, size_t bytes) = 0;
+  // For messages: "host", "cuda:0", ...
+  virtual absl::string_view name() const = 0;
+};
+
+// Page-aligned anonymous mmap (zero-filled, never touched until used). A process-wide instance
+// that is never destroyed.
+RawAllocator* HostAllocator();
+
+// Rounds `bytes` up to a multiple of `alignment` (a power of two).
+constexpr size_t AlignUp(size_t bytes, size_t alignment) {
+  return (bytes + alignment - 1) & ~(alignment - 1);
+}
+
+class Arena {
+ public:
+  // Every buffer starts on this boundary: enough for AVX-512 loads, CUDA's 256-byte transactions
+  // and NCCL's alignment preferences.
+  static constexpr size_t kAlignment = 256;
+
+  // Allocates `capacity` bytes from `allocator` (which must outlive the arena). A zero capacity
+  // is allowed (every non-empty Allocate then fails).
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(std::string name, size_t capacity,
+                                                       RawAllocator* allocator);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Carves `bytes` (rounded up to kAlignment, except at the very end of the arena) for the
+  // buffer `buffer_name`.
+  // Zero bytes returns a non-null, aligned pointer that must not be dereferenced (it may equal
+  // the next buffer's address).
+  // Errors: ResourceExhausted (names the buffer, requested and remaining bytes);
+  // AlreadyExists if `buffer_name` was already allocated since the last Reset().
+  absl::StatusOr<void*> Allocate(absl::string_view buffer_name, size_t bytes);
+
+  // Forgets every buffer (the memory stays reserved). REQUIRES: no buffer is in use.
+  void Reset();
+
+  const std::string& name() const { return name_; }
+  char* base() const { return base_; }
+  size_t capacity() const { return capacity_; }
+  // Bytes carved so far, alignment padding included.
+  size_t used() const;
+  size_t remaining() const;
+  // Sum of the requested sizes (padding excluded): what the plan should agree with.
+  size_t requested() const;
+  // Requested bytes of one buffer; NotFound if it was never allocated.
+  absl::StatusOr<size_t> BufferBytes(absl::string_view buffer_name) const;
+  // Every buffer: name -> requested bytes.
+  std::map<std::string, size_t> Buffers() const;
+
+ private:
+  Arena(std::string name, char* base, size_t capacity, RawAllocator* allocator)
+      : name_(std::move(name)), base_(base), capacity_(capacity), allocator_(allocator) {}
+
+  const std::string name_;
+  char* const base_;
+  const size_t capacity_;
+  RawAllocator* const allocator_;
+
+  mutable absl::Mutex mu_;
+  size_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t requested_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, size_t, std::less<>> buffers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memory
+}  // namespace zerort
+
+#endif  // ZERORT_MEMORY_ARENA_H_

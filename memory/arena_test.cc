@@ -1,0 +1,139 @@
+#include "memory/arena.h"
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+namespace zerort {
+namespace memory {
+namespace {
+
+// Counts calls so tests can see the arena went through its allocator.
+class CountingAllocator final : public RawAllocator {
+ public:
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (fail) return absl::ResourceExhaustedError("fake device is full");
+    ++allocations;
+    allocated_bytes += bytes;
+    return HostAllocator()->Allocate(bytes);
+  }
+  void Free(void* p, size_t bytes) override {
+    ++frees;
+    freed_bytes += bytes;
+    HostAllocator()->Free(p, bytes);
+  }
+  absl::string_view name() const override { return "counting"; }
+
+  bool fail = false;
+  int allocations = 0, frees = 0;
+  size_t allocated_bytes = 0, freed_bytes = 0;
+};
+
+TEST_CASE("Arena: buffers are aligned, disjoint and every byte is counted", "[memory]") {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<size_t> size_dist(0, 5000);
+  std::vector<size_t> sizes(200);
+  size_t padded_total = 0, requested_total = 0;
+  for (size_t& s : sizes) {
+    s = size_dist(rng);
+    padded_total += (s + 255) / 256 * 256;
+    requested_total += s;
+  }
+  auto arena = Arena::Create("test", padded_total, HostAllocator());
+  REQUIRE(arena.ok());
+  std::vector<uint8_t*> ptrs;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    auto p = (*arena)->Allocate("buf" + std::to_string(i), sizes[i]);
+    REQUIRE(p.ok());
+    REQUIRE(reinterpret_cast<uintptr_t>(*p) % Arena::kAlignment == 0);
+    ptrs.push_back(static_cast<uint8_t*>(*p));
+    std::memset(*p, static_cast<int>(i & 0xff), sizes[i]);
+  }
+  // Every buffer still holds its own fill: no two overlap.
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (size_t b = 0; b < sizes[i]; ++b) REQUIRE(ptrs[i][b] == (i & 0xff));
+    REQUIRE(ptrs[i] >= reinterpret_cast<uint8_t*>((*arena)->base()));
+    REQUIRE(ptrs[i] + sizes[i] <= reinterpret_cast<uint8_t*>((*arena)->base()) + padded_total);
+  }
+  CHECK((*arena)->used() == padded_total);
+  CHECK((*arena)->remaining() == 0);
+  CHECK((*arena)->requested() == requested_total);
+  const auto buffers = (*arena)->Buffers();
+  REQUIRE(buffers.size() == sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    CHECK(buffers.at("buf" + std::to_string(i)) == sizes[i]);
+    CHECK(*(*arena)->BufferBytes("buf" + std::to_string(i)) == sizes[i]);
+  }
+  CHECK((*arena)->BufferBytes("nope").status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("Arena: running out is ResourceExhausted naming buffer, request and remainder",
+          "[memory]") {
+  auto arena = Arena::Create("host_state", 1000, HostAllocator());
+  REQUIRE(arena.ok());
+  REQUIRE((*arena)->Allocate("master", 700).ok());  // uses 768
+  auto p = (*arena)->Allocate("momentum", 300);
+  REQUIRE(p.status().code() == absl::StatusCode::kResourceExhausted);
+  const std::string msg(p.status().message());
+  CHECK(msg.find("momentum") != std::string::npos);
+  CHECK(msg.find("300") != std::string::npos);
+  CHECK(msg.find("232") != std::string::npos);  // 1000 - 768
+  CHECK(msg.find("host_state") != std::string::npos);
+  // The failed request consumed nothing, a huge one cannot wrap around, and the last buffer
+  // may end inside the final alignment unit.
+  CHECK((*arena)->used() == 768);
+  CHECK((*arena)->Allocate("huge", SIZE_MAX - 10).status().code() ==
+        absl::StatusCode::kResourceExhausted);
+  CHECK((*arena)->Allocate("fits", 232).ok());
+}
+
+TEST_CASE("Arena: a name is allocated once until Reset, which reuses the memory", "[memory]") {
+  auto arena = Arena::Create("a", 4096, HostAllocator());
+  REQUIRE(arena.ok());
+  auto first = (*arena)->Allocate("x", 100);
+  REQUIRE(first.ok());
+  CHECK((*arena)->Allocate("x", 100).status().code() == absl::StatusCode::kAlreadyExists);
+  (*arena)->Reset();
+  CHECK((*arena)->used() == 0);
+  CHECK((*arena)->requested() == 0);
+  auto again = (*arena)->Allocate("x", 100);
+  REQUIRE(again.ok());
+  CHECK(*again == *first);
+}
+
+TEST_CASE("Arena: backing memory comes from and returns to the RawAllocator", "[memory]") {
+  CountingAllocator counting;
+  {
+    auto arena = Arena::Create("dev", 12345, &counting);
+    REQUIRE(arena.ok());
+    CHECK(counting.allocations == 1);
+    CHECK(counting.allocated_bytes == 12345);
+    CHECK(reinterpret_cast<uintptr_t>((*arena)->base()) % 4096 == 0);
+  }
+  CHECK(counting.frees == 1);
+  CHECK(counting.freed_bytes == 12345);
+
+  counting.fail = true;
+  auto failed = Arena::Create("dev", 10, &counting);
+  REQUIRE(failed.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(std::string(failed.status().message()).find("dev") != std::string::npos);
+  CHECK(Arena::Create("x", 10, nullptr).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Arena: empty arena and zero-byte buffers give aligned non-null pointers", "[memory]") {
+  auto arena = Arena::Create("empty", 0, HostAllocator());
+  REQUIRE(arena.ok());
+  auto p = (*arena)->Allocate("nothing", 0);
+  REQUIRE(p.ok());
+  CHECK(*p != nullptr);
+  CHECK(reinterpret_cast<uintptr_t>(*p) % Arena::kAlignment == 0);
+  CHECK((*arena)->Allocate("one", 1).status().code() == absl::StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace memory
+}  // namespace zerort
