@@ -206,6 +206,36 @@ size_t EditDistance(absl::string_view a, absl::string_view b) {
   return row[b.size()];
 }
 
+void CollectPaths(const Json& obj, const std::string& prefix, std::vector<std::string>* out) {
+  for (const auto& item : obj.items()) {
+    std::string path = ChildPath(prefix, item.key());
+    out->push_back(path);
+    if (item.value().is_object()) CollectPaths(item.value(), path, out);
+  }
+}
+
+// Every setting's path, objects included ("zero_optimization.offload_optimizer"), read off the
+// resolved defaults so that it can never disagree with the parser.
+const std::vector<std::string>& AllSettingPaths() {
+  static const std::vector<std::string>* paths = [] {
+    auto* out = new std::vector<std::string>;
+    CollectPaths(Json::parse(ResolvedConfigJson(Config{})), "", out);
+    return out;
+  }();
+  return *paths;
+}
+
+// For a key that is valid elsewhere (a misplaced "stage" or "lr"): the full path it belongs at.
+absl::string_view SettingElsewhere(absl::string_view key, const std::string& here) {
+  for (const std::string& path : AllSettingPaths()) {
+    size_t dot = path.rfind('.');
+    absl::string_view parent = dot == std::string::npos ? "" : absl::string_view(path).substr(0, dot);
+    absl::string_view leaf = dot == std::string::npos ? path : absl::string_view(path).substr(dot + 1);
+    if (parent != here && EditDistance(key, leaf) <= (key.size() > 4 ? 1 : 0)) return path;
+  }
+  return "";
+}
+
 // A DeepSpeed key that zerort does not act on.
 struct ForeignKey {
   const char* name;
@@ -262,6 +292,11 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
     if (best_distance <= limit) {
       return absl::InvalidArgumentError(
           absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
+    }
+    if (absl::string_view elsewhere = SettingElsewhere(key, path); !elsewhere.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key ",
+                                                     path.empty() ? "at the top level" : "here",
+                                                     "; did you mean \"", elsewhere, "\"?"));
     }
     // The foreign keys are left out of the list: they are no help to someone looking for a setting.
     return absl::InvalidArgumentError(absl::StrCat(

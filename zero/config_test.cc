@@ -242,7 +242,16 @@ TEST_CASE("Config: unknown keys at every level name the path and suggest the nea
       {R"({"optimizer": {"typ": "AdamW"}})", "optimizer.typ", "type"},
       {R"({"optimizer": {"params": {"weight_deacy": 0}}})", "optimizer.params.weight_deacy",
        "weight_decay"},
-      {R"({"Stage": 1})", "Stage", nullptr},
+      // Valid at another level: the full path is suggested.
+      {R"({"Stage": 1})", "Stage", "zero_optimization.stage"},
+      {R"({"optimizer": {"lr": 0.1}})", "optimizer.lr", "optimizer.params.lr"},
+      {R"({"zero_optimization": {"enabled": true}})", "zero_optimization.enabled",
+       "bf16.enabled"},
+      {R"({"offload_optimizer": {"device": "cpu"}})", "offload_optimizer",
+       "zero_optimization.offload_optimizer"},
+      {R"({"zero_optimization": {"gradient_clipping": 1}})",
+       "zero_optimization.gradient_clipping", "gradient_clipping"},
+      {R"({"overlap": true})", "overlap", nullptr},
   };
   for (const Case& c : cases) {
     absl::Status s = ParseError(c.json);
