@@ -103,6 +103,23 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
   CHECK(parsed.precision == Precision::kFp32);
 }
 
+TEST_CASE("Config: the example in docs/config.md parses to what the text says", "[zero]") {
+  std::string doc = ReadFile("docs/config.md");
+  size_t begin = doc.find("```json\n");
+  REQUIRE(begin != std::string::npos);
+  begin += 8;
+  size_t end = doc.find("```", begin);
+  REQUIRE(end != std::string::npos);
+  Config c = MustParse(doc.substr(begin, end - begin));
+  CHECK(c.precision == Precision::kBf16);
+  CHECK(c.zero.stage_auto);
+  CHECK(c.zero.memory_budget.device_bytes == static_cast<int64_t>(80e9));
+  CHECK(c.zero.offload_optimizer.device == OffloadDevice::kCpu);
+  CHECK(c.zero.offload_optimizer.pin_memory);
+  REQUIRE(c.notes.size() == 1);
+  CHECK(absl::StartsWith(c.notes[0], "train_micro_batch_size_per_gpu:"));
+}
+
 TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct", "[zero]") {
   absl::StatusOr<Config> loaded = LoadConfigFile("zero/testdata/deepspeed_full.json");
   INFO(loaded.status().ToString());
