@@ -85,13 +85,12 @@ void WriteGrad(Engine& e, DType dtype, int rank, int step, int micro, int i, int
 // Gather/Release around forward and backward, gradients written in backward (unit) order.
 // `inject_step`: at that step rank `inject_rank` writes an Inf into its first gradient.
 RunResult Train(const Config& config, int world, int steps, int inject_step = -1,
-                int inject_rank = -1) {
+                int inject_rank = -1, const std::vector<ParamSpec>& specs = SmallModel()) {
   auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
   auto device = CreateCpuDevice(1);
   RunResult result;
   result.master.resize(world);
   result.errors.resize(world);
-  const auto specs = SmallModel();
   auto body = [&](int r) -> absl::Status {
     auto engine_or = Engine::Create(config, specs, comms[r].get(), device.get());
     if (!engine_or.ok()) return engine_or.status();
@@ -333,6 +332,34 @@ TEST_CASE("Engine: misuse is an error naming the call", "[zero]") {
   auto twice = e.GradReady(0);
   CHECK(twice.code() == absl::StatusCode::kFailedPrecondition);
   CHECK_THAT(std::string(twice.message()), Catch::Contains("embed.w"));
+}
+
+TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
+  std::vector<ParamSpec> huge_and_tiny = {{"big.w", {71, 73}, "big"}};  // one unit of its own
+  for (int i = 0; i < 40; ++i) {
+    const std::string m = "tiny" + std::to_string(i);
+    huge_and_tiny.push_back({m + ".w", {1 + i % 3}, m});
+  }
+  const std::vector<ParamSpec> fewer_than_ranks = {{"a", {2}, "a"}, {"b", {1, 1}, "b"},
+                                                   {"c", {2}, "a"}};
+  struct Case {
+    std::vector<ParamSpec> specs;
+    int world;
+  };
+  for (const Case& c : {Case{huge_and_tiny, 3}, Case{huge_and_tiny, 4},
+                        Case{fewer_than_ranks, 8}}) {
+    RunResult reference =
+        Train(MakeConfig(0, Precision::kBf16, 2, 0.05, false), c.world, 6, -1, -1, c.specs);
+    RequireOk(reference);
+    for (int stage = 1; stage <= 3; ++stage) {
+      INFO("world=" << c.world << " stage=" << stage << " params=" << c.specs.size());
+      RunResult run =
+          Train(MakeConfig(stage, Precision::kBf16, 2, 0.05, stage == 2), c.world, 6, -1, -1,
+                c.specs);
+      RequireOk(run);
+      for (int r = 0; r < c.world; ++r) CHECK(BitEqual(run.master[r], reference.master[0]));
+    }
+  }
 }
 
 TEST_CASE("Engine: ranks that registered different models are told so", "[zero]") {
