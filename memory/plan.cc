@@ -263,7 +263,11 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
   } else {
     add("grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
   }
-  if (mixed) add("master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
+  // fp32 training updates the parameters in place, unless they are offloaded: the host then
+  // needs its own fp32 copy to run AdamW on.
+  if (mixed || o.offload_optimizer) {
+    add("master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
+  }
   add("exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
   add("exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
 

@@ -106,9 +106,8 @@ class StrictDomBuilder {
   bool parse_error(std::size_t position, const std::string& /*last_token*/,
                    const nlohmann::detail::exception& ex) {
     auto [line, column] = LineAndColumn(text_, position);
-    status_ = absl::InvalidArgumentError(absl::StrCat(source_, ":", line, ":", column,
-                                                      ": not valid JSON: ",
-                                                      ParseErrorReason(ex.what())));
+    status_ = absl::InvalidArgumentError(absl::StrCat(
+        source_, ":", line, ":", column, ": not valid JSON: ", ParseErrorReason(ex.what())));
     return false;
   }
 
@@ -145,9 +144,9 @@ class StrictDomBuilder {
   bool Open(Json container) {
     auto [value, path] = Slot(std::move(container));
     if (stack_.size() >= kMaxDepth) {
-      status_ = absl::InvalidArgumentError(absl::StrCat(
-          source_, ": ", path.empty() ? "<root>" : path, ": nested deeper than ", kMaxDepth,
-          " levels"));
+      status_ =
+          absl::InvalidArgumentError(absl::StrCat(source_, ": ", path.empty() ? "<root>" : path,
+                                                  ": nested deeper than ", kMaxDepth, " levels"));
       return false;
     }
     stack_.push_back(Frame{value, std::move(path), {}});
@@ -195,15 +194,45 @@ size_t EditDistance(absl::string_view a, absl::string_view b) {
     size_t diagonal = row[0];
     row[0] = i;
     for (size_t j = 1; j <= b.size(); ++j) {
-      size_t substitute = diagonal + (absl::ascii_tolower(a[i - 1]) ==
-                                              absl::ascii_tolower(b[j - 1])
-                                          ? 0
-                                          : 1);
+      size_t substitute =
+          diagonal + (absl::ascii_tolower(a[i - 1]) == absl::ascii_tolower(b[j - 1]) ? 0 : 1);
       diagonal = row[j];
       row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
     }
   }
   return row[b.size()];
+}
+
+void CollectPaths(const Json& obj, const std::string& prefix, std::vector<std::string>* out) {
+  for (const auto& item : obj.items()) {
+    std::string path = ChildPath(prefix, item.key());
+    out->push_back(path);
+    if (item.value().is_object()) CollectPaths(item.value(), path, out);
+  }
+}
+
+// Every setting's path, objects included ("zero_optimization.offload_optimizer"), read off the
+// resolved defaults so that it can never disagree with the parser.
+const std::vector<std::string>& AllSettingPaths() {
+  static const std::vector<std::string>* paths = [] {
+    auto* out = new std::vector<std::string>;
+    CollectPaths(Json::parse(ResolvedConfigJson(Config{})), "", out);
+    return out;
+  }();
+  return *paths;
+}
+
+// For a key that is valid elsewhere (a misplaced "stage" or "lr"): the full path it belongs at.
+absl::string_view SettingElsewhere(absl::string_view key, const std::string& here) {
+  for (const std::string& path : AllSettingPaths()) {
+    size_t dot = path.rfind('.');
+    absl::string_view parent =
+        dot == std::string::npos ? "" : absl::string_view(path).substr(0, dot);
+    absl::string_view leaf =
+        dot == std::string::npos ? path : absl::string_view(path).substr(dot + 1);
+    if (parent != here && EditDistance(key, leaf) <= (key.size() > 4 ? 1 : 0)) return path;
+  }
+  return "";
 }
 
 // A DeepSpeed key that zerort does not act on.
@@ -231,8 +260,8 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
     }
     if (match != nullptr) {
       if (match->only_value == nullptr) {
-        notes->push_back(absl::StrCat(key_path, ": DeepSpeed key accepted, no effect (",
-                                      match->why, ")"));
+        notes->push_back(
+            absl::StrCat(key_path, ": DeepSpeed key accepted, no effect (", match->why, ")"));
         continue;
       }
       Json only = Json::parse(match->only_value);
@@ -263,10 +292,15 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
       return absl::InvalidArgumentError(
           absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
     }
+    if (absl::string_view elsewhere = SettingElsewhere(key, path); !elsewhere.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key ",
+                                                     path.empty() ? "at the top level" : "here",
+                                                     "; did you mean \"", elsewhere, "\"?"));
+    }
     // The foreign keys are left out of the list: they are no help to someone looking for a setting.
-    return absl::InvalidArgumentError(absl::StrCat(
-        key_path, ": unknown key; the settings", path.empty() ? " at the top level" : " here",
-        " are: ", absl::StrJoin(settings, ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key; the settings",
+                                                   path.empty() ? " at the top level" : " here",
+                                                   " are: ", absl::StrJoin(settings, ", ")));
   }
   return absl::OkStatus();
 }
@@ -291,7 +325,8 @@ std::string Describe(const Json& v) {
 }
 
 absl::Status Expected(const std::string& path, absl::string_view what, const Json& got) {
-  return absl::InvalidArgumentError(absl::StrCat(path, ": expected ", what, ", got ", Describe(got)));
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": expected ", what, ", got ", Describe(got)));
 }
 
 // An integer in [lo, hi]. DeepSpeed configs write sizes as 5e8, so integral floats count.
@@ -488,10 +523,10 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
       out->stage = static_cast<int>(stage);
     }
   }
-  RETURN_IF_ERROR(ReadInt64(obj, path, "reduce_bucket_size", 1, kInt64Max,
-                            &out->reduce_bucket_size));
-  RETURN_IF_ERROR(ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max,
-                            &out->allgather_bucket_size));
+  RETURN_IF_ERROR(
+      ReadInt64(obj, path, "reduce_bucket_size", 1, kInt64Max, &out->reduce_bucket_size));
+  RETURN_IF_ERROR(
+      ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max, &out->allgather_bucket_size));
   RETURN_IF_ERROR(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
   RETURN_IF_ERROR(ReadBool(obj, path, "contiguous_gradients", &out->contiguous_gradients));
   ASSIGN_OR_RETURN(const Json* offload_optimizer, ReadObject(obj, path, "offload_optimizer"));
@@ -520,23 +555,23 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
 
 absl::Status ReadFp16(const Json& obj, const std::string& path, bool* enabled, Fp16Config* out,
                       std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(obj, path,
-                            {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
-                             "hysteresis", "min_loss_scale"},
-                            {{"consecutive_hysteresis", "false", "hysteresis refill"},
-                             {"auto_cast", "false", "input casting belongs to the trainer"},
-                             {"fp16_master_weights_and_grads", "false",
-                              "master weights are always fp32"}},
-                            notes));
+  RETURN_IF_ERROR(
+      CheckKeys(obj, path,
+                {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                 "min_loss_scale"},
+                {{"consecutive_hysteresis", "false", "hysteresis refill"},
+                 {"auto_cast", "false", "input casting belongs to the trainer"},
+                 {"fp16_master_weights_and_grads", "false", "master weights are always fp32"}},
+                notes));
   RETURN_IF_ERROR(ReadBool(obj, path, "enabled", enabled));
-  RETURN_IF_ERROR(ReadDouble(obj, path, "loss_scale", {0, false, INFINITY, false},
-                             &out->loss_scale));
+  RETURN_IF_ERROR(
+      ReadDouble(obj, path, "loss_scale", {0, false, INFINITY, false}, &out->loss_scale));
   // 2^127 is the largest power of two a float holds.
   RETURN_IF_ERROR(ReadInt(obj, path, "initial_scale_power", 0, 127, &out->initial_scale_power));
   RETURN_IF_ERROR(ReadInt(obj, path, "loss_scale_window", 1, kIntMax, &out->loss_scale_window));
   RETURN_IF_ERROR(ReadInt(obj, path, "hysteresis", 1, kIntMax, &out->hysteresis));
-  RETURN_IF_ERROR(ReadDouble(obj, path, "min_loss_scale", {0, true, INFINITY, false},
-                             &out->min_loss_scale));
+  RETURN_IF_ERROR(
+      ReadDouble(obj, path, "min_loss_scale", {0, true, INFINITY, false}, &out->min_loss_scale));
   return absl::OkStatus();
 }
 
@@ -550,9 +585,10 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
     // DeepSpeed matches optimizer names case-insensitively.
     std::string type = absl::AsciiStrToLower(it->get_ref<const std::string&>());
     if (type == "adam") {
-      notes->push_back(absl::StrCat(
-          type_path, ": \"Adam\" runs as AdamW (decoupled weight decay), as DeepSpeed's Adam "
-                     "does with its default adam_w_mode=true"));
+      notes->push_back(
+          absl::StrCat(type_path,
+                       ": \"Adam\" runs as AdamW (decoupled weight decay), as DeepSpeed's Adam "
+                       "does with its default adam_w_mode=true"));
     } else if (type != "adamw") {
       return Expected(type_path, kWhat, *it);
     }
@@ -561,13 +597,13 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
   ASSIGN_OR_RETURN(const Json* params, ReadObject(obj, path, "params"));
   if (params == nullptr) return absl::OkStatus();
   std::string params_path = ChildPath(path, "params");
-  RETURN_IF_ERROR(CheckKeys(
-      *params, params_path, {"lr", "betas", "eps", "weight_decay"},
-      {{"adam_w_mode", "true", "Adam with coupled L2 weight decay"},
-       {"bias_correction", "true", "Adam without bias correction"},
-       {"amsgrad", "false", "AMSGrad"},
-       {"torch_adam", nullptr, "zerort has one AdamW implementation per device"}},
-      notes));
+  RETURN_IF_ERROR(
+      CheckKeys(*params, params_path, {"lr", "betas", "eps", "weight_decay"},
+                {{"adam_w_mode", "true", "Adam with coupled L2 weight decay"},
+                 {"bias_correction", "true", "Adam without bias correction"},
+                 {"amsgrad", "false", "AMSGrad"},
+                 {"torch_adam", nullptr, "zerort has one AdamW implementation per device"}},
+                notes));
   RETURN_IF_ERROR(ReadDouble(*params, params_path, "lr", {0, false, INFINITY, false}, &out->lr));
   if (auto it = params->find("betas"); it != params->end()) {
     std::string betas_path = ChildPath(params_path, "betas");
@@ -748,8 +784,8 @@ absl::StatusOr<Config> LoadConfigFile(const std::string& path) {
   auto io_error = [&path](int err) {
     char buffer[256];
     // GNU strerror_r: thread-safe, returns the message (possibly not in `buffer`).
-    std::string message =
-        absl::StrCat("cannot read config file \"", path, "\": ", strerror_r(err, buffer, sizeof buffer));
+    std::string message = absl::StrCat("cannot read config file \"", path,
+                                       "\": ", strerror_r(err, buffer, sizeof buffer));
     switch (err) {
       case ENOENT:
       case ENOTDIR:
@@ -783,9 +819,10 @@ std::string ResolvedConfigJson(const Config& c) {
   zero["allgather_bucket_size"] = z.allgather_bucket_size;
   zero["overlap_comm"] = z.overlap_comm;
   zero["contiguous_gradients"] = z.contiguous_gradients;
-  zero["offload_optimizer"] = {{"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
-                               {"pin_memory", z.offload_optimizer.pin_memory},
-                               {"buffer_count", z.offload_optimizer.buffer_count}};
+  zero["offload_optimizer"] = {
+      {"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
+      {"pin_memory", z.offload_optimizer.pin_memory},
+      {"buffer_count", z.offload_optimizer.buffer_count}};
   zero["offload_param"] = {{"device", std::string(OffloadDeviceName(z.offload_param.device))},
                            {"pin_memory", z.offload_param.pin_memory}};
   zero["stage3_prefetch_bucket_size"] = z.stage3_prefetch_bucket_size;

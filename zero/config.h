@@ -8,7 +8,7 @@
 //
 //   ASSIGN_OR_RETURN(zerort::Config config, zerort::LoadConfigFile("ds_config.json"));
 //   for (const std::string& note : config.notes) std::cerr << note << "\n";
-//   if (config.zero.stage_auto) { ... let the planner pick a stage within config.zero.memory_budget }
+//   // config.zero.stage_auto: the planner picks the stage within config.zero.memory_budget.
 //
 // Thread safety: the structs are plain values; the functions are pure and thread-safe.
 #ifndef ZERORT_ZERO_CONFIG_H_
@@ -58,10 +58,10 @@ struct ZeroConfig {
   bool overlap_comm = true;                   // reduce buckets while backward still runs
   bool contiguous_gradients = true;           // gradients copied into one flat buffer
   OffloadOptimizerConfig offload_optimizer;
-  OffloadParamConfig offload_param;                      // REQUIRES stage 3 when enabled
-  int64_t stage3_prefetch_bucket_size = 50000000;        // >= 0 elements; 0 = no prefetch
-  int64_t stage3_param_persistence_threshold = 100000;   // >= 0 elements
-  int64_t stage3_max_live_parameters = 1000000000;       // >= 1 elements
+  OffloadParamConfig offload_param;                     // REQUIRES stage 3 when enabled
+  int64_t stage3_prefetch_bucket_size = 50000000;       // >= 0 elements; 0 = no prefetch
+  int64_t stage3_param_persistence_threshold = 100000;  // >= 0 elements
+  int64_t stage3_max_live_parameters = 1000000000;      // >= 1 elements
   MemoryBudget memory_budget;
 };
 
@@ -94,10 +94,10 @@ struct Config {
   Precision precision = Precision::kFp32;
   Fp16Config fp16;  // read whenever present; used only when precision == kFp16
   OptimizerConfig optimizer;
-  double gradient_clipping = 0;      // >= 0; global L2 norm limit, 0 = off
+  double gradient_clipping = 0;         // >= 0; global L2 norm limit, 0 = off
   int gradient_accumulation_steps = 1;  // >= 1
-  int64_t comm_timeout_ms = 600000;  // >= 1 (ours): a collective taking longer fails
-  int cpu_threads = 0;               // >= 0 (ours): host AdamW threads, 0 = all cores
+  int64_t comm_timeout_ms = 600000;     // >= 1 (ours): a collective taking longer fails
+  int cpu_threads = 0;                  // >= 0 (ours): host AdamW threads, 0 = all cores
   // Accepted-but-ignored DeepSpeed keys and other remarks, one line each, each starting with the
   // JSON path it is about. Diagnostics, not settings: operator== ignores them.
   std::vector<std::string> notes;

@@ -1,6 +1,7 @@
 #include "zero/config.h"
 
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -9,8 +10,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <catch2/catch.hpp>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -102,6 +101,23 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
   }
   // The documented precision rule: no bf16/fp16 block means fp32.
   CHECK(parsed.precision == Precision::kFp32);
+}
+
+TEST_CASE("Config: the example in docs/config.md parses to what the text says", "[zero]") {
+  std::string doc = ReadFile("docs/config.md");
+  size_t begin = doc.find("```json\n");
+  REQUIRE(begin != std::string::npos);
+  begin += 8;
+  size_t end = doc.find("```", begin);
+  REQUIRE(end != std::string::npos);
+  Config c = MustParse(doc.substr(begin, end - begin));
+  CHECK(c.precision == Precision::kBf16);
+  CHECK(c.zero.stage_auto);
+  CHECK(c.zero.memory_budget.device_bytes == static_cast<int64_t>(80e9));
+  CHECK(c.zero.offload_optimizer.device == OffloadDevice::kCpu);
+  CHECK(c.zero.offload_optimizer.pin_memory);
+  REQUIRE(c.notes.size() == 1);
+  CHECK(absl::StartsWith(c.notes[0], "train_micro_batch_size_per_gpu:"));
 }
 
 TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct", "[zero]") {
@@ -228,8 +244,8 @@ TEST_CASE("Config: unknown keys at every level name the path and suggest the nea
     const char* suggestion;
   };
   const Case cases[] = {
-      {R"({"zero_optimization": {"reduce_bucket_sise": 5}})", "zero_optimization.reduce_bucket_sise",
-       "reduce_bucket_size"},
+      {R"({"zero_optimization": {"reduce_bucket_sise": 5}})",
+       "zero_optimization.reduce_bucket_sise", "reduce_bucket_size"},
       {R"({"gradient_cliping": 1})", "gradient_cliping", "gradient_clipping"},
       {R"({"zero_optimization": {"offload_optimizer": {"devise": "cpu"}}})",
        "zero_optimization.offload_optimizer.devise", "device"},
@@ -242,7 +258,15 @@ TEST_CASE("Config: unknown keys at every level name the path and suggest the nea
       {R"({"optimizer": {"typ": "AdamW"}})", "optimizer.typ", "type"},
       {R"({"optimizer": {"params": {"weight_deacy": 0}}})", "optimizer.params.weight_deacy",
        "weight_decay"},
-      {R"({"Stage": 1})", "Stage", nullptr},
+      // Valid at another level: the full path is suggested.
+      {R"({"Stage": 1})", "Stage", "zero_optimization.stage"},
+      {R"({"optimizer": {"lr": 0.1}})", "optimizer.lr", "optimizer.params.lr"},
+      {R"({"zero_optimization": {"enabled": true}})", "zero_optimization.enabled", "bf16.enabled"},
+      {R"({"offload_optimizer": {"device": "cpu"}})", "offload_optimizer",
+       "zero_optimization.offload_optimizer"},
+      {R"({"zero_optimization": {"gradient_clipping": 1}})", "zero_optimization.gradient_clipping",
+       "gradient_clipping"},
+      {R"({"overlap": true})", "overlap", nullptr},
   };
   for (const Case& c : cases) {
     absl::Status s = ParseError(c.json);
@@ -268,13 +292,14 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
     const char* range;
   };
   const Case cases[] = {
-      {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "4", "0..3 or \"auto\""},
+      {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "4",
+       "0..3 or \"auto\""},
       {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "-1", "0..3"},
       {R"({"zero_optimization": {"stage": "three"}})", "zero_optimization.stage", "\"three\"",
        "\"auto\""},
       {R"({"zero_optimization": {"stage": true}})", "zero_optimization.stage", "true", "0..3"},
-      {R"({"zero_optimization": {"reduce_bucket_size": 0}})", "zero_optimization.reduce_bucket_size",
-       "0", ">= 1"},
+      {R"({"zero_optimization": {"reduce_bucket_size": 0}})",
+       "zero_optimization.reduce_bucket_size", "0", ">= 1"},
       {R"({"zero_optimization": {"reduce_bucket_size": 1.5}})",
        "zero_optimization.reduce_bucket_size", "1.5", ">= 1"},
       {R"({"zero_optimization": {"reduce_bucket_size": "5e8"}})",
@@ -347,8 +372,9 @@ TEST_CASE("Config: integers may be written as integral floats", "[zero]") {
   CHECK(c.zero.reduce_bucket_size == INT64_MAX);
   CHECK(c.zero.allgather_bucket_size == static_cast<int64_t>(9.2233720368547748e18));
   // 2^63 itself does not fit.
-  CHECK(ParseError(R"({"zero_optimization": {"reduce_bucket_size": 9223372036854775808}})")
-            .code() == absl::StatusCode::kInvalidArgument);
+  CHECK(
+      ParseError(R"({"zero_optimization": {"reduce_bucket_size": 9223372036854775808}})").code() ==
+      absl::StatusCode::kInvalidArgument);
   CHECK(ParseError(R"({"zero_optimization": {"reduce_bucket_size": 9.223372036854775808e18}})")
             .code() == absl::StatusCode::kInvalidArgument);
 }
@@ -382,8 +408,7 @@ TEST_CASE("Config: duplicate keys are errors naming the path", "[zero]") {
 std::string Position(const std::string& text, size_t offset) {
   size_t line = 1 + std::count(text.begin(), text.begin() + offset, '\n');
   size_t line_start = text.rfind('\n', offset == 0 ? 0 : offset - 1);
-  size_t column = line_start == std::string::npos || offset == 0 ? offset + 1
-                                                                  : offset - line_start;
+  size_t column = line_start == std::string::npos || offset == 0 ? offset + 1 : offset - line_start;
   return absl::StrCat(line, ":", column);
 }
 
@@ -397,11 +422,10 @@ TEST_CASE("Config: text that is not JSON reports line and column", "[zero]") {
   const std::string truncated = "{\"bf16\": {";
   const std::string not_closed = "{\n\"fp16\": {}\n\n";
   const Case cases[] = {
-      {bad_key, bad_key.find("oops")},
-      {bad_value, bad_value.find(".0}")},  // "1.0." is where the number stops being one
-      {truncated, truncated.size()},
-      {not_closed, not_closed.size()},
-      {"", 0},
+      {bad_key, bad_key.find("oops")}, {bad_value, bad_value.find(".0}")},  // "1.0." is where the
+                                                                            // number stops being
+                                                                            // one
+      {truncated, truncated.size()},   {not_closed, not_closed.size()},    {"", 0},
   };
   for (const Case& c : cases) {
     absl::StatusOr<Config> config = ParseConfig(c.json, "in.json");
@@ -410,7 +434,8 @@ TEST_CASE("Config: text that is not JSON reports line and column", "[zero]") {
     REQUIRE(!config.ok());
     CHECK(config.status().code() == absl::StatusCode::kInvalidArgument);
     // At end of input the parser points one past the last byte; clamp the reference the same way.
-    std::string expected = Position(c.json, std::min(c.offset, c.json.empty() ? 0 : c.json.size() - 1));
+    std::string expected =
+        Position(c.json, std::min(c.offset, c.json.empty() ? 0 : c.json.size() - 1));
     CHECK(absl::StartsWith(config.status().message(), absl::StrCat("in.json:", expected, ": ")));
     CHECK(absl::StrContains(config.status().message(), "not valid JSON"));
   }
@@ -486,8 +511,8 @@ TEST_CASE("Config: rules across keys name every key involved", "[zero]") {
   // The valid counterparts parse.
   CHECK(MustParse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})")
             .zero.offload_param.device == OffloadDevice::kCpu);
-  Config automatic =
-      MustParse(R"({"zero_optimization": {"stage": "auto", "memory_budget": {"device_bytes": 1e9}}})");
+  Config automatic = MustParse(
+      R"({"zero_optimization": {"stage": "auto", "memory_budget": {"device_bytes": 1e9}}})");
   CHECK(automatic.zero.stage_auto);
   CHECK(automatic.zero.memory_budget.device_bytes == 1000000000);
   // A static loss scale makes the dynamic-scaling bound irrelevant.
@@ -516,7 +541,8 @@ TEST_CASE("Config: optimizer type accepts AdamW and Adam, always meaning AdamW",
   c = MustParse(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": true}}})");
   CHECK(c.optimizer.type == "AdamW");
   CHECK(c.notes.size() == 2);  // the type, and the no-op adam_w_mode
-  absl::Status coupled = ParseError(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})");
+  absl::Status coupled =
+      ParseError(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})");
   CHECK(coupled.code() == absl::StatusCode::kUnimplemented);
   CHECK(absl::StrContains(coupled.message(), "optimizer.params.adam_w_mode"));
 }
@@ -541,11 +567,14 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
   Config c = MustParse(json);
   CHECK(c == Config{});  // no effect on any setting
   const std::vector<std::string> paths = {
-      "zero_optimization.round_robin_gradients", "zero_optimization.sub_group_size",
-      "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
+      "zero_optimization.round_robin_gradients",
+      "zero_optimization.sub_group_size",
+      "zero_optimization.reduce_scatter",
+      "zero_optimization.allgather_partitions",
       "zero_optimization.stage3_max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-      "zero_optimization.zero_quantized_weights", "zero_optimization.offload_optimizer.nvme_path",
+      "zero_optimization.zero_quantized_weights",
+      "zero_optimization.offload_optimizer.nvme_path",
       "zero_optimization.offload_optimizer.ratio"};
   CHECK(c.notes.size() == ignored.size() + paths.size());
   std::vector<std::string> all = paths;
@@ -605,8 +634,7 @@ TEST_CASE("Config: hostile input returns errors, never throws or crashes", "[zer
   CHECK(absl::StrContains(s.message(), "nested deeper"));
 }
 
-TEST_CASE("Config: ValidateConfig applies the parser's rules to a Config built in code",
-          "[zero]") {
+TEST_CASE("Config: ValidateConfig applies the parser's rules to a Config built in code", "[zero]") {
   Config c;
   CHECK(ValidateConfig(c).ok());
   c.zero.stage = 5;

@@ -1,0 +1,750 @@
+#include "zero/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "absl/hash/hash.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "memory/arena.h"
+#include "offload/cpu_adamw.h"
+#include "offload/cpu_kernels.h"
+#include "zero/loss_scaler.h"
+#include "zero/planner.h"
+
+namespace zerort {
+namespace {
+
+using memory::BufferClass;
+using memory::MemoryKind;
+using Clock = std::chrono::steady_clock;
+
+double MsSince(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(Config config, std::vector<memory::ParamSpec> specs, memory::Plan plan,
+       comm::Communicator* comm, Device* device)
+      : config_(std::move(config)),
+        specs_(std::move(specs)),
+        plan_(std::move(plan)),
+        comm_(comm),
+        dev_(device),
+        rank_(comm->rank()),
+        world_(comm->size()),
+        stage_(plan_.options.stage),
+        cdt_(plan_.options.compute_dtype),
+        c_(DTypeSize(cdt_)),
+        gas_(plan_.options.gradient_accumulation_steps),
+        offload_(plan_.options.offload_optimizer),
+        scaler_(config_) {}
+
+  absl::Status Allocate();
+  absl::Status CheckPeersAgree();
+
+  // --- buffers -----------------------------------------------------------------------------
+  // (E) compute dtype, stages 0-2; (S) stage 3.
+  char* params_ = nullptr;
+  // (E) compute dtype, stages 0-1; (S) stages 2-3.
+  char* grads_ = nullptr;
+  // (E) stage 0 / (S) stages 1-3, fp32. master_ is null in fp32 mode without offload: the
+  // parameters themselves are the fp32 weights.
+  float* master_ = nullptr;
+  float* m_ = nullptr;
+  float* v_ = nullptr;
+  char* accum_ = nullptr;        // (E) stage 0 / (S) stage 1, when gradient accumulation > 1
+  char* buckets_ = nullptr;      // (buckets, max_unit) compute dtype, stages 2-3
+  char* gather_ = nullptr;       // (slots, max gathered unit) compute dtype, stage 3
+  char* persistent_ = nullptr;   // (sum of persistent units' padded) compute dtype, stage 3
+  char* staging_ = nullptr;      // (buffer_count, 2 * max shard) compute dtype, offload
+  int64_t bucket_elems_ = 0, slot_elems_ = 0, staging_chunk_ = 0;
+  std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_
+
+  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
+
+  // --- per micro-step ------------------------------------------------------------------------
+  std::vector<uint8_t> ready_;        // per param
+  std::vector<int> pending_;          // per unit: params not yet ready
+  std::vector<int> unit_bucket_;      // per unit: bucket index, or -1
+  std::vector<uint8_t> bucket_busy_;
+  int micro_ = 0;                     // completed micro-steps in this accumulation window
+
+  // --- stage 3 gather slots -------------------------------------------------------------------
+  struct Slot {
+    int unit = -1;
+    bool held = false;
+    uint64_t last_use = 0;
+  };
+  std::vector<Slot> slots_;
+  std::vector<int> unit_slot_;  // per unit, or -1
+  uint64_t use_clock_ = 0;
+  int last_gathered_ = -1;
+
+  absl::Status ReduceUnit(int u);
+  absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
+  absl::Status GatherIntoSlot(int u, int slot);
+  absl::Status Prefetch(int from, int direction);
+  absl::StatusOr<StepStats> ApplyStep();
+  absl::Status ResetGradients();
+  absl::Status AllGatherParams(int u);
+
+  // Owned-region views for the optimizer, per unit.
+  struct Region {
+    int64_t n = 0;
+    const char* grad = nullptr;
+    float* master = nullptr;
+    float* m = nullptr;
+    float* v = nullptr;
+    char* param = nullptr;  // compute dtype
+  };
+  Region Owned(int u);
+
+  void Sent(int64_t elements_per_rank_block, int factor_num) {
+    // nccl-tests' convention: a rank sends (n-1)/n of the buffer per pass.
+    stats_.comm_bytes += factor_num * elements_per_rank_block * (world_ - 1) * c_;
+  }
+
+  const Config config_;
+  const std::vector<memory::ParamSpec> specs_;
+  const memory::Plan plan_;
+  comm::Communicator* const comm_;
+  Device* const dev_;
+  const int rank_, world_, stage_;
+  const DType cdt_;
+  const size_t c_;
+  const int gas_;
+  const bool offload_;
+  LossScaler scaler_;
+  int64_t step_ = 0;
+  StepStats stats_;  // accumulates between boundaries
+  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds];
+  MemoryReport report_;
+};
+
+absl::Status Engine::Impl::Allocate() {
+  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0};
+  for (const memory::Buffer& b : plan_.buffers) {
+    need[static_cast<int>(b.kind)] +=
+        static_cast<int64_t>(memory::AlignUp(b.bytes, memory::Arena::kAlignment));
+    report_.planned[static_cast<int>(b.kind)] += b.bytes;
+  }
+  static const char* kArenaNames[] = {"device", "pinned_host", "host"};
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    ASSIGN_OR_RETURN(arenas_[k],
+                     memory::Arena::Create(kArenaNames[k], need[k],
+                                           dev_->allocator(static_cast<MemoryKind>(k))));
+  }
+  for (const memory::Buffer& b : plan_.buffers) {
+    memory::Arena& arena = *arenas_[static_cast<int>(b.kind)];
+    ASSIGN_OR_RETURN(void* p, arena.Allocate(b.name, b.bytes));
+    RETURN_IF_ERROR(dev_->Zero(p, b.bytes, nullptr));
+    char* cp = static_cast<char*>(p);
+    switch (b.cls) {
+      case BufferClass::kParams: params_ = cp; break;
+      case BufferClass::kGrads: grads_ = cp; break;
+      case BufferClass::kMaster: master_ = reinterpret_cast<float*>(cp); break;
+      case BufferClass::kExpAvg: m_ = reinterpret_cast<float*>(cp); break;
+      case BufferClass::kExpAvgSq: v_ = reinterpret_cast<float*>(cp); break;
+      case BufferClass::kGradAccumulator: accum_ = cp; break;
+      case BufferClass::kGradBucket:
+        buckets_ = cp;
+        bucket_elems_ = b.elements / b.count;
+        bucket_busy_.assign(b.count, 0);
+        break;
+      case BufferClass::kGatherBuffer:
+        gather_ = cp;
+        slot_elems_ = b.elements / b.count;
+        slots_.assign(b.count, Slot());
+        break;
+      case BufferClass::kPersistentParams: persistent_ = cp; break;
+      case BufferClass::kOffloadStaging:
+        staging_ = cp;
+        staging_chunk_ = b.elements / b.count;
+        break;
+    }
+  }
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    report_.allocated[k] = static_cast<int64_t>(arenas_[k]->requested());
+  }
+  const size_t nu = plan_.units.size();
+  ready_.assign(specs_.size(), 0);
+  pending_.resize(nu);
+  for (size_t u = 0; u < nu; ++u) pending_[u] = static_cast<int>(plan_.units[u].params.size());
+  unit_bucket_.assign(nu, -1);
+  unit_slot_.assign(nu, -1);
+  persistent_offset_.assign(nu, -1);
+  int64_t off = 0;
+  for (size_t u = 0; u < nu; ++u) {
+    if (plan_.units[u].persistent) {
+      persistent_offset_[u] = off;
+      off += plan_.units[u].padded;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Every rank must have registered the same parameters with the same config: a mismatch would
+// otherwise surface as a hang or a silent corruption inside the first collective.
+absl::Status Engine::Impl::CheckPeersAgree() {
+  if (world_ == 1) return absl::OkStatus();
+  size_t h = absl::HashOf(plan_.options.stage, plan_.padded_elements, plan_.units.size(),
+                          static_cast<int>(cdt_), gas_, offload_);
+  for (const memory::ParamSpec& s : specs_) h = absl::HashOf(h, s.name, s.shape, s.module);
+  // Three 21-bit pieces: integers below 2^24 travel exactly as fp32.
+  float mine[3];
+  for (int i = 0; i < 3; ++i) mine[i] = static_cast<float>((h >> (21 * i)) & 0x1fffff);
+  std::vector<float> all(3 * world_);
+  RETURN_IF_ERROR(comm_->AllGather(mine, all.data(), 3, DType::kF32));
+  for (int r = 0; r < world_; ++r) {
+    if (!std::equal(mine, mine + 3, all.begin() + 3 * r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
+          "names, shapes, modules, stage, precision or gradient accumulation): every rank must "
+          "register the same parameters with the same config"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Engine::Impl::Region Engine::Impl::Owned(int u) {
+  const memory::Unit& unit = plan_.units[u];
+  Region r;
+  const bool full = stage_ == 0;
+  r.n = full ? unit.padded : unit.shard;
+  const int64_t own = full ? 0 : rank_ * unit.shard;      // offset of the region inside the unit
+  const int64_t optim_off = full ? unit.flat_offset : unit.shard_offset;
+  switch (stage_) {
+    case 0:
+      r.grad = At(gas_ > 1 ? accum_ : grads_, unit.flat_offset);
+      break;
+    case 1:
+      r.grad = gas_ > 1 ? At(accum_, unit.shard_offset) : At(grads_, unit.flat_offset + own);
+      break;
+    default:
+      r.grad = At(grads_, unit.shard_offset);
+      break;
+  }
+  r.param = stage_ == 3 ? At(params_, unit.shard_offset) : At(params_, unit.flat_offset + own);
+  r.master = master_ != nullptr ? master_ + optim_off : reinterpret_cast<float*>(r.param);
+  r.m = m_ + optim_off;
+  r.v = v_ + optim_off;
+  return r;
+}
+
+absl::Status Engine::Impl::ReduceUnit(int u) {
+  const memory::Unit& unit = plan_.units[u];
+  const auto t0 = Clock::now();
+  const bool first = micro_ == 0;
+  const auto avg = comm::ReduceOp::kAvg;
+  if (stage_ <= 1) {
+    char* g = At(grads_, unit.flat_offset);
+    if (stage_ == 0) {
+      RETURN_IF_ERROR(comm_->AllReduce(g, g, unit.padded, cdt_, avg));
+      Sent(unit.shard, 2);
+    } else {
+      RETURN_IF_ERROR(comm_->ReduceScatter(g, At(g, rank_ * unit.shard), unit.shard, cdt_, avg));
+      Sent(unit.shard, 1);
+    }
+    if (gas_ > 1) {
+      // Accumulate after the reduction so that every stage sums in the same order.
+      const char* reduced = stage_ == 0 ? g : At(g, rank_ * unit.shard);
+      char* acc = stage_ == 0 ? At(accum_, unit.flat_offset) : At(accum_, unit.shard_offset);
+      const int64_t n = stage_ == 0 ? unit.padded : unit.shard;
+      if (first) {
+        RETURN_IF_ERROR(dev_->Copy(acc, reduced, n * c_, nullptr));
+      } else {
+        RETURN_IF_ERROR(dev_->Accumulate(acc, reduced, cdt_, n, nullptr));
+      }
+      RETURN_IF_ERROR(dev_->Zero(g, unit.padded * c_, nullptr));
+    }
+  } else {
+    const int b = unit_bucket_[u];
+    char* bucket = At(buckets_, b * bucket_elems_);
+    char* shard = At(grads_, unit.shard_offset);
+    if (first) {
+      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, shard, unit.shard, cdt_, avg));
+    } else {
+      char* mine = At(bucket, rank_ * unit.shard);
+      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, mine, unit.shard, cdt_, avg));
+      RETURN_IF_ERROR(dev_->Accumulate(shard, mine, cdt_, unit.shard, nullptr));
+    }
+    Sent(unit.shard, 1);
+    bucket_busy_[b] = 0;
+    unit_bucket_[u] = -1;
+  }
+  stats_.reduce_ms += MsSince(t0);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::ResetGradients() {
+  std::fill(ready_.begin(), ready_.end(), 0);
+  for (size_t u = 0; u < plan_.units.size(); ++u) {
+    pending_[u] = static_cast<int>(plan_.units[u].params.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::AllGatherParams(int u) {
+  const memory::Unit& unit = plan_.units[u];
+  if (stage_ == 1 || stage_ == 2) {
+    char* full = At(params_, unit.flat_offset);
+    RETURN_IF_ERROR(comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_));
+    Sent(unit.shard, 1);
+  } else if (stage_ == 3 && unit.persistent) {
+    RETURN_IF_ERROR(comm_->AllGather(At(params_, unit.shard_offset),
+                                     At(persistent_, persistent_offset_[u]), unit.shard, cdt_));
+    Sent(unit.shard, 1);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Engine::Impl::AcquireSlot() {
+  int best = -1;
+  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.held) continue;
+    if (slot.unit < 0) return s;
+    if (best < 0 || slot.last_use < slots_[best].last_use) best = s;
+  }
+  if (best < 0) {
+    std::vector<int> held;
+    for (const Slot& s : slots_) held.push_back(s.unit);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stage 3: all ", slots_.size(), " gather slots are held (units ", absl::StrJoin(held, ", "),
+        "); Release units after use, or raise zero_optimization.stage3_max_live_parameters"));
+  }
+  unit_slot_[slots_[best].unit] = -1;
+  slots_[best].unit = -1;
+  return best;
+}
+
+absl::Status Engine::Impl::GatherIntoSlot(int u, int s) {
+  const memory::Unit& unit = plan_.units[u];
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(comm_->AllGather(At(params_, unit.shard_offset), At(gather_, s * slot_elems_),
+                                   unit.shard, cdt_));
+  Sent(unit.shard, 1);
+  slots_[s].unit = u;
+  slots_[s].last_use = ++use_clock_;
+  unit_slot_[u] = s;
+  stats_.gather_ms += MsSince(t0);
+  return absl::OkStatus();
+}
+
+// Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.
+// Only empty slots and slots holding units already passed in this direction are reused, so a
+// prefetch never evicts a unit that is about to be needed. Every rank runs the same
+// Gather/Release sequence, so every rank prefetches the same units in the same order.
+absl::Status Engine::Impl::Prefetch(int from, int direction) {
+  int64_t budget = plan_.options.prefetch_elements;
+  const int nu = static_cast<int>(plan_.units.size());
+  for (int u = from + direction; u >= 0 && u < nu && budget > 0; u += direction) {
+    const memory::Unit& unit = plan_.units[u];
+    if (unit.persistent) continue;
+    budget -= unit.padded;
+    if (unit_slot_[u] >= 0) continue;
+    int pick = -1;
+    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+      const Slot& slot = slots_[s];
+      if (slot.held) continue;
+      if (slot.unit < 0) {
+        pick = s;
+        break;
+      }
+      const bool passed = (slot.unit - from) * direction < 0;
+      if (passed && (pick < 0 || slot.last_use < slots_[pick].last_use)) pick = s;
+    }
+    if (pick < 0) break;
+    if (slots_[pick].unit >= 0) {
+      unit_slot_[slots_[pick].unit] = -1;
+      slots_[pick].unit = -1;
+    }
+    RETURN_IF_ERROR(GatherIntoSlot(u, pick));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
+  const auto t0 = Clock::now();
+  const int nu = static_cast<int>(plan_.units.size());
+  // Per-(shard, unit) squared-norm partials and a finiteness flag, exchanged in one all-gather
+  // (stages 1-3); stage 0 holds every reduced gradient and computes all partials itself.
+  // (world, units + 1) fp32
+  std::vector<float> table(static_cast<size_t>(world_) * (nu + 1), 0.0f);
+  bool finite = true;
+  for (int u = 0; u < nu; ++u) {
+    const memory::Unit& unit = plan_.units[u];
+    const Region reg = Owned(u);
+    bool f = true;
+    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt_, reg.n, &f, nullptr));
+    finite = finite && f;
+    if (stage_ == 0) {
+      for (int q = 0; q < world_; ++q) {
+        RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c_, cdt_, unit.shard,
+                                          &table[q * (nu + 1) + u], nullptr));
+      }
+    } else {
+      RETURN_IF_ERROR(
+          dev_->SquaredNorm(reg.grad, cdt_, reg.n, &table[rank_ * (nu + 1) + u], nullptr));
+    }
+  }
+  RETURN_IF_ERROR(dev_->Synchronize(nullptr));
+  if (stage_ == 0) {
+    for (int q = 0; q < world_; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
+  } else {
+    table[rank_ * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
+    if (world_ > 1) {
+      std::vector<float> mine(table.begin() + rank_ * (nu + 1),
+                              table.begin() + (rank_ + 1) * (nu + 1));
+      RETURN_IF_ERROR(comm_->AllGather(mine.data(), table.data(), nu + 1, DType::kF32));
+    }
+  }
+  double sumsq = 0;
+  bool all_finite = true;
+  for (int q = 0; q < world_; ++q) all_finite = all_finite && table[q * (nu + 1) + nu] == 1.0f;
+  for (int u = 0; u < nu; ++u) {
+    for (int q = 0; q < world_; ++q) sumsq += table[q * (nu + 1) + u];
+  }
+  const double scale = scaler_.scale() * gas_;  // gradients hold sum over micro-steps x scale
+  const double norm = std::sqrt(sumsq) / scale;
+  const bool overflow = !all_finite || !std::isfinite(norm);
+
+  StepStats stats = stats_;
+  stats.boundary = true;
+  stats.loss_scale = scaler_.scale();
+  stats.grad_norm = norm;
+  if (overflow) {
+    stats.skipped = true;
+    stats.grad_norm = std::numeric_limits<double>::infinity();
+  } else {
+    double coef = 1;
+    if (config_.gradient_clipping > 0 && norm > config_.gradient_clipping) {
+      coef = config_.gradient_clipping / (norm + 1e-6);
+    }
+    stats.clip_coef = coef;
+    const float grad_scale = static_cast<float>(coef / scale);
+    ++step_;
+    const OptimizerConfig& oc = config_.optimizer;
+    ASSIGN_OR_RETURN(offload::AdamWStepParams params,
+                     offload::MakeAdamWStepParams(oc.lr, oc.beta1, oc.beta2, oc.eps,
+                                                  oc.weight_decay, step_));
+    for (int u = 0; u < nu; ++u) {
+      const Region reg = Owned(u);
+      if (!offload_) {
+        offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
+                               master_ != nullptr ? reg.param : nullptr, cdt_,
+                               static_cast<size_t>(reg.n)};
+        RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, nullptr));
+        continue;
+      }
+      // Offload: gradient shard down into a pinned chunk, AdamW on the host, new parameters
+      // back up. Chunks rotate through buffer_count slots so that copies and updates can overlap
+      // on a stream-ordered device.
+      const int64_t chunk_slots = plan_.options.offload_buffer_count;
+      char* chunk = At(staging_, (u % chunk_slots) * staging_chunk_);
+      char* grad_host = chunk;
+      char* param_host = At(chunk, staging_chunk_ / 2);
+      RETURN_IF_ERROR(dev_->Copy(grad_host, reg.grad, reg.n * c_, nullptr));
+      RETURN_IF_ERROR(dev_->Synchronize(nullptr));
+      offload::AdamWArrays a{reg.master, reg.m, reg.v, grad_host, cdt_, param_host, cdt_,
+                             static_cast<size_t>(reg.n)};
+      RETURN_IF_ERROR(offload::CpuAdamW(a, params, grad_scale, config_.cpu_threads));
+      RETURN_IF_ERROR(dev_->Copy(reg.param, param_host, reg.n * c_, nullptr));
+    }
+    stats.optimizer_ms = MsSince(t0);
+    const auto tg = Clock::now();
+    for (int u = 0; u < nu; ++u) RETURN_IF_ERROR(AllGatherParams(u));
+    if (stage_ == 3) {
+      // Gathered copies are stale now.
+      for (Slot& s : slots_) {
+        if (s.unit >= 0 && !s.held) {
+          unit_slot_[s.unit] = -1;
+          s.unit = -1;
+        }
+      }
+    }
+    stats.gather_ms += MsSince(tg);
+  }
+  RETURN_IF_ERROR(scaler_.Update(overflow));
+  // Reset gradient state for the next window.
+  if (stage_ <= 1) RETURN_IF_ERROR(dev_->Zero(grads_, plan_.padded_elements * c_, nullptr));
+  stats.step = step_;
+  stats.comm_bytes = stats_.comm_bytes;
+  stats_ = StepStats();
+  return stats;
+}
+
+// --- Engine --------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
+                                                       std::vector<memory::ParamSpec> params,
+                                                       comm::Communicator* comm, Device* device) {
+  if (comm == nullptr || device == nullptr) {
+    return absl::InvalidArgumentError("Engine::Create needs a communicator and a device");
+  }
+  RETURN_IF_ERROR(ValidateConfig(config));
+  if (comm->size() < 1 || comm->rank() < 0 || comm->rank() >= comm->size()) {
+    return absl::InvalidArgumentError(absl::StrCat("communicator reports rank ", comm->rank(),
+                                                   " of size ", comm->size()));
+  }
+  ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(params, config, comm->size(), comm->rank()));
+  if (!choice.fits) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the plan does not fit zero_optimization.memory_budget: ", choice.reason));
+  }
+  auto impl = std::make_unique<Impl>(config, std::move(params), std::move(choice.plan), comm,
+                                     device);
+  RETURN_IF_ERROR(impl->Allocate());
+  RETURN_IF_ERROR(impl->CheckPeersAgree());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+const memory::Plan& Engine::plan() const { return impl_->plan_; }
+const Config& Engine::config() const { return impl_->config_; }
+int Engine::num_params() const { return static_cast<int>(impl_->specs_.size()); }
+int Engine::num_units() const { return static_cast<int>(impl_->plan_.units.size()); }
+int Engine::unit_of(int param) const { return impl_->plan_.params.at(param).unit; }
+MemoryReport Engine::memory_report() const { return impl_->report_; }
+double Engine::loss_scale() const { return impl_->scaler_.scale(); }
+int64_t Engine::step() const { return impl_->step_; }
+
+absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
+  Impl& m = *impl_;
+  for (size_t u = 0; u < m.plan_.units.size(); ++u) {
+    const memory::Unit& unit = m.plan_.units[u];
+    std::vector<float> values(unit.padded, 0.0f);  // (padded) fp32, host
+    if (!from_rank0 || m.rank_ == 0) {
+      for (int i : unit.params) {
+        const memory::ParamLayout& p = m.plan_.params[i];
+        init(i, m.specs_[i], values.data() + p.offset_in_unit);
+      }
+    }
+    if (from_rank0 && m.world_ > 1) {
+      RETURN_IF_ERROR(m.comm_->Broadcast(values.data(), unit.padded, DType::kF32, 0));
+    }
+    // The compute-dtype copy is what forward sees: round the fp32 values once, on the host.
+    std::vector<char> compute(unit.padded * m.c_);
+    offload::Cast(values.data(), DType::kF32, compute.data(), m.cdt_, unit.padded);
+    const int64_t own = m.stage_ == 0 ? 0 : m.rank_ * unit.shard;
+    const int64_t n = m.stage_ == 0 ? unit.padded : unit.shard;
+    const Impl::Region reg = m.Owned(static_cast<int>(u));
+    if (m.master_ != nullptr) {
+      RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + own, n * 4, nullptr));
+    }
+    RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, nullptr));
+    RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, nullptr));
+    if (m.stage_ <= 2) {
+      RETURN_IF_ERROR(m.dev_->Copy(m.At(m.params_, unit.flat_offset), compute.data(),
+                                   unit.padded * m.c_, nullptr));
+    } else {
+      RETURN_IF_ERROR(m.dev_->Copy(m.At(m.params_, unit.shard_offset),
+                                   compute.data() + own * m.c_, n * m.c_, nullptr));
+      if (unit.persistent) {
+        RETURN_IF_ERROR(m.dev_->Copy(m.At(m.persistent_, m.persistent_offset_[u]),
+                                     compute.data(), unit.padded * m.c_, nullptr));
+      }
+    }
+  }
+  for (Impl::Slot& s : m.slots_) {
+    if (s.unit >= 0 && !s.held) {
+      m.unit_slot_[s.unit] = -1;
+      s.unit = -1;
+    }
+  }
+  return m.dev_->Synchronize(nullptr);
+}
+
+absl::StatusOr<void*> Engine::param(int i) {
+  Impl& m = *impl_;
+  if (i < 0 || i >= num_params()) {
+    return absl::OutOfRangeError(absl::StrCat("param(", i, "): there are ", num_params(),
+                                              " parameters"));
+  }
+  const memory::ParamLayout& p = m.plan_.params[i];
+  if (m.stage_ <= 2) return static_cast<void*>(m.At(m.params_, p.flat_offset));
+  if (m.plan_.units[p.unit].persistent) {
+    return static_cast<void*>(m.At(m.persistent_, m.persistent_offset_[p.unit] + p.offset_in_unit));
+  }
+  const int s = m.unit_slot_[p.unit];
+  if (s < 0 || !m.slots_[s].held) {
+    return absl::FailedPreconditionError(absl::StrCat("parameter '", p.name, "' (unit ", p.unit,
+                                                      ") is not gathered: call Gather(", p.unit,
+                                                      ") first"));
+  }
+  return static_cast<void*>(m.At(m.gather_, s * m.slot_elems_ + p.offset_in_unit));
+}
+
+absl::StatusOr<void*> Engine::grad(int i) {
+  Impl& m = *impl_;
+  if (i < 0 || i >= num_params()) {
+    return absl::OutOfRangeError(absl::StrCat("grad(", i, "): there are ", num_params(),
+                                              " parameters"));
+  }
+  const memory::ParamLayout& p = m.plan_.params[i];
+  if (m.ready_[i]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "grad('", p.name, "') after its GradReady in this micro-step: the buffer is being reduced"));
+  }
+  if (m.stage_ <= 1) return static_cast<void*>(m.At(m.grads_, p.flat_offset));
+  int b = m.unit_bucket_[p.unit];
+  if (b < 0) {
+    for (int k = 0; k < static_cast<int>(m.bucket_busy_.size()); ++k) {
+      if (!m.bucket_busy_[k]) {
+        b = k;
+        break;
+      }
+    }
+    if (b < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "grad('", p.name, "'): all ", m.bucket_busy_.size(), " gradient buckets hold units "
+          "whose GradReady is incomplete; finish a unit before starting another"));
+    }
+    m.bucket_busy_[b] = 1;
+    m.unit_bucket_[p.unit] = b;
+    RETURN_IF_ERROR(m.dev_->Zero(m.At(m.buckets_, b * m.bucket_elems_),
+                                 m.plan_.units[p.unit].padded * m.c_, nullptr));
+  }
+  return static_cast<void*>(m.At(m.buckets_, b * m.bucket_elems_ + p.offset_in_unit));
+}
+
+absl::Status Engine::GradReady(int i) {
+  Impl& m = *impl_;
+  if (i < 0 || i >= num_params()) {
+    return absl::OutOfRangeError(absl::StrCat("GradReady(", i, "): there are ", num_params(),
+                                              " parameters"));
+  }
+  const memory::ParamLayout& p = m.plan_.params[i];
+  if (m.ready_[i]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("GradReady('", p.name, "') called twice in one micro-step"));
+  }
+  if (m.stage_ >= 2 && m.unit_bucket_[p.unit] < 0) {
+    // The trainer never asked for this gradient: it is zero. Hand out the bucket now.
+    RETURN_IF_ERROR(grad(i).status());
+  }
+  m.ready_[i] = 1;
+  if (--m.pending_[p.unit] == 0) return m.ReduceUnit(p.unit);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::GradReadyUnit(int unit) {
+  if (unit < 0 || unit >= num_units()) {
+    return absl::OutOfRangeError(absl::StrCat("GradReadyUnit(", unit, "): there are ",
+                                              num_units(), " units"));
+  }
+  for (int i : impl_->plan_.units[unit].params) {
+    if (!impl_->ready_[i]) RETURN_IF_ERROR(GradReady(i));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Gather(int unit) {
+  Impl& m = *impl_;
+  if (unit < 0 || unit >= num_units()) {
+    return absl::OutOfRangeError(absl::StrCat("Gather(", unit, "): there are ", num_units(),
+                                              " units"));
+  }
+  if (m.stage_ != 3 || m.plan_.units[unit].persistent) return absl::OkStatus();
+  int s = m.unit_slot_[unit];
+  if (s >= 0 && m.slots_[s].held) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Gather(", unit, "): the unit is already gathered; Release it first"));
+  }
+  const int direction = m.last_gathered_ >= 0 && unit > m.last_gathered_ ? 1 : -1;
+  if (s < 0) {
+    ASSIGN_OR_RETURN(s, m.AcquireSlot());
+    RETURN_IF_ERROR(m.GatherIntoSlot(unit, s));
+  }
+  m.slots_[s].held = true;
+  m.slots_[s].last_use = ++m.use_clock_;
+  m.last_gathered_ = unit;
+  return m.Prefetch(unit, direction);
+}
+
+absl::Status Engine::Release(int unit) {
+  Impl& m = *impl_;
+  if (unit < 0 || unit >= num_units()) {
+    return absl::OutOfRangeError(absl::StrCat("Release(", unit, "): there are ", num_units(),
+                                              " units"));
+  }
+  if (m.stage_ != 3 || m.plan_.units[unit].persistent) return absl::OkStatus();
+  const int s = m.unit_slot_[unit];
+  if (s < 0 || !m.slots_[s].held) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Release(", unit, "): the unit is not gathered"));
+  }
+  m.slots_[s].held = false;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> Engine::Step() {
+  Impl& m = *impl_;
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < m.ready_.size(); ++i) {
+    if (!m.ready_[i]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Step() before every gradient is ready: GradReady('", m.specs_[i].name,
+          "') is missing in this micro-step"));
+    }
+  }
+  RETURN_IF_ERROR(m.ResetGradients());
+  ++m.micro_;
+  if (m.micro_ < m.gas_) {
+    StepStats stats;
+    stats.step = m.step_;
+    stats.loss_scale = m.scaler_.scale();
+    stats.total_ms = MsSince(t0);
+    return stats;
+  }
+  m.micro_ = 0;
+  ASSIGN_OR_RETURN(StepStats stats, m.ApplyStep());
+  stats.total_ms = MsSince(t0);
+  return stats;
+}
+
+absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
+  Impl& m = *impl_;
+  int64_t total = 0;
+  for (const memory::ParamLayout& p : m.plan_.params) total += p.numel;
+  std::vector<float> out(total);
+  std::vector<int64_t> param_start(m.specs_.size());
+  int64_t off = 0;
+  for (size_t i = 0; i < m.specs_.size(); ++i) {
+    param_start[i] = off;
+    off += m.plan_.params[i].numel;
+  }
+  for (size_t u = 0; u < m.plan_.units.size(); ++u) {
+    const memory::Unit& unit = m.plan_.units[u];
+    std::vector<float> full(unit.padded);  // (padded) fp32, host
+    const Impl::Region reg = m.Owned(static_cast<int>(u));
+    if (m.stage_ == 0) {
+      RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, nullptr));
+    } else {
+      std::vector<float> shard(unit.shard);
+      RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, nullptr));
+      RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
+      RETURN_IF_ERROR(m.comm_->AllGather(shard.data(), full.data(), unit.shard, DType::kF32));
+    }
+    RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
+    for (int i : unit.params) {
+      const memory::ParamLayout& p = m.plan_.params[i];
+      std::copy(full.begin() + p.offset_in_unit, full.begin() + p.offset_in_unit + p.numel,
+                out.begin() + param_start[i]);
+    }
+  }
+  return out;
+}
+
+}  // namespace zerort

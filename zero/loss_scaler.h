@@ -1,0 +1,46 @@
+// LossScaler: fp16 loss scaling with DeepSpeed's dynamic semantics.
+//
+// Dynamic scaling starts at 2^initial_scale_power. An overflow consumes one unit of hysteresis;
+// when none is left the scale halves (never below min_loss_scale). After loss_scale_window
+// consecutive steps without overflow the scale doubles and hysteresis is restored. An overflow
+// while the scale already sits at min_loss_scale is an error (FailedPrecondition): DeepSpeed
+// would skip steps forever. With a fixed scale (fp16.loss_scale > 0), or outside fp16, Update
+// never changes the scale, but overflows are still reported to the caller by the engine.
+//
+// Thread safety: a plain value; one per engine.
+#ifndef ZERORT_ZERO_LOSS_SCALER_H_
+#define ZERORT_ZERO_LOSS_SCALER_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "zero/config.h"
+
+namespace zerort {
+
+class LossScaler {
+ public:
+  // Dynamic when precision is fp16 and fp16.loss_scale == 0; fixed at fp16.loss_scale when that
+  // is > 0; fixed at 1 otherwise.
+  explicit LossScaler(const Config& config);
+
+  double scale() const { return scale_; }
+  bool dynamic() const { return dynamic_; }
+
+  // Records the outcome of one optimizer step (overflow = skipped).
+  absl::Status Update(bool overflow);
+
+ private:
+  bool dynamic_ = false;
+  double scale_ = 1;
+  double min_scale_ = 1;
+  int window_ = 1000;
+  int hysteresis_ = 2;
+  int hysteresis_left_ = 2;
+  int64_t iter_ = 0;
+  int64_t last_overflow_iter_ = -1;
+};
+
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_LOSS_SCALER_H_
