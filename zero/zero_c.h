@@ -132,7 +132,7 @@ zr_status zr_engine_param(zr_engine* engine, int i, void** out);
 zr_status zr_engine_grad(zr_engine* engine, int i, void** out);
 /* The gradient of parameter i (or of every parameter of `unit`) is written. A unit whose
  * parameters are all ready is reduced at once. Marking a parameter twice in one micro-step is
- * an error. */
+ * ZR_FAILED_PRECONDITION; an index outside the model ZR_OUT_OF_RANGE. */
 zr_status zr_engine_grad_ready(zr_engine* engine, int i);
 zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit);
 /* Stage 3: make `unit`'s parameters readable / let its buffer be reused. No-ops in stages 0-2.
