@@ -1,5 +1,7 @@
 #include "zero/demo.h"
 
+#include <cstdlib>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,6 +43,35 @@ TEST_CASE("Demo: prints one line per step, a falling loss and planned == allocat
   CHECK(rows.front()[2] > 0);  // a real gradient norm
   CHECK(out.str().find("stage " + stage + ",") != std::string::npos);
   // A row per rank in the memory table and the verdict.
+  CHECK(out.str().find("every rank allocated exactly its plan") != std::string::npos);
+}
+
+TEST_CASE("Demo: --config is honoured and --stage / --precision override it", "[zero]") {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/demo_offload.json";
+  {
+    std::ofstream f(path);
+    f << R"({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+             "bf16": {"enabled": true}, "optimizer": {"params": {"lr": 0.01}}})";
+  }
+  std::ostringstream out;
+  absl::Status status = RunDemoCommand(
+      {"--config", path, "--stage", "2", "--precision", "fp32", "--ranks", "3", "--steps", "4"},
+      out);
+  INFO(out.str());
+  REQUIRE(status.ok());
+  CHECK(out.str().find("on 3 in-process ranks, stage 2, fp32") != std::string::npos);
+  CHECK(StepRows(out.str()).size() == 4u);
+  // Offloaded optimizer state shows up as pinned host memory on every rank, as planned.
+  int offload_rows = 0;
+  for (absl::string_view line : absl::StrSplit(out.str(), '\n')) {
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    // "rank  dev_planned / dev_alloc  pinned_planned / pinned_alloc  host_planned / host_alloc"
+    if (f.size() == 10 && f[2] == "/" && f[5] == "/" && f[4] != "0" && f[4] == f[6]) {
+      ++offload_rows;
+    }
+  }
+  CHECK(offload_rows == 3);
   CHECK(out.str().find("every rank allocated exactly its plan") != std::string::npos);
 }
 

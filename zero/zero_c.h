@@ -93,8 +93,8 @@ const char* zr_status_name(zr_status status);
  * REQUIRES: world_size >= 1, comms holds world_size pointers. */
 zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** comms);
 void zr_comm_destroy(zr_comm* comm); /* NULL is a no-op */
-int zr_comm_rank(const zr_comm* comm);
-int zr_comm_size(const zr_comm* comm);
+int zr_comm_rank(const zr_comm* comm); /* -1 for NULL */
+int zr_comm_size(const zr_comm* comm); /* -1 for NULL */
 
 /* The CPU device; threads for its kernels (0 = all cores). */
 zr_status zr_cpu_device_create(int threads, zr_device** device);
@@ -185,9 +185,10 @@ typedef struct zr_plan_summary {
 zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out);
 /* The unit (gradient bucket and stage-3 gather unit) parameter i belongs to. */
 zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit);
+/* REQUIRES: engine != NULL (these cannot report an error). */
 zr_dtype zr_engine_compute_dtype(const zr_engine* engine);
 double zr_engine_loss_scale(const zr_engine* engine); /* 1 unless fp16 */
-int64_t zr_engine_step_count(const zr_engine* engine);
+int64_t zr_engine_step_count(const zr_engine* engine); /* optimizer steps applied */
 
 /* ---- Helpers ---- */
 

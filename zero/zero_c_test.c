@@ -75,6 +75,7 @@ typedef struct {
   zr_comm* comm;
   zr_device* device;
   const char* config;
+  int per_unit; /* grad_ready_unit instead of grad_ready per parameter */
   float first_loss;
   float last_loss;
   float master[NUM_ELEMENTS];
@@ -140,12 +141,22 @@ static void* RunRank(void* arg) {
         for (int i = 0; i < IN; ++i) gw[o * IN + i] += d * x[s][i];
       }
     }
-    MUST(zr_engine_grad(engine, 1, &p));
-    zr_convert(gb, ZR_F32, p, dtype, OUT);
-    MUST(zr_engine_grad_ready(engine, 1));
-    MUST(zr_engine_grad(engine, 0, &p));
-    zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
-    MUST(zr_engine_grad_ready(engine, 0));
+    if (job->per_unit) {
+      /* Both gradients written first, then each unit marked ready as a whole. */
+      MUST(zr_engine_grad(engine, 1, &p));
+      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      MUST(zr_engine_grad(engine, 0, &p));
+      zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
+      MUST(zr_engine_grad_ready_unit(engine, unit_b));
+      if (unit_w != unit_b) MUST(zr_engine_grad_ready_unit(engine, unit_w));
+    } else {
+      MUST(zr_engine_grad(engine, 1, &p));
+      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      MUST(zr_engine_grad_ready(engine, 1));
+      MUST(zr_engine_grad(engine, 0, &p));
+      zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
+      MUST(zr_engine_grad_ready(engine, 0));
+    }
     zr_step_stats stats;
     MUST(zr_engine_step(engine, &stats));
     CHECK(stats.boundary == 1, "step %d", step);
@@ -157,7 +168,7 @@ static void* RunRank(void* arg) {
   return NULL;
 }
 
-static void TrainOnTwoRanks(const char* precision, int stage) {
+static void TrainOnTwoRanks(const char* precision, int stage, int per_unit) {
   char config[512];
   snprintf(config, sizeof config,
            "{\"zero_optimization\": {\"stage\": %d, \"stage3_param_persistence_threshold\": 0},"
@@ -179,6 +190,7 @@ static void TrainOnTwoRanks(const char* precision, int stage) {
     jobs[r].comm = comms[r];
     jobs[r].device = device;
     jobs[r].config = config;
+    jobs[r].per_unit = per_unit;
     pthread_create(&threads[r], NULL, RunRank, &jobs[r]);
   }
   for (int r = 0; r < WORLD; ++r) pthread_join(threads[r], NULL);
@@ -328,7 +340,7 @@ static void Conversions(void) {
 int main(void) {
   const char* precisions[2] = {"bf16", "fp16"};
   for (int p = 0; p < 2; ++p) {
-    for (int stage = 0; stage <= 3; ++stage) TrainOnTwoRanks(precisions[p], stage);
+    for (int stage = 0; stage <= 3; ++stage) TrainOnTwoRanks(precisions[p], stage, stage == 1);
   }
   ErrorPaths();
   Conversions();
