@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what zerort's build needs on a fresh Debian bookworm machine (no-op when present).
+# Everything else comes from the machine: the CUDA toolkit under /usr/local/cuda.
+set -euo pipefail
+packages=(bazel-bootstrap libabsl-dev catch2 openmpi-bin libopenmpi-dev nlohmann-json3-dev
+          libbenchmark-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get install -y -q "${missing[@]}" >/dev/null ||
+    { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${missing[@]}" >/dev/null; }
+fi
+if [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  echo "setup: warning: /usr/local/cuda/bin/nvcc not found; CUDA targets will not build" >&2
+fi
