@@ -119,6 +119,8 @@ commands:
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto)
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
+  demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
+         [--config FILE] [--ranks N (4)] [--steps S (30)] [--stage 0-3] [--precision P (bf16)]
 )";
 }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "zero/cli.h"
+#include "zero/demo.h"
 
 int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
@@ -16,6 +17,8 @@ int main(int argc, char** argv) {
   absl::Status status;
   if (command == "plan") {
     status = zerort::RunPlanCommand(args, std::cout);
+  } else if (command == "demo") {
+    status = zerort::RunDemoCommand(args, std::cout);
   } else {
     std::cerr << "zerort: unknown command '" << command << "'\n" << zerort::Usage();
     return 2;
