@@ -57,7 +57,7 @@ TEST_CASE("Planner: every element has exactly one owner and shards are equal and
           "[memory]") {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 60; ++trial) {
-    const auto specs = RandomModel(rng, 1 + trial % 9, 1 + trial * 7);
+    const auto specs = RandomModel(rng, 1 + trial % 9, 1 + trial % 20 * 3);
     PlanOptions o;
     o.stage = trial % 4;
     o.world_size = 1 + trial % 11;
