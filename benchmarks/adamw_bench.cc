@@ -42,8 +42,9 @@ using offload::AdamWStepParams;
 constexpr float kLr = 1e-3f, kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWd = 0.1f;
 
 // Arrays start at different offsets modulo 4 KiB (slot * 1280 bytes, still 256-aligned):
-// arrays that all start on a page boundary make the loads of one stream alias the stores of another in the CPU's 4K
-// store-forwarding check, which stalls the long div/sqrt chains (--aligned shows the effect).
+// arrays that all start on a page boundary make the loads of one stream alias the stores of
+// another in the CPU's 4K store-forwarding check, which stalls the long div/sqrt chains
+// (--aligned shows the effect).
 int g_stagger_bytes = 1280;
 std::vector<void*> g_allocations;
 
