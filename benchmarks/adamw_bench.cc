@@ -11,7 +11,8 @@
 // Bytes per parameter (reads + writes, ignoring write-allocate): bf16 grads in and bf16 params
 // out = 4*3 + 2 read, 4*3 + 2 written = 28; all fp32 = 32.
 //
-// Usage: adamw_bench [--quick] [--max_params=N] (default 2e8; --quick: 1e6 and 4e6 only).
+// Usage: adamw_bench [--quick] [--aligned] [--max_params=N] (default 2e8; --quick: 1e6 and 4e6
+// only; --aligned: every array page-aligned, to show the 4K-aliasing penalty).
 #include <immintrin.h>
 #include <unistd.h>
 
@@ -40,14 +41,28 @@ using offload::AdamWStepParams;
 
 constexpr float kLr = 1e-3f, kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWd = 0.1f;
 
+// Arrays start at different offsets modulo 4 KiB (slot * 1280 bytes, still 256-aligned):
+// arrays that all start on a page boundary make the loads of one stream alias the stores of
+// another in the CPU's 4K store-forwarding check, which stalls the long div/sqrt chains
+// (--aligned shows the effect).
+int g_stagger_bytes = 1280;
+std::vector<void*> g_allocations;
+
 template <typename T>
-T* AllocArray(size_t n) {
-  void* p = std::aligned_alloc(4096, std::max<size_t>(4096, (n * sizeof(T) + 4095) / 4096 * 4096));
+T* AllocArray(size_t n, int slot) {
+  const size_t bytes = (n * sizeof(T) + 2 * 4096 + 4095) / 4096 * 4096;
+  void* p = std::aligned_alloc(4096, bytes);
   if (p == nullptr) {
     std::fprintf(stderr, "adamw_bench: out of memory for %zu elements\n", n);
     std::exit(1);
   }
-  return static_cast<T*>(p);
+  g_allocations.push_back(p);
+  return reinterpret_cast<T*>(static_cast<char*>(p) + (slot * g_stagger_bytes) % 4096);
+}
+
+void FreeArrays() {
+  for (void* p : g_allocations) std::free(p);
+  g_allocations.clear();
 }
 
 // Same split as the kernels: contiguous ranges, 64-element boundaries.
@@ -140,10 +155,12 @@ int Main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
       quick = true;
+    } else if (arg == "--aligned") {
+      g_stagger_bytes = 0;
     } else if (arg.rfind("--max_params=", 0) == 0) {
       max_params = std::atof(arg.c_str() + 13);
     } else {
-      std::fprintf(stderr, "usage: adamw_bench [--quick] [--max_params=N]\n");
+      std::fprintf(stderr, "usage: adamw_bench [--quick] [--aligned] [--max_params=N]\n");
       return 2;
     }
   }
@@ -165,6 +182,7 @@ int Main(int argc, char** argv) {
   out["simd"] = std::string(offload::SimdLevelName(offload::ActiveSimd()));
   out["threads_all"] = all_threads;
   out["llc_bytes"] = llc;
+  out["array_stagger_bytes"] = g_stagger_bytes;
   out["limit"] = "floor: same arrays, same dtypes, trivial arithmetic (memory floor)";
   out["bytes_per_param"] = {{"bf16", 28}, {"fp32", 32}};
   nlohmann::json results = nlohmann::json::array();
@@ -172,13 +190,13 @@ int Main(int argc, char** argv) {
   for (size_t n : sizes) {
     for (DType d : {DType::kBF16, DType::kF32}) {
       const size_t bytes_per_param = d == DType::kBF16 ? 28 : 32;
-      float* master = AllocArray<float>(n);
-      float* m = AllocArray<float>(n);
-      float* v = AllocArray<float>(n);
-      void* grad = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n))
-                                     : static_cast<void*>(AllocArray<float>(n));
-      void* param = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n))
-                                      : static_cast<void*>(AllocArray<float>(n));
+      float* master = AllocArray<float>(n, 0);
+      float* m = AllocArray<float>(n, 1);
+      float* v = AllocArray<float>(n, 2);
+      void* grad = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n, 3))
+                                     : static_cast<void*>(AllocArray<float>(n, 3));
+      void* param = d == DType::kBF16 ? static_cast<void*>(AllocArray<uint16_t>(n, 4))
+                                      : static_cast<void*>(AllocArray<float>(n, 4));
       AdamWArrays a{master, m, v, grad, d, param, d, n};
       // First touch from the threads that will use the pages (matters on multi-socket hosts).
       Parallel(n, all_threads, [&](size_t b, size_t e) {
@@ -236,9 +254,7 @@ int Main(int argc, char** argv) {
                      n, std::string(DTypeName(d)).c_str(), threads, n / t_adamw, n / t_floor,
                      t_floor / t_adamw, n / t_scalar, triad_gbps);
       }
-      for (void* p : {static_cast<void*>(master), static_cast<void*>(m), static_cast<void*>(v), grad, param}) {
-        std::free(p);
-      }
+      FreeArrays();
     }
   }
   out["results"] = results;
