@@ -6,6 +6,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -144,7 +145,12 @@ ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t coun
   }
 }
 
-bool DetectSimd() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+bool DetectSimd() {
+  // F16C through cpuid (leaf 1, ecx bit 29): not every compiler's __builtin_cpu_supports knows it.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+  return f16c && __builtin_cpu_supports("avx2");
+}
 #else
 bool DetectSimd() { return false; }
 #endif
