@@ -33,6 +33,14 @@ void RunRanks(int n, const std::function<void(int)>& fn) {
 }
 
 // Typed storage for test data: values are kept as raw bits of the dtype.
+// memcmp for possibly empty (null) ranges.
+bool SameBytes(const void* a, const void* b, size_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
+}
+void CopyBytes(void* d, const void* s, size_t n) {
+  if (n > 0) std::memcpy(d, s, n);
+}
+
 struct Buf {
   DType t;
   std::vector<char> bytes;
@@ -115,7 +123,7 @@ TEST_CASE("InProcess: reduce-scatter equals the serial reference for every world
               REQUIRE(st[r].ok());
               const Buf expect = SerialReduce(original, r * count, count, op);
               const char* got = in_place ? send[r].at(r * count) : recv[r].at(0);
-              CHECK(std::memcmp(got, expect.bytes.data(), expect.bytes.size()) == 0);
+              CHECK(SameBytes(got, expect.bytes.data(), expect.bytes.size()));
             }
           }
         }
@@ -171,7 +179,7 @@ TEST_CASE("InProcess: all-gather places block r at r*count, in place and out of 
         for (int r = 0; r < n; ++r) send.push_back(Random(t, count, rng));
         std::vector<Buf> out(n, Buf(t, n * count)), inplace(n, Buf(t, n * count));
         for (int r = 0; r < n; ++r) {
-          std::memcpy(inplace[r].at(r * count), send[r].data(), send[r].bytes.size());
+          CopyBytes(inplace[r].at(r * count), send[r].data(), send[r].bytes.size());
         }
         std::vector<absl::Status> st(2 * n);
         RunRanks(n, [&](int r) {
@@ -181,7 +189,7 @@ TEST_CASE("InProcess: all-gather places block r at r*count, in place and out of 
         });
         Buf expect(t, n * count);
         for (int q = 0; q < n; ++q) {
-          std::memcpy(expect.at(q * count), send[q].data(), send[q].bytes.size());
+          CopyBytes(expect.at(q * count), send[q].data(), send[q].bytes.size());
         }
         INFO("world " << n << " dtype " << DTypeName(t) << " count " << count);
         for (int r = 0; r < n; ++r) {
@@ -235,7 +243,7 @@ TEST_CASE("InProcess: 64 MiB all-reduce and reduce-scatter match the serial refe
     REQUIRE(st[2 * r].ok());
     REQUIRE(st[2 * r + 1].ok());
     CHECK(ar[r].bytes == expect.bytes);
-    CHECK(std::memcmp(rs[r].data(), expect.at(r * (total / n)), rs[r].bytes.size()) == 0);
+    CHECK(SameBytes(rs[r].data(), expect.at(r * (total / n)), rs[r].bytes.size()));
   }
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -65,6 +66,9 @@ void ScalarImpl(const void* const* srcs, int n, void* dst, size_t count, ReduceO
 }
 
 #if defined(__x86_64__)
+// Why a hand-written AVX2/F16C path: single-thread sum of two 8 MiB sources (comm_bench's
+// reduce_kernel, shared 2-core Zen 3, GB/s read + written) avx2 vs scalar: fp32 8.0 vs 5.2,
+// bf16 6.4 vs 2.1, fp16 7.4 vs 0.75 (the scalar half conversion does not vectorise).
 #define ZERORT_SIMD __attribute__((target("avx2,f16c")))
 
 template <DType D>
@@ -144,7 +148,12 @@ ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t coun
   }
 }
 
-bool DetectSimd() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+bool DetectSimd() {
+  // F16C through cpuid (leaf 1, ecx bit 29): not every compiler's __builtin_cpu_supports knows it.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
+  return f16c && __builtin_cpu_supports("avx2");
+}
 #else
 bool DetectSimd() { return false; }
 #endif

@@ -1,0 +1,362 @@
+#include "comm/mpi.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+#include "comm/internal/common.h"
+#include "comm/internal/reduce.h"
+
+namespace zerort {
+namespace comm {
+
+absl::Status MpiStatus(int code, absl::string_view call, int rank) {
+  if (code == MPI_SUCCESS) return absl::OkStatus();
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  int cls = MPI_ERR_UNKNOWN;
+  MPI_Error_class(code, &cls);
+  const std::string msg =
+      absl::StrCat(call, " failed on rank ", rank, ": ", absl::string_view(text, len));
+  switch (cls) {
+    case MPI_ERR_ARG:
+    case MPI_ERR_COUNT:
+    case MPI_ERR_TYPE:
+    case MPI_ERR_ROOT:
+    case MPI_ERR_BUFFER:
+    case MPI_ERR_COMM:
+    case MPI_ERR_OP:
+      return absl::InvalidArgumentError(msg);
+    default:
+      return absl::UnavailableError(msg);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  bool owns = false;
+  if (!initialized) {
+    int provided = 0;
+    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided);
+    if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Init_thread", -1);
+    owns = true;
+    if (provided < MPI_THREAD_SERIALIZED) {
+      MPI_Finalize();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "MPI_Init_thread provided thread level ", provided, ", need MPI_THREAD_SERIALIZED"));
+    }
+  }
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return std::unique_ptr<MpiSession>(new MpiSession(owns, rank, size));
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (owns_ && !finalized) MPI_Finalize();
+}
+
+namespace {
+
+using internal::OpDesc;
+using internal::OpKind;
+
+// What each rank contributes to the argument check.
+struct CheckRecord {
+  OpDesc desc;
+  int32_t invalid = 0;  // local buffer validation failed on this rank
+  int32_t pad = 0;
+};
+
+MPI_Datatype MpiType(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, int rank, int size, const CommOptions& options)
+      : comm_(comm), rank_(rank), size_(size), options_(options), history_(options.history) {}
+
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!poison_.ok()) {
+      // A timed-out request may still write into the scratch buffers: keep them forever.
+      new std::vector<char>(std::move(scratch_));
+      return;
+    }
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  absl::string_view backend() const override { return "mpi"; }
+
+  absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
+                         Stream) override {
+    OpDesc d = Desc(OpKind::kAllGather, count, dtype, ReduceOp::kSum, 0);
+    RETURN_IF_ERROR(Start(d, send, recv));
+    const bool in_place =
+        send == static_cast<char*>(recv) + static_cast<size_t>(rank_) * count * DTypeSize(dtype);
+    MPI_Request req;
+    const int n = static_cast<int>(count);
+    const int rc = in_place ? MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, n,
+                                             MpiType(dtype), comm_, &req)
+                            : MPI_Iallgather(send, n, MpiType(dtype), recv, n, MpiType(dtype),
+                                             comm_, &req);
+    RETURN_IF_ERROR(Check(rc, "MPI_Iallgather", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Iallgather", d));
+    return Done();
+  }
+
+  absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
+                             ReduceOp op, Stream) override {
+    OpDesc d = Desc(OpKind::kReduceScatter, count, dtype, op, 0);
+    RETURN_IF_ERROR(Start(d, send, recv));
+    const size_t es = DTypeSize(dtype);
+    // (size, count) dtype: block r of every rank's send, in rank order.
+    scratch_.resize(static_cast<size_t>(size_) * count * es);
+    MPI_Request req;
+    const int n = static_cast<int>(count);
+    RETURN_IF_ERROR(Check(MPI_Ialltoall(send, n, MpiType(dtype), scratch_.data(), n,
+                                        MpiType(dtype), comm_, &req),
+                          "MPI_Ialltoall", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Ialltoall", d));
+    Reduce(scratch_.data(), count, recv, count, dtype, op);
+    return Done();
+  }
+
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
+                         Stream) override {
+    // Reduce-scatter over balanced slices, then all-gather: elementwise the same reduction as
+    // ReduceScatter, with each rank moving ~2x its data instead of N x.
+    OpDesc d = Desc(OpKind::kAllReduce, count, dtype, op, 0);
+    RETURN_IF_ERROR(Start(d, send, recv));
+    const size_t es = DTypeSize(dtype);
+    counts_.resize(size_);
+    displs_.resize(size_);
+    rcounts_.resize(size_);
+    rdispls_.resize(size_);
+    for (int q = 0; q < size_; ++q) {
+      counts_[q] = static_cast<int>(SliceBegin(count, q + 1) - SliceBegin(count, q));
+      displs_[q] = static_cast<int>(SliceBegin(count, q));
+    }
+    const size_t mine = counts_[rank_];
+    for (int q = 0; q < size_; ++q) {
+      rcounts_[q] = static_cast<int>(mine);
+      rdispls_[q] = static_cast<int>(q * mine);
+    }
+    // (size, mine) dtype: slice `rank` of every rank's send.
+    scratch_.resize(static_cast<size_t>(size_) * mine * es);
+    MPI_Request req;
+    RETURN_IF_ERROR(Check(MPI_Ialltoallv(send, counts_.data(), displs_.data(), MpiType(dtype),
+                                         scratch_.data(), rcounts_.data(), rdispls_.data(),
+                                         MpiType(dtype), comm_, &req),
+                          "MPI_Ialltoallv", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Ialltoallv", d));
+    // The exchange has completed, so writing recv is safe even when it aliases send.
+    Reduce(scratch_.data(), mine, static_cast<char*>(recv) + displs_[rank_] * es, mine, dtype,
+           op);
+    RETURN_IF_ERROR(Check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv,
+                                          counts_.data(), displs_.data(), MpiType(dtype), comm_,
+                                          &req),
+                          "MPI_Iallgatherv", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Iallgatherv", d));
+    return Done();
+  }
+
+  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream) override {
+    OpDesc d = Desc(OpKind::kBroadcast, count, dtype, ReduceOp::kSum, root);
+    if (root < 0 || root >= size_) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, ": broadcast root ", root,
+                                                     " is outside the group of ", size_));
+    }
+    RETURN_IF_ERROR(Start(d, buf, nullptr));
+    MPI_Request req;
+    RETURN_IF_ERROR(Check(MPI_Ibcast(buf, static_cast<int>(count), MpiType(dtype), root, comm_,
+                                     &req),
+                          "MPI_Ibcast", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Ibcast", d));
+    return Done();
+  }
+
+  absl::Status Barrier() override {
+    OpDesc d = Desc(OpKind::kBarrier, 0, DType::kF32, ReduceOp::kSum, 0);
+    RETURN_IF_ERROR(Start(d, nullptr, nullptr));
+    MPI_Request req;
+    RETURN_IF_ERROR(Check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Ibarrier", d));
+    return Done();
+  }
+
+  absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+
+ private:
+  size_t SliceBegin(size_t count, int r) const {
+    const size_t n = static_cast<size_t>(size_);
+    const size_t base = count / n, rem = count % n;
+    const size_t rr = static_cast<size_t>(r);
+    return rr * base + std::min(rr, rem);
+  }
+
+  OpDesc Desc(OpKind kind, size_t count, DType dtype, ReduceOp op, int root) {
+    OpDesc d;
+    d.seq = ++seq_;
+    d.kind = kind;
+    d.count = count;
+    d.dtype = static_cast<int32_t>(dtype);
+    d.reduce_op = static_cast<int32_t>(op);
+    d.root = root;
+    return d;
+  }
+
+  // srcs: (size, stride) elements in rank order; reduces `count` of each into dst.
+  void Reduce(const char* srcs, size_t stride, void* dst, size_t count, DType dtype,
+              ReduceOp op) {
+    if (count == 0) return;
+    ptrs_.clear();
+    for (int q = 0; q < size_; ++q) ptrs_.push_back(srcs + q * stride * DTypeSize(dtype));
+    internal::ReduceBlocks(ptrs_.data(), size_, dst, count, dtype, op);
+  }
+
+  absl::Status Start(const OpDesc& d, const void* send, const void* recv) {
+    if (!poison_.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, ": ", internal::DescribeOp(d),
+                       ": the MPI communicator failed earlier: ", poison_.message()));
+    }
+    absl::Status valid = internal::ValidateBuffers(d, send, recv, rank_, size_);
+    if (valid.ok() && d.count > static_cast<uint64_t>(INT_MAX)) {
+      valid = absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank_, ": ", internal::DescribeOp(d),
+                       ": count exceeds INT_MAX elements, the MPI backend's limit"));
+    }
+    history_.Begin(d, d.count * DTypeSize(static_cast<DType>(d.dtype)));
+    // One deadline for the whole operation, however many requests it takes.
+    deadline_ = absl::Now() + absl::Milliseconds(options_.timeout_ms);
+    if (!options_.check_args) {
+      if (!valid.ok()) history_.End();
+      return valid;
+    }
+    // Every rank learns every rank's arguments (and whether its buffers were valid), so a
+    // mismatch fails everywhere with the same message instead of corrupting or hanging.
+    CheckRecord mine;
+    mine.desc = d;
+    mine.invalid = valid.ok() ? 0 : 1;
+    records_.resize(size_);
+    MPI_Request req;
+    RETURN_IF_ERROR(Check(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, records_.data(),
+                                         sizeof mine, MPI_BYTE, comm_, &req),
+                          "MPI_Iallgather(argument check)", d));
+    RETURN_IF_ERROR(Wait(&req, "MPI_Iallgather(argument check)", d));
+    if (!valid.ok()) {
+      history_.End();
+      return valid;
+    }
+    for (int q = 0; q < size_; ++q) {
+      if (records_[q].invalid) {
+        history_.End();
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rank ", rank_, ": ", internal::DescribeOp(d), ": rank ", q,
+            " passed invalid buffers (see its own error)"));
+      }
+    }
+    for (int q = 1; q < size_; ++q) {
+      std::string diff = internal::CompareOps(records_[0].desc, 0, records_[q].desc, q, true);
+      if (!diff.empty()) {
+        history_.End();
+        return absl::InvalidArgumentError(diff);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Done() {
+    history_.End();
+    return absl::OkStatus();
+  }
+
+  absl::Status Check(int rc, absl::string_view call, const OpDesc& d) {
+    if (rc == MPI_SUCCESS) return absl::OkStatus();
+    absl::Status s = MpiStatus(rc, call, rank_);
+    s = absl::Status(s.code(), absl::StrCat(internal::DescribeOp(d), ": ", s.message()));
+    poison_ = s;
+    history_.End();
+    return s;
+  }
+
+  // Polls `req` until it completes or the operation's deadline passes. Spins first (latency of
+  // small messages), then backs off to short sleeps so a long wait does not burn a core.
+  absl::Status Wait(MPI_Request* req, absl::string_view call, const OpDesc& d) {
+    const absl::Time limit = deadline_;
+    for (int spin = 0;; ++spin) {
+      int done = 0;
+      const int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return Check(rc, call, d);
+      if (done) return absl::OkStatus();
+      if (spin < 2000) continue;
+      if (absl::Now() > limit) {
+        poison_ = absl::DeadlineExceededError(absl::StrCat(
+            internal::DescribeOp(d), " on MPI rank ", rank_, " of ", size_, ": ", call,
+            " did not complete within ", options_.timeout_ms,
+            " ms (a peer is missing, dead or calling a different operation)"));
+        absl::Status s = absl::DeadlineExceededError(
+            absl::StrCat(poison_.message(), "\nrank ", rank_, " ", history_.Format()));
+        history_.End();
+        return s;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(spin < 20000 ? 10 : 200));
+    }
+  }
+
+  MPI_Comm comm_;
+  const int rank_;
+  const int size_;
+  const CommOptions options_;
+  internal::OpHistory history_;
+  absl::Status poison_;
+  absl::Time deadline_;  // of the operation in progress
+  int64_t seq_ = 0;
+  std::vector<char> scratch_;
+  std::vector<const void*> ptrs_;
+  std::vector<int> counts_, displs_, rcounts_, rdispls_;
+  std::vector<CheckRecord> records_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm comm,
+                                                                    CommOptions options) {
+  if (options.timeout_ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("comm_timeout_ms must be > 0, got ", options.timeout_ms));
+  }
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    return absl::FailedPreconditionError("CreateMpiCommunicator: MPI is not initialized");
+  }
+  int world_rank = -1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  MPI_Comm dup;
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", world_rank));
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN),
+                            "MPI_Comm_set_errhandler", world_rank));
+  int rank = 0, size = 0;
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_rank(dup, &rank), "MPI_Comm_rank", world_rank));
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_size(dup, &size), "MPI_Comm_size", world_rank));
+  return std::unique_ptr<Communicator>(new MpiCommunicator(dup, rank, size, options));
+}
+
+}  // namespace comm
+}  // namespace zerort

@@ -1,0 +1,73 @@
+// MPI backend of Communicator: ranks are MPI processes (one node or many), buffers are host
+// memory. Also the MPI start-up helper for test programs and tools.
+//
+//   ASSIGN_OR_RETURN(auto mpi, comm::MpiSession::Init(&argc, &argv));
+//   ASSIGN_OR_RETURN(auto comm, comm::CreateMpiCommunicator(MPI_COMM_WORLD));
+//
+// MPI only moves bytes here (Ialltoall(v), Iallgather(v), Ibcast, Ibarrier); every reduction is
+// done locally in rank order (comm/communicator.h's determinism contract), never by
+// MPI_Allreduce, whose summation order is unspecified. Each communicator works on its own
+// MPI_Comm_dup of the given communicator with MPI_ERRORS_RETURN, so MPI errors come back as
+// Status naming the call and rank, and our traffic never matches the caller's.
+//
+// Timeouts: every operation is non-blocking and polled against options.timeout_ms, so a peer
+// that never calls yields DeadlineExceeded instead of a hang. The timed-out request cannot be
+// cancelled (MPI has no cancel for collectives): the communicator is then poisoned, keeps its
+// scratch buffers alive, and is never freed. A peer killed by a signal is usually noticed by
+// OpenMPI's runtime first, which terminates the whole job (see docs/comm.md).
+//
+// Thread safety: one thread at a time per communicator. MPI must be initialized with at least
+// MPI_THREAD_SERIALIZED if several threads use communicators (MpiSession does this).
+#ifndef ZERORT_COMM_MPI_H_
+#define ZERORT_COMM_MPI_H_
+
+// The C API only: OpenMPI's deprecated C++ bindings are not installed with the headers we use.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "comm/communicator.h"
+
+namespace zerort {
+namespace comm {
+
+// Owns MPI's lifetime for a program: MPI_Init_thread(MPI_THREAD_SERIALIZED) on Init unless MPI
+// is already initialized, MPI_Finalize on destruction if Init initialized it.
+// Not thread-safe; create once from main().
+class MpiSession {
+ public:
+  static absl::StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+
+  int world_rank() const { return rank_; }
+  int world_size() const { return size_; }
+
+ private:
+  MpiSession(bool owns, int rank, int size) : owns_(owns), rank_(rank), size_(size) {}
+  bool owns_;
+  int rank_;
+  int size_;
+};
+
+// Converts an MPI return code into a Status: "<call> failed on rank <r>: <MPI error string>".
+// MPI_SUCCESS gives OK. Argument-class errors map to InvalidArgument, the rest to Unavailable
+// (in practice a lost peer or transport).
+absl::Status MpiStatus(int code, absl::string_view call, int rank);
+
+// REQUIRES: MPI initialized; `comm` valid; every rank of `comm` calls this (MPI_Comm_dup is
+// collective); options.timeout_ms > 0.
+absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
+                                                                    CommOptions options = {});
+
+}  // namespace comm
+}  // namespace zerort
+
+#endif  // ZERORT_COMM_MPI_H_

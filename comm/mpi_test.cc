@@ -1,0 +1,241 @@
+// Runs under mpirun (see mpi_test.sh): every rank runs every test case, in the same order.
+// Each rank can generate every peer's input (a hash of rank, case and index), so each checks its
+// own results against a serial reference computed locally, and against the in-process backend
+// run on the same data in this process (bitwise: the determinism contract spans backends).
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "comm/inprocess.h"
+#include "comm/mpi.h"
+
+namespace zerort {
+namespace comm {
+namespace {
+
+int g_rank = 0, g_size = 1;
+
+float Value(int rank, int test, size_t i) {
+  uint64_t x = (static_cast<uint64_t>(rank) << 48) ^ (static_cast<uint64_t>(test) << 32) ^ i;
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<float>(static_cast<int64_t>(x % 16001) - 8000) / 1000.0f;
+}
+
+// memcmp for possibly empty (null) ranges.
+bool SameBytes(const void* a, const void* b, size_t n) {
+  return n == 0 || std::memcmp(a, b, n) == 0;
+}
+void CopyBytes(void* d, const void* s, size_t n) {
+  if (n > 0) std::memcpy(d, s, n);
+}
+
+struct Buf {
+  DType t;
+  std::vector<char> bytes;
+  Buf(DType type, size_t count) : t(type), bytes(count * DTypeSize(type)) {}
+  float get(size_t i) const {
+    if (t == DType::kF32) {
+      float f;
+      std::memcpy(&f, &bytes[4 * i], 4);
+      return f;
+    }
+    uint16_t h;
+    std::memcpy(&h, &bytes[2 * i], 2);
+    return t == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
+  }
+  void set(size_t i, float v) {
+    if (t == DType::kF32) {
+      std::memcpy(&bytes[4 * i], &v, 4);
+      return;
+    }
+    const uint16_t h = t == DType::kBF16 ? FloatToBf16(v) : FloatToHalf(v);
+    std::memcpy(&bytes[2 * i], &h, 2);
+  }
+  char* at(size_t e) { return bytes.data() + e * DTypeSize(t); }
+};
+
+Buf Input(DType t, int rank, int test, size_t count) {
+  Buf b(t, count);
+  for (size_t i = 0; i < count; ++i) b.set(i, Value(rank, test, i));
+  return b;
+}
+
+// Serial reference over every rank's input: fp32, rank order, one rounding.
+Buf Reference(DType t, int test, size_t offset, size_t count, ReduceOp op) {
+  std::vector<Buf> in;
+  for (int r = 0; r < g_size; ++r) in.push_back(Input(t, r, test, offset + count));
+  Buf out(t, count);
+  for (size_t i = 0; i < count; ++i) {
+    float acc = in[0].get(offset + i);
+    for (int r = 1; r < g_size; ++r) {
+      const float x = in[r].get(offset + i);
+      acc = op == ReduceOp::kMax ? (x >= acc ? x : acc) : acc + x;
+    }
+    if (op == ReduceOp::kAvg) acc /= static_cast<float>(g_size);
+    out.set(i, acc);
+  }
+  return out;
+}
+
+std::unique_ptr<Communicator> MakeComm(CommOptions options = {}) {
+  auto c = CreateMpiCommunicator(MPI_COMM_WORLD, options);
+  REQUIRE(c.ok());
+  return std::move(c).value();
+}
+
+const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax};
+
+TEST_CASE("Mpi: reduce-scatter, all-reduce, all-gather match the serial reference", "[comm]") {
+  auto comm = MakeComm();
+  REQUIRE(comm->size() == g_size);
+  REQUIRE(comm->backend() == "mpi");
+  int test = 0;
+  for (DType t : kDTypes) {
+    for (ReduceOp op : kOps) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{13}, static_cast<size_t>(5 * g_size + 3),
+                           size_t{2053}}) {
+        ++test;
+        INFO("rank " << g_rank << " dtype " << DTypeName(t) << " op " << ReduceOpName(op)
+                     << " count " << count);
+        const size_t total = g_size * count;
+        Buf send = Input(t, g_rank, test, total);
+        Buf rs(t, count), ar(t, total), ag(t, total);
+        Buf inplace_rs = send, inplace_ar = send;
+        REQUIRE(comm->ReduceScatter(send.at(0), rs.at(0), count, t, op).ok());
+        REQUIRE(comm->ReduceScatter(inplace_rs.at(0), inplace_rs.at(g_rank * count), count, t, op)
+                    .ok());
+        REQUIRE(comm->AllReduce(send.at(0), ar.at(0), total, t, op).ok());
+        REQUIRE(comm->AllReduce(inplace_ar.at(0), inplace_ar.at(0), total, t, op).ok());
+        REQUIRE(comm->AllGather(rs.at(0), ag.at(0), count, t).ok());
+        const Buf expect = Reference(t, test, 0, total, op);
+        CHECK(SameBytes(rs.at(0), expect.bytes.data() + g_rank * rs.bytes.size(),
+                          rs.bytes.size()));
+        CHECK(SameBytes(inplace_rs.at(g_rank * count),
+                          expect.bytes.data() + g_rank * rs.bytes.size(), rs.bytes.size()));
+        CHECK(ar.bytes == expect.bytes);
+        CHECK(inplace_ar.bytes == expect.bytes);
+        CHECK(ag.bytes == ar.bytes);  // all-reduce == reduce-scatter + all-gather, bitwise
+        // In-place all-gather of each rank's own block.
+        Buf ip(t, total);
+        CopyBytes(ip.at(g_rank * count), rs.at(0), rs.bytes.size());
+        REQUIRE(comm->AllGather(ip.at(g_rank * count), ip.at(0), count, t).ok());
+        CHECK(ip.bytes == ag.bytes);
+      }
+    }
+  }
+}
+
+TEST_CASE("Mpi: results equal the in-process backend's bit for bit", "[comm]") {
+  auto comm = MakeComm();
+  const size_t total = 3 * 1024 * g_size + 5;  // not divisible by the world
+  for (DType t : kDTypes) {
+    std::vector<Buf> in;
+    for (int r = 0; r < g_size; ++r) in.push_back(Input(t, r, 1000, total));
+    Buf mpi_out(t, total);
+    REQUIRE(comm->AllReduce(in[g_rank].at(0), mpi_out.at(0), total, t, ReduceOp::kAvg).ok());
+    auto group = CreateInProcessGroup(g_size);
+    REQUIRE(group.ok());
+    std::vector<Buf> out(g_size, Buf(t, total));
+    std::vector<absl::Status> st(g_size);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < g_size; ++r) {
+      threads.emplace_back([&, r] {
+        st[r] = (*group)[r]->AllReduce(in[r].at(0), out[r].at(0), total, t, ReduceOp::kAvg);
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int r = 0; r < g_size; ++r) REQUIRE(st[r].ok());
+    CHECK(out[g_rank].bytes == mpi_out.bytes);
+  }
+}
+
+TEST_CASE("Mpi: large all-reduce (64 MiB in total) matches the reference", "[comm]") {
+  auto comm = MakeComm();
+  const size_t count = (size_t{64} << 20) / 4 / g_size;  // fp32, 64 MiB across all ranks
+  Buf send = Input(DType::kF32, g_rank, 2000, count);
+  Buf out(DType::kF32, count);
+  REQUIRE(comm->AllReduce(send.at(0), out.at(0), count, DType::kF32, ReduceOp::kSum).ok());
+  CHECK(out.bytes == Reference(DType::kF32, 2000, 0, count, ReduceOp::kSum).bytes);
+}
+
+TEST_CASE("Mpi: broadcast from every root", "[comm]") {
+  auto comm = MakeComm();
+  for (int root = 0; root < g_size; ++root) {
+    Buf b = Input(DType::kF16, g_rank, 3000 + root, 777);
+    REQUIRE(comm->Broadcast(b.at(0), 777, DType::kF16, root).ok());
+    CHECK(b.bytes == Input(DType::kF16, root, 3000 + root, 777).bytes);
+  }
+  REQUIRE(comm->Barrier().ok());
+}
+
+TEST_CASE("Mpi: mismatched arguments fail on every rank naming both", "[comm]") {
+  CommOptions options;
+  options.check_args = true;
+  options.timeout_ms = 20000;
+  auto comm = MakeComm(options);
+  std::vector<float> send(g_size * 20, 1.0f), recv(g_size * 20);
+  const size_t count = g_rank == g_size - 1 ? 19 : 20;
+  absl::Status s = comm->ReduceScatter(send.data(), recv.data(), count, DType::kF32,
+                                       ReduceOp::kSum);
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), "count=19"));
+  CHECK(absl::StrContains(s.message(), "count=20"));
+  // The communicator is still usable.
+  REQUIRE(comm->AllReduce(send.data(), recv.data(), 20, DType::kF32, ReduceOp::kSum).ok());
+  CHECK(recv[0] == static_cast<float>(g_size));
+}
+
+TEST_CASE("Mpi: a rank that does not call makes the others time out", "[comm]") {
+  CommOptions options;
+  options.timeout_ms = 300;
+  options.check_args = false;
+  auto comm = MakeComm(options);
+  if (g_rank == g_size - 1) {
+    // Late by far more than the timeout; then completes the barrier the others abandoned, so
+    // their pending requests finish and MPI_Finalize has nothing outstanding.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    CHECK(comm->Barrier().ok());
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = comm->Barrier();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(s.message(), "barrier #1"));
+  CHECK(absl::StrContains(s.message(), "recent operations"));
+  CHECK(seconds >= 0.25);
+  CHECK(seconds < 5.3);
+  absl::Status again = comm->Barrier();
+  CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace zerort
+
+int main(int argc, char** argv) {
+  auto session = zerort::comm::MpiSession::Init(&argc, &argv);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return 1;
+  }
+  zerort::comm::g_rank = (*session)->world_rank();
+  zerort::comm::g_size = (*session)->world_size();
+  const int failed = Catch::Session().run(argc, argv);
+  // Let every rank finish its checks before MPI_Finalize.
+  MPI_Barrier(MPI_COMM_WORLD);
+  return failed == 0 ? 0 : 1;
+}

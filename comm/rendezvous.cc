@@ -1,0 +1,387 @@
+#include "comm/rendezvous.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "base/status.h"
+
+namespace zerort {
+namespace comm {
+namespace {
+
+constexpr uint32_t kMagic = 0x5a525631;  // "ZRV1"
+constexpr size_t kHelloBytes = 16;
+constexpr size_t kHeaderBytes = 8;
+
+// Reads an integer variable; `present` tells whether it was set.
+absl::StatusOr<int> IntVar(const std::function<const char*(const char*)>& getenv,
+                           const char* name, bool* present) {
+  const char* v = getenv(name);
+  *present = v != nullptr && *v != '\0';
+  if (!*present) return 0;
+  int out = 0;
+  if (!absl::SimpleAtoi(v, &out)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name, "='", v, "' is not an integer"));
+  }
+  return out;
+}
+
+int RemainingMs(absl::Time deadline) {
+  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, 1 << 30)));
+}
+
+absl::Status Errno(absl::string_view what, const std::string& where) {
+  return absl::UnavailableError(absl::StrCat("rendezvous ", what, " ", where, ": ",
+                                             std::strerror(errno)));
+}
+
+// Resolves an IPv4 address or host name.
+absl::StatusOr<sockaddr_in> Resolve(const std::string& addr, int port) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous port ", port, " out of range"));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(addr.c_str(), nullptr, &hints, &res);
+  if (rc != 0 || res == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous address '", addr, "' does not resolve: ", gai_strerror(rc)));
+  }
+  sockaddr_in sa;
+  std::memcpy(&sa, res->ai_addr, sizeof sa);
+  freeaddrinfo(res);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  return sa;
+}
+
+void Put32(char* p, uint32_t v) {
+  v = htonl(v);
+  std::memcpy(p, &v, 4);
+}
+uint32_t Get32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return ntohl(v);
+}
+
+// Sends or receives exactly n bytes before the deadline.
+absl::Status Transfer(int fd, char* buf, size_t n, bool send, absl::Time deadline,
+                      const std::string& peer) {
+  size_t done = 0;
+  while (done < n) {
+    pollfd p{fd, static_cast<short>(send ? POLLOUT : POLLIN), 0};
+    const int ready = poll(&p, 1, RemainingMs(deadline));
+    if (ready == 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous with ", peer, " timed out ", send ? "sending" : "receiving"));
+    }
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return Errno("poll", peer);
+    }
+    const ssize_t k = send ? ::send(fd, buf + done, n - done, MSG_NOSIGNAL)
+                           : ::recv(fd, buf + done, n - done, 0);
+    if (k == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "rendezvous: ", peer, " closed the connection (hello rejected, or it failed)"));
+    }
+    if (k < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return Errno(send ? "send to" : "recv from", peer);
+    }
+    done += static_cast<size_t>(k);
+  }
+  return absl::OkStatus();
+}
+
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  ~Fd() {
+    if (fd >= 0) close(fd);
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv() {
+  return LaunchInfoFromEnv([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(
+    const std::function<const char*(const char*)>& getenv) {
+  struct Scheme {
+    const char* source;
+    const char* rank;
+    const char* size;
+    const char* local;
+  };
+  const Scheme schemes[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
+      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
+  };
+  for (const Scheme& s : schemes) {
+    bool has_rank = false, has_size = false, has_local = false;
+    ASSIGN_OR_RETURN(int rank, IntVar(getenv, s.rank, &has_rank));
+    ASSIGN_OR_RETURN(int size, IntVar(getenv, s.size, &has_size));
+    if (!has_rank && !has_size) continue;
+    if (!has_rank || !has_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "launcher environment incomplete: ", has_rank ? s.rank : s.size, " is set but ",
+          has_rank ? s.size : s.rank, " is not"));
+    }
+    if (size < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(s.size, "=", size, " must be >= 1"));
+    }
+    if (rank < 0 || rank >= size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(s.rank, "=", rank, " is outside [0, ", s.size, "=", size, ")"));
+    }
+    ASSIGN_OR_RETURN(int local, IntVar(getenv, s.local, &has_local));
+    if (local < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(s.local, "=", local, " must be >= 0"));
+    }
+    LaunchInfo info;
+    info.rank = rank;
+    info.world_size = size;
+    info.local_rank = local;
+    info.source = s.source;
+    if (const char* a = getenv("MASTER_ADDR")) info.master_addr = a;
+    bool has_port = false;
+    ASSIGN_OR_RETURN(info.master_port, IntVar(getenv, "MASTER_PORT", &has_port));
+    if (has_port && (info.master_port < 1 || info.master_port > 65535)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MASTER_PORT=", info.master_port, " is outside [1, 65535]"));
+    }
+    return info;
+  }
+  return absl::NotFoundError(
+      "no launcher environment: none of RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, "
+      "SLURM_PROCID/SLURM_NTASKS is set");
+}
+
+absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Listen(
+    const std::string& addr, int port) {
+  ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(addr, port));
+  const std::string where = absl::StrCat(addr, ":", port);
+  Fd fd(socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (fd.fd < 0) return Errno("socket", where);
+  const int one = 1;
+  setsockopt(fd.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) return Errno("bind", where);
+  if (listen(fd.fd, 128) != 0) return Errno("listen", where);
+  socklen_t len = sizeof sa;
+  if (getsockname(fd.fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) {
+    return Errno("getsockname", where);
+  }
+  const int bound = ntohs(sa.sin_port);
+  const int raw = fd.fd;
+  fd.fd = -1;
+  return std::unique_ptr<RendezvousServer>(new RendezvousServer(raw, bound));
+}
+
+RendezvousServer::~RendezvousServer() {
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::Status RendezvousServer::Serve(int world_size, absl::string_view payload,
+                                     const RendezvousOptions& options) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous world_size ", world_size, " < 1"));
+  }
+  if (payload.size() > options.max_payload_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous payload of ", payload.size(),
+                                                   " bytes exceeds max_payload_bytes=",
+                                                   options.max_payload_bytes));
+  }
+  if (fd_ < 0) return absl::FailedPreconditionError("rendezvous server already served");
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
+  struct Pending {
+    int fd;
+    char hello[kHelloBytes];
+    size_t got;
+  };
+  std::vector<Pending> pending;
+  std::map<int, int> peers;  // rank -> fd, valid hellos
+  // Bounds the connections a misbehaving client can hold open while we wait for real peers.
+  const size_t max_pending = 2 * static_cast<size_t>(world_size) + 16;
+  auto close_all = [&] {
+    for (auto& p : pending) close(p.fd);
+    for (auto& kv : peers) close(kv.second);
+    close(fd_);
+    fd_ = -1;
+  };
+  while (static_cast<int>(peers.size()) < world_size - 1) {
+    std::vector<pollfd> fds;
+    fds.push_back({fd_, POLLIN, 0});
+    for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    const int ready = poll(fds.data(), fds.size(), RemainingMs(deadline));
+    if (ready < 0 && errno != EINTR) {
+      absl::Status s = Errno("poll", "server");
+      close_all();
+      return s;
+    }
+    if (ready == 0) {
+      std::vector<int> missing;
+      for (int r = 1; r < world_size; ++r) {
+        if (!peers.count(r)) missing.push_back(r);
+      }
+      close_all();
+      return absl::DeadlineExceededError(
+          absl::StrCat("rendezvous on port ", port_, ": ranks [", absl::StrJoin(missing, ","),
+                       "] of ", world_size, " did not arrive within ", options.timeout_ms, " ms"));
+    }
+    // Hellos first, so that a full set is recognised before accepting more.
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      Pending& p = pending[i - 1];
+      const ssize_t k = recv(p.fd, p.hello + p.got, kHelloBytes - p.got, 0);
+      if (k <= 0) {
+        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+        close(p.fd);
+        p.fd = -1;
+        continue;
+      }
+      p.got += static_cast<size_t>(k);
+      if (p.got < kHelloBytes) continue;
+      const uint32_t magic = Get32(p.hello), rank = Get32(p.hello + 4),
+                     world = Get32(p.hello + 8), zero = Get32(p.hello + 12);
+      const bool valid = magic == kMagic && zero == 0 && world == static_cast<uint32_t>(world_size) &&
+                         rank >= 1 && rank < world && !peers.count(static_cast<int>(rank));
+      if (valid) {
+        peers[static_cast<int>(rank)] = p.fd;
+      } else {
+        close(p.fd);  // rejected: the peer sees the connection close
+      }
+      p.fd = -1;
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const Pending& p) { return p.fd < 0; }),
+                  pending.end());
+    if (static_cast<int>(peers.size()) >= world_size - 1) break;
+    if (fds[0].revents & POLLIN) {
+      const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c >= 0) {
+        if (pending.size() >= max_pending) {
+          close(c);
+        } else {
+          pending.push_back({c, {}, 0});
+        }
+      }
+    }
+  }
+  // Every peer is here: stop listening, so no further connection is accepted.
+  for (auto& p : pending) close(p.fd);
+  pending.clear();
+  close(fd_);
+  fd_ = -1;
+  std::string msg(kHeaderBytes, '\0');
+  Put32(&msg[0], kMagic);
+  Put32(&msg[4], static_cast<uint32_t>(payload.size()));
+  msg.append(payload.data(), payload.size());
+  absl::Status result;
+  for (auto& kv : peers) {
+    absl::Status s = Transfer(kv.second, &msg[0], msg.size(), /*send=*/true, deadline,
+                              absl::StrCat("rank ", kv.first));
+    if (result.ok() && !s.ok()) result = s;
+    close(kv.second);
+  }
+  return result;
+}
+
+absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, int rank,
+                                            int world_size, const RendezvousOptions& options) {
+  if (world_size < 2 || rank < 1 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous fetch: rank ", rank,
+                                                   " must be in [1, world_size=", world_size, ")"));
+  }
+  ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(addr, port));
+  const std::string where = absl::StrCat("rank 0 at ", addr, ":", port);
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
+  // Rank 0 may not be listening yet: retry refused connections until the deadline.
+  int fd = -1;
+  while (true) {
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return Errno("socket", where);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) break;
+    const int err = errno;
+    close(fd);
+    if (err != ECONNREFUSED && err != ECONNRESET && err != ETIMEDOUT && err != EINTR &&
+        err != ENETUNREACH && err != EHOSTUNREACH) {
+      errno = err;
+      return Errno("connect to", where);
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("rendezvous: rank ", rank, " could not reach ",
+                                                      where, " within ", options.timeout_ms,
+                                                      " ms (", std::strerror(err), ")"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  Fd guard(fd);
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  char hello[kHelloBytes];
+  Put32(hello, kMagic);
+  Put32(hello + 4, static_cast<uint32_t>(rank));
+  Put32(hello + 8, static_cast<uint32_t>(world_size));
+  Put32(hello + 12, 0);
+  RETURN_IF_ERROR(Transfer(fd, hello, sizeof hello, /*send=*/true, deadline, where));
+  char header[kHeaderBytes];
+  RETURN_IF_ERROR(Transfer(fd, header, sizeof header, /*send=*/false, deadline, where));
+  if (Get32(header) != kMagic) {
+    return absl::DataLossError(absl::StrCat("rendezvous: ", where, " sent a malformed reply"));
+  }
+  const uint32_t len = Get32(header + 4);
+  if (len > options.max_payload_bytes) {
+    return absl::DataLossError(absl::StrCat("rendezvous: ", where, " announced a payload of ",
+                                            len, " bytes, above max_payload_bytes=",
+                                            options.max_payload_bytes));
+  }
+  std::string payload(len, '\0');
+  if (len > 0) {
+    RETURN_IF_ERROR(Transfer(fd, &payload[0], len, /*send=*/false, deadline, where));
+  }
+  return payload;
+}
+
+absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view payload,
+                                       const RendezvousOptions& options) {
+  if (info.world_size == 1) return std::string(payload);
+  if (info.master_addr.empty() || info.master_port <= 0) {
+    return absl::InvalidArgumentError(
+        "rendezvous needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free port)");
+  }
+  if (info.rank == 0) {
+    ASSIGN_OR_RETURN(auto server, RendezvousServer::Listen(info.master_addr, info.master_port));
+    RETURN_IF_ERROR(server->Serve(info.world_size, payload, options));
+    return std::string(payload);
+  }
+  return RendezvousFetch(info.master_addr, info.master_port, info.rank, info.world_size, options);
+}
+
+}  // namespace comm
+}  // namespace zerort

@@ -1,0 +1,95 @@
+// A minimal TCP rendezvous for bootstrapping: rank 0 hands a small payload (e.g. NCCL's
+// ncclUniqueId) to every other rank, using the address and port the launcher exports.
+//
+//   ASSIGN_OR_RETURN(LaunchInfo info, LaunchInfoFromEnv());
+//   std::string id = info.rank == 0 ? MakeId() : "";
+//   ASSIGN_OR_RETURN(std::string shared, Rendezvous(info, id, RendezvousOptions()));
+//
+// Protocol (network byte order): a peer connects and sends a 16-byte hello
+// {magic "ZRV1", rank, world_size, 0}; once all world_size-1 peers have said hello, rank 0 sends
+// each {magic, length} and `length` payload bytes, and closes. The server binds only the given
+// address, rejects (closes) malformed hellos, out-of-range, duplicate or wrong-world ranks,
+// accepts at most world_size-1 peers and then stops listening; both sides give up with
+// DeadlineExceeded at the timeout, and peers refuse payloads above max_payload_bytes.
+// No authentication: use it on a trusted network only, like torchrun's own store.
+//
+// Thread safety: a RendezvousServer is used by one thread; the free functions are thread-safe.
+#ifndef ZERORT_COMM_RENDEZVOUS_H_
+#define ZERORT_COMM_RENDEZVOUS_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace zerort {
+namespace comm {
+
+// Where this process sits in the job, as its launcher describes it.
+struct LaunchInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;       // index among the ranks of this node (selects the GPU)
+  std::string master_addr;  // MASTER_ADDR; empty when the launcher sets none
+  int master_port = 0;      // MASTER_PORT; 0 when unset
+  std::string source;       // "torchrun", "openmpi" or "slurm"
+};
+
+// Reads, in this order of preference: RANK / WORLD_SIZE / LOCAL_RANK (torchrun),
+// OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (mpirun), SLURM_PROCID / SLURM_NTASKS /
+// SLURM_LOCALID (srun); MASTER_ADDR / MASTER_PORT in every case.
+// NotFound when no launcher variables are set; InvalidArgument naming the variable when one is
+// malformed or out of range.
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv();
+// Same, reading variables through `getenv` (returns nullptr when unset); for tests.
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(
+    const std::function<const char*(const char*)>& getenv);
+
+struct RendezvousOptions {
+  // Both sides give up after this long (connect retries included). Must be > 0.
+  int64_t timeout_ms = 60000;
+  // Largest payload either side will send or accept.
+  size_t max_payload_bytes = 4096;
+};
+
+// Rank 0's side. Listen binds and listens at once, so that the port is known (port 0 picks a
+// free one) before peers connect; peers that connect early are retried by RendezvousFetch.
+class RendezvousServer {
+ public:
+  // `addr`: an IPv4 address or host name; only that address is bound.
+  static absl::StatusOr<std::unique_ptr<RendezvousServer>> Listen(const std::string& addr,
+                                                                  int port);
+  ~RendezvousServer();
+  RendezvousServer(const RendezvousServer&) = delete;
+  RendezvousServer& operator=(const RendezvousServer&) = delete;
+
+  int port() const { return port_; }
+
+  // Waits for ranks 1..world_size-1 to say hello, then sends each `payload`. Stops listening
+  // when it returns. DeadlineExceeded names the ranks that never arrived.
+  // REQUIRES: world_size >= 1, payload.size() <= options.max_payload_bytes.
+  absl::Status Serve(int world_size, absl::string_view payload, const RendezvousOptions& options);
+
+ private:
+  RendezvousServer(int fd, int port) : fd_(fd), port_(port) {}
+  int fd_;
+  int port_;
+};
+
+// A peer's side: connects to addr:port (retrying while refused), says hello, returns the payload.
+absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, int rank,
+                                            int world_size, const RendezvousOptions& options);
+
+// Rank 0 listens on info.master_addr:info.master_port and serves `payload`; other ranks fetch
+// it. Returns the payload on every rank. InvalidArgument when master_addr/port are unset.
+absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view payload,
+                                       const RendezvousOptions& options);
+
+}  // namespace comm
+}  // namespace zerort
+
+#endif  // ZERORT_COMM_RENDEZVOUS_H_

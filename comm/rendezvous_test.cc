@@ -1,0 +1,258 @@
+#include "comm/rendezvous.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+
+namespace zerort {
+namespace comm {
+namespace {
+
+using Env = std::map<std::string, std::string>;
+
+absl::StatusOr<LaunchInfo> FromEnv(const Env& env) {
+  return LaunchInfoFromEnv([&](const char* name) -> const char* {
+    auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+}
+
+RendezvousOptions Quick(int64_t timeout_ms = 5000) {
+  RendezvousOptions o;
+  o.timeout_ms = timeout_ms;
+  return o;
+}
+
+// A raw client that sends `bytes` and reports whether the server closed without a reply.
+bool SendRawAndSeeClosed(int port, const std::string& bytes) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
+    close(fd);
+    return false;
+  }
+  (void)!send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  char c;
+  const ssize_t k = recv(fd, &c, 1, 0);  // blocks until the server closes or replies
+  close(fd);
+  return k <= 0;
+}
+
+std::string Hello(uint32_t magic, uint32_t rank, uint32_t world) {
+  std::string h(16, '\0');
+  const uint32_t v[4] = {htonl(magic), htonl(rank), htonl(world), 0};
+  std::memcpy(&h[0], v, 16);
+  return h;
+}
+
+TEST_CASE("Rendezvous: launcher environments are recognised in order", "[comm]") {
+  auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+                    {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  REQUIRE(t.ok());
+  CHECK(t->source == "torchrun");
+  CHECK(t->rank == 3);
+  CHECK(t->world_size == 8);
+  CHECK(t->local_rank == 1);
+  CHECK(t->master_addr == "10.0.0.1");
+  CHECK(t->master_port == 29500);
+
+  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+  REQUIRE(o.ok());
+  CHECK(o->source == "openmpi");
+  CHECK(o->rank == 1);
+  CHECK(o->world_size == 4);
+  CHECK(o->master_port == 0);
+
+  auto s = FromEnv({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
+  REQUIRE(s.ok());
+  CHECK(s->source == "slurm");
+  CHECK(s->rank == 5);
+  CHECK(s->local_rank == 2);
+
+  CHECK(FromEnv({}).status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("Rendezvous: malformed launcher variables name the variable", "[comm]") {
+  auto bad = FromEnv({{"RANK", "x1"}, {"WORLD_SIZE", "2"}});
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(bad.status().message(), "RANK"));
+  auto range = FromEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+  CHECK(range.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(range.status().message(), "WORLD_SIZE=2"));
+  auto half = FromEnv({{"SLURM_PROCID", "0"}});
+  CHECK(half.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(half.status().message(), "SLURM_NTASKS"));
+  auto port = FromEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}});
+  CHECK(port.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(port.status().message(), "MASTER_PORT"));
+}
+
+TEST_CASE("Rendezvous: every peer receives rank 0's payload byte for byte", "[comm]") {
+  const int world = 5;
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(server.ok());
+  const int port = (*server)->port();
+  REQUIRE(port > 0);
+  std::string payload(128, '\0');  // the size of an ncclUniqueId, zero bytes included
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i * 37);
+  std::vector<absl::StatusOr<std::string>> got(world, std::string());
+  std::vector<std::thread> peers;
+  for (int r = 1; r < world; ++r) {
+    peers.emplace_back([&, r] { got[r] = RendezvousFetch("127.0.0.1", port, r, world, Quick()); });
+  }
+  const absl::Status served = (*server)->Serve(world, payload, Quick());
+  for (auto& t : peers) t.join();
+  REQUIRE(served.ok());
+  for (int r = 1; r < world; ++r) {
+    REQUIRE(got[r].ok());
+    CHECK(*got[r] == payload);
+  }
+}
+
+TEST_CASE("Rendezvous: peers that connect before rank 0 listens are retried", "[comm]") {
+  // Find a free port, release it, then start the peers first.
+  int port;
+  {
+    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
+    REQUIRE(probe.ok());
+    port = (*probe)->port();
+  }
+  LaunchInfo info;
+  info.world_size = 3;
+  info.master_addr = "127.0.0.1";
+  info.master_port = port;
+  std::vector<absl::StatusOr<std::string>> got(3, std::string());
+  std::vector<std::thread> threads;
+  for (int r = 2; r >= 0; --r) {
+    threads.emplace_back([&, r] {
+      LaunchInfo mine = info;
+      mine.rank = r;
+      if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      got[r] = Rendezvous(mine, r == 0 ? "unique-id" : "", Quick());
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    INFO(got[r].status().ToString());
+    REQUIRE(got[r].ok());
+    CHECK(*got[r] == "unique-id");
+  }
+}
+
+TEST_CASE("Rendezvous: malformed, out-of-range and duplicate hellos are rejected", "[comm]") {
+  const int world = 3;
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(server.ok());
+  const int port = (*server)->port();
+  absl::Status served;
+  std::thread rank0([&] { served = (*server)->Serve(world, "payload", Quick()); });
+  CHECK(SendRawAndSeeClosed(port, "GET / HTTP/1.1\r\n\r\n"));          // not our protocol
+  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 7, world)));      // rank out of range
+  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 0, world)));      // rank 0 is the server
+  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 1, world + 1)));  // wrong world size
+  absl::StatusOr<std::string> one, dup, two;
+  std::thread t1([&] { one = RendezvousFetch("127.0.0.1", port, 1, world, Quick()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's hello registered
+  dup = RendezvousFetch("127.0.0.1", port, 1, world, Quick());  // a second "rank 1"
+  CHECK(dup.status().code() == absl::StatusCode::kUnavailable);
+  two = RendezvousFetch("127.0.0.1", port, 2, world, Quick());
+  t1.join();
+  rank0.join();
+  REQUIRE(served.ok());
+  REQUIRE(one.ok());
+  REQUIRE(two.ok());
+  CHECK(*one == "payload");
+  CHECK(*two == "payload");
+  // Served: the server stops listening, so a late extra peer cannot connect at all.
+  auto late = RendezvousFetch("127.0.0.1", port, 2, world, Quick(200));
+  CHECK(late.status().code() == absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_CASE("Rendezvous: a missing peer or a missing server times out", "[comm]") {
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(server.ok());
+  const int port = (*server)->port();
+  absl::StatusOr<std::string> one;
+  std::thread t1([&] { one = RendezvousFetch("127.0.0.1", port, 1, 3, Quick(3000)); });
+  const auto t0 = std::chrono::steady_clock::now();
+  const absl::Status served = (*server)->Serve(3, "x", Quick(300));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t1.join();
+  INFO(served.ToString());
+  CHECK(served.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(served.message(), "ranks [2] of 3"));
+  CHECK(secs < 2.0);
+  // Rank 1 sees the server close without a reply.
+  CHECK(one.status().code() == absl::StatusCode::kUnavailable);
+
+  auto nobody = RendezvousFetch("127.0.0.1", port, 1, 2, Quick(300));
+  CHECK(nobody.status().code() == absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_CASE("Rendezvous: oversized payloads are refused on both sides", "[comm]") {
+  RendezvousOptions small = Quick();
+  small.max_payload_bytes = 16;
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(server.ok());
+  CHECK((*server)->Serve(2, std::string(17, 'a'), small).code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  // A rogue "server" announcing 1 GiB: the peer must refuse it without trying to read it.
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  REQUIRE(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(listen(lfd, 4) == 0);
+  socklen_t len = sizeof sa;
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
+  std::thread rogue([&] {
+    int c = accept(lfd, nullptr, nullptr);
+    char hello[16];
+    (void)!recv(c, hello, sizeof hello, MSG_WAITALL);
+    const uint32_t header[2] = {htonl(0x5a525631), htonl(1u << 30)};
+    (void)!send(c, header, sizeof header, MSG_NOSIGNAL);
+    close(c);
+  });
+  auto got = RendezvousFetch("127.0.0.1", ntohs(sa.sin_port), 1, 2, small);
+  rogue.join();
+  close(lfd);
+  INFO(got.status().ToString());
+  CHECK(got.status().code() == absl::StatusCode::kDataLoss);
+  CHECK(absl::StrContains(got.status().message(), "max_payload_bytes=16"));
+}
+
+TEST_CASE("Rendezvous: bad addresses and missing MASTER_ADDR are argument errors", "[comm]") {
+  CHECK(RendezvousServer::Listen("no.such.host.invalid", 0).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  LaunchInfo info;
+  info.rank = 1;
+  info.world_size = 2;
+  CHECK(Rendezvous(info, "", Quick()).status().code() == absl::StatusCode::kInvalidArgument);
+  info.world_size = 1;
+  info.rank = 0;
+  auto solo = Rendezvous(info, "id", Quick());
+  REQUIRE(solo.ok());
+  CHECK(*solo == "id");
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace zerort
