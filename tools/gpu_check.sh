@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds and runs every gpu-tagged test and GPU benchmark, on a machine with a GPU, and writes
+# what they print into OUTDIR:
+#   OUTDIR/nvidia-smi.txt        the GPU and driver the run saw
+#   OUTDIR/gpu_tests.log         bazel's output for the gpu-tagged tests
+#   OUTDIR/<package>_<test>.log  each test's full log (Catch2 output, SKIPPED lines included)
+#   OUTDIR/<benchmark>.json      each gpu-tagged benchmark's JSON (--quick with --quick)
+#   OUTDIR/summary.txt           one line per step, then "gpu_check: OK" or what went wrong
+# Exits non-zero if a build or test fails, or if tests skipped although nvidia-smi sees a GPU
+# (a driver/runtime mismatch would otherwise pass as "no GPU").
+#
+# Usage: tools/gpu_check.sh OUTDIR [--quick] [--asan]
+#   --quick  benchmarks on small arrays (seconds instead of a minute)
+#   --asan   run the tests a second time under --config=asan
+set -uo pipefail
+
+if [ $# -lt 1 ]; then
+  echo "usage: $0 OUTDIR [--quick] [--asan]" >&2
+  exit 2
+fi
+mkdir -p "$1" || exit 2
+out=$(cd "$1" && pwd)
+shift
+quick=""
+asan=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) quick="--quick" ;;
+    --asan) asan=1 ;;
+    *) echo "unknown option $arg" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.." || exit 2
+
+summary="$out/summary.txt"
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+failed=0
+
+gpu_seen=0
+if nvidia-smi >"$out/nvidia-smi.txt" 2>&1; then gpu_seen=1; fi
+note "nvidia-smi: $([ $gpu_seen -eq 1 ] && echo 'GPU visible' || echo 'no GPU visible')"
+
+# Tests are found by tag, so a new gpu test needs no change here.
+tests=$(bazel query 'attr(tags, "\bgpu\b", tests(//...))' 2>>"$out/gpu_tests.log")
+if [ -z "$tests" ]; then
+  note "no gpu-tagged tests found"
+  failed=1
+fi
+
+run_tests() {
+  local label=$1
+  shift
+  # Local strategy: the sandbox's read-only /dev remount is no place to debug a driver issue.
+  if bazel test "$@" --test_output=all --cache_test_results=no --strategy=TestRunner=local \
+    $tests >>"$out/gpu_tests.log" 2>&1; then
+    note "tests ($label): passed"
+  else
+    note "tests ($label): FAILED (see gpu_tests.log)"
+    failed=1
+  fi
+  local t
+  for t in $tests; do
+    local rel=${t#//}
+    local log="bazel-testlogs/${rel/://}/test.log"
+    local name
+    name=$(echo "$rel" | tr '/:' '__')
+    [ "$label" = default ] || name="${name}.${label}"
+    if [ -f "$log" ]; then
+      cp "$log" "$out/$name.log"
+      if grep -q "SKIPPED:" "$log"; then
+        note "$t ($label): skipped: $(grep -m1 -A2 'SKIPPED:' "$log" | tr -s ' \n' ' ')"
+        if [ $gpu_seen -eq 1 ]; then failed=1; fi
+      fi
+    fi
+  done
+}
+
+if [ -n "$tests" ]; then
+  run_tests default
+  if [ $asan -eq 1 ]; then run_tests asan --config=asan; fi
+fi
+
+benches=$(bazel query 'attr(tags, "\bgpu\b", kind(cc_binary, //benchmarks/...))' 2>/dev/null)
+for b in $benches; do
+  name=${b##*:}
+  if bazel build "$b" >>"$out/gpu_tests.log" 2>&1; then
+    bin="bazel-bin/${b#//}"
+    bin=${bin/://}
+    if "$bin" $quick >"$out/$name.json" 2>"$out/$name.stderr"; then
+      note "$b: ran ($(grep -c . "$out/$name.json") lines of JSON)"
+      if grep -q '"skipped"' "$out/$name.json" && [ $gpu_seen -eq 1 ]; then
+        note "$b: skipped although a GPU is visible"
+        failed=1
+      fi
+    else
+      note "$b: FAILED (see $name.stderr)"
+      failed=1
+    fi
+  else
+    note "$b: build FAILED"
+    failed=1
+  fi
+done
+
+if [ $failed -eq 0 ]; then note "gpu_check: OK"; else note "gpu_check: FAILED"; fi
+exit $failed
