@@ -227,12 +227,13 @@ class InProcessCommunicator final : public Communicator {
   }
 
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream) override {
-    if (root < 0 || root >= size()) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, ": broadcast root ", root,
-                                                     " is outside the group of ", size()));
-    }
     Slot slot;
     slot.send = buf;
+    if (root < 0 || root >= size()) {
+      // Reported through the slot so that every rank fails, not just this one.
+      slot.error = absl::StrCat("rank ", rank_, ": broadcast root ", root,
+                                " is outside the group of ", size());
+    }
     RETURN_IF_ERROR(Start(OpKind::kBroadcast, count, dtype, ReduceOp::kSum, root, slot));
     if (rank_ != root && count > 0) {
       std::memcpy(buf, group_->slot(root).send, count * DTypeSize(dtype));
@@ -266,7 +267,7 @@ class InProcessCommunicator final : public Communicator {
     d.reduce_op = static_cast<int32_t>(op);
     d.root = root;
     absl::Status valid = internal::ValidateBuffers(d, slot.send, slot.recv, rank_, size());
-    if (!valid.ok()) slot.error = std::string(valid.message());
+    if (!valid.ok() && slot.error.empty()) slot.error = std::string(valid.message());
     history_.Begin(d, count * DTypeSize(dtype));
     const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
     absl::Status s = group_->Arrive(rank_, ++arrivals_, std::move(slot), deadline);

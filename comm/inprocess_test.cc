@@ -379,8 +379,15 @@ TEST_CASE("InProcess: bad construction arguments are rejected", "[comm]") {
   CHECK(comms[1]->rank() == 1);
   CHECK(comms[1]->size() == 2);
   CHECK(comms[1]->backend() == "inprocess");
-  float x = 0;
-  CHECK(comms[0]->Broadcast(&x, 1, DType::kF32, 2).code() == absl::StatusCode::kInvalidArgument);
+  // A bad root on one rank fails every rank (through the shared argument check).
+  float x[2] = {0, 0};
+  std::vector<absl::Status> st(2);
+  RunRanks(2, [&](int r) { st[r] = comms[r]->Broadcast(&x[r], 1, DType::kF32, r == 0 ? 2 : 0); });
+  for (int r = 0; r < 2; ++r) {
+    INFO(st[r].ToString());
+    CHECK(st[r].code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(st[r].message(), "root 2 is outside the group of 2"));
+  }
 }
 
 }  // namespace

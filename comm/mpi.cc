@@ -177,10 +177,6 @@ class MpiCommunicator final : public Communicator {
 
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream) override {
     OpDesc d = Desc(OpKind::kBroadcast, count, dtype, ReduceOp::kSum, root);
-    if (root < 0 || root >= size_) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, ": broadcast root ", root,
-                                                     " is outside the group of ", size_));
-    }
     RETURN_IF_ERROR(Start(d, buf, nullptr));
     MPI_Request req;
     RETURN_IF_ERROR(Check(MPI_Ibcast(buf, static_cast<int>(count), MpiType(dtype), root, comm_,
@@ -236,6 +232,10 @@ class MpiCommunicator final : public Communicator {
                        ": the MPI communicator failed earlier: ", poison_.message()));
     }
     absl::Status valid = internal::ValidateBuffers(d, send, recv, rank_, size_);
+    if (valid.ok() && d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= size_)) {
+      valid = absl::InvalidArgumentError(absl::StrCat("rank ", rank_, ": ", internal::DescribeOp(d),
+                                                      ": root is outside the group of ", size_));
+    }
     if (valid.ok() && d.count > static_cast<uint64_t>(INT_MAX)) {
       valid = absl::InvalidArgumentError(
           absl::StrCat("rank ", rank_, ": ", internal::DescribeOp(d),

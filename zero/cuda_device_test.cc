@@ -117,6 +117,11 @@ TEST_CASE("CudaMath: narrowing conversions equal base/dtype.h at every rounding 
   for (int i = 0; i < 1000000; ++i) inputs.push_back(static_cast<uint32_t>(rng()));
   for (uint32_t u : inputs) {
     const float f = BitsToFloat(u);
+    // Checked by hand first: a Catch2 message per input would dominate the run time.
+    if (cuda_internal::FloatToBf16Bits(f) == FloatToBf16(f) &&
+        cuda_internal::FloatToHalfBits(f) == FloatToHalf(f)) {
+      continue;
+    }
     INFO("fp32 bits 0x" << std::hex << u);
     REQUIRE(cuda_internal::FloatToBf16Bits(f) == FloatToBf16(f));
     REQUIRE(cuda_internal::FloatToHalfBits(f) == FloatToHalf(f));
