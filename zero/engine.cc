@@ -6,7 +6,6 @@
 #include <cstring>
 #include <utility>
 
-#include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -196,9 +195,16 @@ absl::Status Engine::Impl::Allocate() {
 // otherwise surface as a hang or a silent corruption inside the first collective.
 absl::Status Engine::Impl::CheckPeersAgree() {
   if (world_ == 1) return absl::OkStatus();
-  size_t h = absl::HashOf(plan_.options.stage, plan_.padded_elements, plan_.units.size(),
-                          static_cast<int>(cdt_), gas_, offload_);
-  for (const memory::ParamSpec& s : specs_) h = absl::HashOf(h, s.name, s.shape, s.module);
+  // FNV-1a over a canonical description: absl::Hash is seeded per process, which would make
+  // identical models on two MPI processes look different.
+  std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
+                                   plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
+                                   "|", offload_);
+  for (const memory::ParamSpec& s : specs_) {
+    absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
+  }
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : canon) h = (h ^ ch) * 1099511628211ull;
   // Three 21-bit pieces: integers below 2^24 travel exactly as fp32.
   float mine[3];
   for (int i = 0; i < 3; ++i) mine[i] = static_cast<float>((h >> (21 * i)) & 0x1fffff);

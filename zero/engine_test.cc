@@ -11,35 +11,16 @@
 
 #include "comm/inprocess.h"
 #include "zero/cpu_device.h"
+#include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
 namespace {
 
 using memory::ParamSpec;
 
-// A small model with awkward shapes: odd sizes, a tiny bias, one large matrix.
-std::vector<ParamSpec> SmallModel() {
-  return {{"embed.w", {37, 5}, "embed"},  {"l0.w", {13, 11}, "l0"}, {"l0.b", {13}, "l0"},
-          {"l1.w", {64, 9}, "l1"},        {"l1.b", {1}, "l1"},      {"l2.w", {3, 7, 2}, "l2"},
-          {"head.w", {101}, "head"}};
-}
-
-// Deterministic pseudo-random value for (a, b, c, d): the same on every stage and world size.
-float Noise(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^
-               (c + 1) * 0x94D049BB133111EBull ^ (d + 7) * 0xD6E8FEB86659FD93ull;
-  x ^= x >> 31;
-  x *= 0x7FB5D329728EA185ull;
-  x ^= x >> 27;
-  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
-float InitValue(int param, int64_t e) { return Noise(999, param, e, 3); }
-
-// The gradient rank r writes for element e of parameter i at (step, micro).
-float GradValue(int rank, int step, int micro, int param, int64_t e) {
-  return 0.5f * Noise(rank, step * 16 + micro, param, static_cast<uint64_t>(e));
-}
+using testing::GradValue;
+using testing::InitValue;
+using testing::SmallModel;
 
 struct RunResult {
   std::vector<std::vector<float>> master;  // per rank
@@ -49,41 +30,10 @@ struct RunResult {
 };
 
 Config MakeConfig(int stage, Precision precision, int gas, double clip, bool offload) {
-  Config c;
-  c.zero.stage = stage;
-  c.precision = precision;
-  c.gradient_accumulation_steps = gas;
-  c.gradient_clipping = clip;
-  c.zero.reduce_bucket_size = 200;  // several units
-  c.zero.stage3_param_persistence_threshold = 20;
-  c.zero.stage3_prefetch_bucket_size = 300;
-  c.optimizer.lr = 1e-2;
-  c.optimizer.weight_decay = 0.1;
-  c.comm_timeout_ms = 20000;
-  if (offload) c.zero.offload_optimizer.device = OffloadDevice::kCpu;
-  c.cpu_threads = 1;
-  return c;
+  return testing::TestConfig(stage, precision, gas, clip, offload);
 }
 
-void WriteGrad(Engine& e, DType dtype, int rank, int step, int micro, int i, int64_t n,
-               double scale, int inject_rank = -1) {
-  void* g = e.grad(i).value();
-  for (int64_t k = 0; k < n; ++k) {
-    float v = static_cast<float>(GradValue(rank, step, micro, i, k) * scale);
-    if (rank == inject_rank && k == 0) v = INFINITY;
-    if (dtype == DType::kF32) {
-      static_cast<float*>(g)[k] = v;
-    } else if (dtype == DType::kBF16) {
-      static_cast<uint16_t*>(g)[k] = FloatToBf16(v);
-    } else {
-      static_cast<uint16_t*>(g)[k] = FloatToHalf(v);
-    }
-  }
-}
-
-// Trains `steps` optimizer steps on `world` in-process ranks, as a trainer would: stage-3
-// Gather/Release around forward and backward, gradients written in backward (unit) order.
-// `inject_step`: at that step rank `inject_rank` writes an Inf into its first gradient.
+// Trains `steps` optimizer steps on `world` in-process ranks (one thread each).
 RunResult Train(const Config& config, int world, int steps, int inject_step = -1,
                 int inject_rank = -1, const std::vector<ParamSpec>& specs = SmallModel()) {
   auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
@@ -91,49 +41,22 @@ RunResult Train(const Config& config, int world, int steps, int inject_step = -1
   RunResult result;
   result.master.resize(world);
   result.errors.resize(world);
-  auto body = [&](int r) -> absl::Status {
-    auto engine_or = Engine::Create(config, specs, comms[r].get(), device.get());
-    if (!engine_or.ok()) return engine_or.status();
-    Engine& e = **engine_or;
-    const DType dtype = e.plan().options.compute_dtype;
-    auto st = e.InitParams([](int i, const ParamSpec& spec, float* v) {
-      int64_t n = 1;
-      for (int64_t d : spec.shape) n *= d;
-      for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-    });
-    if (!st.ok()) return st;
-    if (r == 0) result.report = e.memory_report();
-    for (int step = 0; step < steps; ++step) {
-      for (int micro = 0; micro < config.gradient_accumulation_steps; ++micro) {
-        // Forward: units in forward order (the plan lists them in backward order).
-        for (int u = e.num_units() - 1; u >= 0; --u) {
-          if (auto s = e.Gather(u); !s.ok()) return s;
-          for (int i : e.plan().units[u].params) {
-            if (auto p = e.param(i); !p.ok()) return p.status();
-          }
-          if (auto s = e.Release(u); !s.ok()) return s;
-        }
-        for (int u = 0; u < e.num_units(); ++u) {
-          if (auto s = e.Gather(u); !s.ok()) return s;
-          for (int i : e.plan().units[u].params) {
-            const int inj = step == inject_step && micro == 0 ? inject_rank : -1;
-            WriteGrad(e, dtype, r, step, micro, i, e.plan().params[i].numel, e.loss_scale(), inj);
-            if (auto s = e.GradReady(i); !s.ok()) return s;
-          }
-          if (auto s = e.Release(u); !s.ok()) return s;
-        }
-        auto stats = e.Step();
-        if (!stats.ok()) return stats.status();
-        if (r == 0 && stats->boundary) result.stats.push_back(*stats);
-      }
-    }
-    auto master = e.GatherMasterWeights();
-    if (!master.ok()) return master.status();
-    result.master[r] = std::move(*master);
-    return absl::OkStatus();
-  };
   std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { result.errors[r] = body(r); });
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto run = testing::TrainRank(config, specs, comms[r].get(), device.get(), steps,
+                                    inject_step, inject_rank);
+      if (!run.ok()) {
+        result.errors[r] = run.status();
+        return;
+      }
+      result.master[r] = std::move(run->master);
+      if (r == 0) {
+        result.stats = std::move(run->stats);
+        result.report = run->report;
+      }
+    });
+  }
   for (auto& t : threads) t.join();
   return result;
 }

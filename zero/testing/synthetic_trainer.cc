@@ -1,0 +1,109 @@
+#include "zero/testing/synthetic_trainer.h"
+
+#include <cmath>
+#include <utility>
+
+#include "base/dtype.h"
+#include "base/status.h"
+
+namespace zerort {
+namespace testing {
+namespace {
+
+float Noise(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  uint64_t x = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^
+               (c + 1) * 0x94D049BB133111EBull ^ (d + 7) * 0xD6E8FEB86659FD93ull;
+  x ^= x >> 31;
+  x *= 0x7FB5D329728EA185ull;
+  x ^= x >> 27;
+  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+void Store(void* dst, DType dtype, int64_t k, float v) {
+  if (dtype == DType::kF32) {
+    static_cast<float*>(dst)[k] = v;
+  } else if (dtype == DType::kBF16) {
+    static_cast<uint16_t*>(dst)[k] = FloatToBf16(v);
+  } else {
+    static_cast<uint16_t*>(dst)[k] = FloatToHalf(v);
+  }
+}
+
+}  // namespace
+
+std::vector<memory::ParamSpec> SmallModel() {
+  return {{"embed.w", {37, 5}, "embed"},  {"l0.w", {13, 11}, "l0"}, {"l0.b", {13}, "l0"},
+          {"l1.w", {64, 9}, "l1"},        {"l1.b", {1}, "l1"},      {"l2.w", {3, 7, 2}, "l2"},
+          {"head.w", {101}, "head"}};
+}
+
+float InitValue(int param, int64_t e) { return Noise(999, param, e, 3); }
+
+float GradValue(int rank, int step, int micro, int param, int64_t e) {
+  return 0.5f * Noise(rank, step * 16 + micro, param, static_cast<uint64_t>(e));
+}
+
+Config TestConfig(int stage, Precision precision, int gas, double clip, bool offload) {
+  Config c;
+  c.zero.stage = stage;
+  c.precision = precision;
+  c.gradient_accumulation_steps = gas;
+  c.gradient_clipping = clip;
+  c.zero.reduce_bucket_size = 200;  // several units
+  c.zero.stage3_param_persistence_threshold = 20;
+  c.zero.stage3_prefetch_bucket_size = 300;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.weight_decay = 0.1;
+  c.comm_timeout_ms = 20000;
+  if (offload) c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.cpu_threads = 1;
+  return c;
+}
+
+absl::StatusOr<TrainResult> TrainRank(const Config& config,
+                                      const std::vector<memory::ParamSpec>& specs,
+                                      comm::Communicator* comm, Device* device, int steps,
+                                      int inject_step, int inject_rank) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(config, specs, comm, device));
+  Engine& e = *engine;
+  const int r = comm->rank();
+  const DType dtype = e.plan().options.compute_dtype;
+  RETURN_IF_ERROR(e.InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  }));
+  TrainResult result;
+  result.report = e.memory_report();
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < config.gradient_accumulation_steps; ++micro) {
+      // Forward visits units in forward order (the plan lists them in backward order).
+      for (int u = e.num_units() - 1; u >= 0; --u) {
+        RETURN_IF_ERROR(e.Gather(u));
+        for (int i : e.plan().units[u].params) RETURN_IF_ERROR(e.param(i).status());
+        RETURN_IF_ERROR(e.Release(u));
+      }
+      for (int u = 0; u < e.num_units(); ++u) {
+        RETURN_IF_ERROR(e.Gather(u));
+        for (int i : e.plan().units[u].params) {
+          ASSIGN_OR_RETURN(void* g, e.grad(i));
+          const int64_t n = e.plan().params[i].numel;
+          for (int64_t k = 0; k < n; ++k) {
+            float v = static_cast<float>(GradValue(r, step, micro, i, k) * e.loss_scale());
+            if (step == inject_step && micro == 0 && r == inject_rank && k == 0) v = INFINITY;
+            Store(g, dtype, k, v);
+          }
+          RETURN_IF_ERROR(e.GradReady(i));
+        }
+        RETURN_IF_ERROR(e.Release(u));
+      }
+      ASSIGN_OR_RETURN(StepStats stats, e.Step());
+      if (stats.boundary) result.stats.push_back(stats);
+    }
+  }
+  ASSIGN_OR_RETURN(result.master, e.GatherMasterWeights());
+  return result;
+}
+
+}  // namespace testing
+}  // namespace zerort

@@ -1,0 +1,49 @@
+// A synthetic trainer for engine tests: a fixed small model, deterministic initial values and
+// per-(rank, step, micro-step) random gradients, driven through the engine exactly as a trainer
+// would (stage-3 Gather/Release around forward and backward, gradients written in backward
+// order). The values depend only on (rank, step, micro, parameter, element), never on the stage
+// or the backend, so runs can be compared bit for bit.
+#ifndef ZERORT_ZERO_TESTING_SYNTHETIC_TRAINER_H_
+#define ZERORT_ZERO_TESTING_SYNTHETIC_TRAINER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "memory/plan.h"
+#include "zero/config.h"
+#include "zero/device.h"
+#include "zero/engine.h"
+
+namespace zerort {
+namespace testing {
+
+// Seven parameters with awkward shapes: odd sizes, a one-element bias, a 3-d tensor.
+std::vector<memory::ParamSpec> SmallModel();
+
+// Deterministic values in [-1, 1).
+float InitValue(int param, int64_t element);
+float GradValue(int rank, int step, int micro, int param, int64_t element);
+
+// A config for tests: several units (reduce_bucket_size 200), small persistent units, lr 1e-2,
+// weight decay 0.1, one host thread.
+Config TestConfig(int stage, Precision precision, int gas, double clip, bool offload);
+
+struct TrainResult {
+  std::vector<float> master;      // GatherMasterWeights() at the end
+  std::vector<StepStats> stats;   // one per optimizer-step boundary
+  MemoryReport report;
+};
+
+// Runs `steps` optimizer steps on this rank. At step `inject_step`, rank `inject_rank` writes an
+// Inf into its first gradient element (overflow tests).
+absl::StatusOr<TrainResult> TrainRank(const Config& config,
+                                      const std::vector<memory::ParamSpec>& specs,
+                                      comm::Communicator* comm, Device* device, int steps,
+                                      int inject_step = -1, int inject_rank = -1);
+
+}  // namespace testing
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_TESTING_SYNTHETIC_TRAINER_H_
