@@ -11,76 +11,13 @@
 #include "absl/strings/str_split.h"
 #include "base/status.h"
 #include "zero/config.h"
+#include "zero/flags.h"
 #include "zero/model_spec.h"
 #include "zero/planner.h"
 #include "zero/report.h"
 
 namespace zerort {
 namespace {
-
-// "--name value", "--name=value" and boolean "--name". Every flag must be known to the command.
-class Flags {
- public:
-  static absl::StatusOr<Flags> Parse(const std::vector<std::string>& args,
-                                     const std::vector<std::string>& valued,
-                                     const std::vector<std::string>& booleans) {
-    Flags f;
-    for (size_t i = 0; i < args.size(); ++i) {
-      const std::string& a = args[i];
-      if (!absl::StartsWith(a, "--")) {
-        return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "'"));
-      }
-      std::string name = a.substr(2), value;
-      const size_t eq = name.find('=');
-      const bool has_eq = eq != std::string::npos;
-      if (has_eq) {
-        value = name.substr(eq + 1);
-        name = name.substr(0, eq);
-      }
-      const bool is_valued = std::find(valued.begin(), valued.end(), name) != valued.end();
-      const bool is_bool = std::find(booleans.begin(), booleans.end(), name) != booleans.end();
-      if (!is_valued && !is_bool) {
-        std::vector<std::string> known;
-        for (const auto& v : valued) known.push_back("--" + v);
-        for (const auto& b : booleans) known.push_back("--" + b);
-        return absl::InvalidArgumentError(absl::StrCat("unknown flag '--", name,
-                                                       "': known flags are ",
-                                                       absl::StrJoin(known, ", ")));
-      }
-      if (is_valued && !has_eq) {
-        if (i + 1 >= args.size()) {
-          return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' needs a value"));
-        }
-        value = args[++i];
-      }
-      if (f.values_.count(name)) {
-        return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' is given twice"));
-      }
-      f.values_[name] = is_bool && !has_eq ? "true" : value;
-    }
-    return f;
-  }
-
-  bool Has(const std::string& name) const { return values_.count(name) > 0; }
-  std::string Get(const std::string& name, std::string fallback = "") const {
-    auto it = values_.find(name);
-    return it == values_.end() ? fallback : it->second;
-  }
-  absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback, int64_t min) const {
-    if (!Has(name)) return fallback;
-    double v = 0;
-    const std::string text = Get(name);
-    if (!absl::SimpleAtod(text, &v) || v != static_cast<double>(static_cast<int64_t>(v)) ||
-        v < static_cast<double>(min)) {
-      return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' value '", text,
-                                                     "' must be an integer >= ", min));
-    }
-    return static_cast<int64_t>(v);
-  }
-
- private:
-  std::map<std::string, std::string> values_;
-};
 
 absl::Status ApplyBudget(const std::string& text, MemoryBudget* budget) {
   for (absl::string_view part : absl::StrSplit(text, ',')) {
@@ -135,19 +72,7 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
   if (flags.Has("config")) {
     ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
   }
-  if (flags.Has("precision")) {
-    const std::string p = flags.Get("precision");
-    if (p == "bf16") {
-      config.precision = Precision::kBf16;
-    } else if (p == "fp16") {
-      config.precision = Precision::kFp16;
-    } else if (p == "fp32") {
-      config.precision = Precision::kFp32;
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--precision '", p, "': expected bf16, fp16 or fp32"));
-    }
-  }
+  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
   if (flags.Has("stage")) {
     const std::string s = flags.Get("stage");
     int stage = -1;

@@ -13,6 +13,7 @@
 #include "examples/mlp/mlp.h"
 #include "memory/plan.h"
 #include "zero/config.h"
+#include "zero/flags.h"
 
 namespace zerort {
 namespace {
@@ -31,56 +32,6 @@ constexpr char kDefaultConfig[] = R"({
   "comm_timeout_ms": 60000
 })";
 
-const char* const kFlags[] = {"config", "ranks", "steps", "stage", "precision"};
-
-// "--name value" or "--name=value"; every flag takes a value and may be given once.
-absl::StatusOr<std::map<std::string, std::string>> ParseFlags(
-    const std::vector<std::string>& args) {
-  std::map<std::string, std::string> flags;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& a = args[i];
-    if (!absl::StartsWith(a, "--")) {
-      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", a, "'"));
-    }
-    std::string name = a.substr(2), value;
-    const size_t eq = name.find('=');
-    const bool inline_value = eq != std::string::npos;
-    if (inline_value) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
-    }
-    bool known = false;
-    for (const char* f : kFlags) known = known || name == f;
-    if (!known) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "unknown flag '--", name, "': known flags are --config, --ranks, --steps, --stage, "
-          "--precision"));
-    }
-    if (!inline_value) {
-      if (i + 1 >= args.size()) {
-        return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' needs a value"));
-      }
-      value = args[++i];
-    }
-    if (!flags.emplace(name, value).second) {
-      return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' is given twice"));
-    }
-  }
-  return flags;
-}
-
-absl::StatusOr<int> IntFlag(const std::map<std::string, std::string>& flags,
-                            const std::string& name, int fallback, int min, int max) {
-  auto it = flags.find(name);
-  if (it == flags.end()) return fallback;
-  int v = 0;
-  if (!absl::SimpleAtoi(it->second, &v) || v < min || v > max) {
-    return absl::InvalidArgumentError(absl::StrCat("flag '--", name, "' value '", it->second,
-                                                   "' must be an integer in ", min, "..", max));
-  }
-  return v;
-}
-
 // Exact, with thousands separators: the point of the table is that the two numbers are equal.
 std::string Bytes(int64_t b) {
   std::string digits = absl::StrCat(b), grouped;
@@ -94,36 +45,25 @@ std::string Bytes(int64_t b) {
 }  // namespace
 
 absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& out) {
-  ASSIGN_OR_RETURN(auto flags, ParseFlags(args));
+  ASSIGN_OR_RETURN(Flags flags,
+                   Flags::Parse(args, {"config", "ranks", "steps", "stage", "precision"}));
   Config config;
-  if (flags.count("config")) {
-    ASSIGN_OR_RETURN(config, LoadConfigFile(flags["config"]));
+  if (flags.Has("config")) {
+    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
   } else {
     ASSIGN_OR_RETURN(config, ParseConfig(kDefaultConfig, "<demo default config>"));
   }
-  if (flags.count("stage")) {
-    ASSIGN_OR_RETURN(int stage, IntFlag(flags, "stage", 0, 0, 3));
+  if (flags.Has("stage")) {
+    ASSIGN_OR_RETURN(int64_t stage, flags.GetInt("stage", 0, 0, 3));
     config.zero.stage_auto = false;
     config.zero.stage = stage;
     if (stage != 3) config.zero.offload_param.device = OffloadDevice::kNone;
   }
-  if (flags.count("precision")) {
-    const std::string& p = flags["precision"];
-    if (p == "bf16") {
-      config.precision = Precision::kBf16;
-    } else if (p == "fp16") {
-      config.precision = Precision::kFp16;
-    } else if (p == "fp32") {
-      config.precision = Precision::kFp32;
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("flag '--precision' value '", p, "' must be bf16, fp16 or fp32"));
-    }
-  }
+  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
   RETURN_IF_ERROR(ValidateConfig(config));
   examples::RunOptions options;
-  ASSIGN_OR_RETURN(options.world_size, IntFlag(flags, "ranks", 4, 1, 256));
-  ASSIGN_OR_RETURN(options.steps, IntFlag(flags, "steps", 30, 1, 1000000));
+  ASSIGN_OR_RETURN(options.world_size, flags.GetInt("ranks", 4, 1, 256));
+  ASSIGN_OR_RETURN(options.steps, flags.GetInt("steps", 30, 1, 1000000));
   options.batch = 32;
   options.device_threads = 1;
 
