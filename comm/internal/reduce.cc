@@ -15,7 +15,8 @@ namespace comm {
 namespace internal {
 namespace {
 
-// Elements per chunk: the fp32 accumulator (4 KiB) stays in L1 while the n sources stream past.
+// Elements per chunk of the scalar path: its fp32 accumulator (4 KiB) stays in L1 while the n
+// sources stream past.
 constexpr size_t kChunk = 1024;
 
 inline float MaxOp(float acc, float x) { return (acc > x || acc != acc) ? acc : x; }
@@ -108,36 +109,58 @@ ZERORT_SIMD inline void Store8(void* p, size_t i, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
 }
 
+template <bool kMax>
+ZERORT_SIMD inline __m256 Combine8(__m256 a, __m256 x) {
+  if (!kMax) return _mm256_add_ps(a, x);
+  // MaxOp: keep acc where acc > x or acc is NaN, else take x.
+  const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, _CMP_GT_OQ), _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  return _mm256_blendv_ps(x, a, keep);
+}
+
+// The accumulator lives in registers: every source is read once and the result written once,
+// with the same per-element order (source 0, then 1, ...) as the scalar path. Keeping it in an L1
+// array instead cost a store and a reload per source. comm_bench --quick reduce_kernel (two
+// 8 MiB sources, single thread, GB/s read + written, two runs each, shared 2-core machine):
+// fp32 8.0-9.0 -> 11.1-11.2, bf16 4.0-7.2 -> 7.6-9.3.
+template <DType D, bool kMax, bool kAvg>
+ZERORT_SIMD void SimdLoop(const void* const* srcs, int n, void* dst, size_t vec_count) {
+  const __m256 divisor = _mm256_set1_ps(static_cast<float>(n));
+  size_t i = 0;
+  for (; i + 16 <= vec_count; i += 16) {
+    __m256 a0 = Load8<D>(srcs[0], i);
+    __m256 a1 = Load8<D>(srcs[0], i + 8);
+    for (int k = 1; k < n; ++k) {
+      a0 = Combine8<kMax>(a0, Load8<D>(srcs[k], i));
+      a1 = Combine8<kMax>(a1, Load8<D>(srcs[k], i + 8));
+    }
+    if (kAvg) {
+      a0 = _mm256_div_ps(a0, divisor);
+      a1 = _mm256_div_ps(a1, divisor);
+    }
+    Store8<D>(dst, i, a0);
+    Store8<D>(dst, i + 8, a1);
+  }
+  for (; i < vec_count; i += 8) {
+    __m256 a = Load8<D>(srcs[0], i);
+    for (int k = 1; k < n; ++k) a = Combine8<kMax>(a, Load8<D>(srcs[k], i));
+    if (kAvg) a = _mm256_div_ps(a, divisor);
+    Store8<D>(dst, i, a);
+  }
+}
+
 template <DType D>
 ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t count, ReduceOp op) {
-  const __m256 divisor = _mm256_set1_ps(static_cast<float>(n));
-  alignas(32) float acc[kChunk];
   const size_t vec_count = count & ~size_t{7};
-  for (size_t base = 0; base < vec_count; base += kChunk) {
-    const size_t len = vec_count - base < kChunk ? vec_count - base : kChunk;
-    for (size_t j = 0; j < len; j += 8) _mm256_store_ps(acc + j, Load8<D>(srcs[0], base + j));
-    for (int k = 1; k < n; ++k) {
-      const void* src = srcs[k];
-      if (op == ReduceOp::kMax) {
-        for (size_t j = 0; j < len; j += 8) {
-          const __m256 a = _mm256_load_ps(acc + j);
-          const __m256 x = Load8<D>(src, base + j);
-          // MaxOp: keep acc where acc > x or acc is NaN, else take x.
-          const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(a, x, _CMP_GT_OQ),
-                                           _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-          _mm256_store_ps(acc + j, _mm256_blendv_ps(x, a, keep));
-        }
-      } else {
-        for (size_t j = 0; j < len; j += 8) {
-          _mm256_store_ps(acc + j, _mm256_add_ps(_mm256_load_ps(acc + j), Load8<D>(src, base + j)));
-        }
-      }
-    }
-    for (size_t j = 0; j < len; j += 8) {
-      __m256 a = _mm256_load_ps(acc + j);
-      if (op == ReduceOp::kAvg) a = _mm256_div_ps(a, divisor);
-      Store8<D>(dst, base + j, a);
-    }
+  switch (op) {
+    case ReduceOp::kSum:
+      SimdLoop<D, false, false>(srcs, n, dst, vec_count);
+      break;
+    case ReduceOp::kAvg:
+      SimdLoop<D, false, true>(srcs, n, dst, vec_count);
+      break;
+    case ReduceOp::kMax:
+      SimdLoop<D, true, false>(srcs, n, dst, vec_count);
+      break;
   }
   if (vec_count < count) {
     // Tail of < 8 elements: the scalar path on offset pointers.
