@@ -251,21 +251,11 @@ class InProcessCommunicator final : public Communicator {
 
  private:
   // Balanced split of [0, count) into size() slices.
-  size_t SliceBegin(size_t count, int r) const {
-    const size_t n = static_cast<size_t>(size());
-    const size_t base = count / n, rem = count % n;
-    const size_t rr = static_cast<size_t>(r);
-    return rr * base + std::min(rr, rem);
-  }
+  size_t SliceBegin(size_t count, int r) const { return internal::SliceBegin(count, size(), r); }
 
   absl::Status Start(OpKind kind, size_t count, DType dtype, ReduceOp op, int root, Slot slot) {
     OpDesc& d = slot.desc;
-    d.seq = ++seq_;
-    d.kind = kind;
-    d.count = count;
-    d.dtype = static_cast<int32_t>(dtype);
-    d.reduce_op = static_cast<int32_t>(op);
-    d.root = root;
+    d = internal::MakeOpDesc(++seq_, kind, count, dtype, op, root);
     absl::Status valid = internal::ValidateBuffers(d, slot.send, slot.recv, rank_, size());
     if (!valid.ok() && slot.error.empty()) slot.error = std::string(valid.message());
     history_.Begin(d, count * DTypeSize(dtype));

@@ -198,22 +198,10 @@ class MpiCommunicator final : public Communicator {
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
 
  private:
-  size_t SliceBegin(size_t count, int r) const {
-    const size_t n = static_cast<size_t>(size_);
-    const size_t base = count / n, rem = count % n;
-    const size_t rr = static_cast<size_t>(r);
-    return rr * base + std::min(rr, rem);
-  }
+  size_t SliceBegin(size_t count, int r) const { return internal::SliceBegin(count, size_, r); }
 
   OpDesc Desc(OpKind kind, size_t count, DType dtype, ReduceOp op, int root) {
-    OpDesc d;
-    d.seq = ++seq_;
-    d.kind = kind;
-    d.count = count;
-    d.dtype = static_cast<int32_t>(dtype);
-    d.reduce_op = static_cast<int32_t>(op);
-    d.root = root;
-    return d;
+    return internal::MakeOpDesc(++seq_, kind, count, dtype, op, root);
   }
 
   // srcs: (size, stride) elements in rank order; reduces `count` of each into dst.

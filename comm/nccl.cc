@@ -178,14 +178,7 @@ class NcclCommunicator final : public Communicator {
   static cudaStream_t AsStream(Stream s) { return static_cast<cudaStream_t>(s); }
 
   OpDesc Desc(OpKind kind, size_t count, DType dtype, ReduceOp op, int root) {
-    OpDesc d;
-    d.seq = ++seq_;
-    d.kind = kind;
-    d.count = count;
-    d.dtype = static_cast<int32_t>(dtype);
-    d.reduce_op = static_cast<int32_t>(op);
-    d.root = root;
-    return d;
+    return internal::MakeOpDesc(++seq_, kind, count, dtype, op, root);
   }
 
   absl::Status Poisoned(absl::string_view what) const {

@@ -35,6 +35,28 @@ struct OpDesc {
   uint64_t count = 0;
 };
 
+inline OpDesc MakeOpDesc(int64_t seq, OpKind kind, size_t count, DType dtype, ReduceOp op,
+                         int root) {
+  OpDesc d;
+  d.seq = seq;
+  d.kind = kind;
+  d.count = count;
+  d.dtype = static_cast<int32_t>(dtype);
+  d.reduce_op = static_cast<int32_t>(op);
+  d.root = root;
+  return d;
+}
+
+// First element of rank r's slice when `count` elements are split over `world` ranks as evenly
+// as possible (the first count % world slices one longer). SliceBegin(count, world, world) ==
+// count.
+inline size_t SliceBegin(size_t count, int world, int r) {
+  const size_t n = static_cast<size_t>(world);
+  const size_t base = count / n, rem = count % n;
+  const size_t rr = static_cast<size_t>(r);
+  return rr * base + (rr < rem ? rr : rem);
+}
+
 // "all_reduce #7 (count=1000, dtype=bf16, op=sum)".
 std::string DescribeOp(const OpDesc& d);
 
