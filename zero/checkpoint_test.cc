@@ -281,7 +281,7 @@ absl::Status CheckOwnedState(Engine& e, const CheckpointState& want) {
 }
 
 TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same master, m and v",
-          "[zero][ckpt]") {
+          "[zero][ckpt][reshard]") {
   auto device = CreateCpuDevice(1);
   for (Precision precision : {Precision::kBf16, Precision::kFp32}) {
     for (int stage = 0; stage <= 3; ++stage) {

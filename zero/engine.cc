@@ -811,24 +811,35 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
     const float* src[3] = {master.data() + u.shard_offset, m.data() + u.shard_offset,
                            v.data() + u.shard_offset};
     float* dst[3] = {reg.master, reg.m, reg.v};
+    std::vector<float> full;  // (padded) fp32, host: stage 0's whole unit
+    const float* new_master = src[0];
     for (int k = 0; k < 3; ++k) {
       if (e.stage_ == 0) {
         // Every rank holds the whole unit: assemble it from every rank's range.
-        std::vector<float> full(u.padded);  // (padded) fp32, host
+        full.assign(u.padded, 0.0f);
         if (e.world_ > 1) {
           RETURN_IF_ERROR(e.comm_->AllGather(src[k], full.data(), u.shard, DType::kF32));
         } else {
           std::copy(src[k], src[k] + u.shard, full.begin());
         }
         RETURN_IF_ERROR(e.dev_->Copy(dst[k], full.data(), u.padded * 4, nullptr));
+        RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));  // `full` is reused
+        if (k == 0 && e.master_ != nullptr) {
+          std::vector<char> compute(u.padded * e.c_);
+          offload::Cast(full.data(), DType::kF32, compute.data(), e.cdt_, u.padded);
+          RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
+          RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
+        }
       } else {
         RETURN_IF_ERROR(e.dev_->Copy(dst[k], src[k], u.shard * 4, nullptr));
       }
     }
-    if (e.master_ != nullptr) {
-      // The compute copy is round(master), exactly what Step and InitParams write.
-      RETURN_IF_ERROR(e.dev_->Cast(reg.master, DType::kF32, reg.param, e.cdt_,
-                                   static_cast<size_t>(reg.n), nullptr));
+    if (e.stage_ != 0 && e.master_ != nullptr) {
+      // The compute copy is round(master), exactly what Step and InitParams write; rounded on
+      // the host (as InitParams does) because the master may live there (offload).
+      std::vector<char> compute(u.shard * e.c_);
+      offload::Cast(new_master, DType::kF32, compute.data(), e.cdt_, u.shard);
+      RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
     }
     RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
     RETURN_IF_ERROR(e.AllGatherParams(static_cast<int>(ui)));
