@@ -58,6 +58,8 @@ commands:
          --resolved-config   print the effective config (every default filled in) and exit
   demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
          [--config FILE] [--ranks N (4)] [--steps S (30)] [--stage 0-3] [--precision P (bf16)]
+  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
+         write its full fp32 state as one safetensors file (docs/checkpoints.md)
 )";
 }
 

@@ -753,4 +753,113 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
   return out;
 }
 
+comm::Communicator* Engine::communicator() const { return impl_->comm_; }
+
+bool Engine::at_step_boundary() const {
+  const Impl& m = *impl_;
+  return m.micro_ == 0 && std::none_of(m.ready_.begin(), m.ready_.end(), [](uint8_t r) { return r; });
+}
+
+EngineState Engine::state() const {
+  const LossScaler::State s = impl_->scaler_.state();
+  EngineState e;
+  e.step = impl_->step_;
+  e.loss_scale = s.scale;
+  e.scaler_hysteresis_left = s.hysteresis_left;
+  e.scaler_iter = s.iter;
+  e.scaler_last_overflow = s.last_overflow_iter;
+  return e;
+}
+
+absl::Status Engine::CopyOwnedShard(int unit, float* master, float* m, float* v, void* param) {
+  Impl& e = *impl_;
+  if (unit < 0 || unit >= num_units()) {
+    return absl::OutOfRangeError(absl::StrCat("CopyOwnedShard(", unit, "): there are ",
+                                              num_units(), " units"));
+  }
+  const memory::Unit& u = e.plan_.units[unit];
+  const Impl::Region reg = e.Owned(unit);
+  // Stage 0 regions cover the whole padded unit; the checkpoint wants this rank's range.
+  const int64_t skip = e.stage_ == 0 ? e.rank_ * u.shard : 0;
+  const size_t bytes = static_cast<size_t>(u.shard) * 4;
+  RETURN_IF_ERROR(e.dev_->Copy(master, reg.master + skip, bytes, nullptr));
+  RETURN_IF_ERROR(e.dev_->Copy(m, reg.m + skip, bytes, nullptr));
+  RETURN_IF_ERROR(e.dev_->Copy(v, reg.v + skip, bytes, nullptr));
+  if (param != nullptr) {
+    RETURN_IF_ERROR(e.dev_->Copy(param, reg.param + skip * e.c_, u.shard * e.c_, nullptr));
+  }
+  return e.dev_->Synchronize(nullptr);
+}
+
+absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
+                                       absl::Span<const float> v, const EngineState& state) {
+  Impl& e = *impl_;
+  const int64_t n = e.plan_.shard_elements;
+  if (static_cast<int64_t>(master.size()) != n || static_cast<int64_t>(m.size()) != n ||
+      static_cast<int64_t>(v.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RestoreOwnedState: master/m/v hold ", master.size(), "/", m.size(), "/", v.size(),
+        " elements; this rank owns ", n));
+  }
+  if (!at_step_boundary()) {
+    return absl::FailedPreconditionError(
+        "RestoreOwnedState inside an accumulation window: restore between optimizer steps");
+  }
+  for (size_t ui = 0; ui < e.plan_.units.size(); ++ui) {
+    const memory::Unit& u = e.plan_.units[ui];
+    const Impl::Region reg = e.Owned(static_cast<int>(ui));
+    const float* src[3] = {master.data() + u.shard_offset, m.data() + u.shard_offset,
+                           v.data() + u.shard_offset};
+    float* dst[3] = {reg.master, reg.m, reg.v};
+    std::vector<float> full;  // (padded) fp32, host: stage 0's whole unit
+    const float* new_master = src[0];
+    for (int k = 0; k < 3; ++k) {
+      if (e.stage_ == 0) {
+        // Every rank holds the whole unit: assemble it from every rank's range.
+        full.assign(u.padded, 0.0f);
+        if (e.world_ > 1) {
+          RETURN_IF_ERROR(e.comm_->AllGather(src[k], full.data(), u.shard, DType::kF32));
+        } else {
+          std::copy(src[k], src[k] + u.shard, full.begin());
+        }
+        RETURN_IF_ERROR(e.dev_->Copy(dst[k], full.data(), u.padded * 4, nullptr));
+        RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));  // `full` is reused
+        if (k == 0 && e.master_ != nullptr) {
+          std::vector<char> compute(u.padded * e.c_);
+          offload::Cast(full.data(), DType::kF32, compute.data(), e.cdt_, u.padded);
+          RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
+          RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
+        }
+      } else {
+        RETURN_IF_ERROR(e.dev_->Copy(dst[k], src[k], u.shard * 4, nullptr));
+      }
+    }
+    if (e.stage_ != 0 && e.master_ != nullptr) {
+      // The compute copy is round(master), exactly what Step and InitParams write; rounded on
+      // the host (as InitParams does) because the master may live there (offload).
+      std::vector<char> compute(u.shard * e.c_);
+      offload::Cast(new_master, DType::kF32, compute.data(), e.cdt_, u.shard);
+      RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
+    }
+    RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
+    RETURN_IF_ERROR(e.AllGatherParams(static_cast<int>(ui)));
+  }
+  // Gathered stage-3 copies hold the old parameters.
+  for (Impl::Slot& s : e.slots_) {
+    if (s.unit >= 0 && !s.held) {
+      e.unit_slot_[s.unit] = -1;
+      s.unit = -1;
+    }
+  }
+  e.step_ = state.step;
+  LossScaler::State ls;
+  ls.scale = state.loss_scale;
+  ls.hysteresis_left = state.scaler_hysteresis_left;
+  ls.iter = state.scaler_iter;
+  ls.last_overflow_iter = state.scaler_last_overflow;
+  e.scaler_.set_state(ls);
+  e.stats_ = StepStats();
+  return e.dev_->Synchronize(nullptr);
+}
+
 }  // namespace zerort

@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "memory/plan.h"
 #include "zero/config.h"
@@ -77,6 +78,15 @@ struct StepStats {
 struct MemoryReport {
   int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+};
+
+// The engine's scalar training state: what a checkpoint stores besides tensors.
+struct EngineState {
+  int64_t step = 0;                 // optimizer steps applied (AdamW's t)
+  double loss_scale = 1;            // the loss scaler's current scale
+  int scaler_hysteresis_left = 0;   // dynamic fp16 scaling: overflows left before halving
+  int64_t scaler_iter = 0;          // boundaries the scaler has seen
+  int64_t scaler_last_overflow = -1;  // scaler_iter of the last overflow, -1 if none
 };
 
 class Engine {
@@ -128,6 +138,29 @@ class Engine {
   // The full fp32 master weights (the parameters themselves in fp32 mode), concatenated in
   // registration order. Collective (all-gathers the shards).
   absl::StatusOr<std::vector<float>> GatherMasterWeights();
+
+  // --- checkpoint access (zero/checkpoint.h builds on these) ---------------------------------
+  // The checkpoint format is the same for every stage: rank r stores elements
+  // [r * shard, (r + 1) * shard) of every padded unit (its owned shard; in stage 0, where every
+  // rank holds everything, the same range).
+
+  comm::Communicator* communicator() const;
+  // True between optimizer steps: no micro-step of an accumulation window has been taken.
+  bool at_step_boundary() const;
+  EngineState state() const;
+
+  // Copies this rank's range of unit `unit` (plan().units[unit].shard elements) of the fp32
+  // master weights, m and v into host buffers; `param`, when not null, receives the
+  // compute-dtype parameters of the same range. Not collective.
+  absl::Status CopyOwnedShard(int unit, float* master, float* m, float* v, void* param);
+
+  // Replaces the optimizer state and the scalar state. `master`, `m` and `v` hold
+  // plan().shard_elements floats each, unit u's range at plan().units[u].shard_offset (the
+  // layout of CopyOwnedShard). The compute-dtype parameters are re-derived from the master
+  // weights (round once, as Step and InitParams do) and all-gathered, so every rank ends
+  // consistent. Collective. REQUIRES: at_step_boundary(); padding elements are zero.
+  absl::Status RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
+                                 absl::Span<const float> v, const EngineState& state);
 
  private:
   class Impl;

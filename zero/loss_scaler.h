@@ -30,6 +30,22 @@ class LossScaler {
   // Records the outcome of one optimizer step (overflow = skipped).
   absl::Status Update(bool overflow);
 
+  // The evolving part of the scaler, for checkpoints: restoring it makes the scale evolve as if
+  // training had not stopped. The settings (window, hysteresis, minimum) come from the config.
+  struct State {
+    double scale = 1;
+    int hysteresis_left = 0;
+    int64_t iter = 0;
+    int64_t last_overflow_iter = -1;
+  };
+  State state() const { return {scale_, hysteresis_left_, iter_, last_overflow_iter_}; }
+  void set_state(const State& s) {
+    scale_ = s.scale;
+    hysteresis_left_ = s.hysteresis_left;
+    iter_ = s.iter;
+    last_overflow_iter_ = s.last_overflow_iter;
+  }
+
  private:
   bool dynamic_ = false;
   double scale_ = 1;

@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "zero/ckpt_command.h"
 #include "zero/cli.h"
 #include "zero/demo.h"
 
@@ -19,6 +20,8 @@ int main(int argc, char** argv) {
     status = zerort::RunPlanCommand(args, std::cout);
   } else if (command == "demo") {
     status = zerort::RunDemoCommand(args, std::cout);
+  } else if (command == "ckpt") {
+    status = zerort::RunCkptCommand(args, std::cout);
   } else {
     std::cerr << "zerort: unknown command '" << command << "'\n" << zerort::Usage();
     return 2;
