@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cassert>
 #include <cerrno>
 #include <algorithm>
 #include <cstring>
@@ -81,6 +82,25 @@ absl::StatusOr<void*> Arena::Allocate(absl::string_view buffer_name, size_t byte
   requested_ += bytes;
   buffers_.emplace(std::string(buffer_name), bytes);
   return static_cast<void*>(p);
+}
+
+absl::StatusOr<void*> Arena::AllocateStaggered(absl::string_view buffer_name, size_t bytes,
+                                               size_t offset_mod_4k) {
+  assert(offset_mod_4k % kAlignment == 0 && offset_mod_4k < kStaggerSlack);
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t here = reinterpret_cast<uintptr_t>(base_ + used_) % kStaggerSlack;
+    const size_t skip = (offset_mod_4k + kStaggerSlack - here) % kStaggerSlack;
+    if (capacity_ > 0 && skip > 0) {
+      if (skip > capacity_ - used_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "arena '", name_, "': buffer '", buffer_name, "' needs ", skip,
+            " bytes of stagger but only ", capacity_ - used_, " of ", capacity_, " remain"));
+      }
+      used_ += skip;
+    }
+  }
+  return Allocate(buffer_name, bytes);
 }
 
 void Arena::Reset() {

@@ -1,5 +1,6 @@
 #include "memory/arena.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -135,5 +136,30 @@ TEST_CASE("Arena: empty arena and zero-byte buffers give aligned non-null pointe
 }
 
 }  // namespace
+TEST_CASE("Arena: staggered buffers start at the requested offset modulo 4 KiB", "[memory]") {
+  // Five 64 KiB buffers (a multiple of 4 KiB: unstaggered they would all share one residue).
+  const size_t bytes = 64 << 10;
+  auto arena = Arena::Create("optim", 5 * (bytes + Arena::kStaggerSlack), HostAllocator());
+  REQUIRE(arena.ok());
+  std::vector<uintptr_t> residues;
+  for (int j = 0; j < 5; ++j) {
+    const size_t want = (j * 1280) % 4096;
+    auto p = (*arena)->AllocateStaggered("b" + std::to_string(j), bytes, want);
+    REQUIRE(p.ok());
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(*p);
+    CHECK(addr % 4096 == want);
+    CHECK(addr % Arena::kAlignment == 0);
+    residues.push_back(addr % 4096);
+    std::memset(*p, 0xab, bytes);  // the whole buffer is inside the arena (ASan checks)
+  }
+  std::sort(residues.begin(), residues.end());
+  CHECK(std::unique(residues.begin(), residues.end()) == residues.end());
+  CHECK((*arena)->requested() == 5 * bytes);  // the skipped bytes are not requested bytes
+  CHECK((*arena)->used() > 5 * bytes);
+  // No slack left for another staggered buffer that needs a skip.
+  auto full = (*arena)->AllocateStaggered("extra", (*arena)->remaining(), 2048);
+  CHECK_FALSE(full.ok());
+}
+
 }  // namespace memory
 }  // namespace zerort
