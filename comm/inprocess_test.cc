@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "comm/testing/typed_buffer.h"
 
 namespace zerort {
 namespace comm {
@@ -41,33 +42,7 @@ void CopyBytes(void* d, const void* s, size_t n) {
   if (n > 0) std::memcpy(d, s, n);
 }
 
-struct Buf {
-  DType t;
-  std::vector<char> bytes;
-  Buf(DType type, size_t count) : t(type), bytes(count * DTypeSize(type)) {}
-  size_t count() const { return bytes.size() / DTypeSize(t); }
-  float get(size_t i) const {
-    if (t == DType::kF32) {
-      float f;
-      std::memcpy(&f, &bytes[4 * i], 4);
-      return f;
-    }
-    uint16_t h;
-    std::memcpy(&h, &bytes[2 * i], 2);
-    return t == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
-  }
-  void set(size_t i, float v) {
-    if (t == DType::kF32) {
-      std::memcpy(&bytes[4 * i], &v, 4);
-      return;
-    }
-    const uint16_t h = t == DType::kBF16 ? FloatToBf16(v) : FloatToHalf(v);
-    std::memcpy(&bytes[2 * i], &h, 2);
-  }
-  void* data() { return bytes.data(); }
-  char* at(size_t elem) { return bytes.data() + elem * DTypeSize(t); }
-  const char* at(size_t elem) const { return bytes.data() + elem * DTypeSize(t); }
-};
+using testing::Buf;
 
 Buf Random(DType t, size_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-8.0f, 8.0f);

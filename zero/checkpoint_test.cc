@@ -32,7 +32,6 @@ namespace zerort {
 namespace {
 
 using memory::ParamSpec;
-using testing::GradValue;
 using testing::InitValue;
 using testing::SmallModel;
 
@@ -59,16 +58,6 @@ void WriteFile(const std::string& path, const std::string& data) {
 
 bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void Store(void* dst, DType dtype, int64_t k, float v) {
-  if (dtype == DType::kF32) {
-    static_cast<float*>(dst)[k] = v;
-  } else if (dtype == DType::kBF16) {
-    static_cast<uint16_t*>(dst)[k] = FloatToBf16(v);
-  } else {
-    static_cast<uint16_t*>(dst)[k] = FloatToHalf(v);
-  }
 }
 
 // Runs fn(rank, comm) on `world` in-process ranks, one thread each; returns each rank's status.
@@ -100,40 +89,6 @@ absl::StatusOr<std::unique_ptr<Engine>> NewEngine(const Config& config, comm::Co
     for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k) + init_offset;
   }));
   return e;
-}
-
-// Optimizer steps [first, first + steps) as the synthetic trainer takes them: the gradients
-// depend on the global step index, so a resumed run sees exactly what an uninterrupted one
-// does. At each step in `inject`, rank 0 writes an Inf (fp16 overflow).
-absl::Status TrainSteps(Engine& e, int rank, int first, int steps,
-                        const std::vector<int>& inject = {}) {
-  const DType dtype = e.plan().options.compute_dtype;
-  const int gas = e.config().gradient_accumulation_steps;
-  for (int step = first; step < first + steps; ++step) {
-    const bool overflow = std::find(inject.begin(), inject.end(), step) != inject.end();
-    for (int micro = 0; micro < gas; ++micro) {
-      for (int u = e.num_units() - 1; u >= 0; --u) {
-        RETURN_IF_ERROR(e.Gather(u));
-        RETURN_IF_ERROR(e.Release(u));
-      }
-      for (int u = 0; u < e.num_units(); ++u) {
-        RETURN_IF_ERROR(e.Gather(u));
-        for (int i : e.plan().units[u].params) {
-          ASSIGN_OR_RETURN(void* g, e.grad(i));
-          const int64_t n = e.plan().params[i].numel;
-          for (int64_t k = 0; k < n; ++k) {
-            float v = static_cast<float>(GradValue(rank, step, micro, i, k) * e.loss_scale());
-            if (overflow && rank == 0 && micro == 0 && k == 0) v = INFINITY;
-            Store(g, dtype, k, v);
-          }
-          RETURN_IF_ERROR(e.GradReady(i));
-        }
-        RETURN_IF_ERROR(e.Release(u));
-      }
-      RETURN_IF_ERROR(e.Step().status());
-    }
-  }
-  return absl::OkStatus();
 }
 
 void RequireSameState(const CheckpointState& a, const CheckpointState& b) {
@@ -199,14 +154,14 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
       std::vector<int64_t> saved_step(c.world);  // below k when an overflow skipped a step
       RequireAllOk(OnRanks(c.world, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-        RETURN_IF_ERROR(TrainSteps(*e, r, 0, k + m, inject));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, 0, k + m, inject));
         ASSIGN_OR_RETURN(ref[r], e->GatherMasterWeights());
         ref_state[r] = e->state();
         return SaveCheckpoint(*e, ref_dir).status();
       }));
       RequireAllOk(OnRanks(c.world, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-        RETURN_IF_ERROR(TrainSteps(*e, r, 0, k, inject));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, 0, k, inject));
         saved_step[r] = e->step();
         return SaveCheckpoint(*e, dir).status();
       }));
@@ -218,7 +173,7 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
           return absl::InternalError(absl::StrCat("step ", e->step(), " after loading step ",
                                                   saved_step[r]));
         }
-        RETURN_IF_ERROR(TrainSteps(*e, r, k, m, inject));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, k, m, inject));
         ASSIGN_OR_RETURN(resumed[r], e->GatherMasterWeights());
         resumed_state[r] = e->state();
         return SaveCheckpoint(*e, dir).status();
@@ -292,7 +247,7 @@ TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same ma
         std::vector<float> saved_master;
         RequireAllOk(OnRanks(n, [&](int r, comm::Communicator* comm) -> absl::Status {
           ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-          RETURN_IF_ERROR(TrainSteps(*e, r, 0, 2));
+          RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
           ASSIGN_OR_RETURN(std::vector<float> w, e->GatherMasterWeights());
           if (r == 0) saved_master = std::move(w);
           return SaveCheckpoint(*e, dir).status();
@@ -336,7 +291,7 @@ TEST_CASE("Checkpoint: a checkpoint loads into another stage and another world, 
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(1, Precision::kBf16, 1, 0, false),
                                        comm, device.get()));
-    RETURN_IF_ERROR(TrainSteps(*e, r, 0, 2));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
     return SaveCheckpoint(*e, dir).status();
   }));
   auto saved = ReadCheckpoint(dir);
@@ -382,9 +337,9 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
   // Two checkpoints (steps 1 and 2) to mix shards from.
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-    RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
     RETURN_IF_ERROR(SaveCheckpoint(*e, root).status());
-    RETURN_IF_ERROR(TrainSteps(*e, r, 1, 1));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 1, 1));
     return SaveCheckpoint(*e, root).status();
   }));
   const std::string good = root + "/step_2";
@@ -447,7 +402,7 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
       std::vector<absl::Status> errors(2);
       RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-        RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
         ASSIGN_OR_RETURN(std::vector<float> before, e->GatherMasterWeights());
         const EngineState st = e->state();
         errors[r] = LoadCheckpoint(*e, dir);
@@ -456,7 +411,7 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
           return absl::InternalError("the failed load changed the engine");
         }
         // Still usable: the ranks are in step.
-        return TrainSteps(*e, r, 1, 1);
+        return testing::TrainSteps(*e, 1, 1);
       }));
       for (int r = 0; r < 2; ++r) {
         INFO("rank " << r << ": " << errors[r].ToString());
@@ -474,7 +429,7 @@ TEST_CASE("Checkpoint: another world size without allow_reshard, or another mode
   const std::string dir = TempDir("refuse");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-    RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
     return SaveCheckpoint(*e, dir).status();
   }));
   std::vector<absl::Status> errors(3);
@@ -612,11 +567,11 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
     std::vector<float> step1;
     RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
       ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-      RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
       RETURN_IF_ERROR(SaveCheckpoint(*e, root).status());
       ASSIGN_OR_RETURN(std::vector<float> w, e->GatherMasterWeights());
       if (r == 0) step1 = w;
-      RETURN_IF_ERROR(TrainSteps(*e, r, 1, 1));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 1, 1));
       SaveOptions so;
       so.fs = &fs;
       saves[r] = SaveCheckpoint(*e, root, so).status();
@@ -664,7 +619,7 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
     for (int s = 1; s <= 2; ++s) {
-      RETURN_IF_ERROR(TrainSteps(*e, r, s - 1, 1));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, s - 1, 1));
       ASSIGN_OR_RETURN(std::vector<float> w, e->GatherMasterWeights());
       if (r == 0) after[s] = w;
     }
@@ -685,9 +640,9 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
       auto dev = CreateCpuDevice(1);
       const auto st = OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, dev.get()));
-        RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
         RETURN_IF_ERROR(SaveCheckpoint(*e, root, so).status());
-        RETURN_IF_ERROR(TrainSteps(*e, r, 1, 1));
+        RETURN_IF_ERROR(testing::TrainSteps(*e, 1, 1));
         return SaveCheckpoint(*e, root, so).status();
       });
       _exit(st[0].ok() && st[1].ok() ? 0 : 3);
@@ -718,7 +673,7 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
     // A later save in the same directory succeeds despite the debris.
     RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
       ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-      RETURN_IF_ERROR(TrainSteps(*e, r, 0, 3));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 3));
       return SaveCheckpoint(*e, root).status();
     }));
     REQUIRE(Latest(root) == "step_3\n");
@@ -738,16 +693,16 @@ TEST_CASE("Checkpoint: an async save lets training go on, moves `latest` only at
   std::vector<std::string> latest_during(2);
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-    RETURN_IF_ERROR(TrainSteps(*e, r, 0, 1));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
     RETURN_IF_ERROR(SaveCheckpoint(*e, async_root).status());
-    RETURN_IF_ERROR(TrainSteps(*e, r, 1, 2));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 1, 2));
     RETURN_IF_ERROR(SaveCheckpoint(*e, sync_root).status());
     AsyncCheckpointer ck;
     RETURN_IF_ERROR(ck.Start(*e, async_root));
     if (ck.Start(*e, async_root).code() != absl::StatusCode::kFailedPrecondition) {
       return absl::InternalError("a second Start was accepted");
     }
-    RETURN_IF_ERROR(TrainSteps(*e, r, 3, 2));  // the snapshot is of step 3
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 3, 2));  // the snapshot is of step 3
     latest_during[r] = Latest(async_root);
     ASSIGN_OR_RETURN(std::string path, ck.Finish(*e));
     if (path != async_root + "/step_3") return absl::InternalError(path);
@@ -772,7 +727,7 @@ TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 
   std::vector<float> master;
   RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
-    RETURN_IF_ERROR(TrainSteps(*e, r, 0, 2));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
     ASSIGN_OR_RETURN(std::vector<float> w, e->GatherMasterWeights());
     if (r == 0) master = w;
     return SaveCheckpoint(*e, root).status();

@@ -1,5 +1,6 @@
 #include "zero/testing/synthetic_trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -60,23 +61,15 @@ Config TestConfig(int stage, Precision precision, int gas, double clip, bool off
   return c;
 }
 
-absl::StatusOr<TrainResult> TrainRank(const Config& config,
-                                      const std::vector<memory::ParamSpec>& specs,
-                                      comm::Communicator* comm, Device* device, int steps,
-                                      int inject_step, int inject_rank) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(config, specs, comm, device));
-  Engine& e = *engine;
-  const int r = comm->rank();
+absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>& overflow_steps,
+                        int overflow_rank, std::vector<StepStats>* stats) {
+  const int r = e.communicator()->rank();
   const DType dtype = e.plan().options.compute_dtype;
-  RETURN_IF_ERROR(e.InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  }));
-  TrainResult result;
-  result.report = e.memory_report();
-  for (int step = 0; step < steps; ++step) {
-    for (int micro = 0; micro < config.gradient_accumulation_steps; ++micro) {
+  for (int step = first; step < first + steps; ++step) {
+    const bool overflow =
+        r == overflow_rank &&
+        std::find(overflow_steps.begin(), overflow_steps.end(), step) != overflow_steps.end();
+    for (int micro = 0; micro < e.config().gradient_accumulation_steps; ++micro) {
       // Forward visits units in forward order (the plan lists them in backward order).
       for (int u = e.num_units() - 1; u >= 0; --u) {
         RETURN_IF_ERROR(e.Gather(u));
@@ -90,18 +83,36 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
           const int64_t n = e.plan().params[i].numel;
           for (int64_t k = 0; k < n; ++k) {
             float v = static_cast<float>(GradValue(r, step, micro, i, k) * e.loss_scale());
-            if (step == inject_step && micro == 0 && r == inject_rank && k == 0) v = INFINITY;
+            if (overflow && micro == 0 && k == 0) v = INFINITY;
             Store(g, dtype, k, v);
           }
           RETURN_IF_ERROR(e.GradReady(i));
         }
         RETURN_IF_ERROR(e.Release(u));
       }
-      ASSIGN_OR_RETURN(StepStats stats, e.Step());
-      if (stats.boundary) result.stats.push_back(stats);
+      ASSIGN_OR_RETURN(StepStats s, e.Step());
+      if (stats != nullptr && s.boundary) stats->push_back(s);
     }
   }
-  ASSIGN_OR_RETURN(result.master, e.GatherMasterWeights());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainResult> TrainRank(const Config& config,
+                                      const std::vector<memory::ParamSpec>& specs,
+                                      comm::Communicator* comm, Device* device, int steps,
+                                      int inject_step, int inject_rank) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(config, specs, comm, device));
+  RETURN_IF_ERROR(engine->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  }));
+  TrainResult result;
+  result.report = engine->memory_report();
+  std::vector<int> overflow_steps;
+  if (inject_step >= 0) overflow_steps.push_back(inject_step);
+  RETURN_IF_ERROR(TrainSteps(*engine, 0, steps, overflow_steps, inject_rank, &result.stats));
+  ASSIGN_OR_RETURN(result.master, engine->GatherMasterWeights());
   return result;
 }
 

@@ -36,7 +36,15 @@ struct TrainResult {
   MemoryReport report;
 };
 
-// Runs `steps` optimizer steps on this rank. At step `inject_step`, rank `inject_rank` writes an
+// Optimizer steps [first, first + steps) on an engine whose parameters are set. Gradients depend
+// on the global step index, so a resumed run sees exactly what an uninterrupted one does. At each
+// step in `overflow_steps`, rank `overflow_rank` writes an Inf into its first gradient element.
+// Boundary stats are appended to `stats` when it is not null.
+absl::Status TrainSteps(Engine& engine, int first, int steps,
+                        const std::vector<int>& overflow_steps = {}, int overflow_rank = 0,
+                        std::vector<StepStats>* stats = nullptr);
+
+// Creates an engine, sets InitValue parameters and runs `steps` optimizer steps on this rank. At step `inject_step`, rank `inject_rank` writes an
 // Inf into its first gradient element (overflow tests).
 absl::StatusOr<TrainResult> TrainRank(const Config& config,
                                       const std::vector<memory::ParamSpec>& specs,
