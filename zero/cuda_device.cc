@@ -278,6 +278,56 @@ class CudaDevice final : public Device {
     return absl::OkStatus();
   }
 
+  // Non-blocking: the engine orders its streams with events, never through the legacy default
+  // stream's implicit synchronization.
+  absl::StatusOr<Stream> CreateStream() override {
+    RETURN_IF_ERROR(Use());
+    cudaStream_t s = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)), "(",
+                         name_, ": CreateStream)");
+    return static_cast<Stream>(s);
+  }
+
+  void DestroyStream(Stream stream) override {
+    if (stream != nullptr && Use().ok()) Cleared(cudaStreamDestroy(AsStream(stream)));
+  }
+
+  // Timing off: timed events cost a device-side timestamp write on every record.
+  absl::StatusOr<Event> CreateEvent() override {
+    RETURN_IF_ERROR(Use());
+    cudaEvent_t e = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)), "(",
+                         name_, ": CreateEvent)");
+    return static_cast<Event>(e);
+  }
+
+  void DestroyEvent(Event event) override {
+    if (event != nullptr && Use().ok()) Cleared(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+  }
+
+  absl::Status Record(Event event, Stream stream) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaEventRecord(static_cast<cudaEvent_t>(event), AsStream(stream))), "(", name_,
+        ": Record)");
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait(Stream stream, Event event) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaStreamWaitEvent(AsStream(stream), static_cast<cudaEvent_t>(event), 0)), "(",
+        name_, ": Wait)");
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitHost(Event event) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(Cleared(cudaEventSynchronize(static_cast<cudaEvent_t>(event))), "(",
+                         name_, ": WaitHost)");
+    return absl::OkStatus();
+  }
+
  private:
   static cudaStream_t AsStream(Stream s) { return static_cast<cudaStream_t>(s); }
 

@@ -18,6 +18,7 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "memory/arena.h"
@@ -29,6 +30,7 @@ namespace zerort {
 class Device {
  public:
   using Stream = void*;
+  using Event = void*;
   virtual ~Device() = default;
 
   virtual absl::string_view name() const = 0;
@@ -56,6 +58,15 @@ class Device {
                              const offload::AdamWStepParams& params, float grad_scale,
                              Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream) = 0;
+
+  virtual absl::StatusOr<Stream> CreateStream() = 0;
+  // REQUIRES: no work pending on `stream` (Synchronize it first).
+  virtual void DestroyStream(Stream stream) = 0;
+  virtual absl::StatusOr<Event> CreateEvent() = 0;
+  virtual void DestroyEvent(Event event) = 0;
+  virtual absl::Status Record(Event event, Stream stream) = 0;
+  virtual absl::Status Wait(Stream stream, Event event) = 0;
+  virtual absl::Status WaitHost(Event event) = 0;
 };
 
 }  // namespace zerort

@@ -47,7 +47,9 @@ class Engine::Impl {
         offload_(plan_.options.offload_optimizer),
         scaler_(config_) {}
 
+  ~Impl();
   absl::Status Allocate();
+  absl::Status CreateStreams();
   absl::Status CheckPeersAgree();
 
   // --- buffers -----------------------------------------------------------------------------
@@ -67,6 +69,13 @@ class Engine::Impl {
   char* staging_ = nullptr;      // (buffer_count, 2 * max shard) compute dtype, offload
   int64_t bucket_elems_ = 0, slot_elems_ = 0, staging_chunk_ = 0;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_
+
+  // --- offload pipeline (see OffloadUpdate) ---------------------------------------------------
+  Device::Stream d2h_ = nullptr;           // gradient shards down into staging chunks
+  Device::Stream h2d_ = nullptr;           // new parameter shards back up
+  Device::Event grads_ready_ = nullptr;    // recorded on the trainer's stream before the copies
+  std::vector<Device::Event> chunk_in_;    // per chunk: its gradient has arrived
+  std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
 
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
 
@@ -95,6 +104,14 @@ class Engine::Impl {
   absl::StatusOr<StepStats> ApplyStep();
   absl::Status ResetGradients();
   absl::Status AllGatherParams(int u);
+  // All-gathers unit u's parameter shard into `full` (padded elements). With offload_param the
+  // shard lives in host memory: it is staged into this rank's block of `full` first and gathered
+  // in place, so collectives only ever see device buffers.
+  absl::Status GatherShard(int u, char* full);
+  // AdamW on the host for every owned region, pipelined through the staging chunks.
+  // Adds the time spent in all-gathers to *gather_ms and waiting for gradients to *wait_ms.
+  absl::Status OffloadUpdate(const offload::AdamWStepParams& params, float grad_scale,
+                             double* gather_ms, double* wait_ms);
 
   // Owned-region views for the optimizer, per unit.
   struct Region {
@@ -122,6 +139,7 @@ class Engine::Impl {
   const size_t c_;
   const int gas_;
   const bool offload_;
+  const bool offload_param_ = plan_.options.offload_param;
   LossScaler scaler_;
   int64_t step_ = 0;
   StepStats stats_;  // accumulates between boundaries
@@ -193,6 +211,33 @@ absl::Status Engine::Impl::Allocate() {
       persistent_offset_[u] = off;
       off += plan_.units[u].padded;
     }
+  }
+  return absl::OkStatus();
+}
+
+Engine::Impl::~Impl() {
+  // Pending copies write into the arenas, which are destroyed after this body.
+  for (Device::Stream s : {d2h_, h2d_}) {
+    if (s != nullptr) {
+      dev_->Synchronize(s).IgnoreError();  // a failure was reported by the step that caused it
+      dev_->DestroyStream(s);
+    }
+  }
+  if (grads_ready_ != nullptr) dev_->DestroyEvent(grads_ready_);
+  for (Device::Event e : chunk_in_) dev_->DestroyEvent(e);
+  for (Device::Event e : chunk_out_) dev_->DestroyEvent(e);
+}
+
+absl::Status Engine::Impl::CreateStreams() {
+  if (!offload_) return absl::OkStatus();
+  ASSIGN_OR_RETURN(d2h_, dev_->CreateStream());
+  ASSIGN_OR_RETURN(h2d_, dev_->CreateStream());
+  ASSIGN_OR_RETURN(grads_ready_, dev_->CreateEvent());
+  for (int k = 0; k < plan_.options.offload_buffer_count; ++k) {
+    ASSIGN_OR_RETURN(Device::Event in, dev_->CreateEvent());
+    chunk_in_.push_back(in);
+    ASSIGN_OR_RETURN(Device::Event out, dev_->CreateEvent());
+    chunk_out_.push_back(out);
   }
   return absl::OkStatus();
 }
@@ -312,10 +357,21 @@ absl::Status Engine::Impl::AllGatherParams(int u) {
     RETURN_IF_ERROR(comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_));
     Sent(unit.shard, 1);
   } else if (stage_ == 3 && unit.persistent) {
-    RETURN_IF_ERROR(comm_->AllGather(At(params_, unit.shard_offset),
-                                     At(persistent_, persistent_offset_[u]), unit.shard, cdt_));
-    Sent(unit.shard, 1);
+    RETURN_IF_ERROR(GatherShard(u, At(persistent_, persistent_offset_[u])));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::GatherShard(int u, char* full) {
+  const memory::Unit& unit = plan_.units[u];
+  const char* shard = At(params_, unit.shard_offset);
+  if (offload_param_) {
+    char* mine = At(full, rank_ * unit.shard);
+    RETURN_IF_ERROR(dev_->Copy(mine, shard, unit.shard * c_, nullptr));
+    shard = mine;
+  }
+  RETURN_IF_ERROR(comm_->AllGather(shard, full, unit.shard, cdt_));
+  Sent(unit.shard, 1);
   return absl::OkStatus();
 }
 
@@ -340,11 +396,8 @@ absl::StatusOr<int> Engine::Impl::AcquireSlot() {
 }
 
 absl::Status Engine::Impl::GatherIntoSlot(int u, int s) {
-  const memory::Unit& unit = plan_.units[u];
   const auto t0 = Clock::now();
-  RETURN_IF_ERROR(comm_->AllGather(At(params_, unit.shard_offset), At(gather_, s * slot_elems_),
-                                   unit.shard, cdt_));
-  Sent(unit.shard, 1);
+  RETURN_IF_ERROR(GatherShard(u, At(gather_, s * slot_elems_)));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
   unit_slot_[u] = s;
@@ -449,32 +502,23 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
     ASSIGN_OR_RETURN(offload::AdamWStepParams params,
                      offload::MakeAdamWStepParams(oc.lr, oc.beta1, oc.beta2, oc.eps,
                                                   oc.weight_decay, step_));
-    for (int u = 0; u < nu; ++u) {
-      const Region reg = Owned(u);
-      if (!offload_) {
+    double gather_ms = 0;
+    if (offload_) {
+      RETURN_IF_ERROR(OffloadUpdate(params, grad_scale, &gather_ms, &stats.offload_wait_ms));
+    } else {
+      for (int u = 0; u < nu; ++u) {
+        const Region reg = Owned(u);
         offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
                                master_ != nullptr ? reg.param : nullptr, cdt_,
                                static_cast<size_t>(reg.n)};
         RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, nullptr));
-        continue;
       }
-      // Offload: gradient shard down into a pinned chunk, AdamW on the host, new parameters
-      // back up. Chunks rotate through buffer_count slots so that copies and updates can overlap
-      // on a stream-ordered device.
-      const int64_t chunk_slots = plan_.options.offload_buffer_count;
-      char* chunk = At(staging_, (u % chunk_slots) * staging_chunk_);
-      char* grad_host = chunk;
-      char* param_host = At(chunk, staging_chunk_ / 2);
-      RETURN_IF_ERROR(dev_->Copy(grad_host, reg.grad, reg.n * c_, nullptr));
-      RETURN_IF_ERROR(dev_->Synchronize(nullptr));
-      offload::AdamWArrays a{reg.master, reg.m, reg.v, grad_host, cdt_, param_host, cdt_,
-                             static_cast<size_t>(reg.n)};
-      RETURN_IF_ERROR(offload::CpuAdamW(a, params, grad_scale, config_.cpu_threads));
-      RETURN_IF_ERROR(dev_->Copy(reg.param, param_host, reg.n * c_, nullptr));
     }
-    stats.optimizer_ms = MsSince(t0);
+    stats.optimizer_ms = MsSince(t0) - gather_ms;
     const auto tg = Clock::now();
-    for (int u = 0; u < nu; ++u) RETURN_IF_ERROR(AllGatherParams(u));
+    if (!offload_) {
+      for (int u = 0; u < nu; ++u) RETURN_IF_ERROR(AllGatherParams(u));
+    }
     if (stage_ == 3) {
       // Gathered copies are stale now.
       for (Slot& s : slots_) {
@@ -484,7 +528,7 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
         }
       }
     }
-    stats.gather_ms += MsSince(tg);
+    stats.gather_ms += gather_ms + MsSince(tg);
   }
   RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
@@ -493,6 +537,71 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
   stats.comm_bytes = stats_.comm_bytes;
   stats_ = StepStats();
   return stats;
+}
+
+// Host AdamW over every owned region, pipelined through the `buffer_count` staging chunks:
+//
+//   d2h stream:  grad(0) grad(1) ... grad(B-1)   grad(B) ...       (B chunks ahead of the host)
+//   host:               AdamW(0)   AdamW(1)  AllGather(0)  AdamW(2)  AllGather(1) ...
+//   h2d stream:                 param(0)  param(1)         param(2) ...
+//
+// Chunk k = u mod B carries unit u's gradient shard down (first half) and its new parameter
+// shard up (second half). The host waits for chunk_in[k] before reading a gradient and for
+// chunk_out[k] (unit u - B's upload) before overwriting the parameter half; unit u's
+// all-gather runs once unit u + 1 has been updated, so it overlaps the next copies. With
+// offload_param (stage 3) the parameter shard lives on the host and AdamW writes it in place.
+absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
+                                         float grad_scale, double* gather_ms, double* wait_ms) {
+  const int nu = static_cast<int>(plan_.units.size());
+  const int chunks = static_cast<int>(chunk_in_.size());
+  auto grad_host = [&](int u) { return At(staging_, (u % chunks) * staging_chunk_); };
+  auto param_host = [&](int u) { return At(grad_host(u), staging_chunk_ / 2); };
+  auto copy_in = [&](int u) -> absl::Status {
+    const Region reg = Owned(u);
+    RETURN_IF_ERROR(dev_->Copy(grad_host(u), reg.grad, reg.n * c_, d2h_));
+    return dev_->Record(chunk_in_[u % chunks], d2h_);
+  };
+  // A stream-ordered communicator (NCCL, on the trainer's stream) waits on the device; the CPU
+  // backends read the buffer when called, so the host waits.
+  const bool comm_on_stream = comm_->backend() == "nccl";
+  auto gather = [&](int u) -> absl::Status {
+    if (!offload_param_) {
+      Device::Event uploaded = chunk_out_[u % chunks];
+      RETURN_IF_ERROR(comm_on_stream ? dev_->Wait(nullptr, uploaded) : dev_->WaitHost(uploaded));
+    }
+    const auto t0 = Clock::now();
+    RETURN_IF_ERROR(AllGatherParams(u));
+    *gather_ms += MsSince(t0);
+    return absl::OkStatus();
+  };
+
+  // The reduced gradients were written on the trainer's stream.
+  RETURN_IF_ERROR(dev_->Record(grads_ready_, nullptr));
+  RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
+  for (int u = 0; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(copy_in(u));
+  for (int u = 0; u < nu; ++u) {
+    const Region reg = Owned(u);
+    const auto tw = Clock::now();
+    RETURN_IF_ERROR(dev_->WaitHost(chunk_in_[u % chunks]));
+    if (u >= chunks && !offload_param_) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
+    *wait_ms += MsSince(tw);
+    char* out = offload_param_ ? reg.param : param_host(u);
+    offload::AdamWArrays a{reg.master, reg.m, reg.v, grad_host(u), cdt_, out, cdt_,
+                           static_cast<size_t>(reg.n)};
+    RETURN_IF_ERROR(offload::CpuAdamW(a, params, grad_scale, config_.cpu_threads));
+    if (u + chunks < nu) RETURN_IF_ERROR(copy_in(u + chunks));
+    if (!offload_param_) {
+      RETURN_IF_ERROR(dev_->Copy(reg.param, out, reg.n * c_, h2d_));
+      RETURN_IF_ERROR(dev_->Record(chunk_out_[u % chunks], h2d_));
+    }
+    if (u > 0) RETURN_IF_ERROR(gather(u - 1));
+  }
+  if (nu > 0) RETURN_IF_ERROR(gather(nu - 1));
+  // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
+  if (!offload_param_) {
+    for (Device::Event e : chunk_out_) RETURN_IF_ERROR(dev_->Wait(nullptr, e));
+  }
+  return absl::OkStatus();
 }
 
 // --- Engine --------------------------------------------------------------------------------
@@ -519,6 +628,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   auto impl = std::make_unique<Impl>(config, std::move(params), std::move(choice.plan), comm,
                                      device);
   RETURN_IF_ERROR(impl->Allocate());
+  RETURN_IF_ERROR(impl->CreateStreams());
   RETURN_IF_ERROR(impl->CheckPeersAgree());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

@@ -71,6 +71,7 @@ struct StepStats {
   double reduce_ms = 0;     // time in gradient reductions since the previous boundary
   double optimizer_ms = 0;  // norm, overflow check and AdamW
   double gather_ms = 0;     // parameter all-gathers (stages 1-3, including stage-3 Gather)
+  double offload_wait_ms = 0;  // offload: host time waiting for gradient/parameter copies
   double total_ms = 0;      // wall time of this Step() call
 };
 

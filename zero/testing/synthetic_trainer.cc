@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "base/dtype.h"
@@ -113,6 +114,19 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
   if (inject_step >= 0) overflow_steps.push_back(inject_step);
   RETURN_IF_ERROR(TrainSteps(*engine, 0, steps, overflow_steps, inject_rank, &result.stats));
   ASSIGN_OR_RETURN(result.master, engine->GatherMasterWeights());
+  // What forward would read next, through the trainer's API (stage 3 gathers each unit).
+  const size_t c = DTypeSize(engine->plan().options.compute_dtype);
+  for (int u = 0; u < engine->num_units(); ++u) {
+    RETURN_IF_ERROR(engine->Gather(u));
+    for (int i : engine->plan().units[u].params) {
+      ASSIGN_OR_RETURN(void* p, engine->param(i));
+      const size_t bytes = static_cast<size_t>(engine->plan().params[i].numel) * c;
+      const size_t at = result.params.size();
+      result.params.resize(at + bytes);
+      std::memcpy(result.params.data() + at, p, bytes);
+    }
+    RETURN_IF_ERROR(engine->Release(u));
+  }
   return result;
 }
 

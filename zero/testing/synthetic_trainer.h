@@ -32,6 +32,7 @@ Config TestConfig(int stage, Precision precision, int gas, double clip, bool off
 
 struct TrainResult {
   std::vector<float> master;      // GatherMasterWeights() at the end
+  std::vector<char> params;       // compute-dtype parameters at the end, in unit order
   std::vector<StepStats> stats;   // one per optimizer-step boundary
   MemoryReport report;
 };
