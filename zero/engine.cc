@@ -76,6 +76,7 @@ class Engine::Impl {
   Device::Event grads_ready_ = nullptr;    // recorded on the trainer's stream before the copies
   std::vector<Device::Event> chunk_in_;    // per chunk: its gradient has arrived
   std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
+  int downloads_issued_ = 0;  // units 0..n-1 already downloading for this boundary
 
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
 
@@ -109,6 +110,8 @@ class Engine::Impl {
   // in place, so collectives only ever see device buffers.
   absl::Status GatherShard(int u, char* full);
   // AdamW on the host for every owned region, pipelined through the staging chunks.
+  // Enqueues unit u's reduced gradient shard into its staging chunk on the d2h stream.
+  absl::Status DownloadGrad(int u);
   // Adds the time spent in all-gathers to *gather_ms and waiting for gradients to *wait_ms.
   absl::Status OffloadUpdate(const offload::AdamWStepParams& params, float grad_scale,
                              double* gather_ms, double* wait_ms);
@@ -339,7 +342,24 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
     unit_bucket_[u] = -1;
   }
   stats_.reduce_ms += MsSince(t0);
+  // On the last micro-step the reduced shard is final: its download to the first free staging
+  // chunk overlaps the rest of backward. Units arrive in plan order; only that prefix is taken.
+  if (offload_ && micro_ == gas_ - 1 && u == downloads_issued_ &&
+      downloads_issued_ < static_cast<int>(chunk_in_.size())) {
+    RETURN_IF_ERROR(DownloadGrad(u));
+    ++downloads_issued_;
+  }
   return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::DownloadGrad(int u) {
+  const Region reg = Owned(u);
+  const int k = u % static_cast<int>(chunk_in_.size());
+  // The reduced gradient was written on the trainer's stream.
+  RETURN_IF_ERROR(dev_->Record(grads_ready_, nullptr));
+  RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
+  RETURN_IF_ERROR(dev_->Copy(At(staging_, k * staging_chunk_), reg.grad, reg.n * c_, d2h_));
+  return dev_->Record(chunk_in_[k], d2h_);
 }
 
 absl::Status Engine::Impl::ResetGradients() {
@@ -530,6 +550,12 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
     }
     stats.gather_ms += gather_ms + MsSince(tg);
   }
+  if (downloads_issued_ > 0) {
+    // A skipped step leaves the downloads begun in backward: the gradients they read are
+    // about to be overwritten.
+    downloads_issued_ = 0;
+    RETURN_IF_ERROR(dev_->Synchronize(d2h_));
+  }
   RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
   if (stage_ <= 1) RETURN_IF_ERROR(dev_->Zero(grads_, plan_.padded_elements * c_, nullptr));
@@ -556,11 +582,6 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
   const int chunks = static_cast<int>(chunk_in_.size());
   auto grad_host = [&](int u) { return At(staging_, (u % chunks) * staging_chunk_); };
   auto param_host = [&](int u) { return At(grad_host(u), staging_chunk_ / 2); };
-  auto copy_in = [&](int u) -> absl::Status {
-    const Region reg = Owned(u);
-    RETURN_IF_ERROR(dev_->Copy(grad_host(u), reg.grad, reg.n * c_, d2h_));
-    return dev_->Record(chunk_in_[u % chunks], d2h_);
-  };
   // A stream-ordered communicator (NCCL, on the trainer's stream) waits on the device; the CPU
   // backends read the buffer when called, so the host waits.
   const bool comm_on_stream = comm_->backend() == "nccl";
@@ -575,10 +596,9 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
     return absl::OkStatus();
   };
 
-  // The reduced gradients were written on the trainer's stream.
-  RETURN_IF_ERROR(dev_->Record(grads_ready_, nullptr));
-  RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
-  for (int u = 0; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(copy_in(u));
+  // The first downloads may have started during backward (ReduceUnit).
+  for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(DownloadGrad(u));
+  downloads_issued_ = 0;
   for (int u = 0; u < nu; ++u) {
     const Region reg = Owned(u);
     const auto tw = Clock::now();
@@ -589,7 +609,7 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
     offload::AdamWArrays a{reg.master, reg.m, reg.v, grad_host(u), cdt_, out, cdt_,
                            static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(offload::CpuAdamW(a, params, grad_scale, config_.cpu_threads));
-    if (u + chunks < nu) RETURN_IF_ERROR(copy_in(u + chunks));
+    if (u + chunks < nu) RETURN_IF_ERROR(DownloadGrad(u + chunks));
     if (!offload_param_) {
       RETURN_IF_ERROR(dev_->Copy(reg.param, out, reg.n * c_, h2d_));
       RETURN_IF_ERROR(dev_->Record(chunk_out_[u % chunks], h2d_));

@@ -147,6 +147,29 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
   }
 }
 
+TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in flight",
+          "[zero][offload]") {
+  // Downloads start during backward; the skipped step must neither apply them nor let the next
+  // window's gradients race them.
+  const int steps = 8, inject_step = 3;
+  RunResult reference = Train(MakeConfig(0, Precision::kBf16, 1, 0, false), 2, steps,
+                              inject_step, 1);
+  RequireOk(reference);
+  for (int stage : {1, 2, 3}) {
+    Config c = MakeConfig(stage, Precision::kBf16, 1, 0, true);
+    c.zero.offload_optimizer.buffer_count = 2;
+    INFO("stage=" << stage);
+    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true);
+    RequireOk(run);
+    REQUIRE(run.stats.size() == reference.stats.size());
+    CHECK(run.stats[inject_step].skipped);
+    for (int r = 0; r < 2; ++r) {
+      CHECK(BitEqual(run.master[r], reference.master[0]));
+      CHECK(run.params[r] == reference.params[0]);
+    }
+  }
+}
+
 // An AdamW written from the paper's formulas, in double, with no sharding: the gradient is the
 // mean over ranks of what each rank wrote (summed over micro-steps, divided by their count).
 std::vector<double> SerialAdamW(int world, int steps, int gas, double clip, const Config& c) {
