@@ -46,31 +46,14 @@ struct Options {
 
 // A buffer of one memory kind, freed on scope exit. Aborts the benchmark on failure: this is a
 // tool, not library code.
-class Buffer {
- public:
-  Buffer(Device* dev, memory::MemoryKind kind, size_t bytes)
-      : alloc_(dev->allocator(kind)), bytes_(bytes) {
-    auto p = alloc_->Allocate(bytes);
-    if (!p.ok()) {
-      std::fprintf(stderr, "cuda_bench: %s\n", std::string(p.status().message()).c_str());
-      std::exit(1);
-    }
-    p_ = *p;
+memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
+  auto a = memory::Allocation::Create(dev->allocator(kind), bytes);
+  if (!a.ok()) {
+    std::fprintf(stderr, "cuda_bench: %s\n", std::string(a.status().message()).c_str());
+    std::exit(1);
   }
-  ~Buffer() { alloc_->Free(p_, bytes_); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  void* get() const { return p_; }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  memory::RawAllocator* alloc_;
-  size_t bytes_;
-  void* p_ = nullptr;
-};
+  return std::move(*a);
+}
 
 void Check(const absl::Status& s, const char* what) {
   if (!s.ok()) {
@@ -106,13 +89,14 @@ double Median(const std::vector<double>& sorted) { return sorted[sorted.size() /
 
 json BenchAdamW(Device* dev, size_t n, DType grad_dtype, bool param_out, int reps,
                 double d2d_gbps) {
-  Buffer master(dev, memory::MemoryKind::kDevice, 4 * n);
-  Buffer m(dev, memory::MemoryKind::kDevice, 4 * n);
-  Buffer v(dev, memory::MemoryKind::kDevice, 4 * n);
-  Buffer grad(dev, memory::MemoryKind::kDevice, n * DTypeSize(grad_dtype));
-  Buffer param(dev, memory::MemoryKind::kDevice, 2 * n);
+  memory::Allocation master = Alloc(dev, memory::MemoryKind::kDevice, 4 * n);
+  memory::Allocation m = Alloc(dev, memory::MemoryKind::kDevice, 4 * n);
+  memory::Allocation v = Alloc(dev, memory::MemoryKind::kDevice, 4 * n);
+  memory::Allocation grad =
+      Alloc(dev, memory::MemoryKind::kDevice, n * DTypeSize(grad_dtype));
+  memory::Allocation param = Alloc(dev, memory::MemoryKind::kDevice, 2 * n);
   // Zeros are finite and keep the arithmetic on the ordinary path (no NaN/Inf slow cases).
-  for (Buffer* b : {&master, &m, &v}) Check(dev->Zero(b->get(), 4 * n, nullptr), "zero");
+  for (memory::Allocation* b : {&master, &m, &v}) Check(dev->Zero(b->get(), 4 * n, nullptr), "zero");
   Check(dev->Zero(grad.get(), n * DTypeSize(grad_dtype), nullptr), "zero");
   auto params = offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, 10);
   Check(params.status(), "params");
@@ -134,7 +118,8 @@ json BenchAdamW(Device* dev, size_t n, DType grad_dtype, bool param_out, int rep
 }
 
 json BenchD2D(Device* dev, size_t bytes, int reps, double* gbps_out) {
-  Buffer a(dev, memory::MemoryKind::kDevice, bytes), b(dev, memory::MemoryKind::kDevice, bytes);
+  memory::Allocation a = Alloc(dev, memory::MemoryKind::kDevice, bytes);
+  memory::Allocation b = Alloc(dev, memory::MemoryKind::kDevice, bytes);
   Check(dev->Zero(a.get(), bytes, nullptr), "zero");
   const std::vector<double> t = Time(dev, reps, [&] {
     CheckCuda(cudaMemcpyAsync(b.get(), a.get(), bytes, cudaMemcpyDeviceToDevice, nullptr),
@@ -145,9 +130,9 @@ json BenchD2D(Device* dev, size_t bytes, int reps, double* gbps_out) {
 }
 
 json BenchTransfers(Device* dev, size_t bytes, int reps) {
-  Buffer dbuf(dev, memory::MemoryKind::kDevice, bytes);
-  Buffer pinned(dev, memory::MemoryKind::kPinnedHost, bytes);
-  Buffer pageable(dev, memory::MemoryKind::kPageableHost, bytes);
+  memory::Allocation dbuf = Alloc(dev, memory::MemoryKind::kDevice, bytes);
+  memory::Allocation pinned = Alloc(dev, memory::MemoryKind::kPinnedHost, bytes);
+  memory::Allocation pageable = Alloc(dev, memory::MemoryKind::kPageableHost, bytes);
   // Touch every page first: the benchmark measures copies, not first-touch page faults.
   std::memset(pinned.get(), 1, bytes);
   std::memset(pageable.get(), 1, bytes);

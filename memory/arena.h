@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -45,6 +46,53 @@ class RawAllocator {
 // Page-aligned anonymous mmap (zero-filled, never touched until used). A process-wide instance
 // that is never destroyed.
 RawAllocator* HostAllocator();
+
+// One allocation from a RawAllocator, freed when the owner goes: for transient buffers outside
+// any arena (tests, benchmarks, cold paths such as exporting weights). Move-only.
+class Allocation {
+ public:
+  static absl::StatusOr<Allocation> Create(RawAllocator* allocator, size_t bytes) {
+    Allocation a;
+    auto p = allocator->Allocate(bytes);
+    if (!p.ok()) return p.status();
+    a.allocator_ = allocator;
+    a.bytes_ = bytes;
+    a.p_ = *p;
+    return a;
+  }
+  Allocation() = default;
+  Allocation(Allocation&& o) noexcept { *this = std::move(o); }
+  Allocation& operator=(Allocation&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      allocator_ = o.allocator_;
+      bytes_ = o.bytes_;
+      p_ = o.p_;
+      o.allocator_ = nullptr;
+      o.p_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  ~Allocation() { Reset(); }
+
+  void* get() const { return p_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void Reset() {
+    if (allocator_ != nullptr) allocator_->Free(p_, bytes_);
+    allocator_ = nullptr;
+    p_ = nullptr;
+  }
+  RawAllocator* allocator_ = nullptr;
+  size_t bytes_ = 0;
+  void* p_ = nullptr;
+};
 
 // Rounds `bytes` up to a multiple of `alignment` (a power of two).
 constexpr size_t AlignUp(size_t bytes, size_t alignment) {

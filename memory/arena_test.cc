@@ -34,6 +34,28 @@ class CountingAllocator final : public RawAllocator {
   size_t allocated_bytes = 0, freed_bytes = 0;
 };
 
+TEST_CASE("Allocation: frees exactly once, through moves, with the size it allocated",
+          "[memory]") {
+  CountingAllocator alloc;
+  {
+    auto a = Allocation::Create(&alloc, 12345);
+    REQUIRE(a.ok());
+    REQUIRE(a->bytes() == 12345);
+    std::memset(a->get(), 7, a->bytes());  // usable
+    Allocation moved = std::move(*a);
+    Allocation assigned;
+    assigned = std::move(moved);
+    CHECK(assigned.as<char>()[12344] == 7);
+    CHECK(alloc.frees == 0);
+  }
+  CHECK(alloc.allocations == 1);
+  CHECK(alloc.frees == 1);
+  CHECK(alloc.freed_bytes == 12345);
+  alloc.fail = true;
+  CHECK(Allocation::Create(&alloc, 1).status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(alloc.frees == 1);
+}
+
 TEST_CASE("Arena: buffers are aligned, disjoint and every byte is counted", "[memory]") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<size_t> size_dist(0, 5000);

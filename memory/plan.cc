@@ -120,6 +120,8 @@ const char* BufferClassName(BufferClass c) {
       return "persistent_params";
     case BufferClass::kOffloadStaging:
       return "offload_staging";
+    case BufferClass::kNormTable:
+      return "norm_table";
   }
   return "unknown";
 }
@@ -298,6 +300,13 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
     const int64_t chunk = 2 * (plan.max_unit_elements / world);
     add("offload_staging", BufferClass::kOffloadStaging, host_kind, c,
         o.offload_buffer_count * chunk, o.offload_buffer_count);
+  }
+
+  if (o.stage >= 1 && world > 1) {
+    // Every rank's norm partials meet in one all-gather per step, in device memory because a
+    // GPU communicator moves nothing else.
+    add("norm_table", BufferClass::kNormTable, MemoryKind::kDevice, DType::kF32,
+        world * (static_cast<int64_t>(plan.units.size()) + 1));
   }
 
   for (const Buffer& b : plan.buffers) {

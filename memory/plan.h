@@ -60,6 +60,7 @@ enum class BufferClass {
   kGatherBuffer,     // full-unit parameter buffers for gathered units (stage 3)
   kPersistentParams, // whole small units kept gathered on every rank (stage 3)
   kOffloadStaging,   // pinned chunks that gradients and new parameters pass through (offload)
+  kNormTable,        // (world, units + 1) fp32: per-shard norm partials and finite flags
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);

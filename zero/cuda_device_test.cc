@@ -261,33 +261,15 @@ Device* GpuOrSkip() {
 }
 
 // A buffer from one of the device's allocators, freed on scope exit.
-class Buffer {
- public:
-  Buffer(Device* dev, memory::MemoryKind kind, size_t bytes)
-      : alloc_(dev->allocator(kind)), bytes_(bytes) {
-    auto p = alloc_->Allocate(bytes);
-    REQUIRE(p.ok());
-    p_ = *p;
-    REQUIRE((bytes == 0 || p_ != nullptr));
-  }
-  ~Buffer() { alloc_->Free(p_, bytes_); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
+memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
+  auto a = memory::Allocation::Create(dev->allocator(kind), bytes);
+  REQUIRE(a.ok());
+  return std::move(*a);
+}
 
-  void* get() const { return p_; }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  memory::RawAllocator* alloc_;
-  size_t bytes_;
-  void* p_ = nullptr;
-};
-
-std::unique_ptr<Buffer> Upload(Device* dev, const std::vector<char>& host) {
-  auto buf = std::make_unique<Buffer>(dev, memory::MemoryKind::kDevice, host.size());
+std::unique_ptr<memory::Allocation> Upload(Device* dev, const std::vector<char>& host) {
+  auto buf =
+      std::make_unique<memory::Allocation>(Alloc(dev, memory::MemoryKind::kDevice, host.size()));
   REQUIRE(dev->Copy(buf->get(), host.data(), host.size(), nullptr).ok());
   return buf;
 }
@@ -312,7 +294,7 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
         std::vector<char> want(n * DTypeSize(d));
         REQUIRE(cpu->Cast(src.data(), s, want.data(), d, n, nullptr).ok());
         auto dsrc = Upload(gpu, src);
-        Buffer ddst(gpu, memory::MemoryKind::kDevice, want.size());
+        memory::Allocation ddst = Alloc(gpu, memory::MemoryKind::kDevice, want.size());
         REQUIRE(gpu->Cast(dsrc->get(), s, ddst.get(), d, n, nullptr).ok());
         REQUIRE(Download(gpu, ddst.get(), want.size()) == want);
       }
@@ -356,7 +338,7 @@ TEST_CASE("CudaDevice: SquaredNorm equals SquaredNormF32 bitwise", "[zero][gpu]"
     }
   }
   // A pinned destination: the copy is truly asynchronous, valid after Synchronize.
-  Buffer out(gpu, memory::MemoryKind::kPinnedHost, sizeof(float));
+  memory::Allocation out = Alloc(gpu, memory::MemoryKind::kPinnedHost, sizeof(float));
   const std::vector<char> x = RandomValues(DType::kBF16, 77777, 5);
   auto dx = Upload(gpu, x);
   REQUIRE(gpu->SquaredNorm(dx->get(), DType::kBF16, 77777, out.as<float>(), nullptr).ok());
@@ -419,8 +401,8 @@ void CheckAdamWSteps(Device* gpu, DType g, DType p, bool out, bool alias_master,
   std::vector<char> vbytes(4 * n);
   std::memcpy(vbytes.data(), v.data(), 4 * n);
   auto dv = Upload(gpu, vbytes);
-  Buffer dparam(gpu, memory::MemoryKind::kDevice, param.size());
-  Buffer dgrad(gpu, memory::MemoryKind::kDevice, n * DTypeSize(g));
+  memory::Allocation dparam = Alloc(gpu, memory::MemoryKind::kDevice, param.size());
+  memory::Allocation dgrad = Alloc(gpu, memory::MemoryKind::kDevice, n * DTypeSize(g));
   for (int step = 1; step <= 3; ++step) {
     const std::vector<char> grad = RandomValues(g, n, 1000 * step + static_cast<uint32_t>(n),
                                                 -30, 8);
@@ -472,7 +454,8 @@ TEST_CASE("CudaDevice: allocators, Copy and Zero across device, pinned and pagea
                                   memory::MemoryKind::kPageableHost}) {
     for (size_t bytes : {size_t{1}, size_t{4095}, size_t{1} << 20, (size_t{1} << 24) + 13}) {
       INFO("kind " << static_cast<int>(kind) << " bytes " << bytes);
-      Buffer a(gpu, kind, bytes), b(gpu, memory::MemoryKind::kDevice, bytes);
+      memory::Allocation a = Alloc(gpu, kind, bytes);
+      memory::Allocation b = Alloc(gpu, memory::MemoryKind::kDevice, bytes);
       REQUIRE(reinterpret_cast<uintptr_t>(a.get()) % 4096 == 0);
       const std::vector<char> pattern = RandomBits(bytes, static_cast<uint32_t>(bytes));
       REQUIRE(gpu->Copy(a.get(), pattern.data(), bytes, nullptr).ok());
@@ -486,7 +469,7 @@ TEST_CASE("CudaDevice: allocators, Copy and Zero across device, pinned and pagea
   // More than any GPU has: ResourceExhausted, and the device keeps working afterwards.
   const auto huge = gpu->allocator(memory::MemoryKind::kDevice)->Allocate(size_t{1} << 50);
   REQUIRE(huge.status().code() == absl::StatusCode::kResourceExhausted);
-  Buffer c(gpu, memory::MemoryKind::kDevice, 4096);
+  memory::Allocation c = Alloc(gpu, memory::MemoryKind::kDevice, 4096);
   REQUIRE(gpu->Zero(c.get(), 4096, nullptr).ok());
   REQUIRE(gpu->Synchronize(nullptr).ok());
 }
@@ -497,7 +480,7 @@ TEST_CASE("CudaDevice: kernels accept pinned memory and refuse inaccessible page
   if (gpu == nullptr) return;
   const size_t n = 5000;
   const std::vector<char> x = RandomValues(DType::kF32, n, 9);
-  Buffer pinned(gpu, memory::MemoryKind::kPinnedHost, 4 * n);
+  memory::Allocation pinned = Alloc(gpu, memory::MemoryKind::kPinnedHost, 4 * n);
   std::memcpy(pinned.get(), x.data(), 4 * n);
   float got = -1;
   REQUIRE(gpu->SquaredNorm(pinned.get(), DType::kF32, n, &got, nullptr).ok());
@@ -521,10 +504,12 @@ TEST_CASE("CudaDevice: two threads on two streams each get the CPU result", "[ze
   if (gpu == nullptr) return;
   const size_t n = 300007;
   // Buffers come from the main thread: Catch2's assertions are not thread-safe.
-  Buffer dx0(gpu, memory::MemoryKind::kDevice, 2 * n), dx1(gpu, memory::MemoryKind::kDevice, 2 * n);
-  Buffer dy0(gpu, memory::MemoryKind::kDevice, 4 * n), dy1(gpu, memory::MemoryKind::kDevice, 4 * n);
-  Buffer* dx[2] = {&dx0, &dx1};
-  Buffer* dy[2] = {&dy0, &dy1};
+  memory::Allocation dx0 = Alloc(gpu, memory::MemoryKind::kDevice, 2 * n);
+  memory::Allocation dx1 = Alloc(gpu, memory::MemoryKind::kDevice, 2 * n);
+  memory::Allocation dy0 = Alloc(gpu, memory::MemoryKind::kDevice, 4 * n);
+  memory::Allocation dy1 = Alloc(gpu, memory::MemoryKind::kDevice, 4 * n);
+  memory::Allocation* dx[2] = {&dx0, &dx1};
+  memory::Allocation* dy[2] = {&dy0, &dy1};
   auto work = [&](int t, cudaStream_t stream, float* norm, bool* ok) {
     const std::vector<char> x = RandomValues(DType::kBF16, n, 77 + t);
     *ok = gpu->Copy(dx[t]->get(), x.data(), x.size(), stream).ok() &&

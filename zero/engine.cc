@@ -67,6 +67,7 @@ class Engine::Impl {
   char* gather_ = nullptr;       // (slots, max gathered unit) compute dtype, stage 3
   char* persistent_ = nullptr;   // (sum of persistent units' padded) compute dtype, stage 3
   char* staging_ = nullptr;      // (buffer_count, 2 * max shard) compute dtype, offload
+  float* norm_table_ = nullptr;  // (world, units + 1) fp32, device; stages 1-3 with world > 1
   int64_t bucket_elems_ = 0, slot_elems_ = 0, staging_chunk_ = 0;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_
 
@@ -105,6 +106,12 @@ class Engine::Impl {
   absl::StatusOr<StepStats> ApplyStep();
   absl::Status ResetGradients();
   absl::Status AllGatherParams(int u);
+  // Collectives over host fp32 buffers (setup, norms, export, restore). The CPU backends read
+  // host memory directly; a communicator of device memory gets them staged through
+  // `device_scratch` (size() * count floats) or, when null, a transient device allocation.
+  absl::Status AllGatherHost(const float* send, float* recv, size_t count,
+                             float* device_scratch = nullptr);
+  absl::Status BroadcastHost(float* buf, size_t count, int root);
   // All-gathers unit u's parameter shard into `full` (padded elements). With offload_param the
   // shard lives in host memory: it is staged into this rank's block of `full` first and gathered
   // in place, so collectives only ever see device buffers.
@@ -143,6 +150,8 @@ class Engine::Impl {
   const int gas_;
   const bool offload_;
   const bool offload_param_ = plan_.options.offload_param;
+  // The communicator moves device memory (NCCL), not host memory (in-process, MPI).
+  const bool comm_on_device_ = comm_->backend() == "nccl";
   LossScaler scaler_;
   int64_t step_ = 0;
   StepStats stats_;  // accumulates between boundaries
@@ -195,6 +204,9 @@ absl::Status Engine::Impl::Allocate() {
       case BufferClass::kOffloadStaging:
         staging_ = cp;
         staging_chunk_ = b.elements / b.count;
+        break;
+      case BufferClass::kNormTable:
+        norm_table_ = reinterpret_cast<float*>(cp);
         break;
     }
   }
@@ -263,7 +275,7 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   float mine[3];
   for (int i = 0; i < 3; ++i) mine[i] = static_cast<float>((h >> (21 * i)) & 0x1fffff);
   std::vector<float> all(3 * world_);
-  RETURN_IF_ERROR(comm_->AllGather(mine, all.data(), 3, DType::kF32));
+  RETURN_IF_ERROR(AllGatherHost(mine, all.data(), 3));
   for (int r = 0; r < world_; ++r) {
     if (!std::equal(mine, mine + 3, all.begin() + 3 * r)) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -382,6 +394,39 @@ absl::Status Engine::Impl::AllGatherParams(int u) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::AllGatherHost(const float* send, float* recv, size_t count,
+                                         float* device_scratch) {
+  if (world_ == 1) {
+    std::copy(send, send + count, recv);
+    return absl::OkStatus();
+  }
+  if (!comm_on_device_) return comm_->AllGather(send, recv, count, DType::kF32);
+  const size_t bytes = world_ * count * sizeof(float);
+  memory::Allocation transient;
+  if (device_scratch == nullptr) {
+    ASSIGN_OR_RETURN(transient, memory::Allocation::Create(
+                                    dev_->allocator(MemoryKind::kDevice), bytes));
+    device_scratch = transient.as<float>();
+  }
+  RETURN_IF_ERROR(dev_->Copy(device_scratch + rank_ * count, send, count * sizeof(float), nullptr));
+  RETURN_IF_ERROR(comm_->AllGather(device_scratch + rank_ * count, device_scratch, count,
+                                   DType::kF32));
+  RETURN_IF_ERROR(dev_->Copy(recv, device_scratch, bytes, nullptr));
+  return dev_->Synchronize(nullptr);
+}
+
+absl::Status Engine::Impl::BroadcastHost(float* buf, size_t count, int root) {
+  if (world_ == 1) return absl::OkStatus();
+  if (!comm_on_device_) return comm_->Broadcast(buf, count, DType::kF32, root);
+  const size_t bytes = count * sizeof(float);
+  ASSIGN_OR_RETURN(memory::Allocation scratch,
+                   memory::Allocation::Create(dev_->allocator(MemoryKind::kDevice), bytes));
+  RETURN_IF_ERROR(dev_->Copy(scratch.get(), buf, bytes, nullptr));
+  RETURN_IF_ERROR(comm_->Broadcast(scratch.get(), count, DType::kF32, root));
+  RETURN_IF_ERROR(dev_->Copy(buf, scratch.get(), bytes, nullptr));
+  return dev_->Synchronize(nullptr);
+}
+
 absl::Status Engine::Impl::GatherShard(int u, char* full) {
   const memory::Unit& unit = plan_.units[u];
   const char* shard = At(params_, unit.shard_offset);
@@ -490,7 +535,7 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
     if (world_ > 1) {
       std::vector<float> mine(table.begin() + rank_ * (nu + 1),
                               table.begin() + (rank_ + 1) * (nu + 1));
-      RETURN_IF_ERROR(comm_->AllGather(mine.data(), table.data(), nu + 1, DType::kF32));
+      RETURN_IF_ERROR(AllGatherHost(mine.data(), table.data(), nu + 1, norm_table_));
     }
   }
   double sumsq = 0;
@@ -584,7 +629,7 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
   auto param_host = [&](int u) { return At(grad_host(u), staging_chunk_ / 2); };
   // A stream-ordered communicator (NCCL, on the trainer's stream) waits on the device; the CPU
   // backends read the buffer when called, so the host waits.
-  const bool comm_on_stream = comm_->backend() == "nccl";
+  const bool comm_on_stream = comm_on_device_;
   auto gather = [&](int u) -> absl::Status {
     if (!offload_param_) {
       Device::Event uploaded = chunk_out_[u % chunks];
@@ -640,6 +685,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
     return absl::InvalidArgumentError(absl::StrCat("communicator reports rank ", comm->rank(),
                                                    " of size ", comm->size()));
   }
+  // The CPU backends copy and reduce with the host's loads and stores; NCCL only moves device
+  // memory. A mismatched pair would crash in the first collective instead of failing here.
+  const bool host_device = device->name() == "cpu";
+  const bool host_comm = comm->backend() != "nccl";
+  if (host_device != host_comm) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "device '", device->name(), "' cannot be used with the '", comm->backend(),
+        "' communicator: the in-process and MPI communicators move host memory (use them with "
+        "the CPU device), NCCL moves GPU memory (use it with a CUDA device)"));
+  }
   ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(params, config, comm->size(), comm->rank()));
   if (!choice.fits) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -674,7 +729,7 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
       }
     }
     if (from_rank0 && m.world_ > 1) {
-      RETURN_IF_ERROR(m.comm_->Broadcast(values.data(), unit.padded, DType::kF32, 0));
+      RETURN_IF_ERROR(m.BroadcastHost(values.data(), unit.padded, 0));
     }
     // The compute-dtype copy is what forward sees: round the fp32 values once, on the host.
     std::vector<char> compute(unit.padded * m.c_);
@@ -877,7 +932,7 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
       std::vector<float> shard(unit.shard);
       RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, nullptr));
       RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
-      RETURN_IF_ERROR(m.comm_->AllGather(shard.data(), full.data(), unit.shard, DType::kF32));
+      RETURN_IF_ERROR(m.AllGatherHost(shard.data(), full.data(), unit.shard));
     }
     RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
     for (int i : unit.params) {
@@ -954,7 +1009,7 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
         // Every rank holds the whole unit: assemble it from every rank's range.
         full.assign(u.padded, 0.0f);
         if (e.world_ > 1) {
-          RETURN_IF_ERROR(e.comm_->AllGather(src[k], full.data(), u.shard, DType::kF32));
+          RETURN_IF_ERROR(e.AllGatherHost(src[k], full.data(), u.shard));
         } else {
           std::copy(src[k], src[k] + u.shard, full.begin());
         }

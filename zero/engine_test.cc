@@ -170,6 +170,41 @@ TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in fli
   }
 }
 
+// A communicator that claims to move GPU memory; no collective is ever reached.
+class DeviceMemoryComm final : public comm::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  absl::string_view backend() const override { return "nccl"; }
+  absl::Status AllGather(const void*, void*, size_t, DType, comm::Stream) override {
+    return Unreached();
+  }
+  absl::Status ReduceScatter(const void*, void*, size_t, DType, comm::ReduceOp,
+                             comm::Stream) override {
+    return Unreached();
+  }
+  absl::Status AllReduce(const void*, void*, size_t, DType, comm::ReduceOp,
+                         comm::Stream) override {
+    return Unreached();
+  }
+  absl::Status Broadcast(void*, size_t, DType, int, comm::Stream) override { return Unreached(); }
+  absl::Status Barrier() override { return Unreached(); }
+  absl::Status Synchronize(comm::Stream) override { return Unreached(); }
+
+ private:
+  static absl::Status Unreached() { return absl::InternalError("collective reached"); }
+};
+
+TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[zero]") {
+  DeviceMemoryComm comm;
+  auto device = CreateCpuDevice(1);
+  auto engine = Engine::Create(MakeConfig(2, Precision::kBf16, 1, 0, false), SmallModel(), &comm,
+                               device.get());
+  REQUIRE(engine.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(engine.status().message().find("'cpu'") != std::string::npos);
+  CHECK(engine.status().message().find("'nccl'") != std::string::npos);
+}
+
 // An AdamW written from the paper's formulas, in double, with no sharding: the gradient is the
 // mean over ranks of what each rank wrote (summed over micro-steps, divided by their count).
 std::vector<double> SerialAdamW(int world, int steps, int gas, double clip, const Config& c) {
