@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -510,13 +511,12 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
   // (stages 1-3); stage 0 holds every reduced gradient and computes all partials itself.
   // (world, units + 1) fp32
   std::vector<float> table(static_cast<size_t>(world_) * (nu + 1), 0.0f);
-  bool finite = true;
+  // Written by the device when its stream gets there: valid after the Synchronize below.
+  std::unique_ptr<bool[]> unit_finite(new bool[nu]);
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region reg = Owned(u);
-    bool f = true;
-    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt_, reg.n, &f, nullptr));
-    finite = finite && f;
+    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt_, reg.n, &unit_finite[u], nullptr));
     if (stage_ == 0) {
       for (int q = 0; q < world_; ++q) {
         RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c_, cdt_, unit.shard,
@@ -527,7 +527,9 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
           dev_->SquaredNorm(reg.grad, cdt_, reg.n, &table[rank_ * (nu + 1) + u], nullptr));
     }
   }
-  RETURN_IF_ERROR(dev_->Synchronize(nullptr));
+  RETURN_IF_ERROR(dev_->Synchronize(nullptr));  // the step's one wait for device results
+  const bool finite =
+      std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
   if (stage_ == 0) {
     for (int q = 0; q < world_; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
   } else {
@@ -945,6 +947,7 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
 }
 
 comm::Communicator* Engine::communicator() const { return impl_->comm_; }
+Device* Engine::device() const { return impl_->dev_; }
 
 bool Engine::at_step_boundary() const {
   const Impl& m = *impl_;

@@ -146,6 +146,8 @@ class Engine {
   // rank holds everything, the same range).
 
   comm::Communicator* communicator() const;
+  // The device the engine's buffers live on (trainers copy into grad(i) through it).
+  Device* device() const;
   // True between optimizer steps: no micro-step of an accumulation window has been taken.
   bool at_step_boundary() const;
   EngineState state() const;

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <utility>
 
 #include "base/dtype.h"
@@ -66,6 +65,7 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
                         int overflow_rank, std::vector<StepStats>* stats) {
   const int r = e.communicator()->rank();
   const DType dtype = e.plan().options.compute_dtype;
+  std::vector<char> host;
   for (int step = first; step < first + steps; ++step) {
     const bool overflow =
         r == overflow_rank &&
@@ -82,11 +82,15 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
         for (int i : e.plan().units[u].params) {
           ASSIGN_OR_RETURN(void* g, e.grad(i));
           const int64_t n = e.plan().params[i].numel;
+          // Built on the host and copied in, as a trainer's backward would write device memory.
+          host.resize(n * DTypeSize(dtype));
           for (int64_t k = 0; k < n; ++k) {
             float v = static_cast<float>(GradValue(r, step, micro, i, k) * e.loss_scale());
             if (overflow && micro == 0 && k == 0) v = INFINITY;
-            Store(g, dtype, k, v);
+            Store(host.data(), dtype, k, v);
           }
+          RETURN_IF_ERROR(e.device()->Copy(g, host.data(), host.size(), nullptr));
+          RETURN_IF_ERROR(e.device()->Synchronize(nullptr));
           RETURN_IF_ERROR(e.GradReady(i));
         }
         RETURN_IF_ERROR(e.Release(u));
@@ -123,7 +127,8 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
       const size_t bytes = static_cast<size_t>(engine->plan().params[i].numel) * c;
       const size_t at = result.params.size();
       result.params.resize(at + bytes);
-      std::memcpy(result.params.data() + at, p, bytes);
+      RETURN_IF_ERROR(engine->device()->Copy(result.params.data() + at, p, bytes, nullptr));
+      RETURN_IF_ERROR(engine->device()->Synchronize(nullptr));
     }
     RETURN_IF_ERROR(engine->Release(u));
   }
