@@ -72,6 +72,24 @@ class Engine::Impl {
   int64_t bucket_elems_ = 0, slot_elems_ = 0, staging_chunk_ = 0;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_
 
+  // --- streams ---------------------------------------------------------------------------------
+  // compute_: the trainer's stream; every device operation of the engine is ordered on it. With
+  // a stream-ordered communicator (NCCL), collectives and their follow-up run on comm_stream_,
+  // which waits for compute_ through events and is joined back where results are needed: at
+  // Step() (reduced gradients), when a bucket is handed out again, when a gathered unit is
+  // handed to the trainer. The CPU communicators read memory when called: the host then waits
+  // for compute_ before each collective, and side_ is compute_ itself.
+  Device::Stream compute_ = nullptr;
+  Device::Stream comm_stream_ = nullptr;
+  Device::Stream side_ = nullptr;               // where collectives and their follow-up run
+  Device::Event compute_mark_ = nullptr;        // compute_ -> comm_
+  Device::Event comm_mark_ = nullptr;           // comm_ -> compute_
+  std::vector<Device::Event> bucket_free_;      // per bucket: its reduce-scatter has read it
+  std::vector<Device::Event> slot_ready_;       // per gather slot: its all-gather has landed
+  std::vector<Device::Event> slot_free_;        // per gather slot: compute released its unit
+  absl::Status BeforeComm();                    // orders compute_'s work before a collective
+  absl::Status JoinComm();                      // orders comm_'s work before compute_'s next
+
   // --- offload pipeline (see OffloadUpdate) ---------------------------------------------------
   Device::Stream d2h_ = nullptr;           // gradient shards down into staging chunks
   Device::Stream h2d_ = nullptr;           // new parameter shards back up
@@ -182,7 +200,7 @@ absl::Status Engine::Impl::Allocate() {
     // 1280 = 5 x 256: coprime with 16, so up to 16 buffers get distinct 256-byte residues.
     const size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
     ASSIGN_OR_RETURN(void* p, arena.AllocateStaggered(b.name, b.bytes, residue));
-    RETURN_IF_ERROR(dev_->Zero(p, b.bytes, nullptr));
+    RETURN_IF_ERROR(dev_->Zero(p, b.bytes, compute_));
     char* cp = static_cast<char*>(p);
     switch (b.cls) {
       case BufferClass::kParams: params_ = cp; break;
@@ -233,7 +251,7 @@ absl::Status Engine::Impl::Allocate() {
 
 Engine::Impl::~Impl() {
   // Pending copies write into the arenas, which are destroyed after this body.
-  for (Device::Stream s : {d2h_, h2d_}) {
+  for (Device::Stream s : {d2h_, h2d_, comm_stream_}) {
     if (s != nullptr) {
       dev_->Synchronize(s).IgnoreError();  // a failure was reported by the step that caused it
       dev_->DestroyStream(s);
@@ -242,9 +260,44 @@ Engine::Impl::~Impl() {
   if (grads_ready_ != nullptr) dev_->DestroyEvent(grads_ready_);
   for (Device::Event e : chunk_in_) dev_->DestroyEvent(e);
   for (Device::Event e : chunk_out_) dev_->DestroyEvent(e);
+  for (Device::Event e : {compute_mark_, comm_mark_}) {
+    if (e != nullptr) dev_->DestroyEvent(e);
+  }
+  for (auto* list : {&bucket_free_, &slot_ready_, &slot_free_}) {
+    for (Device::Event e : *list) dev_->DestroyEvent(e);
+  }
+}
+
+absl::Status Engine::Impl::BeforeComm() {
+  if (!comm_on_device_) return dev_->Synchronize(compute_);
+  RETURN_IF_ERROR(dev_->Record(compute_mark_, compute_));
+  return dev_->Wait(comm_stream_, compute_mark_);
+}
+
+absl::Status Engine::Impl::JoinComm() {
+  if (!comm_on_device_) return absl::OkStatus();
+  RETURN_IF_ERROR(dev_->Record(comm_mark_, comm_stream_));
+  return dev_->Wait(compute_, comm_mark_);
 }
 
 absl::Status Engine::Impl::CreateStreams() {
+  side_ = compute_;
+  if (comm_on_device_) {
+    ASSIGN_OR_RETURN(comm_stream_, dev_->CreateStream());
+    side_ = comm_stream_;
+    ASSIGN_OR_RETURN(compute_mark_, dev_->CreateEvent());
+    ASSIGN_OR_RETURN(comm_mark_, dev_->CreateEvent());
+    for (size_t b = 0; b < bucket_busy_.size(); ++b) {
+      ASSIGN_OR_RETURN(Device::Event e, dev_->CreateEvent());
+      bucket_free_.push_back(e);
+    }
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      ASSIGN_OR_RETURN(Device::Event ready, dev_->CreateEvent());
+      slot_ready_.push_back(ready);
+      ASSIGN_OR_RETURN(Device::Event free, dev_->CreateEvent());
+      slot_free_.push_back(free);
+    }
+  }
   if (!offload_) return absl::OkStatus();
   ASSIGN_OR_RETURN(d2h_, dev_->CreateStream());
   ASSIGN_OR_RETURN(h2d_, dev_->CreateStream());
@@ -318,13 +371,15 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
   const auto t0 = Clock::now();
   const bool first = micro_ == 0;
   const auto avg = comm::ReduceOp::kAvg;
+  RETURN_IF_ERROR(BeforeComm());
   if (stage_ <= 1) {
     char* g = At(grads_, unit.flat_offset);
     if (stage_ == 0) {
-      RETURN_IF_ERROR(comm_->AllReduce(g, g, unit.padded, cdt_, avg));
+      RETURN_IF_ERROR(comm_->AllReduce(g, g, unit.padded, cdt_, avg, side_));
       Sent(unit.shard, 2);
     } else {
-      RETURN_IF_ERROR(comm_->ReduceScatter(g, At(g, rank_ * unit.shard), unit.shard, cdt_, avg));
+      RETURN_IF_ERROR(
+          comm_->ReduceScatter(g, At(g, rank_ * unit.shard), unit.shard, cdt_, avg, side_));
       Sent(unit.shard, 1);
     }
     if (gas_ > 1) {
@@ -333,24 +388,25 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
       char* acc = stage_ == 0 ? At(accum_, unit.flat_offset) : At(accum_, unit.shard_offset);
       const int64_t n = stage_ == 0 ? unit.padded : unit.shard;
       if (first) {
-        RETURN_IF_ERROR(dev_->Copy(acc, reduced, n * c_, nullptr));
+        RETURN_IF_ERROR(dev_->Copy(acc, reduced, n * c_, side_));
       } else {
-        RETURN_IF_ERROR(dev_->Accumulate(acc, reduced, cdt_, n, nullptr));
+        RETURN_IF_ERROR(dev_->Accumulate(acc, reduced, cdt_, n, side_));
       }
-      RETURN_IF_ERROR(dev_->Zero(g, unit.padded * c_, nullptr));
+      RETURN_IF_ERROR(dev_->Zero(g, unit.padded * c_, side_));
     }
   } else {
     const int b = unit_bucket_[u];
     char* bucket = At(buckets_, b * bucket_elems_);
     char* shard = At(grads_, unit.shard_offset);
     if (first) {
-      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, shard, unit.shard, cdt_, avg));
+      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, shard, unit.shard, cdt_, avg, side_));
     } else {
       char* mine = At(bucket, rank_ * unit.shard);
-      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, mine, unit.shard, cdt_, avg));
-      RETURN_IF_ERROR(dev_->Accumulate(shard, mine, cdt_, unit.shard, nullptr));
+      RETURN_IF_ERROR(comm_->ReduceScatter(bucket, mine, unit.shard, cdt_, avg, side_));
+      RETURN_IF_ERROR(dev_->Accumulate(shard, mine, cdt_, unit.shard, side_));
     }
     Sent(unit.shard, 1);
+    if (comm_on_device_) RETURN_IF_ERROR(dev_->Record(bucket_free_[b], comm_stream_));
     bucket_busy_[b] = 0;
     unit_bucket_[u] = -1;
   }
@@ -368,8 +424,8 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
 absl::Status Engine::Impl::DownloadGrad(int u) {
   const Region reg = Owned(u);
   const int k = u % static_cast<int>(chunk_in_.size());
-  // The reduced gradient was written on the trainer's stream.
-  RETURN_IF_ERROR(dev_->Record(grads_ready_, nullptr));
+  // The reduced gradient was written on side_ (the comm stream, or the trainer's).
+  RETURN_IF_ERROR(dev_->Record(grads_ready_, side_));
   RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
   RETURN_IF_ERROR(dev_->Copy(At(staging_, k * staging_chunk_), reg.grad, reg.n * c_, d2h_));
   return dev_->Record(chunk_in_[k], d2h_);
@@ -387,7 +443,8 @@ absl::Status Engine::Impl::AllGatherParams(int u) {
   const memory::Unit& unit = plan_.units[u];
   if (stage_ == 1 || stage_ == 2) {
     char* full = At(params_, unit.flat_offset);
-    RETURN_IF_ERROR(comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_));
+    RETURN_IF_ERROR(
+        comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_, side_));
     Sent(unit.shard, 1);
   } else if (stage_ == 3 && unit.persistent) {
     RETURN_IF_ERROR(GatherShard(u, At(persistent_, persistent_offset_[u])));
@@ -409,11 +466,11 @@ absl::Status Engine::Impl::AllGatherHost(const float* send, float* recv, size_t 
                                     dev_->allocator(MemoryKind::kDevice), bytes));
     device_scratch = transient.as<float>();
   }
-  RETURN_IF_ERROR(dev_->Copy(device_scratch + rank_ * count, send, count * sizeof(float), nullptr));
+  RETURN_IF_ERROR(dev_->Copy(device_scratch + rank_ * count, send, count * sizeof(float), compute_));
   RETURN_IF_ERROR(comm_->AllGather(device_scratch + rank_ * count, device_scratch, count,
-                                   DType::kF32));
-  RETURN_IF_ERROR(dev_->Copy(recv, device_scratch, bytes, nullptr));
-  return dev_->Synchronize(nullptr);
+                                   DType::kF32, compute_));
+  RETURN_IF_ERROR(dev_->Copy(recv, device_scratch, bytes, compute_));
+  return dev_->Synchronize(compute_);
 }
 
 absl::Status Engine::Impl::BroadcastHost(float* buf, size_t count, int root) {
@@ -422,10 +479,10 @@ absl::Status Engine::Impl::BroadcastHost(float* buf, size_t count, int root) {
   const size_t bytes = count * sizeof(float);
   ASSIGN_OR_RETURN(memory::Allocation scratch,
                    memory::Allocation::Create(dev_->allocator(MemoryKind::kDevice), bytes));
-  RETURN_IF_ERROR(dev_->Copy(scratch.get(), buf, bytes, nullptr));
-  RETURN_IF_ERROR(comm_->Broadcast(scratch.get(), count, DType::kF32, root));
-  RETURN_IF_ERROR(dev_->Copy(buf, scratch.get(), bytes, nullptr));
-  return dev_->Synchronize(nullptr);
+  RETURN_IF_ERROR(dev_->Copy(scratch.get(), buf, bytes, compute_));
+  RETURN_IF_ERROR(comm_->Broadcast(scratch.get(), count, DType::kF32, root, compute_));
+  RETURN_IF_ERROR(dev_->Copy(buf, scratch.get(), bytes, compute_));
+  return dev_->Synchronize(compute_);
 }
 
 absl::Status Engine::Impl::GatherShard(int u, char* full) {
@@ -433,10 +490,10 @@ absl::Status Engine::Impl::GatherShard(int u, char* full) {
   const char* shard = At(params_, unit.shard_offset);
   if (offload_param_) {
     char* mine = At(full, rank_ * unit.shard);
-    RETURN_IF_ERROR(dev_->Copy(mine, shard, unit.shard * c_, nullptr));
+    RETURN_IF_ERROR(dev_->Copy(mine, shard, unit.shard * c_, side_));
     shard = mine;
   }
-  RETURN_IF_ERROR(comm_->AllGather(shard, full, unit.shard, cdt_));
+  RETURN_IF_ERROR(comm_->AllGather(shard, full, unit.shard, cdt_, side_));
   Sent(unit.shard, 1);
   return absl::OkStatus();
 }
@@ -463,7 +520,10 @@ absl::StatusOr<int> Engine::Impl::AcquireSlot() {
 
 absl::Status Engine::Impl::GatherIntoSlot(int u, int s) {
   const auto t0 = Clock::now();
+  RETURN_IF_ERROR(BeforeComm());
+  if (comm_on_device_) RETURN_IF_ERROR(dev_->Wait(comm_stream_, slot_free_[s]));
   RETURN_IF_ERROR(GatherShard(u, At(gather_, s * slot_elems_)));
+  if (comm_on_device_) RETURN_IF_ERROR(dev_->Record(slot_ready_[s], comm_stream_));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
   unit_slot_[u] = s;
@@ -516,18 +576,18 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region reg = Owned(u);
-    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt_, reg.n, &unit_finite[u], nullptr));
+    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt_, reg.n, &unit_finite[u], compute_));
     if (stage_ == 0) {
       for (int q = 0; q < world_; ++q) {
         RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c_, cdt_, unit.shard,
-                                          &table[q * (nu + 1) + u], nullptr));
+                                          &table[q * (nu + 1) + u], compute_));
       }
     } else {
       RETURN_IF_ERROR(
-          dev_->SquaredNorm(reg.grad, cdt_, reg.n, &table[rank_ * (nu + 1) + u], nullptr));
+          dev_->SquaredNorm(reg.grad, cdt_, reg.n, &table[rank_ * (nu + 1) + u], compute_));
     }
   }
-  RETURN_IF_ERROR(dev_->Synchronize(nullptr));  // the step's one wait for device results
+  RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
   const bool finite =
       std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
   if (stage_ == 0) {
@@ -578,13 +638,15 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
         offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
                                master_ != nullptr ? reg.param : nullptr, cdt_,
                                static_cast<size_t>(reg.n)};
-        RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, nullptr));
+        RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, compute_));
       }
     }
     stats.optimizer_ms = MsSince(t0) - gather_ms;
     const auto tg = Clock::now();
     if (!offload_) {
+      RETURN_IF_ERROR(BeforeComm());
       for (int u = 0; u < nu; ++u) RETURN_IF_ERROR(AllGatherParams(u));
+      RETURN_IF_ERROR(JoinComm());
     }
     if (stage_ == 3) {
       // Gathered copies are stale now.
@@ -605,7 +667,7 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
   }
   RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
-  if (stage_ <= 1) RETURN_IF_ERROR(dev_->Zero(grads_, plan_.padded_elements * c_, nullptr));
+  if (stage_ <= 1) RETURN_IF_ERROR(dev_->Zero(grads_, plan_.padded_elements * c_, compute_));
   stats.step = step_;
   stats.comm_bytes = stats_.comm_bytes;
   stats_ = StepStats();
@@ -635,7 +697,8 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
   auto gather = [&](int u) -> absl::Status {
     if (!offload_param_) {
       Device::Event uploaded = chunk_out_[u % chunks];
-      RETURN_IF_ERROR(comm_on_stream ? dev_->Wait(nullptr, uploaded) : dev_->WaitHost(uploaded));
+      RETURN_IF_ERROR(comm_on_stream ? dev_->Wait(comm_stream_, uploaded)
+                                     : dev_->WaitHost(uploaded));
     }
     const auto t0 = Clock::now();
     RETURN_IF_ERROR(AllGatherParams(u));
@@ -665,8 +728,9 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
   }
   if (nu > 0) RETURN_IF_ERROR(gather(nu - 1));
   // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
+  RETURN_IF_ERROR(JoinComm());
   if (!offload_param_) {
-    for (Device::Event e : chunk_out_) RETURN_IF_ERROR(dev_->Wait(nullptr, e));
+    for (Device::Event e : chunk_out_) RETURN_IF_ERROR(dev_->Wait(compute_, e));
   }
   return absl::OkStatus();
 }
@@ -679,6 +743,13 @@ Engine::~Engine() = default;
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
                                                        std::vector<memory::ParamSpec> params,
                                                        comm::Communicator* comm, Device* device) {
+  return Create(config, std::move(params), comm, device, EngineOptions());
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
+                                                       std::vector<memory::ParamSpec> params,
+                                                       comm::Communicator* comm, Device* device,
+                                                       const EngineOptions& options) {
   if (comm == nullptr || device == nullptr) {
     return absl::InvalidArgumentError("Engine::Create needs a communicator and a device");
   }
@@ -704,6 +775,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   }
   auto impl = std::make_unique<Impl>(config, std::move(params), std::move(choice.plan), comm,
                                      device);
+  impl->compute_ = options.compute_stream;
   RETURN_IF_ERROR(impl->Allocate());
   RETURN_IF_ERROR(impl->CreateStreams());
   RETURN_IF_ERROR(impl->CheckPeersAgree());
@@ -740,21 +812,23 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     const int64_t n = m.stage_ == 0 ? unit.padded : unit.shard;
     const Impl::Region reg = m.Owned(static_cast<int>(u));
     if (m.master_ != nullptr) {
-      RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + own, n * 4, nullptr));
+      RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + own, n * 4, m.compute_));
     }
-    RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, nullptr));
-    RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, nullptr));
+    RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, m.compute_));
+    RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, m.compute_));
     if (m.stage_ <= 2) {
       RETURN_IF_ERROR(m.dev_->Copy(m.At(m.params_, unit.flat_offset), compute.data(),
-                                   unit.padded * m.c_, nullptr));
+                                   unit.padded * m.c_, m.compute_));
     } else {
       RETURN_IF_ERROR(m.dev_->Copy(m.At(m.params_, unit.shard_offset),
-                                   compute.data() + own * m.c_, n * m.c_, nullptr));
+                                   compute.data() + own * m.c_, n * m.c_, m.compute_));
       if (unit.persistent) {
         RETURN_IF_ERROR(m.dev_->Copy(m.At(m.persistent_, m.persistent_offset_[u]),
-                                     compute.data(), unit.padded * m.c_, nullptr));
+                                     compute.data(), unit.padded * m.c_, m.compute_));
       }
     }
+    // `values` and `compute` are read by copies that may still be in flight.
+    RETURN_IF_ERROR(m.dev_->Synchronize(m.compute_));
   }
   for (Impl::Slot& s : m.slots_) {
     if (s.unit >= 0 && !s.held) {
@@ -762,7 +836,7 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
       s.unit = -1;
     }
   }
-  return m.dev_->Synchronize(nullptr);
+  return m.dev_->Synchronize(m.compute_);
 }
 
 absl::StatusOr<void*> Engine::param(int i) {
@@ -812,8 +886,10 @@ absl::StatusOr<void*> Engine::grad(int i) {
     }
     m.bucket_busy_[b] = 1;
     m.unit_bucket_[p.unit] = b;
+    // Its previous unit's reduce-scatter (on the comm stream) must have read it.
+    if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.bucket_free_[b]));
     RETURN_IF_ERROR(m.dev_->Zero(m.At(m.buckets_, b * m.bucket_elems_),
-                                 m.plan_.units[p.unit].padded * m.c_, nullptr));
+                                 m.plan_.units[p.unit].padded * m.c_, m.compute_));
   }
   return static_cast<void*>(m.At(m.buckets_, b * m.bucket_elems_ + p.offset_in_unit));
 }
@@ -869,6 +945,7 @@ absl::Status Engine::Gather(int unit) {
   m.slots_[s].held = true;
   m.slots_[s].last_use = ++m.use_clock_;
   m.last_gathered_ = unit;
+  if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.slot_ready_[s]));
   return m.Prefetch(unit, direction);
 }
 
@@ -885,6 +962,8 @@ absl::Status Engine::Release(int unit) {
         absl::StrCat("Release(", unit, "): the unit is not gathered"));
   }
   m.slots_[s].held = false;
+  // The next all-gather into this slot waits for the trainer's work on this unit.
+  if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Record(m.slot_free_[s], m.compute_));
   return absl::OkStatus();
 }
 
@@ -898,6 +977,9 @@ absl::StatusOr<StepStats> Engine::Step() {
           "') is missing in this micro-step"));
     }
   }
+  // The reductions of this micro-step, and their follow-up, complete before anything reads
+  // the gradients again (the optimizer, or the next micro-step's backward).
+  RETURN_IF_ERROR(m.JoinComm());
   RETURN_IF_ERROR(m.ResetGradients());
   ++m.micro_;
   if (m.micro_ < m.gas_) {
@@ -929,14 +1011,14 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
     std::vector<float> full(unit.padded);  // (padded) fp32, host
     const Impl::Region reg = m.Owned(static_cast<int>(u));
     if (m.stage_ == 0) {
-      RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, nullptr));
+      RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, m.compute_));
     } else {
       std::vector<float> shard(unit.shard);
-      RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, nullptr));
-      RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
+      RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, m.compute_));
+      RETURN_IF_ERROR(m.dev_->Synchronize(m.compute_));
       RETURN_IF_ERROR(m.AllGatherHost(shard.data(), full.data(), unit.shard));
     }
-    RETURN_IF_ERROR(m.dev_->Synchronize(nullptr));
+    RETURN_IF_ERROR(m.dev_->Synchronize(m.compute_));
     for (int i : unit.params) {
       const memory::ParamLayout& p = m.plan_.params[i];
       std::copy(full.begin() + p.offset_in_unit, full.begin() + p.offset_in_unit + p.numel,
@@ -948,6 +1030,7 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
 
 comm::Communicator* Engine::communicator() const { return impl_->comm_; }
 Device* Engine::device() const { return impl_->dev_; }
+Device::Stream Engine::compute_stream() const { return impl_->compute_; }
 
 bool Engine::at_step_boundary() const {
   const Impl& m = *impl_;
@@ -976,13 +1059,13 @@ absl::Status Engine::CopyOwnedShard(int unit, float* master, float* m, float* v,
   // Stage 0 regions cover the whole padded unit; the checkpoint wants this rank's range.
   const int64_t skip = e.stage_ == 0 ? e.rank_ * u.shard : 0;
   const size_t bytes = static_cast<size_t>(u.shard) * 4;
-  RETURN_IF_ERROR(e.dev_->Copy(master, reg.master + skip, bytes, nullptr));
-  RETURN_IF_ERROR(e.dev_->Copy(m, reg.m + skip, bytes, nullptr));
-  RETURN_IF_ERROR(e.dev_->Copy(v, reg.v + skip, bytes, nullptr));
+  RETURN_IF_ERROR(e.dev_->Copy(master, reg.master + skip, bytes, e.compute_));
+  RETURN_IF_ERROR(e.dev_->Copy(m, reg.m + skip, bytes, e.compute_));
+  RETURN_IF_ERROR(e.dev_->Copy(v, reg.v + skip, bytes, e.compute_));
   if (param != nullptr) {
-    RETURN_IF_ERROR(e.dev_->Copy(param, reg.param + skip * e.c_, u.shard * e.c_, nullptr));
+    RETURN_IF_ERROR(e.dev_->Copy(param, reg.param + skip * e.c_, u.shard * e.c_, e.compute_));
   }
-  return e.dev_->Synchronize(nullptr);
+  return e.dev_->Synchronize(e.compute_);
 }
 
 absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
@@ -1016,16 +1099,16 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
         } else {
           std::copy(src[k], src[k] + u.shard, full.begin());
         }
-        RETURN_IF_ERROR(e.dev_->Copy(dst[k], full.data(), u.padded * 4, nullptr));
-        RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));  // `full` is reused
+        RETURN_IF_ERROR(e.dev_->Copy(dst[k], full.data(), u.padded * 4, e.compute_));
+        RETURN_IF_ERROR(e.dev_->Synchronize(e.compute_));  // `full` is reused
         if (k == 0 && e.master_ != nullptr) {
           std::vector<char> compute(u.padded * e.c_);
           offload::Cast(full.data(), DType::kF32, compute.data(), e.cdt_, u.padded);
-          RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
-          RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
+          RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), e.compute_));
+          RETURN_IF_ERROR(e.dev_->Synchronize(e.compute_));
         }
       } else {
-        RETURN_IF_ERROR(e.dev_->Copy(dst[k], src[k], u.shard * 4, nullptr));
+        RETURN_IF_ERROR(e.dev_->Copy(dst[k], src[k], u.shard * 4, e.compute_));
       }
     }
     if (e.stage_ != 0 && e.master_ != nullptr) {
@@ -1033,10 +1116,13 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
       // the host (as InitParams does) because the master may live there (offload).
       std::vector<char> compute(u.shard * e.c_);
       offload::Cast(new_master, DType::kF32, compute.data(), e.cdt_, u.shard);
-      RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), nullptr));
+      RETURN_IF_ERROR(e.dev_->Copy(reg.param, compute.data(), compute.size(), e.compute_));
+      RETURN_IF_ERROR(e.dev_->Synchronize(e.compute_));  // before `compute` goes
     }
-    RETURN_IF_ERROR(e.dev_->Synchronize(nullptr));
+    RETURN_IF_ERROR(e.dev_->Synchronize(e.compute_));
+    RETURN_IF_ERROR(e.BeforeComm());
     RETURN_IF_ERROR(e.AllGatherParams(static_cast<int>(ui)));
+    RETURN_IF_ERROR(e.JoinComm());
   }
   // Gathered stage-3 copies hold the old parameters.
   for (Impl::Slot& s : e.slots_) {
@@ -1053,7 +1139,7 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
   ls.last_overflow_iter = state.scaler_last_overflow;
   e.scaler_.set_state(ls);
   e.stats_ = StepStats();
-  return e.dev_->Synchronize(nullptr);
+  return e.dev_->Synchronize(e.compute_);
 }
 
 }  // namespace zerort

@@ -90,6 +90,14 @@ struct EngineState {
   int64_t scaler_last_overflow = -1;  // scaler_iter of the last overflow, -1 if none
 };
 
+// How the engine meets the trainer's device work.
+struct EngineOptions {
+  // The trainer's compute stream (a cudaStream_t on the CUDA device; nullptr = the default
+  // stream). The engine enqueues its device work on it, so gradients written there before
+  // GradReady and parameters read there after Gather are ordered without host waits.
+  Device::Stream compute_stream = nullptr;
+};
+
 class Engine {
  public:
   // Fills `values` (numel floats, row-major) with the initial value of parameter `index`.
@@ -103,6 +111,10 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const Config& config,
                                                         std::vector<memory::ParamSpec> params,
                                                         comm::Communicator* comm, Device* device);
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const Config& config,
+                                                        std::vector<memory::ParamSpec> params,
+                                                        comm::Communicator* comm, Device* device,
+                                                        const EngineOptions& options);
   ~Engine();
 
   const memory::Plan& plan() const;
@@ -148,6 +160,7 @@ class Engine {
   comm::Communicator* communicator() const;
   // The device the engine's buffers live on (trainers copy into grad(i) through it).
   Device* device() const;
+  Device::Stream compute_stream() const;
   // True between optimizer steps: no micro-step of an accumulation window has been taken.
   bool at_step_boundary() const;
   EngineState state() const;

@@ -35,10 +35,11 @@ Config MakeConfig(int stage, Precision precision, int gas, double clip, bool off
 }
 
 // Trains `steps` optimizer steps on `world` in-process ranks (one thread each).
-// `async_streams`: the CPU device runs its streams on threads, as a GPU would.
+// `async_streams`: the CPU device runs its streams on threads, as a GPU would; with
+// `on_compute_stream`, each rank's engine and trainer work on a stream of their own.
 RunResult Train(const Config& config, int world, int steps, int inject_step = -1,
                 int inject_rank = -1, const std::vector<ParamSpec>& specs = SmallModel(),
-                bool async_streams = false) {
+                bool async_streams = false, bool on_compute_stream = false) {
   auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
   // 200 us per asynchronous operation: longer than any of this model's host AdamW calls.
   auto device = CreateCpuDevice(1, async_streams, async_streams ? 200 : 0);
@@ -49,8 +50,11 @@ RunResult Train(const Config& config, int world, int steps, int inject_step = -1
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      Device::Stream stream = nullptr;
+      if (on_compute_stream) stream = device->CreateStream().value();
       auto run = testing::TrainRank(config, specs, comms[r].get(), device.get(), steps,
-                                    inject_step, inject_rank);
+                                    inject_step, inject_rank, stream);
+      if (stream != nullptr) device->DestroyStream(stream);
       if (!run.ok()) {
         result.errors[r] = run.status();
         return;
@@ -141,6 +145,31 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
           }
           if (offload_param) CHECK(run.report.planned[static_cast<int>(
                                        memory::MemoryKind::kPinnedHost)] > 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0 bit for bit",
+          "[zero][streams]") {
+  // The trainer's gradient copies are only enqueued when GradReady is called: the engine must
+  // wait for them before reducing, and its own device work must follow them on the stream.
+  const int steps = 6;
+  for (int world : {1, 2}) {
+    RunResult reference = Train(MakeConfig(0, Precision::kBf16, 2, 0.05, false), world, steps);
+    RequireOk(reference);
+    for (int stage = 0; stage <= 3; ++stage) {
+      for (bool offload : {false, true}) {
+        if (stage == 0 && offload) continue;
+        INFO("world=" << world << " stage=" << stage << " offload=" << offload);
+        RunResult run = Train(MakeConfig(stage, Precision::kBf16, 2, 0.05, offload), world, steps,
+                              -1, -1, SmallModel(), /*async_streams=*/true,
+                              /*on_compute_stream=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
         }
       }
     }

@@ -65,7 +65,7 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
                         int overflow_rank, std::vector<StepStats>* stats) {
   const int r = e.communicator()->rank();
   const DType dtype = e.plan().options.compute_dtype;
-  std::vector<char> host;
+  std::vector<std::vector<char>> host;  // this micro-step's gradients, until copied
   for (int step = first; step < first + steps; ++step) {
     const bool overflow =
         r == overflow_rank &&
@@ -82,20 +82,23 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
         for (int i : e.plan().units[u].params) {
           ASSIGN_OR_RETURN(void* g, e.grad(i));
           const int64_t n = e.plan().params[i].numel;
-          // Built on the host and copied in, as a trainer's backward would write device memory.
-          host.resize(n * DTypeSize(dtype));
+          // Built on the host and copied in on the compute stream, without waiting, as a
+          // trainer's backward writes device memory: the engine must order what follows.
+          host.emplace_back(n * DTypeSize(dtype));
           for (int64_t k = 0; k < n; ++k) {
             float v = static_cast<float>(GradValue(r, step, micro, i, k) * e.loss_scale());
             if (overflow && micro == 0 && k == 0) v = INFINITY;
-            Store(host.data(), dtype, k, v);
+            Store(host.back().data(), dtype, k, v);
           }
-          RETURN_IF_ERROR(e.device()->Copy(g, host.data(), host.size(), nullptr));
-          RETURN_IF_ERROR(e.device()->Synchronize(nullptr));
+          RETURN_IF_ERROR(
+              e.device()->Copy(g, host.back().data(), host.back().size(), e.compute_stream()));
           RETURN_IF_ERROR(e.GradReady(i));
         }
         RETURN_IF_ERROR(e.Release(u));
       }
       ASSIGN_OR_RETURN(StepStats s, e.Step());
+      RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));  // `host` is reused
+      host.clear();
       if (stats != nullptr && s.boundary) stats->push_back(s);
     }
   }
@@ -105,8 +108,12 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
 absl::StatusOr<TrainResult> TrainRank(const Config& config,
                                       const std::vector<memory::ParamSpec>& specs,
                                       comm::Communicator* comm, Device* device, int steps,
-                                      int inject_step, int inject_rank) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(config, specs, comm, device));
+                                      int inject_step, int inject_rank,
+                                      Device::Stream compute_stream) {
+  EngineOptions options;
+  options.compute_stream = compute_stream;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                   Engine::Create(config, specs, comm, device, options));
   RETURN_IF_ERROR(engine->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
     int64_t n = 1;
     for (int64_t d : spec.shape) n *= d;
@@ -127,8 +134,9 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
       const size_t bytes = static_cast<size_t>(engine->plan().params[i].numel) * c;
       const size_t at = result.params.size();
       result.params.resize(at + bytes);
-      RETURN_IF_ERROR(engine->device()->Copy(result.params.data() + at, p, bytes, nullptr));
-      RETURN_IF_ERROR(engine->device()->Synchronize(nullptr));
+      RETURN_IF_ERROR(engine->device()->Copy(result.params.data() + at, p, bytes,
+                                             engine->compute_stream()));
+      RETURN_IF_ERROR(engine->device()->Synchronize(engine->compute_stream()));
     }
     RETURN_IF_ERROR(engine->Release(u));
   }

@@ -45,12 +45,14 @@ absl::Status TrainSteps(Engine& engine, int first, int steps,
                         const std::vector<int>& overflow_steps = {}, int overflow_rank = 0,
                         std::vector<StepStats>* stats = nullptr);
 
-// Creates an engine, sets InitValue parameters and runs `steps` optimizer steps on this rank. At step `inject_step`, rank `inject_rank` writes an
-// Inf into its first gradient element (overflow tests).
+// Creates an engine on `compute_stream`, sets InitValue parameters and runs `steps` optimizer
+// steps on this rank. At step `inject_step`, rank `inject_rank` writes an Inf into its first
+// gradient element (overflow tests).
 absl::StatusOr<TrainResult> TrainRank(const Config& config,
                                       const std::vector<memory::ParamSpec>& specs,
                                       comm::Communicator* comm, Device* device, int steps,
-                                      int inject_step = -1, int inject_rank = -1);
+                                      int inject_step = -1, int inject_rank = -1,
+                                      Device::Stream compute_stream = nullptr);
 
 }  // namespace testing
 }  // namespace zerort
