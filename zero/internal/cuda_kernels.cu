@@ -154,7 +154,83 @@ void AdamWForGrad(const AdamWConstants& c, float* master, float* m, float* v, co
   }
 }
 
+// ------------------------------------------------------------------ rank-order reduction
+
+struct ReduceSources {
+  const void* p[kMaxReduceSources];
+};
+
+template <DType D>
+__device__ __forceinline__ void StoreCanonical(void* dst, size_t i, float acc) {
+  if (acc != acc) {  // NaN: one fixed pattern, whichever input's payload an add carried
+    if constexpr (D == DType::kF32) {
+      static_cast<uint32_t*>(dst)[i] = 0x7fc00000u;
+    } else {
+      static_cast<uint16_t*>(dst)[i] = D == DType::kBF16 ? 0x7fc0u : 0x7e00u;
+    }
+  } else {
+    Store<D>(dst, i, acc);
+  }
+}
+
+// kOp: 0 sum, 1 avg, 2 max. Each thread reads element i of every source before writing dst[i],
+// so dst may alias a source at the same offsets.
+template <DType D, int kOp>
+__global__ void ReduceRankOrderKernel(ReduceSources srcs, int n, void* dst, size_t count) {
+  for (size_t i = GlobalThread(); i < count; i += GridStride()) {
+    float acc = Load<D>(srcs.p[0], i);
+    for (int k = 1; k < n; ++k) {
+      const float x = Load<D>(srcs.p[k], i);
+      if constexpr (kOp == 2) {
+        acc = (acc > x || acc != acc) ? acc : x;
+      } else {
+        acc = Add(acc, x);
+      }
+    }
+    if constexpr (kOp == 1) acc = Div(acc, static_cast<float>(n));
+    StoreCanonical<D>(dst, i, acc);
+  }
+}
+
+template <DType D>
+void LaunchReduceFor(const ReduceSources& srcs, int n, void* dst, size_t count, int op,
+                     cudaStream_t s) {
+  switch (op) {
+    case 0:
+      ReduceRankOrderKernel<D, 0><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
+      break;
+    case 1:
+      ReduceRankOrderKernel<D, 1><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
+      break;
+    default:
+      ReduceRankOrderKernel<D, 2><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
+      break;
+  }
+}
+
 }  // namespace
+
+int LaunchReduceRankOrder(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                          int op, void* stream) {
+  if (n < 1 || n > kMaxReduceSources || op < 0 || op > 2) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  if (count == 0) return static_cast<int>(cudaSuccess);
+  ReduceSources s{};
+  for (int k = 0; k < n; ++k) s.p[k] = srcs[k];
+  switch (dtype) {
+    case DType::kF32:
+      LaunchReduceFor<DType::kF32>(s, n, dst, count, op, AsStream(stream));
+      break;
+    case DType::kBF16:
+      LaunchReduceFor<DType::kBF16>(s, n, dst, count, op, AsStream(stream));
+      break;
+    case DType::kF16:
+      LaunchReduceFor<DType::kF16>(s, n, dst, count, op, AsStream(stream));
+      break;
+  }
+  return static_cast<int>(cudaGetLastError());
+}
 
 int LaunchCast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
                void* stream) {

@@ -44,6 +44,17 @@ int LaunchAdamW(const AdamWConstants& constants, float* master, float* m, float*
                 const void* grad, DType grad_dtype, void* param_out, DType param_dtype, size_t n,
                 void* stream);
 
+// Most blocks one rank-order reduction reads: the kernel takes their pointers by value.
+inline constexpr int kMaxReduceSources = 16;
+
+// dst[i] = the CPU communicators' reduction (comm/communicator.h): acc = float(srcs[0][i]);
+// acc = op(acc, float(srcs[k][i])) for k = 1..n-1 in order; divided by float(n) for avg; one
+// rounding to dtype; a NaN result stored as the positive quiet NaN. `op`: 0 sum, 1 avg, 2 max
+// (comm::ReduceOp's order). dst may alias a source at the same offsets.
+// REQUIRES: 1 <= n <= kMaxReduceSources (else cudaErrorInvalidValue, nothing launched).
+int LaunchReduceRankOrder(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                          int op, void* stream);
+
 }  // namespace cuda_internal
 }  // namespace zerort
 
