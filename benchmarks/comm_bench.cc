@@ -237,7 +237,7 @@ nlohmann::json BenchMpi(const Options& o, double memcpy_gbps, int* rank_out) {
   return results;
 }
 
-// Single-thread throughput of the reduction kernel (SIMD dispatch and the scalar path), in GB/s
+// Single-thread throughput of the reduction kernel (each path the CPU has), in GB/s
 // of bytes read + written, next to memcpy's (bytes copied): the reduction reads n blocks and
 // writes one, so a memory-bound kernel reaches roughly memcpy's figure times (n+1)/2.
 nlohmann::json BenchKernel(bool quick) {
@@ -250,14 +250,18 @@ nlohmann::json BenchKernel(bool quick) {
       std::vector<char> dst(bytes);
       std::vector<const void*> ptrs;
       for (auto& s : src) ptrs.push_back(s.data());
-      for (bool simd : {true, false}) {
-        if (simd && !internal::ReduceUsesSimd()) continue;
+      struct Variant {
+        internal::ReducePath path;
+        bool stream;
+      };
+      for (Variant v : {Variant{internal::ReducePath::kAvx512, true},
+                        Variant{internal::ReducePath::kAvx512, false},
+                        Variant{internal::ReducePath::kAvx2, false},
+                        Variant{internal::ReducePath::kScalar, false}}) {
+        if (!internal::ReducePathSupported(v.path)) continue;
         auto run = [&] {
-          if (simd) {
-            internal::ReduceBlocks(ptrs.data(), n, dst.data(), count, t, ReduceOp::kSum);
-          } else {
-            internal::ReduceBlocksScalar(ptrs.data(), n, dst.data(), count, t, ReduceOp::kSum);
-          }
+          internal::ReduceBlocksWith(v.path, v.stream, ptrs.data(), n, dst.data(), count, t,
+                                     ReduceOp::kSum);
         };
         run();
         double best = 1e30;
@@ -268,7 +272,8 @@ nlohmann::json BenchKernel(bool quick) {
         }
         out.push_back({{"dtype", std::string(DTypeName(t))},
                        {"sources", n},
-                       {"path", simd ? "avx2" : "scalar"},
+                       {"path", internal::ReducePathName(v.path)},
+                       {"streaming_stores", v.stream},
                        {"bytes_per_source", bytes},
                        {"GBps_read_plus_written", (n + 1.0) * bytes / best / 1e9}});
       }
