@@ -239,8 +239,10 @@ class MpiCommunicator final : public Communicator {
         ptrs_.push_back(q == rank_ ? my_send + (bounds_[rank_] + begin) * es
                                    : scratch_.data() + q * len * es);
       }
-      internal::ReduceBlocks(ptrs_.data(), size_, static_cast<char*>(dst) + begin * es, len,
-                             dtype, op);
+      // Streaming stores as ReduceBlocks would choose them for the whole block, not the chunk.
+      internal::ReduceBlocksWith(internal::ReduceBestPath(),
+                                 mine * es >= internal::kStreamMinBytes, ptrs_.data(), size_,
+                                 static_cast<char*>(dst) + begin * es, len, dtype, op);
     }
     return absl::OkStatus();
   }
