@@ -191,21 +191,16 @@ class InProcessCommunicator final : public Communicator {
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                          Stream) override {
     // Rank r reduces slice r of the array, then every rank copies every slice. Reduction is
-    // elementwise, so slicing does not change any bit of the result.
+    // elementwise, so slicing does not change any bit of the result. The result goes straight
+    // into recv, in place too: slice r of rank r's send is read only by rank r itself (peers read
+    // their own slices of it), and the kernel allows dst to alias a source at the same offsets.
     const size_t es = DTypeSize(dtype);
     const int n = size();
-    const bool in_place = send == recv;
     const size_t begin = SliceBegin(count, rank_), end = SliceBegin(count, rank_ + 1);
     Slot slot;
     slot.send = send;
     slot.recv = recv;
-    if (in_place) {
-      // Peers still read our send (== recv) while we reduce, so the slice waits in scratch.
-      scratch_.resize((end - begin) * es);
-      slot.result = scratch_.data();
-    } else {
-      slot.result = static_cast<char*>(recv) + begin * es;
-    }
+    slot.result = static_cast<char*>(recv) + begin * es;
     void* my_result = const_cast<void*>(slot.result);
     RETURN_IF_ERROR(Start(OpKind::kAllReduce, count, dtype, op, 0, slot));
     if (end > begin) {
@@ -220,7 +215,7 @@ class InProcessCommunicator final : public Communicator {
     for (int i = 0; i < n; ++i) {
       const int q = (rank_ + i) % n;
       const size_t b = SliceBegin(count, q), e = SliceBegin(count, q + 1);
-      if (e == b || (q == rank_ && !in_place)) continue;
+      if (e == b || q == rank_) continue;
       std::memcpy(static_cast<char*>(recv) + b * es, group_->slot(q).result, (e - b) * es);
     }
     return Finish();
@@ -285,7 +280,6 @@ class InProcessCommunicator final : public Communicator {
   int64_t seq_ = 0;       // operations started
   int64_t arrivals_ = 0;  // barriers entered
   std::vector<const void*> srcs_;
-  std::vector<char> scratch_;  // in-place all-reduce slice; peers read it until Finish
 };
 
 }  // namespace

@@ -206,19 +206,28 @@ TEST_CASE("InProcess: 64 MiB all-reduce and reduce-scatter match the serial refe
   std::vector<Buf> send;
   for (int r = 0; r < n; ++r) send.push_back(Random(DType::kBF16, total, rng));
   std::vector<Buf> ar(n, Buf(DType::kBF16, total)), rs(n, Buf(DType::kBF16, total / n));
-  std::vector<absl::Status> st(2 * n);
+  // In place too: slices of 4 MiB take the kernel's streaming-store branch.
+  std::vector<Buf> ar_inplace = send, rs_inplace = send;
+  std::vector<absl::Status> st(4 * n);
   RunRanks(n, [&](int r) {
-    st[2 * r] = comms[r]->AllReduce(send[r].data(), ar[r].data(), total, DType::kBF16,
+    st[4 * r] = comms[r]->AllReduce(send[r].data(), ar[r].data(), total, DType::kBF16,
                                     ReduceOp::kAvg);
-    st[2 * r + 1] = comms[r]->ReduceScatter(send[r].data(), rs[r].data(), total / n,
+    st[4 * r + 1] = comms[r]->ReduceScatter(send[r].data(), rs[r].data(), total / n,
+                                            DType::kBF16, ReduceOp::kAvg);
+    st[4 * r + 2] = comms[r]->AllReduce(ar_inplace[r].data(), ar_inplace[r].data(), total,
+                                        DType::kBF16, ReduceOp::kAvg);
+    st[4 * r + 3] = comms[r]->ReduceScatter(rs_inplace[r].data(),
+                                            rs_inplace[r].at(r * (total / n)), total / n,
                                             DType::kBF16, ReduceOp::kAvg);
   });
   const Buf expect = SerialReduce(send, 0, total, ReduceOp::kAvg);
+  const size_t shard_bytes = rs[0].bytes.size();
   for (int r = 0; r < n; ++r) {
-    REQUIRE(st[2 * r].ok());
-    REQUIRE(st[2 * r + 1].ok());
+    for (int k = 0; k < 4; ++k) REQUIRE(st[4 * r + k].ok());
     CHECK(ar[r].bytes == expect.bytes);
-    CHECK(SameBytes(rs[r].data(), expect.at(r * (total / n)), rs[r].bytes.size()));
+    CHECK(SameBytes(rs[r].data(), expect.at(r * (total / n)), shard_bytes));
+    CHECK(ar_inplace[r].bytes == expect.bytes);
+    CHECK(SameBytes(rs_inplace[r].at(r * (total / n)), expect.at(r * (total / n)), shard_bytes));
   }
 }
 

@@ -80,6 +80,11 @@ struct CheckRecord {
   int32_t pad = 0;
 };
 
+// Per-peer message size of the reduce-scatter exchange. Small enough that a step's received
+// chunks ((size-1) of them) are still in cache when the kernel reads them, large enough that
+// the per-message rendezvous cost stays small. See docs/comm.md for the measurement.
+constexpr size_t kExchangeChunkBytes = size_t{1} << 20;
+
 MPI_Datatype MpiType(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
 
 class MpiCommunicator final : public Communicator {
@@ -123,16 +128,9 @@ class MpiCommunicator final : public Communicator {
                              ReduceOp op, Stream) override {
     OpDesc d = Desc(OpKind::kReduceScatter, count, dtype, op, 0);
     RETURN_IF_ERROR(Start(d, send, recv));
-    const size_t es = DTypeSize(dtype);
-    // (size, count) dtype: block r of every rank's send, in rank order.
-    scratch_.resize(static_cast<size_t>(size_) * count * es);
-    MPI_Request req;
-    const int n = static_cast<int>(count);
-    RETURN_IF_ERROR(Check(MPI_Ialltoall(send, n, MpiType(dtype), scratch_.data(), n,
-                                        MpiType(dtype), comm_, &req),
-                          "MPI_Ialltoall", d));
-    RETURN_IF_ERROR(Wait(&req, "MPI_Ialltoall", d));
-    Reduce(scratch_.data(), count, recv, count, dtype, op);
+    bounds_.resize(size_ + 1);
+    for (int q = 0; q <= size_; ++q) bounds_[q] = static_cast<size_t>(q) * count;
+    RETURN_IF_ERROR(ExchangeReduce(send, recv, dtype, op, d));
     return Done();
   }
 
@@ -145,28 +143,17 @@ class MpiCommunicator final : public Communicator {
     const size_t es = DTypeSize(dtype);
     counts_.resize(size_);
     displs_.resize(size_);
-    rcounts_.resize(size_);
-    rdispls_.resize(size_);
+    bounds_.resize(size_ + 1);
+    for (int q = 0; q <= size_; ++q) bounds_[q] = SliceBegin(count, q);
     for (int q = 0; q < size_; ++q) {
-      counts_[q] = static_cast<int>(SliceBegin(count, q + 1) - SliceBegin(count, q));
-      displs_[q] = static_cast<int>(SliceBegin(count, q));
+      counts_[q] = static_cast<int>(bounds_[q + 1] - bounds_[q]);
+      displs_[q] = static_cast<int>(bounds_[q]);
     }
-    const size_t mine = counts_[rank_];
-    for (int q = 0; q < size_; ++q) {
-      rcounts_[q] = static_cast<int>(mine);
-      rdispls_[q] = static_cast<int>(q * mine);
-    }
-    // (size, mine) dtype: slice `rank` of every rank's send.
-    scratch_.resize(static_cast<size_t>(size_) * mine * es);
+    // Slice `rank` of every rank's send, reduced into the same slice of recv. Peers only read
+    // their own slice of our send, so this is safe when recv aliases send.
+    RETURN_IF_ERROR(ExchangeReduce(send, static_cast<char*>(recv) + bounds_[rank_] * es, dtype,
+                                   op, d));
     MPI_Request req;
-    RETURN_IF_ERROR(Check(MPI_Ialltoallv(send, counts_.data(), displs_.data(), MpiType(dtype),
-                                         scratch_.data(), rcounts_.data(), rdispls_.data(),
-                                         MpiType(dtype), comm_, &req),
-                          "MPI_Ialltoallv", d));
-    RETURN_IF_ERROR(Wait(&req, "MPI_Ialltoallv", d));
-    // The exchange has completed, so writing recv is safe even when it aliases send.
-    Reduce(scratch_.data(), mine, static_cast<char*>(recv) + displs_[rank_] * es, mine, dtype,
-           op);
     RETURN_IF_ERROR(Check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv,
                                           counts_.data(), displs_.data(), MpiType(dtype), comm_,
                                           &req),
@@ -204,13 +191,60 @@ class MpiCommunicator final : public Communicator {
     return internal::MakeOpDesc(++seq_, kind, count, dtype, op, root);
   }
 
-  // srcs: (size, stride) elements in rank order; reduces `count` of each into dst.
-  void Reduce(const char* srcs, size_t stride, void* dst, size_t count, DType dtype,
-              ReduceOp op) {
-    if (count == 0) return;
-    ptrs_.clear();
-    for (int q = 0; q < size_; ++q) ptrs_.push_back(srcs + q * stride * DTypeSize(dtype));
-    internal::ReduceBlocks(ptrs_.data(), size_, dst, count, dtype, op);
+  // The reduce-scatter step shared by ReduceScatter and AllReduce. bounds_ (size_+1 element
+  // offsets) splits every rank's send into blocks; rank q receives the reduction of block q of
+  // every rank's send into dst. Our own block is read in place (no self copy); the peers'
+  // blocks come by point-to-point messages in chunks of kExchangeChunkBytes, each reduced as
+  // soon as it has arrived, so the received copy is read back from cache rather than memory.
+  absl::Status ExchangeReduce(const void* send, void* dst, DType dtype, ReduceOp op,
+                              const OpDesc& d) {
+    const size_t es = DTypeSize(dtype);
+    const size_t chunk = std::max<size_t>(1, kExchangeChunkBytes / es);
+    auto chunks = [&](int q) { return (bounds_[q + 1] - bounds_[q] + chunk - 1) / chunk; };
+    // Every rank computes the same number of steps, so every message is matched in its step.
+    size_t steps = 0;
+    for (int q = 0; q < size_; ++q) steps = std::max(steps, chunks(q));
+    const size_t mine = bounds_[rank_ + 1] - bounds_[rank_];
+    const char* my_send = static_cast<const char*>(send);
+    // (size, chunk) dtype: this step's chunk of our block from each peer (our own row unused).
+    scratch_.resize(static_cast<size_t>(size_) * std::min(chunk, mine) * es);
+    const int tag = static_cast<int>(d.kind);
+    for (size_t j = 0; j < steps; ++j) {
+      reqs_.clear();
+      const size_t begin = j * chunk;
+      const size_t len = begin < mine ? std::min(chunk, mine - begin) : 0;
+      for (int i = 1; i < size_; ++i) {
+        const int q = (rank_ + i) % size_;
+        if (len > 0) {
+          reqs_.emplace_back();
+          RETURN_IF_ERROR(Check(MPI_Irecv(scratch_.data() + q * len * es,
+                                          static_cast<int>(len * es), MPI_BYTE, q, tag, comm_,
+                                          &reqs_.back()),
+                                "MPI_Irecv", d));
+        }
+        const size_t qlen = bounds_[q + 1] - bounds_[q];
+        if (begin < qlen) {
+          reqs_.emplace_back();
+          RETURN_IF_ERROR(Check(
+              MPI_Isend(my_send + (bounds_[q] + begin) * es,
+                        static_cast<int>(std::min(chunk, qlen - begin) * es), MPI_BYTE, q, tag,
+                        comm_, &reqs_.back()),
+              "MPI_Isend", d));
+        }
+      }
+      RETURN_IF_ERROR(WaitAll("MPI_Isend/MPI_Irecv", d));
+      if (len == 0) continue;
+      ptrs_.clear();
+      for (int q = 0; q < size_; ++q) {
+        ptrs_.push_back(q == rank_ ? my_send + (bounds_[rank_] + begin) * es
+                                   : scratch_.data() + q * len * es);
+      }
+      // Streaming stores as ReduceBlocks would choose them for the whole block, not the chunk.
+      internal::ReduceBlocksWith(internal::ReduceBestPath(),
+                                 mine * es >= internal::kStreamMinBytes, ptrs_.data(), size_,
+                                 static_cast<char*>(dst) + begin * es, len, dtype, op);
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Start(const OpDesc& d, const void* send, const void* recv) {
@@ -283,13 +317,21 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  // Polls `req` until it completes or the operation's deadline passes. Spins first (latency of
-  // small messages), then backs off to short sleeps so a long wait does not burn a core.
   absl::Status Wait(MPI_Request* req, absl::string_view call, const OpDesc& d) {
+    return Poll(1, req, call, d);
+  }
+  absl::Status WaitAll(absl::string_view call, const OpDesc& d) {
+    if (reqs_.empty()) return absl::OkStatus();
+    return Poll(static_cast<int>(reqs_.size()), reqs_.data(), call, d);
+  }
+
+  // Polls `reqs` until all complete or the operation's deadline passes. Spins first (latency
+  // of small messages), then backs off to short sleeps so a long wait does not burn a core.
+  absl::Status Poll(int n, MPI_Request* reqs, absl::string_view call, const OpDesc& d) {
     const absl::Time limit = deadline_;
     for (int spin = 0;; ++spin) {
       int done = 0;
-      const int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
+      const int rc = MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return Check(rc, call, d);
       if (done) return absl::OkStatus();
       if (spin < 2000) continue;
@@ -317,7 +359,9 @@ class MpiCommunicator final : public Communicator {
   int64_t seq_ = 0;
   std::vector<char> scratch_;
   std::vector<const void*> ptrs_;
-  std::vector<int> counts_, displs_, rcounts_, rdispls_;
+  std::vector<int> counts_, displs_;
+  std::vector<size_t> bounds_;  // ExchangeReduce's blocks, size_+1 element offsets
+  std::vector<MPI_Request> reqs_;
   std::vector<CheckRecord> records_;
 };
 

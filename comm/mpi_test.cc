@@ -146,6 +146,34 @@ TEST_CASE("Mpi: large all-reduce (64 MiB in total) matches the reference", "[com
   CHECK(out.bytes == Reference(DType::kF32, 2000, 0, count, ReduceOp::kSum).bytes);
 }
 
+TEST_CASE("Mpi: reductions spanning several exchange chunks, uneven slices, match the reference",
+          "[comm]") {
+  // The exchange moves 1 MiB per peer and step: 2.5 steps per block here, and an all-reduce
+  // whose slices differ in length (so peers send different numbers of chunks).
+  auto comm = MakeComm();
+  const DType t = DType::kBF16;
+  const size_t count = (size_t{5} << 20) / 2 / 2 + 3;  // elements per block
+  const size_t total = g_size * count;
+  Buf send = Input(t, g_rank, 4000, total);
+  Buf rs(t, count), ar(t, total);
+  Buf inplace_rs = send, inplace_ar = send;
+  REQUIRE(comm->ReduceScatter(send.at(0), rs.at(0), count, t, ReduceOp::kSum).ok());
+  REQUIRE(comm->ReduceScatter(inplace_rs.at(0), inplace_rs.at(g_rank * count), count, t,
+                              ReduceOp::kSum)
+              .ok());
+  REQUIRE(comm->AllReduce(send.at(0), ar.at(0), total - 1, t, ReduceOp::kSum).ok());
+  REQUIRE(comm->AllReduce(inplace_ar.at(0), inplace_ar.at(0), total - 1, t, ReduceOp::kSum).ok());
+  const Buf expect = Reference(t, 4000, 0, total, ReduceOp::kSum);
+  INFO("rank " << g_rank);
+  CHECK(SameBytes(rs.at(0), expect.at(g_rank * count), rs.bytes.size()));
+  CHECK(SameBytes(inplace_rs.at(g_rank * count), expect.at(g_rank * count), rs.bytes.size()));
+  CHECK(SameBytes(ar.at(0), expect.at(0), (total - 1) * 2));
+  CHECK(SameBytes(inplace_ar.at(0), expect.at(0), (total - 1) * 2));
+  // The element past the all-reduce's count is untouched.
+  CHECK(SameBytes(ar.at(total - 1), "\0\0", 2));
+  CHECK(SameBytes(inplace_ar.at(total - 1), send.at(total - 1), 2));
+}
+
 TEST_CASE("Mpi: broadcast from every root", "[comm]") {
   auto comm = MakeComm();
   for (int root = 0; root < g_size; ++root) {

@@ -1,5 +1,6 @@
 #include "comm/internal/reduce.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdint>
 #include <cstring>
@@ -171,52 +172,222 @@ ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t coun
   }
 }
 
-bool DetectSimd() {
+// AVX-512 (F, BW, VL): 16 lanes, masked loads and stores for the tail, and optionally
+// non-temporal stores. After NaN canonicalisation the bf16 rounding needs no NaN case: the
+// canonical 0x7fc00000 rounds to 0x7fc0 like any other value.
+#define ZERORT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+// GCC 12's avx512fintrin.h builds _mm512_slli/srli_epi32 and _mm512_cvtepu16_epi32 on an
+// _mm512_undefined_epi32() pass-through, which -Wmaybe-uninitialized reports at every use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+template <DType D>
+ZERORT_AVX512 inline __m512 Load16(const void* p, size_t i, __mmask16 m) {
+  if (D == DType::kF32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(p) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(p) + i);
+  if (D == DType::kBF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+// kStream: dst + i must be 64-byte aligned (fp32) or 32-byte aligned (16-bit), m all ones.
+template <DType D, bool kStream>
+ZERORT_AVX512 inline void Store16(void* p, size_t i, __m512 v, __mmask16 m) {
+  v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v,
+                           _mm512_castsi512_ps(_mm512_set1_epi32(kCanonicalNan)));
+  if (D == DType::kF32) {
+    float* q = static_cast<float*>(p) + i;
+    if (kStream) {
+      _mm512_stream_ps(q, v);
+    } else {
+      _mm512_mask_storeu_ps(q, m, v);
+    }
+    return;
+  }
+  __m256i h;
+  if (D == DType::kBF16) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16));
+  } else {
+    h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  uint16_t* q = static_cast<uint16_t*>(p) + i;
+  if (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(q), h);
+  } else {
+    _mm256_mask_storeu_epi16(q, m, h);
+  }
+}
+
+template <bool kMax>
+ZERORT_AVX512 inline __m512 Combine16(__m512 a, __m512 x) {
+  if (!kMax) return _mm512_add_ps(a, x);
+  const __mmask16 keep = _mm512_cmp_ps_mask(a, x, _CMP_GT_OQ) | _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  return _mm512_mask_blend_ps(keep, x, a);
+}
+
+// Elements [begin, end): 32 per step with two register accumulators, then 16 at a time, then
+// one masked step. Same per-element order as the scalar path.
+template <DType D, bool kMax, bool kAvg, bool kStream>
+ZERORT_AVX512 void Avx512Range(const void* const* srcs, int n, void* dst, size_t begin,
+                               size_t end) {
+  const __m512 divisor = _mm512_set1_ps(static_cast<float>(n));
+  const __mmask16 all = 0xffff;
+  size_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    __m512 a0 = Load16<D>(srcs[0], i, all);
+    __m512 a1 = Load16<D>(srcs[0], i + 16, all);
+    for (int k = 1; k < n; ++k) {
+      a0 = Combine16<kMax>(a0, Load16<D>(srcs[k], i, all));
+      a1 = Combine16<kMax>(a1, Load16<D>(srcs[k], i + 16, all));
+    }
+    if (kAvg) {
+      a0 = _mm512_div_ps(a0, divisor);
+      a1 = _mm512_div_ps(a1, divisor);
+    }
+    Store16<D, kStream>(dst, i, a0, all);
+    Store16<D, kStream>(dst, i + 16, a1, all);
+  }
+  for (; i < end; i += 16) {
+    const __mmask16 m = end - i >= 16 ? all : static_cast<__mmask16>((1u << (end - i)) - 1);
+    __m512 a = Load16<D>(srcs[0], i, m);
+    for (int k = 1; k < n; ++k) a = Combine16<kMax>(a, Load16<D>(srcs[k], i, m));
+    if (kAvg) a = _mm512_div_ps(a, divisor);
+    Store16<D, false>(dst, i, a, m);
+  }
+}
+
+template <DType D, bool kMax, bool kAvg>
+ZERORT_AVX512 void Avx512Loop(const void* const* srcs, int n, void* dst, size_t count,
+                              bool stream) {
+  const size_t es = DTypeSize(D);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(dst);
+  if (!stream || addr % es != 0) {
+    Avx512Range<D, kMax, kAvg, false>(srcs, n, dst, 0, count);
+    return;
+  }
+  // Streaming stores need an aligned destination: a head with ordinary stores up to the next
+  // 64-byte boundary, whole 32-element steps streamed, the rest ordinary again.
+  const size_t head = std::min(count, ((64 - addr % 64) % 64) / es);
+  const size_t body_end = head + (count - head) / 32 * 32;
+  Avx512Range<D, kMax, kAvg, false>(srcs, n, dst, 0, head);
+  Avx512Range<D, kMax, kAvg, true>(srcs, n, dst, head, body_end);
+  // Streaming stores are weakly ordered: fence them before the caller publishes the result
+  // (a barrier releases it to peers on other cores).
+  _mm_sfence();
+  Avx512Range<D, kMax, kAvg, false>(srcs, n, dst, body_end, count);
+}
+
+template <DType D>
+void Avx512Impl(const void* const* srcs, int n, void* dst, size_t count, ReduceOp op,
+                bool stream) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return Avx512Loop<D, false, false>(srcs, n, dst, count, stream);
+    case ReduceOp::kAvg:
+      return Avx512Loop<D, false, true>(srcs, n, dst, count, stream);
+    case ReduceOp::kMax:
+      return Avx512Loop<D, true, false>(srcs, n, dst, count, stream);
+  }
+}
+
+#pragma GCC diagnostic pop
+
+bool DetectAvx2() {
   // F16C through cpuid (leaf 1, ecx bit 29): not every compiler's __builtin_cpu_supports knows it.
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
   const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & (1u << 29)) != 0;
   return f16c && __builtin_cpu_supports("avx2");
 }
+
+// __builtin_cpu_supports also checks (XGETBV) that the OS saves the zmm state.
+bool DetectAvx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
 #else
-bool DetectSimd() { return false; }
+bool DetectAvx2() { return false; }
+bool DetectAvx512() { return false; }
 #endif
 
 }  // namespace
 
-bool ReduceUsesSimd() {
-  static const bool simd = DetectSimd();
-  return simd;
+const char* ReducePathName(ReducePath path) {
+  switch (path) {
+    case ReducePath::kScalar:
+      return "scalar";
+    case ReducePath::kAvx2:
+      return "avx2";
+    case ReducePath::kAvx512:
+      return "avx512";
+  }
+  return "?";
 }
 
-void ReduceBlocksScalar(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
-                        ReduceOp op) {
+bool ReducePathSupported(ReducePath path) {
+  static const bool avx2 = DetectAvx2();
+  static const bool avx512 = DetectAvx512();
+  switch (path) {
+    case ReducePath::kScalar:
+      return true;
+    case ReducePath::kAvx2:
+      return avx2;
+    case ReducePath::kAvx512:
+      return avx512;
+  }
+  return false;
+}
+
+ReducePath ReduceBestPath() {
+  if (ReducePathSupported(ReducePath::kAvx512)) return ReducePath::kAvx512;
+  if (ReducePathSupported(ReducePath::kAvx2)) return ReducePath::kAvx2;
+  return ReducePath::kScalar;
+}
+
+void ReduceBlocksWith(ReducePath path, bool stream, const void* const* srcs, int n, void* dst,
+                      size_t count, DType dtype, ReduceOp op) {
   assert(n >= 1);
-  switch (dtype) {
-    case DType::kF32:
-      return ScalarImpl<DType::kF32>(srcs, n, dst, count, op);
-    case DType::kBF16:
-      return ScalarImpl<DType::kBF16>(srcs, n, dst, count, op);
-    case DType::kF16:
-      return ScalarImpl<DType::kF16>(srcs, n, dst, count, op);
+  assert(ReducePathSupported(path));
+  switch (path) {
+#if defined(__x86_64__)
+    case ReducePath::kAvx512:
+      switch (dtype) {
+        case DType::kF32:
+          return Avx512Impl<DType::kF32>(srcs, n, dst, count, op, stream);
+        case DType::kBF16:
+          return Avx512Impl<DType::kBF16>(srcs, n, dst, count, op, stream);
+        case DType::kF16:
+          return Avx512Impl<DType::kF16>(srcs, n, dst, count, op, stream);
+      }
+      return;
+    case ReducePath::kAvx2:
+      switch (dtype) {
+        case DType::kF32:
+          return SimdImpl<DType::kF32>(srcs, n, dst, count, op);
+        case DType::kBF16:
+          return SimdImpl<DType::kBF16>(srcs, n, dst, count, op);
+        case DType::kF16:
+          return SimdImpl<DType::kF16>(srcs, n, dst, count, op);
+      }
+      return;
+#endif
+    default:
+      switch (dtype) {
+        case DType::kF32:
+          return ScalarImpl<DType::kF32>(srcs, n, dst, count, op);
+        case DType::kBF16:
+          return ScalarImpl<DType::kBF16>(srcs, n, dst, count, op);
+        case DType::kF16:
+          return ScalarImpl<DType::kF16>(srcs, n, dst, count, op);
+      }
   }
 }
 
 void ReduceBlocks(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
                   ReduceOp op) {
-  assert(n >= 1);
-#if defined(__x86_64__)
-  if (ReduceUsesSimd()) {
-    switch (dtype) {
-      case DType::kF32:
-        return SimdImpl<DType::kF32>(srcs, n, dst, count, op);
-      case DType::kBF16:
-        return SimdImpl<DType::kBF16>(srcs, n, dst, count, op);
-      case DType::kF16:
-        return SimdImpl<DType::kF16>(srcs, n, dst, count, op);
-    }
-  }
-#endif
-  ReduceBlocksScalar(srcs, n, dst, count, dtype, op);
+  ReduceBlocksWith(ReduceBestPath(), count * DTypeSize(dtype) >= kStreamMinBytes, srcs, n, dst,
+                   count, dtype, op);
 }
 
 }  // namespace internal

@@ -116,7 +116,7 @@ TEST_CASE("Reduce: scalar path matches the element-by-element contract", "[comm]
           }
           for (auto& p : packed) srcs.push_back(p.data());
           std::vector<char> out(count * DTypeSize(t));
-          ReduceBlocksScalar(srcs.data(), n, out.data(), count, t, op);
+          ReduceBlocksWith(ReducePath::kScalar, false, srcs.data(), n, out.data(), count, t, op);
           INFO("dtype " << DTypeName(t) << " op " << ReduceOpName(op) << " n " << n
                         << " count " << count);
           CHECK(Unpack(out, t) == Reference(in, t, op));
@@ -126,33 +126,78 @@ TEST_CASE("Reduce: scalar path matches the element-by-element contract", "[comm]
   }
 }
 
-TEST_CASE("Reduce: SIMD path is bitwise identical to the scalar path", "[comm]") {
-  if (!ReduceUsesSimd()) {
-    WARN("SKIPPED: no AVX2/F16C on this CPU; ReduceBlocks is the scalar path");
-    return;
-  }
+TEST_CASE("Reduce: every SIMD path is bitwise identical to the scalar path", "[comm]") {
   std::mt19937 rng(11);
-  for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
-    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
-      for (int n : {1, 2, 4, 7}) {
-        for (size_t count : {size_t{8}, size_t{13}, size_t{1024}, size_t{4099}}) {
-          std::vector<std::vector<char>> packed;
-          std::vector<const void*> srcs;
-          for (int r = 0; r < n; ++r) {
-            std::vector<uint32_t> v(count);
-            for (auto& x : v) x = RandomValue(rng, t);
-            packed.push_back(Pack(v, t));
+  int compared = 0;
+  for (ReducePath path : {ReducePath::kAvx2, ReducePath::kAvx512}) {
+    if (!ReducePathSupported(path)) {
+      WARN("SKIPPED: this CPU lacks the " << ReducePathName(path) << " path");
+      continue;
+    }
+    for (bool stream : {false, true}) {
+      for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax}) {
+          for (int n : {1, 2, 4, 7}) {
+            // Odd counts and a destination one element off a 64-byte boundary exercise the
+            // masked tail and the unaligned head before the streamed body.
+            for (size_t count : {size_t{1}, size_t{8}, size_t{13}, size_t{31}, size_t{1024},
+                                 size_t{4099}}) {
+              for (size_t dst_offset : {size_t{0}, size_t{1}}) {
+                std::vector<std::vector<char>> packed;
+                std::vector<const void*> srcs;
+                for (int r = 0; r < n; ++r) {
+                  std::vector<uint32_t> v(count);
+                  for (auto& x : v) x = RandomValue(rng, t);
+                  packed.push_back(Pack(v, t));
+                }
+                for (auto& p : packed) srcs.push_back(p.data());
+                const size_t es = DTypeSize(t);
+                // 64-byte aligned storage, so dst_offset decides the alignment.
+                std::vector<uint64_t> storage((count + 1) * es / 8 + 16);
+                char* base = reinterpret_cast<char*>(storage.data());
+                base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+                char* simd = base + dst_offset * es;
+                std::vector<char> scalar(count * es);
+                ReduceBlocksWith(path, stream, srcs.data(), n, simd, count, t, op);
+                ReduceBlocksWith(ReducePath::kScalar, false, srcs.data(), n, scalar.data(),
+                                 count, t, op);
+                INFO("path " << ReducePathName(path) << " stream " << stream << " dtype "
+                             << DTypeName(t) << " op " << ReduceOpName(op) << " n " << n
+                             << " count " << count << " dst offset " << dst_offset);
+                CHECK(std::memcmp(simd, scalar.data(), scalar.size()) == 0);
+                ++compared;
+              }
+            }
           }
-          for (auto& p : packed) srcs.push_back(p.data());
-          std::vector<char> simd(count * DTypeSize(t)), scalar(simd.size());
-          ReduceBlocks(srcs.data(), n, simd.data(), count, t, op);
-          ReduceBlocksScalar(srcs.data(), n, scalar.data(), count, t, op);
-          INFO("dtype " << DTypeName(t) << " op " << ReduceOpName(op) << " n " << n
-                        << " count " << count);
-          CHECK(simd == scalar);
         }
       }
     }
+  }
+  if (compared == 0) WARN("SKIPPED: no SIMD path on this CPU; ReduceBlocks is the scalar path");
+}
+
+TEST_CASE("Reduce: ReduceBlocks dispatches to the best supported path", "[comm]") {
+  const ReducePath best = ReduceBestPath();
+  CHECK(ReducePathSupported(best));
+  if (ReducePathSupported(ReducePath::kAvx512)) CHECK(best == ReducePath::kAvx512);
+  // Large enough to take the streaming branch; compared with the scalar path.
+  const size_t count = kStreamMinBytes / 2 + 37;
+  std::mt19937 rng(5);
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    std::vector<std::vector<char>> packed;
+    std::vector<const void*> srcs;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<uint32_t> v(count);
+      for (auto& x : v) x = RandomValue(rng, t);
+      packed.push_back(Pack(v, t));
+    }
+    for (auto& p : packed) srcs.push_back(p.data());
+    std::vector<char> fast(count * DTypeSize(t)), scalar(fast.size());
+    ReduceBlocks(srcs.data(), 3, fast.data(), count, t, ReduceOp::kSum);
+    ReduceBlocksWith(ReducePath::kScalar, false, srcs.data(), 3, scalar.data(), count, t,
+                     ReduceOp::kSum);
+    INFO("dtype " << DTypeName(t));
+    CHECK(fast == scalar);
   }
 }
 
