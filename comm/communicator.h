@@ -78,6 +78,9 @@ class Communicator {
   virtual int size() const = 0;
   // "inprocess", "mpi", "nccl".
   virtual absl::string_view backend() const = 0;
+  // True when buffers must be device (GPU) memory: NCCL, or an in-process group built with GPU
+  // buffer operations. The engine pairs such a communicator only with a GPU device.
+  virtual bool device_memory() const { return false; }
 
   // recv holds size()*count elements; rank r's send lands at recv + r*count.
   // In-place when send == recv + rank()*count.

@@ -144,8 +144,13 @@ class Group {
 
 class InProcessCommunicator final : public Communicator {
  public:
-  InProcessCommunicator(std::shared_ptr<Group> group, int rank, const CommOptions& options)
-      : group_(std::move(group)), rank_(rank), options_(options), history_(options.history) {
+  InProcessCommunicator(std::shared_ptr<Group> group, int rank, const CommOptions& options,
+                        InProcessBufferOps ops)
+      : group_(std::move(group)),
+        rank_(rank),
+        options_(options),
+        history_(options.history),
+        ops_(std::move(ops)) {
     srcs_.reserve(group_->world());
   }
   ~InProcessCommunicator() override { group_->Leave(rank_); }
@@ -153,6 +158,7 @@ class InProcessCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return group_->world(); }
   absl::string_view backend() const override { return "inprocess"; }
+  bool device_memory() const override { return ops_.device_memory; }
 
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
                          Stream) override {
@@ -166,7 +172,7 @@ class InProcessCommunicator final : public Communicator {
       const int q = (rank_ + i) % n;  // start at different peers to spread the reads
       char* dst = static_cast<char*>(recv) + static_cast<size_t>(q) * block;
       const void* src = q == rank_ ? send : group_->slot(q).send;
-      if (src != dst) std::memcpy(dst, src, block);
+      if (src != dst) Copy(dst, src, block);
     }
     return Finish();
   }
@@ -183,7 +189,7 @@ class InProcessCommunicator final : public Communicator {
       for (int q = 0; q < size(); ++q) {
         srcs_.push_back(static_cast<const char*>(group_->slot(q).send) + offset);
       }
-      internal::ReduceBlocks(srcs_.data(), size(), recv, count, dtype, op);
+      Reduce(srcs_.data(), size(), recv, count, dtype, op);
     }
     return Finish();
   }
@@ -208,7 +214,7 @@ class InProcessCommunicator final : public Communicator {
       for (int q = 0; q < n; ++q) {
         srcs_.push_back(static_cast<const char*>(group_->slot(q).send) + begin * es);
       }
-      internal::ReduceBlocks(srcs_.data(), n, my_result, end - begin, dtype, op);
+      Reduce(srcs_.data(), n, my_result, end - begin, dtype, op);
     }
     // Every slice is reduced and nobody reads a send buffer any more.
     group_->Wait(rank_, ++arrivals_);
@@ -216,7 +222,7 @@ class InProcessCommunicator final : public Communicator {
       const int q = (rank_ + i) % n;
       const size_t b = SliceBegin(count, q), e = SliceBegin(count, q + 1);
       if (e == b || q == rank_) continue;
-      std::memcpy(static_cast<char*>(recv) + b * es, group_->slot(q).result, (e - b) * es);
+      Copy(static_cast<char*>(recv) + b * es, group_->slot(q).result, (e - b) * es);
     }
     return Finish();
   }
@@ -231,7 +237,7 @@ class InProcessCommunicator final : public Communicator {
     }
     RETURN_IF_ERROR(Start(OpKind::kBroadcast, count, dtype, ReduceOp::kSum, root, slot));
     if (rank_ != root && count > 0) {
-      std::memcpy(buf, group_->slot(root).send, count * DTypeSize(dtype));
+      Copy(buf, group_->slot(root).send, count * DTypeSize(dtype));
     }
     return Finish();
   }
@@ -270,13 +276,35 @@ class InProcessCommunicator final : public Communicator {
   absl::Status Finish() {
     group_->Wait(rank_, ++arrivals_);
     history_.End();
-    return absl::OkStatus();
+    absl::Status failed = std::move(data_error_);
+    data_error_ = absl::OkStatus();
+    return failed;
   }
 
   const std::shared_ptr<Group> group_;
   const int rank_;
   const CommOptions options_;
   internal::OpHistory history_;
+  // Data movement through ops_ when set. A failure is kept and returned by Finish(), after the
+  // closing barrier, so that peers are never left waiting.
+  void Copy(void* dst, const void* src, size_t bytes) {
+    if (!ops_.copy) {
+      std::memcpy(dst, src, bytes);
+    } else if (absl::Status s = ops_.copy(dst, src, bytes); !s.ok() && data_error_.ok()) {
+      data_error_ = s;
+    }
+  }
+  void Reduce(const void* const* srcs, int n, void* dst, size_t count, DType dtype, ReduceOp op) {
+    if (!ops_.reduce) {
+      internal::ReduceBlocks(srcs, n, dst, count, dtype, op);
+    } else if (absl::Status s = ops_.reduce(srcs, n, dst, count, dtype, op);
+               !s.ok() && data_error_.ok()) {
+      data_error_ = s;
+    }
+  }
+
+  const InProcessBufferOps ops_;
+  absl::Status data_error_;
   int64_t seq_ = 0;       // operations started
   int64_t arrivals_ = 0;  // barriers entered
   std::vector<const void*> srcs_;
@@ -285,7 +313,7 @@ class InProcessCommunicator final : public Communicator {
 }  // namespace
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateInProcessGroup(
-    int world_size, CommOptions options) {
+    int world_size, CommOptions options, InProcessBufferOps ops) {
   if (world_size < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("in-process group world_size must be >= 1, got ", world_size));
@@ -294,11 +322,15 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateInProcessGroup(
     return absl::InvalidArgumentError(
         absl::StrCat("comm_timeout_ms must be > 0, got ", options.timeout_ms));
   }
+  if (static_cast<bool>(ops.copy) != static_cast<bool>(ops.reduce)) {
+    return absl::InvalidArgumentError(
+        "in-process buffer ops: set both copy and reduce, or neither");
+  }
   auto group = std::make_shared<Group>(world_size, options);
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
-    comms.push_back(std::make_unique<InProcessCommunicator>(group, r, options));
+    comms.push_back(std::make_unique<InProcessCommunicator>(group, r, options, ops));
   }
   return comms;
 }

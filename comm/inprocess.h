@@ -21,6 +21,7 @@
 #ifndef ZERORT_COMM_INPROCESS_H_
 #define ZERORT_COMM_INPROCESS_H_
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -30,9 +31,23 @@
 namespace zerort {
 namespace comm {
 
-// REQUIRES: world_size >= 1, options.timeout_ms > 0 (else InvalidArgument).
+// How the ranks' buffers are copied and reduced. The default (empty functions) moves host
+// memory with the host's loads and stores; zero/cuda_device.h supplies GPU versions so that
+// threads sharing one GPU run a group over device memory. Both must be complete when they
+// return and `reduce` must keep ReduceBlocks's contract (rank order, one rounding, canonical
+// NaN; dst may alias a source at the same offsets).
+struct InProcessBufferOps {
+  std::function<absl::Status(void* dst, const void* src, size_t bytes)> copy;
+  std::function<absl::Status(const void* const* srcs, int n, void* dst, size_t count,
+                             DType dtype, ReduceOp op)>
+      reduce;
+  bool device_memory = false;  // what Communicator::device_memory() reports
+};
+
+// REQUIRES: world_size >= 1, options.timeout_ms > 0 (else InvalidArgument), and `ops` either
+// empty or with both functions set.
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateInProcessGroup(
-    int world_size, CommOptions options = {});
+    int world_size, CommOptions options = {}, InProcessBufferOps ops = {});
 
 }  // namespace comm
 }  // namespace zerort

@@ -1,5 +1,6 @@
 #include "comm/inprocess.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -372,6 +373,90 @@ TEST_CASE("InProcess: bad construction arguments are rejected", "[comm]") {
     CHECK(st[r].code() == absl::StatusCode::kInvalidArgument);
     CHECK(absl::StrContains(st[r].message(), "root 2 is outside the group of 2"));
   }
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace zerort
+
+namespace zerort {
+namespace comm {
+namespace {
+
+TEST_CASE("InProcess: buffer ops carry every copy and reduction, and their failures reach the "
+          "caller after the peers are released", "[comm]") {
+  // Ops that move host memory themselves (a byte loop and the serial reference), counting calls:
+  // what a GPU's ops do with device memory.
+  std::atomic<int> copies{0}, reductions{0};
+  InProcessBufferOps ops;
+  ops.copy = [&](void* dst, const void* src, size_t bytes) {
+    ++copies;
+    for (size_t i = 0; i < bytes; ++i) {
+      static_cast<char*>(dst)[i] = static_cast<const char*>(src)[i];
+    }
+    return absl::OkStatus();
+  };
+  ops.reduce = [&](const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                   ReduceOp op) -> absl::Status {
+    ++reductions;
+    std::vector<Buf> in;
+    for (int k = 0; k < n; ++k) {
+      in.emplace_back(dtype, count);
+      CopyBytes(in.back().data(), srcs[k], count * DTypeSize(dtype));
+    }
+    Buf out = SerialReduce(in, 0, count, op);
+    CopyBytes(dst, out.data(), count * DTypeSize(dtype));
+    return absl::OkStatus();
+  };
+  ops.device_memory = true;
+  const int n = 3;
+  const size_t count = 1001;
+  auto made = CreateInProcessGroup(n, {}, ops);
+  REQUIRE(made.ok());
+  Comms comms = std::move(made).value();
+  CHECK(comms[0]->device_memory());
+  CHECK_FALSE(MakeGroup(1)[0]->device_memory());
+
+  std::mt19937 rng(5);
+  std::vector<Buf> send;
+  for (int r = 0; r < n; ++r) send.push_back(Random(DType::kBF16, n * count, rng));
+  std::vector<Buf> rs(n, Buf(DType::kBF16, count)), ag(n, Buf(DType::kBF16, n * count));
+  std::vector<absl::Status> st(n);
+  RunRanks(n, [&](int r) {
+    st[r] = comms[r]->ReduceScatter(send[r].data(), rs[r].data(), count, DType::kBF16,
+                                    ReduceOp::kSum);
+    if (st[r].ok()) {
+      st[r] = comms[r]->AllGather(rs[r].data(), ag[r].data(), count, DType::kBF16);
+    }
+  });
+  for (int r = 0; r < n; ++r) {
+    REQUIRE(st[r].ok());
+    const Buf want = SerialReduce(send, r * count, count, ReduceOp::kSum);
+    CHECK(SameBytes(rs[r].at(0), want.at(0), count * 2));
+    CHECK(SameBytes(ag[0].at(r * count), want.at(0), count * 2));
+  }
+  CHECK(reductions == n);
+  CHECK(copies >= n * (n - 1));
+
+  // A failing copy on rank 1: rank 1 gets the error, its peers complete, the group lives on.
+  ops.copy = [](void*, const void*, size_t) -> absl::Status {
+    return absl::DataLossError("injected copy failure");
+  };
+  auto failing = CreateInProcessGroup(2, {}, ops);
+  REQUIRE(failing.ok());
+  std::vector<char> a(64), b(128);
+  RunRanks(2, [&](int r) {
+    st[r] = (*failing)[r]->AllGather(a.data(), b.data(), 32, DType::kBF16);
+  });
+  CHECK(st[0].code() == absl::StatusCode::kDataLoss);
+  CHECK(st[1].code() == absl::StatusCode::kDataLoss);
+  RunRanks(2, [&](int r) { st[r] = (*failing)[r]->Barrier(); });
+  CHECK(st[0].ok());
+  CHECK(st[1].ok());
+
+  InProcessBufferOps half;
+  half.copy = ops.copy;
+  CHECK(CreateInProcessGroup(2, {}, half).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

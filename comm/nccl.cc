@@ -93,6 +93,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   absl::string_view backend() const override { return "nccl"; }
+  bool device_memory() const override { return true; }
 
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
                          Stream stream) override {

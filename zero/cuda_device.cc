@@ -371,6 +371,41 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
+comm::InProcessBufferOps CudaInProcessBufferOps(int ordinal) {
+  static_assert(static_cast<int>(comm::ReduceOp::kSum) == 0 &&
+                    static_cast<int>(comm::ReduceOp::kAvg) == 1 &&
+                    static_cast<int>(comm::ReduceOp::kMax) == 2,
+                "LaunchReduceRankOrder numbers ops as comm::ReduceOp does");
+  comm::InProcessBufferOps ops;
+  ops.device_memory = true;
+  ops.copy = [ordinal](void* dst, const void* src, size_t bytes) -> absl::Status {
+    RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(ordinal)), "(in-process copy)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault,
+                                                 cudaStreamPerThread)),
+                         "(in-process copy of ", bytes, " bytes)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(cudaStreamPerThread)),
+                         "(in-process copy)");
+    return absl::OkStatus();
+  };
+  ops.reduce = [ordinal](const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                         comm::ReduceOp op) -> absl::Status {
+    if (n > cuda_internal::kMaxReduceSources) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "in-process reduction over ", n, " ranks on one GPU: at most ",
+          cuda_internal::kMaxReduceSources, " are supported"));
+    }
+    RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(ordinal)), "(in-process reduce)");
+    RETURN_IF_CUDA_ERROR(
+        Cleared(static_cast<cudaError_t>(cuda_internal::LaunchReduceRankOrder(
+            srcs, n, dst, count, dtype, static_cast<int>(op), cudaStreamPerThread))),
+        "(in-process reduce of ", count, " ", DTypeName(dtype), " over ", n, " ranks)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(cudaStreamPerThread)),
+                         "(in-process reduce)");
+    return absl::OkStatus();
+  };
+  return ops;
+}
+
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int device_ordinal) {
   if (device_ordinal < 0) {
     return absl::InvalidArgumentError(

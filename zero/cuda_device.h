@@ -32,6 +32,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "comm/inprocess.h"
 #include "zero/device.h"
 
 namespace zerort {
@@ -41,6 +42,13 @@ namespace zerort {
 // FailedPrecondition when no GPU or driver is usable (the message says why: it is what a
 // GPU test prints when it skips) or when the GPU predates compute capability 8.0.
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int device_ordinal = 0);
+
+// Buffer operations for comm::CreateInProcessGroup so that threads sharing GPU `device_ordinal`
+// run an in-process group over its memory (multi-rank logic on one GPU): copies are cudaMemcpy
+// (any pair of memory kinds), reductions a kernel with the CPU backends' rank order and
+// rounding, bit for bit; both complete before returning (per-thread default stream).
+// At most cuda_internal::kMaxReduceSources (16) ranks reduce; more is InvalidArgument.
+comm::InProcessBufferOps CudaInProcessBufferOps(int device_ordinal = 0);
 
 }  // namespace zerort
 

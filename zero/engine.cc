@@ -169,7 +169,8 @@ class Engine::Impl {
   const int gas_;
   const bool offload_;
   const bool offload_param_ = plan_.options.offload_param;
-  // The communicator moves device memory (NCCL), not host memory (in-process, MPI).
+  // Collectives are enqueued on a stream (NCCL) rather than complete on return (in-process,
+  // MPI), and move device memory only.
   const bool comm_on_device_ = comm_->backend() == "nccl";
   LossScaler scaler_;
   int64_t step_ = 0;
@@ -758,15 +759,16 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
     return absl::InvalidArgumentError(absl::StrCat("communicator reports rank ", comm->rank(),
                                                    " of size ", comm->size()));
   }
-  // The CPU backends copy and reduce with the host's loads and stores; NCCL only moves device
-  // memory. A mismatched pair would crash in the first collective instead of failing here.
+  // The CPU backends copy and reduce with the host's loads and stores; NCCL (or an in-process
+  // group with GPU buffer ops) moves device memory. A mismatched pair would crash in the first
+  // collective instead of failing here.
   const bool host_device = device->name() == "cpu";
-  const bool host_comm = comm->backend() != "nccl";
-  if (host_device != host_comm) {
+  if (host_device == comm->device_memory()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "device '", device->name(), "' cannot be used with the '", comm->backend(),
-        "' communicator: the in-process and MPI communicators move host memory (use them with "
-        "the CPU device), NCCL moves GPU memory (use it with a CUDA device)"));
+        "device '", device->name(), "' cannot be used with the '", comm->backend(), "' ",
+        "communicator, which moves ", comm->device_memory() ? "GPU" : "host",
+        " memory: use the CPU device with the in-process or MPI communicators, and a CUDA "
+        "device with NCCL or an in-process group made with CudaInProcessBufferOps"));
   }
   ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(params, config, comm->size(), comm->rank()));
   if (!choice.fits) {

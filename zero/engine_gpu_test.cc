@@ -1,12 +1,14 @@
-// The engine on one GPU: the CUDA device with the NCCL communicator (world 1) must give the
-// same fp32 master weights and compute-dtype parameters, bit for bit, as the CPU device with
-// the in-process communicator, for stages 0-3, with and without optimizer offload (through the
-// stream pipeline) and with parameter offload. Without a GPU it prints
+// The engine on one GPU: the CUDA device with the NCCL communicator (world 1), and with 2 or 4
+// in-process ranks sharing the GPU (CudaInProcessBufferOps), must give the same fp32 master
+// weights and compute-dtype parameters, bit for bit, as the CPU device with the in-process
+// communicator, for stages 0-3, with and without optimizer offload (through the stream
+// pipeline) and with parameter offload. Without a GPU it prints
 // "SKIPPED: no CUDA device: <reason>" and passes.
 #include <nccl.h>
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -63,6 +65,56 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
         REQUIRE(got.ok());
         CHECK(got->master == want.master);
         CHECK(got->params == want.params);
+      }
+    }
+  }
+}
+
+TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CPU device",
+          "[zero][gpu]") {
+  auto gpu = CreateCudaDevice(0);
+  if (!gpu.ok()) {
+    std::string reason(gpu.status().message());
+    if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
+    WARN("SKIPPED: no CUDA device: " << reason);
+    return;
+  }
+  const int steps = 5;
+  for (int world : {2, 4}) {
+    for (int stage = 0; stage <= 3; ++stage) {
+      for (bool offload : {false, true}) {
+        if (stage == 0 && offload) continue;
+        const Config c = TestConfig(stage, Precision::kBf16, /*gas=*/2, /*clip=*/0.05, offload);
+        INFO("world=" << world << " stage=" << stage << " offload=" << offload);
+        auto run = [&](Device* dev, comm::InProcessBufferOps ops) {
+          auto comms = comm::CreateInProcessGroup(world, {c.comm_timeout_ms}, ops).value();
+          std::vector<absl::StatusOr<TrainResult>> out(world, absl::UnknownError("not run"));
+          std::vector<std::thread> threads;
+          for (int r = 0; r < world; ++r) {
+            threads.emplace_back([&, r] {
+              // Each rank on a compute stream of its own, as trainers sharing a GPU would be.
+              auto stream = dev->CreateStream();
+              if (!stream.ok()) {
+                out[r] = stream.status();
+                return;
+              }
+              out[r] = TrainRank(c, SmallModel(), comms[r].get(), dev, steps, -1, -1, *stream);
+              dev->DestroyStream(*stream);
+            });
+          }
+          for (auto& t : threads) t.join();
+          return out;
+        };
+        auto cpu = CreateCpuDevice(1);
+        auto want = run(cpu.get(), {});
+        auto got = run(gpu->get(), CudaInProcessBufferOps(0));
+        for (int r = 0; r < world; ++r) {
+          INFO("rank " << r << ": " << got[r].status().message());
+          REQUIRE(want[r].ok());
+          REQUIRE(got[r].ok());
+          CHECK(got[r]->master == want[r]->master);
+          CHECK(got[r]->params == want[r]->params);
+        }
       }
     }
   }

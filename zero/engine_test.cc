@@ -205,6 +205,7 @@ class DeviceMemoryComm final : public comm::Communicator {
   int rank() const override { return 0; }
   int size() const override { return 1; }
   absl::string_view backend() const override { return "nccl"; }
+  bool device_memory() const override { return true; }
   absl::Status AllGather(const void*, void*, size_t, DType, comm::Stream) override {
     return Unreached();
   }
