@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
@@ -168,14 +169,7 @@ json BenchTransfers(Device* dev, size_t bytes, int reps) {
 
 int Main(int argc, char** argv) {
   Options opt;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) {
-      opt.quick = true;
-    } else {
-      std::fprintf(stderr, "usage: cuda_bench [--quick]\n");
-      return 2;
-    }
-  }
+  if (!bench::ParseQuick(argc, argv, "cuda_bench", &opt.quick)) return 2;
   json doc = {{"benchmark", "cuda_bench"}};
   auto gpu = CreateCudaDevice(0);
   if (!gpu.ok()) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "benchmarks/bench_util.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
@@ -35,11 +36,7 @@
 namespace zerort {
 namespace {
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::Median;
 
 struct Case {
   bool threads;      // the device's streams on threads (else inline)
@@ -103,14 +100,7 @@ absl::StatusOr<Measured> Run(const std::vector<memory::ParamSpec>& specs, int wo
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--quick") {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: offload_bench [--quick]\n");
-      return 2;
-    }
-  }
+  if (!bench::ParseQuick(argc, argv, "offload_bench", &quick)) return 2;
   const int64_t params = quick ? (int64_t{1} << 20) : (int64_t{1} << 24);
   const int layers = quick ? 8 : 16;
   const int warmup = 2;

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_util.h"
 #include "absl/time/time.h"
 #include "memory/pinned_pool.h"
 #include "nlohmann/json.hpp"
@@ -33,14 +34,7 @@ double Now() {
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--quick") {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: pool_bench [--quick]\n");
-      return 2;
-    }
-  }
+  if (!bench::ParseQuick(argc, argv, "pool_bench", &quick)) return 2;
   // A plan's offload buffers: bf16 and fp32 chunks of 2,500,003 elements, and a small tail unit.
   PinnedPoolOptions options;
   options.classes = {{2 * 2500003, 4}, {4 * 2500003, 4}, {4 * 123457, 8}};

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "benchmarks/bench_util.h"
 #include "examples/mlp/mlp.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
@@ -25,22 +26,11 @@
 namespace zerort {
 namespace {
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using bench::Median;
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::string(argv[i]) == "--quick") {
-      quick = true;
-    } else {
-      std::fprintf(stderr, "usage: step_bench [--quick]\n");
-      return 2;
-    }
-  }
+  if (!bench::ParseQuick(argc, argv, "step_bench", &quick)) return 2;
   examples::RunOptions base;
   base.shape.dims = quick ? std::vector<int>{32, 128, 128, 32} : std::vector<int>{128, 512, 512, 128};
   base.batch = quick ? 8 : 16;

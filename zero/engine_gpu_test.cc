@@ -29,6 +29,17 @@ using testing::TestConfig;
 using testing::TrainRank;
 using testing::TrainResult;
 
+// The GPU, or nullptr after printing why the case is skipped.
+Device* GpuOrSkip() {
+  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
+      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
+  if (gpu->ok()) return gpu->value().get();
+  std::string reason(gpu->status().message());
+  if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
+  WARN("SKIPPED: no CUDA device: " << reason);
+  return nullptr;
+}
+
 TrainResult CpuReference(const Config& c, int steps) {
   auto comms = comm::CreateInProcessGroup(1).value();
   auto cpu = CreateCpuDevice(1);
@@ -39,13 +50,8 @@ TrainResult CpuReference(const Config& c, int steps) {
 
 TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 0-3",
           "[zero][gpu]") {
-  auto gpu = CreateCudaDevice(0);
-  if (!gpu.ok()) {
-    std::string reason(gpu.status().message());
-    if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-    WARN("SKIPPED: no CUDA device: " << reason);
-    return;
-  }
+  Device* const gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
   ncclUniqueId id;
   REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
   auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
@@ -60,7 +66,7 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
         INFO("precision=" << static_cast<int>(precision) << " stage=" << stage
                           << " offload=" << offload);
         const TrainResult want = CpuReference(c, steps);
-        auto got = TrainRank(c, SmallModel(), nccl->get(), gpu->get(), steps);
+        auto got = TrainRank(c, SmallModel(), nccl->get(), gpu, steps);
         INFO((got.ok() ? std::string("ok") : std::string(got.status().message())));
         REQUIRE(got.ok());
         CHECK(got->master == want.master);
@@ -72,13 +78,8 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
 
 TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CPU device",
           "[zero][gpu]") {
-  auto gpu = CreateCudaDevice(0);
-  if (!gpu.ok()) {
-    std::string reason(gpu.status().message());
-    if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-    WARN("SKIPPED: no CUDA device: " << reason);
-    return;
-  }
+  Device* const gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
   const int steps = 5;
   for (int world : {2, 4}) {
     for (int stage = 0; stage <= 3; ++stage) {
@@ -107,7 +108,7 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
         };
         auto cpu = CreateCpuDevice(1);
         auto want = run(cpu.get(), {});
-        auto got = run(gpu->get(), CudaInProcessBufferOps(0));
+        auto got = run(gpu, CudaInProcessBufferOps(0));
         for (int r = 0; r < world; ++r) {
           INFO("rank " << r << ": " << got[r].status().message());
           REQUIRE(want[r].ok());
