@@ -2,8 +2,8 @@
 //
 //   bazel run //benchmarks:comm_bench -- [--quick]            # in-process, 2 and 4 ranks
 //   mpirun -np 4 bazel-bin/benchmarks/comm_bench [--quick]    # MPI backend (rank 0 prints)
-//   flags: --ranks=2,4 --dtypes=fp32,bf16,fp16 --placement=both|out|in --min_bytes=N
-//          --max_bytes=N --no_kernel
+//   flags: --ranks=2,4 --dtypes=fp32,bf16,fp16 --placement=both|out|in --ops=all_gather,...
+//          --min_bytes=N --max_bytes=N --no_kernel
 //
 // Definitions follow nccl-tests: `bytes` is the all-reduce buffer, the all-gather output, or the
 // reduce-scatter input; algbw = bytes / time; busbw = algbw * (n-1)/n for all-gather and
@@ -124,6 +124,7 @@ struct Options {
   std::vector<int> ranks = {2, 4};  // in-process group sizes
   std::vector<DType> dtypes = {DType::kF32, DType::kBF16};  // of the reductions
   std::vector<bool> placements = {false, true};             // out of place, in place
+  std::vector<Op> ops = {Op::kAllGather, Op::kReduceScatter, Op::kAllReduce};
   size_t min_bytes = 0, max_bytes = ~size_t{0};
   bool kernel = true;  // the reduce_kernel section (in-process runs only)
 };
@@ -137,7 +138,7 @@ struct Case {
 
 std::vector<Case> Cases(const Options& o) {
   std::vector<Case> out;
-  for (Op op : {Op::kAllGather, Op::kReduceScatter, Op::kAllReduce}) {
+  for (Op op : o.ops) {
     for (DType t : o.dtypes) {
       // All-gather is pure data movement: one dtype tells all.
       if (op == Op::kAllGather && t != o.dtypes.front()) continue;
@@ -300,7 +301,8 @@ std::string LoadAverage() {
 
 const char kUsage[] =
     "usage: comm_bench [--quick] [--ranks=2,4] [--dtypes=fp32,bf16,fp16] [--placement=both|out|in]\n"
-    "                  [--min_bytes=N] [--max_bytes=N] [--no_kernel]\n";
+    "                  [--ops=all_gather,reduce_scatter,all_reduce] [--min_bytes=N]\n"
+    "                  [--max_bytes=N] [--no_kernel]\n";
 
 bool ParseList(const std::string& v, std::vector<std::string>* out) {
   out->clear();
@@ -342,6 +344,14 @@ bool ParseFlags(int argc, char** argv, zerort::comm::Options* o) {
         if (it == "fp32") o->dtypes.push_back(DType::kF32);
         else if (it == "bf16") o->dtypes.push_back(DType::kBF16);
         else if (it == "fp16") o->dtypes.push_back(DType::kF16);
+        else return false;
+      }
+    } else if (key == "--ops" && ParseList(val, &items)) {
+      o->ops.clear();
+      for (auto& it : items) {
+        if (it == "all_gather") o->ops.push_back(zerort::comm::Op::kAllGather);
+        else if (it == "reduce_scatter") o->ops.push_back(zerort::comm::Op::kReduceScatter);
+        else if (it == "all_reduce") o->ops.push_back(zerort::comm::Op::kAllReduce);
         else return false;
       }
     } else if (key == "--placement" && (val == "both" || val == "out" || val == "in")) {
