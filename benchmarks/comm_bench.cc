@@ -9,8 +9,8 @@
 // reduce-scatter input; algbw = bytes / time; busbw = algbw * (n-1)/n for all-gather and
 // reduce-scatter, * 2(n-1)/n for all-reduce. Like nccl-tests, every op is timed out of place and
 // in place (`in_place` in the JSON). The limit we measure against is a single-thread memcpy of a
-// 256 MiB buffer timed in the same run (copy GB/s = bytes copied / time); for messages >= 16 MiB
-// each result carries busbw / memcpy (goal >= 0.5).
+// 256 MiB buffer (copy GB/s = bytes copied / time), timed again before every case; for messages
+// >= 16 MiB each result carries that figure and busbw / memcpy (goal >= 0.5).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -155,7 +155,10 @@ nlohmann::json Result(const Case& c, size_t bytes, int n, double sec, double mem
                       {"in_place", c.in_place},   {"bytes", bytes},
                       {"ranks", n},               {"time_us", sec * 1e6},
                       {"algbw_GBps", algbw},      {"busbw_GBps", busbw}};
-  if (bytes >= (size_t{16} << 20)) j["busbw_over_memcpy"] = busbw / memcpy_gbps;
+  if (bytes >= (size_t{16} << 20)) {
+    j["memcpy_GBps"] = memcpy_gbps;
+    j["busbw_over_memcpy"] = busbw / memcpy_gbps;
+  }
   return j;
 }
 
@@ -181,11 +184,28 @@ int Iters(size_t bytes, bool quick) {
   return static_cast<int>(std::clamp(budget / static_cast<double>(bytes), 2.0, quick ? 200.0 : 2000.0));
 }
 
-nlohmann::json BenchInProcess(int n, const Options& o, double memcpy_gbps) {
+// The reference: one thread copying alone. Under mpirun rank 0 measures while the other ranks
+// wait (copies running on every rank at once would share the cores and the memory bandwidth and
+// understate it), then tells them the figure. Taken again before every case, so that each ratio
+// compares figures measured under the same load (the machine is shared).
+double ReferenceGBps(const Options& o, bool mpi) {
+  double gbps = 0;
+  int rank = 0;
+  if (mpi) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  if (rank == 0) gbps = MemcpyGBps(o.quick ? (size_t{64} << 20) : (size_t{256} << 20), 5);
+  if (mpi) MPI_Bcast(&gbps, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  return gbps;
+}
+
+nlohmann::json BenchInProcess(int n, const Options& o) {
   nlohmann::json results = nlohmann::json::array();
   auto group = CreateInProcessGroup(n);
   if (!group.ok()) return {{"error", group.status().ToString()}};
   for (const Case& c : Cases(o)) {
+    const double memcpy_gbps = ReferenceGBps(o, false);
     for (size_t bytes : Sizes(o)) {
       const size_t granule = static_cast<size_t>(n) * 4;
       bytes = bytes / granule * granule;
@@ -212,7 +232,7 @@ nlohmann::json BenchInProcess(int n, const Options& o, double memcpy_gbps) {
   return results;
 }
 
-nlohmann::json BenchMpi(const Options& o, double memcpy_gbps, int* rank_out) {
+nlohmann::json BenchMpi(const Options& o, int* rank_out) {
   nlohmann::json results = nlohmann::json::array();
   auto comm = CreateMpiCommunicator(MPI_COMM_WORLD);
   if (!comm.ok()) return {{"error", comm.status().ToString()}};
@@ -220,6 +240,7 @@ nlohmann::json BenchMpi(const Options& o, double memcpy_gbps, int* rank_out) {
   *rank_out = c.rank();
   const int n = c.size();
   for (const Case& cs : Cases(o)) {
+    const double memcpy_gbps = ReferenceGBps(o, true);
     for (size_t bytes : Sizes(o)) {
       const size_t granule = static_cast<size_t>(n) * 4;
       bytes = bytes / granule * granule;
@@ -385,14 +406,7 @@ int main(int argc, char** argv) {
     }
     session = std::move(s).value();
   }
-  // The reference is one thread copying alone: under mpirun, rank 0 measures while the other
-  // ranks wait (copies running on every rank at once would share the cores and the memory
-  // bandwidth and understate it), then tells them the figure.
-  double memcpy_gbps = 0;
-  const bool measures = !under_mpirun || session->world_rank() == 0;
-  if (under_mpirun) MPI_Barrier(MPI_COMM_WORLD);
-  if (measures) memcpy_gbps = MemcpyGBps(o.quick ? (size_t{64} << 20) : (size_t{256} << 20), 5);
-  if (under_mpirun) MPI_Bcast(&memcpy_gbps, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  const double memcpy_gbps = ReferenceGBps(o, under_mpirun);
   nlohmann::json out = {{"benchmark", "comm_bench"},
                         {"quick", o.quick},
                         {"limit", "single-thread memcpy bandwidth measured in this run"},
@@ -402,11 +416,11 @@ int main(int argc, char** argv) {
                         {"loadavg_at_start", LoadAverage()}};
   int rank = 0;
   if (under_mpirun) {
-    out["backends"]["mpi"] = BenchMpi(o, memcpy_gbps, &rank);
+    out["backends"]["mpi"] = BenchMpi(o, &rank);
   } else {
     if (o.kernel) out["reduce_kernel"] = BenchKernel(o.quick);
     for (int n : o.ranks) {
-      out["backends"]["inprocess_" + std::to_string(n)] = BenchInProcess(n, o, memcpy_gbps);
+      out["backends"]["inprocess_" + std::to_string(n)] = BenchInProcess(n, o);
     }
   }
   out["loadavg_at_end"] = LoadAverage();

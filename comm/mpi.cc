@@ -349,7 +349,12 @@ class MpiCommunicator final : public Communicator {
       const int rc = MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) return Check(rc, call, d);
       if (done) return absl::OkStatus();
-      if (spin < 2000) continue;
+      if (spin < 2000) {
+        // Ranks may outnumber cores (mpirun --oversubscribe): let a peer that shares our core
+        // run. Returns at once when nothing else is runnable.
+        std::this_thread::yield();
+        continue;
+      }
       if (absl::Now() > limit) {
         poison_ = absl::DeadlineExceededError(absl::StrCat(
             internal::DescribeOp(d), " on MPI rank ", rank_, " of ", size_, ": ", call,
