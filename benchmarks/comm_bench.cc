@@ -2,15 +2,15 @@
 //
 //   bazel run //benchmarks:comm_bench -- [--quick]            # in-process, 2 and 4 ranks
 //   mpirun -np 4 bazel-bin/benchmarks/comm_bench [--quick]    # MPI backend (rank 0 prints)
-//   flags: --ranks=2,4 --dtypes=fp32,bf16,fp16 --placement=both|out|in --min_bytes=N
-//          --max_bytes=N --no_kernel
+//   flags: --ranks=2,4 --dtypes=fp32,bf16,fp16 --placement=both|out|in --ops=all_gather,...
+//          --min_bytes=N --max_bytes=N --no_kernel
 //
 // Definitions follow nccl-tests: `bytes` is the all-reduce buffer, the all-gather output, or the
 // reduce-scatter input; algbw = bytes / time; busbw = algbw * (n-1)/n for all-gather and
 // reduce-scatter, * 2(n-1)/n for all-reduce. Like nccl-tests, every op is timed out of place and
 // in place (`in_place` in the JSON). The limit we measure against is a single-thread memcpy of a
-// 256 MiB buffer timed in the same run (copy GB/s = bytes copied / time); for messages >= 16 MiB
-// each result carries busbw / memcpy (goal >= 0.5).
+// 256 MiB buffer (copy GB/s = bytes copied / time), timed again before every case; for messages
+// >= 16 MiB each result carries that figure and busbw / memcpy (goal >= 0.5).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -124,6 +124,7 @@ struct Options {
   std::vector<int> ranks = {2, 4};  // in-process group sizes
   std::vector<DType> dtypes = {DType::kF32, DType::kBF16};  // of the reductions
   std::vector<bool> placements = {false, true};             // out of place, in place
+  std::vector<Op> ops = {Op::kAllGather, Op::kReduceScatter, Op::kAllReduce};
   size_t min_bytes = 0, max_bytes = ~size_t{0};
   bool kernel = true;  // the reduce_kernel section (in-process runs only)
 };
@@ -137,7 +138,7 @@ struct Case {
 
 std::vector<Case> Cases(const Options& o) {
   std::vector<Case> out;
-  for (Op op : {Op::kAllGather, Op::kReduceScatter, Op::kAllReduce}) {
+  for (Op op : o.ops) {
     for (DType t : o.dtypes) {
       // All-gather is pure data movement: one dtype tells all.
       if (op == Op::kAllGather && t != o.dtypes.front()) continue;
@@ -154,7 +155,10 @@ nlohmann::json Result(const Case& c, size_t bytes, int n, double sec, double mem
                       {"in_place", c.in_place},   {"bytes", bytes},
                       {"ranks", n},               {"time_us", sec * 1e6},
                       {"algbw_GBps", algbw},      {"busbw_GBps", busbw}};
-  if (bytes >= (size_t{16} << 20)) j["busbw_over_memcpy"] = busbw / memcpy_gbps;
+  if (bytes >= (size_t{16} << 20)) {
+    j["memcpy_GBps"] = memcpy_gbps;
+    j["busbw_over_memcpy"] = busbw / memcpy_gbps;
+  }
   return j;
 }
 
@@ -180,11 +184,28 @@ int Iters(size_t bytes, bool quick) {
   return static_cast<int>(std::clamp(budget / static_cast<double>(bytes), 2.0, quick ? 200.0 : 2000.0));
 }
 
-nlohmann::json BenchInProcess(int n, const Options& o, double memcpy_gbps) {
+// The reference: one thread copying alone. Under mpirun rank 0 measures while the other ranks
+// wait (copies running on every rank at once would share the cores and the memory bandwidth and
+// understate it), then tells them the figure. Taken again before every case, so that each ratio
+// compares figures measured under the same load (the machine is shared).
+double ReferenceGBps(const Options& o, bool mpi) {
+  double gbps = 0;
+  int rank = 0;
+  if (mpi) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  if (rank == 0) gbps = MemcpyGBps(o.quick ? (size_t{64} << 20) : (size_t{256} << 20), 5);
+  if (mpi) MPI_Bcast(&gbps, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  return gbps;
+}
+
+nlohmann::json BenchInProcess(int n, const Options& o) {
   nlohmann::json results = nlohmann::json::array();
   auto group = CreateInProcessGroup(n);
   if (!group.ok()) return {{"error", group.status().ToString()}};
   for (const Case& c : Cases(o)) {
+    const double memcpy_gbps = ReferenceGBps(o, false);
     for (size_t bytes : Sizes(o)) {
       const size_t granule = static_cast<size_t>(n) * 4;
       bytes = bytes / granule * granule;
@@ -211,7 +232,7 @@ nlohmann::json BenchInProcess(int n, const Options& o, double memcpy_gbps) {
   return results;
 }
 
-nlohmann::json BenchMpi(const Options& o, double memcpy_gbps, int* rank_out) {
+nlohmann::json BenchMpi(const Options& o, int* rank_out) {
   nlohmann::json results = nlohmann::json::array();
   auto comm = CreateMpiCommunicator(MPI_COMM_WORLD);
   if (!comm.ok()) return {{"error", comm.status().ToString()}};
@@ -219,6 +240,7 @@ nlohmann::json BenchMpi(const Options& o, double memcpy_gbps, int* rank_out) {
   *rank_out = c.rank();
   const int n = c.size();
   for (const Case& cs : Cases(o)) {
+    const double memcpy_gbps = ReferenceGBps(o, true);
     for (size_t bytes : Sizes(o)) {
       const size_t granule = static_cast<size_t>(n) * 4;
       bytes = bytes / granule * granule;
@@ -300,7 +322,8 @@ std::string LoadAverage() {
 
 const char kUsage[] =
     "usage: comm_bench [--quick] [--ranks=2,4] [--dtypes=fp32,bf16,fp16] [--placement=both|out|in]\n"
-    "                  [--min_bytes=N] [--max_bytes=N] [--no_kernel]\n";
+    "                  [--ops=all_gather,reduce_scatter,all_reduce] [--min_bytes=N]\n"
+    "                  [--max_bytes=N] [--no_kernel]\n";
 
 bool ParseList(const std::string& v, std::vector<std::string>* out) {
   out->clear();
@@ -344,6 +367,14 @@ bool ParseFlags(int argc, char** argv, zerort::comm::Options* o) {
         else if (it == "fp16") o->dtypes.push_back(DType::kF16);
         else return false;
       }
+    } else if (key == "--ops" && ParseList(val, &items)) {
+      o->ops.clear();
+      for (auto& it : items) {
+        if (it == "all_gather") o->ops.push_back(zerort::comm::Op::kAllGather);
+        else if (it == "reduce_scatter") o->ops.push_back(zerort::comm::Op::kReduceScatter);
+        else if (it == "all_reduce") o->ops.push_back(zerort::comm::Op::kAllReduce);
+        else return false;
+      }
     } else if (key == "--placement" && (val == "both" || val == "out" || val == "in")) {
       o->placements = val == "both" ? std::vector<bool>{false, true}
                                     : std::vector<bool>{val == "in"};
@@ -375,14 +406,7 @@ int main(int argc, char** argv) {
     }
     session = std::move(s).value();
   }
-  // The reference is one thread copying alone: under mpirun, rank 0 measures while the other
-  // ranks wait (copies running on every rank at once would share the cores and the memory
-  // bandwidth and understate it), then tells them the figure.
-  double memcpy_gbps = 0;
-  const bool measures = !under_mpirun || session->world_rank() == 0;
-  if (under_mpirun) MPI_Barrier(MPI_COMM_WORLD);
-  if (measures) memcpy_gbps = MemcpyGBps(o.quick ? (size_t{64} << 20) : (size_t{256} << 20), 5);
-  if (under_mpirun) MPI_Bcast(&memcpy_gbps, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  const double memcpy_gbps = ReferenceGBps(o, under_mpirun);
   nlohmann::json out = {{"benchmark", "comm_bench"},
                         {"quick", o.quick},
                         {"limit", "single-thread memcpy bandwidth measured in this run"},
@@ -392,11 +416,11 @@ int main(int argc, char** argv) {
                         {"loadavg_at_start", LoadAverage()}};
   int rank = 0;
   if (under_mpirun) {
-    out["backends"]["mpi"] = BenchMpi(o, memcpy_gbps, &rank);
+    out["backends"]["mpi"] = BenchMpi(o, &rank);
   } else {
     if (o.kernel) out["reduce_kernel"] = BenchKernel(o.quick);
     for (int n : o.ranks) {
-      out["backends"]["inprocess_" + std::to_string(n)] = BenchInProcess(n, o, memcpy_gbps);
+      out["backends"]["inprocess_" + std::to_string(n)] = BenchInProcess(n, o);
     }
   }
   out["loadavg_at_end"] = LoadAverage();
