@@ -82,7 +82,8 @@ struct CheckRecord {
 
 // Per-peer message size of the reduce-scatter exchange. Small enough that a step's received
 // chunks ((size-1) of them) are still in cache when the kernel reads them, large enough that
-// the per-message rendezvous cost stays small. See docs/comm.md for the measurement.
+// the per-message rendezvous cost stays small. With it, reduce-scatter at 2 ranks went from
+// 0.22-0.24 to 0.37-0.44 of a single-thread memcpy (docs/comm.md); other sizes were not tried.
 constexpr size_t kExchangeChunkBytes = size_t{1} << 20;
 
 MPI_Datatype MpiType(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
