@@ -4,7 +4,7 @@
 //   ASSIGN_OR_RETURN(auto mpi, comm::MpiSession::Init(&argc, &argv));
 //   ASSIGN_OR_RETURN(auto comm, comm::CreateMpiCommunicator(MPI_COMM_WORLD));
 //
-// MPI only moves bytes here (Isend/Irecv, Iallgatherv, Ibcast, Ibarrier); every reduction is
+// MPI only moves bytes here (Isend/Irecv, Iallgather(v), Ibcast, Ibarrier); every reduction is
 // done locally in rank order (comm/communicator.h's determinism contract), never by
 // MPI_Allreduce, whose summation order is unspecified. Each communicator works on its own
 // MPI_Comm_dup of the given communicator with MPI_ERRORS_RETURN, so MPI errors come back as

@@ -173,7 +173,9 @@ ZERORT_SIMD void SimdImpl(const void* const* srcs, int n, void* dst, size_t coun
 }
 
 // AVX-512 (F, BW, VL): 16 lanes, masked loads and stores for the tail, and optionally
-// non-temporal stores. After NaN canonicalisation the bf16 rounding needs no NaN case: the
+// non-temporal stores. Why: comm_bench reduce_kernel, one thread, 64 MiB per source, 2-core
+// Cascade Lake under load, GB/s read + written (memcpy 10.3), avx512+streaming / avx2:
+// bf16 2 sources 11.4 / 9.8, 4 sources 11.5 / 7.9; fp32 and fp16 within 10% of each other. After NaN canonicalisation the bf16 rounding needs no NaN case: the
 // canonical 0x7fc00000 rounds to 0x7fc0 like any other value.
 #define ZERORT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 // GCC 12's avx512fintrin.h builds _mm512_slli/srli_epi32 and _mm512_cvtepu16_epi32 on an
