@@ -86,7 +86,7 @@ std::vector<double> Time(Device* dev, int reps, const std::function<void()>& fn)
   return s;
 }
 
-double Median(const std::vector<double>& sorted) { return sorted[sorted.size() / 2]; }
+using bench::Median;
 
 json BenchAdamW(Device* dev, size_t n, DType grad_dtype, bool param_out, int reps,
                 double d2d_gbps) {

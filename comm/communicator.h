@@ -81,6 +81,9 @@ class Communicator {
   // True when buffers must be device (GPU) memory: NCCL, or an in-process group built with GPU
   // buffer operations. The engine pairs such a communicator only with a GPU device.
   virtual bool device_memory() const { return false; }
+  // True when operations are only enqueued on their stream (NCCL); false when they are
+  // complete on return (in-process, MPI), whatever memory they move.
+  virtual bool stream_ordered() const { return false; }
 
   // recv holds size()*count elements; rank r's send lands at recv + r*count.
   // In-place when send == recv + rank()*count.

@@ -94,6 +94,7 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   absl::string_view backend() const override { return "nccl"; }
   bool device_memory() const override { return true; }
+  bool stream_ordered() const override { return true; }
 
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
                          Stream stream) override {

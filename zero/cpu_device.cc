@@ -115,6 +115,7 @@ class CpuDevice final : public Device {
       : threads_(threads), async_(async), delay_us_(delay_us) {}
 
   absl::string_view name() const override { return "cpu"; }
+  bool device_memory() const override { return false; }
 
   memory::RawAllocator* allocator(memory::MemoryKind) override { return memory::HostAllocator(); }
 

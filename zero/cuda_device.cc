@@ -126,6 +126,7 @@ class CudaDevice final : public Device {
         pinned_alloc_(ordinal, CudaAllocator::Kind::kPinned) {}
 
   absl::string_view name() const override { return name_; }
+  bool device_memory() const override { return true; }
 
   memory::RawAllocator* allocator(memory::MemoryKind kind) override {
     switch (kind) {

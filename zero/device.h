@@ -34,6 +34,9 @@ class Device {
   virtual ~Device() = default;
 
   virtual absl::string_view name() const = 0;
+  // True when kDevice buffers are accelerator memory that host loads and stores cannot reach
+  // (so communicators must move it themselves); false for the CPU device.
+  virtual bool device_memory() const = 0;
 
   // Backing memory for arenas of each kind. The returned allocator outlives the device's users.
   virtual memory::RawAllocator* allocator(memory::MemoryKind kind) = 0;

@@ -125,9 +125,11 @@ class Engine::Impl {
   absl::StatusOr<StepStats> ApplyStep();
   absl::Status ResetGradients();
   absl::Status AllGatherParams(int u);
-  // Collectives over host fp32 buffers (setup, norms, export, restore). The CPU backends read
-  // host memory directly; a communicator of device memory gets them staged through
-  // `device_scratch` (size() * count floats) or, when null, a transient device allocation.
+  // Collectives over host fp32 buffers (setup, norms, export, restore). Communicators that are
+  // complete on return read host memory when called (the GPU in-process ops copy with
+  // cudaMemcpyDefault); a stream-ordered one (NCCL) moves device memory only, so the values are
+  // staged through `device_scratch` (size() * count floats) or, when null, a transient device
+  // allocation.
   absl::Status AllGatherHost(const float* send, float* recv, size_t count,
                              float* device_scratch = nullptr);
   absl::Status BroadcastHost(float* buf, size_t count, int root);
@@ -169,9 +171,8 @@ class Engine::Impl {
   const int gas_;
   const bool offload_;
   const bool offload_param_ = plan_.options.offload_param;
-  // Collectives are enqueued on a stream (NCCL) rather than complete on return (in-process,
-  // MPI), and move device memory only.
-  const bool comm_on_device_ = comm_->backend() == "nccl";
+  // Collectives are enqueued on a stream (NCCL) rather than complete on return.
+  const bool comm_stream_ordered_ = comm_->stream_ordered();
   LossScaler scaler_;
   int64_t step_ = 0;
   StepStats stats_;  // accumulates between boundaries
@@ -270,20 +271,20 @@ Engine::Impl::~Impl() {
 }
 
 absl::Status Engine::Impl::BeforeComm() {
-  if (!comm_on_device_) return dev_->Synchronize(compute_);
+  if (!comm_stream_ordered_) return dev_->Synchronize(compute_);
   RETURN_IF_ERROR(dev_->Record(compute_mark_, compute_));
   return dev_->Wait(comm_stream_, compute_mark_);
 }
 
 absl::Status Engine::Impl::JoinComm() {
-  if (!comm_on_device_) return absl::OkStatus();
+  if (!comm_stream_ordered_) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Record(comm_mark_, comm_stream_));
   return dev_->Wait(compute_, comm_mark_);
 }
 
 absl::Status Engine::Impl::CreateStreams() {
   side_ = compute_;
-  if (comm_on_device_) {
+  if (comm_stream_ordered_) {
     ASSIGN_OR_RETURN(comm_stream_, dev_->CreateStream());
     side_ = comm_stream_;
     ASSIGN_OR_RETURN(compute_mark_, dev_->CreateEvent());
@@ -407,7 +408,7 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
       RETURN_IF_ERROR(dev_->Accumulate(shard, mine, cdt_, unit.shard, side_));
     }
     Sent(unit.shard, 1);
-    if (comm_on_device_) RETURN_IF_ERROR(dev_->Record(bucket_free_[b], comm_stream_));
+    if (comm_stream_ordered_) RETURN_IF_ERROR(dev_->Record(bucket_free_[b], comm_stream_));
     bucket_busy_[b] = 0;
     unit_bucket_[u] = -1;
   }
@@ -459,7 +460,7 @@ absl::Status Engine::Impl::AllGatherHost(const float* send, float* recv, size_t 
     std::copy(send, send + count, recv);
     return absl::OkStatus();
   }
-  if (!comm_on_device_) return comm_->AllGather(send, recv, count, DType::kF32);
+  if (!comm_stream_ordered_) return comm_->AllGather(send, recv, count, DType::kF32);
   const size_t bytes = world_ * count * sizeof(float);
   memory::Allocation transient;
   if (device_scratch == nullptr) {
@@ -476,7 +477,7 @@ absl::Status Engine::Impl::AllGatherHost(const float* send, float* recv, size_t 
 
 absl::Status Engine::Impl::BroadcastHost(float* buf, size_t count, int root) {
   if (world_ == 1) return absl::OkStatus();
-  if (!comm_on_device_) return comm_->Broadcast(buf, count, DType::kF32, root);
+  if (!comm_stream_ordered_) return comm_->Broadcast(buf, count, DType::kF32, root);
   const size_t bytes = count * sizeof(float);
   ASSIGN_OR_RETURN(memory::Allocation scratch,
                    memory::Allocation::Create(dev_->allocator(MemoryKind::kDevice), bytes));
@@ -522,9 +523,9 @@ absl::StatusOr<int> Engine::Impl::AcquireSlot() {
 absl::Status Engine::Impl::GatherIntoSlot(int u, int s) {
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(BeforeComm());
-  if (comm_on_device_) RETURN_IF_ERROR(dev_->Wait(comm_stream_, slot_free_[s]));
+  if (comm_stream_ordered_) RETURN_IF_ERROR(dev_->Wait(comm_stream_, slot_free_[s]));
   RETURN_IF_ERROR(GatherShard(u, At(gather_, s * slot_elems_)));
-  if (comm_on_device_) RETURN_IF_ERROR(dev_->Record(slot_ready_[s], comm_stream_));
+  if (comm_stream_ordered_) RETURN_IF_ERROR(dev_->Record(slot_ready_[s], comm_stream_));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
   unit_slot_[u] = s;
@@ -595,10 +596,9 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
     for (int q = 0; q < world_; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
   } else {
     table[rank_ * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
-    if (world_ > 1) {
-      std::vector<float> mine(table.begin() + rank_ * (nu + 1),
-                              table.begin() + (rank_ + 1) * (nu + 1));
-      RETURN_IF_ERROR(AllGatherHost(mine.data(), table.data(), nu + 1, norm_table_));
+    if (world_ > 1) {  // in place: this rank's row is already in the table
+      RETURN_IF_ERROR(
+          AllGatherHost(&table[rank_ * (nu + 1)], table.data(), nu + 1, norm_table_));
     }
   }
   double sumsq = 0;
@@ -692,14 +692,13 @@ absl::Status Engine::Impl::OffloadUpdate(const offload::AdamWStepParams& params,
   const int chunks = static_cast<int>(chunk_in_.size());
   auto grad_host = [&](int u) { return At(staging_, (u % chunks) * staging_chunk_); };
   auto param_host = [&](int u) { return At(grad_host(u), staging_chunk_ / 2); };
-  // A stream-ordered communicator (NCCL, on the trainer's stream) waits on the device; the CPU
-  // backends read the buffer when called, so the host waits.
-  const bool comm_on_stream = comm_on_device_;
   auto gather = [&](int u) -> absl::Status {
     if (!offload_param_) {
       Device::Event uploaded = chunk_out_[u % chunks];
-      RETURN_IF_ERROR(comm_on_stream ? dev_->Wait(comm_stream_, uploaded)
-                                     : dev_->WaitHost(uploaded));
+      // A stream-ordered communicator waits on the device; the others read the buffer when
+      // called, so the host waits.
+      RETURN_IF_ERROR(comm_stream_ordered_ ? dev_->Wait(comm_stream_, uploaded)
+                                           : dev_->WaitHost(uploaded));
     }
     const auto t0 = Clock::now();
     RETURN_IF_ERROR(AllGatherParams(u));
@@ -762,8 +761,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // The CPU backends copy and reduce with the host's loads and stores; NCCL (or an in-process
   // group with GPU buffer ops) moves device memory. A mismatched pair would crash in the first
   // collective instead of failing here.
-  const bool host_device = device->name() == "cpu";
-  if (host_device == comm->device_memory()) {
+  if (device->device_memory() != comm->device_memory()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "device '", device->name(), "' cannot be used with the '", comm->backend(), "' ",
         "communicator, which moves ", comm->device_memory() ? "GPU" : "host",
@@ -889,7 +887,7 @@ absl::StatusOr<void*> Engine::grad(int i) {
     m.bucket_busy_[b] = 1;
     m.unit_bucket_[p.unit] = b;
     // Its previous unit's reduce-scatter (on the comm stream) must have read it.
-    if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.bucket_free_[b]));
+    if (m.comm_stream_ordered_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.bucket_free_[b]));
     RETURN_IF_ERROR(m.dev_->Zero(m.At(m.buckets_, b * m.bucket_elems_),
                                  m.plan_.units[p.unit].padded * m.c_, m.compute_));
   }
@@ -947,7 +945,7 @@ absl::Status Engine::Gather(int unit) {
   m.slots_[s].held = true;
   m.slots_[s].last_use = ++m.use_clock_;
   m.last_gathered_ = unit;
-  if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.slot_ready_[s]));
+  if (m.comm_stream_ordered_) RETURN_IF_ERROR(m.dev_->Wait(m.compute_, m.slot_ready_[s]));
   return m.Prefetch(unit, direction);
 }
 
@@ -965,7 +963,7 @@ absl::Status Engine::Release(int unit) {
   }
   m.slots_[s].held = false;
   // The next all-gather into this slot waits for the trainer's work on this unit.
-  if (m.comm_on_device_) RETURN_IF_ERROR(m.dev_->Record(m.slot_free_[s], m.compute_));
+  if (m.comm_stream_ordered_) RETURN_IF_ERROR(m.dev_->Record(m.slot_free_[s], m.compute_));
   return absl::OkStatus();
 }
 

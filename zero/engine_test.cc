@@ -206,6 +206,7 @@ class DeviceMemoryComm final : public comm::Communicator {
   int size() const override { return 1; }
   absl::string_view backend() const override { return "nccl"; }
   bool device_memory() const override { return true; }
+  bool stream_ordered() const override { return true; }
   absl::Status AllGather(const void*, void*, size_t, DType, comm::Stream) override {
     return Unreached();
   }
