@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "memory/arena.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
 #include "zero/internal/ckpt_crc32c.h"
@@ -373,10 +374,14 @@ absl::Status WriteAll(ckpt_internal::WritableFile* f, absl::string_view data) {
 struct AsyncCheckpointer::Pending {
   FileSystem* fs = nullptr;
   comm::Communicator* comm = nullptr;
+  Engine* engine = nullptr;  // the writer waits for its snapshot copies
   std::string root, tmp_dir, final_dir;
   Manifest manifest;  // without files
-  std::string data;   // this rank's whole shard file
-  uint32_t crc = 0;
+  std::string header;            // this rank's shard file: header, then
+  char* body = nullptr;          // the sections, filled by Engine::BeginSnapshot
+  size_t body_bytes = 0;
+  memory::Allocation own_body;   // synchronous saves; the AsyncCheckpointer reuses its own
+  uint32_t crc = 0;              // of header + body, computed by the writer
   absl::Status status;  // snapshot or write failure on this rank
   std::thread writer;
 };
@@ -401,10 +406,12 @@ absl::Status PrepareDirs(FileSystem* fs, const std::string& root, int64_t step) 
   return fs->SyncDir(root);
 }
 
-// Collective: prepares the directory and snapshots this rank's state into host memory.
-absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(Engine& engine,
-                                                                     const std::string& root,
-                                                                     FileSystem* fs) {
+// Collective: prepares the directory and starts the snapshot of this rank's state into
+// `*staging` (grown to the shard's size from `allocator` when smaller): the copies overlap what
+// the trainer does next, and WriteShard waits for them.
+absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
+    Engine& engine, const std::string& root, FileSystem* fs, memory::RawAllocator* allocator,
+    memory::Allocation* staging) {
   if (!engine.at_step_boundary()) {
     return absl::FailedPreconditionError(
         "SaveCheckpoint inside an accumulation window: save between optimizer steps");
@@ -427,34 +434,47 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(Engine& en
   auto p = std::make_unique<AsyncCheckpointer::Pending>();
   p->fs = fs;
   p->comm = comm;
+  p->engine = &engine;
   p->root = root;
   p->tmp_dir = JoinPath(root, StepDirName(step) + ".tmp");
   p->final_dir = JoinPath(root, StepDirName(step));
   p->manifest = ManifestOf(engine, id);
   const Manifest& m = p->manifest;
-  const int rank = comm->rank();
-  p->data = ckpt_internal::EncodeShardHeader(m, rank);
-  p->data.resize(static_cast<size_t>(m.ShardFileBytes()), '\0');
-  char* base = &p->data[0];
-  const size_t c = DTypeSize(m.compute_dtype);
-  for (int u = 0; u < engine.num_units(); ++u) {
-    const int64_t off = m.units[u].shard_offset;
-    float* sec[3];
-    for (int k = 0; k < 3; ++k) sec[k] = reinterpret_cast<float*>(base + m.SectionOffset(k)) + off;
-    void* param = m.has_param_section ? base + m.SectionOffset(3) + off * c : nullptr;
-    p->status = engine.CopyOwnedShard(u, sec[0], sec[1], sec[2], param);
-    if (!p->status.ok()) break;
+  p->header = ckpt_internal::EncodeShardHeader(m, comm->rank());
+  p->body_bytes = static_cast<size_t>(m.ShardFileBytes()) - p->header.size();
+  // A failure here stays local (like a write failure): CommitSave agrees on it.
+  if (staging->bytes() < p->body_bytes) {
+    *staging = memory::Allocation();
+    absl::StatusOr<memory::Allocation> a = memory::Allocation::Create(allocator, p->body_bytes);
+    if (!a.ok()) {
+      p->status = absl::Status(a.status().code(),
+                               absl::StrCat("checkpoint snapshot buffer: ", a.status().message()));
+      return p;
+    }
+    *staging = *std::move(a);
   }
-  p->crc = ckpt_internal::Crc32c(0, p->data.data(), p->data.size());
+  p->body = staging->as<char>();
+  auto section = [&](int k) {
+    return reinterpret_cast<float*>(p->body + m.SectionOffset(k) - p->header.size());
+  };
+  void* param = m.has_param_section ? static_cast<void*>(section(3)) : nullptr;
+  p->status = engine.BeginSnapshot(section(0), section(1), section(2), param);
   return p;
 }
 
-// Local: writes and fsyncs this rank's shard file (on the writer thread when asynchronous).
+// Local: waits for the snapshot, then writes and fsyncs this rank's shard file (on the writer
+// thread when asynchronous).
 absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
+  // Wait even after a failed start: copies already enqueued write into the staging buffer.
+  const absl::Status copied = p->engine->WaitSnapshot();
   RETURN_IF_ERROR(p->status);
+  RETURN_IF_ERROR(copied);
+  p->crc = ckpt_internal::Crc32c(0, p->header.data(), p->header.size());
+  p->crc = ckpt_internal::Crc32c(p->crc, p->body, p->body_bytes);
   const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->comm->rank()));
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::WritableFile> f, p->fs->NewWritableFile(path));
-  RETURN_IF_ERROR(WriteAll(f.get(), p->data));
+  RETURN_IF_ERROR(WriteAll(f.get(), p->header));
+  RETURN_IF_ERROR(WriteAll(f.get(), absl::string_view(p->body, p->body_bytes)));
   RETURN_IF_ERROR(f->Sync());
   RETURN_IF_ERROR(f->Close());
   return p->fs->SyncDir(p->tmp_dir);
@@ -466,7 +486,7 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
   RETURN_IF_ERROR(Agree(comm, p->status));
   absl::Status cs;
   const std::vector<uint64_t> sizes =
-      AllGatherU64(comm, {static_cast<uint64_t>(p->data.size()), p->crc}, &cs);
+      AllGatherU64(comm, {p->header.size() + p->body_bytes, p->crc}, &cs);
   RETURN_IF_ERROR(cs);
   absl::Status s;
   if (comm->rank() == 0) {
@@ -496,8 +516,11 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
 
 absl::StatusOr<std::string> SaveCheckpoint(Engine& engine, const std::string& root,
                                            const SaveOptions& options) {
+  // Pageable memory: pinning a buffer for one synchronous save costs more than it saves.
+  memory::Allocation body;
   ASSIGN_OR_RETURN(std::unique_ptr<AsyncCheckpointer::Pending> p,
-                   BeginSave(engine, root, Fs(options.fs)));
+                   BeginSave(engine, root, Fs(options.fs), memory::HostAllocator(), &body));
+  p->own_body = std::move(body);
   p->status = WriteShard(p.get());
   return CommitSave(p.get());
 }
@@ -514,10 +537,15 @@ absl::Status AsyncCheckpointer::Start(Engine& engine, const std::string& root) {
         "AsyncCheckpointer::Start while the save of '", pending_->final_dir,
         "' is in flight: call Finish first"));
   }
-  ASSIGN_OR_RETURN(pending_, BeginSave(engine, root, Fs(options_.fs)));
+  // The snapshot lands in pinned memory that lives as long as this checkpointer: one
+  // page-locked allocation for every save of the run, and copies a GPU makes asynchronously.
+  ASSIGN_OR_RETURN(pending_,
+                   BeginSave(engine, root, Fs(options_.fs),
+                             engine.device()->allocator(memory::MemoryKind::kPinnedHost),
+                             &staging_));
   Pending* p = pending_.get();
-  // The writer touches only `p` (its snapshot and the file system), never the engine or the
-  // communicator, so training goes on; join() in Finish publishes its status.
+  // The writer touches only `p` (its snapshot and the file system) and Engine::WaitSnapshot,
+  // never the communicator, so training goes on; join() in Finish publishes its status.
   p->writer = std::thread([p] { p->status = WriteShard(p); });
   return absl::OkStatus();
 }

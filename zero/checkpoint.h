@@ -41,6 +41,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "memory/arena.h"
 #include "zero/engine.h"
 
 namespace zerort {
@@ -79,11 +80,15 @@ absl::StatusOr<std::string> SaveCheckpoint(Engine& engine, const std::string& ro
 absl::Status LoadCheckpoint(Engine& engine, const std::string& path,
                             const LoadOptions& options = {});
 
-// Saves without stopping training: Start() copies this rank's state into host memory and
-// returns; a background thread writes and fsyncs the shard while the trainer keeps stepping;
-// Finish() waits for it and commits (manifest, rename, `latest`), so `latest` moves only once
-// the checkpoint is durable. Start and Finish are collective; call Finish before the next Start
-// and before the engine is destroyed (the destructor waits for the writer but never commits).
+// Saves without stopping training: Start() enqueues copies of this rank's state into a pinned
+// host buffer (Engine::BeginSnapshot, kept for the checkpointer's life and reused by every
+// save) and returns; the copies overlap the next forward and backward, and the next optimizer
+// update waits for them, so the checkpoint holds exactly the state at Start. A background
+// thread waits for the copies, then writes and fsyncs the shard while the trainer keeps
+// stepping; Finish() waits for it and commits (manifest, rename, `latest`), so `latest` moves
+// only once the checkpoint is durable. Start and Finish are collective; call Finish before the
+// next Start and before the engine is destroyed (the destructor waits for the writer but never
+// commits).
 //
 // Thread safety: one AsyncCheckpointer per rank, used by that rank's training thread.
 class AsyncCheckpointer {
@@ -103,6 +108,7 @@ class AsyncCheckpointer {
 
  private:
   SaveOptions options_;
+  memory::Allocation staging_;  // pinned; the snapshot of the save in flight
   std::unique_ptr<Pending> pending_;
 };
 

@@ -98,6 +98,19 @@ class Engine::Impl {
   std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
   int downloads_issued_ = 0;  // units 0..n-1 already downloading for this boundary
 
+  // --- snapshots (BeginSnapshot): created on first use -----------------------------------------
+  Device::Stream snapshot_stream_ = nullptr;
+  Device::Event snapshot_start_ = nullptr;  // compute_ -> snapshot_stream_
+  Device::Event snapshot_done_ = nullptr;   // the copies have landed
+  bool snapshot_pending_ = false;           // an update must wait for snapshot_done_ first
+  // Orders the snapshot's copies before the next write to the owned state: on compute_ for
+  // device-side updates, on the host for host-side ones (offload, restore).
+  absl::Status FenceSnapshot(bool host);
+  // Enqueues unit u's owned range (master, m, v and, when `param` is not null, the
+  // compute-dtype parameters) into host buffers on `stream`.
+  absl::Status CopyOwned(int u, float* master, float* m, float* v, void* param,
+                         Device::Stream stream);
+
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
 
   // --- per micro-step ------------------------------------------------------------------------
@@ -253,13 +266,15 @@ absl::Status Engine::Impl::Allocate() {
 
 Engine::Impl::~Impl() {
   // Pending copies write into the arenas, which are destroyed after this body.
-  for (Device::Stream s : {d2h_, h2d_, comm_stream_}) {
+  for (Device::Stream s : {d2h_, h2d_, comm_stream_, snapshot_stream_}) {
     if (s != nullptr) {
       dev_->Synchronize(s).IgnoreError();  // a failure was reported by the step that caused it
       dev_->DestroyStream(s);
     }
   }
-  if (grads_ready_ != nullptr) dev_->DestroyEvent(grads_ready_);
+  for (Device::Event e : {grads_ready_, snapshot_start_, snapshot_done_}) {
+    if (e != nullptr) dev_->DestroyEvent(e);
+  }
   for (Device::Event e : chunk_in_) dev_->DestroyEvent(e);
   for (Device::Event e : chunk_out_) dev_->DestroyEvent(e);
   for (Device::Event e : {compute_mark_, comm_mark_}) {
@@ -631,6 +646,7 @@ absl::StatusOr<StepStats> Engine::Impl::ApplyStep() {
                      offload::MakeAdamWStepParams(oc.lr, oc.beta1, oc.beta2, oc.eps,
                                                   oc.weight_decay, step_));
     double gather_ms = 0;
+    RETURN_IF_ERROR(FenceSnapshot(/*host=*/offload_));
     if (offload_) {
       RETURN_IF_ERROR(OffloadUpdate(params, grad_scale, &gather_ms, &stats.offload_wait_ms));
     } else {
@@ -793,6 +809,7 @@ int64_t Engine::step() const { return impl_->step_; }
 
 absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
   Impl& m = *impl_;
+  RETURN_IF_ERROR(m.FenceSnapshot(/*host=*/true));
   for (size_t u = 0; u < m.plan_.units.size(); ++u) {
     const memory::Unit& unit = m.plan_.units[u];
     std::vector<float> values(unit.padded, 0.0f);  // (padded) fp32, host
@@ -1048,24 +1065,69 @@ EngineState Engine::state() const {
   return e;
 }
 
+absl::Status Engine::Impl::CopyOwned(int unit, float* master, float* m, float* v, void* param,
+                                     Device::Stream stream) {
+  const memory::Unit& u = plan_.units[unit];
+  const Region reg = Owned(unit);
+  // Stage 0 regions cover the whole padded unit; the caller wants this rank's range.
+  const int64_t skip = stage_ == 0 ? rank_ * u.shard : 0;
+  const size_t bytes = static_cast<size_t>(u.shard) * 4;
+  RETURN_IF_ERROR(dev_->Copy(master, reg.master + skip, bytes, stream));
+  RETURN_IF_ERROR(dev_->Copy(m, reg.m + skip, bytes, stream));
+  RETURN_IF_ERROR(dev_->Copy(v, reg.v + skip, bytes, stream));
+  if (param == nullptr) return absl::OkStatus();
+  return dev_->Copy(param, reg.param + skip * c_, u.shard * c_, stream);
+}
+
+absl::Status Engine::Impl::FenceSnapshot(bool host) {
+  if (!snapshot_pending_) return absl::OkStatus();
+  snapshot_pending_ = false;
+  return host ? dev_->WaitHost(snapshot_done_) : dev_->Wait(compute_, snapshot_done_);
+}
+
 absl::Status Engine::CopyOwnedShard(int unit, float* master, float* m, float* v, void* param) {
   Impl& e = *impl_;
   if (unit < 0 || unit >= num_units()) {
     return absl::OutOfRangeError(absl::StrCat("CopyOwnedShard(", unit, "): there are ",
                                               num_units(), " units"));
   }
-  const memory::Unit& u = e.plan_.units[unit];
-  const Impl::Region reg = e.Owned(unit);
-  // Stage 0 regions cover the whole padded unit; the checkpoint wants this rank's range.
-  const int64_t skip = e.stage_ == 0 ? e.rank_ * u.shard : 0;
-  const size_t bytes = static_cast<size_t>(u.shard) * 4;
-  RETURN_IF_ERROR(e.dev_->Copy(master, reg.master + skip, bytes, e.compute_));
-  RETURN_IF_ERROR(e.dev_->Copy(m, reg.m + skip, bytes, e.compute_));
-  RETURN_IF_ERROR(e.dev_->Copy(v, reg.v + skip, bytes, e.compute_));
-  if (param != nullptr) {
-    RETURN_IF_ERROR(e.dev_->Copy(param, reg.param + skip * e.c_, u.shard * e.c_, e.compute_));
-  }
+  RETURN_IF_ERROR(e.CopyOwned(unit, master, m, v, param, e.compute_));
   return e.dev_->Synchronize(e.compute_);
+}
+
+absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* param) {
+  Impl& e = *impl_;
+  if (!at_step_boundary()) {
+    return absl::FailedPreconditionError(
+        "BeginSnapshot inside an accumulation window: snapshot between optimizer steps");
+  }
+  if (master == nullptr || m == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
+  }
+  if (e.snapshot_stream_ == nullptr) {
+    ASSIGN_OR_RETURN(e.snapshot_stream_, e.dev_->CreateStream());
+    ASSIGN_OR_RETURN(e.snapshot_start_, e.dev_->CreateEvent());
+    ASSIGN_OR_RETURN(e.snapshot_done_, e.dev_->CreateEvent());
+  }
+  // Everything the last step wrote is ordered on compute_ (OffloadUpdate joins its uploads and
+  // all-gathers there; its host writes are already done).
+  RETURN_IF_ERROR(e.dev_->Record(e.snapshot_start_, e.compute_));
+  RETURN_IF_ERROR(e.dev_->Wait(e.snapshot_stream_, e.snapshot_start_));
+  for (int u = 0; u < num_units(); ++u) {
+    const int64_t off = e.plan_.units[u].shard_offset;
+    void* p = param == nullptr ? nullptr : static_cast<char*>(param) + off * e.c_;
+    RETURN_IF_ERROR(e.CopyOwned(u, master + off, m + off, v + off, p, e.snapshot_stream_));
+  }
+  RETURN_IF_ERROR(e.dev_->Record(e.snapshot_done_, e.snapshot_stream_));
+  e.snapshot_pending_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::WaitSnapshot() {
+  // Reads only what BeginSnapshot set before the caller could hand this engine to a thread.
+  Impl& e = *impl_;
+  if (e.snapshot_done_ == nullptr) return absl::OkStatus();
+  return e.dev_->WaitHost(e.snapshot_done_);
 }
 
 absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
@@ -1082,6 +1144,7 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
     return absl::FailedPreconditionError(
         "RestoreOwnedState inside an accumulation window: restore between optimizer steps");
   }
+  RETURN_IF_ERROR(e.FenceSnapshot(/*host=*/true));
   for (size_t ui = 0; ui < e.plan_.units.size(); ++ui) {
     const memory::Unit& u = e.plan_.units[ui];
     const Impl::Region reg = e.Owned(static_cast<int>(ui));

@@ -170,6 +170,20 @@ class Engine {
   // compute-dtype parameters of the same range. Not collective.
   absl::Status CopyOwnedShard(int unit, float* master, float* m, float* v, void* param);
 
+  // Starts copying this rank's owned state of every unit into host buffers laid out as
+  // RestoreOwnedState takes them (unit u's range at plan().units[u].shard_offset; `param`, when
+  // not null, receives plan().shard_elements compute-dtype parameters) and returns without
+  // waiting. The copies run on a stream of the engine's, after the work enqueued so far on the
+  // trainer's stream, so they overlap the next forward and backward passes; the next optimizer
+  // update, RestoreOwnedState and the destructor wait for them, so the buffers receive exactly
+  // the state at this call. Pinned buffers keep the copies off the host on a GPU. Not
+  // collective. REQUIRES: at_step_boundary(); the buffers outlive WaitSnapshot().
+  absl::Status BeginSnapshot(float* master, float* m, float* v, void* param);
+  // Blocks until the copies of the last BeginSnapshot have landed and returns their status.
+  // Unlike every other method it may be called from another thread while the trainer goes on
+  // (a checkpoint writer waits here); without a snapshot it returns OK at once.
+  absl::Status WaitSnapshot();
+
   // Replaces the optimizer state and the scalar state. `master`, `m` and `v` hold
   // plan().shard_elements floats each, unit u's range at plan().units[u].shard_offset (the
   // layout of CopyOwnedShard). The compute-dtype parameters are re-derived from the master
