@@ -46,6 +46,7 @@ constexpr float kLr = 1e-3f, kBeta1 = 0.9f, kBeta2 = 0.95f, kEps = 1e-8f, kWd = 
 // another in the CPU's 4K store-forwarding check, which stalls the long div/sqrt chains
 // (--aligned shows the effect).
 int g_stagger_bytes = 1280;
+int g_offsets[5] = {-1, -1, -1, -1, -1};  // --offsets: bytes mod 4 KiB per slot (experiments)
 std::vector<void*> g_allocations;
 
 template <typename T>
@@ -57,7 +58,8 @@ T* AllocArray(size_t n, int slot) {
     std::exit(1);
   }
   g_allocations.push_back(p);
-  return reinterpret_cast<T*>(static_cast<char*>(p) + (slot * g_stagger_bytes) % 4096);
+  const int offset = g_offsets[slot] >= 0 ? g_offsets[slot] : (slot * g_stagger_bytes) % 4096;
+  return reinterpret_cast<T*>(static_cast<char*>(p) + offset);
 }
 
 void FreeArrays() {
@@ -158,13 +160,18 @@ std::vector<double> BestTimes(int reps, const std::vector<std::function<void()>>
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  double max_params = 2e8;
+  double max_params = 2e8, min_params = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--quick") {
       quick = true;
     } else if (arg == "--aligned") {
       g_stagger_bytes = 0;
+    } else if (arg.rfind("--offsets=", 0) == 0) {
+      std::sscanf(arg.c_str() + 10, "%d,%d,%d,%d,%d", &g_offsets[0], &g_offsets[1], &g_offsets[2],
+                  &g_offsets[3], &g_offsets[4]);
+    } else if (arg.rfind("--min_params=", 0) == 0) {
+      min_params = std::atof(arg.c_str() + 13);
     } else if (arg.rfind("--max_params=", 0) == 0) {
       max_params = std::atof(arg.c_str() + 13);
     } else {
@@ -177,7 +184,7 @@ int Main(int argc, char** argv) {
     sizes = {1000000, 4000000};
   } else {
     for (double s : {1e6, 1e7, 1e8, 2e8, 5e8, 1e9}) {
-      if (s <= max_params) sizes.push_back(static_cast<size_t>(s));
+      if (s >= min_params && s <= max_params) sizes.push_back(static_cast<size_t>(s));
     }
   }
   const int all_threads = offload::DefaultThreadPool()->num_threads();

@@ -91,6 +91,16 @@ ZERORT_TARGET_AVX512 void AdamWAvx512(const AdamWArrays& a, const AdamWStepParam
   const __m512 decay = _mm512_set1_ps(s.decay);
   size_t i = begin;
   for (; i + 16 <= end; i += 16) {
+    if constexpr (G != DType::kF32) {
+      // With 2-byte gradients the hardware prefetchers fall behind the four fp32 streams:
+      // prefetching 2 KiB ahead measured 1.00 -> 1.07 of the memory floor (adamw_bench, 1e8,
+      // Cascade Lake). With fp32 gradients the same prefetches cost 0.91 -> 0.70: none there.
+      constexpr size_t kAhead = 512;
+      _mm_prefetch(reinterpret_cast<const char*>(a.m + i + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.v + i + kAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(a.master + i + kAhead), _MM_HINT_T0);
+      _mm_prefetch(static_cast<const char*>(a.grad) + (i + kAhead) * 2, _MM_HINT_T0);
+    }
     const __m512 g = _mm512_mul_ps(LoadAvx512<G>(a.grad, i), scale);
     const __m512 m = _mm512_fmadd_ps(beta1, _mm512_loadu_ps(a.m + i), _mm512_mul_ps(omb1, g));
     const __m512 v = _mm512_fmadd_ps(beta2, _mm512_loadu_ps(a.v + i),
