@@ -3,19 +3,26 @@
 // the other) against the same engine with the device's streams on threads and buffer_count
 // staging chunks in flight, measured side by side in one process.
 //
-// On the CPU device the "device" is host memory too: a download or upload is a memcpy that
-// competes with the host AdamW for the same memory bandwidth. What the ratio shows is how much
-// of the copy time the pipeline hides; on a GPU the copies run on the DMA engines and the same
-// schedule hides them behind the host AdamW (docs/offload.md).
+// Two kinds of copies:
+//   memcpy  the CPU device's copies as they are: host memory to host memory, competing with
+//           the host AdamW for the same memory bandwidth, so little can be gained;
+//   link    every copy on a stream also lasts bytes / --link_gbps (default 4 GB/s), the issuing
+//           thread sleeping as it would while a GPU's DMA engine moved the bytes over PCIe
+//           (CreateCpuDevice's copy_link_gbps). 4 GB/s against this machine's one-thread
+//           AdamW (~7e8 params/s, 4 bytes copied per parameter) makes the copies ~0.7 of the
+//           AdamW time; a server's AdamW (~200 GB/s of host bandwidth, 28 bytes per parameter)
+//           against PCIe 5 (~50 GB/s) gives ~0.55. Here the schedule's overlap shows:
+//           hidden_fraction = (inline step - step) / modelled copy time per step.
 //
 // Per case: medians over the measured steps of Step() (`step_ms`), of its optimizer part
 // (`optimizer_ms`: downloads, AdamW, uploads) and of the host's time blocked on copies
-// (`wait_ms`); `ratio_to_inline` = step_ms / the first inline case's step_ms at the same world.
-// The inline case runs again last: its ratio shows how far the machine drifted during the run.
+// (`wait_ms`); `ratio_to_inline` = step_ms / the first inline case's step_ms at the same world
+// and copy kind. The inline case runs again last: its ratio shows how far the machine drifted.
 //
-// Usage: offload_bench [--quick]
+// Usage: offload_bench [--quick] [--link_gbps=G]
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -48,7 +55,8 @@ struct Measured {
 };
 
 absl::StatusOr<Measured> Run(const std::vector<memory::ParamSpec>& specs, int world,
-                             const Case& c, int warmup, int measured, int64_t unit_elements) {
+                             const Case& c, double link_gbps, int warmup, int measured,
+                             int64_t unit_elements) {
   const std::string json = absl::StrCat(
       R"({"zero_optimization": {"stage": 2, "reduce_bucket_size": )", unit_elements,
       R"(, "offload_optimizer": {"device": "cpu", "buffer_count": )", c.buffer_count,
@@ -56,7 +64,7 @@ absl::StatusOr<Measured> Run(const std::vector<memory::ParamSpec>& specs, int wo
       R"( "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}})");
   ASSIGN_OR_RETURN(Config config, ParseConfig(json, "offload_bench"));
   ASSIGN_OR_RETURN(auto comms, comm::CreateInProcessGroup(world));
-  std::unique_ptr<Device> device = CreateCpuDevice(1, c.threads);
+  std::unique_ptr<Device> device = CreateCpuDevice(1, c.threads, 0, link_gbps);
   std::vector<absl::Status> errors(world);
   std::vector<std::vector<StepStats>> stats(world);
   std::vector<std::thread> ranks;
@@ -100,7 +108,18 @@ absl::StatusOr<Measured> Run(const std::vector<memory::ParamSpec>& specs, int wo
 
 int Main(int argc, char** argv) {
   bool quick = false;
-  if (!bench::ParseQuick(argc, argv, "offload_bench", &quick)) return 2;
+  double link_gbps = 4;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--quick") {
+      quick = true;
+    } else if (arg.rfind("--link_gbps=", 0) == 0 && std::atof(arg.c_str() + 12) > 0) {
+      link_gbps = std::atof(arg.c_str() + 12);
+    } else {
+      std::fprintf(stderr, "usage: offload_bench [--quick] [--link_gbps=G]  (G > 0)\n");
+      return 2;
+    }
+  }
   const int64_t params = quick ? (int64_t{1} << 20) : (int64_t{1} << 24);
   const int layers = quick ? 8 : 16;
   const int warmup = 2;
@@ -113,26 +132,38 @@ int Main(int argc, char** argv) {
   const int64_t unit_elements = params / layers;
   const Case cases[] = {{false, 4}, {true, 1}, {true, 2}, {true, 4}, {false, 4}};
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  for (int world : {1, 2}) {
-    double inline_ms = 0;
-    for (const Case& c : cases) {
-      absl::StatusOr<Measured> m = Run(*specs, world, c, warmup, measured, unit_elements);
-      if (!m.ok()) {
-        std::fprintf(stderr, "offload_bench: world %d: %s\n", world,
-                     std::string(m.status().message()).c_str());
-        return 1;
+  for (double link : {0.0, link_gbps}) {
+    for (int world : {1, 2}) {
+      // Per step each rank downloads its bf16 gradient shard and uploads its bf16 parameters.
+      const double copy_ms = link > 0 ? 2.0 * 2 * (params / world) / (link * 1e9) * 1e3 : 0;
+      double inline_ms = 0;
+      for (const Case& c : cases) {
+        absl::StatusOr<Measured> m =
+            Run(*specs, world, c, link, warmup, measured, unit_elements);
+        if (!m.ok()) {
+          std::fprintf(stderr, "offload_bench: world %d: %s\n", world,
+                       std::string(m.status().message()).c_str());
+          return 1;
+        }
+        if (!c.threads && inline_ms == 0) inline_ms = m->step_ms;
+        nlohmann::ordered_json r = {
+            {"copies", link > 0 ? "link" : "memcpy"},
+            {"world", world},
+            {"streams", c.threads ? "threads" : "inline"},
+            {"buffer_count", c.buffer_count},
+            {"step_ms", m->step_ms},
+            {"optimizer_ms", m->optimizer_ms},
+            {"gather_ms", m->gather_ms},
+            {"wait_ms", m->wait_ms},
+            {"ratio_to_inline", inline_ms > 0 ? m->step_ms / inline_ms : 0.0},
+        };
+        if (link > 0) {
+          r["link_gbps"] = link;
+          r["modelled_copy_ms"] = copy_ms;
+          r["hidden_fraction"] = (inline_ms - m->step_ms) / copy_ms;
+        }
+        results.push_back(r);
       }
-      if (!c.threads && inline_ms == 0) inline_ms = m->step_ms;
-      results.push_back({
-          {"world", world},
-          {"streams", c.threads ? "threads" : "inline"},
-          {"buffer_count", c.buffer_count},
-          {"step_ms", m->step_ms},
-          {"optimizer_ms", m->optimizer_ms},
-          {"gather_ms", m->gather_ms},
-          {"wait_ms", m->wait_ms},
-          {"ratio_to_inline", inline_ms > 0 ? m->step_ms / inline_ms : 0.0},
-      });
     }
   }
   nlohmann::ordered_json doc = {

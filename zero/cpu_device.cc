@@ -111,8 +111,8 @@ class CpuStream {
 
 class CpuDevice final : public Device {
  public:
-  CpuDevice(int threads, bool async, int delay_us)
-      : threads_(threads), async_(async), delay_us_(delay_us) {}
+  CpuDevice(int threads, bool async, int delay_us, double link_gbps)
+      : threads_(threads), async_(async), delay_us_(delay_us), link_gbps_(link_gbps) {}
 
   absl::string_view name() const override { return "cpu"; }
   bool device_memory() const override { return false; }
@@ -120,8 +120,16 @@ class CpuDevice final : public Device {
   memory::RawAllocator* allocator(memory::MemoryKind) override { return memory::HostAllocator(); }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) override {
+    const bool modeled = link_gbps_ > 0 && stream != nullptr;
     return Run(stream, [=] {
+      const auto t0 = std::chrono::steady_clock::now();
       if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+      // A DMA engine moves the bytes while this thread (a stream's, or the caller's for an
+      // inline stream) only waits, as a host thread waits for cudaMemcpyAsync.
+      if (modeled) {
+        std::this_thread::sleep_until(
+            t0 + std::chrono::duration<double>(static_cast<double>(bytes) / (link_gbps_ * 1e9)));
+      }
       return absl::OkStatus();
     });
   }
@@ -275,13 +283,15 @@ class CpuDevice final : public Device {
   const int threads_;
   const bool async_;
   const int delay_us_;
+  const double link_gbps_;
   char inline_stream_tag_ = 0;  // the handle of every stream when !async_
 };
 
 }  // namespace
 
-std::unique_ptr<Device> CreateCpuDevice(int threads, bool async_streams, int stream_delay_us) {
-  return std::make_unique<CpuDevice>(threads, async_streams, stream_delay_us);
+std::unique_ptr<Device> CreateCpuDevice(int threads, bool async_streams, int stream_delay_us,
+                                        double copy_link_gbps) {
+  return std::make_unique<CpuDevice>(threads, async_streams, stream_delay_us, copy_link_gbps);
 }
 
 }  // namespace zerort

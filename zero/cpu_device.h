@@ -22,9 +22,13 @@ namespace zerort {
 
 // `threads`: threads for AdamW and the norm (0 = all cores). `stream_delay_us` (tests): every
 // operation on an asynchronous stream starts that much later, so that a missing event wait
-// shows up as a wrong result instead of a rare one.
+// shows up as a wrong result instead of a rare one. `copy_link_gbps` (benchmarks): a Copy on
+// a created stream (inline or asynchronous) lasts at least bytes / copy_link_gbps, the rest
+// spent sleeping, as if a DMA engine moved the bytes over a link of that speed while the
+// issuing thread waited: the offload schedule can then be measured against a modelled PCIe
+// link on a machine without one (offload_bench --link_gbps).
 std::unique_ptr<Device> CreateCpuDevice(int threads = 0, bool async_streams = false,
-                                        int stream_delay_us = 0);
+                                        int stream_delay_us = 0, double copy_link_gbps = 0);
 
 }  // namespace zerort
 

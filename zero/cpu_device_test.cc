@@ -1,6 +1,7 @@
 #include "zero/cpu_device.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -88,6 +89,27 @@ TEST_CASE("CpuDevice without async streams runs everything inline", "[zero][stre
   std::vector<float> a(8, 2.0f), b(8, 0.0f);
   REQUIRE(dev->Copy(b.data(), a.data(), 32, s).ok());
   CHECK(b[7] == 2.0f);
+  dev->DestroyStream(s);
+}
+
+// The modelled link is a lower bound on a copy's duration, inline or on a stream's thread, and
+// the bytes still arrive; copies on the caller's (nullptr) stream are not DMA and not modelled.
+TEST_CASE("CpuDevice copy link model: a copy on a created stream lasts bytes / link",
+          "[zero][streams]") {
+  const bool async = GENERATE(false, true);
+  auto dev = CreateCpuDevice(1, async, 0, /*copy_link_gbps=*/0.5);
+  Device::Stream s = dev->CreateStream().value();
+  std::vector<char> a(size_t{1} << 20, 'x'), b(a.size(), 0);  // 1 MiB at 0.5 GB/s: 2.1 ms
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(dev->Copy(b.data(), a.data(), a.size(), s).ok());
+  REQUIRE(dev->Synchronize(s).ok());
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(ms >= a.size() / 0.5e9 * 1e3);
+  CHECK(b == a);
+  std::vector<char> c(a.size(), 0);
+  REQUIRE(dev->Copy(c.data(), a.data(), a.size(), nullptr).ok());
+  CHECK(c == a);
   dev->DestroyStream(s);
 }
 
