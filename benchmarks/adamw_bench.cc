@@ -11,8 +11,11 @@
 // Bytes per parameter (reads + writes, ignoring write-allocate): bf16 grads in and bf16 params
 // out = 4*3 + 2 read, 4*3 + 2 written = 28; all fp32 = 32.
 //
-// Usage: adamw_bench [--quick] [--aligned] [--max_params=N] (default 2e8; --quick: 1e6 and 4e6
-// only; --aligned: every array page-aligned, to show the 4K-aliasing penalty).
+// Usage: adamw_bench [--quick] [--aligned] [--min_params=N] [--max_params=N] [--offsets=a,b,c,d,e]
+// Sizes 1e6, 1e7, 1e8, 2e8, 5e8, 1e9 within [min, max] (default max 2e8; 1e9 needs 20 GB);
+// --quick: 1e6 and 4e6 only; --aligned: every array page-aligned, to show the 4K-aliasing
+// penalty; --offsets: each array's start modulo 4 KiB (master, m, v, grad, param), for
+// placement experiments (docs/offload.md).
 #include <immintrin.h>
 #include <unistd.h>
 
@@ -175,7 +178,9 @@ int Main(int argc, char** argv) {
     } else if (arg.rfind("--max_params=", 0) == 0) {
       max_params = std::atof(arg.c_str() + 13);
     } else {
-      std::fprintf(stderr, "usage: adamw_bench [--quick] [--aligned] [--max_params=N]\n");
+      std::fprintf(stderr,
+                   "usage: adamw_bench [--quick] [--aligned] [--min_params=N] [--max_params=N] "
+                   "[--offsets=a,b,c,d,e]\n");
       return 2;
     }
   }
