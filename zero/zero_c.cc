@@ -16,6 +16,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
+#include "zero/checkpoint.h"
 #include "zero/config.h"
 #include "zero/cpu_device.h"
 #include "zero/engine.h"
@@ -26,6 +27,10 @@ struct zr_comm {
 
 struct zr_device {
   std::unique_ptr<zerort::Device> device;
+};
+
+struct zr_checkpointer {
+  zerort::AsyncCheckpointer checkpointer;
 };
 
 struct zr_engine {
@@ -336,6 +341,52 @@ zr_dtype zr_engine_compute_dtype(const zr_engine* engine) {
 double zr_engine_loss_scale(const zr_engine* engine) { return engine->engine->loss_scale(); }
 
 int64_t zr_engine_step_count(const zr_engine* engine) { return engine->engine->step(); }
+
+zr_status zr_engine_save_checkpoint(zr_engine* engine, const char* root) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_save_checkpoint", "engine"));
+    RETURN_IF_ERROR(NotNull(root, "zr_engine_save_checkpoint", "root"));
+    return zerort::SaveCheckpoint(*engine->engine, root).status();
+  });
+}
+
+zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int allow_reshard) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_load_checkpoint", "engine"));
+    RETURN_IF_ERROR(NotNull(path, "zr_engine_load_checkpoint", "path"));
+    zerort::LoadOptions options;
+    options.allow_reshard = allow_reshard != 0;
+    return zerort::LoadCheckpoint(*engine->engine, path, options);
+  });
+}
+
+zr_status zr_checkpointer_create(zr_checkpointer** out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(out, "zr_checkpointer_create", "out"));
+    *out = new zr_checkpointer();
+    return absl::OkStatus();
+  });
+}
+
+void zr_checkpointer_destroy(zr_checkpointer* checkpointer) { delete checkpointer; }
+
+zr_status zr_checkpointer_start(zr_checkpointer* checkpointer, zr_engine* engine,
+                                const char* root) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_start", "checkpointer"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_start", "engine"));
+    RETURN_IF_ERROR(NotNull(root, "zr_checkpointer_start", "root"));
+    return checkpointer->checkpointer.Start(*engine->engine, root);
+  });
+}
+
+zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engine) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_finish", "checkpointer"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_finish", "engine"));
+    return checkpointer->checkpointer.Finish(*engine->engine).status();
+  });
+}
 
 void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype, int64_t n) {
   // Through fp32, element by element, so equal-sized in-place conversion is safe.

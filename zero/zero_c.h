@@ -29,8 +29,8 @@
  *
  * Thread safety: an engine and a communicator are used by one thread at a time (their rank's);
  * a device may be shared. zr_last_error() is per thread. Collective calls (create,
- * init_params, gather, grad_ready, step, gather_master_weights) must be made by every rank of
- * the group in the same order.
+ * init_params, gather, grad_ready, step, gather_master_weights, the checkpoint calls) must be
+ * made by every rank of the group in the same order.
  */
 #ifndef ZERORT_ZERO_ZERO_C_H_
 #define ZERORT_ZERO_ZERO_C_H_
@@ -189,6 +189,33 @@ zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit);
 zr_dtype zr_engine_compute_dtype(const zr_engine* engine);
 double zr_engine_loss_scale(const zr_engine* engine); /* 1 unless fp16 */
 int64_t zr_engine_step_count(const zr_engine* engine); /* optimizer steps applied */
+
+/* ---- Checkpoints (docs/checkpoints.md) ---- */
+
+/* Saves into root/step_<N>/ (N = zr_engine_step_count) and then points root/latest at it, so
+ * `latest` always names a complete checkpoint. Between optimizer steps only
+ * (ZR_FAILED_PRECONDITION inside an accumulation window); ZR_ALREADY_EXISTS when `latest`
+ * already names step_<N>; an I/O error names the path. Collective. */
+zr_status zr_engine_save_checkpoint(zr_engine* engine, const char* root);
+/* Loads a checkpoint directory, or a root whose `latest` names one. Stage, precision and
+ * config may differ from the saving run's; the world size may differ when allow_reshard != 0.
+ * On any error (ZR_NOT_FOUND, ZR_DATA_LOSS naming the damaged file, ZR_FAILED_PRECONDITION for
+ * another model or world size) every rank fails alike and the engine is unchanged.
+ * Collective. */
+zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int allow_reshard);
+
+/* Saves without stopping training. start copies the state into a pinned buffer the
+ * checkpointer keeps (asynchronously: the next optimizer update waits for the copies) and
+ * returns; a background thread writes the files; finish waits for it and only then moves
+ * `latest`. start and finish are collective; call finish before the next start and before
+ * the engine is destroyed. One checkpointer per rank. */
+typedef struct zr_checkpointer zr_checkpointer;
+zr_status zr_checkpointer_create(zr_checkpointer** out);
+/* Waits for a write in flight but never commits it. NULL is a no-op. */
+void zr_checkpointer_destroy(zr_checkpointer* checkpointer);
+zr_status zr_checkpointer_start(zr_checkpointer* checkpointer, zr_engine* engine,
+                                const char* root);
+zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engine);
 
 /* ---- Helpers ---- */
 

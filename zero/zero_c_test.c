@@ -1,6 +1,9 @@
 /* The C ABI from C: a linear regression trained on 2 in-process ranks (pthreads) under every
- * stage, checked against the teacher weights that generated the data, plus the error paths.
- * Plain C (no Catch2): a failed check prints its line and the test exits non-zero. */
+ * stage, checked against the teacher weights that generated the data, with an asynchronous
+ * checkpoint taken mid-run and a synchronous one at the end, both reloaded into fresh engines;
+ * plus the error paths. Plain C (no Catch2): a failed check prints its line and the test exits
+ * non-zero. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -16,6 +19,7 @@
 #define STEPS 60
 #define WORLD 2
 #define NUM_ELEMENTS (OUT * IN + OUT)
+#define CKPT_STEP 10 /* the async checkpoint starts after this step and finishes 2 steps later */
 
 static int g_failures = 0;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -81,6 +85,12 @@ typedef struct {
   float master[NUM_ELEMENTS];
   int64_t steps_applied;
   zr_plan_summary plan;
+  const char* ckpt_root;
+  int64_t saved_step;                 /* steps applied when the async checkpoint started */
+  float saved_master[NUM_ELEMENTS];   /* the master weights then */
+  int64_t loaded_step;                /* a fresh engine after loading that checkpoint */
+  float loaded_master[NUM_ELEMENTS];
+  float reloaded_master[NUM_ELEMENTS]; /* a fresh engine after loading the final one */
 } RankJob;
 
 static void* RunRank(void* arg) {
@@ -96,6 +106,9 @@ static void* RunRank(void* arg) {
   int unit_w = -1, unit_b = -1;
   MUST(zr_engine_unit_of(engine, 0, &unit_w));
   MUST(zr_engine_unit_of(engine, 1, &unit_b));
+
+  zr_checkpointer* ck = NULL;
+  MUST(zr_checkpointer_create(&ck));
 
   float x[BATCH][IN], y[BATCH][OUT], pred[BATCH][OUT], w[OUT * IN], b[OUT];
   float gw[OUT * IN], gb[OUT];
@@ -160,10 +173,34 @@ static void* RunRank(void* arg) {
     zr_step_stats stats;
     MUST(zr_engine_step(engine, &stats));
     CHECK(stats.boundary == 1, "step %d", step);
+    if (step == CKPT_STEP) {
+      job->saved_step = zr_engine_step_count(engine);
+      MUST(zr_engine_gather_master_weights(engine, job->saved_master, NUM_ELEMENTS));
+      MUST(zr_checkpointer_start(ck, engine, job->ckpt_root));
+    }
+    if (step == CKPT_STEP + 2) MUST(zr_checkpointer_finish(ck, engine));
   }
+  zr_checkpointer_destroy(ck);
   job->steps_applied = zr_engine_step_count(engine);
   MUST(zr_engine_plan_summary(engine, &job->plan));
   MUST(zr_engine_gather_master_weights(engine, job->master, NUM_ELEMENTS));
+  MUST(zr_engine_save_checkpoint(engine, job->ckpt_root));
+  zr_engine_destroy(engine);
+
+  /* Fresh engines: the mid-run checkpoint by its directory, the final one through `latest`. */
+  char path[512];
+  snprintf(path, sizeof path, "%s/step_%lld", job->ckpt_root, (long long)job->saved_step);
+  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &engine));
+  MUST(zr_engine_init_params(engine, InitParams, NULL, 1));
+  MUST(zr_engine_load_checkpoint(engine, path, 0));
+  job->loaded_step = zr_engine_step_count(engine);
+  MUST(zr_engine_gather_master_weights(engine, job->loaded_master, NUM_ELEMENTS));
+  MUST(zr_engine_load_checkpoint(engine, job->ckpt_root, 0));
+  MUST(zr_engine_gather_master_weights(engine, job->reloaded_master, NUM_ELEMENTS));
+  snprintf(path, sizeof path, "%s/step_999", job->ckpt_root);
+  const zr_status st = zr_engine_load_checkpoint(engine, path, 0);
+  CHECK(st == ZR_NOT_FOUND && strstr(zr_last_error(), "step_999") != NULL,
+        "missing checkpoint: %s: %s", zr_status_name(st), zr_last_error());
   zr_engine_destroy(engine);
   return NULL;
 }
@@ -183,10 +220,18 @@ static void TrainOnTwoRanks(const char* precision, int stage, int per_unit) {
     CHECK(0, "setup: %s", zr_last_error());
     return;
   }
+  const char* tmp = getenv("TEST_TMPDIR");
+  char root[256];
+  snprintf(root, sizeof root, "%s/zero_c_ckpt_XXXXXX", tmp != NULL ? tmp : "/tmp");
+  if (mkdtemp(root) == NULL) {
+    CHECK(0, "mkdtemp(%s) failed", root);
+    return;
+  }
   RankJob jobs[WORLD];
   pthread_t threads[WORLD];
   memset(jobs, 0, sizeof jobs);
   for (int r = 0; r < WORLD; ++r) {
+    jobs[r].ckpt_root = root;
     jobs[r].comm = comms[r];
     jobs[r].device = device;
     jobs[r].config = config;
@@ -218,6 +263,18 @@ static void TrainOnTwoRanks(const char* precision, int stage, int per_unit) {
   }
   CHECK(memcmp(jobs[0].master, jobs[1].master, sizeof jobs[0].master) == 0,
         "%s stage %d: ranks disagree on the master weights", precision, stage);
+  /* Bit for bit: the checkpoint taken while training went on holds the state at its start. */
+  for (int r = 0; r < WORLD; ++r) {
+    CHECK(jobs[r].saved_step > 0 && jobs[r].loaded_step == jobs[r].saved_step,
+          "%s stage %d: saved at step %lld, loaded step %lld", precision, stage,
+          (long long)jobs[r].saved_step, (long long)jobs[r].loaded_step);
+    CHECK(memcmp(jobs[r].loaded_master, jobs[r].saved_master, sizeof jobs[r].master) == 0,
+          "%s stage %d rank %d: async checkpoint differs from the state at start", precision,
+          stage, r);
+    CHECK(memcmp(jobs[r].reloaded_master, jobs[r].master, sizeof jobs[r].master) == 0,
+          "%s stage %d rank %d: final checkpoint differs from the final state", precision,
+          stage, r);
+  }
   for (int r = 0; r < WORLD; ++r) zr_comm_destroy(comms[r]);
   zr_device_destroy(device);
 }
