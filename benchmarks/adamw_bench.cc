@@ -171,8 +171,15 @@ int Main(int argc, char** argv) {
     } else if (arg == "--aligned") {
       g_stagger_bytes = 0;
     } else if (arg.rfind("--offsets=", 0) == 0) {
-      std::sscanf(arg.c_str() + 10, "%d,%d,%d,%d,%d", &g_offsets[0], &g_offsets[1], &g_offsets[2],
-                  &g_offsets[3], &g_offsets[4]);
+      const int got = std::sscanf(arg.c_str() + 10, "%d,%d,%d,%d,%d", &g_offsets[0],
+                                  &g_offsets[1], &g_offsets[2], &g_offsets[3], &g_offsets[4]);
+      // AllocArray leaves a page of slack for the offset.
+      const bool in_page =
+          std::all_of(g_offsets, g_offsets + 5, [](int o) { return o >= 0 && o < 4096; });
+      if (got != 5 || !in_page) {
+        std::fprintf(stderr, "adamw_bench: %s: need 5 offsets in [0, 4096)\n", arg.c_str());
+        return 2;
+      }
     } else if (arg.rfind("--min_params=", 0) == 0) {
       min_params = std::atof(arg.c_str() + 13);
     } else if (arg.rfind("--max_params=", 0) == 0) {
@@ -241,7 +248,9 @@ int Main(int argc, char** argv) {
         auto adamw = [&] {
           if (!offload::CpuAdamW(a, step, 1.0f, threads).ok()) std::abort();
         };
-        auto floor = [&] { Parallel(n, threads, [&](size_t b, size_t e) { FloorRange(a, b, e); }); };
+        auto floor = [&] {
+          Parallel(n, threads, [&](size_t b, size_t e) { FloorRange(a, b, e); });
+        };
         auto scalar = [&] {
           Parallel(n, threads, [&](size_t b, size_t e) { ScalarLoopRange(a, 1, b, e); });
         };

@@ -378,9 +378,9 @@ struct AsyncCheckpointer::Pending {
   std::string root, tmp_dir, final_dir;
   Manifest manifest;  // without files
   std::string header;            // this rank's shard file: header, then
-  char* body = nullptr;          // the sections, filled by Engine::BeginSnapshot
+  char* body = nullptr;          // the sections, filled by Engine::BeginSnapshot (the
+                                 // staging buffer of BeginSave's caller)
   size_t body_bytes = 0;
-  memory::Allocation own_body;   // synchronous saves; the AsyncCheckpointer reuses its own
   uint32_t crc = 0;              // of header + body, computed by the writer
   absl::Status status;  // snapshot or write failure on this rank
   std::thread writer;
@@ -520,7 +520,6 @@ absl::StatusOr<std::string> SaveCheckpoint(Engine& engine, const std::string& ro
   memory::Allocation body;
   ASSIGN_OR_RETURN(std::unique_ptr<AsyncCheckpointer::Pending> p,
                    BeginSave(engine, root, Fs(options.fs), memory::HostAllocator(), &body));
-  p->own_body = std::move(body);
   p->status = WriteShard(p.get());
   return CommitSave(p.get());
 }

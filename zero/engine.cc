@@ -106,10 +106,6 @@ class Engine::Impl {
   // Orders the snapshot's copies before the next write to the owned state: on compute_ for
   // device-side updates, on the host for host-side ones (offload, restore).
   absl::Status FenceSnapshot(bool host);
-  // Enqueues unit u's owned range (master, m, v and, when `param` is not null, the
-  // compute-dtype parameters) into host buffers on `stream`.
-  absl::Status CopyOwned(int u, float* master, float* m, float* v, void* param,
-                         Device::Stream stream);
 
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
 
@@ -1065,34 +1061,10 @@ EngineState Engine::state() const {
   return e;
 }
 
-absl::Status Engine::Impl::CopyOwned(int unit, float* master, float* m, float* v, void* param,
-                                     Device::Stream stream) {
-  const memory::Unit& u = plan_.units[unit];
-  const Region reg = Owned(unit);
-  // Stage 0 regions cover the whole padded unit; the caller wants this rank's range.
-  const int64_t skip = stage_ == 0 ? rank_ * u.shard : 0;
-  const size_t bytes = static_cast<size_t>(u.shard) * 4;
-  RETURN_IF_ERROR(dev_->Copy(master, reg.master + skip, bytes, stream));
-  RETURN_IF_ERROR(dev_->Copy(m, reg.m + skip, bytes, stream));
-  RETURN_IF_ERROR(dev_->Copy(v, reg.v + skip, bytes, stream));
-  if (param == nullptr) return absl::OkStatus();
-  return dev_->Copy(param, reg.param + skip * c_, u.shard * c_, stream);
-}
-
 absl::Status Engine::Impl::FenceSnapshot(bool host) {
   if (!snapshot_pending_) return absl::OkStatus();
   snapshot_pending_ = false;
   return host ? dev_->WaitHost(snapshot_done_) : dev_->Wait(compute_, snapshot_done_);
-}
-
-absl::Status Engine::CopyOwnedShard(int unit, float* master, float* m, float* v, void* param) {
-  Impl& e = *impl_;
-  if (unit < 0 || unit >= num_units()) {
-    return absl::OutOfRangeError(absl::StrCat("CopyOwnedShard(", unit, "): there are ",
-                                              num_units(), " units"));
-  }
-  RETURN_IF_ERROR(e.CopyOwned(unit, master, m, v, param, e.compute_));
-  return e.dev_->Synchronize(e.compute_);
 }
 
 absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* param) {
@@ -1113,10 +1085,22 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
   // all-gathers there; its host writes are already done).
   RETURN_IF_ERROR(e.dev_->Record(e.snapshot_start_, e.compute_));
   RETURN_IF_ERROR(e.dev_->Wait(e.snapshot_stream_, e.snapshot_start_));
+  Device* dev = e.dev_;
+  Device::Stream s = e.snapshot_stream_;
   for (int u = 0; u < num_units(); ++u) {
-    const int64_t off = e.plan_.units[u].shard_offset;
-    void* p = param == nullptr ? nullptr : static_cast<char*>(param) + off * e.c_;
-    RETURN_IF_ERROR(e.CopyOwned(u, master + off, m + off, v + off, p, e.snapshot_stream_));
+    const memory::Unit& unit = e.plan_.units[u];
+    const Impl::Region reg = e.Owned(u);
+    const int64_t off = unit.shard_offset;
+    // Stage 0 regions cover the whole padded unit; the snapshot holds this rank's range.
+    const int64_t skip = e.stage_ == 0 ? e.rank_ * unit.shard : 0;
+    const size_t bytes = static_cast<size_t>(unit.shard) * 4;
+    RETURN_IF_ERROR(dev->Copy(master + off, reg.master + skip, bytes, s));
+    RETURN_IF_ERROR(dev->Copy(m + off, reg.m + skip, bytes, s));
+    RETURN_IF_ERROR(dev->Copy(v + off, reg.v + skip, bytes, s));
+    if (param != nullptr) {
+      RETURN_IF_ERROR(dev->Copy(static_cast<char*>(param) + off * e.c_,
+                                reg.param + skip * e.c_, unit.shard * e.c_, s));
+    }
   }
   RETURN_IF_ERROR(e.dev_->Record(e.snapshot_done_, e.snapshot_stream_));
   e.snapshot_pending_ = true;

@@ -165,15 +165,11 @@ class Engine {
   bool at_step_boundary() const;
   EngineState state() const;
 
-  // Copies this rank's range of unit `unit` (plan().units[unit].shard elements) of the fp32
-  // master weights, m and v into host buffers; `param`, when not null, receives the
-  // compute-dtype parameters of the same range. Not collective.
-  absl::Status CopyOwnedShard(int unit, float* master, float* m, float* v, void* param);
-
-  // Starts copying this rank's owned state of every unit into host buffers laid out as
-  // RestoreOwnedState takes them (unit u's range at plan().units[u].shard_offset; `param`, when
-  // not null, receives plan().shard_elements compute-dtype parameters) and returns without
-  // waiting. The copies run on a stream of the engine's, after the work enqueued so far on the
+  // Starts copying this rank's range of every unit (plan().units[u].shard elements) of the
+  // fp32 master weights, m and v into host buffers of plan().shard_elements floats each, unit
+  // u's range at plan().units[u].shard_offset (the layout RestoreOwnedState takes; `param`,
+  // when not null, receives the compute-dtype parameters of the same ranges), and returns
+  // without waiting. The copies run on a stream of the engine's, after the work enqueued so far on the
   // trainer's stream, so they overlap the next forward and backward passes; the next optimizer
   // update, RestoreOwnedState and the destructor wait for them, so the buffers receive exactly
   // the state at this call. Pinned buffers keep the copies off the host on a GPU. Not
@@ -186,7 +182,7 @@ class Engine {
 
   // Replaces the optimizer state and the scalar state. `master`, `m` and `v` hold
   // plan().shard_elements floats each, unit u's range at plan().units[u].shard_offset (the
-  // layout of CopyOwnedShard). The compute-dtype parameters are re-derived from the master
+  // layout of BeginSnapshot). The compute-dtype parameters are re-derived from the master
   // weights (round once, as Step and InitParams do) and all-gathered, so every rank ends
   // consistent. Collective. REQUIRES: at_step_boundary(); padding elements are zero.
   absl::Status RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
