@@ -33,8 +33,8 @@
 #include "memory/arena.h"
 #include "nlohmann/json.hpp"
 #include "offload/cpu_adamw.h"
-#include "zero/cuda_device.h"
-#include "zero/device.h"
+#include "device/cuda_device.h"
+#include "device/device.h"
 
 namespace zerort {
 namespace {

@@ -36,7 +36,7 @@
 #include "comm/inprocess.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
-#include "zero/cpu_device.h"
+#include "device/cpu_device.h"
 #include "zero/engine.h"
 #include "zero/model_spec.h"
 

@@ -32,7 +32,7 @@ namespace zerort {
 namespace comm {
 
 // How the ranks' buffers are copied and reduced. The default (empty functions) moves host
-// memory with the host's loads and stores; zero/cuda_device.h supplies GPU versions so that
+// memory with the host's loads and stores; device/cuda_device.h supplies GPU versions so that
 // threads sharing one GPU run a group over device memory. Both must be complete when they
 // return and `reduce` must keep ReduceBlocks's contract (rank order, one rounding, canonical
 // NaN; dst may alias a source at the same offsets).

@@ -55,7 +55,7 @@
 #include "comm/communicator.h"
 #include "memory/plan.h"
 #include "zero/config.h"
-#include "zero/device.h"
+#include "device/device.h"
 
 namespace zerort {
 

@@ -16,8 +16,8 @@
 #include "absl/strings/match.h"
 #include "comm/inprocess.h"
 #include "comm/nccl.h"
-#include "zero/cpu_device.h"
-#include "zero/cuda_device.h"
+#include "device/cpu_device.h"
+#include "device/cuda_device.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
 

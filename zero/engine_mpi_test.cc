@@ -11,7 +11,7 @@
 
 #include "comm/inprocess.h"
 #include "comm/mpi.h"
-#include "zero/cpu_device.h"
+#include "device/cpu_device.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {

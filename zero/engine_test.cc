@@ -10,7 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "comm/inprocess.h"
-#include "zero/cpu_device.h"
+#include "device/cpu_device.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {

@@ -14,7 +14,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
-#include "zero/cpu_device.h"
+#include "device/cpu_device.h"
 
 namespace zerort {
 namespace examples {

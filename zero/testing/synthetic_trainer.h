@@ -13,7 +13,7 @@
 #include "comm/communicator.h"
 #include "memory/plan.h"
 #include "zero/config.h"
-#include "zero/device.h"
+#include "device/device.h"
 #include "zero/engine.h"
 
 namespace zerort {

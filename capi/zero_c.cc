@@ -1,0 +1,408 @@
+// The C ABI: thin wrappers that turn C arguments into engine calls and absl::Status into
+// zr_status plus a thread-local message. No C++ exception may cross extern "C", so every entry
+// point that can allocate runs inside Guard().
+#include "capi/zero_c.h"
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/status.h"
+#include "comm/inprocess.h"
+#include "checkpoint/checkpoint.h"
+#include "zero/config.h"
+#include "device/cpu_device.h"
+#include "zero/engine.h"
+
+struct zr_comm {
+  std::unique_ptr<zerort::comm::Communicator> comm;
+};
+
+struct zr_device {
+  std::unique_ptr<zerort::Device> device;
+};
+
+struct zr_checkpointer {
+  zerort::AsyncCheckpointer checkpointer;
+};
+
+struct zr_engine {
+  std::unique_ptr<zerort::Engine> engine;
+};
+
+namespace {
+
+static_assert(static_cast<int>(ZR_UNAUTHENTICATED) ==
+                  static_cast<int>(absl::StatusCode::kUnauthenticated),
+              "zr_status must mirror absl::StatusCode");
+static_assert(static_cast<int>(ZR_BF16) == static_cast<int>(zerort::DType::kBF16) &&
+                  static_cast<int>(ZR_F16) == static_cast<int>(zerort::DType::kF16),
+              "zr_dtype must mirror zerort::DType");
+static_assert(ZR_NUM_MEMORY_KINDS == zerort::memory::kNumMemoryKinds,
+              "zr_memory_kind must mirror memory::MemoryKind");
+
+std::string& LastError() {
+  thread_local std::string message;
+  return message;
+}
+
+zr_status Set(const absl::Status& status) {
+  if (status.ok()) {
+    LastError().clear();
+    return ZR_OK;
+  }
+  LastError() = std::string(status.message());
+  return static_cast<zr_status>(status.code());
+}
+
+// Runs `fn` (returning absl::Status), converting anything it throws into a status.
+template <typename Fn>
+zr_status Guard(Fn&& fn) {
+  try {
+    return Set(fn());
+  } catch (const std::bad_alloc&) {
+    return Set(absl::ResourceExhaustedError("out of host memory in the zerort C API"));
+  } catch (const std::exception& e) {
+    return Set(absl::InternalError(absl::StrCat("zerort C API: ", e.what())));
+  } catch (...) {
+    return Set(absl::InternalError("zerort C API: unknown exception"));
+  }
+}
+
+absl::Status NotNull(const void* p, const char* function, const char* argument) {
+  if (p != nullptr) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(function, ": ", argument, " is NULL"));
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* zr_last_error(void) { return LastError().c_str(); }
+
+const char* zr_status_name(zr_status status) {
+  switch (status) {
+    case ZR_OK: return "OK";
+    case ZR_CANCELLED: return "CANCELLED";
+    case ZR_UNKNOWN: return "UNKNOWN";
+    case ZR_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case ZR_DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case ZR_NOT_FOUND: return "NOT_FOUND";
+    case ZR_ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case ZR_PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case ZR_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case ZR_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case ZR_ABORTED: return "ABORTED";
+    case ZR_OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case ZR_UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case ZR_INTERNAL: return "INTERNAL";
+    case ZR_UNAVAILABLE: return "UNAVAILABLE";
+    case ZR_DATA_LOSS: return "DATA_LOSS";
+    case ZR_UNAUTHENTICATED: return "UNAUTHENTICATED";
+  }
+  return "UNKNOWN_STATUS";
+}
+
+zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** comms) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(comms, "zr_comm_group_create", "comms"));
+    if (world_size < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zr_comm_group_create: world_size ", world_size, " must be >= 1"));
+    }
+    if (timeout_ms < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_comm_group_create: timeout_ms ", timeout_ms, " must be >= 0 (0 = default)"));
+    }
+    zerort::comm::CommOptions options;
+    if (timeout_ms > 0) options.timeout_ms = timeout_ms;
+    ASSIGN_OR_RETURN(auto group, zerort::comm::CreateInProcessGroup(world_size, options));
+    // Build every wrapper before publishing any, so that a failure leaves comms untouched.
+    std::vector<std::unique_ptr<zr_comm>> wrapped;
+    for (auto& c : group) {
+      wrapped.push_back(std::make_unique<zr_comm>());
+      wrapped.back()->comm = std::move(c);
+    }
+    for (int r = 0; r < world_size; ++r) comms[r] = wrapped[r].release();
+    return absl::OkStatus();
+  });
+}
+
+void zr_comm_destroy(zr_comm* comm) { delete comm; }
+
+int zr_comm_rank(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm->rank(); }
+
+int zr_comm_size(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm->size(); }
+
+zr_status zr_cpu_device_create(int threads, zr_device** device) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(device, "zr_cpu_device_create", "device"));
+    if (threads < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zr_cpu_device_create: threads ", threads, " must be >= 0 (0 = all cores)"));
+    }
+    auto wrapper = std::make_unique<zr_device>();
+    wrapper->device = zerort::CreateCpuDevice(threads);
+    *device = wrapper.release();
+    return absl::OkStatus();
+  });
+}
+
+void zr_device_destroy(zr_device* device) { delete device; }
+
+zr_status zr_engine_create(const char* config_json, const zr_param_spec* params, int num_params,
+                           zr_comm* comm, zr_device* device, zr_engine** engine) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(config_json, "zr_engine_create", "config_json"));
+    RETURN_IF_ERROR(NotNull(comm, "zr_engine_create", "comm"));
+    RETURN_IF_ERROR(NotNull(device, "zr_engine_create", "device"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_create", "engine"));
+    if (num_params < 1 || params == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_engine_create: needs at least one parameter (num_params ", num_params, ")"));
+    }
+    ASSIGN_OR_RETURN(zerort::Config config, zerort::ParseConfig(config_json, "config_json"));
+    std::vector<zerort::memory::ParamSpec> specs(num_params);
+    for (int i = 0; i < num_params; ++i) {
+      const zr_param_spec& p = params[i];
+      if (p.name == nullptr || p.module == nullptr || p.ndim < 1 || p.shape == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "zr_engine_create: parameter ", i, " (", p.name == nullptr ? "<NULL name>" : p.name,
+            ") needs a name, a module, ndim >= 1 and a shape"));
+      }
+      specs[i].name = p.name;
+      specs[i].module = p.module;
+      specs[i].shape.assign(p.shape, p.shape + p.ndim);
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<zerort::Engine> e,
+                     zerort::Engine::Create(config, std::move(specs), comm->comm.get(),
+                                            device->device.get()));
+    auto wrapper = std::make_unique<zr_engine>();
+    wrapper->engine = std::move(e);
+    *engine = wrapper.release();
+    return absl::OkStatus();
+  });
+}
+
+void zr_engine_destroy(zr_engine* engine) { delete engine; }
+
+zr_status zr_engine_init_params(zr_engine* engine, zr_init_fn init, void* user, int from_rank0) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_init_params", "engine"));
+    // Only rank 0 calls `init` when broadcasting, so the other ranks may pass NULL.
+    if (init == nullptr && (from_rank0 == 0 || engine->engine->plan().options.rank == 0)) {
+      return absl::InvalidArgumentError("zr_engine_init_params: init is NULL");
+    }
+    auto adapter = [init, user](int index, const zerort::memory::ParamSpec& spec,
+                                float* values) {
+      int64_t numel = 1;
+      for (int64_t d : spec.shape) numel *= d;
+      init(user, index, spec.name.c_str(), static_cast<int>(spec.shape.size()),
+           spec.shape.data(), numel, values);
+    };
+    return engine->engine->InitParams(adapter, from_rank0 != 0);
+  });
+}
+
+zr_status zr_engine_param(zr_engine* engine, int i, void** out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_param", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_param", "out"));
+    ASSIGN_OR_RETURN(*out, engine->engine->param(i));
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_grad(zr_engine* engine, int i, void** out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_grad", "out"));
+    ASSIGN_OR_RETURN(*out, engine->engine->grad(i));
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_grad_ready(zr_engine* engine, int i) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad_ready", "engine"));
+    return engine->engine->GradReady(i);
+  });
+}
+
+zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad_ready_unit", "engine"));
+    return engine->engine->GradReadyUnit(unit);
+  });
+}
+
+zr_status zr_engine_gather(zr_engine* engine, int unit) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather", "engine"));
+    return engine->engine->Gather(unit);
+  });
+}
+
+zr_status zr_engine_release(zr_engine* engine, int unit) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_release", "engine"));
+    return engine->engine->Release(unit);
+  });
+}
+
+zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_step", "engine"));
+    ASSIGN_OR_RETURN(zerort::StepStats s, engine->engine->Step());
+    if (stats != nullptr) {
+      stats->boundary = s.boundary ? 1 : 0;
+      stats->skipped = s.skipped ? 1 : 0;
+      stats->step = s.step;
+      stats->loss_scale = s.loss_scale;
+      stats->grad_norm = s.grad_norm;
+      stats->clip_coef = s.clip_coef;
+      stats->comm_bytes = s.comm_bytes;
+      stats->reduce_ms = s.reduce_ms;
+      stats->optimizer_ms = s.optimizer_ms;
+      stats->gather_ms = s.gather_ms;
+      stats->total_ms = s.total_ms;
+    }
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t capacity) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather_master_weights", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_gather_master_weights", "out"));
+    const int64_t needed = engine->engine->plan().num_params;
+    // Checked before the collective so that every rank fails alike when all pass the same size.
+    if (capacity < needed) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_gather_master_weights: capacity ",
+                                                capacity, " < ", needed, " elements"));
+    }
+    ASSIGN_OR_RETURN(std::vector<float> master, engine->engine->GatherMasterWeights());
+    std::memcpy(out, master.data(), master.size() * sizeof(float));
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_plan_summary", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_plan_summary", "out"));
+    const zerort::memory::Plan& plan = engine->engine->plan();
+    const zerort::MemoryReport report = engine->engine->memory_report();
+    std::memset(out, 0, sizeof(*out));
+    out->stage = plan.options.stage;
+    out->world_size = plan.options.world_size;
+    out->rank = plan.options.rank;
+    out->compute_dtype = static_cast<zr_dtype>(plan.options.compute_dtype);
+    out->num_params = engine->engine->num_params();
+    out->num_units = engine->engine->num_units();
+    out->num_elements = plan.num_params;
+    out->padded_elements = plan.padded_elements;
+    out->shard_elements = plan.shard_elements;
+    out->model_state_bytes = plan.model_state_bytes;
+    out->comm_bytes_per_step = plan.comm_bytes_per_step;
+    for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
+      out->planned_bytes[k] = report.planned[k];
+      out->allocated_bytes[k] = report.allocated[k];
+    }
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_unit_of", "engine"));
+    RETURN_IF_ERROR(NotNull(unit, "zr_engine_unit_of", "unit"));
+    if (i < 0 || i >= engine->engine->num_params()) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_unit_of: parameter index ", i,
+                                                " outside [0, ",
+                                                engine->engine->num_params(), ")"));
+    }
+    *unit = engine->engine->unit_of(i);
+    return absl::OkStatus();
+  });
+}
+
+zr_dtype zr_engine_compute_dtype(const zr_engine* engine) {
+  return static_cast<zr_dtype>(engine->engine->plan().options.compute_dtype);
+}
+
+double zr_engine_loss_scale(const zr_engine* engine) { return engine->engine->loss_scale(); }
+
+int64_t zr_engine_step_count(const zr_engine* engine) { return engine->engine->step(); }
+
+zr_status zr_engine_save_checkpoint(zr_engine* engine, const char* root) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_save_checkpoint", "engine"));
+    RETURN_IF_ERROR(NotNull(root, "zr_engine_save_checkpoint", "root"));
+    return zerort::SaveCheckpoint(*engine->engine, root).status();
+  });
+}
+
+zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int allow_reshard) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_load_checkpoint", "engine"));
+    RETURN_IF_ERROR(NotNull(path, "zr_engine_load_checkpoint", "path"));
+    zerort::LoadOptions options;
+    options.allow_reshard = allow_reshard != 0;
+    return zerort::LoadCheckpoint(*engine->engine, path, options);
+  });
+}
+
+zr_status zr_checkpointer_create(zr_checkpointer** out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(out, "zr_checkpointer_create", "out"));
+    *out = new zr_checkpointer();
+    return absl::OkStatus();
+  });
+}
+
+void zr_checkpointer_destroy(zr_checkpointer* checkpointer) { delete checkpointer; }
+
+zr_status zr_checkpointer_start(zr_checkpointer* checkpointer, zr_engine* engine,
+                                const char* root) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_start", "checkpointer"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_start", "engine"));
+    RETURN_IF_ERROR(NotNull(root, "zr_checkpointer_start", "root"));
+    return checkpointer->checkpointer.Start(*engine->engine, root);
+  });
+}
+
+zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engine) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_finish", "checkpointer"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_finish", "engine"));
+    return checkpointer->checkpointer.Finish(*engine->engine).status();
+  });
+}
+
+void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype, int64_t n) {
+  // Through fp32, element by element, so equal-sized in-place conversion is safe.
+  for (int64_t i = 0; i < n; ++i) {
+    float f = 0;
+    switch (src_dtype) {
+      case ZR_F32: f = static_cast<const float*>(src)[i]; break;
+      case ZR_BF16: f = zerort::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]); break;
+      case ZR_F16: f = zerort::HalfToFloat(static_cast<const uint16_t*>(src)[i]); break;
+    }
+    switch (dst_dtype) {
+      case ZR_F32: static_cast<float*>(dst)[i] = f; break;
+      case ZR_BF16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToBf16(f); break;
+      case ZR_F16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToHalf(f); break;
+    }
+  }
+}
+
+}  // extern "C"

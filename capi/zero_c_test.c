@@ -1,0 +1,410 @@
+/* The C ABI from C: a linear regression trained on 2 in-process ranks (pthreads) under every
+ * stage, checked against the teacher weights that generated the data, with an asynchronous
+ * checkpoint taken mid-run and a synchronous one at the end, both reloaded into fresh engines;
+ * plus the error paths. Plain C (no Catch2): a failed check prints its line and the test exits
+ * non-zero. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "capi/zero_c.h"
+
+#define IN 6
+#define OUT 3
+#define BATCH 16
+#define STEPS 60
+#define WORLD 2
+#define NUM_ELEMENTS (OUT * IN + OUT)
+#define CKPT_STEP 10 /* the async checkpoint starts after this step and finishes 2 steps later */
+
+static int g_failures = 0;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+
+#define CHECK(cond, ...)                                                      \
+  do {                                                                        \
+    if (!(cond)) {                                                            \
+      pthread_mutex_lock(&g_mu);                                              \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                           \
+      fprintf(stderr, "\n");                                                  \
+      ++g_failures;                                                           \
+      pthread_mutex_unlock(&g_mu);                                            \
+    }                                                                         \
+  } while (0)
+
+/* A call that must succeed; on failure records it and leaves the enclosing function. */
+#define MUST(call)                                                                       \
+  do {                                                                                   \
+    zr_status s_ = (call);                                                               \
+    if (s_ != ZR_OK) {                                                                   \
+      CHECK(s_ == ZR_OK, "%s -> %s: %s", #call, zr_status_name(s_), zr_last_error());    \
+      return NULL;                                                                       \
+    }                                                                                    \
+  } while (0)
+
+/* Deterministic data: a small LCG in [-1, 1). */
+static float Rand(uint64_t* state) {
+  *state = *state * 6364136223846793005ull + 1442695040888963407ull;
+  return (float)((*state >> 40) & 0xffffff) / 8388608.0f - 1.0f;
+}
+
+/* The teacher: y = W* x + b*, with W*[o][i] = sin(1 + o*IN + i) and b*[o] = 0.5*cos(o). */
+static float TeacherW(int o, int i) { return sinf((float)(1 + o * IN + i)); }
+static float TeacherB(int o) { return 0.5f * cosf((float)o); }
+
+static void InitParams(void* user, int index, const char* name, int ndim, const int64_t* shape,
+                       int64_t numel, float* values) {
+  (void)user;
+  (void)name;
+  (void)ndim;
+  (void)shape;
+  for (int64_t k = 0; k < numel; ++k) values[k] = index == 0 ? 0.1f * cosf((float)k) : 0.0f;
+}
+
+/* Squared distance of flat (W, b) from the teacher. */
+static double TeacherDistance(const float* flat) {
+  double d = 0;
+  for (int o = 0; o < OUT; ++o) {
+    for (int i = 0; i < IN; ++i) d += pow(flat[o * IN + i] - TeacherW(o, i), 2);
+    d += pow(flat[OUT * IN + o] - TeacherB(o), 2);
+  }
+  return d;
+}
+
+typedef struct {
+  zr_comm* comm;
+  zr_device* device;
+  const char* config;
+  int per_unit; /* grad_ready_unit instead of grad_ready per parameter */
+  float first_loss;
+  float last_loss;
+  float master[NUM_ELEMENTS];
+  int64_t steps_applied;
+  zr_plan_summary plan;
+  const char* ckpt_root;
+  int64_t saved_step;                 /* steps applied when the async checkpoint started */
+  float saved_master[NUM_ELEMENTS];   /* the master weights then */
+  int64_t loaded_step;                /* a fresh engine after loading that checkpoint */
+  float loaded_master[NUM_ELEMENTS];
+  float reloaded_master[NUM_ELEMENTS]; /* a fresh engine after loading the final one */
+} RankJob;
+
+static void* RunRank(void* arg) {
+  RankJob* job = (RankJob*)arg;
+  const int rank = zr_comm_rank(job->comm);
+  const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
+  const zr_param_spec params[2] = {{"fc.w", 2, w_shape, "fc"}, {"fc.b", 1, b_shape, "fc"}};
+  zr_engine* engine = NULL;
+  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &engine));
+  MUST(zr_engine_init_params(engine, InitParams, NULL, 1));
+  CHECK(strcmp(zr_last_error(), "") == 0, "after success: '%s'", zr_last_error());
+  const zr_dtype dtype = zr_engine_compute_dtype(engine);
+  int unit_w = -1, unit_b = -1;
+  MUST(zr_engine_unit_of(engine, 0, &unit_w));
+  MUST(zr_engine_unit_of(engine, 1, &unit_b));
+
+  zr_checkpointer* ck = NULL;
+  MUST(zr_checkpointer_create(&ck));
+
+  float x[BATCH][IN], y[BATCH][OUT], pred[BATCH][OUT], w[OUT * IN], b[OUT];
+  float gw[OUT * IN], gb[OUT];
+  for (int step = 0; step < STEPS; ++step) {
+    uint64_t state = 1000003ull * (uint64_t)(rank + 1) + (uint64_t)step;
+    for (int s = 0; s < BATCH; ++s) {
+      for (int i = 0; i < IN; ++i) x[s][i] = Rand(&state);
+      for (int o = 0; o < OUT; ++o) {
+        y[s][o] = TeacherB(o);
+        for (int i = 0; i < IN; ++i) y[s][o] += TeacherW(o, i) * x[s][i];
+      }
+    }
+    /* Forward: the parameters are readable between gather and release (stage 3). */
+    void* p = NULL;
+    MUST(zr_engine_gather(engine, unit_w));
+    if (unit_b != unit_w) MUST(zr_engine_gather(engine, unit_b));
+    MUST(zr_engine_param(engine, 0, &p));
+    zr_convert(p, dtype, w, ZR_F32, OUT * IN);
+    MUST(zr_engine_param(engine, 1, &p));
+    zr_convert(p, dtype, b, ZR_F32, OUT);
+    if (unit_b != unit_w) MUST(zr_engine_release(engine, unit_b));
+    MUST(zr_engine_release(engine, unit_w));
+    float loss = 0;
+    for (int s = 0; s < BATCH; ++s) {
+      for (int o = 0; o < OUT; ++o) {
+        pred[s][o] = b[o];
+        for (int i = 0; i < IN; ++i) pred[s][o] += w[o * IN + i] * x[s][i];
+        loss += (pred[s][o] - y[s][o]) * (pred[s][o] - y[s][o]);
+      }
+    }
+    loss /= BATCH * OUT;
+    if (step == 0) job->first_loss = loss;
+    job->last_loss = loss;
+
+    /* Backward: bias (registered last) first, each gradient scaled by the loss scale. */
+    const float k = 2.0f * (float)zr_engine_loss_scale(engine) / (BATCH * OUT);
+    memset(gw, 0, sizeof gw);
+    memset(gb, 0, sizeof gb);
+    for (int s = 0; s < BATCH; ++s) {
+      for (int o = 0; o < OUT; ++o) {
+        const float d = k * (pred[s][o] - y[s][o]);
+        gb[o] += d;
+        for (int i = 0; i < IN; ++i) gw[o * IN + i] += d * x[s][i];
+      }
+    }
+    if (job->per_unit) {
+      /* Both gradients written first, then each unit marked ready as a whole. */
+      MUST(zr_engine_grad(engine, 1, &p));
+      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      MUST(zr_engine_grad(engine, 0, &p));
+      zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
+      MUST(zr_engine_grad_ready_unit(engine, unit_b));
+      if (unit_w != unit_b) MUST(zr_engine_grad_ready_unit(engine, unit_w));
+    } else {
+      MUST(zr_engine_grad(engine, 1, &p));
+      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      MUST(zr_engine_grad_ready(engine, 1));
+      MUST(zr_engine_grad(engine, 0, &p));
+      zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
+      MUST(zr_engine_grad_ready(engine, 0));
+    }
+    zr_step_stats stats;
+    MUST(zr_engine_step(engine, &stats));
+    CHECK(stats.boundary == 1, "step %d", step);
+    if (step == CKPT_STEP) {
+      job->saved_step = zr_engine_step_count(engine);
+      MUST(zr_engine_gather_master_weights(engine, job->saved_master, NUM_ELEMENTS));
+      MUST(zr_checkpointer_start(ck, engine, job->ckpt_root));
+    }
+    if (step == CKPT_STEP + 2) MUST(zr_checkpointer_finish(ck, engine));
+  }
+  zr_checkpointer_destroy(ck);
+  job->steps_applied = zr_engine_step_count(engine);
+  MUST(zr_engine_plan_summary(engine, &job->plan));
+  MUST(zr_engine_gather_master_weights(engine, job->master, NUM_ELEMENTS));
+  MUST(zr_engine_save_checkpoint(engine, job->ckpt_root));
+  zr_engine_destroy(engine);
+
+  /* Fresh engines: the mid-run checkpoint by its directory, the final one through `latest`. */
+  char path[512];
+  snprintf(path, sizeof path, "%s/step_%lld", job->ckpt_root, (long long)job->saved_step);
+  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &engine));
+  MUST(zr_engine_init_params(engine, InitParams, NULL, 1));
+  MUST(zr_engine_load_checkpoint(engine, path, 0));
+  job->loaded_step = zr_engine_step_count(engine);
+  MUST(zr_engine_gather_master_weights(engine, job->loaded_master, NUM_ELEMENTS));
+  MUST(zr_engine_load_checkpoint(engine, job->ckpt_root, 0));
+  MUST(zr_engine_gather_master_weights(engine, job->reloaded_master, NUM_ELEMENTS));
+  snprintf(path, sizeof path, "%s/step_999", job->ckpt_root);
+  const zr_status st = zr_engine_load_checkpoint(engine, path, 0);
+  CHECK(st == ZR_NOT_FOUND && strstr(zr_last_error(), "step_999") != NULL,
+        "missing checkpoint: %s: %s", zr_status_name(st), zr_last_error());
+  zr_engine_destroy(engine);
+  return NULL;
+}
+
+static void TrainOnTwoRanks(const char* precision, int stage, int per_unit) {
+  char config[512];
+  snprintf(config, sizeof config,
+           "{\"zero_optimization\": {\"stage\": %d, \"stage3_param_persistence_threshold\": 0},"
+           " \"%s\": {\"enabled\": true},"
+           " \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0.05, \"weight_decay\": 0}},"
+           " \"comm_timeout_ms\": 20000}",
+           stage, precision);
+  zr_comm* comms[WORLD];
+  zr_device* device = NULL;
+  if (zr_comm_group_create(WORLD, 0, comms) != ZR_OK ||
+      zr_cpu_device_create(1, &device) != ZR_OK) {
+    CHECK(0, "setup: %s", zr_last_error());
+    return;
+  }
+  const char* tmp = getenv("TEST_TMPDIR");
+  char root[256];
+  snprintf(root, sizeof root, "%s/zero_c_ckpt_XXXXXX", tmp != NULL ? tmp : "/tmp");
+  if (mkdtemp(root) == NULL) {
+    CHECK(0, "mkdtemp(%s) failed", root);
+    return;
+  }
+  RankJob jobs[WORLD];
+  pthread_t threads[WORLD];
+  memset(jobs, 0, sizeof jobs);
+  for (int r = 0; r < WORLD; ++r) {
+    jobs[r].ckpt_root = root;
+    jobs[r].comm = comms[r];
+    jobs[r].device = device;
+    jobs[r].config = config;
+    jobs[r].per_unit = per_unit;
+    pthread_create(&threads[r], NULL, RunRank, &jobs[r]);
+  }
+  for (int r = 0; r < WORLD; ++r) pthread_join(threads[r], NULL);
+
+  float initial[NUM_ELEMENTS];
+  int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
+  InitParams(NULL, 0, "fc.w", 2, w_shape, OUT * IN, initial);
+  InitParams(NULL, 1, "fc.b", 1, b_shape, OUT, initial + OUT * IN);
+  for (int r = 0; r < WORLD; ++r) {
+    CHECK(jobs[r].last_loss < 0.2f * jobs[r].first_loss, "%s stage %d rank %d: loss %g -> %g",
+          precision, stage, r, jobs[r].first_loss, jobs[r].last_loss);
+    CHECK(TeacherDistance(jobs[r].master) < 0.2 * TeacherDistance(initial),
+          "%s stage %d rank %d: distance to the teacher %g -> %g", precision, stage, r,
+          TeacherDistance(initial), TeacherDistance(jobs[r].master));
+    CHECK(jobs[r].steps_applied == STEPS, "%s stage %d: %lld steps", precision, stage,
+          (long long)jobs[r].steps_applied);
+    CHECK(jobs[r].plan.stage == stage && jobs[r].plan.world_size == WORLD &&
+              jobs[r].plan.rank == r && jobs[r].plan.num_elements == NUM_ELEMENTS,
+          "%s stage %d rank %d: plan summary", precision, stage, r);
+    for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
+      CHECK(jobs[r].plan.planned_bytes[k] == jobs[r].plan.allocated_bytes[k],
+            "kind %d: planned %lld, allocated %lld", k, (long long)jobs[r].plan.planned_bytes[k],
+            (long long)jobs[r].plan.allocated_bytes[k]);
+    }
+  }
+  CHECK(memcmp(jobs[0].master, jobs[1].master, sizeof jobs[0].master) == 0,
+        "%s stage %d: ranks disagree on the master weights", precision, stage);
+  /* Bit for bit: the checkpoint taken while training went on holds the state at its start. */
+  for (int r = 0; r < WORLD; ++r) {
+    CHECK(jobs[r].saved_step > 0 && jobs[r].loaded_step == jobs[r].saved_step,
+          "%s stage %d: saved at step %lld, loaded step %lld", precision, stage,
+          (long long)jobs[r].saved_step, (long long)jobs[r].loaded_step);
+    CHECK(memcmp(jobs[r].loaded_master, jobs[r].saved_master, sizeof jobs[r].master) == 0,
+          "%s stage %d rank %d: async checkpoint differs from the state at start", precision,
+          stage, r);
+    CHECK(memcmp(jobs[r].reloaded_master, jobs[r].master, sizeof jobs[r].master) == 0,
+          "%s stage %d rank %d: final checkpoint differs from the final state", precision,
+          stage, r);
+  }
+  for (int r = 0; r < WORLD; ++r) zr_comm_destroy(comms[r]);
+  zr_device_destroy(device);
+}
+
+/* One-rank engine for the error paths. */
+typedef struct {
+  zr_comm* comm;
+  zr_device* device;
+  zr_engine* engine;
+} Single;
+
+static int MakeSingle(const char* config, Single* out) {
+  const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
+  const zr_param_spec params[2] = {{"fc.w", 2, w_shape, "fc"}, {"fc.b", 1, b_shape, "fc"}};
+  memset(out, 0, sizeof *out);
+  if (zr_comm_group_create(1, 0, &out->comm) != ZR_OK) return 0;
+  if (zr_cpu_device_create(1, &out->device) != ZR_OK) return 0;
+  return zr_engine_create(config, params, 2, out->comm, out->device, &out->engine) == ZR_OK &&
+         zr_engine_init_params(out->engine, InitParams, NULL, 0) == ZR_OK;
+}
+
+static void FreeSingle(Single* s) {
+  zr_engine_destroy(s->engine);
+  zr_comm_destroy(s->comm);
+  zr_device_destroy(s->device);
+}
+
+static void* ReadLastError(void* out) {
+  *(const char**)out = zr_last_error();
+  return NULL;
+}
+
+static void ErrorPaths(void) {
+  Single s;
+  /* A misspelt key is InvalidArgument naming the key. */
+  CHECK(!MakeSingle("{\"zero_optimization\": {\"stage\": 2, \"reduce_bucket_sise\": 100}}", &s),
+        "misspelt key accepted");
+  CHECK(strstr(zr_last_error(), "reduce_bucket_sise") != NULL, "message: '%s'", zr_last_error());
+  FreeSingle(&s);
+  /* Malformed JSON. */
+  const int64_t shape[1] = {4};
+  const zr_param_spec one = {"p", 1, shape, "m"};
+  zr_engine* e = NULL;
+  zr_comm* comm = NULL;
+  zr_device* device = NULL;
+  CHECK(zr_comm_group_create(1, 0, &comm) == ZR_OK, "%s", zr_last_error());
+  CHECK(zr_cpu_device_create(1, &device) == ZR_OK, "%s", zr_last_error());
+  zr_status st = zr_engine_create("{\"bf16\": {\"enabled\": tru}}", &one, 1, comm, device, &e);
+  CHECK(st == ZR_INVALID_ARGUMENT && e == NULL, "malformed JSON: %s", zr_status_name(st));
+  /* The error message is per thread: a fresh thread sees none. */
+  const char* other = NULL;
+  pthread_t t;
+  pthread_create(&t, NULL, ReadLastError, &other);
+  pthread_join(t, NULL);
+  CHECK(other != NULL && other[0] == '\0' && zr_last_error()[0] != '\0',
+        "thread-local error: '%s'", other ? other : "(null)");
+  /* NULL arguments and bad shapes are InvalidArgument naming the argument or parameter. */
+  st = zr_engine_create("{}", &one, 1, comm, device, NULL);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "engine") != NULL, "%s",
+        zr_last_error());
+  const int64_t bad_shape[2] = {4, 0};
+  const zr_param_spec bad = {"bad.w", 2, bad_shape, "m"};
+  st = zr_engine_create("{}", &bad, 1, comm, device, &e);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "bad.w") != NULL, "%s: %s",
+        zr_status_name(st), zr_last_error());
+  st = zr_comm_group_create(0, 0, &comm);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "world_size") != NULL, "%s",
+        zr_last_error());
+  zr_comm_destroy(comm);
+  zr_device_destroy(device);
+
+  /* GradReady twice in one micro-step is an error; so is Step with a gradient missing. */
+  const int stages[2] = {0, 2};
+  for (int k = 0; k < 2; ++k) {
+    char config[128];
+    snprintf(config, sizeof config, "{\"zero_optimization\": {\"stage\": %d}}", stages[k]);
+    CHECK(MakeSingle(config, &s), "stage %d: %s", stages[k], zr_last_error());
+    if (s.engine == NULL) {
+      FreeSingle(&s);
+      continue;
+    }
+    void* g = NULL;
+    CHECK(zr_engine_grad(s.engine, 1, &g) == ZR_OK, "%s", zr_last_error());
+    CHECK(zr_engine_grad_ready(s.engine, 1) == ZR_OK, "%s", zr_last_error());
+    st = zr_engine_grad_ready(s.engine, 1);
+    CHECK(st == ZR_FAILED_PRECONDITION && strstr(zr_last_error(), "fc.b") != NULL,
+          "stage %d: second grad_ready: %s: %s", stages[k], zr_status_name(st), zr_last_error());
+    st = zr_engine_step(s.engine, NULL);
+    CHECK(st == ZR_FAILED_PRECONDITION && strstr(zr_last_error(), "fc.w") != NULL,
+          "stage %d: step without fc.w: %s: %s", stages[k], zr_status_name(st), zr_last_error());
+    /* Out-of-range indices and a short master buffer. */
+    st = zr_engine_grad_ready(s.engine, 7);
+    CHECK(st == ZR_OUT_OF_RANGE && strstr(zr_last_error(), "7") != NULL, "index 7: %s: %s",
+          zr_status_name(st), zr_last_error());
+    float small[4];
+    st = zr_engine_gather_master_weights(s.engine, small, 4);
+    CHECK(st == ZR_OUT_OF_RANGE, "short buffer: %s", zr_status_name(st));
+    FreeSingle(&s);
+  }
+}
+
+static void Conversions(void) {
+  /* Round to nearest, ties to even. bf16 keeps 7 fraction bits, fp16 10:
+   * 1 + 2^-8 is a bf16 tie (1 | 1 + 2^-7) -> 1, exact in fp16;
+   * 1 + 3*2^-8 is a bf16 tie (1 + 2^-7 | 1 + 2^-6) -> 1 + 2^-6, exact in fp16;
+   * 1 + 3*2^-11 is an fp16 tie (1 + 2^-10 | 1 + 2^-9) -> 1 + 2^-9, below half a bf16 step. */
+  const float in[3] = {1.0f + 0x1p-8f, 1.0f + 0x3p-8f, 1.0f + 0x3p-11f};
+  uint16_t h[3];
+  float back[3];
+  zr_convert(in, ZR_F32, h, ZR_BF16, 3);
+  zr_convert(h, ZR_BF16, back, ZR_F32, 3);
+  CHECK(back[0] == 1.0f && back[1] == 1.0f + 0x1p-6f && back[2] == 1.0f, "bf16: %.9g %.9g %.9g",
+        back[0], back[1], back[2]);
+  zr_convert(in, ZR_F32, h, ZR_F16, 3);
+  zr_convert(h, ZR_F16, back, ZR_F32, 3);
+  CHECK(back[0] == in[0] && back[1] == in[1] && back[2] == 1.0f + 0x1p-9f,
+        "fp16: %.9g %.9g %.9g", back[0], back[1], back[2]);
+}
+
+int main(void) {
+  const char* precisions[2] = {"bf16", "fp16"};
+  for (int p = 0; p < 2; ++p) {
+    for (int stage = 0; stage <= 3; ++stage) TrainOnTwoRanks(precisions[p], stage, stage == 1);
+  }
+  ErrorPaths();
+  Conversions();
+  if (g_failures != 0) {
+    fprintf(stderr, "zero_c_test: %d check(s) failed\n", g_failures);
+    return 1;
+  }
+  printf("zero_c_test: all checks passed\n");
+  return 0;
+}

@@ -1,0 +1,162 @@
+// Checkpoints: save an engine's training state durably, load it back bit-exactly, at the same
+// or another world size, and read it without an engine (inspect, consolidate, export).
+//
+//   // Every rank, between optimizer steps:
+//   ASSIGN_OR_RETURN(std::string path, SaveCheckpoint(*engine, "/ckpt"));  // /ckpt/step_<N>
+//   ...
+//   // After a restart, possibly on another number of ranks:
+//   LoadOptions lo;
+//   lo.allow_reshard = true;
+//   RETURN_IF_ERROR(LoadCheckpoint(*engine, "/ckpt", lo));  // follows /ckpt/latest
+//
+// Format (docs/checkpoints.md): `<root>/step_<N>/` holds manifest.json (JSON: format version,
+// world size, unit layout, parameter names and shapes, per-file size and CRC32C, engine state,
+// and its own checksum) and rank_<r>.bin per saving rank (a 64-byte header, then raw
+// little-endian fp32 master, m, v of the rank's owned range of every unit; in stage 3 also the
+// compute-dtype parameters). `<root>/latest` names the newest complete checkpoint. Nothing in a
+// checkpoint is executable.
+//
+// Guarantees:
+//  - Save: shards are written into step_<N>.tmp/ and fsynced; after every rank has finished,
+//    rank 0 writes the manifest atomically, renames the directory to step_<N>/, and only then
+//    replaces `latest` atomically. A crash or an I/O error at any point leaves `latest` naming
+//    the previous complete checkpoint (or absent, before the first save).
+//  - Load: verifies the manifest, every shard's header, size and CRC32C before touching the
+//    engine; any failure (on any rank) fails every rank with an error naming the file and the
+//    reason and leaves every engine unchanged.
+//  - A checkpoint saved at world size N with any stage loads at world size M with any stage
+//    (allow_reshard when N != M), giving the same fp32 master, m and v element for element.
+//
+// Collective: SaveCheckpoint, LoadCheckpoint and AsyncCheckpointer's Start/Finish must be called
+// by every rank of the engine's communicator, in the same order. The directory must be shared
+// by all ranks (one file system). Not thread-safe against the engine: do not call Step() during
+// SaveCheckpoint / LoadCheckpoint on the same rank (AsyncCheckpointer lets training go on).
+#ifndef ZERORT_CHECKPOINT_CHECKPOINT_H_
+#define ZERORT_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "memory/arena.h"
+#include "zero/engine.h"
+
+namespace zerort {
+
+namespace ckpt_internal {
+class FileSystem;  // zero/internal/ckpt_fs.h
+}  // namespace ckpt_internal
+
+struct SaveOptions {
+  // File-system seam; nullptr = POSIX. Tests inject failures and crashes through it.
+  ckpt_internal::FileSystem* fs = nullptr;
+};
+
+struct LoadOptions {
+  // Accept a checkpoint saved at a different world size (each rank then reads its new ranges
+  // from whichever shard files hold them). false: a different world size is FailedPrecondition.
+  bool allow_reshard = false;
+  ckpt_internal::FileSystem* fs = nullptr;
+};
+
+// Saves the engine's state into `root`/step_<engine.step()>/ and points `root`/latest at it.
+// Returns that directory. Errors (the same on every rank): FailedPrecondition inside an
+// accumulation window; AlreadyExists when `latest` already names step_<N>; the I/O error of
+// the failing operation (naming the path) otherwise, after which `latest` is unchanged.
+// Collective.
+absl::StatusOr<std::string> SaveCheckpoint(Engine& engine, const std::string& root,
+                                           const SaveOptions& options = {});
+
+// Loads `path`: a checkpoint directory (holding manifest.json) or a root whose `latest` names
+// one. The engine's parameters must match the checkpoint's (names and shapes, in order); stage,
+// precision and config may differ (the compute-dtype parameters are re-derived from the fp32
+// masters). Errors (the same on every rank, the engine unchanged): NotFound (no checkpoint, a
+// missing shard), DataLoss (a corrupted, truncated or mixed-up file, naming it),
+// FailedPrecondition (another model, another world size without allow_reshard, a newer format
+// version, inside an accumulation window). Collective.
+absl::Status LoadCheckpoint(Engine& engine, const std::string& path,
+                            const LoadOptions& options = {});
+
+// Saves without stopping training: Start() enqueues copies of this rank's state into a pinned
+// host buffer (Engine::BeginSnapshot, kept for the checkpointer's life and reused by every
+// save) and returns; the copies overlap the next forward and backward, and the next optimizer
+// update waits for them, so the checkpoint holds exactly the state at Start. A background
+// thread waits for the copies, then writes and fsyncs the shard while the trainer keeps
+// stepping; Finish() waits for it and commits (manifest, rename, `latest`), so `latest` moves
+// only once the checkpoint is durable. Start and Finish are collective; call Finish before the
+// next Start and before the engine is destroyed (the destructor waits for the writer but never
+// commits).
+//
+// Thread safety: one AsyncCheckpointer per rank, used by that rank's training thread.
+class AsyncCheckpointer {
+ public:
+  explicit AsyncCheckpointer(SaveOptions options = {});
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+
+  // REQUIRES: no save in flight (else FailedPrecondition).
+  absl::Status Start(Engine& engine, const std::string& root);
+  bool in_flight() const { return pending_ != nullptr; }
+  // Returns the committed directory. REQUIRES: a save in flight.
+  absl::StatusOr<std::string> Finish(Engine& engine);
+
+  struct Pending;  // zero/checkpoint.cc
+
+ private:
+  SaveOptions options_;
+  memory::Allocation staging_;  // pinned; the snapshot of the save in flight
+  std::unique_ptr<Pending> pending_;
+};
+
+// What a checkpoint holds, read without an engine.
+struct CheckpointInfo {
+  std::string dir;             // the checkpoint directory (after following `latest`)
+  int format_version = 0;
+  int64_t step = 0;
+  int world_size = 0;
+  int stage = 0;
+  std::string compute_dtype;   // "fp32", "bf16", "fp16"
+  std::string config_hash;
+  double loss_scale = 1;
+  int num_units = 0;
+  struct Param {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+  };
+  std::vector<Param> params;
+  struct File {
+    std::string name;
+    int64_t bytes = 0;
+    uint32_t crc32c = 0;
+  };
+  std::vector<File> files;
+};
+
+// The full (unsharded) fp32 state, per parameter in registration order.
+struct CheckpointState {
+  CheckpointInfo info;
+  std::vector<std::vector<float>> master, exp_avg, exp_avg_sq;
+};
+
+// Reads and verifies the manifest only (path as for LoadCheckpoint).
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& path,
+                                                  ckpt_internal::FileSystem* fs = nullptr);
+// Reads and verifies everything (every file's header, size and checksum).
+absl::StatusOr<CheckpointState> ReadCheckpoint(const std::string& path,
+                                               ckpt_internal::FileSystem* fs = nullptr);
+
+// Writes the full fp32 state as one safetensors file at `out` (atomically): tensor `<name>`
+// holds the master weights, `exp_avg.<name>` and `exp_avg_sq.<name>` Adam's moments; the
+// metadata holds step, loss scale and the source checkpoint. InvalidArgument when a parameter
+// name collides with another's moment name.
+absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
+                                   ckpt_internal::FileSystem* fs = nullptr);
+
+}  // namespace zerort
+
+#endif  // ZERORT_CHECKPOINT_CHECKPOINT_H_

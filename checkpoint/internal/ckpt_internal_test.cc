@@ -1,0 +1,133 @@
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "checkpoint/internal/ckpt_crc32c.h"
+#include "checkpoint/internal/ckpt_manifest.h"
+
+namespace zerort {
+namespace ckpt_internal {
+namespace {
+
+// Bit at a time, straight from the definition: the reference for both fast paths.
+uint32_t BitwiseCrc32c(const std::string& s) {
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : s) {
+    c ^= b;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+  }
+  return ~c;
+}
+
+TEST_CASE("Crc32c: the standard check value, and both paths equal a bitwise reference at any "
+          "length and split", "[ckpt]") {
+  REQUIRE(Crc32c(0, "123456789", 9) == 0xE3069283u);
+  REQUIRE(Crc32cPortable(0, "123456789", 9) == 0xE3069283u);
+  std::mt19937 rng(7);
+  for (int len : {0, 1, 7, 8, 9, 63, 64, 65, 1000, 4099}) {
+    std::string s(len, '\0');
+    for (char& ch : s) ch = static_cast<char>(rng());
+    const uint32_t want = BitwiseCrc32c(s);
+    REQUIRE(Crc32c(0, s.data(), s.size()) == want);
+    REQUIRE(Crc32cPortable(0, s.data(), s.size()) == want);
+    const size_t cut = len == 0 ? 0 : rng() % len;
+    REQUIRE(Crc32c(Crc32c(0, s.data(), cut), s.data() + cut, s.size() - cut) == want);
+    REQUIRE(Crc32cPortable(Crc32cPortable(0, s.data(), cut), s.data() + cut, s.size() - cut) ==
+            want);
+  }
+}
+
+Manifest Sample() {
+  Manifest m;
+  m.step = 42;
+  m.checkpoint_id = 0x0123456789abcdefull;
+  m.world_size = 2;
+  m.stage = 3;
+  m.compute_dtype = DType::kBF16;
+  m.config_hash = "fnv1a64:00";
+  m.loss_scale = 32768;
+  m.scaler_hysteresis_left = 1;
+  m.scaler_iter = 40;
+  m.scaler_last_overflow = 3;
+  m.has_param_section = true;
+  m.units = {{"b", 256, 128, 0}, {"a", 512, 256, 128}};
+  m.shard_elements = 384;
+  m.params = {{"a.w", {10, 20}, 200, 1, 0}, {"a.b", {10}, 10, 1, 200}, {"b.w", {3, 3, 3}, 27, 0, 0}};
+  for (int r = 0; r < 2; ++r) m.files.push_back({ShardFileName(r), r, m.ShardFileBytes(), 7u + r});
+  return m;
+}
+
+TEST_CASE("Manifest: what ManifestToJson writes, ParseManifest reads back field for field",
+          "[ckpt]") {
+  const Manifest m = Sample();
+  auto p = ParseManifest(ManifestToJson(m));
+  REQUIRE(p.ok());
+  REQUIRE(p->step == m.step);
+  REQUIRE(p->checkpoint_id == m.checkpoint_id);
+  REQUIRE(p->world_size == 2);
+  REQUIRE(p->stage == 3);
+  REQUIRE(p->compute_dtype == DType::kBF16);
+  REQUIRE(p->loss_scale == 32768);
+  REQUIRE(p->scaler_hysteresis_left == 1);
+  REQUIRE(p->scaler_iter == 40);
+  REQUIRE(p->scaler_last_overflow == 3);
+  REQUIRE(p->has_param_section);
+  REQUIRE(p->units.size() == 2);
+  REQUIRE(p->units[1].shard_offset == 128);
+  REQUIRE(p->params.size() == 3);
+  REQUIRE(p->params[2].shape == std::vector<int64_t>{3, 3, 3});
+  REQUIRE(p->params[2].numel == 27);
+  REQUIRE(p->files[1].crc32c == 8u);
+  // 64 header bytes + 3 fp32 sections + one bf16 section of 384 elements.
+  REQUIRE(p->ShardFileBytes() == 64 + 3 * 384 * 4 + 384 * 2);
+}
+
+TEST_CASE("Manifest: inconsistent layouts are refused with the field named", "[ckpt]") {
+  struct Case {
+    const char* what;
+    void (*edit)(Manifest*);
+    const char* field;
+  };
+  const Case cases[] = {
+      {"padded != shard x world", [](Manifest* m) { m->units[0].padded = 300; }, "units[0].padded"},
+      {"a gap between units", [](Manifest* m) { m->units[1].shard_offset = 130; },
+       "units[1].shard_offset"},
+      {"a parameter past its unit", [](Manifest* m) { m->params[1].offset_in_unit = 510; },
+       "params[1].offset_in_unit"},
+      {"overlapping parameters", [](Manifest* m) { m->params[1].offset_in_unit = 150; }, "overlap"},
+      {"a duplicate name", [](Manifest* m) { m->params[1].name = "a.w"; }, "'a.w' twice"},
+      {"a wrong file size", [](Manifest* m) { m->files[1].bytes += 1; }, "files[1].bytes"},
+      {"a path in a file name", [](Manifest* m) { m->files[0].name = "../x"; }, "files[0].name"},
+      {"a unit index out of range", [](Manifest* m) { m->params[0].unit = 2; }, "params[0].unit"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    Manifest m = Sample();
+    c.edit(&m);
+    auto p = ParseManifest(ManifestToJson(m));
+    REQUIRE(p.status().code() == absl::StatusCode::kDataLoss);
+    REQUIRE(p.status().message().find(c.field) != absl::string_view::npos);
+  }
+}
+
+TEST_CASE("ShardHeader: accepted for its own rank and checkpoint only", "[ckpt]") {
+  const Manifest m = Sample();
+  const std::string h = EncodeShardHeader(m, 1);
+  REQUIRE(h.size() == kHeaderBytes);
+  REQUIRE(CheckShardHeader(h, m, 1, "f").ok());
+  REQUIRE(CheckShardHeader(h, m, 0, "f").message().find("holds rank 1's shard") !=
+          absl::string_view::npos);
+  Manifest other = m;
+  other.checkpoint_id ^= 1;
+  REQUIRE(CheckShardHeader(h, other, 1, "f").message().find("another checkpoint") !=
+          absl::string_view::npos);
+  REQUIRE(CheckShardHeader(h.substr(0, 10), m, 1, "f").code() == absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace ckpt_internal
+}  // namespace zerort

@@ -1,0 +1,108 @@
+#include "cli/ckpt_command.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+#include "nlohmann/json.hpp"
+#include "checkpoint/checkpoint.h"
+
+namespace zerort {
+namespace {
+
+constexpr char kUsage[] =
+    "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT";
+
+double Norm(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += static_cast<double>(x) * x;
+  return std::sqrt(s);
+}
+
+absl::Status Inspect(const std::string& dir, bool json, std::ostream& out) {
+  ASSIGN_OR_RETURN(CheckpointState st, ReadCheckpoint(dir));
+  const CheckpointInfo& info = st.info;
+  int64_t elements = 0, bytes = 0;
+  for (const auto& p : info.params) elements += p.numel;
+  for (const auto& f : info.files) bytes += f.bytes;
+  if (json) {
+    nlohmann::ordered_json j;
+    j["dir"] = info.dir;
+    j["format_version"] = info.format_version;
+    j["step"] = info.step;
+    j["world_size"] = info.world_size;
+    j["stage"] = info.stage;
+    j["compute_dtype"] = info.compute_dtype;
+    j["loss_scale"] = info.loss_scale;
+    j["config_hash"] = info.config_hash;
+    j["units"] = info.num_units;
+    j["parameters"] = info.params.size();
+    j["elements"] = elements;
+    j["bytes"] = bytes;
+    j["verified"] = true;
+    nlohmann::ordered_json params = nlohmann::ordered_json::array();
+    for (size_t i = 0; i < info.params.size(); ++i) {
+      params.push_back({{"name", info.params[i].name},
+                        {"shape", info.params[i].shape},
+                        {"master_norm", Norm(st.master[i])}});
+    }
+    j["params"] = std::move(params);
+    out << j.dump(2) << "\n";
+    return absl::OkStatus();
+  }
+  out << absl::StrFormat(
+      "checkpoint %s\n  format version %d, step %d, saved by %d ranks at stage %d, %s compute\n"
+      "  loss scale %g, config %s\n  %d parameters (%d elements) in %d units, %d files, %d bytes\n"
+      "  verified: every file's size and CRC32C match the manifest\n",
+      info.dir, info.format_version, info.step, info.world_size, info.stage, info.compute_dtype,
+      info.loss_scale, info.config_hash, info.params.size(), elements, info.num_units,
+      info.files.size(), bytes);
+  for (const auto& f : info.files) {
+    out << absl::StrFormat("  %s  %d bytes  crc32c %08x\n", f.name, f.bytes, f.crc32c);
+  }
+  for (size_t i = 0; i < info.params.size(); ++i) {
+    out << absl::StrFormat("  %-32s [%s]  |master| %.6g\n", info.params[i].name,
+                           absl::StrJoin(info.params[i].shape, ", "), Norm(st.master[i]));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& out) {
+  if (args.empty()) return absl::InvalidArgumentError(kUsage);
+  const std::string& sub = args[0];
+  if (sub == "inspect") {
+    bool json = false;
+    std::vector<std::string> positional;
+    for (size_t i = 1; i < args.size(); ++i) {
+      if (args[i] == "--json") {
+        json = true;
+      } else if (!args[i].empty() && args[i][0] == '-') {
+        return absl::InvalidArgumentError(absl::StrCat("ckpt inspect: unknown flag '", args[i],
+                                                       "'; ", kUsage));
+      } else {
+        positional.push_back(args[i]);
+      }
+    }
+    if (positional.size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat("ckpt inspect needs one DIR; ", kUsage));
+    }
+    return Inspect(positional[0], json, out);
+  }
+  if (sub == "consolidate") {
+    if (args.size() != 3) {
+      return absl::InvalidArgumentError(absl::StrCat("ckpt consolidate needs DIR and OUT; ", kUsage));
+    }
+    RETURN_IF_ERROR(ConsolidateCheckpoint(args[1], args[2]));
+    ASSIGN_OR_RETURN(CheckpointInfo info, ReadCheckpointInfo(args[1]));
+    out << "wrote " << args[2] << ": step " << info.step << ", " << info.params.size()
+        << " parameters (fp32 master, exp_avg, exp_avg_sq) as safetensors\n";
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("ckpt: unknown subcommand '", sub, "'; ", kUsage));
+}
+
+}  // namespace zerort

@@ -1,0 +1,24 @@
+// `zerort ckpt`: inspect and consolidate checkpoints (zero/checkpoint.h) without an engine.
+//
+//   zerort ckpt inspect DIR [--json]   summary of the checkpoint DIR (or the one DIR/latest
+//                                      names), after verifying every file's size and CRC32C
+//   zerort ckpt consolidate DIR OUT    the full fp32 state (masters and Adam moments) as one
+//                                      safetensors file OUT
+//
+// Output goes to `out`; errors come back as a Status (main prints them). Thread-safe.
+#ifndef ZERORT_CLI_CKPT_COMMAND_H_
+#define ZERORT_CLI_CKPT_COMMAND_H_
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace zerort {
+
+absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& out);
+
+}  // namespace zerort
+
+#endif  // ZERORT_CLI_CKPT_COMMAND_H_

@@ -1,0 +1,95 @@
+#include "cli/ckpt_command.h"
+
+#include <stdlib.h>
+
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "comm/inprocess.h"
+#include "checkpoint/checkpoint.h"
+#include "device/cpu_device.h"
+#include "zero/testing/synthetic_trainer.h"
+
+namespace zerort {
+namespace {
+
+// A checkpoint of the synthetic model after two steps on two ranks, stage 2.
+std::string MakeCheckpoint() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_cmd_XXXXXX");
+  REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
+  const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
+  auto comms = comm::CreateInProcessGroup(2, {20000}).value();
+  auto device = CreateCpuDevice(1);
+  std::vector<absl::Status> st(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      st[r] = [&]() -> absl::Status {
+        auto e = Engine::Create(config, testing::SmallModel(), comms[r].get(), device.get());
+        if (!e.ok()) return e.status();
+        absl::Status s = (*e)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+          int64_t n = 1;
+          for (int64_t d : spec.shape) n *= d;
+          for (int64_t k = 0; k < n; ++k) v[k] = testing::InitValue(i, k);
+        });
+        if (!s.ok()) return s;
+        return SaveCheckpoint(**e, tmpl).status();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  REQUIRE(st[0].ok());
+  REQUIRE(st[1].ok());
+  return tmpl;
+}
+
+TEST_CASE("CkptCommand: inspect verifies and summarises, consolidate writes the file", "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  std::ostringstream text;
+  REQUIRE(RunCkptCommand({"inspect", dir}, text).ok());
+  INFO(text.str());
+  REQUIRE(absl::StrContains(text.str(), "step 0, saved by 2 ranks at stage 2, bf16 compute"));
+  REQUIRE(absl::StrContains(text.str(), "7 parameters"));
+  REQUIRE(absl::StrContains(text.str(), "rank_00001.bin"));
+  REQUIRE(absl::StrContains(text.str(), "l2.w"));
+  std::ostringstream json;
+  REQUIRE(RunCkptCommand({"inspect", dir, "--json"}, json).ok());
+  REQUIRE(absl::StrContains(json.str(), "\"world_size\": 2"));
+  std::ostringstream cons;
+  const std::string out = dir + "/full.safetensors";
+  REQUIRE(RunCkptCommand({"consolidate", dir, out}, cons).ok());
+  std::ifstream f(out, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  REQUIRE(absl::StrContains(bytes, "\"exp_avg_sq.head.w\""));
+  // A corrupted shard fails inspect with the file named.
+  {
+    std::fstream g(dir + "/step_0/rank_00000.bin", std::ios::binary | std::ios::in | std::ios::out);
+    g.seekp(100);
+    g.put('\x7f');
+  }
+  std::ostringstream bad;
+  const absl::Status s = RunCkptCommand({"inspect", dir}, bad);
+  REQUIRE(s.code() == absl::StatusCode::kDataLoss);
+  REQUIRE(absl::StrContains(s.message(), "rank_00000.bin' is corrupted"));
+}
+
+TEST_CASE("CkptCommand: bad arguments are InvalidArgument naming the problem", "[ckpt]") {
+  std::ostringstream out;
+  REQUIRE(RunCkptCommand({}, out).code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(absl::StrContains(RunCkptCommand({"frobnicate"}, out).message(), "'frobnicate'"));
+  REQUIRE(absl::StrContains(RunCkptCommand({"inspect", "a", "--yaml"}, out).message(), "--yaml"));
+  REQUIRE(RunCkptCommand({"consolidate", "a"}, out).code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(RunCkptCommand({"inspect", "/nonexistent/ckpt"}, out).code() ==
+          absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace zerort

@@ -1,0 +1,27 @@
+// The `zerort` command line: `zerort plan ...` (and later `demo`, `ckpt`).
+//
+// Each command parses its own flags ("--name value" or "--name=value"); an unknown flag or a bad
+// value is an InvalidArgument naming it. Output goes to `out`; main() prints errors and sets the
+// exit status, so these functions are testable in-process.
+#ifndef ZERORT_CLI_CLI_H_
+#define ZERORT_CLI_CLI_H_
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace zerort {
+
+// `zerort plan --model NAME|FILE | --params N [--layers L] [--world N] [--rank R]
+//   [--stage 0-3|auto] [--offload none|optimizer|all] [--precision bf16|fp16|fp32]
+//   [--config FILE] [--budget SIZE | device=SIZE,host=SIZE] [--json] [--resolved-config]`
+absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& out);
+
+// Usage text for every command.
+std::string Usage();
+
+}  // namespace zerort
+
+#endif  // ZERORT_CLI_CLI_H_

@@ -1,0 +1,117 @@
+#include "device/cpu_device.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+namespace zerort {
+namespace {
+
+TEST_CASE("CpuDevice streams: work runs in order and events order streams and the host",
+          "[zero][streams]") {
+  // A large delay per operation: without the event, the host would read before the copy lands.
+  auto dev = CreateCpuDevice(1, /*async_streams=*/true, /*stream_delay_us=*/2000);
+  Device::Stream a = dev->CreateStream().value();
+  Device::Stream b = dev->CreateStream().value();
+  Device::Event e = dev->CreateEvent().value();
+  std::vector<float> src(1000), mid(1000, 0.0f), dst(1000, 0.0f);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) + 0.5f;
+
+  REQUIRE(dev->Copy(mid.data(), src.data(), 4000, a).ok());
+  REQUIRE(dev->Record(e, a).ok());
+  // b waits for a's copy before copying on: an unordered b would copy zeros.
+  REQUIRE(dev->Wait(b, e).ok());
+  REQUIRE(dev->Copy(dst.data(), mid.data(), 4000, b).ok());
+  CHECK(dst[999] == 0.0f);  // only enqueued
+  REQUIRE(dev->Record(e, b).ok());
+  REQUIRE(dev->WaitHost(e).ok());
+  CHECK(std::memcmp(dst.data(), src.data(), 4000) == 0);
+
+  // In-order: a norm enqueued after a zero-fill sees zeros.
+  float norm = -1;
+  REQUIRE(dev->Zero(mid.data(), 4000, a).ok());
+  REQUIRE(dev->SquaredNorm(mid.data(), DType::kF32, 1000, &norm, a).ok());
+  REQUIRE(dev->Synchronize(a).ok());
+  CHECK(norm == 0.0f);
+
+  dev->DestroyEvent(e);
+  dev->DestroyStream(a);
+  dev->DestroyStream(b);
+}
+
+TEST_CASE("CpuDevice streams: waiting on an event never recorded returns at once",
+          "[zero][streams]") {
+  auto dev = CreateCpuDevice(1, true);
+  Device::Event e = dev->CreateEvent().value();
+  Device::Stream s = dev->CreateStream().value();
+  CHECK(dev->WaitHost(e).ok());
+  CHECK(dev->Wait(s, e).ok());
+  CHECK(dev->Synchronize(s).ok());
+  // The nullptr stream is the caller: a record on it is complete at once.
+  CHECK(dev->Record(e, nullptr).ok());
+  CHECK(dev->WaitHost(e).ok());
+  dev->DestroyStream(s);
+  dev->DestroyEvent(e);
+}
+
+TEST_CASE("CpuDevice streams: a failure is reported by Synchronize and by dependent events, "
+          "and later work on the stream is skipped", "[zero][streams]") {
+  auto dev = CreateCpuDevice(1, true);
+  Device::Stream s = dev->CreateStream().value();
+  Device::Event e = dev->CreateEvent().value();
+  std::vector<float> w(16, 1.0f), m(16, 0.0f), v(16, 0.0f);
+  std::vector<float> g(16, 1.0f);
+  // No master array: the kernel rejects it when it runs, not when it is enqueued.
+  offload::AdamWArrays bad{nullptr, m.data(), v.data(), g.data(), DType::kF32, nullptr,
+                           DType::kF32, 16};
+  const offload::AdamWStepParams params =
+      offload::MakeAdamWStepParams(1e-3, 0.9, 0.999, 1e-8, 0.0, 1).value();
+  auto status = dev->AdamW(bad, params, 1.0f, s);
+  REQUIRE(status.ok());  // only enqueued
+  std::vector<float> later(16, 0.0f);
+  REQUIRE(dev->Copy(later.data(), w.data(), 64, s).ok());  // w holds ones
+  REQUIRE(dev->Record(e, s).ok());
+  const absl::Status waited = dev->WaitHost(e);
+  const absl::Status synced = dev->Synchronize(s);
+  CHECK_FALSE(waited.ok());
+  CHECK_FALSE(synced.ok());
+  CHECK(later[0] == 0.0f);  // skipped after the failure
+  dev->DestroyEvent(e);
+  dev->DestroyStream(s);
+}
+
+TEST_CASE("CpuDevice without async streams runs everything inline", "[zero][streams]") {
+  auto dev = CreateCpuDevice(1);
+  Device::Stream s = dev->CreateStream().value();
+  std::vector<float> a(8, 2.0f), b(8, 0.0f);
+  REQUIRE(dev->Copy(b.data(), a.data(), 32, s).ok());
+  CHECK(b[7] == 2.0f);
+  dev->DestroyStream(s);
+}
+
+// The modelled link is a lower bound on a copy's duration, inline or on a stream's thread, and
+// the bytes still arrive; copies on the caller's (nullptr) stream are not DMA and not modelled.
+TEST_CASE("CpuDevice copy link model: a copy on a created stream lasts bytes / link",
+          "[zero][streams]") {
+  const bool async = GENERATE(false, true);
+  auto dev = CreateCpuDevice(1, async, 0, /*copy_link_gbps=*/0.5);
+  Device::Stream s = dev->CreateStream().value();
+  std::vector<char> a(size_t{1} << 20, 'x'), b(a.size(), 0);  // 1 MiB at 0.5 GB/s: 2.1 ms
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(dev->Copy(b.data(), a.data(), a.size(), s).ok());
+  REQUIRE(dev->Synchronize(s).ok());
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(ms >= a.size() / 0.5e9 * 1e3);
+  CHECK(b == a);
+  std::vector<char> c(a.size(), 0);
+  REQUIRE(dev->Copy(c.data(), a.data(), a.size(), nullptr).ok());
+  CHECK(c == a);
+  dev->DestroyStream(s);
+}
+
+}  // namespace
+}  // namespace zerort

@@ -1,0 +1,462 @@
+#include "device/cuda_device.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "base/cuda_status.h"
+#include "base/status.h"
+#include "offload/cpu_kernels.h"
+#include "device/internal/cuda_kernels.h"
+
+namespace zerort {
+namespace {
+
+constexpr size_t kRawAlignment = 4096;
+
+static_assert(offload::kNormBlock == 1024, "cuda_kernels.cu hard-codes the norm block");
+
+// A failed runtime call also records itself as the thread's "last error"; clear it so that the
+// next launch's cudaGetLastError() does not report it again against an innocent kernel.
+cudaError_t Cleared(cudaError_t e) {
+  if (e != cudaSuccess) cudaGetLastError();
+  return e;
+}
+
+absl::Status CudaFailure(cudaError_t e, absl::string_view what) {
+  return absl::Status(CudaErrorCode(e), absl::StrCat(what, ": ", cudaGetErrorName(e), ": ",
+                                                     cudaGetErrorString(e)));
+}
+
+// The error of a launcher (its cudaGetLastError() right after the launch).
+absl::Status LaunchStatus(int code, absl::string_view device, absl::string_view op, size_t n,
+                          DType dtype) {
+  const cudaError_t e = static_cast<cudaError_t>(code);
+  if (e == cudaSuccess) return absl::OkStatus();
+  return CudaFailure(e, absl::StrCat(device, ": launching ", op, " on ", n, " ", DTypeName(dtype),
+                                     " elements"));
+}
+
+// cudaMalloc / cudaHostAlloc behind memory::RawAllocator. The runtime gives at least 256-byte
+// alignment; RawAllocator promises 4096, so a misaligned block is retried with 4096 bytes of
+// slack and remembered to free the original pointer.
+class CudaAllocator final : public memory::RawAllocator {
+ public:
+  enum class Kind { kDevice, kPinned };
+
+  CudaAllocator(int ordinal, Kind kind)
+      : ordinal_(ordinal),
+        kind_(kind),
+        name_(kind == Kind::kDevice ? absl::StrCat("cuda:", ordinal)
+                                    : absl::StrCat("cuda:", ordinal, " pinned host")) {}
+
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    if (cudaError_t e = Cleared(cudaSetDevice(ordinal_)); e != cudaSuccess) {
+      return CudaFailure(e, absl::StrCat(name_, ": cudaSetDevice"));
+    }
+    ASSIGN_OR_RETURN(void* p, Raw(bytes));
+    if (reinterpret_cast<uintptr_t>(p) % kRawAlignment == 0) return p;
+    Release(p);
+    ASSIGN_OR_RETURN(void* raw, Raw(bytes + kRawAlignment));
+    void* aligned = reinterpret_cast<void*>(
+        memory::AlignUp(reinterpret_cast<uintptr_t>(raw), kRawAlignment));
+    absl::MutexLock lock(&mu_);
+    shifted_[aligned] = raw;
+    return aligned;
+  }
+
+  void Free(void* p, size_t) override {
+    if (p == nullptr) return;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = shifted_.find(p);
+      if (it != shifted_.end()) {
+        p = it->second;
+        shifted_.erase(it);
+      }
+    }
+    cudaSetDevice(ordinal_);
+    Release(p);
+  }
+
+  absl::string_view name() const override { return name_; }
+
+ private:
+  absl::StatusOr<void*> Raw(size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t e = Cleared(kind_ == Kind::kDevice
+                                      ? cudaMalloc(&p, bytes)
+                                      : cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+    if (e != cudaSuccess) {
+      return CudaFailure(e, absl::StrCat(name_, ": allocating ", bytes, " bytes"));
+    }
+    return p;
+  }
+
+  // Free cannot report errors (RawAllocator's contract); a failure here means the context is
+  // already broken, and the next call that can report will.
+  void Release(void* p) {
+    Cleared(kind_ == Kind::kDevice ? cudaFree(p) : cudaFreeHost(p));
+  }
+
+  const int ordinal_;
+  const Kind kind_;
+  const std::string name_;
+  absl::Mutex mu_;
+  // aligned pointer handed out -> pointer the runtime returned (only for retried blocks).
+  absl::flat_hash_map<void*, void*> shifted_ ABSL_GUARDED_BY(mu_);
+};
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, bool pageable_access)
+      : ordinal_(ordinal),
+        name_(absl::StrCat("cuda:", ordinal)),
+        pageable_access_(pageable_access),
+        device_alloc_(ordinal, CudaAllocator::Kind::kDevice),
+        pinned_alloc_(ordinal, CudaAllocator::Kind::kPinned) {}
+
+  absl::string_view name() const override { return name_; }
+  bool device_memory() const override { return true; }
+
+  memory::RawAllocator* allocator(memory::MemoryKind kind) override {
+    switch (kind) {
+      case memory::MemoryKind::kDevice:
+        return &device_alloc_;
+      case memory::MemoryKind::kPinnedHost:
+        return &pinned_alloc_;
+      case memory::MemoryKind::kPageableHost:
+        break;
+    }
+    return memory::HostAllocator();
+  }
+
+  absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) override {
+    if (bytes == 0 || dst == src) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    // cudaMemcpyDefault: UVA tells the runtime which side each pointer is on, so one call
+    // serves device<->device, host<->device and host<->host.
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, AsStream(stream))),
+        "(", name_, ": Copy of ", bytes, " bytes)");
+    return absl::OkStatus();
+  }
+
+  absl::Status Zero(void* dst, size_t bytes, Stream stream) override {
+    if (bytes == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    ASSIGN_OR_RETURN(cudaMemoryType type, TypeOf(dst, "Zero"));
+    if (type == cudaMemoryTypeDevice || type == cudaMemoryTypeManaged) {
+      RETURN_IF_CUDA_ERROR(Cleared(cudaMemsetAsync(dst, 0, bytes, AsStream(stream))), "(",
+                           name_, ": Zero of ", bytes, " bytes)");
+      return absl::OkStatus();
+    }
+    // Host memory (pinned or not): cudaMemset is only defined for device memory. Keep stream
+    // order by draining the stream first; the engine zeroes host buffers only at setup.
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(AsStream(stream))), "(", name_,
+                         ": Zero of ", bytes, " host bytes)");
+    std::memset(dst, 0, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status Cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
+                    Stream stream) override {
+    if (n == 0) return absl::OkStatus();
+    if (src_dtype == dst_dtype) return Copy(dst, src, n * DTypeSize(src_dtype), stream);
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(src, "Cast", "src"));
+    RETURN_IF_ERROR(CheckAccessible(dst, "Cast", "dst"));
+    return LaunchStatus(cuda_internal::LaunchCast(src, src_dtype, dst, dst_dtype, n, stream),
+                        name_, absl::StrCat("Cast to ", DTypeName(dst_dtype)), n, src_dtype);
+  }
+
+  absl::Status Accumulate(void* acc, const void* x, DType dtype, size_t n,
+                          Stream stream) override {
+    if (n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(acc, "Accumulate", "acc"));
+    RETURN_IF_ERROR(CheckAccessible(x, "Accumulate", "x"));
+    return LaunchStatus(cuda_internal::LaunchAccumulate(acc, x, dtype, n, stream), name_,
+                        "Accumulate", n, dtype);
+  }
+
+  absl::Status SquaredNorm(const void* x, DType dtype, size_t n, float* out,
+                           Stream stream) override {
+    if (n == 0) {
+      *out = 0.0f;
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(x, "SquaredNorm", "x"));
+    const cudaStream_t s = AsStream(stream);
+    const size_t nblocks = cuda_internal::NormBlocks(n);
+    // (nblocks + 1) fp32: the block partials, then the total. Stream-ordered allocation from
+    // the device's pool (kept cached, see CreateCudaDevice), so concurrent calls on other
+    // streams never share scratch and no call waits for another.
+    void* scratch = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMallocAsync(&scratch, (nblocks + 1) * sizeof(float), s)),
+                         "(", name_, ": SquaredNorm scratch for ", n, " elements)");
+    float* partials = static_cast<float*>(scratch);
+    absl::Status status = LaunchStatus(
+        cuda_internal::LaunchSquaredNorm(x, dtype, n, partials, partials + nblocks, stream),
+        name_, "SquaredNorm", n, dtype);
+    if (status.ok()) {
+      const cudaError_t e = Cleared(
+          cudaMemcpyAsync(out, partials + nblocks, sizeof(float), cudaMemcpyDefault, s));
+      if (e != cudaSuccess) status = CudaFailure(e, absl::StrCat(name_, ": SquaredNorm result"));
+    }
+    Cleared(cudaFreeAsync(scratch, s));
+    return status;
+  }
+
+  absl::Status AllFinite(const void* x, DType dtype, size_t n, bool* out,
+                         Stream stream) override {
+    if (n == 0) {
+      *out = true;
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(x, "AllFinite", "x"));
+    const cudaStream_t s = AsStream(stream);
+    // One byte: 1 = finite so far; the kernel clears it. Copied into *out as a bool (0 or 1).
+    void* flag = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMallocAsync(&flag, 1, s)), "(", name_,
+                         ": AllFinite flag)");
+    absl::Status status;
+    if (cudaError_t e = Cleared(cudaMemsetAsync(flag, 1, 1, s)); e != cudaSuccess) {
+      status = CudaFailure(e, absl::StrCat(name_, ": AllFinite flag"));
+    }
+    if (status.ok()) {
+      status = LaunchStatus(cuda_internal::LaunchAllFinite(
+                                x, dtype, n, static_cast<unsigned char*>(flag), stream),
+                            name_, "AllFinite", n, dtype);
+    }
+    if (status.ok()) {
+      static_assert(sizeof(bool) == 1, "AllFinite copies one byte into a bool");
+      const cudaError_t e = Cleared(cudaMemcpyAsync(out, flag, 1, cudaMemcpyDefault, s));
+      if (e != cudaSuccess) status = CudaFailure(e, absl::StrCat(name_, ": AllFinite result"));
+    }
+    Cleared(cudaFreeAsync(flag, s));
+    return status;
+  }
+
+  absl::Status AdamW(const offload::AdamWArrays& a, const offload::AdamWStepParams& p,
+                     float grad_scale, Stream stream) override {
+    if (a.n == 0) return absl::OkStatus();
+    if (a.master == nullptr || a.m == nullptr || a.v == nullptr || a.grad == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name_, ": AdamW: null array for n=", a.n, " (master=", a.master != nullptr,
+          " m=", a.m != nullptr, " v=", a.v != nullptr, " grad=", a.grad != nullptr, ")"));
+    }
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(a.master, "AdamW", "master"));
+    RETURN_IF_ERROR(CheckAccessible(a.m, "AdamW", "m"));
+    RETURN_IF_ERROR(CheckAccessible(a.v, "AdamW", "v"));
+    RETURN_IF_ERROR(CheckAccessible(a.grad, "AdamW", "grad"));
+    if (a.param_out != nullptr) RETURN_IF_ERROR(CheckAccessible(a.param_out, "AdamW", "param"));
+    // -step_size is exact (a sign flip), so negating once here is the reference's
+    // fma(-step_size, ...).
+    const cuda_internal::AdamWConstants c{p.beta1,        p.beta2,          p.one_minus_beta1,
+                                          p.one_minus_beta2, p.eps,         -p.step_size,
+                                          p.inv_sqrt_bias2,  p.decay,       grad_scale};
+    return LaunchStatus(cuda_internal::LaunchAdamW(c, a.master, a.m, a.v, a.grad, a.grad_dtype,
+                                                   a.param_out, a.param_dtype, a.n, stream),
+                        name_, "AdamW", a.n, a.grad_dtype);
+  }
+
+  absl::Status Synchronize(Stream stream) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(AsStream(stream))), "(", name_, ")");
+    return absl::OkStatus();
+  }
+
+  // Non-blocking: the engine orders its streams with events, never through the legacy default
+  // stream's implicit synchronization.
+  absl::StatusOr<Stream> CreateStream() override {
+    RETURN_IF_ERROR(Use());
+    cudaStream_t s = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)), "(",
+                         name_, ": CreateStream)");
+    return static_cast<Stream>(s);
+  }
+
+  void DestroyStream(Stream stream) override {
+    if (stream != nullptr && Use().ok()) Cleared(cudaStreamDestroy(AsStream(stream)));
+  }
+
+  // Timing off: timed events cost a device-side timestamp write on every record.
+  absl::StatusOr<Event> CreateEvent() override {
+    RETURN_IF_ERROR(Use());
+    cudaEvent_t e = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaEventCreateWithFlags(&e, cudaEventDisableTiming)), "(",
+                         name_, ": CreateEvent)");
+    return static_cast<Event>(e);
+  }
+
+  void DestroyEvent(Event event) override {
+    if (event != nullptr && Use().ok()) Cleared(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+  }
+
+  absl::Status Record(Event event, Stream stream) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaEventRecord(static_cast<cudaEvent_t>(event), AsStream(stream))), "(", name_,
+        ": Record)");
+    return absl::OkStatus();
+  }
+
+  absl::Status Wait(Stream stream, Event event) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaStreamWaitEvent(AsStream(stream), static_cast<cudaEvent_t>(event), 0)), "(",
+        name_, ": Wait)");
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitHost(Event event) override {
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_CUDA_ERROR(Cleared(cudaEventSynchronize(static_cast<cudaEvent_t>(event))), "(",
+                         name_, ": WaitHost)");
+    return absl::OkStatus();
+  }
+
+ private:
+  static cudaStream_t AsStream(Stream s) { return static_cast<cudaStream_t>(s); }
+
+  // The current device is per host thread, and the engine's ranks may run on any thread.
+  absl::Status Use() const {
+    RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(ordinal_)), "(", name_, ")");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<cudaMemoryType> TypeOf(const void* p, absl::string_view op) const {
+    cudaPointerAttributes attr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaPointerGetAttributes(&attr, p)), "(", name_, ": ", op, ")");
+    return attr.type;
+  }
+
+  absl::Status CheckAccessible(const void* p, absl::string_view op,
+                               absl::string_view what) const {
+    cudaPointerAttributes attr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaPointerGetAttributes(&attr, p)), "(", name_, ": ", op, " ",
+                         what, ")");
+    if (attr.type == cudaMemoryTypeUnregistered && !pageable_access_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s: %s=%p is pageable host memory, which this GPU cannot access; use device or "
+          "pinned memory (the device's kDevice / kPinnedHost allocators)",
+          name_, op, what, p));
+    }
+    if (attr.type == cudaMemoryTypeDevice && attr.device != ordinal_) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: %s: %s=%p is memory of cuda:%d, not of this device", name_, op, what, p,
+          attr.device));
+    }
+    return absl::OkStatus();
+  }
+
+  const int ordinal_;
+  const std::string name_;
+  const bool pageable_access_;  // the GPU can dereference ordinary host pages (HMM / ATS)
+  CudaAllocator device_alloc_;
+  CudaAllocator pinned_alloc_;
+};
+
+}  // namespace
+
+comm::InProcessBufferOps CudaInProcessBufferOps(int ordinal) {
+  static_assert(static_cast<int>(comm::ReduceOp::kSum) == 0 &&
+                    static_cast<int>(comm::ReduceOp::kAvg) == 1 &&
+                    static_cast<int>(comm::ReduceOp::kMax) == 2,
+                "LaunchReduceRankOrder numbers ops as comm::ReduceOp does");
+  comm::InProcessBufferOps ops;
+  ops.device_memory = true;
+  ops.copy = [ordinal](void* dst, const void* src, size_t bytes) -> absl::Status {
+    RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(ordinal)), "(in-process copy)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault,
+                                                 cudaStreamPerThread)),
+                         "(in-process copy of ", bytes, " bytes)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(cudaStreamPerThread)),
+                         "(in-process copy)");
+    return absl::OkStatus();
+  };
+  ops.reduce = [ordinal](const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                         comm::ReduceOp op) -> absl::Status {
+    if (n > cuda_internal::kMaxReduceSources) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "in-process reduction over ", n, " ranks on one GPU: at most ",
+          cuda_internal::kMaxReduceSources, " are supported"));
+    }
+    RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(ordinal)), "(in-process reduce)");
+    RETURN_IF_CUDA_ERROR(
+        Cleared(static_cast<cudaError_t>(cuda_internal::LaunchReduceRankOrder(
+            srcs, n, dst, count, dtype, static_cast<int>(op), cudaStreamPerThread))),
+        "(in-process reduce of ", count, " ", DTypeName(dtype), " over ", n, " ranks)");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaStreamSynchronize(cudaStreamPerThread)),
+                         "(in-process reduce)");
+    return absl::OkStatus();
+  };
+  return ops;
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int device_ordinal) {
+  if (device_ordinal < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CreateCudaDevice: device_ordinal=", device_ordinal, " must be >= 0"));
+  }
+  int count = 0;
+  if (cudaError_t e = Cleared(cudaGetDeviceCount(&count)); e != cudaSuccess) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no CUDA device: cudaGetDeviceCount failed: ", cudaGetErrorName(e), ": ",
+        cudaGetErrorString(e)));
+  }
+  if (count == 0) {
+    return absl::FailedPreconditionError("no CUDA device: the driver reports 0 devices");
+  }
+  if (device_ordinal >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("CreateCudaDevice: device_ordinal=",
+                                                   device_ordinal, " but only ", count,
+                                                   " CUDA device(s) are visible"));
+  }
+  const std::string name = absl::StrCat("cuda:", device_ordinal);
+  RETURN_IF_CUDA_ERROR(Cleared(cudaSetDevice(device_ordinal)), "(", name, ")");
+  cudaDeviceProp props;
+  RETURN_IF_CUDA_ERROR(Cleared(cudaGetDeviceProperties(&props, device_ordinal)), "(", name, ")");
+  if (props.major < 8) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, " (", props.name, ") has compute capability ", props.major, ".",
+                     props.minor, "; zerort's kernels are built for 8.0 and newer"));
+  }
+  int pools = 0, pageable = 0;
+  RETURN_IF_CUDA_ERROR(
+      Cleared(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_ordinal)),
+      "(", name, ")");
+  if (!pools) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name, " (", props.name, ") has no stream-ordered allocator (cudaMallocAsync)"));
+  }
+  RETURN_IF_CUDA_ERROR(
+      Cleared(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device_ordinal)),
+      "(", name, ")");
+  // SquaredNorm and AllFinite take a few bytes of scratch per call; by default the pool returns
+  // freed memory to the driver at every synchronization, which would make each call a real
+  // allocation. Keep what it has.
+  cudaMemPool_t pool;
+  RETURN_IF_CUDA_ERROR(Cleared(cudaDeviceGetDefaultMemPool(&pool, device_ordinal)), "(", name,
+                       ")");
+  uint64_t keep = UINT64_MAX;
+  RETURN_IF_CUDA_ERROR(
+      Cleared(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep)), "(", name,
+      ")");
+  return std::unique_ptr<Device>(new CudaDevice(device_ordinal, pageable != 0));
+}
+
+}  // namespace zerort

@@ -1,0 +1,77 @@
+// Device: where the engine's buffers live and the few kernels it runs on them.
+//
+// The engine (zero/engine.h) is written once against this interface and comm::Communicator and
+// never mentions CUDA, NCCL or MPI. The CPU device (zero/cpu_device.h) runs everything on the
+// host; the CUDA device runs the same math in kernels. Every call takes a stream handle that the
+// CPU device ignores; on a stream-ordered device a call is only enqueued, and values written to
+// host pointers (SquaredNorm, AllFinite) are valid after Synchronize(stream).
+//
+// Exactness: every implementation must give bitwise identical results for the same inputs
+// (the kernels follow the op sequences documented in offload/cpu_adamw.h and offload/cpu_kernels.h),
+// which is what lets stages, devices and offload be compared bit for bit.
+//
+// Thread safety: a Device may be shared by the ranks of an in-process group; implementations
+// must allow concurrent calls on disjoint buffers.
+#ifndef ZERORT_DEVICE_DEVICE_H_
+#define ZERORT_DEVICE_DEVICE_H_
+
+#include <cstddef>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "base/dtype.h"
+#include "memory/arena.h"
+#include "memory/plan.h"
+#include "offload/cpu_adamw.h"
+
+namespace zerort {
+
+class Device {
+ public:
+  using Stream = void*;
+  using Event = void*;
+  virtual ~Device() = default;
+
+  virtual absl::string_view name() const = 0;
+  // True when kDevice buffers are accelerator memory that host loads and stores cannot reach
+  // (so communicators must move it themselves); false for the CPU device.
+  virtual bool device_memory() const = 0;
+
+  // Backing memory for arenas of each kind. The returned allocator outlives the device's users.
+  virtual memory::RawAllocator* allocator(memory::MemoryKind kind) = 0;
+
+  // Copies between any two buffers the engine holds (device or host).
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) = 0;
+  virtual absl::Status Zero(void* dst, size_t bytes, Stream stream) = 0;
+  // dst[i] = round_to_dst(float(src[i])).
+  virtual absl::Status Cast(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+                            size_t n, Stream stream) = 0;
+  // acc[i] = round(float(acc[i]) + float(x[i])): gradient accumulation across micro-steps.
+  virtual absl::Status Accumulate(void* acc, const void* x, DType dtype, size_t n,
+                                  Stream stream) = 0;
+  // *out = squared L2 norm with offload::SquaredNormF32's fixed reduction order.
+  virtual absl::Status SquaredNorm(const void* x, DType dtype, size_t n, float* out,
+                                   Stream stream) = 0;
+  // *out = every element finite.
+  virtual absl::Status AllFinite(const void* x, DType dtype, size_t n, bool* out,
+                                 Stream stream) = 0;
+  // The fused AdamW of offload/cpu_adamw.h over arrays in this device's memory.
+  virtual absl::Status AdamW(const offload::AdamWArrays& arrays,
+                             const offload::AdamWStepParams& params, float grad_scale,
+                             Stream stream) = 0;
+  virtual absl::Status Synchronize(Stream stream) = 0;
+
+  virtual absl::StatusOr<Stream> CreateStream() = 0;
+  // REQUIRES: no work pending on `stream` (Synchronize it first).
+  virtual void DestroyStream(Stream stream) = 0;
+  virtual absl::StatusOr<Event> CreateEvent() = 0;
+  virtual void DestroyEvent(Event event) = 0;
+  virtual absl::Status Record(Event event, Stream stream) = 0;
+  virtual absl::Status Wait(Stream stream, Event event) = 0;
+  virtual absl::Status WaitHost(Event event) = 0;
+};
+
+}  // namespace zerort
+
+#endif  // ZERORT_DEVICE_DEVICE_H_

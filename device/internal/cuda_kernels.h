@@ -1,0 +1,61 @@
+// Launchers of the CUDA device's kernels (zero/internal/cuda_kernels.cu), for zero/cuda_device.cc.
+//
+// A plain C++ header: no CUDA types, so that it can be included anywhere. Streams travel as
+// void* (a cudaStream_t; nullptr is the legacy default stream). Each launcher only enqueues;
+// it returns the cudaError_t (as int, 0 = cudaSuccess) that cudaGetLastError() reported right
+// after its launches, which the caller turns into a Status.
+//
+// REQUIRES (all): the caller has made the owning device current (cudaSetDevice); every pointer
+// is device-accessible (device memory, pinned host memory, or pageable memory on a device with
+// pageable memory access) and holds n elements of its dtype; n > 0.
+// Thread-safe: launches on any streams may come from any threads.
+#ifndef ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
+#define ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
+
+#include <cstddef>
+
+#include "base/dtype.h"
+#include "device/internal/cuda_math.h"
+
+namespace zerort {
+namespace cuda_internal {
+
+// dst[i] = round_to_dst(float(src[i])). REQUIRES: src_dtype != dst_dtype, no overlap.
+int LaunchCast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
+               void* stream);
+
+// acc[i] = round(float(acc[i]) + float(x[i])).
+int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stream);
+
+// Number of partials the squared norm of n elements needs: ceil(n / offload::kNormBlock).
+size_t NormBlocks(size_t n);
+
+// partials[b] = offload::SquaredNormF32's partial of block b, for b < NormBlocks(n); then
+// *out = (((0 + partials[0]) + partials[1]) + ...), in block order.
+// REQUIRES: partials holds NormBlocks(n) floats; out is device-accessible.
+int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, float* out,
+                      void* stream);
+
+// Clears *finite (a byte preset to 1 by the caller) if any element is Inf or NaN.
+int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream);
+
+// The fused AdamW of offload/cpu_adamw.h. param_out may be null (no compute-dtype copy).
+int LaunchAdamW(const AdamWConstants& constants, float* master, float* m, float* v,
+                const void* grad, DType grad_dtype, void* param_out, DType param_dtype, size_t n,
+                void* stream);
+
+// Most blocks one rank-order reduction reads: the kernel takes their pointers by value.
+inline constexpr int kMaxReduceSources = 16;
+
+// dst[i] = the CPU communicators' reduction (comm/communicator.h): acc = float(srcs[0][i]);
+// acc = op(acc, float(srcs[k][i])) for k = 1..n-1 in order; divided by float(n) for avg; one
+// rounding to dtype; a NaN result stored as the positive quiet NaN. `op`: 0 sum, 1 avg, 2 max
+// (comm::ReduceOp's order). dst may alias a source at the same offsets.
+// REQUIRES: 1 <= n <= kMaxReduceSources (else cudaErrorInvalidValue, nothing launched).
+int LaunchReduceRankOrder(const void* const* srcs, int n, void* dst, size_t count, DType dtype,
+                          int op, void* stream);
+
+}  // namespace cuda_internal
+}  // namespace zerort
+
+#endif  // ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_

@@ -1,0 +1,226 @@
+// Per-element arithmetic of the CUDA kernels, written once for nvcc's device pass and for the
+// host compiler.
+//
+// Why both: the kernels must equal the host reference (base/dtype.h, offload/cpu_adamw.h,
+// offload/cpu_kernels.h) bit for bit, and most of what can go wrong (a rounding bias in a
+// conversion, a reordered AdamW term) is in these few functions. Compiled for the host they are
+// tested against the reference on every machine, GPU or not (cuda_device_test); compiled for the
+// device they are what the kernels run.
+//
+// Exactness rules (device side): every multiply, add, fma, sqrt and division is an explicit
+// round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn, __fsqrt_rn, __fdiv_rn), which nvcc
+// never contracts or approximates whatever its flags; conversions are integer bit manipulation.
+// The host side must be compiled with -ffp-contract=off (see zero/BUILD.bazel).
+//
+// Non-finite inputs: conversions keep NaN payloads exactly as base/dtype.h does; arithmetic on
+// NaN gives a NaN whose payload may differ from the host's (GPUs return a canonical NaN).
+//
+// Thread safety: pure functions.
+#ifndef ZERORT_DEVICE_INTERNAL_CUDA_MATH_H_
+#define ZERORT_DEVICE_INTERNAL_CUDA_MATH_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define ZERORT_HD __host__ __device__ __forceinline__
+#else
+#include <cmath>
+#include <cstring>
+#define ZERORT_HD inline
+#endif
+
+#include "base/dtype.h"
+
+namespace zerort {
+namespace cuda_internal {
+
+// ------------------------------------------------------------------ correctly rounded ops
+
+ZERORT_HD uint32_t AsBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+ZERORT_HD float AsFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+ZERORT_HD float Mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+ZERORT_HD float Add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+ZERORT_HD float Fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+ZERORT_HD float Sqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+ZERORT_HD float Div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// ------------------------------------------------------------------ conversions (base/dtype.h)
+
+ZERORT_HD float Bf16BitsToFloat(uint16_t h) { return AsFloat(static_cast<uint32_t>(h) << 16); }
+
+ZERORT_HD uint16_t FloatToBf16Bits(float f) {
+  uint32_t u = AsBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+ZERORT_HD float HalfBitsToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return AsFloat(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
+  if (exp != 0) return AsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+  // Zero or subnormal: mant * 2^-24 is exact in fp32 (an integer below 2^10 times a power of
+  // two), which saves the normalisation loop of the scalar reference.
+  return AsFloat(sign | AsBits(Mul(static_cast<float>(mant), 5.9604644775390625e-8f)));
+}
+
+ZERORT_HD uint16_t FloatToHalfBits(float f) {
+  const uint32_t u = AsBits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) {
+    return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
+  }
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (abs < 0x38800000u) {
+    if (abs < 0x33000000u) return sign;
+    const uint32_t e = abs >> 23;
+    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - e;  // 14..24
+    uint32_t q = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  uint32_t v = abs - 0x38000000u;
+  v += 0xfffu + ((v >> 13) & 1u);
+  return static_cast<uint16_t>(sign | (v >> 13));
+}
+
+template <DType D>
+ZERORT_HD float Load(const void* p, size_t i) {
+  if constexpr (D == DType::kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (D == DType::kBF16) {
+    return Bf16BitsToFloat(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return HalfBitsToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+template <DType D>
+ZERORT_HD void Store(void* p, size_t i, float x) {
+  if constexpr (D == DType::kF32) {
+    static_cast<float*>(p)[i] = x;
+  } else if constexpr (D == DType::kBF16) {
+    static_cast<uint16_t*>(p)[i] = FloatToBf16Bits(x);
+  } else {
+    static_cast<uint16_t*>(p)[i] = FloatToHalfBits(x);
+  }
+}
+
+// Exponent all ones: Inf or NaN.
+template <DType D>
+ZERORT_HD bool IsNonFinite(const void* p, size_t i) {
+  if constexpr (D == DType::kF32) {
+    return (static_cast<const uint32_t*>(p)[i] & 0x7f800000u) == 0x7f800000u;
+  } else {
+    constexpr uint16_t kMask = D == DType::kBF16 ? 0x7f80u : 0x7c00u;
+    return (static_cast<const uint16_t*>(p)[i] & kMask) == kMask;
+  }
+}
+
+// ------------------------------------------------------------------ AdamW (offload/cpu_adamw.h)
+
+// The per-step constants, flattened so that a kernel can take them by value.
+struct AdamWConstants {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, neg_step_size, inv_sqrt_bias2,
+      decay, grad_scale;
+};
+
+// One element of the fused update, in the reference's op order.
+template <DType G, DType P, bool kOut>
+ZERORT_HD void AdamWElement(const AdamWConstants& c, float* master, float* m, float* v,
+                            const void* grad, void* param_out, size_t i) {
+  const float g = Mul(Load<G>(grad, i), c.grad_scale);
+  const float mi = Fma(c.beta1, m[i], Mul(c.one_minus_beta1, g));
+  const float vi = Fma(c.beta2, v[i], Mul(Mul(c.one_minus_beta2, g), g));
+  const float denom = Fma(Sqrt(vi), c.inv_sqrt_bias2, c.eps);
+  const float p = Fma(c.neg_step_size, Div(mi, denom), Mul(master[i], c.decay));
+  m[i] = mi;
+  v[i] = vi;
+  master[i] = p;
+  if constexpr (kOut) Store<P>(param_out, i, p);
+}
+
+// ------------------------------------------------------------------ squared norm
+
+// offload::SquaredNormF32's lanes: 8 per block of kNormBlock elements.
+inline constexpr int kNormLanes = 8;
+
+// Lane `lane` of the block [begin, end): fma(x, x, acc) over begin + lane, begin + lane + 8, ...
+template <DType D>
+ZERORT_HD float NormLane(const void* x, size_t begin, size_t end, int lane) {
+  float acc = 0.0f;
+  // The fma chain is serial by definition; unrolling lets the GPU issue the next loads while
+  // the chain runs (a lane walks 128 elements of a full block).
+#if defined(__CUDA_ARCH__)
+#pragma unroll 8
+#endif
+  for (size_t i = begin + static_cast<size_t>(lane); i < end; i += kNormLanes) {
+    const float xi = Load<D>(x, i);
+    acc = Fma(xi, xi, acc);
+  }
+  return acc;
+}
+
+}  // namespace cuda_internal
+}  // namespace zerort
+
+#endif  // ZERORT_DEVICE_INTERNAL_CUDA_MATH_H_
