@@ -19,7 +19,7 @@
 #include "memory/arena.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
-#include "checkpoint/internal/ckpt_crc32c.h"
+#include "base/crc32c.h"
 #include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/internal/ckpt_manifest.h"
 
@@ -259,7 +259,7 @@ absl::Status ReadShard(FileSystem* fs, const std::string& dir, const Manifest& m
       RETURN_IF_ERROR(CheckShardHeader(absl::string_view(buf.data(), want), m, q, path));
       header_checked = true;
     }
-    crc = ckpt_internal::Crc32c(crc, buf.data(), want);
+    crc = Crc32c(crc, buf.data(), want);
     const int64_t end = pos + static_cast<int64_t>(want);
     for (size_t k = next; k < pieces.size() && pieces[k].offset < end; ++k) {
       const Piece& p = pieces[k];
@@ -469,8 +469,8 @@ absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
   const absl::Status copied = p->engine->WaitSnapshot();
   RETURN_IF_ERROR(p->status);
   RETURN_IF_ERROR(copied);
-  p->crc = ckpt_internal::Crc32c(0, p->header.data(), p->header.size());
-  p->crc = ckpt_internal::Crc32c(p->crc, p->body, p->body_bytes);
+  p->crc = Crc32c(0, p->header.data(), p->header.size());
+  p->crc = Crc32c(p->crc, p->body, p->body_bytes);
   const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->comm->rank()));
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::WritableFile> f, p->fs->NewWritableFile(path));
   RETURN_IF_ERROR(WriteAll(f.get(), p->header));

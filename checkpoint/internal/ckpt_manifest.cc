@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
-#include "checkpoint/internal/ckpt_crc32c.h"
+#include "base/crc32c.h"
 
 namespace zerort {
 namespace ckpt_internal {

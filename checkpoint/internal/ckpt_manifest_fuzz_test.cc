@@ -11,7 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "nlohmann/json.hpp"
-#include "checkpoint/internal/ckpt_crc32c.h"
+#include "base/crc32c.h"
 #include "checkpoint/internal/ckpt_manifest.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);

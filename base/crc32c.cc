@@ -1,4 +1,4 @@
-#include "checkpoint/internal/ckpt_crc32c.h"
+#include "base/crc32c.h"
 
 #include <array>
 #include <cstring>
@@ -8,7 +8,6 @@
 #endif
 
 namespace zerort {
-namespace ckpt_internal {
 namespace {
 
 constexpr uint32_t kPoly = 0x82F63B78u;
@@ -85,5 +84,4 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t n) {
   return Crc32cPortable(crc, data, n);
 }
 
-}  // namespace ckpt_internal
 }  // namespace zerort
