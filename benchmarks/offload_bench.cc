@@ -64,7 +64,11 @@ absl::StatusOr<Measured> Run(const std::vector<memory::ParamSpec>& specs, int wo
       R"( "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}})");
   ASSIGN_OR_RETURN(Config config, ParseConfig(json, "offload_bench"));
   ASSIGN_OR_RETURN(auto comms, comm::CreateInProcessGroup(world));
-  std::unique_ptr<Device> device = CreateCpuDevice(1, c.threads, 0, link_gbps);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  device_options.async_streams = c.threads;
+  device_options.copy_link_gbps = link_gbps;
+  std::unique_ptr<Device> device = CreateCpuDevice(device_options);
   std::vector<absl::Status> errors(world);
   std::vector<std::vector<StepStats>> stats(world);
   std::vector<std::thread> ranks;

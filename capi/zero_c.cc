@@ -149,7 +149,9 @@ zr_status zr_cpu_device_create(int threads, zr_device** device) {
           absl::StrCat("zr_cpu_device_create: threads ", threads, " must be >= 0 (0 = all cores)"));
     }
     auto wrapper = std::make_unique<zr_device>();
-    wrapper->device = zerort::CreateCpuDevice(threads);
+    zerort::CpuDeviceOptions device_options;
+    device_options.threads = threads;
+    wrapper->device = zerort::CreateCpuDevice(device_options);
     *device = wrapper.release();
     return absl::OkStatus();
   });
@@ -384,7 +386,12 @@ zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engin
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_finish", "checkpointer"));
     RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_finish", "engine"));
-    return checkpointer->checkpointer.Finish(*engine->engine).status();
+    const zerort::Engine* saving = checkpointer->checkpointer.saving();
+    if (saving != nullptr && saving != engine->engine.get()) {
+      return absl::InvalidArgumentError(
+          "zr_checkpointer_finish: engine is not the one the save in flight was started on");
+    }
+    return checkpointer->checkpointer.Finish().status();
   });
 }
 

@@ -537,7 +537,8 @@ absl::Status AsyncCheckpointer::Start(Engine& engine, const std::string& root) {
         "' is in flight: call Finish first"));
   }
   // The snapshot lands in pinned memory that lives as long as this checkpointer: one
-  // page-locked allocation for every save of the run, and copies a GPU makes asynchronously.
+  // page-locked slab of the process-wide cache for every save of the run, and copies a GPU
+  // makes asynchronously.
   ASSIGN_OR_RETURN(pending_,
                    BeginSave(engine, root, Fs(options_.fs),
                              engine.device()->allocator(memory::MemoryKind::kPinnedHost),
@@ -549,13 +550,16 @@ absl::Status AsyncCheckpointer::Start(Engine& engine, const std::string& root) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> AsyncCheckpointer::Finish(Engine& engine) {
+const Engine* AsyncCheckpointer::saving() const {
+  return pending_ == nullptr ? nullptr : pending_->engine;
+}
+
+absl::StatusOr<std::string> AsyncCheckpointer::Finish() {
   if (pending_ == nullptr) {
     return absl::FailedPreconditionError("AsyncCheckpointer::Finish without a save in flight");
   }
   std::unique_ptr<Pending> p = std::move(pending_);
   p->writer.join();
-  (void)engine;  // the snapshot was taken at Start; Finish only needs the communicator
   return CommitSave(p.get());
 }
 

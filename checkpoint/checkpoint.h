@@ -81,14 +81,23 @@ absl::Status LoadCheckpoint(Engine& engine, const std::string& path,
                             const LoadOptions& options = {});
 
 // Saves without stopping training: Start() enqueues copies of this rank's state into a pinned
-// host buffer (Engine::BeginSnapshot, kept for the checkpointer's life and reused by every
-// save) and returns; the copies overlap the next forward and backward, and the next optimizer
-// update waits for them, so the checkpoint holds exactly the state at Start. A background
-// thread waits for the copies, then writes and fsyncs the shard while the trainer keeps
-// stepping; Finish() waits for it and commits (manifest, rename, `latest`), so `latest` moves
-// only once the checkpoint is durable. Start and Finish are collective; call Finish before the
-// next Start and before the engine is destroyed (the destructor waits for the writer but never
-// commits).
+// host buffer (Engine::BeginSnapshot) and returns; the copies overlap the next forward and
+// backward, and the next optimizer update waits for them, so the checkpoint holds exactly the
+// state at Start. A background thread waits for the copies, then writes and fsyncs the shard
+// while the trainer keeps stepping; Finish() waits for it and commits (manifest, rename,
+// `latest`), so `latest` moves only once the checkpoint is durable. Start and Finish are
+// collective; call Finish before the next Start.
+//
+// The snapshot buffer comes from the device's kPinnedHost allocator, which is the process-wide
+// pinned slab cache (memory/pinned_pool.h): it is kept for the checkpointer's life, reused by
+// every save, and returned to the cache (still locked, for the next engine or checkpointer)
+// when the checkpointer goes; it does not depend on the device's lifetime.
+//
+// Lifetime: Start(engine, ...) borrows `engine` until the save is finished: the writer thread
+// waits for the engine's snapshot copies. REQUIRES: the engine outlives every save started on
+// it, i.e. call Finish(), or destroy the checkpointer (which waits for the writer but never
+// commits), before destroying the engine. Declaring the checkpointer after the engine in the
+// same scope gives that order for free.
 //
 // Thread safety: one AsyncCheckpointer per rank, used by that rank's training thread.
 class AsyncCheckpointer {
@@ -101,8 +110,12 @@ class AsyncCheckpointer {
   // REQUIRES: no save in flight (else FailedPrecondition).
   absl::Status Start(Engine& engine, const std::string& root);
   bool in_flight() const { return pending_ != nullptr; }
-  // Returns the committed directory. REQUIRES: a save in flight.
-  absl::StatusOr<std::string> Finish(Engine& engine);
+  // The engine the save in flight was started on; nullptr when none is.
+  const Engine* saving() const;
+  // Waits for the writer and commits; returns the committed directory. It needs no engine:
+  // the snapshot was taken at Start, and the commit only talks to the communicator.
+  // REQUIRES: a save in flight (else FailedPrecondition).
+  absl::StatusOr<std::string> Finish();
 
   struct Pending;  // zero/checkpoint.cc
 

@@ -148,7 +148,9 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
           c.precision == Precision::kFp16 ? std::vector<int>{1, k + 1} : std::vector<int>{};
       const std::string dir = TempDir("resume");
       const std::string ref_dir = TempDir("resume_ref");
-      auto device = CreateCpuDevice(1);
+      CpuDeviceOptions device_options;
+      device_options.threads = 1;
+      auto device = CreateCpuDevice(device_options);
       std::vector<std::vector<float>> ref(c.world), resumed(c.world);
       std::vector<EngineState> ref_state(c.world), resumed_state(c.world);
       std::vector<int64_t> saved_step(c.world);  // below k when an overflow skipped a step
@@ -242,7 +244,9 @@ absl::Status CheckOwnedState(Engine& e, const CheckpointState& want) {
 
 TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same master, m and v",
           "[zero][ckpt][reshard]") {
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   for (Precision precision : {Precision::kBf16, Precision::kFp32}) {
     for (int stage = 0; stage <= 3; ++stage) {
       const Config config = testing::TestConfig(stage, precision, 1, 0, false);
@@ -291,7 +295,9 @@ TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same ma
 
 TEST_CASE("Checkpoint: a checkpoint loads into another stage and another world, and the "
           "compute-dtype parameters follow the masters", "[zero][ckpt]") {
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const std::string dir = TempDir("cross");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(1, Precision::kBf16, 1, 0, false),
@@ -337,7 +343,9 @@ struct Corruption {
 TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves the engine "
           "unchanged", "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const std::string root = TempDir("corrupt");
   // Two checkpoints (steps 1 and 2) to mix shards from.
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -429,7 +437,9 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
 
 TEST_CASE("Checkpoint: another world size without allow_reshard, or another model, is refused",
           "[zero][ckpt]") {
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const Config config = testing::TestConfig(1, Precision::kBf16, 1, 0, false);
   const std::string dir = TempDir("refuse");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -562,7 +572,9 @@ std::string Latest(const std::string& root) { return ReadFile(root + "/latest");
 TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error and keeps the "
           "previous checkpoint", "[zero][ckpt]") {
   const Config config = testing::TestConfig(3, Precision::kBf16, 1, 0, false);
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   std::vector<std::string> failed_ops;
   for (int at = 1;; ++at) {
     INFO("failing operation " << at);
@@ -617,7 +629,9 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
 TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` naming a "
           "complete checkpoint that loads", "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   // References: the masters after 1 and 2 steps.
   std::vector<float> after[3];
   const std::string root0 = TempDir("kill_ref");
@@ -642,7 +656,9 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
       FaultyFs fs(at, /*kill=*/true);
       SaveOptions so;
       so.fs = &fs;
-      auto dev = CreateCpuDevice(1);
+      CpuDeviceOptions dev_options;
+      dev_options.threads = 1;
+      auto dev = CreateCpuDevice(dev_options);
       const auto st = OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, dev.get()));
         RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
@@ -692,7 +708,9 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
 TEST_CASE("Checkpoint: an async save lets training go on, moves `latest` only at Finish, and "
           "equals a synchronous save", "[zero][ckpt]") {
   const Config config = testing::TestConfig(3, Precision::kBf16, 1, 0, false);
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const std::string sync_root = TempDir("sync");
   const std::string async_root = TempDir("async");
   std::vector<std::string> latest_during(2);
@@ -709,7 +727,7 @@ TEST_CASE("Checkpoint: an async save lets training go on, moves `latest` only at
     }
     RETURN_IF_ERROR(testing::TrainSteps(*e, 3, 2));  // the snapshot is of step 3
     latest_during[r] = Latest(async_root);
-    ASSIGN_OR_RETURN(std::string path, ck.Finish(*e));
+    ASSIGN_OR_RETURN(std::string path, ck.Finish());
     if (path != async_root + "/step_3") return absl::InternalError(path);
     return absl::OkStatus();
   }));
@@ -734,7 +752,11 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
   if (offload && stage == 0) return;  // offload needs a partitioned optimizer state
   CAPTURE(stage, offload);
   const Config config = testing::TestConfig(stage, Precision::kBf16, 1, 0, offload);
-  auto device = CreateCpuDevice(1, /*async_streams=*/true, /*stream_delay_us=*/2000);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  device_options.async_streams = true;
+  device_options.stream_delay_us = 2000;
+  auto device = CreateCpuDevice(device_options);
   const std::string sync_root = TempDir("snap_sync");
   const std::string async_root = TempDir("snap_async");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -744,11 +766,11 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
     AsyncCheckpointer ck;
     RETURN_IF_ERROR(ck.Start(*e, async_root));
     RETURN_IF_ERROR(testing::TrainSteps(*e, 2, 2));
-    RETURN_IF_ERROR(ck.Finish(*e).status());
+    RETURN_IF_ERROR(ck.Finish().status());
     // The checkpointer's pinned buffer is reused by a second save.
     RETURN_IF_ERROR(ck.Start(*e, async_root));
     RETURN_IF_ERROR(testing::TrainSteps(*e, 4, 1));
-    return ck.Finish(*e).status();
+    return ck.Finish().status();
   }));
   auto a = ReadCheckpoint(async_root + "/step_2");
   auto b = ReadCheckpoint(sync_root);
@@ -764,7 +786,9 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
 TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 state",
           "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const std::string root = TempDir("consolidate");
   std::vector<float> master;
   RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {

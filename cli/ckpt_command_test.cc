@@ -27,7 +27,9 @@ std::string MakeCheckpoint() {
   REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
   const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
   auto comms = comm::CreateInProcessGroup(2, {20000}).value();
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   std::vector<absl::Status> st(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {

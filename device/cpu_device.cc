@@ -1,5 +1,6 @@
 #include "device/cpu_device.h"
 
+#include <cassert>
 #include <chrono>
 #include <cstring>
 #include <deque>
@@ -9,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "memory/pinned_pool.h"
 #include "offload/cpu_kernels.h"
 
 namespace zerort {
@@ -111,13 +113,19 @@ class CpuStream {
 
 class CpuDevice final : public Device {
  public:
-  CpuDevice(int threads, bool async, int delay_us, double link_gbps)
-      : threads_(threads), async_(async), delay_us_(delay_us), link_gbps_(link_gbps) {}
+  explicit CpuDevice(const CpuDeviceOptions& o)
+      : threads_(o.threads),
+        async_(o.async_streams),
+        delay_us_(o.stream_delay_us),
+        link_gbps_(o.copy_link_gbps) {}
 
   absl::string_view name() const override { return "cpu"; }
   bool device_memory() const override { return false; }
 
-  memory::RawAllocator* allocator(memory::MemoryKind) override { return memory::HostAllocator(); }
+  memory::RawAllocator* allocator(memory::MemoryKind kind) override {
+    if (kind == memory::MemoryKind::kPinnedHost) return memory::SharedPinnedSlabs();
+    return memory::HostAllocator();
+  }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) override {
     const bool modeled = link_gbps_ > 0 && stream != nullptr;
@@ -289,9 +297,9 @@ class CpuDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> CreateCpuDevice(int threads, bool async_streams, int stream_delay_us,
-                                        double copy_link_gbps) {
-  return std::make_unique<CpuDevice>(threads, async_streams, stream_delay_us, copy_link_gbps);
+std::unique_ptr<Device> CreateCpuDevice(const CpuDeviceOptions& options) {
+  assert(options.threads >= 0 && options.stream_delay_us >= 0 && options.copy_link_gbps >= 0);
+  return std::make_unique<CpuDevice>(options);
 }
 
 }  // namespace zerort

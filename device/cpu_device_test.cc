@@ -13,7 +13,11 @@ namespace {
 TEST_CASE("CpuDevice streams: work runs in order and events order streams and the host",
           "[zero][streams]") {
   // A large delay per operation: without the event, the host would read before the copy lands.
-  auto dev = CreateCpuDevice(1, /*async_streams=*/true, /*stream_delay_us=*/2000);
+  CpuDeviceOptions dev_options;
+  dev_options.threads = 1;
+  dev_options.async_streams = true;
+  dev_options.stream_delay_us = 2000;
+  auto dev = CreateCpuDevice(dev_options);
   Device::Stream a = dev->CreateStream().value();
   Device::Stream b = dev->CreateStream().value();
   Device::Event e = dev->CreateEvent().value();
@@ -44,7 +48,10 @@ TEST_CASE("CpuDevice streams: work runs in order and events order streams and th
 
 TEST_CASE("CpuDevice streams: waiting on an event never recorded returns at once",
           "[zero][streams]") {
-  auto dev = CreateCpuDevice(1, true);
+  CpuDeviceOptions dev_options;
+  dev_options.threads = 1;
+  dev_options.async_streams = true;
+  auto dev = CreateCpuDevice(dev_options);
   Device::Event e = dev->CreateEvent().value();
   Device::Stream s = dev->CreateStream().value();
   CHECK(dev->WaitHost(e).ok());
@@ -59,7 +66,10 @@ TEST_CASE("CpuDevice streams: waiting on an event never recorded returns at once
 
 TEST_CASE("CpuDevice streams: a failure is reported by Synchronize and by dependent events, "
           "and later work on the stream is skipped", "[zero][streams]") {
-  auto dev = CreateCpuDevice(1, true);
+  CpuDeviceOptions dev_options;
+  dev_options.threads = 1;
+  dev_options.async_streams = true;
+  auto dev = CreateCpuDevice(dev_options);
   Device::Stream s = dev->CreateStream().value();
   Device::Event e = dev->CreateEvent().value();
   std::vector<float> w(16, 1.0f), m(16, 0.0f), v(16, 0.0f);
@@ -84,7 +94,9 @@ TEST_CASE("CpuDevice streams: a failure is reported by Synchronize and by depend
 }
 
 TEST_CASE("CpuDevice without async streams runs everything inline", "[zero][streams]") {
-  auto dev = CreateCpuDevice(1);
+  CpuDeviceOptions dev_options;
+  dev_options.threads = 1;
+  auto dev = CreateCpuDevice(dev_options);
   Device::Stream s = dev->CreateStream().value();
   std::vector<float> a(8, 2.0f), b(8, 0.0f);
   REQUIRE(dev->Copy(b.data(), a.data(), 32, s).ok());
@@ -97,7 +109,11 @@ TEST_CASE("CpuDevice without async streams runs everything inline", "[zero][stre
 TEST_CASE("CpuDevice copy link model: a copy on a created stream lasts bytes / link",
           "[zero][streams]") {
   const bool async = GENERATE(false, true);
-  auto dev = CreateCpuDevice(1, async, 0, /*copy_link_gbps=*/0.5);
+  CpuDeviceOptions dev_options;
+  dev_options.threads = 1;
+  dev_options.async_streams = async;
+  dev_options.copy_link_gbps = 0.5;
+  auto dev = CreateCpuDevice(dev_options);
   Device::Stream s = dev->CreateStream().value();
   std::vector<char> a(size_t{1} << 20, 'x'), b(a.size(), 0);  // 1 MiB at 0.5 GB/s: 2.1 ms
   const auto t0 = std::chrono::steady_clock::now();

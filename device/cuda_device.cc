@@ -16,6 +16,7 @@
 #include "base/status.h"
 #include "offload/cpu_kernels.h"
 #include "device/internal/cuda_kernels.h"
+#include "memory/pinned_pool.h"
 
 namespace zerort {
 namespace {
@@ -45,18 +46,12 @@ absl::Status LaunchStatus(int code, absl::string_view device, absl::string_view 
                                      " elements"));
 }
 
-// cudaMalloc / cudaHostAlloc behind memory::RawAllocator. The runtime gives at least 256-byte
-// alignment; RawAllocator promises 4096, so a misaligned block is retried with 4096 bytes of
-// slack and remembered to free the original pointer.
+// cudaMalloc behind memory::RawAllocator. The runtime gives at least 256-byte alignment;
+// RawAllocator promises 4096, so a misaligned block is retried with 4096 bytes of slack and
+// remembered to free the original pointer.
 class CudaAllocator final : public memory::RawAllocator {
  public:
-  enum class Kind { kDevice, kPinned };
-
-  CudaAllocator(int ordinal, Kind kind)
-      : ordinal_(ordinal),
-        kind_(kind),
-        name_(kind == Kind::kDevice ? absl::StrCat("cuda:", ordinal)
-                                    : absl::StrCat("cuda:", ordinal, " pinned host")) {}
+  explicit CudaAllocator(int ordinal) : ordinal_(ordinal), name_(absl::StrCat("cuda:", ordinal)) {}
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
@@ -93,9 +88,7 @@ class CudaAllocator final : public memory::RawAllocator {
  private:
   absl::StatusOr<void*> Raw(size_t bytes) {
     void* p = nullptr;
-    const cudaError_t e = Cleared(kind_ == Kind::kDevice
-                                      ? cudaMalloc(&p, bytes)
-                                      : cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+    const cudaError_t e = Cleared(cudaMalloc(&p, bytes));
     if (e != cudaSuccess) {
       return CudaFailure(e, absl::StrCat(name_, ": allocating ", bytes, " bytes"));
     }
@@ -104,17 +97,45 @@ class CudaAllocator final : public memory::RawAllocator {
 
   // Free cannot report errors (RawAllocator's contract); a failure here means the context is
   // already broken, and the next call that can report will.
-  void Release(void* p) {
-    Cleared(kind_ == Kind::kDevice ? cudaFree(p) : cudaFreeHost(p));
-  }
+  void Release(void* p) { Cleared(cudaFree(p)); }
 
   const int ordinal_;
-  const Kind kind_;
   const std::string name_;
   absl::Mutex mu_;
   // aligned pointer handed out -> pointer the runtime returned (only for retried blocks).
   absl::flat_hash_map<void*, void*> shifted_ ABSL_GUARDED_BY(mu_);
 };
+
+// cudaHostRegister behind memory::Locker, for the pinned slab cache. Portable: the pages are
+// pinned for every device and context of the process, so one cache serves every CUDA device;
+// Mapped: device-accessible (at the same address under UVA), as cudaHostAlloc memory was.
+class CudaHostRegisterLocker final : public memory::Locker {
+ public:
+  absl::Status Lock(void* p, size_t bytes) override {
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaHostRegister(p, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped)),
+        "(cudaHostRegister of ", bytes, " bytes)");
+    return absl::OkStatus();
+  }
+  // Cannot report (Locker's contract); a failure means the context is already broken.
+  void Unlock(void* p, size_t) override { Cleared(cudaHostUnregister(p)); }
+  absl::string_view name() const override { return "cudaHostRegister"; }
+};
+
+// Every CUDA device's kPinnedHost allocator: the process-wide cache of registered host slabs
+// (memory/pinned_pool.h), so that re-creating an engine reuses them. kRequire: kernels and
+// asynchronous copies need the memory registered, so a refusal is an error, as a failed
+// cudaHostAlloc was. Never destroyed: unregistering at exit would race the runtime's teardown.
+memory::PinnedSlabCache* CudaPinnedSlabs() {
+  static memory::PinnedSlabCache* const cache = [] {
+    memory::PinnedSlabCacheOptions o;
+    o.locker = new CudaHostRegisterLocker();
+    o.locking = memory::Locking::kRequire;
+    o.name = "cuda pinned host (cudaHostRegister)";
+    return new memory::PinnedSlabCache(std::move(o));
+  }();
+  return cache;
+}
 
 class CudaDevice final : public Device {
  public:
@@ -122,8 +143,7 @@ class CudaDevice final : public Device {
       : ordinal_(ordinal),
         name_(absl::StrCat("cuda:", ordinal)),
         pageable_access_(pageable_access),
-        device_alloc_(ordinal, CudaAllocator::Kind::kDevice),
-        pinned_alloc_(ordinal, CudaAllocator::Kind::kPinned) {}
+        device_alloc_(ordinal) {}
 
   absl::string_view name() const override { return name_; }
   bool device_memory() const override { return true; }
@@ -133,7 +153,7 @@ class CudaDevice final : public Device {
       case memory::MemoryKind::kDevice:
         return &device_alloc_;
       case memory::MemoryKind::kPinnedHost:
-        return &pinned_alloc_;
+        return CudaPinnedSlabs();
       case memory::MemoryKind::kPageableHost:
         break;
     }
@@ -367,7 +387,6 @@ class CudaDevice final : public Device {
   const std::string name_;
   const bool pageable_access_;  // the GPU can dereference ordinary host pages (HMM / ATS)
   CudaAllocator device_alloc_;
-  CudaAllocator pinned_alloc_;
 };
 
 }  // namespace

@@ -4,7 +4,9 @@
 // inputs (see docs/cuda.md for the rules that make this true and the one exception: the payload
 // of a NaN produced by AdamW's arithmetic). Memory kinds:
 //   kDevice        cudaMalloc on this GPU
-//   kPinnedHost    cudaHostAlloc (page-locked, portable; device-accessible under UVA)
+//   kPinnedHost    the process-wide cache of cudaHostRegister-ed host slabs (portable, mapped:
+//                  device-accessible under UVA), shared by every CUDA device, engine and
+//                  checkpointer of the process; see memory/pinned_pool.h
 //   kPageableHost  memory::HostAllocator() (ordinary host pages)
 // All allocations are 4096-byte aligned, as memory::RawAllocator requires.
 //

@@ -285,7 +285,9 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
           "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  auto cpu = CreateCpuDevice(1);
+  CpuDeviceOptions cpu_options;
+  cpu_options.threads = 1;
+  auto cpu = CreateCpuDevice(cpu_options);
   for (DType s : kDTypes) {
     for (DType d : kDTypes) {
       for (size_t n : kSizes) {
@@ -305,7 +307,9 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
 TEST_CASE("CudaDevice: Accumulate equals the CPU device bitwise", "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  auto cpu = CreateCpuDevice(1);
+  CpuDeviceOptions cpu_options;
+  cpu_options.threads = 1;
+  auto cpu = CreateCpuDevice(cpu_options);
   for (DType d : kDTypes) {
     for (size_t n : kSizes) {
       INFO(DTypeName(d) << " n=" << n);

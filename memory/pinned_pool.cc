@@ -10,7 +10,9 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
@@ -44,8 +46,85 @@ class MlockLockerImpl final : public Locker {
   absl::string_view name() const override { return "mlock"; }
 };
 
-// One warning per process, however many pools fall back.
+// One warning per process, however many pools and caches fall back.
 std::atomic<bool> g_warned_unlocked{false};
+
+void WarnUnlockedOnce(size_t bytes, const absl::Status& refusal) {
+  if (g_warned_unlocked.exchange(true)) return;
+  ABSL_RAW_LOG(WARNING,
+               "zerort pinned memory: could not page-lock %zu bytes of host memory (%s); "
+               "continuing with UNLOCKED memory, host<->device copies will be slower. "
+               "RLIMIT_MEMLOCK is %s.",
+               bytes, std::string(refusal.message()).c_str(),
+               LimitString(MemlockLimitBytes()).c_str());
+}
+
+// Size classes merged (equal sizes summed) and sorted ascending, so that PickClass finds the
+// best fit first: (bytes, count) pairs.
+absl::StatusOr<std::vector<std::pair<size_t, size_t>>> MergeClasses(
+    const PinnedPoolOptions& options) {
+  if (options.classes.empty()) {
+    return absl::InvalidArgumentError("pinned pool: no size classes");
+  }
+  if (options.slab_bytes == 0) {
+    return absl::InvalidArgumentError("pinned pool: slab_bytes must be > 0");
+  }
+  std::vector<std::pair<size_t, size_t>> merged;
+  for (size_t i = 0; i < options.classes.size(); ++i) {
+    const auto& c = options.classes[i];
+    if (c.bytes == 0 || c.count == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("pinned pool: size class ", i, " has bytes=",
+                                                     c.bytes, " count=", c.count,
+                                                     "; both must be > 0"));
+    }
+    if (c.bytes > SIZE_MAX / 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("pinned pool: size class ", i, " bytes=", c.bytes, " is too large"));
+    }
+    merged.emplace_back(c.bytes, c.count);
+  }
+  std::sort(merged.begin(), merged.end());
+  std::vector<std::pair<size_t, size_t>> classes;
+  for (const auto& c : merged) {
+    if (!classes.empty() && classes.back().first == c.first) {
+      classes.back().second += c.second;
+    } else {
+      classes.push_back(c);
+    }
+  }
+  return classes;
+}
+
+// Where every buffer goes: largest buffers first, packed into slabs of at most `slab_bytes`
+// (first fit in the current slab only: with few distinct sizes this already wastes less than
+// one buffer).
+struct Layout {
+  struct Placement {
+    size_t size_class;
+    size_t slab;
+    size_t offset;
+  };
+  std::vector<Placement> placements;
+  std::vector<size_t> slab_content;  // bytes of buffers in each slab
+  size_t usable = 0;                 // sum of the class sizes of every buffer
+};
+
+Layout LayOut(const std::vector<std::pair<size_t, size_t>>& classes, size_t slab_bytes) {
+  Layout l;
+  for (size_t ci = classes.size(); ci-- > 0;) {
+    const size_t stride = AlignUp(classes[ci].first, kBufferAlignment);
+    for (size_t k = 0; k < classes[ci].second; ++k) {
+      if (l.slab_content.empty() ||
+          (l.slab_content.back() > 0 && l.slab_content.back() + stride > slab_bytes)) {
+        l.slab_content.push_back(0);
+      }
+      l.placements.push_back({ci, l.slab_content.size() - 1, l.slab_content.back()});
+      l.slab_content.back() += stride;
+      l.usable += classes[ci].first;
+    }
+  }
+  return l;
+}
 
 }  // namespace
 
@@ -92,117 +171,62 @@ PinnedPool::PinnedPool(const PinnedPoolOptions& options)
       locker_(options.locker != nullptr ? options.locker : MlockLocker()) {}
 
 absl::StatusOr<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& options) {
-  if (options.classes.empty()) {
-    return absl::InvalidArgumentError("pinned pool: no size classes");
-  }
-  if (options.slab_bytes == 0) {
-    return absl::InvalidArgumentError("pinned pool: slab_bytes must be > 0");
-  }
-  // Merge equal sizes and sort ascending so that PickClass finds the best fit first.
-  std::vector<std::pair<size_t, size_t>> merged;  // (bytes, count)
-  for (size_t i = 0; i < options.classes.size(); ++i) {
-    const auto& c = options.classes[i];
-    if (c.bytes == 0 || c.count == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("pinned pool: size class ", i, " has bytes=",
-                                                     c.bytes, " count=", c.count,
-                                                     "; both must be > 0"));
-    }
-    if (c.bytes > SIZE_MAX / 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pinned pool: size class ", i, " bytes=", c.bytes, " is too large"));
-    }
-    merged.emplace_back(c.bytes, c.count);
-  }
-  std::sort(merged.begin(), merged.end());
-  std::vector<std::pair<size_t, size_t>> classes;
-  for (const auto& c : merged) {
-    if (!classes.empty() && classes.back().first == c.first) {
-      classes.back().second += c.second;
-    } else {
-      classes.push_back(c);
-    }
-  }
-
+  absl::StatusOr<std::vector<std::pair<size_t, size_t>>> classes = MergeClasses(options);
+  if (!classes.ok()) return classes.status();
+  const Layout layout = LayOut(*classes, options.slab_bytes);
   std::unique_ptr<PinnedPool> pool(new PinnedPool(options));
-
-  // Layout: largest buffers first, packed into slabs of at most slab_bytes (first fit in the
-  // current slab only: with few distinct sizes this already wastes less than one buffer).
-  struct Placement {
-    size_t size_class;
-    size_t slab;
-    size_t offset;
-  };
-  std::vector<Placement> placements;
-  std::vector<size_t> slab_content;
-  size_t usable = 0;
-  for (size_t ci = classes.size(); ci-- > 0;) {
-    const size_t stride = AlignUp(classes[ci].first, kBufferAlignment);
-    for (size_t k = 0; k < classes[ci].second; ++k) {
-      if (slab_content.empty() ||
-          (slab_content.back() > 0 && slab_content.back() + stride > options.slab_bytes)) {
-        slab_content.push_back(0);
-      }
-      placements.push_back({ci, slab_content.size() - 1, slab_content.back()});
-      slab_content.back() += stride;
-      usable += classes[ci].first;
-    }
+  if (absl::Status s = pool->ReserveSlabs(layout.slab_content, options.locking); !s.ok()) {
+    return s;
   }
+  absl::MutexLock lock(&pool->mu_);
+  pool->classes_.resize(classes->size());
+  for (size_t ci = 0; ci < classes->size(); ++ci) {
+    pool->classes_[ci].bytes = (*classes)[ci].first;
+    pool->classes_[ci].free.reserve((*classes)[ci].second);
+    pool->sizes_.push_back((*classes)[ci].first);
+  }
+  // Reverse order so that the first Acquire of a class gets its lowest address.
+  for (size_t i = layout.placements.size(); i-- > 0;) {
+    const Layout::Placement& pl = layout.placements[i];
+    pool->classes_[pl.size_class].free.push_back(pool->slabs_[pl.slab].data + pl.offset);
+  }
+  pool->buffers_ = layout.placements.size();
+  pool->loss_bytes_ = pool->reserved_bytes_ - layout.usable;
+  return pool;
+}
 
-  // Allocate and lock the slabs: the only OS calls the pool ever makes.
-  const bool want_lock = options.locking != PinnedPoolOptions::Locking::kNone;
-  bool all_locked = want_lock;
+absl::Status PinnedPool::ReserveSlabs(const std::vector<size_t>& slab_content, Locking locking) {
+  locked_ = locking != Locking::kNone;
   for (size_t s = 0; s < slab_content.size(); ++s) {
     const size_t bytes = AlignUp(slab_content[s], PageSize());
-    absl::StatusOr<void*> p = pool->allocator_->Allocate(bytes);
+    absl::StatusOr<void*> p = allocator_->Allocate(bytes);
     if (!p.ok()) {
       return absl::Status(p.status().code(),
                           absl::StrCat("pinned pool: slab ", s, " of ", slab_content.size(),
-                                       " (", bytes, " bytes on ", pool->allocator_->name(),
+                                       " (", bytes, " bytes on ", allocator_->name(),
                                        "): ", p.status().message()));
     }
     Slab slab{static_cast<char*>(*p), bytes, false};
-    if (all_locked) {
-      absl::Status locked = pool->locker_->Lock(slab.data, slab.bytes);
-      if (locked.ok()) {
+    // After one refusal stop trying: the same limit refuses every later slab.
+    if (locked_) {
+      const absl::Status refused = locker_->Lock(slab.data, slab.bytes);
+      if (refused.ok()) {
         slab.locked = true;
-      } else if (options.locking == PinnedPoolOptions::Locking::kRequire) {
-        pool->allocator_->Free(slab.data, slab.bytes);
-        return absl::Status(locked.code(),
+      } else if (locking == Locking::kRequire) {
+        allocator_->Free(slab.data, slab.bytes);
+        return absl::Status(refused.code(),
                             absl::StrCat("pinned pool: locking slab ", s, " (", bytes,
-                                         " bytes) with ", pool->locker_->name(),
-                                         " under Locking::kRequire: ", locked.message()));
+                                         " bytes) with ", locker_->name(),
+                                         " under Locking::kRequire: ", refused.message()));
       } else {
-        all_locked = false;
-        if (!g_warned_unlocked.exchange(true)) {
-          ABSL_RAW_LOG(WARNING,
-                       "zerort pinned pool: could not page-lock %zu bytes of host memory (%s); "
-                       "continuing with UNLOCKED memory, host<->device copies will be slower. "
-                       "RLIMIT_MEMLOCK is %s.",
-                       bytes, std::string(locked.message()).c_str(),
-                       LimitString(MemlockLimitBytes()).c_str());
-        }
+        locked_ = false;
+        WarnUnlockedOnce(bytes, refused);
       }
     }
-    pool->slabs_.push_back(slab);
-    pool->reserved_bytes_ += bytes;
+    slabs_.push_back(slab);
+    reserved_bytes_ += bytes;
   }
-
-  absl::MutexLock lock(&pool->mu_);
-  pool->classes_.resize(classes.size());
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
-    pool->classes_[ci].bytes = classes[ci].first;
-    pool->classes_[ci].free.reserve(classes[ci].second);
-    pool->sizes_.push_back(classes[ci].first);
-  }
-  // Reverse order so that the first Acquire of a class gets its lowest address.
-  for (size_t i = placements.size(); i-- > 0;) {
-    const Placement& pl = placements[i];
-    pool->classes_[pl.size_class].free.push_back(pool->slabs_[pl.slab].data + pl.offset);
-  }
-  pool->buffers_ = placements.size();
-  pool->loss_bytes_ = pool->reserved_bytes_ - usable;
-  pool->locked_ = all_locked;
-  return pool;
+  return absl::OkStatus();
 }
 
 PinnedPool::~PinnedPool() {
@@ -302,6 +326,201 @@ PinnedPoolStats PinnedPool::stats() const {
 }
 
 std::vector<size_t> PinnedPool::class_bytes() const { return sizes_; }
+
+// ---------------------------------------------------------------------------------------------
+// PinnedSlabCache
+
+namespace {
+
+PinnedSlabCacheOptions Resolved(PinnedSlabCacheOptions o) {
+  if (o.allocator == nullptr) o.allocator = HostAllocator();
+  if (o.locker == nullptr) o.locker = MlockLocker();
+  return o;
+}
+
+}  // namespace
+
+PinnedSlabCache::PinnedSlabCache(PinnedSlabCacheOptions options)
+    : options_(Resolved(std::move(options))) {}
+
+PinnedSlabCache::~PinnedSlabCache() {
+  std::vector<Slab> cached;
+  {
+    absl::MutexLock lock(&mu_);
+    assert(in_use_.empty() && "PinnedSlabCache destroyed with slabs still allocated");
+    cached.swap(cached_);
+    cached_bytes_ = 0;
+  }
+  ReleaseToOs(cached);
+}
+
+absl::StatusOr<void*> PinnedSlabCache::Allocate(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  if (bytes > SIZE_MAX / 2) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(options_.name, ": a slab of ", bytes, " bytes is too large"));
+  }
+  const size_t need = AlignUp(bytes, PageSize());
+  std::vector<Slab> evicted;
+  {
+    absl::MutexLock lock(&mu_);
+    if (const int best = BestFitLocked(need); best >= 0) {
+      const Slab slab = cached_[best];
+      cached_.erase(cached_.begin() + best);
+      cached_bytes_ -= slab.bytes;
+      in_use_bytes_ += slab.bytes;
+      high_water_bytes_ = std::max(high_water_bytes_, in_use_bytes_);
+      in_use_.push_back(slab);
+      ++reuses_;
+      return static_cast<void*>(slab.data);
+    }
+    // A miss. Count the slab as in use already, so that concurrent misses see it, and keep
+    // in-use + cached bytes within the (possibly new) peak.
+    in_use_bytes_ += need;
+    high_water_bytes_ = std::max(high_water_bytes_, in_use_bytes_);
+    evicted = EvictLocked([this](size_t cached) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return in_use_bytes_ + cached <= high_water_bytes_;
+    });
+  }
+  ReleaseToOs(evicted);
+  absl::StatusOr<Slab> slab = AllocateSlab(need);
+  absl::MutexLock lock(&mu_);
+  if (!slab.ok()) {
+    in_use_bytes_ -= need;
+    return slab.status();
+  }
+  in_use_.push_back(*slab);
+  ++os_allocations_;
+  return static_cast<void*>(slab->data);
+}
+
+absl::StatusOr<PinnedSlabCache::Slab> PinnedSlabCache::AllocateSlab(size_t bytes) {
+  absl::StatusOr<void*> p = options_.allocator->Allocate(bytes);
+  if (!p.ok()) {
+    return absl::Status(p.status().code(),
+                        absl::StrCat(options_.name, ": a slab of ", bytes, " bytes on ",
+                                     options_.allocator->name(), ": ", p.status().message()));
+  }
+  Slab slab{static_cast<char*>(*p), bytes, false, 0};
+  if (options_.locking == Locking::kNone) return slab;
+  absl::Status refused = options_.locker->Lock(slab.data, bytes);
+  if (!refused.ok()) {
+    // Cached slabs count against the same limit: return them to the OS and try once more.
+    std::vector<Slab> evicted;
+    {
+      absl::MutexLock lock(&mu_);
+      evicted = EvictLocked([](size_t cached) { return cached == 0; });
+    }
+    if (!evicted.empty()) {
+      ReleaseToOs(evicted);
+      refused = options_.locker->Lock(slab.data, bytes);
+    }
+  }
+  if (refused.ok()) {
+    slab.locked = true;
+  } else if (options_.locking == Locking::kRequire) {
+    options_.allocator->Free(slab.data, bytes);
+    return absl::Status(refused.code(),
+                        absl::StrCat(options_.name, ": a slab of ", bytes, " bytes with ",
+                                     options_.locker->name(),
+                                     " (Locking::kRequire): ", refused.message()));
+  } else {
+    WarnUnlockedOnce(bytes, refused);
+  }
+  return slab;
+}
+
+void PinnedSlabCache::Free(void* p, size_t /*bytes: the slab's own size is recorded*/) {
+  if (p == nullptr) return;
+  std::vector<Slab> evicted;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(in_use_.begin(), in_use_.end(),
+                           [p](const Slab& s) { return s.data == p; });
+    ABSL_RAW_CHECK(it != in_use_.end(), "PinnedSlabCache::Free of memory it did not allocate");
+    Slab slab = *it;
+    *it = in_use_.back();
+    in_use_.pop_back();
+    in_use_bytes_ -= slab.bytes;
+    slab.freed_at = ++clock_;
+    cached_.push_back(slab);
+    cached_bytes_ += slab.bytes;
+    evicted = EvictLocked([this](size_t cached) {
+      return cached <= options_.max_cached_bytes;
+    });
+  }
+  ReleaseToOs(evicted);
+}
+
+void PinnedSlabCache::Trim() {
+  std::vector<Slab> evicted;
+  {
+    absl::MutexLock lock(&mu_);
+    evicted = EvictLocked([](size_t cached) { return cached == 0; });
+  }
+  ReleaseToOs(evicted);
+}
+
+template <typename Fits>
+std::vector<PinnedSlabCache::Slab> PinnedSlabCache::EvictLocked(Fits fits) {
+  std::vector<Slab> out;
+  while (!cached_.empty() && !fits(cached_bytes_)) {
+    auto oldest = std::min_element(
+        cached_.begin(), cached_.end(),
+        [](const Slab& a, const Slab& b) { return a.freed_at < b.freed_at; });
+    cached_bytes_ -= oldest->bytes;
+    out.push_back(*oldest);
+    cached_.erase(oldest);
+  }
+  os_releases_ += out.size();
+  return out;
+}
+
+int PinnedSlabCache::BestFitLocked(size_t bytes) const {
+  int best = -1;
+  for (size_t i = 0; i < cached_.size(); ++i) {
+    const Slab& s = cached_[i];
+    if (s.bytes < bytes || s.bytes - bytes > bytes / 8) continue;
+    if (best < 0 || s.bytes < cached_[best].bytes ||
+        (s.bytes == cached_[best].bytes && s.freed_at > cached_[best].freed_at)) {
+      best = static_cast<int>(i);
+    }
+  }
+  return best;
+}
+
+void PinnedSlabCache::ReleaseToOs(const std::vector<Slab>& slabs) {
+  for (const Slab& slab : slabs) {
+    if (slab.locked) options_.locker->Unlock(slab.data, slab.bytes);
+    options_.allocator->Free(slab.data, slab.bytes);
+  }
+}
+
+PinnedSlabCacheStats PinnedSlabCache::stats() const {
+  absl::MutexLock lock(&mu_);
+  PinnedSlabCacheStats s;
+  s.in_use_bytes = in_use_bytes_;
+  s.in_use_slabs = in_use_.size();
+  s.cached_bytes = cached_bytes_;
+  s.cached_slabs = cached_.size();
+  s.high_water_bytes = high_water_bytes_;
+  s.os_allocations = os_allocations_;
+  s.reuses = reuses_;
+  s.os_releases = os_releases_;
+  for (const auto* list : {&cached_, &in_use_}) {
+    for (const Slab& slab : *list) s.unlocked_slabs += slab.locked ? 0 : 1;
+  }
+  return s;
+}
+
+PinnedSlabCache* SharedPinnedSlabs() {
+  static PinnedSlabCache* const cache = [] {
+    PinnedSlabCacheOptions o;
+    o.name = "pinned host (mlock)";
+    return new PinnedSlabCache(std::move(o));
+  }();
+  return cache;
+}
 
 }  // namespace memory
 }  // namespace zerort

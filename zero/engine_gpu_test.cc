@@ -42,7 +42,9 @@ Device* GpuOrSkip() {
 
 TrainResult CpuReference(const Config& c, int steps) {
   auto comms = comm::CreateInProcessGroup(1).value();
-  auto cpu = CreateCpuDevice(1);
+  CpuDeviceOptions cpu_options;
+  cpu_options.threads = 1;
+  auto cpu = CreateCpuDevice(cpu_options);
   auto run = TrainRank(c, SmallModel(), comms[0].get(), cpu.get(), steps);
   REQUIRE(run.ok());
   return *std::move(run);
@@ -106,7 +108,9 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
           for (auto& t : threads) t.join();
           return out;
         };
-        auto cpu = CreateCpuDevice(1);
+        CpuDeviceOptions cpu_options;
+        cpu_options.threads = 1;
+        auto cpu = CreateCpuDevice(cpu_options);
         auto want = run(cpu.get(), {});
         auto got = run(gpu, CudaInProcessBufferOps(0));
         for (int r = 0; r < world; ++r) {

@@ -29,7 +29,9 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "rank %d: %s\n", rank, mpi.status().ToString().c_str());
     return 1;
   }
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   const auto specs = testing::SmallModel();
   const int steps = 12;
   int failures = 0, checks = 0;

@@ -42,7 +42,11 @@ RunResult Train(const Config& config, int world, int steps, int inject_step = -1
                 bool async_streams = false, bool on_compute_stream = false) {
   auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
   // 200 us per asynchronous operation: longer than any of this model's host AdamW calls.
-  auto device = CreateCpuDevice(1, async_streams, async_streams ? 200 : 0);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  device_options.async_streams = async_streams;
+  device_options.stream_delay_us = async_streams ? 200 : 0;
+  auto device = CreateCpuDevice(device_options);
   RunResult result;
   result.master.resize(world);
   result.params.resize(world);
@@ -228,7 +232,9 @@ class DeviceMemoryComm final : public comm::Communicator {
 
 TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[zero]") {
   DeviceMemoryComm comm;
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   auto engine = Engine::Create(MakeConfig(2, Precision::kBf16, 1, 0, false), SmallModel(), &comm,
                                device.get());
   REQUIRE(engine.status().code() == absl::StatusCode::kInvalidArgument);
@@ -357,7 +363,9 @@ TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless s
 
 TEST_CASE("Engine: misuse is an error naming the call", "[zero]") {
   auto comms = comm::CreateInProcessGroup(1).value();
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   Config c = MakeConfig(3, Precision::kBf16, 1, 0, false);
   auto engine = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
   REQUIRE(engine.ok());
@@ -415,7 +423,9 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
 
 TEST_CASE("Engine: ranks that registered different models are told so", "[zero]") {
   auto comms = comm::CreateInProcessGroup(2, {5000}).value();
-  auto device = CreateCpuDevice(1);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
   std::vector<absl::Status> errors(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {

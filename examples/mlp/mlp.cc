@@ -339,7 +339,9 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
                    comm::CreateInProcessGroup(world, comm_options));
   // One device shared by every rank, as a single process would.
-  std::unique_ptr<Device> device = CreateCpuDevice(options.device_threads);
+  CpuDeviceOptions device_options;
+  device_options.threads = options.device_threads;
+  std::unique_ptr<Device> device = CreateCpuDevice(device_options);
 
   const Mlp mlp(options.shape);
   const Teacher teacher(options.shape);
