@@ -65,5 +65,30 @@ TEST_CASE("DType: float to half/bf16 rounds to nearest even like the reference",
   }
 }
 
+TEST_CASE("DType: half and bf16 widen to their exact values, NaN payloads kept and quieted",
+          "[base]") {
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const uint16_t h = static_cast<uint16_t>(b);
+    const uint32_t sign = (b & 0x8000u) << 16;
+    const int exp = static_cast<int>((b >> 10) & 0x1fu);
+    const uint32_t mant = b & 0x3ffu;
+    if (exp == 0x1f) {
+      // Inf, or NaN with the payload shifted into the top bits and the quiet bit set.
+      const uint32_t want = sign | 0x7f800000u | (mant << 13) | (mant != 0 ? 0x400000u : 0u);
+      REQUIRE(FloatBits(HalfToFloat(h)) == want);
+    } else {
+      // Independent of the bit tricks: (mant / 1024 + implicit one) * 2^(exp - 15), in double.
+      const double magnitude = exp == 0 ? std::ldexp(static_cast<double>(mant), -24)
+                                        : std::ldexp(1.0 + mant / 1024.0, exp - 15);
+      const float want = static_cast<float>(sign != 0 ? -magnitude : magnitude);
+      REQUIRE(FloatBits(HalfToFloat(h)) == FloatBits(want));  // also the sign of zero
+    }
+    REQUIRE(FloatBits(Bf16ToFloat(h)) == b << 16);
+  }
+  // A NaN narrows to a quiet NaN keeping its top payload bits.
+  CHECK(FloatToHalf(BitsToFloat(0x7f812345u)) == (0x7e00u | ((0x7f812345u >> 13) & 0x3ffu)));
+  CHECK(FloatToBf16(BitsToFloat(0xff812345u)) == 0xffc1u);
+}
+
 }  // namespace
 }  // namespace zerort

@@ -89,11 +89,23 @@ AdamWConstants ConstantsOf(const offload::AdamWStepParams& p, float grad_scale) 
 
 // ------------------------------------------------------------------ CudaMath (no GPU needed)
 
+// One element through the kernels' Load / Store (what cuda_kernels.cu runs), host-compiled.
+template <DType D>
+float KernelLoad(uint16_t bits) {
+  return cuda_internal::Load<D>(&bits, 0);
+}
+template <DType D>
+uint16_t KernelStore(float f) {
+  uint16_t bits = 0;
+  cuda_internal::Store<D>(&bits, 0, f);
+  return bits;
+}
+
 TEST_CASE("CudaMath: widening conversions equal base/dtype.h on all 65536 patterns", "[zero]") {
   for (uint32_t h = 0; h < 65536; ++h) {
     const auto b = static_cast<uint16_t>(h);
-    REQUIRE(Bits(cuda_internal::Bf16BitsToFloat(b)) == Bits(Bf16ToFloat(b)));
-    REQUIRE(Bits(cuda_internal::HalfBitsToFloat(b)) == Bits(HalfToFloat(b)));
+    REQUIRE(Bits(KernelLoad<DType::kBF16>(b)) == Bits(Bf16ToFloat(b)));
+    REQUIRE(Bits(KernelLoad<DType::kF16>(b)) == Bits(HalfToFloat(b)));
   }
 }
 
@@ -118,13 +130,13 @@ TEST_CASE("CudaMath: narrowing conversions equal base/dtype.h at every rounding 
   for (uint32_t u : inputs) {
     const float f = BitsToFloat(u);
     // Checked by hand first: a Catch2 message per input would dominate the run time.
-    if (cuda_internal::FloatToBf16Bits(f) == FloatToBf16(f) &&
-        cuda_internal::FloatToHalfBits(f) == FloatToHalf(f)) {
+    if (KernelStore<DType::kBF16>(f) == FloatToBf16(f) &&
+        KernelStore<DType::kF16>(f) == FloatToHalf(f)) {
       continue;
     }
     INFO("fp32 bits 0x" << std::hex << u);
-    REQUIRE(cuda_internal::FloatToBf16Bits(f) == FloatToBf16(f));
-    REQUIRE(cuda_internal::FloatToHalfBits(f) == FloatToHalf(f));
+    REQUIRE(KernelStore<DType::kBF16>(f) == FloatToBf16(f));
+    REQUIRE(KernelStore<DType::kF16>(f) == FloatToHalf(f));
   }
 }
 

@@ -9,11 +9,13 @@
 //
 // Exactness rules (device side): every multiply, add, fma, sqrt and division is an explicit
 // round-to-nearest intrinsic (__fmul_rn, __fadd_rn, __fmaf_rn, __fsqrt_rn, __fdiv_rn), which nvcc
-// never contracts or approximates whatever its flags; conversions are integer bit manipulation.
+// never contracts or approximates whatever its flags; the conversions are base/half.h's, shared
+// with the host reference (integer bit manipulation and one exact product).
 // The host side must be compiled with -ffp-contract=off (see zero/BUILD.bazel).
 //
-// Non-finite inputs: conversions keep NaN payloads exactly as base/dtype.h does; arithmetic on
-// NaN gives a NaN whose payload may differ from the host's (GPUs return a canonical NaN).
+// Non-finite inputs: conversions keep NaN payloads exactly as the host does (the same code);
+// arithmetic on NaN gives a NaN whose payload may differ from the host's (GPUs return a
+// canonical NaN).
 //
 // Thread safety: pure functions.
 #ifndef ZERORT_DEVICE_INTERNAL_CUDA_MATH_H_
@@ -26,36 +28,16 @@
 #define ZERORT_HD __host__ __device__ __forceinline__
 #else
 #include <cmath>
-#include <cstring>
 #define ZERORT_HD inline
 #endif
 
 #include "base/dtype.h"
+#include "base/half.h"
 
 namespace zerort {
 namespace cuda_internal {
 
 // ------------------------------------------------------------------ correctly rounded ops
-
-ZERORT_HD uint32_t AsBits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
-}
-
-ZERORT_HD float AsFloat(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
 
 ZERORT_HD float Mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
@@ -97,60 +79,19 @@ ZERORT_HD float Div(float a, float b) {
 #endif
 }
 
-// ------------------------------------------------------------------ conversions (base/dtype.h)
+// ------------------------------------------------------------------ conversions (base/half.h)
 
-ZERORT_HD float Bf16BitsToFloat(uint16_t h) { return AsFloat(static_cast<uint32_t>(h) << 16); }
-
-ZERORT_HD uint16_t FloatToBf16Bits(float f) {
-  uint32_t u = AsBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-ZERORT_HD float HalfBitsToFloat(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return AsFloat(sign | 0x7f800000u | (mant << 13) | (mant ? 0x400000u : 0u));
-  if (exp != 0) return AsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
-  // Zero or subnormal: mant * 2^-24 is exact in fp32 (an integer below 2^10 times a power of
-  // two), which saves the normalisation loop of the scalar reference.
-  return AsFloat(sign | AsBits(Mul(static_cast<float>(mant), 5.9604644775390625e-8f)));
-}
-
-ZERORT_HD uint16_t FloatToHalfBits(float f) {
-  const uint32_t u = AsBits(f);
-  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
-  const uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) {
-    return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
-  }
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (abs < 0x38800000u) {
-    if (abs < 0x33000000u) return sign;
-    const uint32_t e = abs >> 23;
-    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;  // 14..24
-    uint32_t q = mant >> shift;
-    const uint32_t rem = mant & ((1u << shift) - 1u);
-    const uint32_t halfway = 1u << (shift - 1);
-    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
-    return static_cast<uint16_t>(sign | q);
-  }
-  uint32_t v = abs - 0x38000000u;
-  v += 0xfffu + ((v >> 13) & 1u);
-  return static_cast<uint16_t>(sign | (v >> 13));
-}
+// Loads and stores through the one definition of the conversions, compiled here for the
+// device: zerort::Bf16ToFloat, FloatToBf16, HalfToFloat, FloatToHalf.
 
 template <DType D>
 ZERORT_HD float Load(const void* p, size_t i) {
   if constexpr (D == DType::kF32) {
     return static_cast<const float*>(p)[i];
   } else if constexpr (D == DType::kBF16) {
-    return Bf16BitsToFloat(static_cast<const uint16_t*>(p)[i]);
+    return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
   } else {
-    return HalfBitsToFloat(static_cast<const uint16_t*>(p)[i]);
+    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
@@ -159,9 +100,9 @@ ZERORT_HD void Store(void* p, size_t i, float x) {
   if constexpr (D == DType::kF32) {
     static_cast<float*>(p)[i] = x;
   } else if constexpr (D == DType::kBF16) {
-    static_cast<uint16_t*>(p)[i] = FloatToBf16Bits(x);
+    static_cast<uint16_t*>(p)[i] = FloatToBf16(x);
   } else {
-    static_cast<uint16_t*>(p)[i] = FloatToHalfBits(x);
+    static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
   }
 }
 
