@@ -74,6 +74,24 @@ std::string ConfigHash(const Config& config) {
   return absl::StrFormat("fnv1a64:%016x", h);
 }
 
+// The manifest keeps the loss scaler's state (zero/loss_scaler.h ScalerState) under the same
+// names, in its "loss_scaler" object on disk.
+void SetScalerState(const ScalerState& s, Manifest* m) {
+  m->loss_scale = s.loss_scale;
+  m->scaler_hysteresis_left = s.scaler_hysteresis_left;
+  m->scaler_iter = s.scaler_iter;
+  m->scaler_last_overflow = s.scaler_last_overflow;
+}
+
+ScalerState ScalerStateOf(const Manifest& m) {
+  ScalerState s;
+  s.loss_scale = m.loss_scale;
+  s.scaler_hysteresis_left = m.scaler_hysteresis_left;
+  s.scaler_iter = m.scaler_iter;
+  s.scaler_last_overflow = m.scaler_last_overflow;
+  return s;
+}
+
 Manifest ManifestOf(const Engine& engine, uint64_t id) {
   const memory::Plan& plan = engine.plan();
   const EngineState st = engine.state();
@@ -84,10 +102,7 @@ Manifest ManifestOf(const Engine& engine, uint64_t id) {
   m.stage = plan.options.stage;
   m.compute_dtype = plan.options.compute_dtype;
   m.config_hash = ConfigHash(engine.config());
-  m.loss_scale = st.loss_scale;
-  m.scaler_hysteresis_left = st.scaler_hysteresis_left;
-  m.scaler_iter = st.scaler_iter;
-  m.scaler_last_overflow = st.scaler_last_overflow;
+  SetScalerState(st, &m);
   m.shard_elements = plan.shard_elements;
   m.has_param_section = plan.options.stage == 3;
   for (const memory::Unit& u : plan.units) {
@@ -309,10 +324,7 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
     RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q])));
   }
   state->step = man.step;
-  state->loss_scale = man.loss_scale;
-  state->scaler_hysteresis_left = man.scaler_hysteresis_left;
-  state->scaler_iter = man.scaler_iter;
-  state->scaler_last_overflow = man.scaler_last_overflow;
+  static_cast<ScalerState&>(*state) = ScalerStateOf(man);
   return absl::OkStatus();
 }
 

@@ -54,8 +54,9 @@
 #include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "memory/plan.h"
-#include "zero/config.h"
 #include "device/device.h"
+#include "zero/config.h"
+#include "zero/loss_scaler.h"
 
 namespace zerort {
 
@@ -81,13 +82,11 @@ struct MemoryReport {
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
 };
 
-// The engine's scalar training state: what a checkpoint stores besides tensors.
-struct EngineState {
-  int64_t step = 0;                 // optimizer steps applied (AdamW's t)
-  double loss_scale = 1;            // the loss scaler's current scale
-  int scaler_hysteresis_left = 0;   // dynamic fp16 scaling: overflows left before halving
-  int64_t scaler_iter = 0;          // boundaries the scaler has seen
-  int64_t scaler_last_overflow = -1;  // scaler_iter of the last overflow, -1 if none
+// The engine's scalar training state: what a checkpoint stores besides tensors. The loss
+// scaler's part (loss_scale, scaler_hysteresis_left, scaler_iter, scaler_last_overflow) is
+// zero/loss_scaler.h's ScalerState.
+struct EngineState : ScalerState {
+  int64_t step = 0;  // optimizer steps applied (AdamW's t)
 };
 
 // How the engine meets the trainer's device work.
