@@ -1,7 +1,6 @@
 #include "zero/engine.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <memory>
 #include <utility>

@@ -39,6 +39,11 @@
 // the same order, accumulates micro-steps after the reduction, and sums the norm from the same
 // per-shard partials.
 //
+// Inside (zero/internal/, one class per mechanism): ShardLayout (this rank's region of every
+// unit), GradBuckets (gradient buffers, reduction per unit), ParamGatherer (all-gathers,
+// stage-3 slots), StreamOrder (compute and comm streams), HostCollectives, GradNorm,
+// OwnedSnapshot, StepTimer; the offloaded step is offload/pipeline.h.
+//
 // Thread safety: not thread-safe; each rank's Engine is used by that rank's thread.
 #ifndef ZERORT_ZERO_ENGINE_H_
 #define ZERORT_ZERO_ENGINE_H_
@@ -151,7 +156,7 @@ class Engine {
   // registration order. Collective (all-gathers the shards).
   absl::StatusOr<std::vector<float>> GatherMasterWeights();
 
-  // --- checkpoint access (zero/checkpoint.h builds on these) ---------------------------------
+  // --- checkpoint access (checkpoint/checkpoint.h builds on these) ---------------------------
   // The checkpoint format is the same for every stage: rank r stores elements
   // [r * shard, (r + 1) * shard) of every padded unit (its owned shard; in stage 0, where every
   // rank holds everything, the same range).
