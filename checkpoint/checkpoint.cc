@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
+#include "comm/agree.h"
 #include "memory/arena.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
@@ -34,71 +35,28 @@ namespace {
 constexpr char kManifestName[] = "manifest.json";
 constexpr char kLatestName[] = "latest";
 constexpr size_t kIoChunk = size_t{8} << 20;  // bytes per read/write call
-constexpr size_t kAgreeMessageBytes = 1024;
 
 FileSystem* Fs(FileSystem* fs) { return fs != nullptr ? fs : ckpt_internal::PosixFileSystem(); }
 
 std::string StepDirName(int64_t step) { return absl::StrCat("step_", step); }
 
 // --- collectives on small values --------------------------------------------------------------
-// The communicators move typed float buffers; integers below 2^24 travel exactly as fp32, so
-// 64-bit values go as four 16-bit pieces and bytes one per float.
+// Through comm/agree.h, which moves integers and bytes as such.
 
 std::vector<uint64_t> AllGatherU64(comm::Communicator* comm, const std::vector<uint64_t>& mine,
                                    absl::Status* status) {
-  const int world = comm->size();
-  const size_t k = mine.size();
-  if (world == 1) return mine;
-  std::vector<float> send(4 * k);
-  for (size_t i = 0; i < k; ++i) {
-    for (int j = 0; j < 4; ++j) send[4 * i + j] = static_cast<float>((mine[i] >> (16 * j)) & 0xffff);
-  }
-  std::vector<float> recv(send.size() * world);
-  *status = comm->AllGather(send.data(), recv.data(), send.size(), DType::kF32);
-  std::vector<uint64_t> out(k * world, 0);
-  if (!status->ok()) return out;
-  for (size_t i = 0; i < out.size(); ++i) {
-    for (int j = 0; j < 4; ++j) {
-      out[i] |= static_cast<uint64_t>(recv[4 * i + j]) << (16 * j);
-    }
-  }
-  return out;
+  comm::DirectHostExchange exchange(comm);
+  absl::StatusOr<std::vector<uint64_t>> all = comm::AllGatherU64(exchange, mine);
+  *status = all.status();
+  return all.ok() ? *std::move(all) : std::vector<uint64_t>(mine.size() * comm->size(), 0);
 }
 
-// Every rank returns the same verdict: OK when every rank's `local` is OK, else the status of
-// the lowest failing rank (its code and message, prefixed with the rank on the others). This
-// is what keeps ranks from diverging: one rank's bad file fails the load everywhere, before
-// any engine is touched, instead of leaving the others to hang in the next collective.
+// Every rank returns the same verdict (comm::AgreeOnStatus): one rank's bad file fails the load
+// everywhere, before any engine is touched, instead of leaving the others to hang in the next
+// collective.
 absl::Status Agree(comm::Communicator* comm, const absl::Status& local) {
-  if (comm->size() == 1) return local;
-  absl::Status cs;
-  const std::vector<uint64_t> codes =
-      AllGatherU64(comm, {static_cast<uint64_t>(local.code())}, &cs);
-  RETURN_IF_ERROR(cs);
-  int q = -1;
-  for (int r = 0; r < comm->size(); ++r) {
-    if (codes[r] != 0) {
-      q = r;
-      break;
-    }
-  }
-  if (q < 0) return absl::OkStatus();
-  std::vector<float> msg(kAgreeMessageBytes, 0.0f);
-  if (comm->rank() == q) {
-    const absl::string_view m = local.message();
-    for (size_t i = 0; i < m.size() && i < kAgreeMessageBytes; ++i) {
-      msg[i] = static_cast<float>(static_cast<uint8_t>(m[i]));
-    }
-  }
-  RETURN_IF_ERROR(comm->Broadcast(msg.data(), msg.size(), DType::kF32, q));
-  if (comm->rank() == q) return local;
-  std::string text;
-  for (float f : msg) {
-    if (f == 0.0f) break;
-    text.push_back(static_cast<char>(static_cast<uint8_t>(f)));
-  }
-  return absl::Status(static_cast<absl::StatusCode>(codes[q]),
-                      absl::StrCat("on rank ", q, ": ", text));
+  comm::DirectHostExchange exchange(comm);
+  return comm::AgreeOnStatus(exchange, local);
 }
 
 uint64_t NewCheckpointId() {
@@ -116,6 +74,24 @@ std::string ConfigHash(const Config& config) {
   return absl::StrFormat("fnv1a64:%016x", h);
 }
 
+// The manifest keeps the loss scaler's state (zero/loss_scaler.h ScalerState) under the same
+// names, in its "loss_scaler" object on disk.
+void SetScalerState(const ScalerState& s, Manifest* m) {
+  m->loss_scale = s.loss_scale;
+  m->scaler_hysteresis_left = s.scaler_hysteresis_left;
+  m->scaler_iter = s.scaler_iter;
+  m->scaler_last_overflow = s.scaler_last_overflow;
+}
+
+ScalerState ScalerStateOf(const Manifest& m) {
+  ScalerState s;
+  s.loss_scale = m.loss_scale;
+  s.scaler_hysteresis_left = m.scaler_hysteresis_left;
+  s.scaler_iter = m.scaler_iter;
+  s.scaler_last_overflow = m.scaler_last_overflow;
+  return s;
+}
+
 Manifest ManifestOf(const Engine& engine, uint64_t id) {
   const memory::Plan& plan = engine.plan();
   const EngineState st = engine.state();
@@ -126,10 +102,7 @@ Manifest ManifestOf(const Engine& engine, uint64_t id) {
   m.stage = plan.options.stage;
   m.compute_dtype = plan.options.compute_dtype;
   m.config_hash = ConfigHash(engine.config());
-  m.loss_scale = st.loss_scale;
-  m.scaler_hysteresis_left = st.scaler_hysteresis_left;
-  m.scaler_iter = st.scaler_iter;
-  m.scaler_last_overflow = st.scaler_last_overflow;
+  SetScalerState(st, &m);
   m.shard_elements = plan.shard_elements;
   m.has_param_section = plan.options.stage == 3;
   for (const memory::Unit& u : plan.units) {
@@ -351,10 +324,7 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
     RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q])));
   }
   state->step = man.step;
-  state->loss_scale = man.loss_scale;
-  state->scaler_hysteresis_left = man.scaler_hysteresis_left;
-  state->scaler_iter = man.scaler_iter;
-  state->scaler_last_overflow = man.scaler_last_overflow;
+  static_cast<ScalerState&>(*state) = ScalerStateOf(man);
   return absl::OkStatus();
 }
 

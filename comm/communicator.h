@@ -16,6 +16,11 @@
 // the cudaStream_t passed as `stream`; buffers may be reused after Synchronize(stream) or after
 // later work on that stream.
 //
+// Copies: AllGather and Broadcast move every element's bits unchanged on every backend (MPI
+// sends the 16-bit types as MPI_UINT16_T; NCCL and the in-process group copy bytes), so raw
+// 16-bit words, such as integers and byte strings, may travel as kBF16 elements (comm/agree.h
+// does). Only the reductions interpret elements as numbers.
+//
 // Determinism (CPU backends): element i of every reduction is computed in fp32 in rank order,
 //   acc = float(x_0[i]); for r in 1..N-1: acc = op(acc, float(x_r[i])); if kAvg: acc /= N;
 // then rounded once to `dtype`. So AllReduce equals ReduceScatter + AllGather bit for bit, for any

@@ -39,6 +39,11 @@
 // the same order, accumulates micro-steps after the reduction, and sums the norm from the same
 // per-shard partials.
 //
+// Inside (zero/internal/, one class per mechanism): ShardLayout (this rank's region of every
+// unit), GradBuckets (gradient buffers, reduction per unit), ParamGatherer (all-gathers,
+// stage-3 slots), StreamOrder (compute and comm streams), HostCollectives, GradNorm,
+// OwnedSnapshot, StepTimer; the offloaded step is offload/pipeline.h.
+//
 // Thread safety: not thread-safe; each rank's Engine is used by that rank's thread.
 #ifndef ZERORT_ZERO_ENGINE_H_
 #define ZERORT_ZERO_ENGINE_H_
@@ -54,8 +59,9 @@
 #include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "memory/plan.h"
-#include "zero/config.h"
 #include "device/device.h"
+#include "zero/config.h"
+#include "zero/loss_scaler.h"
 
 namespace zerort {
 
@@ -81,13 +87,11 @@ struct MemoryReport {
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
 };
 
-// The engine's scalar training state: what a checkpoint stores besides tensors.
-struct EngineState {
-  int64_t step = 0;                 // optimizer steps applied (AdamW's t)
-  double loss_scale = 1;            // the loss scaler's current scale
-  int scaler_hysteresis_left = 0;   // dynamic fp16 scaling: overflows left before halving
-  int64_t scaler_iter = 0;          // boundaries the scaler has seen
-  int64_t scaler_last_overflow = -1;  // scaler_iter of the last overflow, -1 if none
+// The engine's scalar training state: what a checkpoint stores besides tensors. The loss
+// scaler's part (loss_scale, scaler_hysteresis_left, scaler_iter, scaler_last_overflow) is
+// zero/loss_scaler.h's ScalerState.
+struct EngineState : ScalerState {
+  int64_t step = 0;  // optimizer steps applied (AdamW's t)
 };
 
 // How the engine meets the trainer's device work.
@@ -152,7 +156,7 @@ class Engine {
   // registration order. Collective (all-gathers the shards).
   absl::StatusOr<std::vector<float>> GatherMasterWeights();
 
-  // --- checkpoint access (zero/checkpoint.h builds on these) ---------------------------------
+  // --- checkpoint access (checkpoint/checkpoint.h builds on these) ---------------------------
   // The checkpoint format is the same for every stage: rank r stores elements
   // [r * shard, (r + 1) * shard) of every padded unit (its owned shard; in stage 0, where every
   // rank holds everything, the same range).

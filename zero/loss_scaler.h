@@ -18,6 +18,17 @@
 
 namespace zerort {
 
+// The evolving part of the loss scaler, for checkpoints: restoring it makes the scale evolve
+// as if training had not stopped. The settings (window, hysteresis, minimum) come from the
+// config. The one copy of these fields: EngineState extends it, checkpoints store it under
+// these names.
+struct ScalerState {
+  double loss_scale = 1;              // the current scale
+  int scaler_hysteresis_left = 0;     // dynamic fp16 scaling: overflows left before halving
+  int64_t scaler_iter = 0;            // boundaries the scaler has seen
+  int64_t scaler_last_overflow = -1;  // scaler_iter of the last overflow, -1 if none
+};
+
 class LossScaler {
  public:
   // Dynamic when precision is fp16 and fp16.loss_scale == 0; fixed at fp16.loss_scale when that
@@ -30,20 +41,14 @@ class LossScaler {
   // Records the outcome of one optimizer step (overflow = skipped).
   absl::Status Update(bool overflow);
 
-  // The evolving part of the scaler, for checkpoints: restoring it makes the scale evolve as if
-  // training had not stopped. The settings (window, hysteresis, minimum) come from the config.
-  struct State {
-    double scale = 1;
-    int hysteresis_left = 0;
-    int64_t iter = 0;
-    int64_t last_overflow_iter = -1;
-  };
+  // The evolving part of the scaler (see ScalerState).
+  using State = ScalerState;
   State state() const { return {scale_, hysteresis_left_, iter_, last_overflow_iter_}; }
   void set_state(const State& s) {
-    scale_ = s.scale;
-    hysteresis_left_ = s.hysteresis_left;
-    iter_ = s.iter;
-    last_overflow_iter_ = s.last_overflow_iter;
+    scale_ = s.loss_scale;
+    hysteresis_left_ = s.scaler_hysteresis_left;
+    iter_ = s.scaler_iter;
+    last_overflow_iter_ = s.scaler_last_overflow;
   }
 
  private:

@@ -1,0 +1,145 @@
+#include "offload/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "base/status.h"
+
+namespace zerort {
+namespace offload {
+namespace {
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
+                                 const PipelineOptions& options, Device::Stream grads_stream)
+    : dev_(device),
+      regions_(std::move(regions)),
+      options_(options),
+      c_(DTypeSize(options.dtype)),
+      grads_stream_(grads_stream) {}
+
+absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
+    Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
+    Device::Stream grads_stream) {
+  if (options.chunks < 1) {
+    return absl::InvalidArgumentError("OffloadPipeline: needs at least one staging chunk");
+  }
+  std::unique_ptr<OffloadPipeline> p(
+      new OffloadPipeline(device, std::move(regions), options, grads_stream));
+  ASSIGN_OR_RETURN(p->d2h_, device->CreateStream());
+  ASSIGN_OR_RETURN(p->h2d_, device->CreateStream());
+  ASSIGN_OR_RETURN(p->grads_ready_, device->CreateEvent());
+  for (int k = 0; k < options.chunks; ++k) {
+    ASSIGN_OR_RETURN(Device::Event in, device->CreateEvent());
+    p->chunk_in_.push_back(in);
+    ASSIGN_OR_RETURN(Device::Event out, device->CreateEvent());
+    p->chunk_out_.push_back(out);
+  }
+  return p;
+}
+
+OffloadPipeline::~OffloadPipeline() {
+  // Pending copies write into buffers that are freed after this object.
+  for (Device::Stream s : {d2h_, h2d_}) {
+    if (s != nullptr) {
+      dev_->Synchronize(s).IgnoreError();  // a failure was reported by the step that caused it
+      dev_->DestroyStream(s);
+    }
+  }
+  if (grads_ready_ != nullptr) dev_->DestroyEvent(grads_ready_);
+  for (Device::Event e : chunk_in_) dev_->DestroyEvent(e);
+  for (Device::Event e : chunk_out_) dev_->DestroyEvent(e);
+}
+
+char* OffloadPipeline::GradChunk(int u) const {
+  const int64_t chunk = u % options_.chunks;
+  return options_.staging + chunk * options_.chunk_elements * static_cast<int64_t>(c_);
+}
+
+char* OffloadPipeline::ParamChunk(int u) const {
+  return GradChunk(u) + options_.chunk_elements / 2 * static_cast<int64_t>(c_);
+}
+
+absl::Status OffloadPipeline::GradFinal(int u) {
+  if (u != downloads_issued_ || downloads_issued_ >= options_.chunks) return absl::OkStatus();
+  RETURN_IF_ERROR(Download(u));
+  ++downloads_issued_;
+  return absl::OkStatus();
+}
+
+// Enqueues unit u's reduced gradient into its staging chunk on the d2h stream.
+absl::Status OffloadPipeline::Download(int u) {
+  const PipelineRegion& r = regions_[u];
+  RETURN_IF_ERROR(dev_->Record(grads_ready_, grads_stream_));
+  RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
+  RETURN_IF_ERROR(dev_->Copy(GradChunk(u), r.grad, r.n * c_, d2h_));
+  return dev_->Record(chunk_in_[u % options_.chunks], d2h_);
+}
+
+absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
+                                                               float grad_scale,
+                                                               const Hooks& hooks) {
+  const int nu = static_cast<int>(regions_.size());
+  const int chunks = options_.chunks;
+  Times times;
+  // The first downloads may have started during backward (GradFinal).
+  for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(Download(u));
+  downloads_issued_ = 0;
+  for (int u = 0; u < nu; ++u) {
+    RETURN_IF_ERROR(UpdateUnit(u, params, grad_scale, &times));
+    if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, &times));
+  }
+  if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, &times));
+  return times;
+}
+
+absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, float grad_scale,
+                                         Times* times) {
+  const PipelineRegion& r = regions_[u];
+  const int chunks = options_.chunks;
+  const int nu = static_cast<int>(regions_.size());
+  const bool on_host = options_.param_on_host;
+  const auto tw = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(dev_->WaitHost(chunk_in_[u % chunks]));
+  if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
+  times->wait_ms += MsSince(tw);
+  void* out = on_host ? r.param : ParamChunk(u);
+  AdamWArrays a{r.master, r.m, r.v, GradChunk(u), options_.dtype, out, options_.dtype,
+                static_cast<size_t>(r.n)};
+  RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
+  if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
+  if (on_host) return absl::OkStatus();
+  RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));
+  return dev_->Record(chunk_out_[u % chunks], h2d_);
+}
+
+absl::Status OffloadPipeline::Gather(int u, const Hooks& hooks, Times* times) {
+  if (!options_.param_on_host) {
+    RETURN_IF_ERROR(hooks.before_gather(chunk_out_[u % options_.chunks]));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(hooks.gather(u));
+  times->gather_ms += MsSince(t0);
+  return absl::OkStatus();
+}
+
+absl::Status OffloadPipeline::JoinUploads(Device::Stream stream) {
+  if (options_.param_on_host) return absl::OkStatus();
+  for (Device::Event e : chunk_out_) RETURN_IF_ERROR(dev_->Wait(stream, e));
+  return absl::OkStatus();
+}
+
+absl::Status OffloadPipeline::AbandonDownloads() {
+  if (downloads_issued_ == 0) return absl::OkStatus();
+  downloads_issued_ = 0;
+  return dev_->Synchronize(d2h_);
+}
+
+}  // namespace offload
+}  // namespace zerort

@@ -1,0 +1,119 @@
+// OffloadPipeline: the offloaded optimizer step. AdamW runs on the host over every owned
+// region while the reduced gradients stream down and the new parameters stream back up,
+// through the plan's `buffer_count` pinned staging chunks:
+//
+//   d2h stream:  grad(0) grad(1) ... grad(B-1)   grad(B) ...       (B chunks ahead of the host)
+//   host:               AdamW(0)   AdamW(1)  gather(0)  AdamW(2)  gather(1) ...
+//   h2d stream:                 param(0)  param(1)         param(2) ...
+//
+// Chunk k = u mod B carries unit u's gradient shard down (first half) and its new parameter
+// shard up (second half). The host waits for the chunk's download before reading a gradient
+// and for unit u - B's upload before overwriting the parameter half; unit u's all-gather
+// (a hook of the caller's) runs once unit u + 1 has been updated, so it overlaps the next
+// copies. With param_on_host (ZeRO-3 offload_param) the parameter shard lives on the host and
+// AdamW writes it in place. The first downloads may start during backward (GradFinal), as each
+// unit's gradient becomes final.
+//
+//   ASSIGN_OR_RETURN(auto pipeline, OffloadPipeline::Create(device, regions, options, stream));
+//   // backward, last micro-step: pipeline->GradFinal(u) after unit u's reduction
+//   ASSIGN_OR_RETURN(OffloadPipeline::Times t, pipeline->Update(params, grad_scale, hooks));
+//   RETURN_IF_ERROR(pipeline->JoinUploads(compute_stream));
+//
+// Thread safety: not thread-safe; one per engine. The destructor waits for its streams.
+#ifndef ZERORT_OFFLOAD_PIPELINE_H_
+#define ZERORT_OFFLOAD_PIPELINE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "base/dtype.h"
+#include "device/device.h"
+#include "offload/cpu_adamw.h"
+
+namespace zerort {
+namespace offload {
+
+// One unit's owned region.
+struct PipelineRegion {
+  const void* grad = nullptr;  // (n) compute dtype, device: the reduced gradient
+  float* master = nullptr;     // (n) fp32, host
+  float* m = nullptr;          // (n) fp32, host
+  float* v = nullptr;          // (n) fp32, host
+  void* param = nullptr;       // (n) compute dtype: device, or host with param_on_host
+  int64_t n = 0;
+};
+
+struct PipelineOptions {
+  DType dtype = DType::kBF16;    // of gradients and parameters
+  char* staging = nullptr;       // (chunks, chunk_elements) dtype, pinned host
+  int chunks = 0;                // >= 1
+  int64_t chunk_elements = 0;    // >= 2 * the largest region
+  bool param_on_host = false;
+  int cpu_threads = 0;           // of the host AdamW (0: the machine's)
+};
+
+class OffloadPipeline {
+ public:
+  // `grads_stream`: where the reduced gradients are written (the downloads wait for it).
+  // `device` and the buffers must outlive the pipeline.
+  static absl::StatusOr<std::unique_ptr<OffloadPipeline>> Create(
+      Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
+      Device::Stream grads_stream);
+  ~OffloadPipeline();
+  OffloadPipeline(const OffloadPipeline&) = delete;
+  OffloadPipeline& operator=(const OffloadPipeline&) = delete;
+
+  // Unit u's reduced gradient is final: starts its download now if u is the next unit of the
+  // prefix that fits the chunks (units arrive in plan order; only that prefix is taken).
+  absl::Status GradFinal(int unit);
+
+  struct Hooks {
+    // Orders unit's upload (recorded on `uploaded`; null with param_on_host) before the
+    // all-gather that reads it.
+    std::function<absl::Status(Device::Event uploaded)> before_gather;
+    // All-gathers the unit's new parameters.
+    std::function<absl::Status(int unit)> gather;
+  };
+  struct Times {
+    double wait_ms = 0;    // host time waiting for gradient downloads and chunk reuse
+    double gather_ms = 0;  // in hooks.gather
+  };
+  // AdamW over every region (see above), then hooks.gather of every unit in order.
+  absl::StatusOr<Times> Update(const AdamWStepParams& params, float grad_scale,
+                               const Hooks& hooks);
+  // Orders the uploads before `stream`'s next work (no-op with param_on_host).
+  absl::Status JoinUploads(Device::Stream stream);
+  // After a skipped step: waits for downloads begun during backward, whose gradients are about
+  // to be overwritten.
+  absl::Status AbandonDownloads();
+
+ private:
+  OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
+                  const PipelineOptions& options, Device::Stream grads_stream);
+  char* GradChunk(int u) const;
+  char* ParamChunk(int u) const;
+  absl::Status Download(int u);
+  absl::Status UpdateUnit(int u, const AdamWStepParams& params, float grad_scale, Times* times);
+  absl::Status Gather(int u, const Hooks& hooks, Times* times);
+
+  Device* const dev_;
+  const std::vector<PipelineRegion> regions_;
+  const PipelineOptions options_;
+  const size_t c_;
+  const Device::Stream grads_stream_;
+  Device::Stream d2h_ = nullptr;           // gradient shards down into staging chunks
+  Device::Stream h2d_ = nullptr;           // new parameter shards back up
+  Device::Event grads_ready_ = nullptr;    // recorded on grads_stream_ before the copies
+  std::vector<Device::Event> chunk_in_;    // per chunk: its gradient has arrived
+  std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
+  int downloads_issued_ = 0;  // units 0..n-1 already downloading for this boundary
+};
+
+}  // namespace offload
+}  // namespace zerort
+
+#endif  // ZERORT_OFFLOAD_PIPELINE_H_

@@ -1,0 +1,63 @@
+#include "zero/internal/engine_memory.h"
+
+#include "base/status.h"
+
+namespace zerort {
+namespace zero_internal {
+
+using memory::BufferClass;
+using memory::MemoryKind;
+
+absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memory::Plan& plan,
+                                                                      Device* device,
+                                                                      Device::Stream stream) {
+  std::unique_ptr<EngineMemory> mem(new EngineMemory());
+  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0};
+  for (const memory::Buffer& b : plan.buffers) {
+    // Each buffer may skip up to kStaggerSlack bytes so that no two start at the same offset
+    // modulo 4 KiB (see memory/arena.h: 4 KiB aliasing halves the host AdamW's bandwidth).
+    need[static_cast<int>(b.kind)] +=
+        static_cast<int64_t>(memory::AlignUp(b.bytes, memory::Arena::kAlignment) +
+                             memory::Arena::kStaggerSlack);
+    mem->bytes_.planned[static_cast<int>(b.kind)] += b.bytes;
+  }
+  static const char* kArenaNames[] = {"device", "pinned_host", "host"};
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    ASSIGN_OR_RETURN(mem->arenas_[k],
+                     memory::Arena::Create(kArenaNames[k], need[k],
+                                           device->allocator(static_cast<MemoryKind>(k))));
+  }
+  size_t index = 0;
+  for (const memory::Buffer& b : plan.buffers) {
+    memory::Arena& arena = *mem->arenas_[static_cast<int>(b.kind)];
+    // 1280 = 5 x 256: coprime with 16, so up to 16 buffers get distinct 256-byte residues.
+    const size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
+    ASSIGN_OR_RETURN(void* p, arena.AllocateStaggered(b.name, b.bytes, residue));
+    RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
+    mem->Assign(b, static_cast<char*>(p));
+  }
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
+  }
+  return mem;
+}
+
+void EngineMemory::Assign(const memory::Buffer& b, char* p) {
+  const SlottedBuffer slotted{p, static_cast<int>(b.count), b.elements / b.count};
+  switch (b.cls) {
+    case BufferClass::kParams: model_state_.params = p; break;
+    case BufferClass::kGrads: model_state_.grads = p; break;
+    case BufferClass::kMaster: model_state_.master = reinterpret_cast<float*>(p); break;
+    case BufferClass::kExpAvg: model_state_.m = reinterpret_cast<float*>(p); break;
+    case BufferClass::kExpAvgSq: model_state_.v = reinterpret_cast<float*>(p); break;
+    case BufferClass::kGradAccumulator: model_state_.accum = p; break;
+    case BufferClass::kGradBucket: grad_buckets_ = slotted; break;
+    case BufferClass::kGatherBuffer: gather_slots_ = slotted; break;
+    case BufferClass::kPersistentParams: persistent_ = p; break;
+    case BufferClass::kOffloadStaging: staging_ = slotted; break;
+    case BufferClass::kNormTable: norm_table_ = reinterpret_cast<float*>(p); break;
+  }
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

@@ -1,0 +1,64 @@
+// EngineMemory: exactly the buffers memory::Plan lists, carved from one arena per memory kind,
+// zero-filled, with the count of every byte planned and allocated (ByteCounts).
+//
+// Thread safety: immutable after Allocate (the buffers' contents are the engine's to guard).
+// The arenas are freed with this object: destroy it only after every copy into them is done.
+#ifndef ZERORT_ZERO_INTERNAL_ENGINE_MEMORY_H_
+#define ZERORT_ZERO_INTERNAL_ENGINE_MEMORY_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "device/device.h"
+#include "memory/arena.h"
+#include "memory/plan.h"
+#include "zero/internal/shard_layout.h"
+
+namespace zerort {
+namespace zero_internal {
+
+// Bytes per memory kind (memory::MemoryKind order).
+struct ByteCounts {
+  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+};
+
+// A buffer split into `count` equal slots of `elements` each (buckets, gather slots, chunks).
+struct SlottedBuffer {
+  char* base = nullptr;
+  int count = 0;
+  int64_t elements = 0;  // per slot
+};
+
+class EngineMemory {
+ public:
+  // Allocates and zero-fills (on `stream`) every buffer of `plan`.
+  static absl::StatusOr<std::unique_ptr<EngineMemory>> Allocate(const memory::Plan& plan,
+                                                                Device* device,
+                                                                Device::Stream stream);
+
+  const ModelStateBuffers& model_state() const { return model_state_; }
+  const SlottedBuffer& grad_buckets() const { return grad_buckets_; }    // stages 2-3
+  const SlottedBuffer& gather_slots() const { return gather_slots_; }    // stage 3
+  const SlottedBuffer& staging() const { return staging_; }              // offload
+  char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
+  float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
+  const ByteCounts& bytes() const { return bytes_; }
+
+ private:
+  EngineMemory() = default;
+  void Assign(const memory::Buffer& b, char* p);
+
+  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds];
+  ModelStateBuffers model_state_;
+  SlottedBuffer grad_buckets_, gather_slots_, staging_;
+  char* persistent_ = nullptr;
+  float* norm_table_ = nullptr;
+  ByteCounts bytes_;
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_ENGINE_MEMORY_H_

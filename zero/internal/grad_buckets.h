@@ -1,0 +1,88 @@
+// GradBuckets: the gradient buffers the trainer writes, and the reduction of each unit as soon
+// as every parameter of it is ready.
+//
+// Stages 0-1: grad(i) points into the full gradients. Stages 2-3: a unit's gradients are
+// written into one of the plan's full-unit buckets, handed out zero-filled on the unit's first
+// grad(i) and free again once its reduce-scatter has read it. When the last GradReady of a
+// unit arrives the unit is reduced at once (Reduce), overlapping the rest of backward:
+//
+//   stage 0:   all-reduce (avg) of the full unit
+//   stage 1:   reduce-scatter of the full unit into this rank's block
+//   stage 2-3: reduce-scatter of the bucket into the gradient shard
+//
+// With gradient accumulation the reduced gradients of each micro-step are added after the
+// reduction (stages 0-1 into the accumulator, stages 2-3 into the shard itself), so that every
+// stage sums every element in the same order.
+//
+// Thread safety: not thread-safe; one per engine.
+#ifndef ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
+#define ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "device/device.h"
+#include "memory/plan.h"
+#include "zero/internal/engine_memory.h"
+#include "zero/internal/step_timer.h"
+#include "zero/internal/stream_order.h"
+
+namespace zerort {
+namespace zero_internal {
+
+class GradBuckets {
+ public:
+  // Every pointer must outlive this object.
+  GradBuckets(const memory::Plan& plan, comm::Communicator* comm, Device* device,
+              StreamOrder* streams, StepTimer* timer, const ModelStateBuffers& state,
+              const SlottedBuffer& buckets);
+
+  // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
+  // FailedPrecondition after its GradReady, or when every bucket holds an unfinished unit.
+  absl::StatusOr<void*> Grad(int i);
+  // Marks parameter i ready; returns true when that completes its unit (reduce it next).
+  // FailedPrecondition when it already is.
+  absl::StatusOr<bool> MarkReady(int i);
+  // Reduces `unit` (see above); `first_micro`: the first micro-step of its accumulation window.
+  // Collective.
+  absl::Status Reduce(int unit, bool first_micro);
+
+  bool ready(int i) const { return ready_[i] != 0; }
+  bool any_ready() const;
+  // The first parameter not yet ready in this micro-step, or -1.
+  int FirstMissing() const;
+  // Starts the next micro-step: no parameter is ready.
+  void StartMicroStep();
+  // After an optimizer step: zero-fills the full gradients (stages 0-1) for the next window.
+  absl::Status ClearFullGradients();
+
+ private:
+  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
+  absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
+  absl::Status ReduceFull(const memory::Unit& unit, bool first_micro);     // stages 0-1
+  absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
+
+  const memory::Plan& plan_;
+  comm::Communicator* const comm_;
+  Device* const dev_;
+  StreamOrder* const streams_;
+  StepTimer* const timer_;
+  const int rank_, stage_, gas_;
+  const DType cdt_;
+  const size_t c_;
+  char* const grads_;
+  char* const accum_;
+  const SlottedBuffer buckets_;
+  std::vector<uint8_t> ready_;      // per param
+  std::vector<int> pending_;        // per unit: params not yet ready
+  std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
+  std::vector<uint8_t> bucket_busy_;  // per bucket
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_

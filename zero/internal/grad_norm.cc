@@ -1,0 +1,61 @@
+#include "zero/internal/grad_norm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "base/status.h"
+
+namespace zerort {
+namespace zero_internal {
+
+absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
+  const int nu = layout_.num_units();
+  const int world = plan_.options.world_size, rank = plan_.options.rank;
+  const DType cdt = plan_.options.compute_dtype;
+  const size_t c = DTypeSize(cdt);
+  // (world, units + 1) fp32
+  std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
+  // Written by the device when its stream gets there: valid after the Synchronize below.
+  std::unique_ptr<bool[]> unit_finite(new bool[nu]);
+  for (int u = 0; u < nu; ++u) {
+    const memory::Unit& unit = plan_.units[u];
+    const Region& reg = layout_.region(u);
+    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
+    if (reg.whole_unit) {
+      for (int q = 0; q < world; ++q) {
+        RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c, cdt, unit.shard,
+                                          &table[q * (nu + 1) + u], compute_));
+      }
+    } else {
+      RETURN_IF_ERROR(
+          dev_->SquaredNorm(reg.grad, cdt, reg.n, &table[rank * (nu + 1) + u], compute_));
+    }
+  }
+  RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
+  const bool finite =
+      std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
+  if (plan_.options.stage == 0) {
+    for (int q = 0; q < world; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
+  } else {
+    table[rank * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
+    if (world > 1) {  // in place: this rank's row is already in the table
+      RETURN_IF_ERROR(host_->AllGatherHost(&table[rank * (nu + 1)], table.data(), nu + 1,
+                                           DType::kF32, device_table_));
+    }
+  }
+  double sumsq = 0;
+  bool all_finite = true;
+  for (int q = 0; q < world; ++q) all_finite = all_finite && table[q * (nu + 1) + nu] == 1.0f;
+  for (int u = 0; u < nu; ++u) {
+    for (int q = 0; q < world; ++q) sumsq += table[q * (nu + 1) + u];
+  }
+  Result r;
+  r.norm = std::sqrt(sumsq) / scale;
+  r.overflow = !all_finite || !std::isfinite(r.norm);
+  return r;
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

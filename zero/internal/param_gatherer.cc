@@ -1,0 +1,195 @@
+#include "zero/internal/param_gatherer.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status.h"
+
+namespace zerort {
+namespace zero_internal {
+
+ParamGatherer::ParamGatherer(const memory::Plan& plan, comm::Communicator* comm, Device* device,
+                             StreamOrder* streams, StepTimer* timer, char* params,
+                             const SlottedBuffer& slots, char* persistent)
+    : plan_(plan),
+      comm_(comm),
+      dev_(device),
+      streams_(streams),
+      timer_(timer),
+      rank_(plan.options.rank),
+      stage_(plan.options.stage),
+      cdt_(plan.options.compute_dtype),
+      c_(DTypeSize(cdt_)),
+      offload_param_(plan.options.offload_param),
+      params_(params),
+      gather_(slots),
+      persistent_(persistent),
+      slots_(slots.count) {
+  const size_t nu = plan.units.size();
+  unit_slot_.assign(nu, -1);
+  persistent_offset_.assign(nu, -1);
+  int64_t off = 0;
+  for (size_t u = 0; u < nu; ++u) {
+    if (plan.units[u].persistent) {
+      persistent_offset_[u] = off;
+      off += plan.units[u].padded;
+    }
+  }
+}
+
+char* ParamGatherer::persistent_copy(int unit) const {
+  return persistent_offset_[unit] < 0 ? nullptr : At(persistent_, persistent_offset_[unit]);
+}
+
+absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
+  if (stage_ <= 2) return static_cast<void*>(At(params_, p.flat_offset));
+  if (plan_.units[p.unit].persistent) {
+    return static_cast<void*>(At(persistent_copy(p.unit), p.offset_in_unit));
+  }
+  const int s = unit_slot_[p.unit];
+  if (s < 0 || !slots_[s].held) {
+    return absl::FailedPreconditionError(absl::StrCat("parameter '", p.name, "' (unit ", p.unit,
+                                                      ") is not gathered: call Gather(", p.unit,
+                                                      ") first"));
+  }
+  return static_cast<void*>(At(gather_.base, s * gather_.elements + p.offset_in_unit));
+}
+
+absl::Status ParamGatherer::Gather(int unit) {
+  if (stage_ != 3 || plan_.units[unit].persistent) return absl::OkStatus();
+  int s = unit_slot_[unit];
+  if (s >= 0 && slots_[s].held) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Gather(", unit, "): the unit is already gathered; Release it first"));
+  }
+  const int direction = last_gathered_ >= 0 && unit > last_gathered_ ? 1 : -1;
+  if (s < 0) {
+    ASSIGN_OR_RETURN(s, AcquireSlot());
+    RETURN_IF_ERROR(GatherIntoSlot(unit, s));
+  }
+  slots_[s].held = true;
+  slots_[s].last_use = ++use_clock_;
+  last_gathered_ = unit;
+  RETURN_IF_ERROR(streams_->BeforeSlotUse(s));
+  return Prefetch(unit, direction);
+}
+
+absl::Status ParamGatherer::Release(int unit) {
+  if (stage_ != 3 || plan_.units[unit].persistent) return absl::OkStatus();
+  const int s = unit_slot_[unit];
+  if (s < 0 || !slots_[s].held) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Release(", unit, "): the unit is not gathered"));
+  }
+  slots_[s].held = false;
+  // The next all-gather into this slot waits for the trainer's work on this unit.
+  return streams_->SlotReleased(s);
+}
+
+absl::Status ParamGatherer::AllGatherUpdated(int u) {
+  const memory::Unit& unit = plan_.units[u];
+  if (stage_ == 1 || stage_ == 2) {
+    char* full = At(params_, unit.flat_offset);
+    RETURN_IF_ERROR(comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_,
+                                     streams_->side()));
+    timer_->Sent(unit.shard, 1);
+  } else if (stage_ == 3 && unit.persistent) {
+    RETURN_IF_ERROR(GatherShard(u, persistent_copy(u)));
+  }
+  return absl::OkStatus();
+}
+
+void ParamGatherer::Invalidate() {
+  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+    if (slots_[s].unit >= 0 && !slots_[s].held) Evict(s);
+  }
+}
+
+void ParamGatherer::Evict(int s) {
+  unit_slot_[slots_[s].unit] = -1;
+  slots_[s].unit = -1;
+}
+
+absl::StatusOr<int> ParamGatherer::AcquireSlot() {
+  int best = -1;
+  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+    const Slot& slot = slots_[s];
+    if (slot.held) continue;
+    if (slot.unit < 0) return s;
+    if (best < 0 || slot.last_use < slots_[best].last_use) best = s;
+  }
+  if (best < 0) {
+    std::vector<int> held;
+    for (const Slot& s : slots_) held.push_back(s.unit);
+    // memory/plan.cc: slots = max(1, min(1 + ceil(prefetch / largest unit),
+    // max_live / largest unit, gathered units)).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "stage 3: all ", slots_.size(), " gather slots are held (units ",
+        absl::StrJoin(held, ", "), "); Release units after use, or raise "
+        "zero_optimization.stage3_prefetch_bucket_size: the plan makes 1 + ceil("
+        "stage3_prefetch_bucket_size / ", gather_.elements, ") slots (the largest gathered "
+        "unit's padded elements), at most stage3_max_live_parameters / ", gather_.elements));
+  }
+  Evict(best);
+  return best;
+}
+
+absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
+  const Stopwatch t;
+  RETURN_IF_ERROR(streams_->BeforeComm());
+  RETURN_IF_ERROR(streams_->BeforeSlotGather(s));
+  RETURN_IF_ERROR(GatherShard(u, At(gather_.base, s * gather_.elements)));
+  RETURN_IF_ERROR(streams_->SlotGathered(s));
+  slots_[s].unit = u;
+  slots_[s].last_use = ++use_clock_;
+  unit_slot_[u] = s;
+  timer_->AddGatherMs(t.ElapsedMs());
+  return absl::OkStatus();
+}
+
+// With offload_param the shard lives in host memory: it is staged into this rank's block of
+// `full` first and gathered in place, so collectives only ever see device buffers.
+absl::Status ParamGatherer::GatherShard(int u, char* full) {
+  const memory::Unit& unit = plan_.units[u];
+  const char* shard = At(params_, unit.shard_offset);
+  if (offload_param_) {
+    char* mine = At(full, rank_ * unit.shard);
+    RETURN_IF_ERROR(dev_->Copy(mine, shard, unit.shard * c_, streams_->side()));
+    shard = mine;
+  }
+  RETURN_IF_ERROR(comm_->AllGather(shard, full, unit.shard, cdt_, streams_->side()));
+  timer_->Sent(unit.shard, 1);
+  return absl::OkStatus();
+}
+
+// Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.
+// Only empty slots and slots holding units already passed in this direction are reused, so a
+// prefetch never evicts a unit that is about to be needed. Every rank runs the same
+// Gather/Release sequence, so every rank prefetches the same units in the same order.
+absl::Status ParamGatherer::Prefetch(int from, int direction) {
+  int64_t budget = plan_.options.prefetch_elements;
+  const int nu = static_cast<int>(plan_.units.size());
+  for (int u = from + direction; u >= 0 && u < nu && budget > 0; u += direction) {
+    const memory::Unit& unit = plan_.units[u];
+    if (unit.persistent) continue;
+    budget -= unit.padded;
+    if (unit_slot_[u] >= 0) continue;
+    int pick = -1;
+    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+      const Slot& slot = slots_[s];
+      if (slot.held) continue;
+      if (slot.unit < 0) {
+        pick = s;
+        break;
+      }
+      const bool passed = (slot.unit - from) * direction < 0;
+      if (passed && (pick < 0 || slot.last_use < slots_[pick].last_use)) pick = s;
+    }
+    if (pick < 0) break;
+    if (slots_[pick].unit >= 0) Evict(pick);
+    RETURN_IF_ERROR(GatherIntoSlot(u, pick));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

@@ -1,0 +1,93 @@
+// ParamGatherer: turns parameter shards into the full parameters the trainer reads.
+//
+// Stages 1-2 keep every parameter whole: after an optimizer update each unit is all-gathered in
+// place (AllGatherUpdated). Stage 3 keeps only this rank's shard; a unit is all-gathered into
+// one of the plan's gather slots by Gather(unit) and stays there after Release(unit) until its
+// slot is needed again (least recently used first). Gather also prefetches the next units in
+// the same direction (forward or backward) into free slots, up to stage3_prefetch_bucket_size
+// elements. Persistent units (under stage3_param_persistence_threshold) stay whole on every
+// rank in their own buffer and are refreshed by AllGatherUpdated. After an update or a restore
+// the gathered copies are stale: Invalidate() drops every unheld one.
+//
+// Ordering: collectives run on StreamOrder::side() after BeforeComm; a slot is refilled only
+// after the trainer's work on its previous unit (SlotReleased), and handed to the trainer only
+// after its all-gather (BeforeSlotUse).
+//
+// Thread safety: not thread-safe; one per engine.
+#ifndef ZERORT_ZERO_INTERNAL_PARAM_GATHERER_H_
+#define ZERORT_ZERO_INTERNAL_PARAM_GATHERER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/communicator.h"
+#include "device/device.h"
+#include "memory/plan.h"
+#include "zero/internal/engine_memory.h"
+#include "zero/internal/step_timer.h"
+#include "zero/internal/stream_order.h"
+
+namespace zerort {
+namespace zero_internal {
+
+class ParamGatherer {
+ public:
+  // Every pointer must outlive this object. `params`: the compute-dtype parameters (full in
+  // stages 0-2, the shard in stage 3; in host memory with offload_param).
+  ParamGatherer(const memory::Plan& plan, comm::Communicator* comm, Device* device,
+                StreamOrder* streams, StepTimer* timer, char* params,
+                const SlottedBuffer& slots, char* persistent);
+
+  // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
+  // persistent units; in stage 3 FailedPrecondition unless its unit is gathered.
+  absl::StatusOr<void*> Param(const memory::ParamLayout& p) const;
+  // Stage 3 (no-ops otherwise and for persistent units). Collective.
+  absl::Status Gather(int unit);
+  absl::Status Release(int unit);
+  // After an update of this rank's shard of `unit`: all-gathers it into the full parameters
+  // (stages 1-2) or its persistent copy (stage 3). REQUIRES: StreamOrder::BeforeComm since the
+  // shard was written. Collective.
+  absl::Status AllGatherUpdated(int unit);
+  // Forgets every gathered copy that the trainer does not hold (they hold old parameters).
+  void Invalidate();
+  // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
+  char* persistent_copy(int unit) const;
+
+ private:
+  struct Slot {
+    int unit = -1;
+    bool held = false;
+    uint64_t last_use = 0;
+  };
+  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
+  absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
+  absl::Status GatherIntoSlot(int unit, int slot);
+  absl::Status GatherShard(int unit, char* full);
+  absl::Status Prefetch(int from, int direction);
+  void Evict(int slot);
+
+  const memory::Plan& plan_;
+  comm::Communicator* const comm_;
+  Device* const dev_;
+  StreamOrder* const streams_;
+  StepTimer* const timer_;
+  const int rank_, stage_;
+  const DType cdt_;
+  const size_t c_;
+  const bool offload_param_;
+  char* const params_;
+  const SlottedBuffer gather_;
+  char* const persistent_;
+  std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
+  std::vector<Slot> slots_;
+  std::vector<int> unit_slot_;  // per unit, or -1
+  uint64_t use_clock_ = 0;
+  int last_gathered_ = -1;
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_PARAM_GATHERER_H_

@@ -1,0 +1,47 @@
+#include "zero/internal/shard_layout.h"
+
+namespace zerort {
+namespace zero_internal {
+namespace {
+
+Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelStateBuffers& b) {
+  const memory::PlanOptions& o = plan.options;
+  const size_t c = DTypeSize(o.compute_dtype);
+  auto at = [c](char* base, int64_t elems) { return base + elems * static_cast<int64_t>(c); };
+  const bool accumulate = o.gradient_accumulation_steps > 1;
+  Region r;
+  r.whole_unit = o.stage == 0;
+  r.n = r.whole_unit ? unit.padded : unit.shard;
+  r.unit_begin = r.whole_unit ? 0 : o.rank * unit.shard;
+  r.owned_begin = r.whole_unit ? o.rank * unit.shard : 0;
+  switch (o.stage) {
+    case 0:
+      r.grad = at(accumulate ? b.accum : b.grads, unit.flat_offset);
+      break;
+    case 1:
+      r.grad = accumulate ? at(b.accum, unit.shard_offset)
+                          : at(b.grads, unit.flat_offset + r.unit_begin);
+      break;
+    default:
+      r.grad = at(b.grads, unit.shard_offset);
+      break;
+  }
+  r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
+                         : at(b.params, unit.flat_offset + r.unit_begin);
+  // Optimizer state is the concatenation of the owned regions.
+  const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
+  r.master = b.master != nullptr ? b.master + optim : reinterpret_cast<float*>(r.param);
+  r.m = b.m + optim;
+  r.v = b.v + optim;
+  return r;
+}
+
+}  // namespace
+
+ShardLayout::ShardLayout(const memory::Plan& plan, const ModelStateBuffers& buffers) {
+  regions_.reserve(plan.units.size());
+  for (const memory::Unit& unit : plan.units) regions_.push_back(RegionOf(plan, unit, buffers));
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

@@ -1,0 +1,67 @@
+// ShardLayout: where this rank's part of every unit lives, built once from the plan.
+//
+// For each unit the table holds the region the optimizer updates on this rank: the reduced
+// gradient it reads, the fp32 master, m and v, and the compute-dtype parameters it writes,
+// with their element count. Stage 0 holds every unit whole on every rank, so its region is the
+// whole padded unit; stages 1-3 own shard `rank` of each unit (unit.shard elements). Where the
+// reduced gradient sits depends on the stage and on gradient accumulation:
+//
+//   stage 0:  the full gradients, or the full accumulator when accumulating
+//   stage 1:  this rank's block of the full gradients, or the shard accumulator
+//   stage 2-3: the gradient shard (accumulated in place)
+//
+// Every engine path that touches owned state (InitParams, the optimizer, snapshots, restore,
+// GatherMasterWeights, the offload pipeline) reads this table instead of redoing the arithmetic.
+//
+// Thread safety: immutable after construction.
+#ifndef ZERORT_ZERO_INTERNAL_SHARD_LAYOUT_H_
+#define ZERORT_ZERO_INTERNAL_SHARD_LAYOUT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "base/dtype.h"
+#include "memory/plan.h"
+
+namespace zerort {
+namespace zero_internal {
+
+// The engine's model-state buffers (null when the plan has none). master is null in fp32 mode
+// without offload: the parameters themselves are then the fp32 weights.
+struct ModelStateBuffers {
+  char* params = nullptr;   // compute dtype: full (stages 0-2) or the shard (stage 3)
+  char* grads = nullptr;    // compute dtype: full (stages 0-1) or the shard (stages 2-3)
+  float* master = nullptr;  // fp32: full (stage 0) or the shard (stages 1-3)
+  float* m = nullptr;
+  float* v = nullptr;
+  char* accum = nullptr;    // compute dtype: full (stage 0) or the shard (stage 1), GAS > 1
+};
+
+// This rank's region of one unit.
+struct Region {
+  int64_t n = 0;             // elements: unit.padded in stage 0, unit.shard otherwise
+  int64_t unit_begin = 0;    // where the region starts inside the padded unit
+  int64_t owned_begin = 0;   // where this rank's shard starts inside the region
+  bool whole_unit = false;   // the region is the whole unit (stage 0)
+  const char* grad = nullptr;  // (n) compute dtype: the reduced gradient
+  float* master = nullptr;     // (n) fp32
+  float* m = nullptr;          // (n) fp32
+  float* v = nullptr;          // (n) fp32
+  char* param = nullptr;       // (n) compute dtype
+};
+
+class ShardLayout {
+ public:
+  ShardLayout(const memory::Plan& plan, const ModelStateBuffers& buffers);
+
+  const Region& region(int unit) const { return regions_[unit]; }
+  int num_units() const { return static_cast<int>(regions_.size()); }
+
+ private:
+  std::vector<Region> regions_;
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_SHARD_LAYOUT_H_

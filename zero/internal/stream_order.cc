@@ -1,0 +1,89 @@
+#include "zero/internal/stream_order.h"
+
+#include "base/status.h"
+
+namespace zerort {
+namespace zero_internal {
+namespace {
+
+absl::Status CreateEvents(Device* dev, int n, std::vector<Device::Event>* out) {
+  for (int k = 0; k < n; ++k) {
+    ASSIGN_OR_RETURN(Device::Event e, dev->CreateEvent());
+    out->push_back(e);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StreamOrder>> StreamOrder::Create(Device* device,
+                                                                 Device::Stream compute,
+                                                                 bool stream_ordered,
+                                                                 int buckets, int slots) {
+  std::unique_ptr<StreamOrder> o(new StreamOrder(device, compute));
+  if (!stream_ordered) return o;
+  ASSIGN_OR_RETURN(o->comm_, device->CreateStream());
+  o->side_ = o->comm_;
+  ASSIGN_OR_RETURN(o->compute_mark_, device->CreateEvent());
+  ASSIGN_OR_RETURN(o->comm_mark_, device->CreateEvent());
+  RETURN_IF_ERROR(CreateEvents(device, buckets, &o->bucket_free_));
+  RETURN_IF_ERROR(CreateEvents(device, slots, &o->slot_ready_));
+  RETURN_IF_ERROR(CreateEvents(device, slots, &o->slot_free_));
+  return o;
+}
+
+StreamOrder::~StreamOrder() {
+  if (comm_ != nullptr) {
+    dev_->Synchronize(comm_).IgnoreError();  // a failure was reported by the step that caused it
+    dev_->DestroyStream(comm_);
+  }
+  for (Device::Event e : {compute_mark_, comm_mark_}) {
+    if (e != nullptr) dev_->DestroyEvent(e);
+  }
+  for (auto* list : {&bucket_free_, &slot_ready_, &slot_free_}) {
+    for (Device::Event e : *list) dev_->DestroyEvent(e);
+  }
+}
+
+absl::Status StreamOrder::BeforeComm() {
+  if (comm_ == nullptr) return dev_->Synchronize(compute_);
+  RETURN_IF_ERROR(dev_->Record(compute_mark_, compute_));
+  return dev_->Wait(comm_, compute_mark_);
+}
+
+absl::Status StreamOrder::JoinComm() {
+  if (comm_ == nullptr) return absl::OkStatus();
+  RETURN_IF_ERROR(dev_->Record(comm_mark_, comm_));
+  return dev_->Wait(compute_, comm_mark_);
+}
+
+absl::Status StreamOrder::BucketReduced(int bucket) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Record(bucket_free_[bucket], comm_);
+}
+
+absl::Status StreamOrder::BeforeBucketReuse(int bucket) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Wait(compute_, bucket_free_[bucket]);
+}
+
+absl::Status StreamOrder::SlotReleased(int slot) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Record(slot_free_[slot], compute_);
+}
+
+absl::Status StreamOrder::BeforeSlotGather(int slot) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Wait(comm_, slot_free_[slot]);
+}
+
+absl::Status StreamOrder::SlotGathered(int slot) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Record(slot_ready_[slot], comm_);
+}
+
+absl::Status StreamOrder::BeforeSlotUse(int slot) {
+  return comm_ == nullptr ? absl::OkStatus() : dev_->Wait(compute_, slot_ready_[slot]);
+}
+
+absl::Status StreamOrder::BeforeCommAfter(Device::Event event) {
+  return comm_ == nullptr ? dev_->WaitHost(event) : dev_->Wait(comm_, event);
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

@@ -1,0 +1,84 @@
+// StreamOrder: how the engine's device work, its collectives and the trainer's work are
+// ordered, whatever the communicator.
+//
+// compute(): the trainer's stream; every device operation of the engine is ordered on it.
+// With a stream-ordered communicator (NCCL), collectives and their follow-up run on a comm
+// stream of their own (side()), which waits for compute() through events and is joined back
+// where results are needed: at Step() (reduced gradients), when a gradient bucket is handed
+// out again, when a gathered unit is handed to the trainer. The CPU communicators read memory
+// when called: the host then waits for compute() before each collective, side() is compute()
+// itself and every bucket and slot event is a no-op.
+//
+// The events, by what they order:
+//   BeforeComm       compute -> comm: what the trainer wrote is complete before a collective
+//   JoinComm         comm -> compute: collectives' results before the trainer's next work
+//   BucketReduced    comm: bucket b's reduce-scatter has read it ...
+//   BeforeBucketReuse  ... before compute zero-fills it for the next unit
+//   SlotReleased     compute: the trainer is done with the unit in gather slot s ...
+//   BeforeSlotGather   ... before the comm stream all-gathers another unit into it
+//   SlotGathered     comm: slot s's all-gather has landed ...
+//   BeforeSlotUse      ... before compute reads it
+//
+// Thread safety: not thread-safe; one per engine. The destructor waits for the comm stream.
+#ifndef ZERORT_ZERO_INTERNAL_STREAM_ORDER_H_
+#define ZERORT_ZERO_INTERNAL_STREAM_ORDER_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "device/device.h"
+
+namespace zerort {
+namespace zero_internal {
+
+class StreamOrder {
+ public:
+  // `stream_ordered`: the communicator only enqueues its collectives (Communicator::
+  // stream_ordered()). `buckets` and `slots`: how many gradient buckets and gather slots the
+  // plan has.
+  static absl::StatusOr<std::unique_ptr<StreamOrder>> Create(Device* device,
+                                                             Device::Stream compute,
+                                                             bool stream_ordered, int buckets,
+                                                             int slots);
+  ~StreamOrder();
+  StreamOrder(const StreamOrder&) = delete;
+  StreamOrder& operator=(const StreamOrder&) = delete;
+
+  Device::Stream compute() const { return compute_; }
+  // Where collectives and their follow-up run: the comm stream, or compute().
+  Device::Stream side() const { return side_; }
+  bool stream_ordered() const { return comm_ != nullptr; }
+
+  absl::Status BeforeComm();
+  absl::Status JoinComm();
+  absl::Status BucketReduced(int bucket);
+  absl::Status BeforeBucketReuse(int bucket);
+  absl::Status SlotReleased(int slot);
+  absl::Status BeforeSlotGather(int slot);
+  absl::Status SlotGathered(int slot);
+  absl::Status BeforeSlotUse(int slot);
+  // Orders `event` (recorded by some other stream) before the next collective: the comm stream
+  // waits for it, or, for communicators that read memory when called, the host does.
+  absl::Status BeforeCommAfter(Device::Event event);
+
+ private:
+  StreamOrder(Device* device, Device::Stream compute) : dev_(device), compute_(compute),
+                                                        side_(compute) {}
+
+  Device* const dev_;
+  const Device::Stream compute_;
+  Device::Stream comm_ = nullptr;          // null unless the communicator is stream-ordered
+  Device::Stream side_;
+  Device::Event compute_mark_ = nullptr;   // compute -> comm
+  Device::Event comm_mark_ = nullptr;      // comm -> compute
+  std::vector<Device::Event> bucket_free_;  // per bucket: its reduce-scatter has read it
+  std::vector<Device::Event> slot_ready_;   // per gather slot: its all-gather has landed
+  std::vector<Device::Event> slot_free_;    // per gather slot: compute released its unit
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_STREAM_ORDER_H_
