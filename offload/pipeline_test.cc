@@ -33,7 +33,11 @@ TEST_CASE("OffloadPipeline: equals a plain host AdamW per unit, gathering each a
   for (bool on_host : {false, true}) {
     DYNAMIC_SECTION((on_host ? "param on host" : "param on device")) {
       // Asynchronous streams with a 200 us delay: a missing wait gives wrong values.
-      auto dev = CreateCpuDevice(1, true, 200);
+      CpuDeviceOptions options;
+      options.threads = 1;
+      options.async_streams = true;
+      options.stream_delay_us = 200;
+      auto dev = CreateCpuDevice(options);
       const std::vector<int64_t> sizes = {40, 17, 64, 33, 8};
       std::vector<Unit> units, ref;
       std::vector<PipelineRegion> regions;

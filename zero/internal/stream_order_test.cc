@@ -12,7 +12,13 @@ namespace {
 
 // Asynchronous CPU streams whose every operation starts 2 ms late: a missing wait shows up as
 // a wrong value.
-std::unique_ptr<Device> SlowStreams() { return CreateCpuDevice(1, true, 2000); }
+std::unique_ptr<Device> SlowStreams() {
+  CpuDeviceOptions options;
+  options.threads = 1;
+  options.async_streams = true;
+  options.stream_delay_us = 2000;
+  return CreateCpuDevice(options);
+}
 
 TEST_CASE("StreamOrder: compute's writes reach the comm stream and come back in order",
           "[zero]") {
