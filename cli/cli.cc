@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/bytes.h"
 #include "base/status.h"
 #include "zero/config.h"
 #include "cli/flags.h"

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/bytes.h"
 #include "base/status.h"
 #include "examples/mlp/mlp.h"
 #include "memory/plan.h"
@@ -31,16 +32,6 @@ constexpr char kDefaultConfig[] = R"({
   "gradient_clipping": 1.0,
   "comm_timeout_ms": 60000
 })";
-
-// Exact, with thousands separators: the point of the table is that the two numbers are equal.
-std::string Bytes(int64_t b) {
-  std::string digits = absl::StrCat(b), grouped;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) grouped += ',';
-    grouped += digits[i];
-  }
-  return grouped;
-}
 
 }  // namespace
 
@@ -100,7 +91,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
     const MemoryReport& m = result.memory[r];
     out << absl::StrFormat("%6d", r);
     for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-      out << absl::StrFormat(" %13s / %11s", Bytes(m.planned[k]), Bytes(m.allocated[k]));
+      out << absl::StrFormat(" %13s / %11s", GroupedBytes(m.planned[k]), GroupedBytes(m.allocated[k]));
       all_match = all_match && m.planned[k] == m.allocated[k];
     }
     out << "\n";

@@ -4,8 +4,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/bytes.h"
 #include "base/status.h"
-#include "zero/report.h"
 
 namespace zerort {
 namespace {

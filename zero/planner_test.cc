@@ -7,7 +7,6 @@
 #include <catch2/catch.hpp>
 
 #include "zero/model_spec.h"
-#include "zero/report.h"
 
 namespace zerort {
 namespace {
@@ -54,16 +53,6 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
   auto broken = ParseModelJson("{", "m.json");
   REQUIRE_FALSE(broken.ok());
   CHECK_THAT(std::string(broken.status().message()), Catch::Contains("m.json"));
-}
-
-TEST_CASE("Report: byte sizes parse with decimal and binary units", "[zero]") {
-  CHECK(*ParseBytes("80GiB") == 80LL << 30);
-  CHECK(*ParseBytes("16 GB") == 16000000000LL);
-  CHECK(*ParseBytes("8e10") == 80000000000LL);
-  CHECK(*ParseBytes("1.5KiB") == 1536);
-  CHECK_FALSE(ParseBytes("lots").ok());
-  CHECK_FALSE(ParseBytes("5 parsecs").ok());
-  CHECK(HumanBytes(1536) == "1.50 KiB");
 }
 
 // A config of `stage auto` with a device budget.
