@@ -71,11 +71,12 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
                                  "precision", "config", "budget"},
                                 {"json", "resolved-config"}));
   Config config;
-  config.precision = Precision::kBf16;  // the mixed-precision setting users plan for
+  config.compute_dtype = DType::kBF16;  // the mixed-precision setting users plan for
   if (flags.Has("config")) {
     ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
   }
-  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
+  ASSIGN_OR_RETURN(config.compute_dtype,
+                   flags.GetComputeDType("precision", config.compute_dtype));
   if (flags.Has("stage")) {
     const std::string s = flags.Get("stage");
     int stage = -1;

@@ -50,7 +50,8 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
     config.zero.stage = stage;
     if (stage != 3) config.zero.offload_param.device = OffloadDevice::kNone;
   }
-  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
+  ASSIGN_OR_RETURN(config.compute_dtype,
+                   flags.GetComputeDType("precision", config.compute_dtype));
   RETURN_IF_ERROR(ValidateConfig(config));
   examples::RunOptions options;
   ASSIGN_OR_RETURN(options.world_size, flags.GetInt("ranks", 4, 1, 256));
@@ -64,7 +65,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
       << mlp.num_elements() << " parameters) on " << options.world_size
       << " in-process ranks, stage "
       << (config.zero.stage_auto ? std::string("auto") : absl::StrCat(config.zero.stage)) << ", "
-      << PrecisionName(config.precision) << ", batch " << options.batch << " per rank\n";
+      << DTypeName(config.compute_dtype) << ", batch " << options.batch << " per rank\n";
   out << absl::StrFormat("%6s %12s %12s %11s %9s %9s\n", "step", "loss", "grad_norm",
                          "loss_scale", "ms", "step_ms");
   options.on_step = [&out](const examples::StepReport& r) {

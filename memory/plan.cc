@@ -85,7 +85,7 @@ std::vector<std::vector<int>> ModulesInBackwardOrder(absl::Span<const ParamSpec>
 }
 
 
-// Elements of every parameter, in spec order; adds them up in plan->num_params. Refuses a bad
+// Elements of every parameter, in spec order; adds them up in plan->num_elements. Refuses a bad
 // shape or a name registered twice.
 absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> specs, Plan* plan) {
   std::vector<int64_t> numel(specs.size());
@@ -95,7 +95,7 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
     auto n = Numel(specs[i]);
     if (!n.ok()) return n.status();
     numel[i] = *n;
-    plan->num_params += *n;
+    plan->num_elements += *n;
     if (!names.insert(specs[i].name).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("parameter name '", specs[i].name, "' is registered twice"));

@@ -664,7 +664,7 @@ absl::Status ReadConfig(const Json& root, Config* config) {
     return absl::InvalidArgumentError(
         "bf16.enabled and fp16.enabled are both true; enable at most one");
   }
-  config->precision = bf16 ? Precision::kBf16 : fp16 ? Precision::kFp16 : Precision::kFp32;
+  config->compute_dtype = bf16 ? DType::kBF16 : fp16 ? DType::kF16 : DType::kF32;
 
   ASSIGN_OR_RETURN(const Json* optimizer, ReadObject(root, top, "optimizer"));
   if (optimizer != nullptr) {
@@ -738,23 +738,10 @@ bool operator==(const OptimizerConfig& a, const OptimizerConfig& b) {
 }
 
 bool operator==(const Config& a, const Config& b) {
-  return a.zero == b.zero && a.precision == b.precision && a.fp16 == b.fp16 &&
+  return a.zero == b.zero && a.compute_dtype == b.compute_dtype && a.fp16 == b.fp16 &&
          a.optimizer == b.optimizer && a.gradient_clipping == b.gradient_clipping &&
          a.gradient_accumulation_steps == b.gradient_accumulation_steps &&
          a.comm_timeout_ms == b.comm_timeout_ms && a.cpu_threads == b.cpu_threads;
-}
-
-absl::string_view PrecisionName(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32";
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-  }
-  assert(false && "unknown Precision");
-  return "?";
 }
 
 absl::string_view OffloadDeviceName(OffloadDevice d) {
@@ -833,8 +820,8 @@ std::string ResolvedConfigJson(const Config& c) {
 
   Json root;
   root["zero_optimization"] = std::move(zero);
-  root["bf16"] = {{"enabled", c.precision == Precision::kBf16}};
-  root["fp16"] = {{"enabled", c.precision == Precision::kFp16},
+  root["bf16"] = {{"enabled", c.compute_dtype == DType::kBF16}};
+  root["fp16"] = {{"enabled", c.compute_dtype == DType::kF16},
                   {"loss_scale", c.fp16.loss_scale},
                   {"initial_scale_power", c.fp16.initial_scale_power},
                   {"loss_scale_window", c.fp16.loss_scale_window},

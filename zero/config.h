@@ -21,11 +21,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/dtype.h"
 
 namespace zerort {
-
-// Compute dtype of parameters and gradients. Optimizer state is always fp32.
-enum class Precision { kFp32, kBf16, kFp16 };
 
 // Where offloaded state lives. DeepSpeed's "nvme" is recognised and rejected as Unimplemented.
 enum class OffloadDevice { kNone, kCpu };
@@ -89,10 +87,11 @@ struct OptimizerConfig {
 
 struct Config {
   ZeroConfig zero;
-  // DeepSpeed's rule: bf16.enabled -> bf16, fp16.enabled -> fp16, neither -> fp32 (also when
-  // both blocks are absent). Both enabled is an error.
-  Precision precision = Precision::kFp32;
-  Fp16Config fp16;  // read whenever present; used only when precision == kFp16
+  // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
+  // rule: bf16.enabled -> kBF16, fp16.enabled -> kF16, neither -> kF32 (also when both blocks
+  // are absent). Both enabled is an error.
+  DType compute_dtype = DType::kF32;
+  Fp16Config fp16;  // read whenever present; used only when compute_dtype == kF16
   OptimizerConfig optimizer;
   double gradient_clipping = 0;         // >= 0; global L2 norm limit, 0 = off
   int gradient_accumulation_steps = 1;  // >= 1
@@ -113,8 +112,7 @@ bool operator==(const OptimizerConfig& a, const OptimizerConfig& b);
 bool operator==(const Config& a, const Config& b);
 inline bool operator!=(const Config& a, const Config& b) { return !(a == b); }
 
-// "fp32" / "bf16" / "fp16" and "none" / "cpu", as written in the JSON.
-absl::string_view PrecisionName(Precision p);
+// "none" / "cpu", as written in the JSON. (Dtypes: DTypeName in base/dtype.h.)
 absl::string_view OffloadDeviceName(OffloadDevice d);
 
 // Parses and validates a JSON config. `source` names the text in error messages (a file name).

@@ -100,7 +100,7 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
     CHECK(resolved.count(key) == 1);
   }
   // The documented precision rule: no bf16/fp16 block means fp32.
-  CHECK(parsed.precision == Precision::kFp32);
+  CHECK(parsed.compute_dtype == DType::kF32);
 }
 
 TEST_CASE("Config: the example in docs/config.md parses to what the text says", "[zero]") {
@@ -111,7 +111,7 @@ TEST_CASE("Config: the example in docs/config.md parses to what the text says", 
   size_t end = doc.find("```", begin);
   REQUIRE(end != std::string::npos);
   Config c = MustParse(doc.substr(begin, end - begin));
-  CHECK(c.precision == Precision::kBf16);
+  CHECK(c.compute_dtype == DType::kBF16);
   CHECK(c.zero.stage_auto);
   CHECK(c.zero.memory_budget.device_bytes == static_cast<int64_t>(80e9));
   CHECK(c.zero.offload_optimizer.device == OffloadDevice::kCpu);
@@ -133,7 +133,7 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
   expected.optimizer.beta2 = 0.95;
   expected.optimizer.eps = 1e-6;
   expected.optimizer.weight_decay = 0.1;
-  expected.precision = Precision::kFp16;
+  expected.compute_dtype = DType::kF16;
   expected.fp16.loss_scale = 0;
   expected.fp16.initial_scale_power = 12;
   expected.fp16.loss_scale_window = 500;
@@ -205,7 +205,7 @@ TEST_CASE("Config: ResolvedConfigJson round-trips and is a fixed point", "[zero]
     c.zero.stage3_param_persistence_threshold = pick(0, 1 << 20);
     c.zero.stage3_max_live_parameters = pick(1, INT64_MAX);
     c.zero.memory_budget = {pick(c.zero.stage_auto ? 1 : 0, INT64_MAX), pick(0, INT64_MAX)};
-    c.precision = static_cast<Precision>(pick(0, 2));
+    c.compute_dtype = static_cast<DType>(pick(0, 2));
     c.fp16.loss_scale = pick(0, 1) ? 0.0 : unit() * 65536;
     c.fp16.initial_scale_power = static_cast<int>(pick(0, 127));
     c.fp16.loss_scale_window = static_cast<int>(pick(1, 5000));
@@ -521,14 +521,14 @@ TEST_CASE("Config: rules across keys name every key involved", "[zero]") {
 }
 
 TEST_CASE("Config: precision follows the bf16 and fp16 blocks", "[zero]") {
-  CHECK(MustParse(R"({"bf16": {"enabled": true}})").precision == Precision::kBf16);
-  CHECK(MustParse(R"({"fp16": {"enabled": true}})").precision == Precision::kFp16);
-  CHECK(MustParse(R"({"bf16": {"enabled": false}, "fp16": {"enabled": false}})").precision ==
-        Precision::kFp32);
-  CHECK(MustParse(R"({"bf16": {}})").precision == Precision::kFp32);
+  CHECK(MustParse(R"({"bf16": {"enabled": true}})").compute_dtype == DType::kBF16);
+  CHECK(MustParse(R"({"fp16": {"enabled": true}})").compute_dtype == DType::kF16);
+  CHECK(MustParse(R"({"bf16": {"enabled": false}, "fp16": {"enabled": false}})").compute_dtype ==
+        DType::kF32);
+  CHECK(MustParse(R"({"bf16": {}})").compute_dtype == DType::kF32);
   // An fp16 block that is not enabled is still validated and kept.
   Config c = MustParse(R"({"fp16": {"initial_scale_power": 20}})");
-  CHECK(c.precision == Precision::kFp32);
+  CHECK(c.compute_dtype == DType::kF32);
   CHECK(c.fp16.initial_scale_power == 20);
   CHECK(ParseError(R"({"fp16": {"initial_scale_power": -1}})").code() ==
         absl::StatusCode::kInvalidArgument);

@@ -58,7 +58,7 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
 // A config of `stage auto` with a device budget.
 Config AutoConfig(int64_t device_bytes, int64_t host_bytes = 0) {
   Config c;
-  c.precision = Precision::kBf16;
+  c.compute_dtype = DType::kBF16;
   c.zero.stage_auto = true;
   c.zero.memory_budget.device_bytes = device_bytes;
   c.zero.memory_budget.host_bytes = host_bytes;

@@ -12,7 +12,7 @@ std::string PlanTable(const memory::Plan& plan) {
   const memory::PlanOptions& o = plan.options;
   std::string out = absl::StrFormat(
       "%d parameters (%s with padding) in %d units, world size %d, stage %d, %s%s%s\n",
-      plan.num_params, absl::StrCat(plan.padded_elements), plan.units.size(), o.world_size,
+      plan.num_elements, absl::StrCat(plan.padded_elements), plan.units.size(), o.world_size,
       o.stage, DTypeName(o.compute_dtype), o.offload_optimizer ? ", optimizer offload" : "",
       o.offload_param ? ", parameter offload" : "");
   for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
@@ -42,7 +42,7 @@ std::string PlanTable(const memory::Plan& plan) {
 nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
   const memory::PlanOptions& o = plan.options;
   nlohmann::ordered_json j;
-  j["params"] = plan.num_params;
+  j["params"] = plan.num_elements;
   j["padded_params"] = plan.padded_elements;
   j["world_size"] = o.world_size;
   j["rank"] = o.rank;
