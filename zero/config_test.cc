@@ -463,6 +463,13 @@ TEST_CASE("Config: unreadable files are errors naming the file", "[zero]") {
   REQUIRE(!directory.ok());
   CHECK(absl::StrContains(directory.status().message(), "zero/testdata"));
 
+  // Not a regular file: refused rather than read without end.
+  absl::StatusOr<Config> device = LoadConfigFile("/dev/zero");
+  REQUIRE(!device.ok());
+  CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(device.status().message(),
+                          "cannot read config file \"/dev/zero\": not a regular file"));
+
   // Validation errors from a file carry its name too.
   absl::StatusOr<Config> config = ParseConfig(R"({"cpu_threads": -2})", "my.json");
   REQUIRE(!config.ok());

@@ -53,6 +53,21 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
   auto broken = ParseModelJson("{", "m.json");
   REQUIRE_FALSE(broken.ok());
   CHECK_THAT(std::string(broken.status().message()), Catch::Contains("m.json"));
+  // base/json's strictness: a duplicate key, an unknown key and a non-regular file are refused.
+  auto duplicate = ParseModelJson(
+      R"({"modules": [{"name": "l0", "name": "l1", "params": [{"name": "w", "shape": [3]}]}]})",
+      "m.json");
+  CHECK_THAT(std::string(duplicate.status().message()),
+             Catch::Contains("m.json: modules[0].name: duplicate key"));
+  auto unknown = ParseModelJson(
+      R"({"modules": [{"name": "l0", "dtype": "bf16", "params": [{"name": "w", "shape": [3]}]}]})",
+      "m.json");
+  CHECK_THAT(std::string(unknown.status().message()),
+             Catch::Contains("m.json: modules[0].dtype: unknown key"));
+  auto device = LoadModelFile("/dev/zero");
+  CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(device.status().message()), Catch::Contains("not a regular file"));
+  CHECK(LoadModelFile("no/such/model.json").status().code() == absl::StatusCode::kNotFound);
 }
 
 // A config of `stage auto` with a device budget.
