@@ -286,6 +286,33 @@ absl::Status ReadMemoryBudget(const Json& obj, const std::string& path, MemoryBu
   return absl::OkStatus();
 }
 
+// What zerort always does in place of three DeepSpeed switches (docs/config.md says the same).
+constexpr char kOverlapWhy[] =
+    "zerort always overlaps gradient reduction with backward: each unit is reduced as soon as "
+    "GradReady has been called for all its parameters, while backward goes on";
+constexpr char kContiguousWhy[] =
+    "zerort always keeps gradients in contiguous buffers: one flat buffer for the whole model in "
+    "stages 0-1, one flat bucket per unit in stages 2-3, which every reduction reads in place";
+constexpr char kAllgatherWhy[] =
+    "zerort all-gathers parameters one unit at a time, and units are sized by "
+    "zero_optimization.reduce_bucket_size";
+
+// Keys DeepSpeed users set that zerort parses (their types and ranges are checked) but that
+// change nothing: each present one adds a note saying what zerort does instead.
+void NoteFixedBehaviour(const Json& obj, const std::string& path, const ZeroConfig& z,
+                        std::vector<std::string>* notes) {
+  // `what` names the behaviour a `false` asks to turn off.
+  auto note = [&](const char* key, bool turned_off, const char* what, const char* why) {
+    if (!obj.contains(key)) return;
+    notes->push_back(turned_off ? absl::StrCat(JsonPath(path, key), ": false has no effect, ",
+                                               what, " cannot be turned off: ", why)
+                                : absl::StrCat(JsonPath(path, key), ": accepted, no effect: ", why));
+  };
+  note("overlap_comm", !z.overlap_comm, "overlap", kOverlapWhy);
+  note("contiguous_gradients", !z.contiguous_gradients, "contiguous gradients", kContiguousWhy);
+  note("allgather_bucket_size", false, "", kAllgatherWhy);
+}
+
 absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
                       std::vector<std::string>* notes) {
   RETURN_IF_ERROR(CheckKeys(
@@ -329,6 +356,7 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
       ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max, &out->allgather_bucket_size));
   RETURN_IF_ERROR(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
   RETURN_IF_ERROR(ReadBool(obj, path, "contiguous_gradients", &out->contiguous_gradients));
+  NoteFixedBehaviour(obj, path, *out, notes);
   ASSIGN_OR_RETURN(const Json* offload_optimizer, ReadObject(obj, path, "offload_optimizer"));
   if (offload_optimizer != nullptr) {
     RETURN_IF_ERROR(ReadOffloadOptimizer(*offload_optimizer, JsonPath(path, "offload_optimizer"),
@@ -516,10 +544,7 @@ bool operator==(const MemoryBudget& a, const MemoryBudget& b) {
 
 bool operator==(const ZeroConfig& a, const ZeroConfig& b) {
   return a.stage_auto == b.stage_auto && (a.stage_auto || a.stage == b.stage) &&
-         a.reduce_bucket_size == b.reduce_bucket_size &&
-         a.allgather_bucket_size == b.allgather_bucket_size && a.overlap_comm == b.overlap_comm &&
-         a.contiguous_gradients == b.contiguous_gradients &&
-         a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
+         a.reduce_bucket_size == b.reduce_bucket_size && a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
          a.stage3_prefetch_bucket_size == b.stage3_prefetch_bucket_size &&
          a.stage3_param_persistence_threshold == b.stage3_param_persistence_threshold &&
          a.stage3_max_live_parameters == b.stage3_max_live_parameters &&
@@ -577,9 +602,6 @@ std::string ResolvedConfigJson(const Config& c) {
   Json zero;
   zero["stage"] = z.stage_auto ? Json("auto") : Json(z.stage);
   zero["reduce_bucket_size"] = z.reduce_bucket_size;
-  zero["allgather_bucket_size"] = z.allgather_bucket_size;
-  zero["overlap_comm"] = z.overlap_comm;
-  zero["contiguous_gradients"] = z.contiguous_gradients;
   zero["offload_optimizer"] = {
       {"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
       {"pin_memory", z.offload_optimizer.pin_memory},

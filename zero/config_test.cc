@@ -89,7 +89,9 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
   std::map<std::string, Json> resolved;
   Flatten(Json::parse(ResolvedConfigJson(parsed)), "", &resolved);
   std::map<std::string, Json> documented = DocumentedDefaults();
-  REQUIRE(documented.size() >= 30);
+  // 31 rows until overlap_comm, contiguous_gradients and allgather_bucket_size moved to the
+  // table of keys with no effect (checked in the test of those keys).
+  REQUIRE(documented.size() >= 28);
   for (const auto& [key, value] : resolved) {
     INFO(key);
     REQUIRE(documented.count(key) == 1);
@@ -164,13 +166,61 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
       "zero_optimization.round_robin_gradients",
       "zero_optimization.sub_group_size",
       "zero_optimization.stage3_max_reuse_distance",
-      "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
+      "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+      "zero_optimization.allgather_bucket_size",
+      "zero_optimization.overlap_comm",
+      "zero_optimization.contiguous_gradients"};
   CHECK(loaded->notes.size() == ignored.size());
   for (const std::string& key : ignored) {
     INFO(key);
     int hits = 0;
     for (const std::string& note : loaded->notes) hits += absl::StartsWith(note, key + ":");
     CHECK(hits == 1);
+  }
+}
+
+TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no effect, noted",
+          "[zero]") {
+  Config on = MustParse(R"({"zero_optimization": {"overlap_comm": true,
+      "contiguous_gradients": true, "allgather_bucket_size": 2e8}})");
+  CHECK(on == Config{});
+  REQUIRE(on.notes.size() == 3);
+  CHECK(absl::StartsWith(on.notes[0], "zero_optimization.overlap_comm: accepted, no effect: "
+                                      "zerort always overlaps gradient reduction with backward"));
+  CHECK(absl::StartsWith(on.notes[1],
+                         "zero_optimization.contiguous_gradients: accepted, no effect: zerort "
+                         "always keeps gradients in contiguous buffers"));
+  CHECK(absl::StartsWith(on.notes[2],
+                         "zero_optimization.allgather_bucket_size: accepted, no effect: zerort "
+                         "all-gathers parameters one unit at a time"));
+
+  // false asks for what zerort has no mode for: the note says it cannot be turned off, and why.
+  Config off = MustParse(
+      R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false}})");
+  CHECK(off == Config{});
+  REQUIRE(off.notes.size() == 2);
+  CHECK(absl::StartsWith(off.notes[0], "zero_optimization.overlap_comm: false has no effect, "
+                                       "overlap cannot be turned off: zerort always overlaps"));
+  CHECK(absl::StrContains(off.notes[0], "GradReady"));
+  CHECK(absl::StartsWith(off.notes[1],
+                         "zero_optimization.contiguous_gradients: false has no effect, contiguous "
+                         "gradients cannot be turned off: "));
+
+  // Still type-checked, and not settings: the resolved config leaves them out.
+  CHECK(ParseError(R"({"zero_optimization": {"overlap_comm": "no"}})").code() ==
+        absl::StatusCode::kInvalidArgument);
+  const std::string resolved = ResolvedConfigJson(on);
+  for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
+    CHECK_FALSE(absl::StrContains(resolved, key));
+  }
+  CHECK(MustParse("{}").notes.empty());
+
+  // docs/config.md documents each of them, outside the Settings table, with what zerort does.
+  const std::string doc = ReadFile("docs/config.md");
+  for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
+    INFO(key);
+    CHECK(absl::StrContains(doc, absl::StrCat("| `zero_optimization.", key, "` | ")));
+    CHECK(DocumentedDefaults().count(absl::StrCat("zero_optimization.", key)) == 0);
   }
 }
 
