@@ -284,7 +284,7 @@ zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather_master_weights", "engine"));
     RETURN_IF_ERROR(NotNull(out, "zr_engine_gather_master_weights", "out"));
-    const int64_t needed = engine->engine->plan().num_params;
+    const int64_t needed = engine->engine->plan().num_elements;
     // Checked before the collective so that every rank fails alike when all pass the same size.
     if (capacity < needed) {
       return absl::OutOfRangeError(absl::StrCat("zr_engine_gather_master_weights: capacity ",
@@ -309,7 +309,7 @@ zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) 
     out->compute_dtype = static_cast<zr_dtype>(plan.options.compute_dtype);
     out->num_params = engine->engine->num_params();
     out->num_units = engine->engine->num_units();
-    out->num_elements = plan.num_params;
+    out->num_elements = plan.num_elements;
     out->padded_elements = plan.padded_elements;
     out->shard_elements = plan.shard_elements;
     out->model_state_bytes = plan.model_state_bytes;

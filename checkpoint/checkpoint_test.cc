@@ -125,27 +125,27 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
   const int k = 3, m = 3;
   struct Case {
     int stage;
-    Precision precision;
+    DType precision;
     int world;
     int gas;
     bool offload;
   };
   std::vector<Case> cases;
   for (int stage = 0; stage <= 3; ++stage) {
-    cases.push_back({stage, Precision::kBf16, 2, 1, false});
-    cases.push_back({stage, Precision::kFp16, 3, 2, false});
-    cases.push_back({stage, Precision::kFp32, 1, 1, false});
-    if (stage > 0) cases.push_back({stage, Precision::kBf16, 2, 1, true});
+    cases.push_back({stage, DType::kBF16, 2, 1, false});
+    cases.push_back({stage, DType::kF16, 3, 2, false});
+    cases.push_back({stage, DType::kF32, 1, 1, false});
+    if (stage > 0) cases.push_back({stage, DType::kBF16, 2, 1, true});
   }
   for (const Case& c : cases) {
-    DYNAMIC_SECTION("stage " << c.stage << " " << PrecisionName(c.precision) << " world "
+    DYNAMIC_SECTION("stage " << c.stage << " " << DTypeName(c.precision) << " world "
                              << c.world << " gas " << c.gas << (c.offload ? " offload" : "")) {
       Config config = testing::TestConfig(c.stage, c.precision, c.gas, 1.0, c.offload);
       config.fp16.initial_scale_power = 8;
       // Overflows before and after the checkpoint: the resumed run matches only if the loss
       // scaler's hysteresis and step counters were restored.
       const std::vector<int> inject =
-          c.precision == Precision::kFp16 ? std::vector<int>{1, k + 1} : std::vector<int>{};
+          c.precision == DType::kF16 ? std::vector<int>{1, k + 1} : std::vector<int>{};
       const std::string dir = TempDir("resume");
       const std::string ref_dir = TempDir("resume_ref");
       CpuDeviceOptions device_options;
@@ -186,7 +186,7 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
         REQUIRE(ref_state[r].loss_scale == resumed_state[r].loss_scale);
         REQUIRE(ref_state[r].scaler_hysteresis_left == resumed_state[r].scaler_hysteresis_left);
       }
-      if (c.precision == Precision::kFp16) REQUIRE(ref_state[0].loss_scale == 128.0);
+      if (c.precision == DType::kF16) REQUIRE(ref_state[0].loss_scale == 128.0);
       // m and v as well, through the checkpoints both runs wrote at the end.
       auto a = ReadCheckpoint(ref_dir);
       auto b = ReadCheckpoint(dir);
@@ -247,11 +247,11 @@ TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same ma
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  for (Precision precision : {Precision::kBf16, Precision::kFp32}) {
+  for (DType precision : {DType::kBF16, DType::kF32}) {
     for (int stage = 0; stage <= 3; ++stage) {
       const Config config = testing::TestConfig(stage, precision, 1, 0, false);
       for (int n = 1; n <= 8; ++n) {
-        INFO("stage " << stage << " " << PrecisionName(precision) << " saved at " << n);
+        INFO("stage " << stage << " " << DTypeName(precision) << " saved at " << n);
         const std::string dir = TempDir("reshard");
         std::vector<float> saved_master;
         RequireAllOk(OnRanks(n, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -300,7 +300,7 @@ TEST_CASE("Checkpoint: a checkpoint loads into another stage and another world, 
   auto device = CreateCpuDevice(device_options);
   const std::string dir = TempDir("cross");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
-    ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(1, Precision::kBf16, 1, 0, false),
+    ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(1, DType::kBF16, 1, 0, false),
                                        comm, device.get()));
     RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
     return SaveCheckpoint(*e, dir).status();
@@ -308,7 +308,7 @@ TEST_CASE("Checkpoint: a checkpoint loads into another stage and another world, 
   auto saved = ReadCheckpoint(dir);
   REQUIRE(saved.ok());
   RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {
-    ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(3, Precision::kBf16, 1, 0, false),
+    ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(3, DType::kBF16, 1, 0, false),
                                        comm, device.get(), 0.5f));
     LoadOptions lo;
     lo.allow_reshard = true;
@@ -342,7 +342,7 @@ struct Corruption {
 
 TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves the engine "
           "unchanged", "[zero][ckpt]") {
-  const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
@@ -440,7 +440,7 @@ TEST_CASE("Checkpoint: another world size without allow_reshard, or another mode
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  const Config config = testing::TestConfig(1, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(1, DType::kBF16, 1, 0, false);
   const std::string dir = TempDir("refuse");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
@@ -571,7 +571,7 @@ std::string Latest(const std::string& root) { return ReadFile(root + "/latest");
 
 TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error and keeps the "
           "previous checkpoint", "[zero][ckpt]") {
-  const Config config = testing::TestConfig(3, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
@@ -628,7 +628,7 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
 
 TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` naming a "
           "complete checkpoint that loads", "[zero][ckpt]") {
-  const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
@@ -707,7 +707,7 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
 
 TEST_CASE("Checkpoint: an async save lets training go on, moves `latest` only at Finish, and "
           "equals a synchronous save", "[zero][ckpt]") {
-  const Config config = testing::TestConfig(3, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
@@ -751,7 +751,7 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
   const bool offload = GENERATE(false, true);
   if (offload && stage == 0) return;  // offload needs a partitioned optimizer state
   CAPTURE(stage, offload);
-  const Config config = testing::TestConfig(stage, Precision::kBf16, 1, 0, offload);
+  const Config config = testing::TestConfig(stage, DType::kBF16, 1, 0, offload);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   device_options.async_streams = true;
@@ -785,7 +785,7 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
 
 TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 state",
           "[zero][ckpt]") {
-  const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);

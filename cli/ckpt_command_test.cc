@@ -25,7 +25,7 @@ std::string MakeCheckpoint() {
   const char* base = std::getenv("TEST_TMPDIR");
   std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_cmd_XXXXXX");
   REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
-  const Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, false);
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
   auto comms = comm::CreateInProcessGroup(2, {20000}).value();
   CpuDeviceOptions device_options;
   device_options.threads = 1;

@@ -1,5 +1,6 @@
 #include "cli/cli.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/bytes.h"
 #include "base/status.h"
 #include "zero/config.h"
 #include "cli/flags.h"
@@ -36,6 +38,66 @@ absl::Status ApplyBudget(const std::string& text, MemoryBudget* budget) {
     }
   }
   return absl::OkStatus();
+}
+
+// --stage 0-3|auto.
+absl::Status ApplyStage(const std::string& s, ZeroConfig* zero) {
+  int stage = -1;
+  if (s == "auto") {
+    zero->stage_auto = true;
+  } else if (absl::SimpleAtoi(s, &stage) && stage >= 0 && stage <= 3) {
+    zero->stage_auto = false;
+    zero->stage = stage;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--stage '", s, "': expected 0..3 or auto"));
+  }
+  return absl::OkStatus();
+}
+
+// --offload none|optimizer|all (also "cpu" for optimizer).
+absl::Status ApplyOffload(const std::string& o, ZeroConfig* zero) {
+  const bool optimizer = o == "optimizer" || o == "cpu" || o == "all";
+  const bool param = o == "all";
+  if (!optimizer && o != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--offload '", o, "': expected none, optimizer or all"));
+  }
+  zero->offload_optimizer.device = optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  zero->offload_param.device = param ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  return absl::OkStatus();
+}
+
+// The config file (its notes included), then the flags that override it.
+absl::StatusOr<Config> PlanConfig(const Flags& flags) {
+  Config config;
+  config.compute_dtype = DType::kBF16;  // the mixed-precision setting users plan for
+  if (flags.Has("config")) {
+    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
+  }
+  ASSIGN_OR_RETURN(config.compute_dtype,
+                   flags.GetComputeDType("precision", config.compute_dtype));
+  if (flags.Has("stage")) RETURN_IF_ERROR(ApplyStage(flags.Get("stage"), &config.zero));
+  if (flags.Has("offload")) RETURN_IF_ERROR(ApplyOffload(flags.Get("offload"), &config.zero));
+  if (flags.Has("budget")) {
+    RETURN_IF_ERROR(ApplyBudget(flags.Get("budget"), &config.zero.memory_budget));
+  }
+  RETURN_IF_ERROR(ValidateConfig(config));
+  return config;
+}
+
+// --model NAME|FILE.json or --params N [--layers L].
+absl::StatusOr<std::vector<memory::ParamSpec>> PlanModel(const Flags& flags) {
+  if (flags.Has("model") == flags.Has("params")) {
+    return absl::InvalidArgumentError("plan needs exactly one of --model NAME|FILE or --params N");
+  }
+  if (flags.Has("model")) {
+    const std::string m = flags.Get("model");
+    if (absl::EndsWith(m, ".json")) return LoadModelFile(m);
+    return ModelPreset(m);
+  }
+  ASSIGN_OR_RETURN(int64_t params, flags.GetInt("params", 0, 1));
+  ASSIGN_OR_RETURN(int64_t layers, flags.GetInt("layers", 48, 1));
+  return SyntheticModel(params, static_cast<int>(std::min(layers, params)));
 }
 
 }  // namespace
@@ -69,58 +131,12 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
                                 {"model", "params", "layers", "world", "rank", "stage", "offload",
                                  "precision", "config", "budget"},
                                 {"json", "resolved-config"}));
-  Config config;
-  config.precision = Precision::kBf16;  // the mixed-precision setting users plan for
-  if (flags.Has("config")) {
-    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
-  }
-  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
-  if (flags.Has("stage")) {
-    const std::string s = flags.Get("stage");
-    int stage = -1;
-    if (s == "auto") {
-      config.zero.stage_auto = true;
-    } else if (absl::SimpleAtoi(s, &stage) && stage >= 0 && stage <= 3) {
-      config.zero.stage_auto = false;
-      config.zero.stage = stage;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("--stage '", s, "': expected 0..3 or auto"));
-    }
-  }
-  if (flags.Has("offload")) {
-    const std::string o = flags.Get("offload");
-    const bool optimizer = o == "optimizer" || o == "cpu" || o == "all";
-    const bool param = o == "all";
-    if (!optimizer && o != "none") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--offload '", o, "': expected none, optimizer or all"));
-    }
-    config.zero.offload_optimizer.device = optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
-    config.zero.offload_param.device = param ? OffloadDevice::kCpu : OffloadDevice::kNone;
-  }
-  if (flags.Has("budget")) RETURN_IF_ERROR(ApplyBudget(flags.Get("budget"), &config.zero.memory_budget));
-  RETURN_IF_ERROR(ValidateConfig(config));
+  ASSIGN_OR_RETURN(Config config, PlanConfig(flags));
   if (flags.Has("resolved-config")) {
     out << ResolvedConfigJson(config) << "\n";
     return absl::OkStatus();
   }
-
-  std::vector<memory::ParamSpec> specs;
-  if (flags.Has("model") == flags.Has("params")) {
-    return absl::InvalidArgumentError("plan needs exactly one of --model NAME|FILE or --params N");
-  }
-  if (flags.Has("model")) {
-    const std::string m = flags.Get("model");
-    if (absl::EndsWith(m, ".json")) {
-      ASSIGN_OR_RETURN(specs, LoadModelFile(m));
-    } else {
-      ASSIGN_OR_RETURN(specs, ModelPreset(m));
-    }
-  } else {
-    ASSIGN_OR_RETURN(int64_t params, flags.GetInt("params", 0, 1));
-    ASSIGN_OR_RETURN(int64_t layers, flags.GetInt("layers", 48, 1));
-    ASSIGN_OR_RETURN(specs, SyntheticModel(params, static_cast<int>(std::min(layers, params))));
-  }
+  ASSIGN_OR_RETURN(std::vector<memory::ParamSpec> specs, PlanModel(flags));
   ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world", 1, 1));
   ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0, 0));
   if (rank >= world) {
@@ -133,8 +149,10 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     nlohmann::ordered_json j = PlanJson(choice.plan);
     j["fits_budget"] = choice.fits;
     j["reason"] = choice.reason;
+    j["notes"] = config.notes;
     out << j.dump(2) << "\n";
   } else {
+    for (const std::string& note : config.notes) out << "note: " << note << "\n";
     out << PlanTable(choice.plan) << choice.reason << "\n";
   }
   return absl::OkStatus();

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/bytes.h"
 #include "base/status.h"
 #include "examples/mlp/mlp.h"
 #include "memory/plan.h"
@@ -32,16 +33,6 @@ constexpr char kDefaultConfig[] = R"({
   "comm_timeout_ms": 60000
 })";
 
-// Exact, with thousands separators: the point of the table is that the two numbers are equal.
-std::string Bytes(int64_t b) {
-  std::string digits = absl::StrCat(b), grouped;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) grouped += ',';
-    grouped += digits[i];
-  }
-  return grouped;
-}
-
 }  // namespace
 
 absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& out) {
@@ -59,7 +50,8 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
     config.zero.stage = stage;
     if (stage != 3) config.zero.offload_param.device = OffloadDevice::kNone;
   }
-  ASSIGN_OR_RETURN(config.precision, flags.GetPrecision("precision", config.precision));
+  ASSIGN_OR_RETURN(config.compute_dtype,
+                   flags.GetComputeDType("precision", config.compute_dtype));
   RETURN_IF_ERROR(ValidateConfig(config));
   examples::RunOptions options;
   ASSIGN_OR_RETURN(options.world_size, flags.GetInt("ranks", 4, 1, 256));
@@ -73,7 +65,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
       << mlp.num_elements() << " parameters) on " << options.world_size
       << " in-process ranks, stage "
       << (config.zero.stage_auto ? std::string("auto") : absl::StrCat(config.zero.stage)) << ", "
-      << PrecisionName(config.precision) << ", batch " << options.batch << " per rank\n";
+      << DTypeName(config.compute_dtype) << ", batch " << options.batch << " per rank\n";
   out << absl::StrFormat("%6s %12s %12s %11s %9s %9s\n", "step", "loss", "grad_norm",
                          "loss_scale", "ms", "step_ms");
   options.on_step = [&out](const examples::StepReport& r) {
@@ -100,7 +92,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
     const MemoryReport& m = result.memory[r];
     out << absl::StrFormat("%6d", r);
     for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-      out << absl::StrFormat(" %13s / %11s", Bytes(m.planned[k]), Bytes(m.allocated[k]));
+      out << absl::StrFormat(" %13s / %11s", GroupedBytes(m.planned[k]), GroupedBytes(m.allocated[k]));
       all_match = all_match && m.planned[k] == m.allocated[k];
     }
     out << "\n";

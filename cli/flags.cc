@@ -77,13 +77,12 @@ absl::StatusOr<int64_t> Flags::GetInt(const std::string& name, int64_t fallback,
   return static_cast<int64_t>(v);
 }
 
-absl::StatusOr<Precision> Flags::GetPrecision(const std::string& name,
-                                              Precision fallback) const {
+absl::StatusOr<DType> Flags::GetComputeDType(const std::string& name, DType fallback) const {
   if (!Has(name)) return fallback;
   const std::string p = Get(name);
-  if (p == "bf16") return Precision::kBf16;
-  if (p == "fp16") return Precision::kFp16;
-  if (p == "fp32") return Precision::kFp32;
+  if (p == "bf16") return DType::kBF16;
+  if (p == "fp16") return DType::kF16;
+  if (p == "fp32") return DType::kF32;
   return absl::InvalidArgumentError(
       absl::StrCat("flag '--", name, "' value '", p, "' must be bf16, fp16 or fp32"));
 }

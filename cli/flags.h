@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "zero/config.h"
+#include "base/dtype.h"
 
 namespace zerort {
 
@@ -32,8 +32,8 @@ class Flags {
   // An integer (1e6 and 1000000 both accepted) in [min, max], or `fallback` when absent.
   absl::StatusOr<int64_t> GetInt(const std::string& name, int64_t fallback, int64_t min,
                                  int64_t max = std::numeric_limits<int64_t>::max()) const;
-  // bf16, fp16 or fp32, or `fallback` when absent.
-  absl::StatusOr<Precision> GetPrecision(const std::string& name, Precision fallback) const;
+  // --precision: bf16, fp16 or fp32 (DTypeName's spellings), or `fallback` when absent.
+  absl::StatusOr<DType> GetComputeDType(const std::string& name, DType fallback) const;
 
  private:
   std::map<std::string, std::string> values_;

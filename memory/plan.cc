@@ -84,6 +84,255 @@ std::vector<std::vector<int>> ModulesInBackwardOrder(absl::Span<const ParamSpec>
   return modules;
 }
 
+
+// Elements of every parameter, in spec order; adds them up in plan->num_elements. Refuses a bad
+// shape or a name registered twice.
+absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> specs, Plan* plan) {
+  std::vector<int64_t> numel(specs.size());
+  absl::flat_hash_set<absl::string_view> names;
+  names.reserve(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    auto n = Numel(specs[i]);
+    if (!n.ok()) return n.status();
+    numel[i] = *n;
+    plan->num_elements += *n;
+    if (!names.insert(specs[i].name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter name '", specs[i].name, "' is registered twice"));
+    }
+  }
+  return numel;
+}
+
+// Fills plan->units and plan->params (all but flat_offset) one parameter at a time: whole modules
+// are merged up to the target and an oversized module is split at parameter bounds.
+class UnitBuilder {
+ public:
+  UnitBuilder(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan)
+      : specs_(specs), numel_(numel), plan_(plan), o_(plan->options) {}
+
+  void AddModule(const std::vector<int>& module) {
+    const std::string& module_name = specs_[module.front()].module;
+    int64_t size = 0;
+    for (int i : module) size = RoundUp(size, o_.param_alignment) + numel_[i];
+    if (WouldOverflow(size)) Close();
+    for (int i : module) {
+      if (WouldOverflow(numel_[i])) Close();
+      if (current_.params.empty()) first_module_ = module_name;
+      last_module_ = module_name;
+      AddParam(i);
+    }
+  }
+
+  // Ends the unit being filled, if any.
+  void Close() {
+    if (current_.params.empty()) return;
+    const int64_t world = o_.world_size;
+    current_.name = first_module_ == last_module_
+                        ? first_module_
+                        : absl::StrCat(first_module_, "..", last_module_);
+    current_.padded = RoundUp(current_.numel, world * o_.shard_alignment);
+    current_.shard = current_.padded / world;
+    current_.flat_offset = plan_->padded_elements;
+    current_.shard_offset = plan_->shard_elements;
+    plan_->padded_elements += current_.padded;
+    plan_->shard_elements += current_.shard;
+    plan_->units.push_back(std::move(current_));
+    current_ = Unit();
+  }
+
+ private:
+  // Whether `elements` more (aligned) would push a non-empty unit past the target.
+  bool WouldOverflow(int64_t elements) const {
+    return !current_.params.empty() &&
+           RoundUp(current_.numel, o_.param_alignment) + elements > o_.unit_target_elements;
+  }
+
+  void AddParam(int i) {
+    const int64_t offset = RoundUp(current_.numel, o_.param_alignment);
+    ParamLayout& p = plan_->params[i];
+    p.name = specs_[i].name;
+    p.shape = specs_[i].shape;
+    p.numel = numel_[i];
+    p.unit = static_cast<int>(plan_->units.size());
+    p.offset_in_unit = offset;
+    current_.numel = offset + numel_[i];
+    current_.params.push_back(i);
+  }
+
+  absl::Span<const ParamSpec> specs_;
+  const std::vector<int64_t>& numel_;
+  Plan* plan_;
+  const PlanOptions& o_;
+  Unit current_;
+  std::string first_module_, last_module_;
+};
+
+void BuildUnits(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan) {
+  plan->params.resize(specs.size());
+  UnitBuilder builder(specs, numel, plan);
+  for (const std::vector<int>& module : ModulesInBackwardOrder(specs)) builder.AddModule(module);
+  builder.Close();
+}
+
+// What the buffer sizes need to know about the units beyond the plan's own fields.
+struct UnitTotals {
+  int64_t persistent_elements = 0;  // padded elements of persistent units (stage 3)
+  int64_t max_gathered_unit = 0;    // largest padded unit that is gathered (not persistent)
+  int64_t gathered_units = 0;
+};
+
+// Marks persistent units, sets every parameter's flat offset and the largest unit.
+UnitTotals PlaceUnits(Plan* plan) {
+  const PlanOptions& o = plan->options;
+  UnitTotals totals;
+  for (Unit& u : plan->units) {
+    plan->max_unit_elements = std::max(plan->max_unit_elements, u.padded);
+    u.persistent = o.stage == 3 && u.numel <= o.persistence_threshold;
+    if (u.persistent) totals.persistent_elements += u.padded;
+    for (int i : u.params) {
+      plan->params[i].flat_offset = u.flat_offset + plan->params[i].offset_in_unit;
+    }
+  }
+  for (const Unit& u : plan->units) {
+    if (!u.persistent) {
+      totals.max_gathered_unit = std::max(totals.max_gathered_unit, u.padded);
+      ++totals.gathered_units;
+    }
+  }
+  return totals;
+}
+
+// Appends a buffer of `elements` (none when that is 0).
+void AddBuffer(Plan* plan, std::string name, BufferClass cls, MemoryKind kind, DType dtype,
+               int64_t elements, int64_t count = 1) {
+  if (elements <= 0) return;
+  Buffer b;
+  b.name = std::move(name);
+  b.cls = cls;
+  b.kind = kind;
+  b.dtype = dtype;
+  b.elements = elements;
+  b.count = count;
+  b.bytes = elements * static_cast<int64_t>(DTypeSize(dtype));
+  plan->buffers.push_back(std::move(b));
+}
+
+MemoryKind HostKind(const PlanOptions& o) {
+  return o.pin_memory ? MemoryKind::kPinnedHost : MemoryKind::kPageableHost;
+}
+
+// params + grads + master + m + v. E: padded elements (all units), S: this rank's shard.
+void AddModelState(Plan* plan) {
+  const PlanOptions& o = plan->options;
+  const int64_t E = plan->padded_elements;
+  const int64_t S = plan->shard_elements;
+  const DType c = o.compute_dtype;
+  const bool mixed = c != DType::kF32;
+  const MemoryKind optim_kind = o.offload_optimizer ? HostKind(o) : MemoryKind::kDevice;
+  const bool sharded_optim = o.stage >= 1;
+  const int64_t optim_elements = sharded_optim ? S : E;
+  if (o.stage <= 2) {
+    AddBuffer(plan, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
+  } else {
+    AddBuffer(plan, "param_shard", BufferClass::kParams,
+              o.offload_param ? HostKind(o) : MemoryKind::kDevice, c, S);
+  }
+  if (o.stage <= 1) {
+    AddBuffer(plan, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
+  } else {
+    AddBuffer(plan, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
+  }
+  // fp32 training updates the parameters in place, unless they are offloaded: the host then
+  // needs its own fp32 copy to run AdamW on.
+  if (mixed || o.offload_optimizer) {
+    AddBuffer(plan, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
+  }
+  AddBuffer(plan, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
+  AddBuffer(plan, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
+}
+
+// The working buffers: accumulator, buckets, gather slots, staging, the norm table.
+void AddWorkingBuffers(const UnitTotals& totals, Plan* plan) {
+  const PlanOptions& o = plan->options;
+  const int64_t world = o.world_size;
+  const DType c = o.compute_dtype;
+  if (o.gradient_accumulation_steps > 1 && o.stage <= 1) {
+    // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
+    // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
+    AddBuffer(plan, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice, c,
+              o.stage == 0 ? plan->padded_elements : plan->shard_elements);
+  }
+  if (o.stage >= 2) {
+    const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->units.size());
+    AddBuffer(plan, "grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
+              buckets * plan->max_unit_elements, buckets);
+  }
+  if (o.stage == 3) {
+    const int64_t unit = totals.max_gathered_unit;
+    if (totals.gathered_units > 0) {
+      const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
+      const int64_t want = 1 + (o.prefetch_elements + unit - 1) / unit;
+      plan->gather_slots =
+          std::max<int64_t>(1, std::min({want, live_cap, totals.gathered_units}));
+      AddBuffer(plan, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
+                plan->gather_slots * unit, plan->gather_slots);
+    }
+    AddBuffer(plan, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
+              totals.persistent_elements);
+  }
+  if (o.offload_optimizer) {
+    // Each chunk carries one unit's gradient shard in and its new parameter shard out.
+    const int64_t chunk = 2 * (plan->max_unit_elements / world);
+    AddBuffer(plan, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
+              o.offload_buffer_count * chunk, o.offload_buffer_count);
+  }
+  if (o.stage >= 1 && world > 1) {
+    // Every rank's norm partials meet in one all-gather per step, in device memory because a
+    // GPU communicator moves nothing else.
+    AddBuffer(plan, "norm_table", BufferClass::kNormTable, MemoryKind::kDevice, DType::kF32,
+              world * (static_cast<int64_t>(plan->units.size()) + 1));
+  }
+}
+
+// Totals per memory kind and model state, then the bytes this rank moves per step.
+void CountBytes(const UnitTotals& totals, Plan* plan) {
+  for (const Buffer& b : plan->buffers) {
+    plan->bytes_by_kind[static_cast<int>(b.kind)] += b.bytes;
+    if (IsModelState(b.cls)) plan->model_state_bytes += b.bytes;
+  }
+  const PlanOptions& o = plan->options;
+  const int64_t world = o.world_size;
+  const int64_t E = plan->padded_elements;
+  const int64_t S = plan->shard_elements;
+  const int64_t persistent = totals.persistent_elements;
+  // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
+  const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
+  const int64_t gas = o.gradient_accumulation_steps;
+  auto collective = [&](int64_t elements) { return elements / world * (world - 1) * cb; };
+  switch (o.stage) {
+    case 0:
+      plan->comm_bytes_per_step = gas * 2 * collective(E);
+      break;
+    case 1:
+    case 2:
+      plan->comm_bytes_per_step = gas * collective(E) + collective(E);
+      break;
+    case 3:
+      // Forward and backward gather every non-persistent unit; persistent units are gathered
+      // once after the step.
+      plan->comm_bytes_per_step = gas * (2 * collective(E - persistent) + collective(E)) +
+                                  collective(persistent);
+      break;
+  }
+  if (o.offload_optimizer) {
+    plan->host_transfer_bytes_per_step = 2 * S * cb;  // gradient shard down, parameters up
+  }
+  if (o.offload_param) {
+    plan->host_transfer_bytes_per_step += gas * 2 * S * cb;  // shard up for forward and backward
+  }
+}
+
 }  // namespace
 
 const char* MemoryKindName(MemoryKind kind) {
@@ -144,202 +393,13 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
 
   Plan plan;
   plan.options = o;
-  const int64_t world = o.world_size;
-  const int64_t unit_multiple = world * o.shard_alignment;
-
-  std::vector<int64_t> numel(specs.size());
-  {
-    absl::flat_hash_set<absl::string_view> names;
-    names.reserve(specs.size());
-    for (size_t i = 0; i < specs.size(); ++i) {
-      auto n = Numel(specs[i]);
-      if (!n.ok()) return n.status();
-      numel[i] = *n;
-      plan.num_params += *n;
-      if (!names.insert(specs[i].name).second) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("parameter name '", specs[i].name, "' is registered twice"));
-      }
-    }
-  }
-
-  // Units: merge whole modules up to the target; split oversized modules at parameter bounds.
-  plan.params.resize(specs.size());
-  Unit current;
-  std::string first_module, last_module;
-  auto close_unit = [&]() {
-    if (current.params.empty()) return;
-    current.name = first_module == last_module ? first_module
-                                                : absl::StrCat(first_module, "..", last_module);
-    current.padded = RoundUp(current.numel, unit_multiple);
-    current.shard = current.padded / world;
-    current.flat_offset = plan.padded_elements;
-    current.shard_offset = plan.shard_elements;
-    plan.padded_elements += current.padded;
-    plan.shard_elements += current.shard;
-    plan.units.push_back(std::move(current));
-    current = Unit();
-  };
-  auto add_param = [&](int i) {
-    const int64_t offset = RoundUp(current.numel, o.param_alignment);
-    ParamLayout& p = plan.params[i];
-    p.name = specs[i].name;
-    p.shape = specs[i].shape;
-    p.numel = numel[i];
-    p.unit = static_cast<int>(plan.units.size());
-    p.offset_in_unit = offset;
-    current.numel = offset + numel[i];
-    current.params.push_back(i);
-  };
-  auto aligned_size = [&](const std::vector<int>& params) {
-    int64_t size = 0;
-    for (int i : params) size = RoundUp(size, o.param_alignment) + numel[i];
-    return size;
-  };
-  for (const std::vector<int>& module : ModulesInBackwardOrder(specs)) {
-    const std::string& module_name = specs[module.front()].module;
-    const int64_t size = aligned_size(module);
-    if (!current.params.empty() &&
-        RoundUp(current.numel, o.param_alignment) + size > o.unit_target_elements) {
-      close_unit();
-    }
-    for (int i : module) {
-      if (!current.params.empty() &&
-          RoundUp(current.numel, o.param_alignment) + numel[i] > o.unit_target_elements) {
-        close_unit();
-      }
-      if (current.params.empty()) first_module = module_name;
-      last_module = module_name;
-      add_param(i);
-    }
-  }
-  close_unit();
-
-  int64_t persistent_elements = 0;  // padded elements of persistent units
-  for (Unit& u : plan.units) {
-    plan.max_unit_elements = std::max(plan.max_unit_elements, u.padded);
-    u.persistent = o.stage == 3 && u.numel <= o.persistence_threshold;
-    if (u.persistent) persistent_elements += u.padded;
-    for (int i : u.params) plan.params[i].flat_offset = u.flat_offset + plan.params[i].offset_in_unit;
-  }
-  int64_t max_gathered_unit = 0;
-  int64_t gathered_units = 0;
-  for (const Unit& u : plan.units) {
-    if (!u.persistent) {
-      max_gathered_unit = std::max(max_gathered_unit, u.padded);
-      ++gathered_units;
-    }
-  }
-
-  // Buffers. E: padded elements (all units), S: this rank's shard of every unit.
-  const int64_t E = plan.padded_elements;
-  const int64_t S = plan.shard_elements;
-  const DType c = o.compute_dtype;
-  const bool mixed = c != DType::kF32;
-  const MemoryKind host_kind = o.pin_memory ? MemoryKind::kPinnedHost : MemoryKind::kPageableHost;
-  const MemoryKind optim_kind = o.offload_optimizer ? host_kind : MemoryKind::kDevice;
-  auto add = [&](std::string name, BufferClass cls, MemoryKind kind, DType dtype,
-                 int64_t elements, int64_t count = 1) {
-    if (elements <= 0) return;
-    Buffer b;
-    b.name = std::move(name);
-    b.cls = cls;
-    b.kind = kind;
-    b.dtype = dtype;
-    b.elements = elements;
-    b.count = count;
-    b.bytes = elements * static_cast<int64_t>(DTypeSize(dtype));
-    plan.buffers.push_back(std::move(b));
-  };
-
-  const bool sharded_optim = o.stage >= 1;
-  const int64_t optim_elements = sharded_optim ? S : E;
-  if (o.stage <= 2) {
-    add("params", BufferClass::kParams, MemoryKind::kDevice, c, E);
-  } else {
-    add("param_shard", BufferClass::kParams,
-        o.offload_param ? host_kind : MemoryKind::kDevice, c, S);
-  }
-  if (o.stage <= 1) {
-    add("grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
-  } else {
-    add("grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
-  }
-  // fp32 training updates the parameters in place, unless they are offloaded: the host then
-  // needs its own fp32 copy to run AdamW on.
-  if (mixed || o.offload_optimizer) {
-    add("master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
-  }
-  add("exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
-  add("exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
-
-  if (o.gradient_accumulation_steps > 1 && o.stage <= 1) {
-    // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
-    // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
-    add("grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice, c,
-        o.stage == 0 ? E : S);
-  }
-  if (o.stage >= 2) {
-    const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan.units.size());
-    add("grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
-        buckets * plan.max_unit_elements, buckets);
-  }
-  if (o.stage == 3) {
-    if (gathered_units > 0) {
-      const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / max_gathered_unit);
-      const int64_t want = 1 + (o.prefetch_elements + max_gathered_unit - 1) / max_gathered_unit;
-      plan.gather_slots = std::max<int64_t>(1, std::min({want, live_cap, gathered_units}));
-      add("gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
-          plan.gather_slots * max_gathered_unit, plan.gather_slots);
-    }
-    add("persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
-        persistent_elements);
-  }
-  if (o.offload_optimizer) {
-    // Each chunk carries one unit's gradient shard in and its new parameter shard out.
-    const int64_t chunk = 2 * (plan.max_unit_elements / world);
-    add("offload_staging", BufferClass::kOffloadStaging, host_kind, c,
-        o.offload_buffer_count * chunk, o.offload_buffer_count);
-  }
-
-  if (o.stage >= 1 && world > 1) {
-    // Every rank's norm partials meet in one all-gather per step, in device memory because a
-    // GPU communicator moves nothing else.
-    add("norm_table", BufferClass::kNormTable, MemoryKind::kDevice, DType::kF32,
-        world * (static_cast<int64_t>(plan.units.size()) + 1));
-  }
-
-  for (const Buffer& b : plan.buffers) {
-    plan.bytes_by_kind[static_cast<int>(b.kind)] += b.bytes;
-    if (IsModelState(b.cls)) plan.model_state_bytes += b.bytes;
-  }
-
-  // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
-  const int64_t cb = static_cast<int64_t>(DTypeSize(c));
-  const int64_t gas = o.gradient_accumulation_steps;
-  auto collective = [&](int64_t elements) { return elements / world * (world - 1) * cb; };
-  switch (o.stage) {
-    case 0:
-      plan.comm_bytes_per_step = gas * 2 * collective(E);
-      break;
-    case 1:
-    case 2:
-      plan.comm_bytes_per_step = gas * collective(E) + collective(E);
-      break;
-    case 3:
-      // Forward and backward gather every non-persistent unit; persistent units are gathered
-      // once after the step.
-      plan.comm_bytes_per_step =
-          gas * (2 * collective(E - persistent_elements) + collective(E)) +
-          collective(persistent_elements);
-      break;
-  }
-  if (o.offload_optimizer) {
-    plan.host_transfer_bytes_per_step = 2 * S * cb;  // gradient shard down, parameters up
-  }
-  if (o.offload_param) {
-    plan.host_transfer_bytes_per_step += gas * 2 * S * cb;  // shard up for forward and backward
-  }
+  absl::StatusOr<std::vector<int64_t>> numel = CountElements(specs, &plan);
+  if (!numel.ok()) return numel.status();
+  BuildUnits(specs, *numel, &plan);
+  const UnitTotals totals = PlaceUnits(&plan);
+  AddModelState(&plan);
+  AddWorkingBuffers(totals, &plan);
+  CountBytes(totals, &plan);
   return plan;
 }
 

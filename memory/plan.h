@@ -124,7 +124,7 @@ struct Plan {
   std::vector<Unit> units;
   std::vector<Buffer> buffers;
 
-  int64_t num_params = 0;        // elements the trainer registered (P)
+  int64_t num_elements = 0;      // elements the trainer registered (P); not a tensor count
   int64_t padded_elements = 0;   // sum of units' padded sizes (E >= P)
   int64_t shard_elements = 0;    // E / world_size: elements this rank owns
   int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot

@@ -105,7 +105,7 @@ TEST_CASE("Planner: every element has exactly one owner and shards are equal and
       CHECK(end == unit.numel);
     }
     CHECK(covered == TotalElements(specs));
-    CHECK(plan->num_params == covered);
+    CHECK(plan->num_elements == covered);
   }
 }
 
@@ -133,7 +133,7 @@ TEST_CASE("Planner: model-state bytes equal the closed forms for mixed-precision
           REQUIRE(plan.ok());
           const int64_t E = plan->padded_elements;
           INFO("P=" << P << " N=" << N << " stage=" << stage << " dtype=" << DTypeName(dtype));
-          CHECK(plan->num_params == P);
+          CHECK(plan->num_elements == P);
           CHECK(E >= P);
           // Padding is bounded by one world*alignment per unit plus parameter alignment gaps.
           CHECK(E - P < static_cast<int64_t>(plan->units.size()) * N * o.shard_alignment +

@@ -2,10 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
-#include <cerrno>
 #include <cmath>
-#include <cstdio>
-#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <string>
@@ -15,174 +12,17 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/json.h"
 #include "base/status.h"
-#include "nlohmann/json.hpp"
 
 namespace zerort {
 namespace {
 
-// ordered_json keeps the document's key order, so the first offending key in the file is the one
-// reported, and the resolved dump reads in the documented order.
-using Json = nlohmann::ordered_json;
-
-// Real configs nest four deep. The limit keeps hostile input (e.g. 10^6 nested arrays under an
-// ignored key) from costing memory or stack anywhere downstream.
-constexpr size_t kMaxDepth = 32;
-
+// Parsing (strict JSON, errors with line and column) is base/json's; base/json's Json keeps the
+// document's key order, so the first offending key in the file is the one reported, and the
+// resolved dump reads in the documented order.
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
-
-std::string ChildPath(const std::string& parent, absl::string_view key) {
-  if (parent.empty()) return std::string(key);
-  return absl::StrCat(parent, ".", key);
-}
-
-// ---------------------------------------------------------------------------------------------
-// JSON text -> Json, rejecting duplicate keys (nlohmann's own parser keeps the last one silently)
-// and reporting syntax errors with line and column.
-
-// 1-based line and column of the byte before `position` (nlohmann reports the count of bytes
-// read, so the offending byte is the last one read).
-std::pair<size_t, size_t> LineAndColumn(absl::string_view text, size_t position) {
-  size_t end = std::min(position, text.size());
-  if (end > 0) --end;  // index of the last byte read
-  size_t line = 1, line_start = 0;
-  for (size_t i = 0; i < end; ++i) {
-    if (text[i] == '\n') {
-      ++line;
-      line_start = i + 1;
-    }
-  }
-  return {line, end - line_start + 1};
-}
-
-// nlohmann's what() reads "[json.exception.parse_error.101] parse error at line 2, column 3:
-// syntax error while parsing ..."; we keep the part after the position, which we compute ourselves.
-std::string ParseErrorReason(const char* what) {
-  absl::string_view w(what);
-  size_t column = w.find("column ");
-  if (column != absl::string_view::npos) {
-    size_t colon = w.find(": ", column);
-    if (colon != absl::string_view::npos) return std::string(w.substr(colon + 2));
-  }
-  size_t bracket = w.find("] ");
-  if (bracket != absl::string_view::npos) return std::string(w.substr(bracket + 2));
-  return std::string(w);
-}
-
-class StrictDomBuilder {
- public:
-  StrictDomBuilder(absl::string_view text, absl::string_view source, Json* root)
-      : text_(text), source_(source), root_(root) {}
-
-  const absl::Status& status() const { return status_; }
-
-  // The nlohmann SAX interface.
-  bool null() { return Add(Json(nullptr)); }
-  bool boolean(bool v) { return Add(Json(v)); }
-  bool number_integer(Json::number_integer_t v) { return Add(Json(v)); }
-  bool number_unsigned(Json::number_unsigned_t v) { return Add(Json(v)); }
-  bool number_float(Json::number_float_t v, const Json::string_t& /*raw*/) { return Add(Json(v)); }
-  bool string(Json::string_t& v) { return Add(Json(std::move(v))); }
-  bool binary(Json::binary_t& /*v*/) {
-    assert(false && "JSON text has no binary values");
-    return false;
-  }
-  bool start_object(std::size_t /*size*/) { return Open(Json::object()); }
-  bool start_array(std::size_t /*size*/) { return Open(Json::array()); }
-  bool end_object() { return Close(); }
-  bool end_array() { return Close(); }
-  bool key(Json::string_t& k) {
-    Frame& top = stack_.back();
-    assert(top.value->is_object());
-    if (top.value->contains(k)) {
-      status_ = absl::InvalidArgumentError(absl::StrCat(
-          source_, ": ", ChildPath(top.path, k), ": duplicate key (JSON would keep only one)"));
-      return false;
-    }
-    top.key = std::move(k);
-    return true;
-  }
-  bool parse_error(std::size_t position, const std::string& /*last_token*/,
-                   const nlohmann::detail::exception& ex) {
-    auto [line, column] = LineAndColumn(text_, position);
-    status_ = absl::InvalidArgumentError(absl::StrCat(
-        source_, ":", line, ":", column, ": not valid JSON: ", ParseErrorReason(ex.what())));
-    return false;
-  }
-
- private:
-  struct Frame {
-    Json* value;
-    std::string path;  // "" for the root
-    std::string key;   // objects: the key whose value comes next
-  };
-
-  // Where the next value goes and its path.
-  std::pair<Json*, std::string> Slot(Json v) {
-    if (stack_.empty()) {
-      *root_ = std::move(v);
-      return {root_, ""};
-    }
-    // Appending to the top container never moves its ancestors, so the Frame pointers stay valid.
-    Frame& top = stack_.back();
-    if (top.value->is_array()) {
-      std::string path = absl::StrCat(top.path, "[", top.value->size(), "]");
-      top.value->push_back(std::move(v));
-      return {&top.value->back(), std::move(path)};
-    }
-    Json& slot = (*top.value)[top.key];
-    slot = std::move(v);
-    return {&slot, ChildPath(top.path, top.key)};
-  }
-
-  bool Add(Json v) {
-    Slot(std::move(v));
-    return true;
-  }
-
-  bool Open(Json container) {
-    auto [value, path] = Slot(std::move(container));
-    if (stack_.size() >= kMaxDepth) {
-      status_ =
-          absl::InvalidArgumentError(absl::StrCat(source_, ": ", path.empty() ? "<root>" : path,
-                                                  ": nested deeper than ", kMaxDepth, " levels"));
-      return false;
-    }
-    stack_.push_back(Frame{value, std::move(path), {}});
-    return true;
-  }
-
-  bool Close() {
-    assert(!stack_.empty());
-    stack_.pop_back();
-    return true;
-  }
-
-  absl::string_view text_;
-  absl::string_view source_;
-  Json* root_;
-  std::vector<Frame> stack_;
-  absl::Status status_;
-};
-
-absl::StatusOr<Json> ParseStrictJson(absl::string_view text, absl::string_view source) {
-  Json root;
-  StrictDomBuilder builder(text, source, &root);
-  bool ok = false;
-  try {
-    ok = Json::sax_parse(text.begin(), text.end(), &builder);
-  } catch (const std::exception& e) {
-    // sax_parse reports syntax errors through parse_error(); anything thrown is unexpected, but
-    // it must not escape a Status API.
-    return absl::InternalError(absl::StrCat(source, ": JSON parser failed: ", e.what()));
-  }
-  if (!ok) {
-    assert(!builder.status().ok());
-    return builder.status();
-  }
-  return root;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Key checking.
@@ -205,7 +45,7 @@ size_t EditDistance(absl::string_view a, absl::string_view b) {
 
 void CollectPaths(const Json& obj, const std::string& prefix, std::vector<std::string>* out) {
   for (const auto& item : obj.items()) {
-    std::string path = ChildPath(prefix, item.key());
+    std::string path = JsonPath(prefix, item.key());
     out->push_back(path);
     if (item.value().is_object()) CollectPaths(item.value(), path, out);
   }
@@ -250,7 +90,7 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
                        std::initializer_list<ForeignKey> foreign, std::vector<std::string>* notes) {
   for (const auto& item : obj.items()) {
     const std::string& key = item.key();
-    std::string key_path = ChildPath(path, key);
+    std::string key_path = JsonPath(path, key);
     bool known = false;
     for (const char* s : settings) known = known || key == s;
     if (known) continue;
@@ -308,50 +148,10 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
 // ---------------------------------------------------------------------------------------------
 // Typed values. Every error reads "<path>: expected <what>, got <value>".
 
-std::string Describe(const Json& v) {
-  switch (v.type()) {
-    case Json::value_t::array:
-      return "an array";
-    case Json::value_t::object:
-      return "an object";
-    case Json::value_t::string: {
-      std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
-      if (s.size() > 48) s = s.substr(0, 44) + "...\"";
-      return s;
-    }
-    default:
-      return v.dump(-1, ' ', false, Json::error_handler_t::replace);
-  }
-}
-
-absl::Status Expected(const std::string& path, absl::string_view what, const Json& got) {
-  return absl::InvalidArgumentError(
-      absl::StrCat(path, ": expected ", what, ", got ", Describe(got)));
-}
-
 // An integer in [lo, hi]. DeepSpeed configs write sizes as 5e8, so integral floats count.
 absl::Status ToInt64(const Json& v, const std::string& path, int64_t lo, int64_t hi,
                      absl::string_view what, int64_t* out) {
-  int64_t x = 0;
-  if (v.is_number_unsigned()) {
-    uint64_t u = v.get<uint64_t>();
-    if (u > static_cast<uint64_t>(kInt64Max)) return Expected(path, what, v);
-    x = static_cast<int64_t>(u);
-  } else if (v.is_number_integer()) {
-    x = v.get<int64_t>();
-  } else if (v.is_number_float()) {
-    double d = v.get<double>();
-    // 2^63 is exactly representable; every double below it converts without overflow.
-    if (!std::isfinite(d) || d != std::trunc(d) || d < -9223372036854775808.0 ||
-        d >= 9223372036854775808.0) {
-      return Expected(path, what, v);
-    }
-    x = static_cast<int64_t>(d);
-  } else {
-    return Expected(path, what, v);
-  }
-  if (x < lo || x > hi) return Expected(path, what, v);
-  *out = x;
+  ASSIGN_OR_RETURN(*out, JsonToInt(v, path, lo, hi, IntegralFloats::kAccept, what));
   return absl::OkStatus();
 }
 
@@ -366,7 +166,7 @@ absl::Status ReadInt64(const Json& obj, const std::string& path, const char* key
                        int64_t hi, int64_t* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return absl::OkStatus();
-  return ToInt64(*it, ChildPath(path, key), lo, hi, IntRange(lo, hi), out);
+  return ToInt64(*it, JsonPath(path, key), lo, hi, IntRange(lo, hi), out);
 }
 
 absl::Status ReadInt(const Json& obj, const std::string& path, const char* key, int lo, int hi,
@@ -391,11 +191,11 @@ std::string DescribeRange(const DoubleRange& r) {
 }
 
 absl::Status ToDouble(const Json& v, const std::string& path, const DoubleRange& r, double* out) {
-  if (!v.is_number()) return Expected(path, DescribeRange(r), v);
+  if (!v.is_number()) return JsonExpected(path, DescribeRange(r), v);
   double d = v.get<double>();
   bool above = r.lo_open ? d > r.lo : d >= r.lo;
   bool below = std::isinf(r.hi) || (r.hi_open ? d < r.hi : d <= r.hi);
-  if (!std::isfinite(d) || !above || !below) return Expected(path, DescribeRange(r), v);
+  if (!std::isfinite(d) || !above || !below) return JsonExpected(path, DescribeRange(r), v);
   *out = d;
   return absl::OkStatus();
 }
@@ -404,13 +204,13 @@ absl::Status ReadDouble(const Json& obj, const std::string& path, const char* ke
                         const DoubleRange& r, double* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return absl::OkStatus();
-  return ToDouble(*it, ChildPath(path, key), r, out);
+  return ToDouble(*it, JsonPath(path, key), r, out);
 }
 
 absl::Status ReadBool(const Json& obj, const std::string& path, const char* key, bool* out) {
   auto it = obj.find(key);
   if (it == obj.end()) return absl::OkStatus();
-  if (!it->is_boolean()) return Expected(ChildPath(path, key), "true or false", *it);
+  if (!it->is_boolean()) return JsonExpected(JsonPath(path, key), "true or false", *it);
   *out = it->get<bool>();
   return absl::OkStatus();
 }
@@ -419,16 +219,16 @@ absl::Status ReadBool(const Json& obj, const std::string& path, const char* key,
 absl::StatusOr<const Json*> ReadObject(const Json& obj, const std::string& path, const char* key) {
   auto it = obj.find(key);
   if (it == obj.end()) return nullptr;
-  if (!it->is_object()) return Expected(ChildPath(path, key), "an object", *it);
+  if (!it->is_object()) return JsonExpected(JsonPath(path, key), "an object", *it);
   return &*it;
 }
 
 absl::Status ReadOffloadDevice(const Json& obj, const std::string& path, OffloadDevice* out) {
   auto it = obj.find("device");
   if (it == obj.end()) return absl::OkStatus();
-  std::string device_path = ChildPath(path, "device");
+  std::string device_path = JsonPath(path, "device");
   constexpr absl::string_view kWhat = "\"none\" or \"cpu\"";
-  if (!it->is_string()) return Expected(device_path, kWhat, *it);
+  if (!it->is_string()) return JsonExpected(device_path, kWhat, *it);
   const std::string& s = it->get_ref<const std::string&>();
   if (s == "none") {
     *out = OffloadDevice::kNone;
@@ -438,7 +238,7 @@ absl::Status ReadOffloadDevice(const Json& obj, const std::string& path, Offload
     return absl::UnimplementedError(absl::StrCat(
         device_path, ": \"nvme\" offload is not implemented; use \"cpu\" or \"none\""));
   } else {
-    return Expected(device_path, kWhat, *it);
+    return JsonExpected(device_path, kWhat, *it);
   }
   return absl::OkStatus();
 }
@@ -486,6 +286,33 @@ absl::Status ReadMemoryBudget(const Json& obj, const std::string& path, MemoryBu
   return absl::OkStatus();
 }
 
+// What zerort always does in place of three DeepSpeed switches (docs/config.md says the same).
+constexpr char kOverlapWhy[] =
+    "zerort always overlaps gradient reduction with backward: each unit is reduced as soon as "
+    "GradReady has been called for all its parameters, while backward goes on";
+constexpr char kContiguousWhy[] =
+    "zerort always keeps gradients in contiguous buffers: one flat buffer for the whole model in "
+    "stages 0-1, one flat bucket per unit in stages 2-3, which every reduction reads in place";
+constexpr char kAllgatherWhy[] =
+    "zerort all-gathers parameters one unit at a time, and units are sized by "
+    "zero_optimization.reduce_bucket_size";
+
+// Keys DeepSpeed users set that zerort parses (their types and ranges are checked) but that
+// change nothing: each present one adds a note saying what zerort does instead.
+void NoteFixedBehaviour(const Json& obj, const std::string& path, const ZeroConfig& z,
+                        std::vector<std::string>* notes) {
+  // `what` names the behaviour a `false` asks to turn off.
+  auto note = [&](const char* key, bool turned_off, const char* what, const char* why) {
+    if (!obj.contains(key)) return;
+    notes->push_back(turned_off ? absl::StrCat(JsonPath(path, key), ": false has no effect, ",
+                                               what, " cannot be turned off: ", why)
+                                : absl::StrCat(JsonPath(path, key), ": accepted, no effect: ", why));
+  };
+  note("overlap_comm", !z.overlap_comm, "overlap", kOverlapWhy);
+  note("contiguous_gradients", !z.contiguous_gradients, "contiguous gradients", kContiguousWhy);
+  note("allgather_bucket_size", false, "", kAllgatherWhy);
+}
+
 absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
                       std::vector<std::string>* notes) {
   RETURN_IF_ERROR(CheckKeys(
@@ -511,10 +338,10 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
       notes));
 
   if (auto it = obj.find("stage"); it != obj.end()) {
-    std::string stage_path = ChildPath(path, "stage");
+    std::string stage_path = JsonPath(path, "stage");
     constexpr absl::string_view kWhat = "an integer in 0..3 or \"auto\"";
     if (it->is_string()) {
-      if (it->get_ref<const std::string&>() != "auto") return Expected(stage_path, kWhat, *it);
+      if (it->get_ref<const std::string&>() != "auto") return JsonExpected(stage_path, kWhat, *it);
       out->stage_auto = true;
     } else {
       int64_t stage = 0;
@@ -529,14 +356,15 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
       ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max, &out->allgather_bucket_size));
   RETURN_IF_ERROR(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
   RETURN_IF_ERROR(ReadBool(obj, path, "contiguous_gradients", &out->contiguous_gradients));
+  NoteFixedBehaviour(obj, path, *out, notes);
   ASSIGN_OR_RETURN(const Json* offload_optimizer, ReadObject(obj, path, "offload_optimizer"));
   if (offload_optimizer != nullptr) {
-    RETURN_IF_ERROR(ReadOffloadOptimizer(*offload_optimizer, ChildPath(path, "offload_optimizer"),
+    RETURN_IF_ERROR(ReadOffloadOptimizer(*offload_optimizer, JsonPath(path, "offload_optimizer"),
                                          &out->offload_optimizer, notes));
   }
   ASSIGN_OR_RETURN(const Json* offload_param, ReadObject(obj, path, "offload_param"));
   if (offload_param != nullptr) {
-    RETURN_IF_ERROR(ReadOffloadParam(*offload_param, ChildPath(path, "offload_param"),
+    RETURN_IF_ERROR(ReadOffloadParam(*offload_param, JsonPath(path, "offload_param"),
                                      &out->offload_param, notes));
   }
   RETURN_IF_ERROR(ReadInt64(obj, path, "stage3_prefetch_bucket_size", 0, kInt64Max,
@@ -548,7 +376,7 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
   ASSIGN_OR_RETURN(const Json* budget, ReadObject(obj, path, "memory_budget"));
   if (budget != nullptr) {
     RETURN_IF_ERROR(
-        ReadMemoryBudget(*budget, ChildPath(path, "memory_budget"), &out->memory_budget, notes));
+        ReadMemoryBudget(*budget, JsonPath(path, "memory_budget"), &out->memory_budget, notes));
   }
   return absl::OkStatus();
 }
@@ -579,9 +407,9 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
                            std::vector<std::string>* notes) {
   RETURN_IF_ERROR(CheckKeys(obj, path, {"type", "params"}, {}, notes));
   if (auto it = obj.find("type"); it != obj.end()) {
-    std::string type_path = ChildPath(path, "type");
+    std::string type_path = JsonPath(path, "type");
     constexpr absl::string_view kWhat = "\"AdamW\" or \"Adam\"";
-    if (!it->is_string()) return Expected(type_path, kWhat, *it);
+    if (!it->is_string()) return JsonExpected(type_path, kWhat, *it);
     // DeepSpeed matches optimizer names case-insensitively.
     std::string type = absl::AsciiStrToLower(it->get_ref<const std::string&>());
     if (type == "adam") {
@@ -590,13 +418,13 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
                        ": \"Adam\" runs as AdamW (decoupled weight decay), as DeepSpeed's Adam "
                        "does with its default adam_w_mode=true"));
     } else if (type != "adamw") {
-      return Expected(type_path, kWhat, *it);
+      return JsonExpected(type_path, kWhat, *it);
     }
     out->type = "AdamW";
   }
   ASSIGN_OR_RETURN(const Json* params, ReadObject(obj, path, "params"));
   if (params == nullptr) return absl::OkStatus();
-  std::string params_path = ChildPath(path, "params");
+  std::string params_path = JsonPath(path, "params");
   RETURN_IF_ERROR(
       CheckKeys(*params, params_path, {"lr", "betas", "eps", "weight_decay"},
                 {{"adam_w_mode", "true", "Adam with coupled L2 weight decay"},
@@ -606,9 +434,9 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
                 notes));
   RETURN_IF_ERROR(ReadDouble(*params, params_path, "lr", {0, false, INFINITY, false}, &out->lr));
   if (auto it = params->find("betas"); it != params->end()) {
-    std::string betas_path = ChildPath(params_path, "betas");
+    std::string betas_path = JsonPath(params_path, "betas");
     if (!it->is_array() || it->size() != 2) {
-      return Expected(betas_path, "an array of two numbers [beta1, beta2]", *it);
+      return JsonExpected(betas_path, "an array of two numbers [beta1, beta2]", *it);
     }
     const DoubleRange kBeta{0, false, 1, true};
     RETURN_IF_ERROR(ToDouble((*it)[0], betas_path + "[0]", kBeta, &out->beta1));
@@ -622,7 +450,7 @@ absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerCo
 
 absl::Status ReadConfig(const Json& root, Config* config) {
   std::vector<std::string>* notes = &config->notes;
-  if (!root.is_object()) return Expected("<root>", "a JSON object", root);
+  if (!root.is_object()) return JsonExpected("<root>", "a JSON object", root);
   const std::string top;
   RETURN_IF_ERROR(CheckKeys(
       root, top,
@@ -664,7 +492,7 @@ absl::Status ReadConfig(const Json& root, Config* config) {
     return absl::InvalidArgumentError(
         "bf16.enabled and fp16.enabled are both true; enable at most one");
   }
-  config->precision = bf16 ? Precision::kBf16 : fp16 ? Precision::kFp16 : Precision::kFp32;
+  config->compute_dtype = bf16 ? DType::kBF16 : fp16 ? DType::kF16 : DType::kF32;
 
   ASSIGN_OR_RETURN(const Json* optimizer, ReadObject(root, top, "optimizer"));
   if (optimizer != nullptr) {
@@ -716,10 +544,7 @@ bool operator==(const MemoryBudget& a, const MemoryBudget& b) {
 
 bool operator==(const ZeroConfig& a, const ZeroConfig& b) {
   return a.stage_auto == b.stage_auto && (a.stage_auto || a.stage == b.stage) &&
-         a.reduce_bucket_size == b.reduce_bucket_size &&
-         a.allgather_bucket_size == b.allgather_bucket_size && a.overlap_comm == b.overlap_comm &&
-         a.contiguous_gradients == b.contiguous_gradients &&
-         a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
+         a.reduce_bucket_size == b.reduce_bucket_size && a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
          a.stage3_prefetch_bucket_size == b.stage3_prefetch_bucket_size &&
          a.stage3_param_persistence_threshold == b.stage3_param_persistence_threshold &&
          a.stage3_max_live_parameters == b.stage3_max_live_parameters &&
@@ -738,23 +563,10 @@ bool operator==(const OptimizerConfig& a, const OptimizerConfig& b) {
 }
 
 bool operator==(const Config& a, const Config& b) {
-  return a.zero == b.zero && a.precision == b.precision && a.fp16 == b.fp16 &&
+  return a.zero == b.zero && a.compute_dtype == b.compute_dtype && a.fp16 == b.fp16 &&
          a.optimizer == b.optimizer && a.gradient_clipping == b.gradient_clipping &&
          a.gradient_accumulation_steps == b.gradient_accumulation_steps &&
          a.comm_timeout_ms == b.comm_timeout_ms && a.cpu_threads == b.cpu_threads;
-}
-
-absl::string_view PrecisionName(Precision p) {
-  switch (p) {
-    case Precision::kFp32:
-      return "fp32";
-    case Precision::kBf16:
-      return "bf16";
-    case Precision::kFp16:
-      return "fp16";
-  }
-  assert(false && "unknown Precision");
-  return "?";
 }
 
 absl::string_view OffloadDeviceName(OffloadDevice d) {
@@ -769,7 +581,7 @@ absl::string_view OffloadDeviceName(OffloadDevice d) {
 }
 
 absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_view source) {
-  ASSIGN_OR_RETURN(Json root, ParseStrictJson(json_text, source));
+  ASSIGN_OR_RETURN(Json root, ParseJson(json_text, source));
   Config config;
   try {
     RETURN_IF_ERROR(Annotate(ReadConfig(root, &config), source));
@@ -781,33 +593,7 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_vie
 }
 
 absl::StatusOr<Config> LoadConfigFile(const std::string& path) {
-  auto io_error = [&path](int err) {
-    char buffer[256];
-    // GNU strerror_r: thread-safe, returns the message (possibly not in `buffer`).
-    std::string message = absl::StrCat("cannot read config file \"", path,
-                                       "\": ", strerror_r(err, buffer, sizeof buffer));
-    switch (err) {
-      case ENOENT:
-      case ENOTDIR:
-        return absl::NotFoundError(message);
-      case EACCES:
-      case EPERM:
-        return absl::PermissionDeniedError(message);
-      case EISDIR:
-        return absl::InvalidArgumentError(message);
-      default:
-        return absl::UnknownError(message);
-    }
-  };
-  std::FILE* file = std::fopen(path.c_str(), "rb");
-  if (file == nullptr) return io_error(errno);
-  std::string text;
-  char chunk[1 << 16];
-  size_t n;
-  while ((n = std::fread(chunk, 1, sizeof chunk, file)) > 0) text.append(chunk, n);
-  int read_error = std::ferror(file) ? errno : 0;
-  std::fclose(file);
-  if (read_error != 0) return io_error(read_error);
+  ASSIGN_OR_RETURN(std::string text, ReadBoundedFile(path, "config"));
   return ParseConfig(text, path);
 }
 
@@ -816,9 +602,6 @@ std::string ResolvedConfigJson(const Config& c) {
   Json zero;
   zero["stage"] = z.stage_auto ? Json("auto") : Json(z.stage);
   zero["reduce_bucket_size"] = z.reduce_bucket_size;
-  zero["allgather_bucket_size"] = z.allgather_bucket_size;
-  zero["overlap_comm"] = z.overlap_comm;
-  zero["contiguous_gradients"] = z.contiguous_gradients;
   zero["offload_optimizer"] = {
       {"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
       {"pin_memory", z.offload_optimizer.pin_memory},
@@ -833,8 +616,8 @@ std::string ResolvedConfigJson(const Config& c) {
 
   Json root;
   root["zero_optimization"] = std::move(zero);
-  root["bf16"] = {{"enabled", c.precision == Precision::kBf16}};
-  root["fp16"] = {{"enabled", c.precision == Precision::kFp16},
+  root["bf16"] = {{"enabled", c.compute_dtype == DType::kBF16}};
+  root["fp16"] = {{"enabled", c.compute_dtype == DType::kF16},
                   {"loss_scale", c.fp16.loss_scale},
                   {"initial_scale_power", c.fp16.initial_scale_power},
                   {"loss_scale_window", c.fp16.loss_scale_window},

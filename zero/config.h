@@ -21,11 +21,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/dtype.h"
 
 namespace zerort {
-
-// Compute dtype of parameters and gradients. Optimizer state is always fp32.
-enum class Precision { kFp32, kBf16, kFp16 };
 
 // Where offloaded state lives. DeepSpeed's "nvme" is recognised and rejected as Unimplemented.
 enum class OffloadDevice { kNone, kCpu };
@@ -53,10 +51,14 @@ struct MemoryBudget {
 struct ZeroConfig {
   bool stage_auto = false;  // "stage": "auto": the planner picks the stage (needs memory_budget)
   int stage = 0;            // 0..3, meaningful when !stage_auto
-  int64_t reduce_bucket_size = 500000000;     // >= 1 elements: the unit (bucket) size target
+  int64_t reduce_bucket_size = 500000000;  // >= 1 elements: the unit (bucket) size target
+  // DeepSpeed switches for what zerort always does: it reduces each unit during backward, keeps
+  // gradients in flat buffers and all-gathers one unit at a time. Type-checked and kept as
+  // written, but read by nothing: not settings, so operator== and ResolvedConfigJson leave them
+  // out, and each one given adds a line to Config::notes.
   int64_t allgather_bucket_size = 500000000;  // >= 1 elements
-  bool overlap_comm = true;                   // reduce buckets while backward still runs
-  bool contiguous_gradients = true;           // gradients copied into one flat buffer
+  bool overlap_comm = true;
+  bool contiguous_gradients = true;
   OffloadOptimizerConfig offload_optimizer;
   OffloadParamConfig offload_param;                     // REQUIRES stage 3 when enabled
   int64_t stage3_prefetch_bucket_size = 50000000;       // >= 0 elements; 0 = no prefetch
@@ -89,10 +91,11 @@ struct OptimizerConfig {
 
 struct Config {
   ZeroConfig zero;
-  // DeepSpeed's rule: bf16.enabled -> bf16, fp16.enabled -> fp16, neither -> fp32 (also when
-  // both blocks are absent). Both enabled is an error.
-  Precision precision = Precision::kFp32;
-  Fp16Config fp16;  // read whenever present; used only when precision == kFp16
+  // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
+  // rule: bf16.enabled -> kBF16, fp16.enabled -> kF16, neither -> kF32 (also when both blocks
+  // are absent). Both enabled is an error.
+  DType compute_dtype = DType::kF32;
+  Fp16Config fp16;  // read whenever present; used only when compute_dtype == kF16
   OptimizerConfig optimizer;
   double gradient_clipping = 0;         // >= 0; global L2 norm limit, 0 = off
   int gradient_accumulation_steps = 1;  // >= 1
@@ -109,12 +112,12 @@ bool operator==(const MemoryBudget& a, const MemoryBudget& b);
 bool operator==(const ZeroConfig& a, const ZeroConfig& b);
 bool operator==(const Fp16Config& a, const Fp16Config& b);
 bool operator==(const OptimizerConfig& a, const OptimizerConfig& b);
-// Every setting; not `notes`, and not `stage` when both are "auto".
+// Every setting; not `notes`, not the no-effect ZeroConfig fields, and not `stage` when both are
+// "auto".
 bool operator==(const Config& a, const Config& b);
 inline bool operator!=(const Config& a, const Config& b) { return !(a == b); }
 
-// "fp32" / "bf16" / "fp16" and "none" / "cpu", as written in the JSON.
-absl::string_view PrecisionName(Precision p);
+// "none" / "cpu", as written in the JSON. (Dtypes: DTypeName in base/dtype.h.)
 absl::string_view OffloadDeviceName(OffloadDevice d);
 
 // Parses and validates a JSON config. `source` names the text in error messages (a file name).
@@ -129,7 +132,8 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text,
 // cannot be read.
 absl::StatusOr<Config> LoadConfigFile(const std::string& path);
 
-// Every key with its effective value as pretty JSON, in the documented order. ParseConfig of the
+// Every setting with its effective value as pretty JSON, in the documented order (the keys that
+// have no effect are left out). ParseConfig of the
 // result gives back an equal Config, and dumping that again gives the same text.
 std::string ResolvedConfigJson(const Config& config);
 

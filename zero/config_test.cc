@@ -89,7 +89,9 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
   std::map<std::string, Json> resolved;
   Flatten(Json::parse(ResolvedConfigJson(parsed)), "", &resolved);
   std::map<std::string, Json> documented = DocumentedDefaults();
-  REQUIRE(documented.size() >= 30);
+  // 31 rows until overlap_comm, contiguous_gradients and allgather_bucket_size moved to the
+  // table of keys with no effect (checked in the test of those keys).
+  REQUIRE(documented.size() >= 28);
   for (const auto& [key, value] : resolved) {
     INFO(key);
     REQUIRE(documented.count(key) == 1);
@@ -100,7 +102,7 @@ TEST_CASE("Config: an empty object gives the defaults documented in docs/config.
     CHECK(resolved.count(key) == 1);
   }
   // The documented precision rule: no bf16/fp16 block means fp32.
-  CHECK(parsed.precision == Precision::kFp32);
+  CHECK(parsed.compute_dtype == DType::kF32);
 }
 
 TEST_CASE("Config: the example in docs/config.md parses to what the text says", "[zero]") {
@@ -111,7 +113,7 @@ TEST_CASE("Config: the example in docs/config.md parses to what the text says", 
   size_t end = doc.find("```", begin);
   REQUIRE(end != std::string::npos);
   Config c = MustParse(doc.substr(begin, end - begin));
-  CHECK(c.precision == Precision::kBf16);
+  CHECK(c.compute_dtype == DType::kBF16);
   CHECK(c.zero.stage_auto);
   CHECK(c.zero.memory_budget.device_bytes == static_cast<int64_t>(80e9));
   CHECK(c.zero.offload_optimizer.device == OffloadDevice::kCpu);
@@ -133,7 +135,7 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
   expected.optimizer.beta2 = 0.95;
   expected.optimizer.eps = 1e-6;
   expected.optimizer.weight_decay = 0.1;
-  expected.precision = Precision::kFp16;
+  expected.compute_dtype = DType::kF16;
   expected.fp16.loss_scale = 0;
   expected.fp16.initial_scale_power = 12;
   expected.fp16.loss_scale_window = 500;
@@ -164,13 +166,61 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
       "zero_optimization.round_robin_gradients",
       "zero_optimization.sub_group_size",
       "zero_optimization.stage3_max_reuse_distance",
-      "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
+      "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+      "zero_optimization.allgather_bucket_size",
+      "zero_optimization.overlap_comm",
+      "zero_optimization.contiguous_gradients"};
   CHECK(loaded->notes.size() == ignored.size());
   for (const std::string& key : ignored) {
     INFO(key);
     int hits = 0;
     for (const std::string& note : loaded->notes) hits += absl::StartsWith(note, key + ":");
     CHECK(hits == 1);
+  }
+}
+
+TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no effect, noted",
+          "[zero]") {
+  Config on = MustParse(R"({"zero_optimization": {"overlap_comm": true,
+      "contiguous_gradients": true, "allgather_bucket_size": 2e8}})");
+  CHECK(on == Config{});
+  REQUIRE(on.notes.size() == 3);
+  CHECK(absl::StartsWith(on.notes[0], "zero_optimization.overlap_comm: accepted, no effect: "
+                                      "zerort always overlaps gradient reduction with backward"));
+  CHECK(absl::StartsWith(on.notes[1],
+                         "zero_optimization.contiguous_gradients: accepted, no effect: zerort "
+                         "always keeps gradients in contiguous buffers"));
+  CHECK(absl::StartsWith(on.notes[2],
+                         "zero_optimization.allgather_bucket_size: accepted, no effect: zerort "
+                         "all-gathers parameters one unit at a time"));
+
+  // false asks for what zerort has no mode for: the note says it cannot be turned off, and why.
+  Config off = MustParse(
+      R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false}})");
+  CHECK(off == Config{});
+  REQUIRE(off.notes.size() == 2);
+  CHECK(absl::StartsWith(off.notes[0], "zero_optimization.overlap_comm: false has no effect, "
+                                       "overlap cannot be turned off: zerort always overlaps"));
+  CHECK(absl::StrContains(off.notes[0], "GradReady"));
+  CHECK(absl::StartsWith(off.notes[1],
+                         "zero_optimization.contiguous_gradients: false has no effect, contiguous "
+                         "gradients cannot be turned off: "));
+
+  // Still type-checked, and not settings: the resolved config leaves them out.
+  CHECK(ParseError(R"({"zero_optimization": {"overlap_comm": "no"}})").code() ==
+        absl::StatusCode::kInvalidArgument);
+  const std::string resolved = ResolvedConfigJson(on);
+  for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
+    CHECK_FALSE(absl::StrContains(resolved, key));
+  }
+  CHECK(MustParse("{}").notes.empty());
+
+  // docs/config.md documents each of them, outside the Settings table, with what zerort does.
+  const std::string doc = ReadFile("docs/config.md");
+  for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
+    INFO(key);
+    CHECK(absl::StrContains(doc, absl::StrCat("| `zero_optimization.", key, "` | ")));
+    CHECK(DocumentedDefaults().count(absl::StrCat("zero_optimization.", key)) == 0);
   }
 }
 
@@ -205,7 +255,7 @@ TEST_CASE("Config: ResolvedConfigJson round-trips and is a fixed point", "[zero]
     c.zero.stage3_param_persistence_threshold = pick(0, 1 << 20);
     c.zero.stage3_max_live_parameters = pick(1, INT64_MAX);
     c.zero.memory_budget = {pick(c.zero.stage_auto ? 1 : 0, INT64_MAX), pick(0, INT64_MAX)};
-    c.precision = static_cast<Precision>(pick(0, 2));
+    c.compute_dtype = static_cast<DType>(pick(0, 2));
     c.fp16.loss_scale = pick(0, 1) ? 0.0 : unit() * 65536;
     c.fp16.initial_scale_power = static_cast<int>(pick(0, 127));
     c.fp16.loss_scale_window = static_cast<int>(pick(1, 5000));
@@ -463,6 +513,13 @@ TEST_CASE("Config: unreadable files are errors naming the file", "[zero]") {
   REQUIRE(!directory.ok());
   CHECK(absl::StrContains(directory.status().message(), "zero/testdata"));
 
+  // Not a regular file: refused rather than read without end.
+  absl::StatusOr<Config> device = LoadConfigFile("/dev/zero");
+  REQUIRE(!device.ok());
+  CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(device.status().message(),
+                          "cannot read config file \"/dev/zero\": not a regular file"));
+
   // Validation errors from a file carry its name too.
   absl::StatusOr<Config> config = ParseConfig(R"({"cpu_threads": -2})", "my.json");
   REQUIRE(!config.ok());
@@ -521,14 +578,14 @@ TEST_CASE("Config: rules across keys name every key involved", "[zero]") {
 }
 
 TEST_CASE("Config: precision follows the bf16 and fp16 blocks", "[zero]") {
-  CHECK(MustParse(R"({"bf16": {"enabled": true}})").precision == Precision::kBf16);
-  CHECK(MustParse(R"({"fp16": {"enabled": true}})").precision == Precision::kFp16);
-  CHECK(MustParse(R"({"bf16": {"enabled": false}, "fp16": {"enabled": false}})").precision ==
-        Precision::kFp32);
-  CHECK(MustParse(R"({"bf16": {}})").precision == Precision::kFp32);
+  CHECK(MustParse(R"({"bf16": {"enabled": true}})").compute_dtype == DType::kBF16);
+  CHECK(MustParse(R"({"fp16": {"enabled": true}})").compute_dtype == DType::kF16);
+  CHECK(MustParse(R"({"bf16": {"enabled": false}, "fp16": {"enabled": false}})").compute_dtype ==
+        DType::kF32);
+  CHECK(MustParse(R"({"bf16": {}})").compute_dtype == DType::kF32);
   // An fp16 block that is not enabled is still validated and kept.
   Config c = MustParse(R"({"fp16": {"initial_scale_power": 20}})");
-  CHECK(c.precision == Precision::kFp32);
+  CHECK(c.compute_dtype == DType::kF32);
   CHECK(c.fp16.initial_scale_power == 20);
   CHECK(ParseError(R"({"fp16": {"initial_scale_power": -1}})").code() ==
         absl::StatusCode::kInvalidArgument);

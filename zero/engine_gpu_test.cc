@@ -59,7 +59,7 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
   auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
   REQUIRE(nccl.ok());
   const int steps = 6;
-  for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+  for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int stage = 0; stage <= 3; ++stage) {
       for (int offload = 0; offload <= 2; ++offload) {  // none, optimizer, optimizer + params
         if ((stage == 0 && offload > 0) || (offload == 2 && stage != 3)) continue;
@@ -87,7 +87,7 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
     for (int stage = 0; stage <= 3; ++stage) {
       for (bool offload : {false, true}) {
         if (stage == 0 && offload) continue;
-        const Config c = TestConfig(stage, Precision::kBf16, /*gas=*/2, /*clip=*/0.05, offload);
+        const Config c = TestConfig(stage, DType::kBF16, /*gas=*/2, /*clip=*/0.05, offload);
         INFO("world=" << world << " stage=" << stage << " offload=" << offload);
         auto run = [&](Device* dev, comm::InProcessBufferOps ops) {
           auto comms = comm::CreateInProcessGroup(world, {c.comm_timeout_ms}, ops).value();

@@ -35,7 +35,7 @@ int Main(int argc, char** argv) {
   const auto specs = testing::SmallModel();
   const int steps = 12;
   int failures = 0, checks = 0;
-  for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+  for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int gas : {1, 3}) {
       // The reference: stage 0 on `world` in-process ranks (threads of this process).
       const Config ref_config = testing::TestConfig(0, precision, gas, 0.05, false);

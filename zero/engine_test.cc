@@ -30,7 +30,7 @@ struct RunResult {
   MemoryReport report;
 };
 
-Config MakeConfig(int stage, Precision precision, int gas, double clip, bool offload) {
+Config MakeConfig(int stage, DType precision, int gas, double clip, bool offload) {
   return testing::TestConfig(stage, precision, gas, clip, offload);
 }
 
@@ -89,7 +89,7 @@ void RequireOk(const RunResult& r) {
 TEST_CASE("Engine: stages 0-3, with and without offload, give bit-identical fp32 masters",
           "[zero]") {
   const int steps = 50;
-  for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+  for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int world : {1, 2, 3, 4}) {
       for (int gas : {1, 3}) {
         for (double clip : {0.0, 0.05}) {
@@ -129,13 +129,13 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
   // pipeline's events order them; one chunk forces every reuse hazard, more chunks overlap.
   const int steps = 12;
   for (int world : {1, 3}) {
-    RunResult reference = Train(MakeConfig(0, Precision::kBf16, 1, 0.05, false), world, steps);
+    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
     RequireOk(reference);
     for (int stage = 1; stage <= 3; ++stage) {
       for (int chunks : {1, 2, 4}) {
         for (bool offload_param : {false, true}) {
           if (offload_param && stage != 3) continue;
-          Config c = MakeConfig(stage, Precision::kBf16, 1, 0.05, true);
+          Config c = MakeConfig(stage, DType::kBF16, 1, 0.05, true);
           c.zero.offload_optimizer.buffer_count = chunks;
           if (offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
           INFO("world=" << world << " stage=" << stage << " chunks=" << chunks
@@ -161,13 +161,13 @@ TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0
   // wait for them before reducing, and its own device work must follow them on the stream.
   const int steps = 6;
   for (int world : {1, 2}) {
-    RunResult reference = Train(MakeConfig(0, Precision::kBf16, 2, 0.05, false), world, steps);
+    RunResult reference = Train(MakeConfig(0, DType::kBF16, 2, 0.05, false), world, steps);
     RequireOk(reference);
     for (int stage = 0; stage <= 3; ++stage) {
       for (bool offload : {false, true}) {
         if (stage == 0 && offload) continue;
         INFO("world=" << world << " stage=" << stage << " offload=" << offload);
-        RunResult run = Train(MakeConfig(stage, Precision::kBf16, 2, 0.05, offload), world, steps,
+        RunResult run = Train(MakeConfig(stage, DType::kBF16, 2, 0.05, offload), world, steps,
                               -1, -1, SmallModel(), /*async_streams=*/true,
                               /*on_compute_stream=*/true);
         RequireOk(run);
@@ -185,11 +185,11 @@ TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in fli
   // Downloads start during backward; the skipped step must neither apply them nor let the next
   // window's gradients race them.
   const int steps = 8, inject_step = 3;
-  RunResult reference = Train(MakeConfig(0, Precision::kBf16, 1, 0, false), 2, steps,
+  RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0, false), 2, steps,
                               inject_step, 1);
   RequireOk(reference);
   for (int stage : {1, 2, 3}) {
-    Config c = MakeConfig(stage, Precision::kBf16, 1, 0, true);
+    Config c = MakeConfig(stage, DType::kBF16, 1, 0, true);
     c.zero.offload_optimizer.buffer_count = 2;
     INFO("stage=" << stage);
     RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true);
@@ -235,7 +235,7 @@ TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[z
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  auto engine = Engine::Create(MakeConfig(2, Precision::kBf16, 1, 0, false), SmallModel(), &comm,
+  auto engine = Engine::Create(MakeConfig(2, DType::kBF16, 1, 0, false), SmallModel(), &comm,
                                device.get());
   REQUIRE(engine.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(engine.status().message().find("'cpu'") != std::string::npos);
@@ -291,7 +291,7 @@ TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 
   for (int world : {1, 3}) {
     for (int gas : {1, 3}) {
       for (double clip : {0.0, 0.05}) {
-        const Config c = MakeConfig(2, Precision::kFp32, gas, clip, false);
+        const Config c = MakeConfig(2, DType::kF32, gas, clip, false);
         RunResult run = Train(c, world, 20);
         RequireOk(run);
         const std::vector<double> ref = SerialAdamW(world, 20, gas, clip, c);
@@ -311,7 +311,7 @@ TEST_CASE("Engine: allocated bytes equal planned bytes for every memory kind", "
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {
       if (stage == 0 && offload) continue;
-      RunResult run = Train(MakeConfig(stage, Precision::kBf16, 3, 0, offload), 2, 1);
+      RunResult run = Train(MakeConfig(stage, DType::kBF16, 3, 0, offload), 2, 1);
       RequireOk(run);
       for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
         CHECK(run.report.allocated[k] == run.report.planned[k]);
@@ -322,7 +322,7 @@ TEST_CASE("Engine: allocated bytes equal planned bytes for every memory kind", "
 }
 
 TEST_CASE("Engine: an overflow on one rank skips the step on every rank", "[zero]") {
-  Config c = MakeConfig(2, Precision::kFp16, 1, 0, false);
+  Config c = MakeConfig(2, DType::kF16, 1, 0, false);
   c.fp16.initial_scale_power = 4;
   c.fp16.hysteresis = 1;
   c.fp16.loss_scale_window = 3;
@@ -350,7 +350,7 @@ TEST_CASE("Engine: an overflow on one rank skips the step on every rank", "[zero
 
 TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless skipping",
           "[zero]") {
-  Config c = MakeConfig(1, Precision::kFp16, 1, 0, false);
+  Config c = MakeConfig(1, DType::kF16, 1, 0, false);
   c.fp16.initial_scale_power = 0;  // already at min_loss_scale = 1
   c.fp16.hysteresis = 1;
   RunResult run = Train(c, 2, 1, 0, 0);
@@ -366,7 +366,7 @@ TEST_CASE("Engine: misuse is an error naming the call", "[zero]") {
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  Config c = MakeConfig(3, Precision::kBf16, 1, 0, false);
+  Config c = MakeConfig(3, DType::kBF16, 1, 0, false);
   auto engine = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
   REQUIRE(engine.ok());
   Engine& e = **engine;
@@ -408,12 +408,12 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
   for (const Case& c : {Case{huge_and_tiny, 3}, Case{huge_and_tiny, 4},
                         Case{fewer_than_ranks, 8}}) {
     RunResult reference =
-        Train(MakeConfig(0, Precision::kBf16, 2, 0.05, false), c.world, 6, -1, -1, c.specs);
+        Train(MakeConfig(0, DType::kBF16, 2, 0.05, false), c.world, 6, -1, -1, c.specs);
     RequireOk(reference);
     for (int stage = 1; stage <= 3; ++stage) {
       INFO("world=" << c.world << " stage=" << stage << " params=" << c.specs.size());
       RunResult run =
-          Train(MakeConfig(stage, Precision::kBf16, 2, 0.05, stage == 2), c.world, 6, -1, -1,
+          Train(MakeConfig(stage, DType::kBF16, 2, 0.05, stage == 2), c.world, 6, -1, -1,
                 c.specs);
       RequireOk(run);
       for (int r = 0; r < c.world; ++r) CHECK(BitEqual(run.master[r], reference.master[0]));
@@ -432,7 +432,7 @@ TEST_CASE("Engine: ranks that registered different models are told so", "[zero]"
     threads.emplace_back([&, r] {
       auto specs = SmallModel();
       if (r == 1) specs[3].shape = {63, 9};
-      errors[r] = Engine::Create(MakeConfig(0, Precision::kBf16, 1, 0, false), specs,
+      errors[r] = Engine::Create(MakeConfig(0, DType::kBF16, 1, 0, false), specs,
                                  comms[r].get(), device.get())
                       .status();
     });

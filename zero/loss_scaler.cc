@@ -8,7 +8,7 @@
 namespace zerort {
 
 LossScaler::LossScaler(const Config& config) {
-  if (config.precision != Precision::kFp16) return;
+  if (config.compute_dtype != DType::kF16) return;
   const Fp16Config& f = config.fp16;
   if (f.loss_scale > 0) {
     scale_ = f.loss_scale;

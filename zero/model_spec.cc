@@ -1,12 +1,13 @@
 #include "zero/model_spec.h"
 
-#include <fstream>
-#include <sstream>
+#include <limits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "nlohmann/json.hpp"
+#include "base/json.h"
+#include "base/status.h"
 
 namespace zerort {
 namespace {
@@ -79,8 +80,61 @@ std::vector<ParamSpec> Llama2(int64_t layers, int64_t d, int64_t ffn, int64_t kv
   return b.Take();
 }
 
-absl::Status ModelError(absl::string_view source, absl::string_view path, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(source, ": ", path, ": ", what));
+// Shapes are tensors' ranks; no real model comes near this.
+constexpr size_t kMaxRank = 1024;
+
+// {"name": "w", "shape": [3, 4]} -> "<module>.w".
+absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
+                                    const std::string& module) {
+  JsonFields p(param, path);
+  ASSIGN_OR_RETURN(std::string name, p.String("name"));
+  ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", kMaxRank));
+  if (shape->empty()) return JsonExpected(p.Path("shape"), "a non-empty array of dimensions", *shape);
+  ParamSpec spec;
+  spec.module = module;
+  spec.name = absl::StrCat(module, ".", name);
+  for (size_t d = 0; d < shape->size(); ++d) {
+    ASSIGN_OR_RETURN(int64_t dim, JsonToInt((*shape)[d], JsonPath(p.Path("shape"), d), 1,
+                                            std::numeric_limits<int64_t>::max(),
+                                            IntegralFloats::kRefuse, "a dimension >= 1"));
+    spec.shape.push_back(dim);
+  }
+  return spec;
+}
+
+// {"name": "layer0", "params": [...]}: appends its parameters to `specs`.
+absl::Status ReadModule(const Json& mod, const std::string& path, std::vector<ParamSpec>* specs) {
+  JsonFields m(mod, path);
+  ASSIGN_OR_RETURN(std::string module, m.String("name"));
+  ASSIGN_OR_RETURN(const Json* params, m.Array("params", std::numeric_limits<size_t>::max()));
+  if (params->empty()) {
+    return JsonExpected(m.Path("params"), "a non-empty array of parameters", *params);
+  }
+  for (const auto& [key, value] : mod.items()) {
+    if (key != "name" && key != "params") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(m.Path(key), ": unknown key (expected name, params)"));
+    }
+  }
+  for (size_t p = 0; p < params->size(); ++p) {
+    ASSIGN_OR_RETURN(ParamSpec spec,
+                     ReadParam((*params)[p], JsonPath(m.Path("params"), p), module));
+    specs->push_back(std::move(spec));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ParamSpec>> ReadModel(const Json& doc) {
+  JsonFields root(doc, "");
+  ASSIGN_OR_RETURN(const Json* modules, root.Array("modules", std::numeric_limits<size_t>::max()));
+  std::vector<ParamSpec> specs;
+  for (size_t m = 0; m < modules->size(); ++m) {
+    RETURN_IF_ERROR(ReadModule((*modules)[m], JsonPath("modules", m), &specs));
+  }
+  if (specs.empty()) {
+    return absl::InvalidArgumentError("modules: the model has no parameters");
+  }
+  return specs;
 }
 
 }  // namespace
@@ -102,66 +156,15 @@ absl::StatusOr<std::vector<ParamSpec>> ModelPreset(absl::string_view name) {
 
 absl::StatusOr<std::vector<ParamSpec>> ParseModelJson(absl::string_view text,
                                                       absl::string_view source) {
-  nlohmann::json doc;
-  try {
-    doc = nlohmann::json::parse(text.begin(), text.end());
-  } catch (const nlohmann::json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", e.what()));
-  }
-  if (!doc.is_object() || !doc.contains("modules") || !doc["modules"].is_array()) {
-    return ModelError(source, "modules", "expected an object with a \"modules\" array");
-  }
-  std::vector<ParamSpec> specs;
-  const auto& modules = doc["modules"];
-  for (size_t m = 0; m < modules.size(); ++m) {
-    const std::string mpath = absl::StrCat("modules[", m, "]");
-    const auto& mod = modules[m];
-    if (!mod.is_object() || !mod.contains("name") || !mod["name"].is_string()) {
-      return ModelError(source, mpath, "expected an object with a string \"name\"");
-    }
-    if (!mod.contains("params") || !mod["params"].is_array() || mod["params"].empty()) {
-      return ModelError(source, mpath + ".params", "expected a non-empty array of parameters");
-    }
-    for (const auto& [key, value] : mod.items()) {
-      if (key != "name" && key != "params") {
-        return ModelError(source, mpath + "." + key, "unknown key (expected name, params)");
-      }
-    }
-    const std::string module = mod["name"].get<std::string>();
-    const auto& params = mod["params"];
-    for (size_t p = 0; p < params.size(); ++p) {
-      const std::string ppath = absl::StrCat(mpath, ".params[", p, "]");
-      const auto& param = params[p];
-      if (!param.is_object() || !param.contains("name") || !param["name"].is_string()) {
-        return ModelError(source, ppath, "expected an object with a string \"name\"");
-      }
-      if (!param.contains("shape") || !param["shape"].is_array() || param["shape"].empty()) {
-        return ModelError(source, ppath + ".shape", "expected a non-empty array of dimensions");
-      }
-      ParamSpec spec;
-      spec.module = module;
-      spec.name = absl::StrCat(module, ".", param["name"].get<std::string>());
-      for (size_t d = 0; d < param["shape"].size(); ++d) {
-        const auto& dim = param["shape"][d];
-        if (!dim.is_number_integer() || dim.get<int64_t>() < 1) {
-          return ModelError(source, absl::StrCat(ppath, ".shape[", d, "]"),
-                            absl::StrCat("dimension ", dim.dump(), " must be an integer >= 1"));
-        }
-        spec.shape.push_back(dim.get<int64_t>());
-      }
-      specs.push_back(std::move(spec));
-    }
-  }
-  if (specs.empty()) return ModelError(source, "modules", "the model has no parameters");
+  ASSIGN_OR_RETURN(Json doc, ParseJson(text, source));
+  absl::StatusOr<std::vector<ParamSpec>> specs = ReadModel(doc);
+  if (!specs.ok()) return Annotate(specs.status(), source);
   return specs;
 }
 
 absl::StatusOr<std::vector<ParamSpec>> LoadModelFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot open model file '", path, "'"));
-  std::stringstream text;
-  text << in.rdbuf();
-  return ParseModelJson(text.str(), path);
+  ASSIGN_OR_RETURN(std::string text, ReadBoundedFile(path, "model"));
+  return ParseModelJson(text, path);
 }
 
 absl::StatusOr<std::vector<ParamSpec>> SyntheticModel(int64_t params, int layers) {

@@ -31,7 +31,10 @@ absl::StatusOr<std::vector<memory::ParamSpec>> ModelPreset(absl::string_view nam
 
 // A JSON model file:
 //   {"modules": [{"name": "layer0", "params": [{"name": "w", "shape": [1024, 1024]}, ...]}, ...]}
-// Parameter names become "<module>.<param>". Errors name the file and the JSON path.
+// Parameter names become "<module>.<param>". Parsed strictly by base/json (duplicate keys, trailing
+// bytes refused); errors are InvalidArgument naming the file and the JSON path
+// ("m.json: modules[0].params[1].shape[0]: expected a dimension >= 1, got 0"). LoadModelFile
+// refuses files that are not regular or larger than base/json's kMaxJsonFileBytes.
 absl::StatusOr<std::vector<memory::ParamSpec>> ParseModelJson(absl::string_view text,
                                                               absl::string_view source);
 absl::StatusOr<std::vector<memory::ParamSpec>> LoadModelFile(const std::string& path);

@@ -4,30 +4,18 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/bytes.h"
 #include "base/status.h"
-#include "zero/report.h"
 
 namespace zerort {
 namespace {
-
-DType ComputeDType(Precision p) {
-  switch (p) {
-    case Precision::kBf16:
-      return DType::kBF16;
-    case Precision::kFp16:
-      return DType::kF16;
-    case Precision::kFp32:
-      return DType::kF32;
-  }
-  return DType::kF32;
-}
 
 memory::PlanOptions BaseOptions(const Config& c, int world_size, int rank) {
   memory::PlanOptions o;
   o.stage = c.zero.stage;
   o.world_size = world_size;
   o.rank = rank;
-  o.compute_dtype = ComputeDType(c.precision);
+  o.compute_dtype = c.compute_dtype;
   o.offload_optimizer = c.zero.offload_optimizer.device == OffloadDevice::kCpu;
   o.offload_param = c.zero.offload_param.device == OffloadDevice::kCpu;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory

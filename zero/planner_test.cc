@@ -7,7 +7,6 @@
 #include <catch2/catch.hpp>
 
 #include "zero/model_spec.h"
-#include "zero/report.h"
 
 namespace zerort {
 namespace {
@@ -54,22 +53,27 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
   auto broken = ParseModelJson("{", "m.json");
   REQUIRE_FALSE(broken.ok());
   CHECK_THAT(std::string(broken.status().message()), Catch::Contains("m.json"));
-}
-
-TEST_CASE("Report: byte sizes parse with decimal and binary units", "[zero]") {
-  CHECK(*ParseBytes("80GiB") == 80LL << 30);
-  CHECK(*ParseBytes("16 GB") == 16000000000LL);
-  CHECK(*ParseBytes("8e10") == 80000000000LL);
-  CHECK(*ParseBytes("1.5KiB") == 1536);
-  CHECK_FALSE(ParseBytes("lots").ok());
-  CHECK_FALSE(ParseBytes("5 parsecs").ok());
-  CHECK(HumanBytes(1536) == "1.50 KiB");
+  // base/json's strictness: a duplicate key, an unknown key and a non-regular file are refused.
+  auto duplicate = ParseModelJson(
+      R"({"modules": [{"name": "l0", "name": "l1", "params": [{"name": "w", "shape": [3]}]}]})",
+      "m.json");
+  CHECK_THAT(std::string(duplicate.status().message()),
+             Catch::Contains("m.json: modules[0].name: duplicate key"));
+  auto unknown = ParseModelJson(
+      R"({"modules": [{"name": "l0", "dtype": "bf16", "params": [{"name": "w", "shape": [3]}]}]})",
+      "m.json");
+  CHECK_THAT(std::string(unknown.status().message()),
+             Catch::Contains("m.json: modules[0].dtype: unknown key"));
+  auto device = LoadModelFile("/dev/zero");
+  CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(device.status().message()), Catch::Contains("not a regular file"));
+  CHECK(LoadModelFile("no/such/model.json").status().code() == absl::StatusCode::kNotFound);
 }
 
 // A config of `stage auto` with a device budget.
 Config AutoConfig(int64_t device_bytes, int64_t host_bytes = 0) {
   Config c;
-  c.precision = Precision::kBf16;
+  c.compute_dtype = DType::kBF16;
   c.zero.stage_auto = true;
   c.zero.memory_budget.device_bytes = device_bytes;
   c.zero.memory_budget.host_bytes = host_bytes;

@@ -85,6 +85,32 @@ TEST_CASE("Manifest: inconsistent layouts are refused with the field named", "[c
   }
 }
 
+TEST_CASE("Manifest: base/json's strictness applies, reported as DataLoss", "[ckpt]") {
+  const std::string good = ManifestToJson(Sample());
+  REQUIRE(ParseManifest(good).ok());
+  struct Case {
+    const char* what;
+    std::string text;
+    const char* expect;
+  };
+  std::string duplicate = good;
+  duplicate.insert(duplicate.find("\"step\""), "\"step\": 1, ");
+  const Case cases[] = {
+      {"a duplicate key", duplicate, "manifest: json: step: duplicate key"},
+      {"trailing bytes", good + "{}", "manifest: json:"},
+      {"a NUL byte", good + std::string(1, '\0'), "NUL byte"},
+      {"deep nesting", "{\"a\": " + std::string(40, '[') + std::string(40, ']') + "}",
+       "nested deeper than 16 levels"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    absl::Status s = ParseManifest(c.text).status();
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kDataLoss);
+    CHECK(std::string(s.message()).find(c.expect) != std::string::npos);
+  }
+}
+
 TEST_CASE("ShardHeader: accepted for its own rank and checkpoint only", "[ckpt]") {
   const Manifest m = Sample();
   const std::string h = EncodeShardHeader(m, 1);

@@ -8,15 +8,13 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "base/status.h"
-#include "nlohmann/json.hpp"
 #include "base/crc32c.h"
+#include "base/json.h"
+#include "base/status.h"
 
 namespace zerort {
 namespace ckpt_internal {
 namespace {
-
-using Json = nlohmann::ordered_json;
 
 constexpr char kMagic[8] = {'Z', 'R', 'T', 'S', 'H', 'A', 'R', 'D'};
 constexpr char kFormatName[] = "zerort-checkpoint";
@@ -24,64 +22,6 @@ constexpr char kFormatName[] = "zerort-checkpoint";
 absl::Status Bad(absl::string_view field, absl::string_view why) {
   return absl::DataLossError(absl::StrCat("manifest: ", field, ": ", why));
 }
-
-// Typed field readers: every access checks presence, type and range, so that no input can make
-// nlohmann throw or a later computation overflow.
-class Reader {
- public:
-  Reader(const Json& obj, std::string path) : obj_(obj), path_(std::move(path)) {}
-
-  absl::StatusOr<const Json*> Field(absl::string_view key) const {
-    if (!obj_.is_object()) return Bad(path_, "not an object");
-    auto it = obj_.find(std::string(key));
-    if (it == obj_.end()) return Bad(Name(key), "missing");
-    return &*it;
-  }
-  absl::StatusOr<int64_t> Int(absl::string_view key, int64_t lo, int64_t hi) const {
-    ASSIGN_OR_RETURN(const Json* j, Field(key));
-    if (!j->is_number_integer()) return Bad(Name(key), "not an integer");
-    int64_t v;
-    if (j->is_number_unsigned()) {
-      const uint64_t u = j->get<uint64_t>();
-      if (u > static_cast<uint64_t>(hi)) return Bad(Name(key), absl::StrCat(u, " above ", hi));
-      v = static_cast<int64_t>(u);
-    } else {
-      v = j->get<int64_t>();
-    }
-    if (v < lo || v > hi) return Bad(Name(key), absl::StrCat(v, " outside ", lo, "..", hi));
-    return v;
-  }
-  absl::StatusOr<double> Double(absl::string_view key) const {
-    ASSIGN_OR_RETURN(const Json* j, Field(key));
-    if (!j->is_number()) return Bad(Name(key), "not a number");
-    return j->get<double>();
-  }
-  absl::StatusOr<std::string> String(absl::string_view key, size_t max_len = 4096) const {
-    ASSIGN_OR_RETURN(const Json* j, Field(key));
-    if (!j->is_string()) return Bad(Name(key), "not a string");
-    const std::string& s = j->get_ref<const std::string&>();
-    if (s.size() > max_len) return Bad(Name(key), "too long");
-    return s;
-  }
-  absl::StatusOr<bool> Bool(absl::string_view key) const {
-    ASSIGN_OR_RETURN(const Json* j, Field(key));
-    if (!j->is_boolean()) return Bad(Name(key), "not a boolean");
-    return j->get<bool>();
-  }
-  absl::StatusOr<const Json*> Array(absl::string_view key, size_t max_size) const {
-    ASSIGN_OR_RETURN(const Json* j, Field(key));
-    if (!j->is_array()) return Bad(Name(key), "not an array");
-    if (j->size() > max_size) return Bad(Name(key), absl::StrCat("more than ", max_size, " entries"));
-    return j;
-  }
-  std::string Name(absl::string_view key) const {
-    return path_.empty() ? std::string(key) : absl::StrCat(path_, ".", key);
-  }
-
- private:
-  const Json& obj_;
-  const std::string path_;
-};
 
 void PutU32(char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -143,9 +83,27 @@ Json Body(const Manifest& m) {
   return j;
 }
 
-absl::StatusOr<Manifest> ParseChecked(const Json& j) {
-  Reader r(j, "");
-  Manifest m;
+// The checksum covers the compact dump of everything but itself, in the writer's key order.
+absl::Status CheckChecksum(const Json& j) {
+  auto it = j.find("manifest_crc32c");
+  if (it == j.end() || !it->is_number_unsigned() || it->get<uint64_t>() > 0xffffffffu) {
+    return Bad("manifest_crc32c", "missing or not a 32-bit unsigned integer");
+  }
+  const uint32_t want = static_cast<uint32_t>(it->get<uint64_t>());
+  Json body = j;
+  body.erase("manifest_crc32c");
+  const std::string text = body.dump();
+  const uint32_t got = Crc32c(0, text.data(), text.size());
+  if (got != want) {
+    return Bad("manifest_crc32c", absl::StrFormat("checksum mismatch (stored %08x, content "
+                                                  "%08x): the manifest is corrupted", want, got));
+  }
+  return absl::OkStatus();
+}
+
+// format, format_version and the checksum: whether this is a manifest this build can read.
+absl::Status ReadFormat(const Json& j, Manifest* m) {
+  JsonFields r(j, "");
   ASSIGN_OR_RETURN(std::string format, r.String("format"));
   if (format != kFormatName) {
     return Bad("format", absl::StrCat("'", format, "' is not '", kFormatName, "'"));
@@ -156,183 +114,203 @@ absl::StatusOr<Manifest> ParseChecked(const Json& j) {
         "manifest: format_version ", version, " is newer than this build reads (",
         kFormatVersion, "): load it with a newer zerort"));
   }
-  m.format_version = static_cast<int>(version);
-  {
-    auto it = j.find("manifest_crc32c");
-    if (it == j.end() || !it->is_number_unsigned() || it->get<uint64_t>() > 0xffffffffu) {
-      return Bad("manifest_crc32c", "missing or not a 32-bit unsigned integer");
-    }
-    const uint32_t want = static_cast<uint32_t>(it->get<uint64_t>());
-    Json body = j;
-    body.erase("manifest_crc32c");
-    const std::string text = body.dump();
-    const uint32_t got = Crc32c(0, text.data(), text.size());
-    if (got != want) {
-      return Bad("manifest_crc32c", absl::StrFormat("checksum mismatch (stored %08x, content "
-                                                    "%08x): the manifest is corrupted", want, got));
-    }
-  }
-  ASSIGN_OR_RETURN(m.step, r.Int("step", 0, kMaxElements));
+  m->format_version = static_cast<int>(version);
+  return CheckChecksum(j);
+}
+
+// The scalars: step, id, world, stage, dtype, config hash, loss scaler.
+absl::Status ReadScalars(const JsonFields& r, Manifest* m) {
+  ASSIGN_OR_RETURN(m->step, r.Int("step", 0, kMaxElements));
   ASSIGN_OR_RETURN(std::string id, r.String("checkpoint_id", 16));
-  if (id.size() != 16 || !absl::SimpleHexAtoi(id, &m.checkpoint_id)) {
+  if (id.size() != 16 || !absl::SimpleHexAtoi(id, &m->checkpoint_id)) {
     return Bad("checkpoint_id", "not 16 hex digits");
   }
   ASSIGN_OR_RETURN(int64_t world, r.Int("world_size", 1, kMaxWorld));
-  m.world_size = static_cast<int>(world);
+  m->world_size = static_cast<int>(world);
   ASSIGN_OR_RETURN(int64_t stage, r.Int("stage", 0, 3));
-  m.stage = static_cast<int>(stage);
+  m->stage = static_cast<int>(stage);
   ASSIGN_OR_RETURN(std::string dtype, r.String("compute_dtype"));
-  if (dtype == "fp32") {
-    m.compute_dtype = DType::kF32;
-  } else if (dtype == "bf16") {
-    m.compute_dtype = DType::kBF16;
-  } else if (dtype == "fp16") {
-    m.compute_dtype = DType::kF16;
-  } else {
+  absl::StatusOr<DType> parsed = ParseDType(dtype);
+  if (!parsed.ok() || DTypeName(*parsed) != dtype) {
     return Bad("compute_dtype", absl::StrCat("'", dtype, "' is not fp32, bf16 or fp16"));
   }
-  ASSIGN_OR_RETURN(m.config_hash, r.String("config_hash", 256));
-  {
-    ASSIGN_OR_RETURN(const Json* ls, r.Field("loss_scaler"));
-    Reader s(*ls, "loss_scaler");
-    ASSIGN_OR_RETURN(m.loss_scale, s.Double("scale"));
-    if (!(m.loss_scale > 0) || m.loss_scale > 1e300) {
-      return Bad("loss_scaler.scale", "not a positive finite number");
-    }
-    ASSIGN_OR_RETURN(int64_t h, s.Int("hysteresis_left", 0, 1 << 30));
-    m.scaler_hysteresis_left = static_cast<int>(h);
-    ASSIGN_OR_RETURN(m.scaler_iter, s.Int("iter", 0, kMaxElements));
-    ASSIGN_OR_RETURN(m.scaler_last_overflow, s.Int("last_overflow_iter", -1, kMaxElements));
+  m->compute_dtype = *parsed;
+  ASSIGN_OR_RETURN(m->config_hash, r.String("config_hash", 256));
+  ASSIGN_OR_RETURN(const Json* ls, r.Object("loss_scaler"));
+  JsonFields s(*ls, r.Path("loss_scaler"));
+  ASSIGN_OR_RETURN(m->loss_scale, s.Number("scale"));
+  if (!(m->loss_scale > 0) || m->loss_scale > 1e300) {
+    return Bad("loss_scaler.scale", "not a positive finite number");
   }
+  ASSIGN_OR_RETURN(int64_t h, s.Int("hysteresis_left", 0, 1 << 30));
+  m->scaler_hysteresis_left = static_cast<int>(h);
+  ASSIGN_OR_RETURN(m->scaler_iter, s.Int("iter", 0, kMaxElements));
+  ASSIGN_OR_RETURN(m->scaler_last_overflow, s.Int("last_overflow_iter", -1, kMaxElements));
+  return absl::OkStatus();
+}
+
+absl::Status ReadSections(const JsonFields& r, Manifest* m) {
+  ASSIGN_OR_RETURN(const Json* sections, r.Array("sections", 4));
+  const std::vector<std::string> want3 = {"master:fp32", "exp_avg:fp32", "exp_avg_sq:fp32"};
+  std::vector<std::string> got;
+  for (const Json& s : *sections) {
+    if (!s.is_string()) return Bad("sections", "not a list of strings");
+    got.push_back(s.get<std::string>());
+  }
+  std::vector<std::string> want4 = want3;
+  want4.push_back(absl::StrCat("param:", DTypeName(m->compute_dtype)));
+  if (got == want3) {
+    m->has_param_section = false;
+  } else if (got == want4) {
+    m->has_param_section = true;
+  } else {
+    return Bad("sections", "expected master, exp_avg, exp_avg_sq (and param in stage 3)");
+  }
+  return absl::OkStatus();
+}
+
+// Units must tile the shard buffers: contiguous, each padded = shard x world.
+absl::Status ReadUnits(const JsonFields& r, Manifest* m) {
+  ASSIGN_OR_RETURN(const Json* units, r.Array("units", 1 << 24));
+  int64_t offset = 0;
+  for (size_t i = 0; i < units->size(); ++i) {
+    JsonFields u((*units)[i], JsonPath("units", i));
+    ManifestUnit unit;
+    ASSIGN_OR_RETURN(unit.name, u.String("name"));
+    ASSIGN_OR_RETURN(unit.shard, u.Int("shard", 0, kMaxElements));
+    ASSIGN_OR_RETURN(unit.padded, u.Int("padded", 0, kMaxElements));
+    ASSIGN_OR_RETURN(unit.shard_offset, u.Int("shard_offset", 0, kMaxElements));
+    if (unit.padded != unit.shard * m->world_size) {
+      return Bad(u.Path("padded"), absl::StrCat(unit.padded, " is not shard ", unit.shard,
+                                                " x world_size ", m->world_size));
+    }
+    if (unit.shard_offset != offset) {
+      return Bad(u.Path("shard_offset"),
+                 absl::StrCat(unit.shard_offset, " but the earlier units end at ", offset));
+    }
+    offset += unit.shard;
+    if (offset > kMaxElements) return Bad(u.Path("shard"), "units too large");
+    m->units.push_back(std::move(unit));
+  }
+  if (offset != m->shard_elements) {
+    return Bad("shard_elements",
+               absl::StrCat(m->shard_elements, " but the units' shards sum to ", offset));
+  }
+  return absl::OkStatus();
+}
+
+// One parameter, inside its unit. REQUIRES: m->units read.
+absl::StatusOr<ManifestParam> ReadParam(const JsonFields& p, const Manifest& m) {
+  ManifestParam param;
+  ASSIGN_OR_RETURN(param.name, p.String("name"));
+  if (param.name.empty()) return Bad(p.Path("name"), "empty");
+  ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", 64));
+  if (shape->empty()) return Bad(p.Path("shape"), "empty (a scalar is [1])");
+  param.numel = 1;
+  for (size_t d = 0; d < shape->size(); ++d) {
+    ASSIGN_OR_RETURN(int64_t dim, JsonToInt((*shape)[d], JsonPath(p.Path("shape"), d), 1,
+                                            kMaxElements));
+    param.numel *= dim;
+    if (param.numel > kMaxElements) return Bad(p.Path("shape"), "too many elements");
+    param.shape.push_back(dim);
+  }
+  ASSIGN_OR_RETURN(int64_t unit, p.Int("unit", 0, static_cast<int64_t>(m.units.size()) - 1));
+  param.unit = static_cast<int>(unit);
+  ASSIGN_OR_RETURN(param.offset_in_unit, p.Int("offset_in_unit", 0, kMaxElements));
+  if (param.offset_in_unit + param.numel > m.units[param.unit].padded) {
+    return Bad(p.Path("offset_in_unit"),
+               absl::StrCat("elements ", param.offset_in_unit, "..",
+                            param.offset_in_unit + param.numel, " overrun unit ", param.unit,
+                            " of ", m.units[param.unit].padded));
+  }
+  return param;
+}
+
+// No two parameters may share an element (or a name).
+absl::Status CheckParamsDisjoint(const Manifest& m) {
+  std::vector<int> order(m.params.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const ManifestParam& x = m.params[a];
+    const ManifestParam& y = m.params[b];
+    return x.unit != y.unit ? x.unit < y.unit : x.offset_in_unit < y.offset_in_unit;
+  });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const ManifestParam& a = m.params[order[k - 1]];
+    const ManifestParam& b = m.params[order[k]];
+    if (a.unit == b.unit && a.offset_in_unit + a.numel > b.offset_in_unit) {
+      return Bad("params", absl::StrCat("'", a.name, "' and '", b.name, "' overlap"));
+    }
+  }
+  std::vector<absl::string_view> names;
+  for (const ManifestParam& p : m.params) names.push_back(p.name);
+  std::sort(names.begin(), names.end());
+  for (size_t k = 1; k < names.size(); ++k) {
+    if (names[k] == names[k - 1]) return Bad("params", absl::StrCat("'", names[k], "' twice"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadParams(const JsonFields& r, Manifest* m) {
+  ASSIGN_OR_RETURN(const Json* params, r.Array("params", 1 << 24));
+  for (size_t i = 0; i < params->size(); ++i) {
+    ASSIGN_OR_RETURN(ManifestParam param,
+                     ReadParam(JsonFields((*params)[i], JsonPath("params", i)), *m));
+    m->params.push_back(std::move(param));
+  }
+  return CheckParamsDisjoint(*m);
+}
+
+// One file per rank, in rank order, of the fixed name and the size the layout implies.
+absl::Status ReadFiles(const JsonFields& r, Manifest* m) {
+  ASSIGN_OR_RETURN(const Json* files, r.Array("files", kMaxWorld));
+  if (static_cast<int64_t>(files->size()) != m->world_size) {
+    return Bad("files", absl::StrCat(files->size(), " entries for world_size ", m->world_size));
+  }
+  const int64_t bytes = m->ShardFileBytes();
+  for (size_t i = 0; i < files->size(); ++i) {
+    JsonFields f((*files)[i], JsonPath("files", i));
+    ManifestFile file;
+    ASSIGN_OR_RETURN(int64_t rank, f.Int("rank", 0, m->world_size - 1));
+    file.rank = static_cast<int>(rank);
+    if (file.rank != static_cast<int>(i)) {
+      return Bad(f.Path("rank"), absl::StrCat(rank, " at position ", i));
+    }
+    ASSIGN_OR_RETURN(file.name, f.String("name"));
+    if (file.name != ShardFileName(file.rank)) {
+      return Bad(f.Path("name"),
+                 absl::StrCat("'", file.name, "' is not '", ShardFileName(file.rank), "'"));
+    }
+    ASSIGN_OR_RETURN(file.bytes, f.Int("bytes", 0, int64_t{1} << 62));
+    if (file.bytes != bytes) {
+      return Bad(f.Path("bytes"), absl::StrCat(file.bytes, " but the layout needs ", bytes));
+    }
+    ASSIGN_OR_RETURN(int64_t crc, f.Int("crc32c", 0, 0xffffffffll));
+    file.crc32c = static_cast<uint32_t>(crc);
+    m->files.push_back(std::move(file));
+  }
+  return absl::OkStatus();
+}
+
+// Every field, in the order each check needs the ones before it.
+absl::StatusOr<Manifest> ParseChecked(const Json& j) {
+  Manifest m;
+  RETURN_IF_ERROR(ReadFormat(j, &m));
+  const JsonFields r(j, "");
+  RETURN_IF_ERROR(ReadScalars(r, &m));
   ASSIGN_OR_RETURN(m.shard_elements, r.Int("shard_elements", 0, kMaxElements));
-  {
-    ASSIGN_OR_RETURN(const Json* sections, r.Array("sections", 4));
-    const std::string param_section = absl::StrCat("param:", DTypeName(m.compute_dtype));
-    const std::vector<std::string> want3 = {"master:fp32", "exp_avg:fp32", "exp_avg_sq:fp32"};
-    std::vector<std::string> got;
-    for (const Json& s : *sections) {
-      if (!s.is_string()) return Bad("sections", "not a list of strings");
-      got.push_back(s.get<std::string>());
-    }
-    std::vector<std::string> want4 = want3;
-    want4.push_back(param_section);
-    if (got == want3) {
-      m.has_param_section = false;
-    } else if (got == want4) {
-      m.has_param_section = true;
-    } else {
-      return Bad("sections", "expected master, exp_avg, exp_avg_sq (and param in stage 3)");
-    }
-  }
-  {
-    ASSIGN_OR_RETURN(const Json* units, r.Array("units", 1 << 24));
-    int64_t offset = 0;
-    for (size_t i = 0; i < units->size(); ++i) {
-      Reader u((*units)[i], absl::StrCat("units[", i, "]"));
-      ManifestUnit unit;
-      ASSIGN_OR_RETURN(unit.name, u.String("name"));
-      ASSIGN_OR_RETURN(unit.shard, u.Int("shard", 0, kMaxElements));
-      ASSIGN_OR_RETURN(unit.padded, u.Int("padded", 0, kMaxElements));
-      ASSIGN_OR_RETURN(unit.shard_offset, u.Int("shard_offset", 0, kMaxElements));
-      if (unit.padded != unit.shard * m.world_size) {
-        return Bad(u.Name("padded"), absl::StrCat(unit.padded, " is not shard ", unit.shard,
-                                                  " x world_size ", m.world_size));
-      }
-      if (unit.shard_offset != offset) {
-        return Bad(u.Name("shard_offset"),
-                   absl::StrCat(unit.shard_offset, " but the earlier units end at ", offset));
-      }
-      offset += unit.shard;
-      if (offset > kMaxElements) return Bad(u.Name("shard"), "units too large");
-      m.units.push_back(std::move(unit));
-    }
-    if (offset != m.shard_elements) {
-      return Bad("shard_elements", absl::StrCat(m.shard_elements, " but the units' shards sum to ",
-                                                offset));
-    }
-  }
-  {
-    ASSIGN_OR_RETURN(const Json* params, r.Array("params", 1 << 24));
-    for (size_t i = 0; i < params->size(); ++i) {
-      Reader p((*params)[i], absl::StrCat("params[", i, "]"));
-      ManifestParam param;
-      ASSIGN_OR_RETURN(param.name, p.String("name"));
-      if (param.name.empty()) return Bad(p.Name("name"), "empty");
-      ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", 64));
-      param.numel = 1;
-      for (const Json& d : *shape) {
-        if (!d.is_number_integer()) return Bad(p.Name("shape"), "not a list of integers");
-        const int64_t dim = d.is_number_unsigned() && d.get<uint64_t>() > uint64_t{1} << 62
-                                ? -1
-                                : d.get<int64_t>();
-        if (dim < 1 || dim > kMaxElements) return Bad(p.Name("shape"), "a dimension below 1 or too large");
-        param.numel *= dim;
-        if (param.numel > kMaxElements) return Bad(p.Name("shape"), "too many elements");
-        param.shape.push_back(dim);
-      }
-      if (param.shape.empty()) return Bad(p.Name("shape"), "empty (a scalar is [1])");
-      ASSIGN_OR_RETURN(int64_t unit, p.Int("unit", 0, static_cast<int64_t>(m.units.size()) - 1));
-      param.unit = static_cast<int>(unit);
-      ASSIGN_OR_RETURN(param.offset_in_unit, p.Int("offset_in_unit", 0, kMaxElements));
-      if (param.offset_in_unit + param.numel > m.units[param.unit].padded) {
-        return Bad(p.Name("offset_in_unit"),
-                   absl::StrCat("elements ", param.offset_in_unit, "..",
-                                param.offset_in_unit + param.numel, " overrun unit ", param.unit,
-                                " of ", m.units[param.unit].padded));
-      }
-      m.params.push_back(std::move(param));
-    }
-    // No two parameters may share an element (or a name).
-    std::vector<int> order(m.params.size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-    std::sort(order.begin(), order.end(), [&](int a, int b) {
-      const ManifestParam& x = m.params[a];
-      const ManifestParam& y = m.params[b];
-      return x.unit != y.unit ? x.unit < y.unit : x.offset_in_unit < y.offset_in_unit;
-    });
-    for (size_t k = 1; k < order.size(); ++k) {
-      const ManifestParam& a = m.params[order[k - 1]];
-      const ManifestParam& b = m.params[order[k]];
-      if (a.unit == b.unit && a.offset_in_unit + a.numel > b.offset_in_unit) {
-        return Bad("params", absl::StrCat("'", a.name, "' and '", b.name, "' overlap"));
-      }
-    }
-    std::vector<absl::string_view> names;
-    for (const ManifestParam& p : m.params) names.push_back(p.name);
-    std::sort(names.begin(), names.end());
-    for (size_t k = 1; k < names.size(); ++k) {
-      if (names[k] == names[k - 1]) return Bad("params", absl::StrCat("'", names[k], "' twice"));
-    }
-  }
-  {
-    ASSIGN_OR_RETURN(const Json* files, r.Array("files", kMaxWorld));
-    if (static_cast<int64_t>(files->size()) != m.world_size) {
-      return Bad("files", absl::StrCat(files->size(), " entries for world_size ", m.world_size));
-    }
-    const int64_t bytes = m.ShardFileBytes();
-    for (size_t i = 0; i < files->size(); ++i) {
-      Reader f((*files)[i], absl::StrCat("files[", i, "]"));
-      ManifestFile file;
-      ASSIGN_OR_RETURN(int64_t rank, f.Int("rank", 0, m.world_size - 1));
-      file.rank = static_cast<int>(rank);
-      if (file.rank != static_cast<int>(i)) {
-        return Bad(f.Name("rank"), absl::StrCat(rank, " at position ", i));
-      }
-      ASSIGN_OR_RETURN(file.name, f.String("name"));
-      if (file.name != ShardFileName(file.rank)) {
-        return Bad(f.Name("name"), absl::StrCat("'", file.name, "' is not '",
-                                                ShardFileName(file.rank), "'"));
-      }
-      ASSIGN_OR_RETURN(file.bytes, f.Int("bytes", 0, int64_t{1} << 62));
-      if (file.bytes != bytes) {
-        return Bad(f.Name("bytes"), absl::StrCat(file.bytes, " but the layout needs ", bytes));
-      }
-      ASSIGN_OR_RETURN(int64_t crc, f.Int("crc32c", 0, 0xffffffffll));
-      file.crc32c = static_cast<uint32_t>(crc);
-      m.files.push_back(std::move(file));
-    }
-  }
+  RETURN_IF_ERROR(ReadSections(r, &m));
+  RETURN_IF_ERROR(ReadUnits(r, &m));
+  RETURN_IF_ERROR(ReadParams(r, &m));
+  RETURN_IF_ERROR(ReadFiles(r, &m));
   return m;
+}
+
+// base/json reports a malformed document or field as InvalidArgument; in a manifest that we
+// wrote ourselves, malformed means corrupted.
+absl::Status AsDataLoss(const absl::Status& s) {
+  if (s.code() != absl::StatusCode::kInvalidArgument) return s;
+  return absl::DataLossError(absl::StrCat("manifest: ", s.message()));
 }
 
 }  // namespace
@@ -356,39 +334,22 @@ absl::StatusOr<Manifest> ParseManifest(absl::string_view text) {
   if (static_cast<int64_t>(text.size()) > kMaxManifestBytes) {
     return Bad("size", absl::StrCat(text.size(), " bytes is more than a manifest can be"));
   }
-  // Deep nesting would make the parser recurse without bound: no valid manifest nests beyond
-  // four levels, so refuse anything deeper before parsing.
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > 16) return Bad("structure", "nested deeper than any manifest");
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  Json j;
+  // No valid manifest nests beyond four levels.
+  JsonLimits limits;
+  limits.max_depth = 16;
+  // "json" names the text: errors read "manifest: json:LINE:COL: not valid JSON: ...".
+  absl::StatusOr<Json> j = ParseJson(text, "json", limits);
+  if (!j.ok()) return AsDataLoss(j.status());
+  if (!j->is_object()) return Bad("json", "the top level is not an object");
+  absl::StatusOr<Manifest> m;
   try {
-    j = Json::parse(text.begin(), text.end());
-  } catch (const std::exception& e) {
-    return Bad("json", e.what());
-  }
-  if (!j.is_object()) return Bad("json", "the top level is not an object");
-  try {
-    return ParseChecked(j);
+    m = ParseChecked(*j);
   } catch (const std::exception& e) {
     // Not expected: every access is checked first. A bug, reported instead of crashing a load.
     return absl::InternalError(absl::StrCat("manifest: ", e.what()));
   }
+  if (!m.ok()) return AsDataLoss(m.status());
+  return m;
 }
 
 std::string EncodeShardHeader(const Manifest& m, int rank) {

@@ -8,7 +8,8 @@
 // units[u].shard_offset. The manifest records the unit layout and where every parameter lies
 // inside its unit, which is all a loader at another world size needs.
 //
-// ParseManifest is the only reader and is fuzzed: every accepted manifest is internally
+// ParseManifest is the only reader (the text through base/json's strict parser: duplicate keys,
+// NUL and trailing bytes refused) and is fuzzed: every accepted manifest is internally
 // consistent (every parameter inside its unit, units contiguous, file sizes matching the
 // layout, file names of the fixed form), so nothing computed from it can index out of range.
 //

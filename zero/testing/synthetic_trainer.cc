@@ -44,10 +44,10 @@ float GradValue(int rank, int step, int micro, int param, int64_t e) {
   return 0.5f * Noise(rank, step * 16 + micro, param, static_cast<uint64_t>(e));
 }
 
-Config TestConfig(int stage, Precision precision, int gas, double clip, bool offload) {
+Config TestConfig(int stage, DType precision, int gas, double clip, bool offload) {
   Config c;
   c.zero.stage = stage;
-  c.precision = precision;
+  c.compute_dtype = precision;
   c.gradient_accumulation_steps = gas;
   c.gradient_clipping = clip;
   c.zero.reduce_bucket_size = 200;  // several units

@@ -28,7 +28,7 @@ float GradValue(int rank, int step, int micro, int param, int64_t element);
 
 // A config for tests: several units (reduce_bucket_size 200), small persistent units, lr 1e-2,
 // weight decay 0.1, one host thread.
-Config TestConfig(int stage, Precision precision, int gas, double clip, bool offload);
+Config TestConfig(int stage, DType precision, int gas, double clip, bool offload);
 
 struct TrainResult {
   std::vector<float> master;      // GatherMasterWeights() at the end
