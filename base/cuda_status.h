@@ -46,26 +46,24 @@ inline absl::StatusCode NcclErrorCode(ncclResult_t r) {
 
 }  // namespace zerort
 
-#define RETURN_IF_CUDA_ERROR(call, ...)                                                     \
-  do {                                                                                      \
-    const cudaError_t zerort_cuda_err_ = (call);                                            \
-    if (zerort_cuda_err_ != cudaSuccess) {                                                  \
-      return ::absl::Status(::zerort::CudaErrorCode(zerort_cuda_err_),                      \
-                            ::absl::StrCat(#call, " failed at " __FILE__ ":", __LINE__,     \
-                                           ": ", cudaGetErrorString(zerort_cuda_err_),      \
-                                           " " __VA_ARGS__));                               \
-    }                                                                                       \
+// Shared body of the two macros below: `text` is the call as written, `ok` the library's success
+// value, `code` and `message` map a failure to a StatusCode and the library's own description.
+#define ZERORT_RETURN_IF_LIB_ERROR_(type, call, text, ok, code, message, ...)                \
+  do {                                                                                       \
+    const type zerort_lib_err_ = (call);                                                     \
+    if (zerort_lib_err_ != ok) {                                                             \
+      return ::absl::Status(code(zerort_lib_err_),                                           \
+                            ::absl::StrCat(text, " failed at " __FILE__ ":", __LINE__, ": ", \
+                                           message(zerort_lib_err_), " " __VA_ARGS__));      \
+    }                                                                                        \
   } while (false)
 
-#define RETURN_IF_NCCL_ERROR(call, ...)                                                     \
-  do {                                                                                      \
-    const ncclResult_t zerort_nccl_res_ = (call);                                           \
-    if (zerort_nccl_res_ != ncclSuccess) {                                                  \
-      return ::absl::Status(::zerort::NcclErrorCode(zerort_nccl_res_),                      \
-                            ::absl::StrCat(#call, " failed at " __FILE__ ":", __LINE__,     \
-                                           ": ", ncclGetErrorString(zerort_nccl_res_),      \
-                                           " " __VA_ARGS__));                               \
-    }                                                                                       \
-  } while (false)
+#define RETURN_IF_CUDA_ERROR(call, ...)                                                       \
+  ZERORT_RETURN_IF_LIB_ERROR_(cudaError_t, call, #call, cudaSuccess, ::zerort::CudaErrorCode, \
+                              cudaGetErrorString, __VA_ARGS__)
+
+#define RETURN_IF_NCCL_ERROR(call, ...)                                                        \
+  ZERORT_RETURN_IF_LIB_ERROR_(ncclResult_t, call, #call, ncclSuccess, ::zerort::NcclErrorCode, \
+                              ncclGetErrorString, __VA_ARGS__)
 
 #endif  // ZERORT_BASE_CUDA_STATUS_H_

@@ -1,11 +1,15 @@
-// What every benchmark binary shares: its one flag and the median it reports.
+// What the benchmark binaries share: the --quick flag, the median they report, and the JSON
+// document of the training-step benchmarks.
 #ifndef ZERORT_BENCHMARKS_BENCH_UTIL_H_
 #define ZERORT_BENCHMARKS_BENCH_UTIL_H_
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 #include <vector>
+
+#include "nlohmann/json.hpp"
 
 namespace zerort {
 namespace bench {
@@ -29,6 +33,19 @@ inline double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Prints the JSON document of a training-step benchmark (offload_bench, step_bench): `head` (its
+// name, model and setup, in print order), then the step counts, the machine, the baseline its
+// ratios are measured against, and the result rows.
+inline void PrintStepReport(nlohmann::ordered_json head, int warmup_steps, int measured_steps,
+                            const char* baseline, const nlohmann::ordered_json& results) {
+  head["warmup_steps"] = warmup_steps;
+  head["measured_steps"] = measured_steps;
+  head["hardware_threads"] = std::thread::hardware_concurrency();
+  head["baseline"] = baseline;
+  head["results"] = results;
+  std::printf("%s\n", head.dump(2).c_str());
 }
 
 }  // namespace bench

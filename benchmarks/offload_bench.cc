@@ -170,19 +170,16 @@ int Main(int argc, char** argv) {
       }
     }
   }
-  nlohmann::ordered_json doc = {
-      {"benchmark", "offload_bench"},
-      {"model", absl::StrCat("synthetic ", params, " params, ", layers, " layers")},
-      {"stage", 2},
-      {"precision", "bf16"},
-      {"cpu_threads", 1},
-      {"warmup_steps", warmup},
-      {"measured_steps", measured},
-      {"hardware_threads", std::thread::hardware_concurrency()},
-      {"baseline", "inline copies (serial pipeline) at the same world (ratio_to_inline)"},
-      {"results", results},
-  };
-  std::printf("%s\n", doc.dump(2).c_str());
+  bench::PrintStepReport(
+      {
+          {"benchmark", "offload_bench"},
+          {"model", absl::StrCat("synthetic ", params, " params, ", layers, " layers")},
+          {"stage", 2},
+          {"precision", "bf16"},
+          {"cpu_threads", 1},
+      },
+      warmup, measured, "inline copies (serial pipeline) at the same world (ratio_to_inline)",
+      results);
   return 0;
 }
 

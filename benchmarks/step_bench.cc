@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -91,19 +90,15 @@ int Main(int argc, char** argv) {
       });
     }
   }
-  nlohmann::ordered_json doc = {
-      {"benchmark", "step_bench"},
-      {"model", absl::StrCat("mlp ", base.shape.dims[0], "-", base.shape.dims[1], "-",
-                             base.shape.dims[2], "-", base.shape.dims[3])},
-      {"precision", "bf16"},
-      {"batch_per_rank", base.batch},
-      {"warmup_steps", warmup},
-      {"measured_steps", measured},
-      {"hardware_threads", std::thread::hardware_concurrency()},
-      {"baseline", "stage 0 at the same world size (ratio_to_stage0)"},
-      {"results", results},
-  };
-  std::printf("%s\n", doc.dump(2).c_str());
+  bench::PrintStepReport(
+      {
+          {"benchmark", "step_bench"},
+          {"model", absl::StrCat("mlp ", base.shape.dims[0], "-", base.shape.dims[1], "-",
+                                 base.shape.dims[2], "-", base.shape.dims[3])},
+          {"precision", "bf16"},
+          {"batch_per_rank", base.batch},
+      },
+      warmup, measured, "stage 0 at the same world size (ratio_to_stage0)", results);
   return 0;
 }
 

@@ -116,6 +116,87 @@ absl::Status Transfer(int fd, char* buf, size_t n, bool send, absl::Time deadlin
   return absl::OkStatus();
 }
 
+// A connection accepted by the server that has not yet sent its whole hello.
+struct PendingHello {
+  int fd;
+  char hello[kHelloBytes];
+  size_t got;
+};
+
+// Reads from every pending connection that `fds` (the server's poll set: the listening socket,
+// then `pending` in order) reports readable. A complete hello joins `peers` (rank -> fd) if it is
+// valid for `world_size` and its rank is new, else its connection is closed; failed connections
+// are closed too. Both leave `pending`.
+void ReadHellos(const std::vector<pollfd>& fds, int world_size, std::vector<PendingHello>& pending,
+                std::map<int, int>& peers) {
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    PendingHello& p = pending[i - 1];
+    const ssize_t k = recv(p.fd, p.hello + p.got, kHelloBytes - p.got, 0);
+    if (k <= 0) {
+      if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      close(p.fd);
+      p.fd = -1;
+      continue;
+    }
+    p.got += static_cast<size_t>(k);
+    if (p.got < kHelloBytes) continue;
+    const uint32_t magic = Get32(p.hello), rank = Get32(p.hello + 4),
+                   world = Get32(p.hello + 8), zero = Get32(p.hello + 12);
+    const bool valid = magic == kMagic && zero == 0 && world == static_cast<uint32_t>(world_size) &&
+                       rank >= 1 && rank < world && !peers.count(static_cast<int>(rank));
+    if (valid) {
+      peers[static_cast<int>(rank)] = p.fd;
+    } else {
+      close(p.fd);  // rejected: the peer sees the connection close
+    }
+    p.fd = -1;
+  }
+  pending.erase(std::remove_if(pending.begin(), pending.end(),
+                               [](const PendingHello& p) { return p.fd < 0; }),
+                pending.end());
+}
+
+// Accepts one connection on `listen_fd`; closes it at once if `max_pending` already wait.
+void AcceptPending(int listen_fd, size_t max_pending, std::vector<PendingHello>& pending) {
+  const int c = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+  if (c < 0) return;
+  if (pending.size() >= max_pending) {
+    close(c);
+  } else {
+    pending.push_back({c, {}, 0});
+  }
+}
+
+absl::Status MissingRanksError(int port, int world_size, const std::map<int, int>& peers,
+                               int64_t timeout_ms) {
+  std::vector<int> missing;
+  for (int r = 1; r < world_size; ++r) {
+    if (!peers.count(r)) missing.push_back(r);
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("rendezvous on port ", port, ": ranks [", absl::StrJoin(missing, ","), "] of ",
+                   world_size, " did not arrive within ", timeout_ms, " ms"));
+}
+
+// Sends {magic, length} and the payload to every peer (rank -> fd) and closes it. The first
+// failure, after trying every peer.
+absl::Status SendPayload(const std::map<int, int>& peers, absl::string_view payload,
+                         absl::Time deadline) {
+  std::string msg(kHeaderBytes, '\0');
+  Put32(&msg[0], kMagic);
+  Put32(&msg[4], static_cast<uint32_t>(payload.size()));
+  msg.append(payload.data(), payload.size());
+  absl::Status result;
+  for (auto& kv : peers) {
+    absl::Status s = Transfer(kv.second, &msg[0], msg.size(), /*send=*/true, deadline,
+                              absl::StrCat("rank ", kv.first));
+    if (result.ok() && !s.ok()) result = s;
+    close(kv.second);
+  }
+  return result;
+}
+
 struct Fd {
   int fd = -1;
   explicit Fd(int f) : fd(f) {}
@@ -219,12 +300,7 @@ absl::Status RendezvousServer::Serve(int world_size, absl::string_view payload,
   }
   if (fd_ < 0) return absl::FailedPreconditionError("rendezvous server already served");
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
-  struct Pending {
-    int fd;
-    char hello[kHelloBytes];
-    size_t got;
-  };
-  std::vector<Pending> pending;
+  std::vector<PendingHello> pending;
   std::map<int, int> peers;  // rank -> fd, valid hellos
   // Bounds the connections a misbehaving client can hold open while we wait for real peers.
   const size_t max_pending = 2 * static_cast<size_t>(world_size) + 16;
@@ -245,71 +321,21 @@ absl::Status RendezvousServer::Serve(int world_size, absl::string_view payload,
       return s;
     }
     if (ready == 0) {
-      std::vector<int> missing;
-      for (int r = 1; r < world_size; ++r) {
-        if (!peers.count(r)) missing.push_back(r);
-      }
+      absl::Status s = MissingRanksError(port_, world_size, peers, options.timeout_ms);
       close_all();
-      return absl::DeadlineExceededError(
-          absl::StrCat("rendezvous on port ", port_, ": ranks [", absl::StrJoin(missing, ","),
-                       "] of ", world_size, " did not arrive within ", options.timeout_ms, " ms"));
+      return s;
     }
     // Hellos first, so that a full set is recognised before accepting more.
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      Pending& p = pending[i - 1];
-      const ssize_t k = recv(p.fd, p.hello + p.got, kHelloBytes - p.got, 0);
-      if (k <= 0) {
-        if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-        close(p.fd);
-        p.fd = -1;
-        continue;
-      }
-      p.got += static_cast<size_t>(k);
-      if (p.got < kHelloBytes) continue;
-      const uint32_t magic = Get32(p.hello), rank = Get32(p.hello + 4),
-                     world = Get32(p.hello + 8), zero = Get32(p.hello + 12);
-      const bool valid = magic == kMagic && zero == 0 && world == static_cast<uint32_t>(world_size) &&
-                         rank >= 1 && rank < world && !peers.count(static_cast<int>(rank));
-      if (valid) {
-        peers[static_cast<int>(rank)] = p.fd;
-      } else {
-        close(p.fd);  // rejected: the peer sees the connection close
-      }
-      p.fd = -1;
-    }
-    pending.erase(std::remove_if(pending.begin(), pending.end(),
-                                 [](const Pending& p) { return p.fd < 0; }),
-                  pending.end());
+    ReadHellos(fds, world_size, pending, peers);
     if (static_cast<int>(peers.size()) >= world_size - 1) break;
-    if (fds[0].revents & POLLIN) {
-      const int c = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (c >= 0) {
-        if (pending.size() >= max_pending) {
-          close(c);
-        } else {
-          pending.push_back({c, {}, 0});
-        }
-      }
-    }
+    if (fds[0].revents & POLLIN) AcceptPending(fd_, max_pending, pending);
   }
   // Every peer is here: stop listening, so no further connection is accepted.
   for (auto& p : pending) close(p.fd);
   pending.clear();
   close(fd_);
   fd_ = -1;
-  std::string msg(kHeaderBytes, '\0');
-  Put32(&msg[0], kMagic);
-  Put32(&msg[4], static_cast<uint32_t>(payload.size()));
-  msg.append(payload.data(), payload.size());
-  absl::Status result;
-  for (auto& kv : peers) {
-    absl::Status s = Transfer(kv.second, &msg[0], msg.size(), /*send=*/true, deadline,
-                              absl::StrCat("rank ", kv.first));
-    if (result.ok() && !s.ok()) result = s;
-    close(kv.second);
-  }
-  return result;
+  return SendPayload(peers, payload, deadline);
 }
 
 absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, int rank,

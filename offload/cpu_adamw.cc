@@ -8,23 +8,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "offload/internal/simd_convert.h"
+#include "offload/internal/simd_lanes.h"
 #include "offload/simd.h"
-
-// GCC 12 reports the deliberately undefined upper halves inside its own AVX-512 intrinsics
-// (_mm512_undefined_*) as maybe-uninitialized; the warning is about the header, not this code.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace zerort {
 namespace offload {
 namespace {
 
-using internal::LoadAvx2;
-using internal::LoadAvx512;
 using internal::LoadScalar;
-using internal::StoreAvx2;
-using internal::StoreAvx512;
 using internal::StoreScalar;
 
 // Below this many elements per task, waking another thread costs more than it saves.
@@ -48,87 +39,17 @@ void AdamWScalar(const AdamWArrays& a, const AdamWStepParams& s, float grad_scal
   }
 }
 
-template <DType G, DType P, bool kOut>
-ZERORT_TARGET_AVX2 void AdamWAvx2(const AdamWArrays& a, const AdamWStepParams& s,
-                                  float grad_scale, size_t begin, size_t end) {
-  const __m256 scale = _mm256_set1_ps(grad_scale);
-  const __m256 beta1 = _mm256_set1_ps(s.beta1);
-  const __m256 beta2 = _mm256_set1_ps(s.beta2);
-  const __m256 omb1 = _mm256_set1_ps(s.one_minus_beta1);
-  const __m256 omb2 = _mm256_set1_ps(s.one_minus_beta2);
-  const __m256 eps = _mm256_set1_ps(s.eps);
-  const __m256 neg_step = _mm256_set1_ps(-s.step_size);
-  const __m256 isb2 = _mm256_set1_ps(s.inv_sqrt_bias2);
-  const __m256 decay = _mm256_set1_ps(s.decay);
-  size_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    const __m256 g = _mm256_mul_ps(LoadAvx2<G>(a.grad, i), scale);
-    const __m256 m = _mm256_fmadd_ps(beta1, _mm256_loadu_ps(a.m + i), _mm256_mul_ps(omb1, g));
-    const __m256 v = _mm256_fmadd_ps(beta2, _mm256_loadu_ps(a.v + i),
-                                     _mm256_mul_ps(_mm256_mul_ps(omb2, g), g));
-    const __m256 denom = _mm256_fmadd_ps(_mm256_sqrt_ps(v), isb2, eps);
-    const __m256 p = _mm256_fmadd_ps(neg_step, _mm256_div_ps(m, denom),
-                                     _mm256_mul_ps(_mm256_loadu_ps(a.master + i), decay));
-    _mm256_storeu_ps(a.m + i, m);
-    _mm256_storeu_ps(a.v + i, v);
-    _mm256_storeu_ps(a.master + i, p);
-    if constexpr (kOut) StoreAvx2<P>(a.param_out, i, p);
-  }
-  AdamWScalar<G, P, kOut>(a, s, grad_scale, i, end);
-}
-
-template <DType G, DType P, bool kOut>
-ZERORT_TARGET_AVX512 void AdamWAvx512(const AdamWArrays& a, const AdamWStepParams& s,
-                                      float grad_scale, size_t begin, size_t end) {
-  const __m512 scale = _mm512_set1_ps(grad_scale);
-  const __m512 beta1 = _mm512_set1_ps(s.beta1);
-  const __m512 beta2 = _mm512_set1_ps(s.beta2);
-  const __m512 omb1 = _mm512_set1_ps(s.one_minus_beta1);
-  const __m512 omb2 = _mm512_set1_ps(s.one_minus_beta2);
-  const __m512 eps = _mm512_set1_ps(s.eps);
-  const __m512 neg_step = _mm512_set1_ps(-s.step_size);
-  const __m512 isb2 = _mm512_set1_ps(s.inv_sqrt_bias2);
-  const __m512 decay = _mm512_set1_ps(s.decay);
-  size_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    if constexpr (G != DType::kF32) {
-      // With 2-byte gradients the hardware prefetchers fall behind the four fp32 streams:
-      // prefetching 2 KiB ahead measured 1.00 -> 1.07 of the memory floor (adamw_bench, 1e8,
-      // Cascade Lake). With fp32 gradients the same prefetches cost 0.91 -> 0.70: none there.
-      constexpr size_t kAhead = 512;
-      _mm_prefetch(reinterpret_cast<const char*>(a.m + i + kAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.v + i + kAhead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(a.master + i + kAhead), _MM_HINT_T0);
-      _mm_prefetch(static_cast<const char*>(a.grad) + (i + kAhead) * 2, _MM_HINT_T0);
-    }
-    const __m512 g = _mm512_mul_ps(LoadAvx512<G>(a.grad, i), scale);
-    const __m512 m = _mm512_fmadd_ps(beta1, _mm512_loadu_ps(a.m + i), _mm512_mul_ps(omb1, g));
-    const __m512 v = _mm512_fmadd_ps(beta2, _mm512_loadu_ps(a.v + i),
-                                     _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
-    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), isb2, eps);
-    const __m512 p = _mm512_fmadd_ps(neg_step, _mm512_div_ps(m, denom),
-                                     _mm512_mul_ps(_mm512_loadu_ps(a.master + i), decay));
-    _mm512_storeu_ps(a.m + i, m);
-    _mm512_storeu_ps(a.v + i, v);
-    _mm512_storeu_ps(a.master + i, p);
-    if constexpr (kOut) StoreAvx512<P>(a.param_out, i, p);
-  }
-  AdamWScalar<G, P, kOut>(a, s, grad_scale, i, end);
-}
+// The vector paths: AdamWLanes in namespaces avx2 and avx512.
+#define ZERORT_LANE_KERNELS "offload/internal/adamw_lanes.inc"
+#include "offload/internal/for_each_lanes.inc"
 
 using RangeFn = void (*)(const AdamWArrays&, const AdamWStepParams&, float, size_t, size_t);
 
 template <DType G, DType P, bool kOut>
 RangeFn ForLevel(SimdLevel level) {
-  switch (level) {
-    case SimdLevel::kAvx512:
-      return &AdamWAvx512<G, P, kOut>;
-    case SimdLevel::kAvx2:
-      return &AdamWAvx2<G, P, kOut>;
-    case SimdLevel::kScalar:
-      break;
-  }
-  return &AdamWScalar<G, P, kOut>;
+  return internal::PickLevel<RangeFn>(level, &AdamWScalar<G, P, kOut>,
+                                      &avx2::AdamWLanes<G, P, kOut>,
+                                      &avx512::AdamWLanes<G, P, kOut>);
 }
 
 template <DType G>

@@ -9,27 +9,67 @@
 #include <vector>
 
 #include "offload/internal/simd_convert.h"
+#include "offload/internal/simd_lanes.h"
 #include "offload/simd.h"
-
-// GCC 12 reports the deliberately undefined upper halves inside its own AVX-512 intrinsics
-// (_mm512_undefined_*) as maybe-uninitialized; the warning is about the header, not this code.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace zerort {
 namespace offload {
 namespace {
 
-using internal::LoadAvx2;
-using internal::LoadAvx512;
 using internal::LoadScalar;
 using internal::ParallelRanges;
-using internal::StoreAvx2;
-using internal::StoreAvx512;
 using internal::StoreScalar;
 
 constexpr size_t kMinElementsPerTask = size_t{1} << 15;
+
+// ------------------------------------------------------------------ scale and cast
+
+template <DType S, DType D, bool kScale>
+void MapScalar(const void* src, void* dst, float scale, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    float v = LoadScalar<S>(src, i);
+    if constexpr (kScale) v = v * scale;
+    StoreScalar<D>(dst, i, v);
+  }
+}
+
+// The vector paths: MapLanes (and the conversions Load, Store) in namespaces avx2 and avx512.
+#define ZERORT_LANE_KERNELS "offload/internal/map_lanes.inc"
+#include "offload/internal/for_each_lanes.inc"
+
+using MapFn = void (*)(const void*, void*, float, size_t, size_t);
+
+template <DType S, DType D, bool kScale>
+MapFn MapForLevel() {
+  return internal::PickLevel<MapFn>(ActiveSimd(), &MapScalar<S, D, kScale>,
+                                    &avx2::MapLanes<S, D, kScale>, &avx512::MapLanes<S, D, kScale>);
+}
+
+template <DType S, bool kScale>
+MapFn MapForDst(DType d) {
+  switch (d) {
+    case DType::kF32:
+      return MapForLevel<S, DType::kF32, kScale>();
+    case DType::kBF16:
+      return MapForLevel<S, DType::kBF16, kScale>();
+    case DType::kF16:
+      break;
+  }
+  return MapForLevel<S, DType::kF16, kScale>();
+}
+
+template <bool kScale>
+MapFn SelectMap(DType s, DType d) {
+  switch (s) {
+    case DType::kF32:
+      return MapForDst<DType::kF32, kScale>(d);
+    case DType::kBF16:
+      return MapForDst<DType::kBF16, kScale>(d);
+    case DType::kF16:
+      break;
+  }
+  return MapForDst<DType::kF16, kScale>(d);
+}
 
 // ------------------------------------------------------------------ squared norm
 
@@ -55,7 +95,7 @@ ZERORT_TARGET_AVX2 float BlockNormAvx2(const void* x, size_t begin, size_t end) 
   __m256 acc = _mm256_setzero_ps();
   size_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    const __m256 v = LoadAvx2<D>(x, i);
+    const __m256 v = avx2::Load<D>(x, i);
     acc = _mm256_fmadd_ps(v, v, acc);
   }
   alignas(32) float lanes[8];
@@ -117,84 +157,6 @@ ZERORT_TARGET_AVX2 bool AllFiniteAvx2(const void* x, size_t begin, size_t end) {
     }
   }
   return _mm256_testz_si256(bad, bad) && AllFiniteScalar<D>(x, i, end);
-}
-
-// ------------------------------------------------------------------ scale and cast
-
-template <DType S, DType D, bool kScale>
-void MapScalar(const void* src, void* dst, float scale, size_t begin, size_t end) {
-  for (size_t i = begin; i < end; ++i) {
-    float v = LoadScalar<S>(src, i);
-    if constexpr (kScale) v = v * scale;
-    StoreScalar<D>(dst, i, v);
-  }
-}
-
-template <DType S, DType D, bool kScale>
-ZERORT_TARGET_AVX2 void MapAvx2(const void* src, void* dst, float scale, size_t begin,
-                                size_t end) {
-  const __m256 s = _mm256_set1_ps(scale);
-  size_t i = begin;
-  for (; i + 8 <= end; i += 8) {
-    __m256 v = LoadAvx2<S>(src, i);
-    if constexpr (kScale) v = _mm256_mul_ps(v, s);
-    StoreAvx2<D>(dst, i, v);
-  }
-  MapScalar<S, D, kScale>(src, dst, scale, i, end);
-}
-
-template <DType S, DType D, bool kScale>
-ZERORT_TARGET_AVX512 void MapAvx512(const void* src, void* dst, float scale, size_t begin,
-                                    size_t end) {
-  const __m512 s = _mm512_set1_ps(scale);
-  size_t i = begin;
-  for (; i + 16 <= end; i += 16) {
-    __m512 v = LoadAvx512<S>(src, i);
-    if constexpr (kScale) v = _mm512_mul_ps(v, s);
-    StoreAvx512<D>(dst, i, v);
-  }
-  MapScalar<S, D, kScale>(src, dst, scale, i, end);
-}
-
-using MapFn = void (*)(const void*, void*, float, size_t, size_t);
-
-template <DType S, DType D, bool kScale>
-MapFn MapForLevel() {
-  switch (ActiveSimd()) {
-    case SimdLevel::kAvx512:
-      return &MapAvx512<S, D, kScale>;
-    case SimdLevel::kAvx2:
-      return &MapAvx2<S, D, kScale>;
-    case SimdLevel::kScalar:
-      break;
-  }
-  return &MapScalar<S, D, kScale>;
-}
-
-template <DType S, bool kScale>
-MapFn MapForDst(DType d) {
-  switch (d) {
-    case DType::kF32:
-      return MapForLevel<S, DType::kF32, kScale>();
-    case DType::kBF16:
-      return MapForLevel<S, DType::kBF16, kScale>();
-    case DType::kF16:
-      break;
-  }
-  return MapForLevel<S, DType::kF16, kScale>();
-}
-
-template <bool kScale>
-MapFn SelectMap(DType s, DType d) {
-  switch (s) {
-    case DType::kF32:
-      return MapForDst<DType::kF32, kScale>(d);
-    case DType::kBF16:
-      return MapForDst<DType::kBF16, kScale>(d);
-    case DType::kF16:
-      break;
-  }
-  return MapForDst<DType::kF16, kScale>(d);
 }
 
 }  // namespace

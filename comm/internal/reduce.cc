@@ -4,6 +4,7 @@
 #include <cassert>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -313,6 +314,20 @@ bool DetectAvx2() { return false; }
 bool DetectAvx512() { return false; }
 #endif
 
+// Calls fn(std::integral_constant<DType, D>()) for the D that `dtype` names, so that one generic
+// lambda picks the kernel instantiation for every dtype.
+template <typename Fn>
+void ForDType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kF32:
+      return fn(std::integral_constant<DType, DType::kF32>());
+    case DType::kBF16:
+      return fn(std::integral_constant<DType, DType::kBF16>());
+    case DType::kF16:
+      return fn(std::integral_constant<DType, DType::kF16>());
+  }
+}
+
 }  // namespace
 
 const char* ReducePathName(ReducePath path) {
@@ -351,39 +366,19 @@ void ReduceBlocksWith(ReducePath path, bool stream, const void* const* srcs, int
                       size_t count, DType dtype, ReduceOp op) {
   assert(n >= 1);
   assert(ReducePathSupported(path));
-  switch (path) {
+  ForDType(dtype, [&](auto dtype_constant) {
+    constexpr DType D = decltype(dtype_constant)::value;
+    switch (path) {
 #if defined(__x86_64__)
-    case ReducePath::kAvx512:
-      switch (dtype) {
-        case DType::kF32:
-          return Avx512Impl<DType::kF32>(srcs, n, dst, count, op, stream);
-        case DType::kBF16:
-          return Avx512Impl<DType::kBF16>(srcs, n, dst, count, op, stream);
-        case DType::kF16:
-          return Avx512Impl<DType::kF16>(srcs, n, dst, count, op, stream);
-      }
-      return;
-    case ReducePath::kAvx2:
-      switch (dtype) {
-        case DType::kF32:
-          return SimdImpl<DType::kF32>(srcs, n, dst, count, op);
-        case DType::kBF16:
-          return SimdImpl<DType::kBF16>(srcs, n, dst, count, op);
-        case DType::kF16:
-          return SimdImpl<DType::kF16>(srcs, n, dst, count, op);
-      }
-      return;
+      case ReducePath::kAvx512:
+        return Avx512Impl<D>(srcs, n, dst, count, op, stream);
+      case ReducePath::kAvx2:
+        return SimdImpl<D>(srcs, n, dst, count, op);
 #endif
-    default:
-      switch (dtype) {
-        case DType::kF32:
-          return ScalarImpl<DType::kF32>(srcs, n, dst, count, op);
-        case DType::kBF16:
-          return ScalarImpl<DType::kBF16>(srcs, n, dst, count, op);
-        case DType::kF16:
-          return ScalarImpl<DType::kF16>(srcs, n, dst, count, op);
-      }
-  }
+      default:
+        return ScalarImpl<D>(srcs, n, dst, count, op);
+    }
+  });
 }
 
 void ReduceBlocks(const void* const* srcs, int n, void* dst, size_t count, DType dtype,

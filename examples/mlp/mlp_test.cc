@@ -20,6 +20,17 @@ MlpShape TestShape() {
   return shape;
 }
 
+// Two in-process ranks training TestShape() on batches of 16, their master weights gathered.
+RunOptions TwoRanksOfTestShape(int steps) {
+  RunOptions options;
+  options.world_size = 2;
+  options.steps = steps;
+  options.batch = 16;
+  options.shape = TestShape();
+  options.gather_master = true;
+  return options;
+}
+
 Config MakeConfig(int stage, const std::string& precision, double lr = 0.01,
                   double weight_decay = 0.0, double clipping = 0.0) {
   std::string precision_block;
@@ -100,12 +111,7 @@ TEST_CASE("Mlp: the loss falls well below its start under every stage and precis
   const int stage = GENERATE(0, 1, 2, 3);
   const std::string precision = GENERATE(std::string("bf16"), std::string("fp16"),
                                          std::string("fp32"));
-  RunOptions options;
-  options.world_size = 2;
-  options.steps = 40;
-  options.batch = 16;
-  options.shape = TestShape();
-  options.gather_master = true;
+  RunOptions options = TwoRanksOfTestShape(/*steps=*/40);
   std::vector<double> losses;
   options.on_step = [&](const StepReport& r) { losses.push_back(r.loss); };
   absl::StatusOr<RunResult> run = RunInProcess(MakeConfig(stage, precision), options);
@@ -128,12 +134,7 @@ TEST_CASE("Mlp: the loss falls well below its start under every stage and precis
 
 TEST_CASE("Mlp: stages 0-3 train to bit-identical master weights", "[examples]") {
   const std::string precision = GENERATE(std::string("bf16"), std::string("fp32"));
-  RunOptions options;
-  options.world_size = 2;
-  options.steps = 6;
-  options.batch = 16;
-  options.shape = TestShape();
-  options.gather_master = true;
+  RunOptions options = TwoRanksOfTestShape(/*steps=*/6);
   std::vector<std::vector<float>> master;
   for (int stage = 0; stage <= 3; ++stage) {
     absl::StatusOr<RunResult> run =
