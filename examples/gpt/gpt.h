@@ -40,8 +40,10 @@ namespace zerort {
 namespace examples {
 namespace gpt {
 
-// The model's shape. The default trains visibly in about a minute on two cores (0.8M
-// parameters); Gpt2Small() is GPT-2 124M, for memory-footprint runs.
+// The model's shape. The default (0.83M parameters) trains visibly in about a minute on two
+// cores: 2 ranks of 4 sequences of 64 bytes take ~0.27 s of CPU per step (~1,900 tokens per
+// CPU-second), and the held-out loss falls from 5.54 to ~3.0 in 150 steps at lr 3e-3.
+// Gpt2Small() is GPT-2 124M, for memory-footprint runs.
 struct GptShape {
   int vocab = 256;    // >= 256: tokens are bytes (rows above 255 are trained only as outputs)
   int context = 64;   // >= 1: positions (wpe rows), the longest sequence
@@ -155,7 +157,7 @@ struct StepReport {
 struct RunOptions {
   int world_size = 2;  // in-process ranks, one thread each; >= 1
   int steps = 200;     // micro-steps (Step() calls); >= 1
-  int batch = 8;       // sequences per rank per micro-step; >= 1
+  int batch = 4;       // sequences per rank per micro-step; >= 1
   int seq = 0;         // tokens per sequence; 0 = shape.context; <= shape.context
   GptShape shape;
   int threads = 0;           // kernel threads per rank; 0 = max(1, cores / world_size)

@@ -282,6 +282,18 @@ TEST_CASE("Gpt: run options and shapes are checked and name the field", "[gpt]")
   CHECK(run.status().message().find("/nonexistent/corpus.txt") != absl::string_view::npos);
 }
 
+TEST_CASE("Gpt: generation continues the prompt, greedy or sampled, reproducibly", "[gpt]") {
+  const Gpt gpt(TinyShape());
+  const std::vector<float> params = gpt.InitialParams();
+  const std::string greedy = gpt.Generate(params, "The ", 12, 0, 1);
+  REQUIRE(greedy.size() == 4u + 12u);  // longer than the context of 8: the window slides
+  CHECK(greedy.substr(0, 4) == "The ");
+  CHECK(greedy == gpt.Generate(params, "The ", 12, 0, 2));  // greedy ignores the seed
+  const std::string sampled = gpt.Generate(params, "The ", 12, 1.0f, 1);
+  CHECK(sampled == gpt.Generate(params, "The ", 12, 1.0f, 1));
+  CHECK(sampled != greedy);  // near-uniform logits: sampling almost surely differs
+}
+
 }  // namespace
 }  // namespace gpt
 }  // namespace examples

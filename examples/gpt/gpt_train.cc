@@ -2,8 +2,8 @@
 // tokens/s, each rank's memory and a generated sample.
 //
 //   bazel run -c opt //examples/gpt:gpt_train -- --ranks 2 --stage 3 --steps 300
-//   bazel run -c opt //examples/gpt:gpt_train -- --preset gpt2 --seq 64 --batch 1 --steps 2
-//     (add --stage 3 --offload --precision bf16: GPT-2 124M shapes, for the memory footprint)
+//   bazel run -c opt //examples/gpt:gpt_train -- --preset gpt2 --stage 3 --offload
+//     (GPT-2 124M shapes for the memory footprint: 2 steps of 64 tokens, no sample)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +27,12 @@ struct Args {
   RunOptions run;
   zerort::Config config;
   int print_every = 10;
+  bool gpt2 = false;         // --preset gpt2
+  int sample_tokens = -1;    // -1: 160, or 0 with --preset gpt2 (generation would take hours)
+  int eval_windows = -1;     // -1: all, or 2 with --preset gpt2
+  // -1: RunOptions' defaults (200 steps of 4 full-context sequences), or with --preset gpt2 2
+  // steps of 1 sequence of 64 tokens (about 50 GFLOP per rank and step).
+  int steps = -1, batch = -1, seq = -1;
 };
 
 [[noreturn]] void Fail(const std::string& message) {
@@ -60,8 +66,8 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
   const std::string v = value;
   if (flag == "preset") {
     if (v != "gpt2" && v != "default") Fail("--preset must be default or gpt2, got " + v);
-    s = v == "gpt2" ? zerort::examples::gpt::GptShape::Gpt2Small()
-                    : zerort::examples::gpt::GptShape{};
+    a.gpt2 = v == "gpt2";
+    s = a.gpt2 ? zerort::examples::gpt::GptShape::Gpt2Small() : zerort::examples::gpt::GptShape{};
   } else if (flag == "precision") {
     if (v != "fp32" && v != "bf16" && v != "fp16") Fail("--precision must be fp32, bf16 or fp16");
     a.config.precision = v == "bf16"   ? zerort::Precision::kBf16
@@ -69,13 +75,13 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
                                        : zerort::Precision::kFp32;
   } else if (flag == "ranks") { r.world_size = ToInt(flag, value);
   } else if (flag == "stage") { a.config.zero.stage = ToInt(flag, value);
-  } else if (flag == "steps") { r.steps = ToInt(flag, value);
-  } else if (flag == "batch") { r.batch = ToInt(flag, value);
-  } else if (flag == "seq") { r.seq = ToInt(flag, value);
+  } else if (flag == "steps") { a.steps = ToInt(flag, value);
+  } else if (flag == "batch") { a.batch = ToInt(flag, value);
+  } else if (flag == "seq") { a.seq = ToInt(flag, value);
   } else if (flag == "lr") { a.config.optimizer.lr = ToDouble(flag, value);
   } else if (flag == "clip") { a.config.gradient_clipping = ToDouble(flag, value);
   } else if (flag == "eval_every") { r.eval_every = ToInt(flag, value);
-  } else if (flag == "eval_windows") { r.eval_windows = ToInt(flag, value);
+  } else if (flag == "eval_windows") { a.eval_windows = ToInt(flag, value);
   } else if (flag == "layers") { s.layers = ToInt(flag, value);
   } else if (flag == "heads") { s.heads = ToInt(flag, value);
   } else if (flag == "d_model") { s.d_model = ToInt(flag, value);
@@ -83,7 +89,7 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
   } else if (flag == "vocab") { s.vocab = ToInt(flag, value);
   } else if (flag == "threads") { r.threads = ToInt(flag, value);
   } else if (flag == "print_every") { a.print_every = ToInt(flag, value);
-  } else if (flag == "sample_tokens") { r.sample_tokens = ToInt(flag, value);
+  } else if (flag == "sample_tokens") { a.sample_tokens = ToInt(flag, value);
   } else if (flag == "prompt") { r.sample_prompt = v;
   } else if (flag == "temperature") { r.sample_temperature = static_cast<float>(ToDouble(flag, value));
   } else if (flag == "corpus") { r.corpus_path = v;
@@ -96,10 +102,10 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
 
 Args Parse(int argc, char** argv) {
   Args a;
-  a.config.optimizer.lr = 2e-3;
+  a.config.optimizer.lr = 3e-3;
   a.config.optimizer.weight_decay = 0.0;
   a.config.gradient_clipping = 1.0;
-  a.run.sample_tokens = 160;
+  a.run.sample_temperature = 0.8f;  // greedy decoding of a small model repeats "the the the"
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -112,6 +118,11 @@ Args Parse(int argc, char** argv) {
     if (flag != "offload") value = i + 1 < argc ? argv[++i] : nullptr;
     if (!Apply(a, flag, value)) Fail("unknown flag --" + flag);
   }
+  a.run.sample_tokens = a.sample_tokens >= 0 ? a.sample_tokens : a.gpt2 ? 0 : 160;
+  a.run.eval_windows = a.eval_windows >= 0 ? a.eval_windows : a.gpt2 ? 2 : 0;
+  if (a.steps >= 0 || a.gpt2) a.run.steps = a.steps >= 0 ? a.steps : 2;
+  if (a.batch >= 0 || a.gpt2) a.run.batch = a.batch >= 0 ? a.batch : 1;
+  if (a.seq >= 0 || a.gpt2) a.run.seq = a.seq >= 0 ? a.seq : 64;
   return a;
 }
 
