@@ -1,9 +1,10 @@
 // gpt_train: trains the example GPT on in-process ranks and prints the loss, the held-out loss,
 // tokens/s, each rank's memory and a generated sample.
 //
-//   bazel run -c opt //examples/gpt:gpt_train -- --ranks 2 --stage 3 --steps 300
-//   bazel run -c opt //examples/gpt:gpt_train -- --preset gpt2 --stage 3 --offload
-//     (GPT-2 124M shapes for the memory footprint: 2 steps of 64 tokens, no sample)
+//   bazel run //examples/gpt:gpt_train -- --ranks 2 --stage 3 --steps 300
+//   bazel run //examples/gpt:gpt_train -- --preset gpt2 --stage 3 --offload
+//     --bucket 10000000   (GPT-2 124M shapes for the memory footprint: 2 steps of 64 tokens,
+//     no sample; units of at most 10M elements, so stage 3 gathers a few layers at a time)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,7 @@ using zerort::examples::gpt::RunOptions;
 
 constexpr char kUsage[] =
     "usage: gpt_train [--ranks N] [--stage 0-3] [--offload] [--precision fp32|bf16|fp16]\n"
+    "  [--bucket ELEMENTS (reduce_bucket_size: the unit size)]\n"
     "  [--steps N] [--batch N] [--seq N] [--lr X] [--clip X] [--eval_every N] [--eval_windows N]\n"
     "  [--preset default|gpt2] [--layers N] [--heads N] [--d_model N] [--context N] [--vocab N]\n"
     "  [--threads N] [--print_every N] [--sample_tokens N] [--prompt TEXT] [--temperature X]\n"
@@ -79,6 +81,7 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
   } else if (flag == "batch") { a.batch = ToInt(flag, value);
   } else if (flag == "seq") { a.seq = ToInt(flag, value);
   } else if (flag == "lr") { a.config.optimizer.lr = ToDouble(flag, value);
+  } else if (flag == "bucket") { a.config.zero.reduce_bucket_size = ToInt(flag, value);
   } else if (flag == "clip") { a.config.gradient_clipping = ToDouble(flag, value);
   } else if (flag == "eval_every") { r.eval_every = ToInt(flag, value);
   } else if (flag == "eval_windows") { a.eval_windows = ToInt(flag, value);
