@@ -1,0 +1,217 @@
+// RunInProcess: the GPT trained on in-process ranks, with validation and a generated sample.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "comm/inprocess.h"
+#include "device/cpu_device.h"
+#include "examples/gpt/gpt.h"
+
+namespace zerort {
+namespace examples {
+namespace gpt {
+namespace {
+
+absl::Status ValidateOptions(const RunOptions& o) {
+  auto bad = [](absl::string_view field, int64_t value, absl::string_view want) {
+    return absl::InvalidArgumentError(absl::StrCat("RunOptions.", field, " ", value, " must be ", want));
+  };
+  if (o.world_size < 1) return bad("world_size", o.world_size, ">= 1");
+  if (o.steps < 1) return bad("steps", o.steps, ">= 1");
+  if (o.batch < 1) return bad("batch", o.batch, ">= 1");
+  if (o.seq < 0 || o.seq > o.shape.context) {
+    return bad("seq", o.seq, absl::StrCat("in [0, shape.context = ", o.shape.context, "]"));
+  }
+  if (o.threads < 0) return bad("threads", o.threads, ">= 0");
+  if (o.device_threads < 0) return bad("device_threads", o.device_threads, ">= 0");
+  if (o.eval_every < 0) return bad("eval_every", o.eval_every, ">= 0");
+  if (o.eval_windows < 0) return bad("eval_windows", o.eval_windows, ">= 0");
+  if (o.sample_tokens < 0) return bad("sample_tokens", o.sample_tokens, ">= 0");
+  return Annotate(ValidateShape(o.shape), "RunOptions.shape");
+}
+
+// One CPU device shared by every rank, as a single process would. The one place the example
+// creates a device.
+std::unique_ptr<Device> MakeDevice(const RunOptions& options) {
+  return CreateCpuDevice(options.device_threads);
+}
+
+// What the ranks share: read-only inputs, and the result under `mu`.
+struct Shared {
+  const Config& config;
+  const RunOptions& options;
+  const Corpus& corpus;
+  const Gpt& gpt;
+  Device* device;
+  int seq;           // tokens per training sequence
+  int eval_windows;  // held-out windows per evaluation
+  std::mutex mu;
+  RunResult result;
+  std::vector<int> arrived;                // per step: ranks done
+  std::vector<std::vector<float>> losses;  // per step, per rank
+  double train_ms = 0;                     // rank 0's time in training steps
+};
+
+// Mean loss over the first `windows` held-out windows. Each rank evaluates an equal slice (the
+// same number of collective Gathers everywhere) and writes it into its place in a vector of
+// every window's loss, zero elsewhere; the all-reduce then sums each element with zeros only,
+// exactly, so every rank sums the same values in the same order whatever the world size.
+absl::StatusOr<double> Evaluate(Shared& s, Engine& engine) {
+  comm::Communicator* comm = engine.communicator();
+  const int per_rank = (s.eval_windows + comm->size() - 1) / comm->size();
+  const int first = comm->rank() * per_rank;
+  ASSIGN_OR_RETURN(std::vector<float> mine,
+                   s.gpt.SequenceLosses(engine, s.corpus.ValWindows(first, per_rank, s.seq)));
+  std::vector<float> all(static_cast<size_t>(per_rank) * comm->size(), 0.0f);
+  for (int k = 0; k < per_rank && first + k < s.eval_windows; ++k) all[first + k] = mine[k];
+  RETURN_IF_ERROR(comm->AllReduce(all.data(), all.data(), all.size(), DType::kF32,
+                                  comm::ReduceOp::kSum));
+  double sum = 0;
+  for (int w = 0; w < s.eval_windows; ++w) sum += all[w];
+  return sum / s.eval_windows;
+}
+
+// Publishes step `step` once every rank has reported it. Steps complete in order because
+// Step() is collective; the last rank to arrive calls on_step.
+void Report(Shared& s, int rank, const StepReport& mine, float loss) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  StepReport& report = s.result.steps[mine.step];
+  s.losses[mine.step][rank] = loss;
+  if (rank == 0) {
+    report = mine;
+    s.train_ms += mine.ms;
+  }
+  if (++s.arrived[mine.step] < static_cast<int>(s.losses[mine.step].size())) return;
+  double sum = 0;
+  for (float l : s.losses[mine.step]) sum += l;  // rank order: the same value run to run
+  report.loss = sum / static_cast<double>(s.losses[mine.step].size());
+  if (s.options.on_step) s.options.on_step(report);
+}
+
+absl::Status TrainSteps(Shared& s, Engine& engine, int rank) {
+  const RunOptions& o = s.options;
+  const double tokens = static_cast<double>(o.world_size) * o.batch * s.seq;
+  for (int step = 0; step < o.steps; ++step) {
+    const TokenBatch batch = s.corpus.Sample(rank, step, o.batch, s.seq, o.data_seed);
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(float loss, s.gpt.ForwardBackward(engine, batch));
+    StepReport mine;
+    ASSIGN_OR_RETURN(mine.stats, engine.Step());
+    mine.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                  .count();
+    mine.step = step;
+    mine.tokens_per_s = tokens / (mine.ms / 1000.0);
+    mine.evaluated = (o.eval_every > 0 && (step + 1) % o.eval_every == 0) || step + 1 == o.steps;
+    if (mine.evaluated) {
+      ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine));
+    }
+    Report(s, rank, mine, loss);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
+  const RunOptions& o = s.options;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                   Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device));
+  RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
+  ASSIGN_OR_RETURN(const double initial_val, Evaluate(s, *engine));
+  RETURN_IF_ERROR(TrainSteps(s, *engine, rank));
+  std::vector<float> master;
+  if (o.gather_master || o.sample_tokens > 0) {
+    ASSIGN_OR_RETURN(master, engine->GatherMasterWeights());  // collective: every rank
+  }
+  std::string sample;
+  if (rank == 0 && o.sample_tokens > 0) {
+    sample = s.gpt.Generate(master, o.sample_prompt, o.sample_tokens, o.sample_temperature,
+                            o.data_seed);
+  }
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (rank == 0) {
+    s.result.plan = engine->plan();
+    s.result.initial_val_loss = initial_val;
+    s.result.final_val_loss = s.result.steps.back().val_loss;
+    s.result.sample = std::move(sample);
+  }
+  s.result.memory[rank] = engine->memory_report();
+  if (o.gather_master) s.result.master[rank] = std::move(master);
+  return absl::OkStatus();
+}
+
+// The root cause among the ranks' errors: peers of a failed rank echo it as Unavailable or,
+// once the group is poisoned, FailedPrecondition, so prefer any other error.
+absl::Status FirstCause(const std::vector<absl::Status>& status) {
+  auto echo = [](const absl::Status& st) {
+    return absl::IsUnavailable(st) || absl::IsFailedPrecondition(st);
+  };
+  for (bool accept_echo : {false, true}) {
+    for (size_t r = 0; r < status.size(); ++r) {
+      if (!status[r].ok() && (accept_echo || !echo(status[r]))) {
+        return Annotate(status[r], absl::StrCat("rank ", r));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
+  RETURN_IF_ERROR(ValidateOptions(options));
+  std::string path = options.corpus_path;
+  if (path.empty()) {
+    ASSIGN_OR_RETURN(path, DefaultCorpusPath());
+  }
+  ASSIGN_OR_RETURN(const Corpus corpus, Corpus::Load(path));
+  const int world = options.world_size;
+  const int seq = options.seq > 0 ? options.seq : options.shape.context;
+  const int windows = corpus.NumValWindows(seq);
+  if (seq + 1 > corpus.train_tokens() || windows < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", corpus.train_tokens(), " training and ", corpus.val_tokens(),
+        " held-out bytes are too few for sequences of ", seq, " tokens"));
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = options.threads > 0 ? options.threads : std::max(1, cores / world);
+  const Gpt gpt(options.shape, threads);
+
+  comm::CommOptions comm_options;
+  comm_options.timeout_ms = config.comm_timeout_ms;
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
+                   comm::CreateInProcessGroup(world, comm_options));
+  std::unique_ptr<Device> device = MakeDevice(options);
+  Shared shared{config, options, corpus, gpt, device.get(), seq,
+                options.eval_windows > 0 ? std::min(options.eval_windows, windows) : windows};
+  shared.result.corpus_path = path;
+  shared.result.steps.resize(options.steps);
+  shared.result.memory.resize(world);
+  if (options.gather_master) shared.result.master.resize(world);
+  shared.arrived.assign(options.steps, 0);
+  shared.losses.assign(options.steps, std::vector<float>(world, 0.0f));
+
+  std::vector<absl::Status> status(world);
+  std::vector<std::thread> threads_of_ranks;
+  for (int r = 0; r < world; ++r) {
+    threads_of_ranks.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
+      status[r] = RunRank(shared, r, comm.get());
+      comm.reset();  // a failed rank's peers then fail fast (Unavailable) instead of timing out
+    });
+  }
+  for (std::thread& t : threads_of_ranks) t.join();
+  RETURN_IF_ERROR(FirstCause(status));
+  shared.result.tokens_per_s = static_cast<double>(world) * options.batch * seq * options.steps /
+                               (shared.train_ms / 1000.0);
+  return std::move(shared.result);
+}
+
+}  // namespace gpt
+}  // namespace examples
+}  // namespace zerort
