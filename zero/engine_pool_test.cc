@@ -26,7 +26,7 @@ using memory::MemoryKind;
 using memory::PinnedSlabCacheStats;
 
 Config OffloadConfig() {
-  Config config = testing::TestConfig(2, Precision::kBf16, 1, 0, /*offload=*/true);
+  Config config = testing::TestConfig(2, DType::kBF16, 1, 0, /*offload=*/true);
   config.zero.offload_optimizer.pin_memory = true;  // master, m, v and staging: pinned arena
   return config;
 }

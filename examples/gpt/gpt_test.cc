@@ -123,10 +123,10 @@ TEST_CASE("Gpt: the tied embedding's gradient is the sum of its two uses", "[gpt
   CHECK(both >= 3);  // both uses really contribute, so dropping either would fail above
 }
 
-Config TestConfig(int stage, bool offload, Precision precision, double lr = 1e-2) {
+Config TestConfig(int stage, bool offload, DType precision, double lr = 1e-2) {
   Config c;
   c.zero.stage = stage;
-  c.precision = precision;
+  c.compute_dtype = precision;
   c.zero.reduce_bucket_size = 400;  // several units: blocks split, small modules merged
   c.zero.stage3_param_persistence_threshold = 100;
   c.zero.stage3_prefetch_bucket_size = 3000;
@@ -157,7 +157,7 @@ TEST_CASE("Gpt: the engine receives the flat reference's gradients, tied embeddi
   // AdamW's first step without clipping or decay is -lr * g / (|g| + eps): its sign is the sign
   // of the rank-averaged gradient, which the flat reference gives independently of the engine.
   const double lr = 1e-3;
-  Config config = TestConfig(GENERATE(0, 3), false, Precision::kFp32, lr);
+  Config config = TestConfig(GENERATE(0, 3), false, DType::kF32, lr);
   config.gradient_clipping = 0;
   RunOptions options = TinyRun(1);
   options.shape.init_std = 0.3f;
@@ -193,7 +193,7 @@ TEST_CASE("Gpt: training lowers the held-out loss", "[gpt]") {
   options.on_step = [&](const StepReport& r) {
     if (r.evaluated) val.push_back(r.val_loss);
   };
-  absl::StatusOr<RunResult> run = RunInProcess(TestConfig(2, false, Precision::kBf16, 3e-3), options);
+  absl::StatusOr<RunResult> run = RunInProcess(TestConfig(2, false, DType::kBF16, 3e-3), options);
   REQUIRE(run.ok());
   INFO("held-out loss " << run->initial_val_loss << " -> " << val[0] << " -> "
                         << run->final_val_loss);
@@ -208,7 +208,7 @@ TEST_CASE("Gpt: training lowers the held-out loss", "[gpt]") {
 }
 
 TEST_CASE("Gpt: stages 0-3, with and without offload, train to bit-identical results", "[gpt]") {
-  const Precision precision = GENERATE(Precision::kBf16, Precision::kFp32);
+  const DType precision = GENERATE(DType::kBF16, DType::kF32);
   const RunOptions options = TinyRun(3);
   absl::StatusOr<RunResult> reference = RunInProcess(TestConfig(0, false, precision), options);
   REQUIRE(reference.ok());
@@ -218,7 +218,7 @@ TEST_CASE("Gpt: stages 0-3, with and without offload, train to bit-identical res
   CHECK(reference->plan.units.size() >= 6u);  // stage 3 really gathers per block
   for (int stage = 1; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {  // the reference; stage 0 cannot offload
-      INFO(PrecisionName(precision) << " stage " << stage << " offload " << offload);
+      INFO(DTypeName(precision) << " stage " << stage << " offload " << offload);
       absl::StatusOr<RunResult> run = RunInProcess(TestConfig(stage, offload, precision), options);
       REQUIRE(run.ok());
       CHECK(run->final_val_loss == reference->final_val_loss);
@@ -267,17 +267,17 @@ TEST_CASE("Gpt: ranks sample different windows, deterministically", "[gpt]") {
 TEST_CASE("Gpt: run options and shapes are checked and name the field", "[gpt]") {
   RunOptions options = TinyRun(1);
   options.seq = 9;  // beyond the context of 8
-  absl::StatusOr<RunResult> run = RunInProcess(TestConfig(0, false, Precision::kFp32), options);
+  absl::StatusOr<RunResult> run = RunInProcess(TestConfig(0, false, DType::kF32), options);
   REQUIRE(absl::IsInvalidArgument(run.status()));
   CHECK(run.status().message().find("RunOptions.seq") != absl::string_view::npos);
   options = TinyRun(1);
   options.shape.heads = 3;
-  run = RunInProcess(TestConfig(0, false, Precision::kFp32), options);
+  run = RunInProcess(TestConfig(0, false, DType::kF32), options);
   REQUIRE(absl::IsInvalidArgument(run.status()));
   CHECK(run.status().message().find("d_model") != absl::string_view::npos);
   options = TinyRun(1);
   options.corpus_path = "/nonexistent/corpus.txt";
-  run = RunInProcess(TestConfig(0, false, Precision::kFp32), options);
+  run = RunInProcess(TestConfig(0, false, DType::kF32), options);
   REQUIRE(absl::IsNotFound(run.status()));
   CHECK(run.status().message().find("/nonexistent/corpus.txt") != absl::string_view::npos);
 }

@@ -72,9 +72,9 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
     s = a.gpt2 ? zerort::examples::gpt::GptShape::Gpt2Small() : zerort::examples::gpt::GptShape{};
   } else if (flag == "precision") {
     if (v != "fp32" && v != "bf16" && v != "fp16") Fail("--precision must be fp32, bf16 or fp16");
-    a.config.precision = v == "bf16"   ? zerort::Precision::kBf16
-                         : v == "fp16" ? zerort::Precision::kFp16
-                                       : zerort::Precision::kFp32;
+    a.config.compute_dtype = v == "bf16"   ? zerort::DType::kBF16
+                         : v == "fp16" ? zerort::DType::kF16
+                                       : zerort::DType::kF32;
   } else if (flag == "ranks") { r.world_size = ToInt(flag, value);
   } else if (flag == "stage") { a.config.zero.stage = ToInt(flag, value);
   } else if (flag == "steps") { a.steps = ToInt(flag, value);
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
               a.run.shape.vocab, static_cast<long long>(gpt.num_elements()), a.run.world_size,
               a.config.zero.stage,
               a.config.zero.offload_optimizer.device == zerort::OffloadDevice::kCpu ? " + offload" : "",
-              std::string(zerort::PrecisionName(a.config.precision)).c_str());
+              std::string(zerort::DTypeName(a.config.compute_dtype)).c_str());
   std::fflush(stdout);
   const int print_every = a.print_every;
   a.run.on_step = [print_every](const zerort::examples::gpt::StepReport& r) {

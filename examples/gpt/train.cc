@@ -41,7 +41,9 @@ absl::Status ValidateOptions(const RunOptions& o) {
 // One CPU device shared by every rank, as a single process would. The one place the example
 // creates a device.
 std::unique_ptr<Device> MakeDevice(const RunOptions& options) {
-  return CreateCpuDevice(options.device_threads);
+  CpuDeviceOptions device_options;
+  device_options.threads = options.device_threads;
+  return CreateCpuDevice(device_options);
 }
 
 // What the ranks share: read-only inputs, and the result under `mu`.
