@@ -30,6 +30,30 @@ absl::StatusOr<DType> ParseDType(absl::string_view name);
 // FloatBits, BitsToFloat, Bf16ToFloat, FloatToBf16, HalfToFloat and FloatToHalf come from
 // base/half.h, shared with the CUDA kernels.
 
+// Element i of an array of dtype D, as fp32, and back: the one typed load and store of the
+// host kernels' scalar paths and of the CUDA kernels (compiled by nvcc too).
+template <DType D>
+ZERORT_HOST_DEVICE inline float LoadAs(const void* p, size_t i) {
+  if constexpr (D == DType::kF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (D == DType::kBF16) {
+    return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+template <DType D>
+ZERORT_HOST_DEVICE inline void StoreAs(void* p, size_t i, float x) {
+  if constexpr (D == DType::kF32) {
+    static_cast<float*>(p)[i] = x;
+  } else if constexpr (D == DType::kBF16) {
+    static_cast<uint16_t*>(p)[i] = FloatToBf16(x);
+  } else {
+    static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
+  }
+}
+
 }  // namespace zerort
 
 #endif  // ZERORT_BASE_DTYPE_H_

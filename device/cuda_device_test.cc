@@ -89,15 +89,15 @@ AdamWConstants ConstantsOf(const offload::AdamWStepParams& p, float grad_scale) 
 
 // ------------------------------------------------------------------ CudaMath (no GPU needed)
 
-// One element through the kernels' Load / Store (what cuda_kernels.cu runs), host-compiled.
+// One element through the kernels' LoadAs / StoreAs (what cuda_kernels.cu runs), host-compiled.
 template <DType D>
 float KernelLoad(uint16_t bits) {
-  return cuda_internal::Load<D>(&bits, 0);
+  return LoadAs<D>(&bits, 0);
 }
 template <DType D>
 uint16_t KernelStore(float f) {
   uint16_t bits = 0;
-  cuda_internal::Store<D>(&bits, 0, f);
+  StoreAs<D>(&bits, 0, f);
   return bits;
 }
 

@@ -15,8 +15,6 @@ namespace zerort {
 namespace offload {
 namespace {
 
-using internal::LoadScalar;
-using internal::StoreScalar;
 
 // Below this many elements per task, waking another thread costs more than it saves.
 constexpr size_t kMinElementsPerTask = size_t{1} << 15;
@@ -27,7 +25,7 @@ template <DType G, DType P, bool kOut>
 void AdamWScalar(const AdamWArrays& a, const AdamWStepParams& s, float grad_scale, size_t begin,
                  size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    const float g = LoadScalar<G>(a.grad, i) * grad_scale;
+    const float g = LoadAs<G>(a.grad, i) * grad_scale;
     const float m = std::fma(s.beta1, a.m[i], s.one_minus_beta1 * g);
     const float v = std::fma(s.beta2, a.v[i], (s.one_minus_beta2 * g) * g);
     const float denom = std::fma(std::sqrt(v), s.inv_sqrt_bias2, s.eps);
@@ -35,7 +33,7 @@ void AdamWScalar(const AdamWArrays& a, const AdamWStepParams& s, float grad_scal
     a.m[i] = m;
     a.v[i] = v;
     a.master[i] = p;
-    if constexpr (kOut) StoreScalar<P>(a.param_out, i, p);
+    if constexpr (kOut) StoreAs<P>(a.param_out, i, p);
   }
 }
 

@@ -16,9 +16,7 @@ namespace zerort {
 namespace offload {
 namespace {
 
-using internal::LoadScalar;
 using internal::ParallelRanges;
-using internal::StoreScalar;
 
 constexpr size_t kMinElementsPerTask = size_t{1} << 15;
 
@@ -27,9 +25,9 @@ constexpr size_t kMinElementsPerTask = size_t{1} << 15;
 template <DType S, DType D, bool kScale>
 void MapScalar(const void* src, void* dst, float scale, size_t begin, size_t end) {
   for (size_t i = begin; i < end; ++i) {
-    float v = LoadScalar<S>(src, i);
+    float v = LoadAs<S>(src, i);
     if constexpr (kScale) v = v * scale;
-    StoreScalar<D>(dst, i, v);
+    StoreAs<D>(dst, i, v);
   }
 }
 
@@ -81,7 +79,7 @@ template <DType D>
 float BlockNormScalar(const void* x, size_t begin, size_t end) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (size_t i = begin; i < end; ++i) {
-    const float v = LoadScalar<D>(x, i);
+    const float v = LoadAs<D>(x, i);
     acc[(i - begin) % 8] = std::fma(v, v, acc[(i - begin) % 8]);
   }
   return BlockPartial(acc);
@@ -101,7 +99,7 @@ ZERORT_TARGET_AVX2 float BlockNormAvx2(const void* x, size_t begin, size_t end) 
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, acc);
   for (size_t l = 0; i < end; ++i, ++l) {
-    const float v = LoadScalar<D>(x, i);
+    const float v = LoadAs<D>(x, i);
     lanes[l] = std::fma(v, v, lanes[l]);
   }
   return BlockPartial(lanes);

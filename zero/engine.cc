@@ -119,11 +119,11 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                  dev_, compute, comm_->stream_ordered(),
                                  mem.grad_buckets().count, mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
-  grads_ = std::make_unique<zero_internal::GradBuckets>(
-      plan_, comm_, dev_, streams_.get(), &timer_, mem.model_state(), mem.grad_buckets());
+  const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
+  grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
+                                                         mem.grad_buckets());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
-      plan_, comm_, dev_, streams_.get(), &timer_, mem.model_state().params, mem.gather_slots(),
-      mem.persistent());
+      units, mem.model_state().params, mem.gather_slots(), mem.persistent());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);

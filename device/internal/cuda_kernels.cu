@@ -41,13 +41,13 @@ __device__ __forceinline__ size_t GridStride() {
 
 template <DType S, DType D>
 __global__ void CastKernel(const void* __restrict__ src, void* __restrict__ dst, size_t n) {
-  for (size_t i = GlobalThread(); i < n; i += GridStride()) Store<D>(dst, i, Load<S>(src, i));
+  for (size_t i = GlobalThread(); i < n; i += GridStride()) StoreAs<D>(dst, i, LoadAs<S>(src, i));
 }
 
 template <DType D>
 __global__ void AccumulateKernel(void* acc, const void* x, size_t n) {
   for (size_t i = GlobalThread(); i < n; i += GridStride()) {
-    Store<D>(acc, i, Add(Load<D>(acc, i), Load<D>(x, i)));
+    StoreAs<D>(acc, i, Add(LoadAs<D>(acc, i), LoadAs<D>(x, i)));
   }
 }
 
@@ -169,7 +169,7 @@ __device__ __forceinline__ void StoreCanonical(void* dst, size_t i, float acc) {
       static_cast<uint16_t*>(dst)[i] = D == DType::kBF16 ? 0x7fc0u : 0x7e00u;
     }
   } else {
-    Store<D>(dst, i, acc);
+    StoreAs<D>(dst, i, acc);
   }
 }
 
@@ -178,9 +178,9 @@ __device__ __forceinline__ void StoreCanonical(void* dst, size_t i, float acc) {
 template <DType D, int kOp>
 __global__ void ReduceRankOrderKernel(ReduceSources srcs, int n, void* dst, size_t count) {
   for (size_t i = GlobalThread(); i < count; i += GridStride()) {
-    float acc = Load<D>(srcs.p[0], i);
+    float acc = LoadAs<D>(srcs.p[0], i);
     for (int k = 1; k < n; ++k) {
-      const float x = Load<D>(srcs.p[k], i);
+      const float x = LoadAs<D>(srcs.p[k], i);
       if constexpr (kOp == 2) {
         acc = (acc > x || acc != acc) ? acc : x;
       } else {

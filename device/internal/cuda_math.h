@@ -81,30 +81,8 @@ ZERORT_HD float Div(float a, float b) {
 
 // ------------------------------------------------------------------ conversions (base/half.h)
 
-// Loads and stores through the one definition of the conversions, compiled here for the
-// device: zerort::Bf16ToFloat, FloatToBf16, HalfToFloat, FloatToHalf.
-
-template <DType D>
-ZERORT_HD float Load(const void* p, size_t i) {
-  if constexpr (D == DType::kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (D == DType::kBF16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-template <DType D>
-ZERORT_HD void Store(void* p, size_t i, float x) {
-  if constexpr (D == DType::kF32) {
-    static_cast<float*>(p)[i] = x;
-  } else if constexpr (D == DType::kBF16) {
-    static_cast<uint16_t*>(p)[i] = FloatToBf16(x);
-  } else {
-    static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
-  }
-}
+// Loads and stores are base/dtype.h's LoadAs / StoreAs: the one definition of the
+// conversions, compiled here for the device.
 
 // Exponent all ones: Inf or NaN.
 template <DType D>
@@ -129,7 +107,7 @@ struct AdamWConstants {
 template <DType G, DType P, bool kOut>
 ZERORT_HD void AdamWElement(const AdamWConstants& c, float* master, float* m, float* v,
                             const void* grad, void* param_out, size_t i) {
-  const float g = Mul(Load<G>(grad, i), c.grad_scale);
+  const float g = Mul(LoadAs<G>(grad, i), c.grad_scale);
   const float mi = Fma(c.beta1, m[i], Mul(c.one_minus_beta1, g));
   const float vi = Fma(c.beta2, v[i], Mul(Mul(c.one_minus_beta2, g), g));
   const float denom = Fma(Sqrt(vi), c.inv_sqrt_bias2, c.eps);
@@ -137,7 +115,7 @@ ZERORT_HD void AdamWElement(const AdamWConstants& c, float* master, float* m, fl
   m[i] = mi;
   v[i] = vi;
   master[i] = p;
-  if constexpr (kOut) Store<P>(param_out, i, p);
+  if constexpr (kOut) StoreAs<P>(param_out, i, p);
 }
 
 // ------------------------------------------------------------------ squared norm
@@ -155,7 +133,7 @@ ZERORT_HD float NormLane(const void* x, size_t begin, size_t end, int lane) {
 #pragma unroll 8
 #endif
   for (size_t i = begin + static_cast<size_t>(lane); i < end; i += kNormLanes) {
-    const float xi = Load<D>(x, i);
+    const float xi = LoadAs<D>(x, i);
     acc = Fma(xi, xi, acc);
   }
   return acc;

@@ -1,6 +1,6 @@
-// Scalar loads and stores of fp32 / bf16 / fp16 arrays as fp32, and the range splitting, for the
-// host kernels. They convert exactly as base/dtype.h does (they call it); the vector loads and
-// stores of lane_convert.inc (see simd_lanes.h) give the same bits.
+// The range splitting of the host kernels. Their scalar paths load and store through
+// base/dtype.h's LoadAs / StoreAs; the vector loads and stores of lane_convert.inc (see
+// simd_lanes.h) give the same bits.
 #ifndef ZERORT_OFFLOAD_INTERNAL_SIMD_CONVERT_H_
 #define ZERORT_OFFLOAD_INTERNAL_SIMD_CONVERT_H_
 
@@ -15,30 +15,6 @@
 namespace zerort {
 namespace offload {
 namespace internal {
-
-// ------------------------------------------------------------------ scalar
-
-template <DType D>
-inline float LoadScalar(const void* p, size_t i) {
-  if constexpr (D == DType::kF32) {
-    return static_cast<const float*>(p)[i];
-  } else if constexpr (D == DType::kBF16) {
-    return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  } else {
-    return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-template <DType D>
-inline void StoreScalar(void* p, size_t i, float x) {
-  if constexpr (D == DType::kF32) {
-    static_cast<float*>(p)[i] = x;
-  } else if constexpr (D == DType::kBF16) {
-    static_cast<uint16_t*>(p)[i] = FloatToBf16(x);
-  } else {
-    static_cast<uint16_t*>(p)[i] = FloatToHalf(x);
-  }
-}
 
 // ------------------------------------------------------------------ threading
 

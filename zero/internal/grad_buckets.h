@@ -29,6 +29,7 @@
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
+#include "zero/internal/unit_context.h"
 
 namespace zerort {
 namespace zero_internal {
@@ -36,8 +37,7 @@ namespace zero_internal {
 class GradBuckets {
  public:
   // Every pointer must outlive this object.
-  GradBuckets(const memory::Plan& plan, comm::Communicator* comm, Device* device,
-              StreamOrder* streams, StepTimer* timer, const ModelStateBuffers& state,
+  GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
               const SlottedBuffer& buckets);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
@@ -60,19 +60,12 @@ class GradBuckets {
   absl::Status ClearFullGradients();
 
  private:
-  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
   absl::Status ReduceFull(const memory::Unit& unit, bool first_micro);     // stages 0-1
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
-  const memory::Plan& plan_;
-  comm::Communicator* const comm_;
-  Device* const dev_;
-  StreamOrder* const streams_;
-  StepTimer* const timer_;
-  const int rank_, stage_, gas_;
-  const DType cdt_;
-  const size_t c_;
+  const UnitContext ctx_;
+  const int gas_;
   char* const grads_;
   char* const accum_;
   const SlottedBuffer buckets_;

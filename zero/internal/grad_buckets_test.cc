@@ -26,7 +26,7 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
   ASSIGN_OR_RETURN(auto streams,
                    StreamOrder::Create(dev, nullptr, false, mem->grad_buckets().count, 0));
   StepTimer timer(world, 4);
-  GradBuckets grads(plan, comm, dev, streams.get(), &timer, mem->model_state(),
+  GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state(),
                     mem->grad_buckets());
   const ShardLayout layout(plan, mem->model_state());
   for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {

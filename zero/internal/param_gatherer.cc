@@ -7,43 +7,34 @@
 namespace zerort {
 namespace zero_internal {
 
-ParamGatherer::ParamGatherer(const memory::Plan& plan, comm::Communicator* comm, Device* device,
-                             StreamOrder* streams, StepTimer* timer, char* params,
+ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params,
                              const SlottedBuffer& slots, char* persistent)
-    : plan_(plan),
-      comm_(comm),
-      dev_(device),
-      streams_(streams),
-      timer_(timer),
-      rank_(plan.options.rank),
-      stage_(plan.options.stage),
-      cdt_(plan.options.compute_dtype),
-      c_(DTypeSize(cdt_)),
-      offload_param_(plan.options.offload_param),
+    : ctx_(ctx),
+      offload_param_(ctx.plan.options.offload_param),
       params_(params),
       gather_(slots),
       persistent_(persistent),
       slots_(slots.count) {
-  const size_t nu = plan.units.size();
+  const size_t nu = ctx.plan.units.size();
   unit_slot_.assign(nu, -1);
   persistent_offset_.assign(nu, -1);
   int64_t off = 0;
   for (size_t u = 0; u < nu; ++u) {
-    if (plan.units[u].persistent) {
+    if (ctx.plan.units[u].persistent) {
       persistent_offset_[u] = off;
-      off += plan.units[u].padded;
+      off += ctx.plan.units[u].padded;
     }
   }
 }
 
 char* ParamGatherer::persistent_copy(int unit) const {
-  return persistent_offset_[unit] < 0 ? nullptr : At(persistent_, persistent_offset_[unit]);
+  return persistent_offset_[unit] < 0 ? nullptr : ctx_.At(persistent_, persistent_offset_[unit]);
 }
 
 absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
-  if (stage_ <= 2) return static_cast<void*>(At(params_, p.flat_offset));
-  if (plan_.units[p.unit].persistent) {
-    return static_cast<void*>(At(persistent_copy(p.unit), p.offset_in_unit));
+  if (ctx_.stage <= 2) return static_cast<void*>(ctx_.At(params_, p.flat_offset));
+  if (ctx_.plan.units[p.unit].persistent) {
+    return static_cast<void*>(ctx_.At(persistent_copy(p.unit), p.offset_in_unit));
   }
   const int s = unit_slot_[p.unit];
   if (s < 0 || !slots_[s].held) {
@@ -51,11 +42,11 @@ absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
                                                       ") is not gathered: call Gather(", p.unit,
                                                       ") first"));
   }
-  return static_cast<void*>(At(gather_.base, s * gather_.elements + p.offset_in_unit));
+  return static_cast<void*>(ctx_.At(gather_.base, s * gather_.elements + p.offset_in_unit));
 }
 
 absl::Status ParamGatherer::Gather(int unit) {
-  if (stage_ != 3 || plan_.units[unit].persistent) return absl::OkStatus();
+  if (ctx_.stage != 3 || ctx_.plan.units[unit].persistent) return absl::OkStatus();
   int s = unit_slot_[unit];
   if (s >= 0 && slots_[s].held) {
     return absl::FailedPreconditionError(
@@ -69,12 +60,12 @@ absl::Status ParamGatherer::Gather(int unit) {
   slots_[s].held = true;
   slots_[s].last_use = ++use_clock_;
   last_gathered_ = unit;
-  RETURN_IF_ERROR(streams_->BeforeSlotUse(s));
+  RETURN_IF_ERROR(ctx_.streams->BeforeSlotUse(s));
   return Prefetch(unit, direction);
 }
 
 absl::Status ParamGatherer::Release(int unit) {
-  if (stage_ != 3 || plan_.units[unit].persistent) return absl::OkStatus();
+  if (ctx_.stage != 3 || ctx_.plan.units[unit].persistent) return absl::OkStatus();
   const int s = unit_slot_[unit];
   if (s < 0 || !slots_[s].held) {
     return absl::FailedPreconditionError(
@@ -82,17 +73,17 @@ absl::Status ParamGatherer::Release(int unit) {
   }
   slots_[s].held = false;
   // The next all-gather into this slot waits for the trainer's work on this unit.
-  return streams_->SlotReleased(s);
+  return ctx_.streams->SlotReleased(s);
 }
 
 absl::Status ParamGatherer::AllGatherUpdated(int u) {
-  const memory::Unit& unit = plan_.units[u];
-  if (stage_ == 1 || stage_ == 2) {
-    char* full = At(params_, unit.flat_offset);
-    RETURN_IF_ERROR(comm_->AllGather(At(full, rank_ * unit.shard), full, unit.shard, cdt_,
-                                     streams_->side()));
-    timer_->Sent(unit.shard, 1);
-  } else if (stage_ == 3 && unit.persistent) {
+  const memory::Unit& unit = ctx_.plan.units[u];
+  if (ctx_.stage == 1 || ctx_.stage == 2) {
+    char* full = ctx_.At(params_, unit.flat_offset);
+    RETURN_IF_ERROR(ctx_.comm->AllGather(ctx_.At(full, ctx_.rank * unit.shard), full, unit.shard, ctx_.cdt,
+                                     ctx_.streams->side()));
+    ctx_.timer->Sent(unit.shard, 1);
+  } else if (ctx_.stage == 3 && unit.persistent) {
     RETURN_IF_ERROR(GatherShard(u, persistent_copy(u)));
   }
   return absl::OkStatus();
@@ -135,29 +126,29 @@ absl::StatusOr<int> ParamGatherer::AcquireSlot() {
 
 absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   const Stopwatch t;
-  RETURN_IF_ERROR(streams_->BeforeComm());
-  RETURN_IF_ERROR(streams_->BeforeSlotGather(s));
-  RETURN_IF_ERROR(GatherShard(u, At(gather_.base, s * gather_.elements)));
-  RETURN_IF_ERROR(streams_->SlotGathered(s));
+  RETURN_IF_ERROR(ctx_.streams->BeforeComm());
+  RETURN_IF_ERROR(ctx_.streams->BeforeSlotGather(s));
+  RETURN_IF_ERROR(GatherShard(u, ctx_.At(gather_.base, s * gather_.elements)));
+  RETURN_IF_ERROR(ctx_.streams->SlotGathered(s));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
   unit_slot_[u] = s;
-  timer_->AddGatherMs(t.ElapsedMs());
+  ctx_.timer->AddGatherMs(t.ElapsedMs());
   return absl::OkStatus();
 }
 
 // With offload_param the shard lives in host memory: it is staged into this rank's block of
 // `full` first and gathered in place, so collectives only ever see device buffers.
 absl::Status ParamGatherer::GatherShard(int u, char* full) {
-  const memory::Unit& unit = plan_.units[u];
-  const char* shard = At(params_, unit.shard_offset);
+  const memory::Unit& unit = ctx_.plan.units[u];
+  const char* shard = ctx_.At(params_, unit.shard_offset);
   if (offload_param_) {
-    char* mine = At(full, rank_ * unit.shard);
-    RETURN_IF_ERROR(dev_->Copy(mine, shard, unit.shard * c_, streams_->side()));
+    char* mine = ctx_.At(full, ctx_.rank * unit.shard);
+    RETURN_IF_ERROR(ctx_.device->Copy(mine, shard, unit.shard * ctx_.c, ctx_.streams->side()));
     shard = mine;
   }
-  RETURN_IF_ERROR(comm_->AllGather(shard, full, unit.shard, cdt_, streams_->side()));
-  timer_->Sent(unit.shard, 1);
+  RETURN_IF_ERROR(ctx_.comm->AllGather(shard, full, unit.shard, ctx_.cdt, ctx_.streams->side()));
+  ctx_.timer->Sent(unit.shard, 1);
   return absl::OkStatus();
 }
 
@@ -166,10 +157,10 @@ absl::Status ParamGatherer::GatherShard(int u, char* full) {
 // prefetch never evicts a unit that is about to be needed. Every rank runs the same
 // Gather/Release sequence, so every rank prefetches the same units in the same order.
 absl::Status ParamGatherer::Prefetch(int from, int direction) {
-  int64_t budget = plan_.options.prefetch_elements;
-  const int nu = static_cast<int>(plan_.units.size());
+  int64_t budget = ctx_.plan.options.prefetch_elements;
+  const int nu = static_cast<int>(ctx_.plan.units.size());
   for (int u = from + direction; u >= 0 && u < nu && budget > 0; u += direction) {
-    const memory::Unit& unit = plan_.units[u];
+    const memory::Unit& unit = ctx_.plan.units[u];
     if (unit.persistent) continue;
     budget -= unit.padded;
     if (unit_slot_[u] >= 0) continue;

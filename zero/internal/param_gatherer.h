@@ -28,6 +28,7 @@
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
+#include "zero/internal/unit_context.h"
 
 namespace zerort {
 namespace zero_internal {
@@ -36,8 +37,7 @@ class ParamGatherer {
  public:
   // Every pointer must outlive this object. `params`: the compute-dtype parameters (full in
   // stages 0-2, the shard in stage 3; in host memory with offload_param).
-  ParamGatherer(const memory::Plan& plan, comm::Communicator* comm, Device* device,
-                StreamOrder* streams, StepTimer* timer, char* params,
+  ParamGatherer(const UnitContext& ctx, char* params,
                 const SlottedBuffer& slots, char* persistent);
 
   // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
@@ -61,21 +61,13 @@ class ParamGatherer {
     bool held = false;
     uint64_t last_use = 0;
   };
-  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
   absl::Status Prefetch(int from, int direction);
   void Evict(int slot);
 
-  const memory::Plan& plan_;
-  comm::Communicator* const comm_;
-  Device* const dev_;
-  StreamOrder* const streams_;
-  StepTimer* const timer_;
-  const int rank_, stage_;
-  const DType cdt_;
-  const size_t c_;
+  const UnitContext ctx_;
   const bool offload_param_;
   char* const params_;
   const SlottedBuffer gather_;

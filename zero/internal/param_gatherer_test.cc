@@ -55,7 +55,7 @@ absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
     }
   };
   write_shards(1);
-  ParamGatherer g(plan, comm, dev, streams.get(), &timer, mem->model_state().params,
+  ParamGatherer g(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state().params,
                   mem->gather_slots(), mem->persistent());
   if (mem->gather_slots().count != 1) return absl::InternalError("expected one slot");
   RETURN_IF_ERROR(g.Gather(0));
