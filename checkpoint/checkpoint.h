@@ -159,16 +159,47 @@ struct CheckpointState {
 // Reads and verifies the manifest only (path as for LoadCheckpoint).
 absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& path,
                                                   ckpt_internal::FileSystem* fs = nullptr);
-// Reads and verifies everything (every file's header, size and checksum).
+// Reads and verifies everything (every file's header, size and checksum) into memory. The
+// shard files' sizes are checked against the manifest before anything is allocated; running
+// out of memory is ResourceExhausted. Paths that are symlinks (`latest`, a step directory, the
+// manifest, a shard) are refused, never followed (DataLoss / FailedPrecondition naming them).
 absl::StatusOr<CheckpointState> ReadCheckpoint(const std::string& path,
                                                ckpt_internal::FileSystem* fs = nullptr);
 
-// Writes the full fp32 state as one safetensors file at `out` (atomically): tensor `<name>`
-// holds the master weights, `exp_avg.<name>` and `exp_avg_sq.<name>` Adam's moments; the
-// metadata holds step, loss scale and the source checkpoint. InvalidArgument when a parameter
-// name collides with another's moment name.
+// What VerifyCheckpoint finds: the info and the L2 norm of each parameter's fp32 master.
+struct CheckpointSummary {
+  CheckpointInfo info;
+  std::vector<double> master_norm;  // per parameter, in registration order
+};
+// Verifies everything as ReadCheckpoint does, streaming: memory stays at one read buffer
+// (8 MiB) whatever the checkpoint's size.
+absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path,
+                                                   ckpt_internal::FileSystem* fs = nullptr);
+
+struct ConsolidateOptions {
+  // false: an existing `out` (a symlink or a directory included) is AlreadyExists. true: it is
+  // replaced atomically (a symlink itself, never its target).
+  bool overwrite = false;
+  // Tests: use a named temporary (mkstemp) even where O_TMPFILE works.
+  bool named_temporary = false;
+  ckpt_internal::FileSystem* fs = nullptr;  // for reading the checkpoint; nullptr = POSIX
+};
+
+// Writes the full fp32 state as one safetensors file at `out`: tensor `<name>` holds the
+// master weights, `exp_avg.<name>` and `exp_avg_sq.<name>` Adam's moments; the metadata holds
+// step, loss scale and the source checkpoint (a source path that is not UTF-8 is written with
+// U+FFFD). Streams: memory stays at one read buffer whatever the checkpoint's size.
+//
+// `out` appears complete or not at all (ckpt_internal::PublishedFile): no temporary is left
+// behind on any error, and none at all with O_TMPFILE even when the process is killed; of
+// two consolidations racing for one `out` exactly one succeeds without overwrite, the other
+// failing with AlreadyExists. Errors: InvalidArgument when `out` lies inside the checkpoint
+// read (the path given or the step directory), names one of its root's files (`latest`,
+// step_*, the lock), does not name a file, or when a parameter is named `__metadata__` or
+// like another's moment; AlreadyExists for an existing `out` without overwrite; those of
+// ReadCheckpoint; the I/O error of the output naming it.
 absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
-                                   ckpt_internal::FileSystem* fs = nullptr);
+                                   const ConsolidateOptions& options = {});
 
 }  // namespace zerort
 

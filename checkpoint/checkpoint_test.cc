@@ -541,6 +541,7 @@ class FaultyFs : public ckpt_internal::FileSystem {
     return posix_->FileSize(path);
   }
   bool Exists(const std::string& path) override { return posix_->Exists(path); }
+  bool IsDirectory(const std::string& path) override { return posix_->IsDirectory(path); }
   absl::Status MakeDir(const std::string& path) override {
     if (Hit("mkdir")) return Injected("mkdir", path);
     return posix_->MakeDir(path);
@@ -798,7 +799,8 @@ TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 
     if (r == 0) master = w;
     return SaveCheckpoint(*e, root).status();
   }));
-  const std::string out = root + "/full.safetensors";
+  // Outside the checkpoint: consolidate refuses to write into the checkpoint it reads.
+  const std::string out = TempDir("consolidated") + "/full.safetensors";
   REQUIRE(ConsolidateCheckpoint(root, out).ok());
   const std::string f = ReadFile(out);
   REQUIRE(f.size() > 8);
