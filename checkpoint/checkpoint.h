@@ -17,7 +17,11 @@
 // checkpoint is executable.
 //
 // Guarantees:
-//  - Save: shards are written into step_<N>.tmp/ and fsynced; after every rank has finished,
+//  - Save: every rank first checks the names (UTF-8, no control characters; InvalidArgument
+//    everywhere at once). Rank 0 holds an flock on <root>/.zerort.lock for the whole save
+//    (FailedPrecondition for a second writer); a save removes only step_<N>.tmp debris and
+//    moves an unnamed complete step_<N>/ aside (step_<N>.replaced-<id>/), never deleting one.
+//    Shards are written into step_<N>.tmp/ and fsynced; after every rank has finished,
 //    rank 0 writes the manifest atomically, renames the directory to step_<N>/, and only then
 //    replaces `latest` atomically. A crash or an I/O error at any point leaves `latest` naming
 //    the previous complete checkpoint (or absent, before the first save).
@@ -93,11 +97,11 @@ absl::Status LoadCheckpoint(Engine& engine, const std::string& path,
 // every save, and returned to the cache (still locked, for the next engine or checkpointer)
 // when the checkpointer goes; it does not depend on the device's lifetime.
 //
-// Lifetime: Start(engine, ...) borrows `engine` until the save is finished: the writer thread
-// waits for the engine's snapshot copies. REQUIRES: the engine outlives every save started on
-// it, i.e. call Finish(), or destroy the checkpointer (which waits for the writer but never
-// commits), before destroying the engine. Declaring the checkpointer after the engine in the
-// same scope gives that order for free.
+// Lifetime: after Start the checkpointer never dereferences the engine: the writer waits
+// through Engine::SnapshotWaiter, which stays valid after the engine is destroyed (its
+// destructor waits for the copies). So destroying the engine with a save in flight is safe,
+// and Finish still commits the snapshot taken at Start. Destroying the checkpointer waits for
+// the writer but never commits.
 //
 // Thread safety: one AsyncCheckpointer per rank, used by that rank's training thread.
 class AsyncCheckpointer {
@@ -110,7 +114,8 @@ class AsyncCheckpointer {
   // REQUIRES: no save in flight (else FailedPrecondition).
   absl::Status Start(Engine& engine, const std::string& root);
   bool in_flight() const { return pending_ != nullptr; }
-  // The engine the save in flight was started on; nullptr when none is.
+  // The engine the save in flight was started on (an identity to compare, possibly destroyed
+  // since); nullptr when none is.
   const Engine* saving() const;
   // Waits for the writer and commits; returns the committed directory. It needs no engine:
   // the snapshot was taken at Start, and the commit only talks to the communicator.
