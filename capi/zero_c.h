@@ -207,9 +207,10 @@ zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int all
 /* Saves without stopping training. start copies the state into a pinned buffer the
  * checkpointer keeps (asynchronously: the next optimizer update waits for the copies) and
  * returns; a background thread writes the files; finish waits for it and only then moves
- * `latest`. start and finish are collective; call finish before the next start and before
- * the engine is destroyed. finish's engine must be the one start was given
- * (ZR_INVALID_ARGUMENT otherwise). One checkpointer per rank. */
+ * `latest`. start and finish are collective; call finish before the next start.
+ * zr_engine_destroy with a save in flight is safe (it waits for the copies; the save still
+ * commits at finish). finish's engine must be the one start was given (ZR_INVALID_ARGUMENT
+ * otherwise), or NULL (e.g. once that engine is destroyed). One checkpointer per rank. */
 typedef struct zr_checkpointer zr_checkpointer;
 zr_status zr_checkpointer_create(zr_checkpointer** out);
 /* Waits for a write in flight but never commits it. NULL is a no-op. */

@@ -1,15 +1,23 @@
 #include "checkpoint/checkpoint.h"
 
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <new>
 #include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -128,18 +136,30 @@ absl::Status MakeDirs(FileSystem* fs, const std::string& path) {
   return fs->MakeDir(path);
 }
 
-// `latest`'s content, or "" when there is none.
+// `latest` holds "step_<N>\n": a few bytes, in a plain file (a symlink or a device in its place
+// is refused: its target is never read, let alone printed).
+constexpr int64_t kMaxLatestBytes = 32;
+
+// `latest`'s content, or "" when there is none. What it holds is quoted escaped and bounded in
+// errors: it is not ours until it has been checked.
 absl::StatusOr<std::string> ReadLatest(FileSystem* fs, const std::string& root) {
   const std::string path = JoinPath(root, kLatestName);
   if (!fs->Exists(path)) return std::string();
-  ASSIGN_OR_RETURN(std::string text, ckpt_internal::ReadSmallFile(fs, path, 4096));
-  const std::string name(absl::StripAsciiWhitespace(text));
-  int64_t step;
-  if (!absl::StartsWith(name, "step_") || !absl::SimpleAtoi(name.substr(5), &step) || step < 0) {
-    return absl::DataLossError(absl::StrCat("'", path, "' holds '", name,
-                                            "', not the name of a checkpoint (step_<N>)"));
+  absl::StatusOr<std::string> text = ckpt_internal::ReadSmallFile(fs, path, kMaxLatestBytes);
+  if (!text.ok()) {
+    return absl::DataLossError(absl::StrCat("'", path, "' is not a checkpoint pointer: ",
+                                            text.status().message()));
   }
-  return name;
+  absl::string_view name = *text;
+  if (absl::EndsWith(name, "\n")) name.remove_suffix(1);
+  int64_t step;
+  if (!absl::StartsWith(name, "step_") || name.size() == 5 ||
+      name.find_first_not_of("0123456789", 5) != absl::string_view::npos ||
+      !absl::SimpleAtoi(name.substr(5), &step)) {
+    return absl::DataLossError(absl::StrCat("'", path, "' holds \"", absl::CHexEscape(name),
+                                            "\", not the name of a checkpoint (step_<N>)"));
+  }
+  return std::string(name);
 }
 
 absl::StatusOr<std::string> ResolveDir(FileSystem* fs, const std::string& path) {
@@ -149,7 +169,13 @@ absl::StatusOr<std::string> ResolveDir(FileSystem* fs, const std::string& path) 
     return absl::NotFoundError(absl::StrCat("no checkpoint at '", path, "': neither ",
                                             kManifestName, " nor ", kLatestName, " exists"));
   }
-  return JoinPath(path, latest);
+  const std::string dir = JoinPath(path, latest);
+  if (!fs->IsDirectory(dir)) {
+    return absl::DataLossError(absl::StrCat(
+        "'", JoinPath(path, kLatestName), "' names ", latest, ", which is ",
+        fs->Exists(dir) ? "not a directory (a symlink is refused)" : "missing"));
+  }
+  return dir;
 }
 
 absl::StatusOr<Manifest> ReadManifest(FileSystem* fs, const std::string& dir) {
@@ -164,15 +190,25 @@ absl::StatusOr<Manifest> ReadManifest(FileSystem* fs, const std::string& dir) {
 
 // --- reading ranges out of shard files -----------------------------------------------------
 
-// `bytes` bytes at `offset` of a shard file go to `dst`.
+// `bytes` bytes at `offset` of a shard file: elements [elem, elem + bytes / 4) of section
+// `section` (0 master, 1 m, 2 v) of manifest parameter `param`; they go to `dst` when not null,
+// else to the reader's sink.
 struct Piece {
   int64_t offset;
   int64_t bytes;
   char* dst;
+  int param;
+  int section;
+  int64_t elem;
 };
 
+// Receives `n` bytes of piece `p`, starting `skip` bytes into it.
+using PieceSink = std::function<absl::Status(const Piece& p, int64_t skip, const char* data,
+                                             int64_t n)>;
+
 // Adds the pieces that carry elements [e0, e0 + count) of manifest parameter `i` into the three
-// fp32 destinations (master, m, v), split where the parameter crosses a saving rank's shard.
+// fp32 destinations (master, m, v; null: to the sink), split where the parameter crosses a
+// saving rank's shard.
 void AddParamRange(const Manifest& m, int i, int64_t e0, int64_t count, float* const dst[3],
                    std::vector<std::vector<Piece>>* per_file) {
   const ckpt_internal::ManifestParam& p = m.params[i];
@@ -184,17 +220,17 @@ void AddParamRange(const Manifest& m, int i, int64_t e0, int64_t count, float* c
     const int64_t within = pos % u.shard;
     const int64_t take = std::min(count - done, u.shard - within);
     for (int k = 0; k < 3; ++k) {
-      (*per_file)[q].push_back({m.SectionOffset(k) + (u.shard_offset + within) * 4, take * 4,
-                                reinterpret_cast<char*>(dst[k] + done)});
+      char* to = dst[k] != nullptr ? reinterpret_cast<char*>(dst[k] + done) : nullptr;
+      (*per_file)[q].push_back({m.SectionOffset(k) + (u.shard_offset + within) * 4, take * 4, to,
+                                i, k, e0 + done});
     }
     done += take;
     pos += take;
   }
 }
 
-// Streams one shard file once: checks its header, size and CRC32C, and copies the pieces.
-absl::Status ReadShard(FileSystem* fs, const std::string& dir, const Manifest& m, int q,
-                       std::vector<Piece> pieces) {
+// The size check of one shard file, before anything is read or allocated for it.
+absl::Status CheckShardSize(FileSystem* fs, const std::string& dir, const Manifest& m, int q) {
   const ckpt_internal::ManifestFile& f = m.files[q];
   const std::string path = JoinPath(dir, f.name);
   absl::StatusOr<int64_t> size = fs->FileSize(path);
@@ -207,6 +243,23 @@ absl::Status ReadShard(FileSystem* fs, const std::string& dir, const Manifest& m
         "checkpoint shard '", path, "' ", *size < f.bytes ? "is truncated: " : "has ", *size,
         " bytes, the manifest says ", f.bytes));
   }
+  return absl::OkStatus();
+}
+
+// Every shard's size, so that a small manifest claiming a huge state fails before anything is
+// allocated for it.
+absl::Status CheckShardSizes(FileSystem* fs, const std::string& dir, const Manifest& m) {
+  for (int q = 0; q < m.world_size; ++q) RETURN_IF_ERROR(CheckShardSize(fs, dir, m, q));
+  return absl::OkStatus();
+}
+
+// Streams one shard file once through a buffer of at most kIoChunk bytes: checks its header,
+// size and CRC32C, and hands the pieces to `dst` or, where that is null, to `sink`.
+absl::Status ReadShard(FileSystem* fs, const std::string& dir, const Manifest& m, int q,
+                       std::vector<Piece> pieces, const PieceSink& sink = nullptr) {
+  const ckpt_internal::ManifestFile& f = m.files[q];
+  const std::string path = JoinPath(dir, f.name);
+  RETURN_IF_ERROR(CheckShardSize(fs, dir, m, q));
   std::sort(pieces.begin(), pieces.end(),
             [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::ReadableFile> file, fs->NewReadableFile(path));
@@ -238,7 +291,11 @@ absl::Status ReadShard(FileSystem* fs, const std::string& dir, const Manifest& m
       const Piece& p = pieces[k];
       const int64_t a = std::max(p.offset, pos);
       const int64_t b = std::min(p.offset + p.bytes, end);
-      if (a < b) std::memcpy(p.dst + (a - p.offset), buf.data() + (a - pos), b - a);
+      if (a < b && p.dst != nullptr) {
+        std::memcpy(p.dst + (a - p.offset), buf.data() + (a - pos), b - a);
+      } else if (a < b) {
+        RETURN_IF_ERROR(sink(p, a - p.offset, buf.data() + (a - pos), b - a));
+      }
       if (p.offset + p.bytes <= end && k == next) ++next;
     }
     pos = end;
@@ -344,7 +401,12 @@ absl::Status WriteAll(ckpt_internal::WritableFile* f, absl::string_view data) {
 struct AsyncCheckpointer::Pending {
   FileSystem* fs = nullptr;
   comm::Communicator* comm = nullptr;
-  Engine* engine = nullptr;  // the writer waits for its snapshot copies
+  const Engine* engine = nullptr;  // for saving(): compared, never dereferenced
+  // Waits for the engine's snapshot copies; safe after the engine is gone
+  // (Engine::SnapshotWaiter), so destroying the engine with a save in flight is not a
+  // use-after-free.
+  std::function<absl::Status()> wait_snapshot;
+  std::unique_ptr<ckpt_internal::DirLock> lock;  // rank 0: the root's, until the commit
   std::string root, tmp_dir, final_dir;
   Manifest manifest;  // without files
   std::string header;            // this rank's shard file: header, then
@@ -358,9 +420,14 @@ struct AsyncCheckpointer::Pending {
 
 namespace {
 
-// Rank 0: makes `root`/step_<N>.tmp/ fresh. AlreadyExists when `latest` names step_<N>.
-absl::Status PrepareDirs(FileSystem* fs, const std::string& root, int64_t step) {
-  RETURN_IF_ERROR(MakeDirs(fs, root));
+// Rank 0, holding the root's lock: makes `root`/step_<N>.tmp/ fresh. AlreadyExists when
+// `latest` names step_<N>.
+//
+// The rule for what a save may remove: only step_<N>.tmp, which under the lock is the debris
+// of an interrupted save (no other writer can be producing it). A step_<N> that `latest` does
+// not name (a save interrupted after its rename, or another run's) may hold the only copy of
+// something: it is moved aside to step_<N>.replaced-<id>, never deleted.
+absl::Status PrepareDirs(FileSystem* fs, const std::string& root, int64_t step, uint64_t id) {
   ASSIGN_OR_RETURN(std::string latest, ReadLatest(fs, root));
   const std::string name = StepDirName(step);
   if (latest == name) {
@@ -368,12 +435,25 @@ absl::Status PrepareDirs(FileSystem* fs, const std::string& root, int64_t step) 
         "checkpoint '", JoinPath(root, name), "' already exists and is the latest: save another "
         "step, or into another directory"));
   }
-  // A step_<N> that `latest` does not name is left over from an interrupted save or an earlier
-  // run: it is replaced. A step_<N>.tmp is always the debris of an interrupted save.
-  RETURN_IF_ERROR(fs->RemoveAll(JoinPath(root, name)));
+  const std::string dir = JoinPath(root, name);
+  if (fs->Exists(dir)) {
+    RETURN_IF_ERROR(
+        fs->Rename(dir, JoinPath(root, absl::StrFormat("%s.replaced-%016x", name, id))));
+  }
   RETURN_IF_ERROR(fs->RemoveAll(JoinPath(root, name + ".tmp")));
   RETURN_IF_ERROR(fs->MakeDir(JoinPath(root, name + ".tmp")));
   return fs->SyncDir(root);
+}
+
+// Rank 0: creates `root`, takes its lock (held in `*lock` until the save commits or fails) and
+// prepares the step directory.
+absl::Status LockAndPrepare(FileSystem* fs, const std::string& root, int64_t step, uint64_t id,
+                            std::unique_ptr<ckpt_internal::DirLock>* lock) {
+  RETURN_IF_ERROR(MakeDirs(fs, root));
+  ASSIGN_OR_RETURN(*lock, ckpt_internal::DirLock::Acquire(root));
+  absl::Status s = PrepareDirs(fs, root, step, id);
+  if (!s.ok()) lock->reset();
+  return s;
 }
 
 // Collective: prepares the directory and starts the snapshot of this rank's state into
@@ -388,11 +468,20 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   }
   comm::Communicator* comm = engine.communicator();
   const int64_t step = engine.step();
+  Manifest manifest = ManifestOf(engine, 0);
+  // Every rank has the same names, so every rank refuses here alone, before any collective,
+  // with the same error (rather than rank 0 failing to encode the manifest at the commit).
+  const absl::Status names = ckpt_internal::CheckManifestStrings(manifest);
+  if (!names.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SaveCheckpoint: ", names.message(), " (a checkpoint stores names as UTF-8 JSON)"));
+  }
   absl::Status s;
   uint64_t id = 0;
+  std::unique_ptr<ckpt_internal::DirLock> lock;
   if (comm->rank() == 0) {
-    s = PrepareDirs(fs, root, step);
     id = NewCheckpointId();
+    s = LockAndPrepare(fs, root, step, id, &lock);
   }
   RETURN_IF_ERROR(Agree(comm, s));
   {
@@ -405,10 +494,13 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   p->fs = fs;
   p->comm = comm;
   p->engine = &engine;
+  p->wait_snapshot = engine.SnapshotWaiter();
+  p->lock = std::move(lock);
   p->root = root;
   p->tmp_dir = JoinPath(root, StepDirName(step) + ".tmp");
   p->final_dir = JoinPath(root, StepDirName(step));
-  p->manifest = ManifestOf(engine, id);
+  p->manifest = std::move(manifest);
+  p->manifest.checkpoint_id = id;
   const Manifest& m = p->manifest;
   p->header = ckpt_internal::EncodeShardHeader(m, comm->rank());
   p->body_bytes = static_cast<size_t>(m.ShardFileBytes()) - p->header.size();
@@ -436,7 +528,7 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
 // thread when asynchronous).
 absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
   // Wait even after a failed start: copies already enqueued write into the staging buffer.
-  const absl::Status copied = p->engine->WaitSnapshot();
+  const absl::Status copied = p->wait_snapshot();
   RETURN_IF_ERROR(p->status);
   RETURN_IF_ERROR(copied);
   p->crc = Crc32c(0, p->header.data(), p->header.size());
@@ -477,6 +569,7 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
           fs, JoinPath(p->root, kLatestName),
           absl::StrCat(StepDirName(p->manifest.step), "\n"));
     }();
+    p->lock.reset();
   }
   RETURN_IF_ERROR(Agree(comm, s));
   return p->final_dir;
@@ -554,20 +647,30 @@ absl::StatusOr<CheckpointState> ReadCheckpoint(const std::string& path, FileSyst
   fs = Fs(fs);
   ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
   ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  // The files must really hold what the manifest claims before anything is allocated for it.
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
   CheckpointState out;
   out.info = InfoOf(man, dir);
   const size_t np = man.params.size();
-  out.master.resize(np);
-  out.exp_avg.resize(np);
-  out.exp_avg_sq.resize(np);
   std::vector<std::vector<Piece>> per_file(man.world_size);
-  for (size_t i = 0; i < np; ++i) {
-    const int64_t n = man.params[i].numel;
-    out.master[i].resize(n);
-    out.exp_avg[i].resize(n);
-    out.exp_avg_sq[i].resize(n);
-    float* const dst[3] = {out.master[i].data(), out.exp_avg[i].data(), out.exp_avg_sq[i].data()};
-    AddParamRange(man, static_cast<int>(i), 0, n, dst, &per_file);
+  try {
+    out.master.resize(np);
+    out.exp_avg.resize(np);
+    out.exp_avg_sq.resize(np);
+    for (size_t i = 0; i < np; ++i) {
+      const int64_t n = man.params[i].numel;
+      out.master[i].resize(n);
+      out.exp_avg[i].resize(n);
+      out.exp_avg_sq[i].resize(n);
+      float* const dst[3] = {out.master[i].data(), out.exp_avg[i].data(),
+                             out.exp_avg_sq[i].data()};
+      AddParamRange(man, static_cast<int>(i), 0, n, dst, &per_file);
+    }
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "reading checkpoint '", dir, "' into memory: out of memory (",
+        man.world_size * man.ShardFileBytes(), " bytes of shards); VerifyCheckpoint and "
+        "ConsolidateCheckpoint stream instead"));
   }
   for (int q = 0; q < man.world_size; ++q) {
     RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q])));
@@ -575,28 +678,120 @@ absl::StatusOr<CheckpointState> ReadCheckpoint(const std::string& path, FileSyst
   return out;
 }
 
-absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
-                                   FileSystem* fs) {
-  fs = Fs(fs);
-  ASSIGN_OR_RETURN(CheckpointState st, ReadCheckpoint(path, fs));
-  const CheckpointInfo& info = st.info;
-  std::vector<std::string> names;
-  for (const auto& p : info.params) names.push_back(p.name);
-  std::vector<std::string> all = names;
-  for (const auto& n : names) {
-    all.push_back("exp_avg." + n);
-    all.push_back("exp_avg_sq." + n);
+namespace {
+
+// Streams every shard once (bounded memory), handing each parameter's pieces to `sink`.
+absl::Status StreamShards(FileSystem* fs, const std::string& dir, const Manifest& man,
+                          const PieceSink& sink) {
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
+  std::vector<std::vector<Piece>> per_file(man.world_size);
+  float* const none[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < man.params.size(); ++i) {
+    AddParamRange(man, static_cast<int>(i), 0, man.params[i].numel, none, &per_file);
   }
-  std::vector<std::string> sorted = all;
-  std::sort(sorted.begin(), sorted.end());
-  for (size_t k = 1; k < sorted.size(); ++k) {
-    if (sorted[k] == sorted[k - 1]) {
+  for (int q = 0; q < man.world_size; ++q) {
+    RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q]), sink));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path, FileSystem* fs) {
+  fs = Fs(fs);
+  ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
+  ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  CheckpointSummary out;
+  out.info = InfoOf(man, dir);
+  std::vector<double> sum_sq(man.params.size(), 0.0);
+  // Pieces of one parameter arrive in element order (shards in rank order, each sorted by
+  // offset), so the sum is the one a loop over the parameter's elements would give.
+  RETURN_IF_ERROR(StreamShards(fs, dir, man, [&](const Piece& p, int64_t, const char* data,
+                                                 int64_t n) {
+    if (p.section != 0) return absl::OkStatus();
+    for (int64_t k = 0; k < n; k += 4) {
+      float x;
+      std::memcpy(&x, data + k, 4);
+      sum_sq[p.param] += static_cast<double>(x) * x;
+    }
+    return absl::OkStatus();
+  }));
+  for (double s2 : sum_sq) out.master_norm.push_back(std::sqrt(s2));
+  return out;
+}
+
+namespace {
+
+// The real path of `path` (which may not exist yet): its parent's, joined with its name.
+absl::StatusOr<std::string> RealPath(const std::string& path) {
+  const std::string parent = ckpt_internal::Dirname(path);
+  char* real = ::realpath(parent.c_str(), nullptr);
+  if (real == nullptr) {
+    return absl::NotFoundError(absl::StrCat("output directory '", parent, "': ",
+                                            std::strerror(errno)));
+  }
+  std::string out = real;
+  std::free(real);
+  absl::string_view base = path;
+  while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
+  const size_t slash = base.rfind('/');
+  if (slash != absl::string_view::npos) base.remove_prefix(slash + 1);
+  return JoinPath(out, base);
+}
+
+// Consolidate never writes into the checkpoint it reads: not inside the directory given, nor
+// inside the step directory it resolved to, nor over the root's own `latest`, lock or steps.
+absl::Status CheckOutsideCheckpoint(const std::string& path, const std::string& dir,
+                                    const std::string& out) {
+  ASSIGN_OR_RETURN(const std::string real_out, RealPath(out));
+  auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to write '", out, "' ", why, " (the checkpoint being read): write the "
+        "consolidated file elsewhere"));
+  };
+  for (const std::string& d : {path, dir}) {
+    char* real = ::realpath(d.c_str(), nullptr);
+    if (real == nullptr) continue;
+    const std::string r = real;
+    std::free(real);
+    if (absl::StartsWith(real_out, JoinPath(r, ""))) return refuse(absl::StrCat("inside '", d, "'"));
+    const std::string root = ckpt_internal::Dirname(r);
+    const std::string name = real_out.substr(real_out.rfind('/') + 1);
+    if (ckpt_internal::Dirname(real_out) == root &&
+        (absl::StartsWith(name, kLatestName) || absl::StartsWith(name, "step_") ||
+         name == ckpt_internal::DirLock::kFileName)) {
+      return refuse(absl::StrCat("over a file of '", root, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The tensor names consolidate writes, each unique, none the safetensors metadata key.
+absl::Status CheckTensorNames(const CheckpointInfo& info) {
+  std::vector<std::string> all;
+  for (const auto& p : info.params) {
+    if (p.name == "__metadata__") {
+      return absl::InvalidArgumentError(
+          "cannot consolidate: a parameter is named '__metadata__', the key safetensors "
+          "reserves for its metadata");
+    }
+    for (const char* prefix : {"", "exp_avg.", "exp_avg_sq."}) all.push_back(prefix + p.name);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t k = 1; k < all.size(); ++k) {
+    if (all[k] == all[k - 1]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "cannot consolidate: tensor name '", sorted[k], "' would appear twice (a parameter "
+          "cannot consolidate: tensor name '", all[k], "' would appear twice (a parameter "
           "is named like another's Adam moment)"));
     }
   }
-  // safetensors: u64 little-endian header length, JSON header, then the tensors back to back.
+  return absl::OkStatus();
+}
+
+// safetensors: u64 little-endian header length, JSON header, then the tensors back to back.
+// `offsets[k][i]` receives where tensor (section k, parameter i) starts in the file.
+std::string SafetensorsHeader(const CheckpointInfo& info,
+                              std::vector<std::vector<int64_t>>* offsets) {
   nlohmann::ordered_json header;
   header["__metadata__"] = {{"format", "pt"},
                             {"producer", "zerort ckpt consolidate"},
@@ -604,29 +799,63 @@ absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& o
                             {"step", absl::StrCat(info.step)},
                             {"loss_scale", absl::StrCat(info.loss_scale)},
                             {"config_hash", info.config_hash}};
+  // Bounded by ParseManifest: fewer than 2^57 elements in all, so no sum here overflows.
   int64_t offset = 0;
-  const std::vector<std::vector<float>>* arrays[3] = {&st.master, &st.exp_avg, &st.exp_avg_sq};
   const char* prefixes[3] = {"", "exp_avg.", "exp_avg_sq."};
+  offsets->assign(3, std::vector<int64_t>(info.params.size()));
   for (int k = 0; k < 3; ++k) {
-    for (size_t i = 0; i < names.size(); ++i) {
-      const int64_t bytes = static_cast<int64_t>((*arrays[k])[i].size()) * 4;
-      header[absl::StrCat(prefixes[k], names[i])] = {
-          {"dtype", "F32"}, {"shape", info.params[i].shape}, {"data_offsets", {offset, offset + bytes}}};
+    for (size_t i = 0; i < info.params.size(); ++i) {
+      const int64_t bytes = info.params[i].numel * 4;
+      header[absl::StrCat(prefixes[k], info.params[i].name)] = {
+          {"dtype", "F32"},
+          {"shape", info.params[i].shape},
+          {"data_offsets", {offset, offset + bytes}}};
+      (*offsets)[k][i] = offset;
       offset += bytes;
     }
   }
-  std::string h = header.dump();
+  // A source path that is not UTF-8 is written with U+FFFD in its place (JSON cannot hold it).
+  std::string h = header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   h.resize((h.size() + 7) / 8 * 8, ' ');  // tensors start 8-byte aligned
   std::string file(8, '\0');
-  for (int b = 0; b < 8; ++b) file[b] = static_cast<char>((static_cast<uint64_t>(h.size()) >> (8 * b)) & 0xff);
-  file += h;
-  file.reserve(file.size() + offset);
-  for (int k = 0; k < 3; ++k) {
-    for (const std::vector<float>& a : *arrays[k]) {
-      file.append(reinterpret_cast<const char*>(a.data()), a.size() * 4);
-    }
+  for (int b = 0; b < 8; ++b) {
+    file[b] = static_cast<char>((static_cast<uint64_t>(h.size()) >> (8 * b)) & 0xff);
   }
-  return ckpt_internal::WriteFileAtomically(fs, out, file);
+  const int64_t data_start = static_cast<int64_t>(file.size() + h.size());
+  for (auto& section : *offsets) {
+    for (int64_t& o : section) o += data_start;
+  }
+  return file + h;
+}
+
+}  // namespace
+
+absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
+                                   const ConsolidateOptions& options) {
+  FileSystem* fs = Fs(options.fs);
+  ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
+  ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  const CheckpointInfo info = InfoOf(man, dir);
+  RETURN_IF_ERROR(CheckTensorNames(info));
+  RETURN_IF_ERROR(CheckOutsideCheckpoint(path, dir, out));
+  if (!options.overwrite && fs->Exists(out)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("'", out, "' exists: refusing to overwrite it (--force replaces it)"));
+  }
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
+  std::vector<std::vector<int64_t>> offsets;
+  const std::string header = SafetensorsHeader(info, &offsets);
+  // The tensors go straight from each shard's read buffer to their place in the output: memory
+  // stays at one read buffer whatever the checkpoint's size.
+  ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::PublishedFile> file,
+                   ckpt_internal::PublishedFile::Create(out, !options.named_temporary));
+  RETURN_IF_ERROR(file->WriteAt(0, header));
+  RETURN_IF_ERROR(StreamShards(fs, dir, man, [&](const Piece& p, int64_t skip, const char* data,
+                                                 int64_t n) {
+    return file->WriteAt(offsets[p.section][p.param] + p.elem * 4 + skip,
+                         absl::string_view(data, static_cast<size_t>(n)));
+  }));
+  return file->Commit(options.overwrite);
 }
 
 }  // namespace zerort

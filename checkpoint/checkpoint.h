@@ -17,7 +17,11 @@
 // checkpoint is executable.
 //
 // Guarantees:
-//  - Save: shards are written into step_<N>.tmp/ and fsynced; after every rank has finished,
+//  - Save: every rank first checks the names (UTF-8, no control characters; InvalidArgument
+//    everywhere at once). Rank 0 holds an flock on <root>/.zerort.lock for the whole save
+//    (FailedPrecondition for a second writer); a save removes only step_<N>.tmp debris and
+//    moves an unnamed complete step_<N>/ aside (step_<N>.replaced-<id>/), never deleting one.
+//    Shards are written into step_<N>.tmp/ and fsynced; after every rank has finished,
 //    rank 0 writes the manifest atomically, renames the directory to step_<N>/, and only then
 //    replaces `latest` atomically. A crash or an I/O error at any point leaves `latest` naming
 //    the previous complete checkpoint (or absent, before the first save).
@@ -93,11 +97,11 @@ absl::Status LoadCheckpoint(Engine& engine, const std::string& path,
 // every save, and returned to the cache (still locked, for the next engine or checkpointer)
 // when the checkpointer goes; it does not depend on the device's lifetime.
 //
-// Lifetime: Start(engine, ...) borrows `engine` until the save is finished: the writer thread
-// waits for the engine's snapshot copies. REQUIRES: the engine outlives every save started on
-// it, i.e. call Finish(), or destroy the checkpointer (which waits for the writer but never
-// commits), before destroying the engine. Declaring the checkpointer after the engine in the
-// same scope gives that order for free.
+// Lifetime: after Start the checkpointer never dereferences the engine: the writer waits
+// through Engine::SnapshotWaiter, which stays valid after the engine is destroyed (its
+// destructor waits for the copies). So destroying the engine with a save in flight is safe,
+// and Finish still commits the snapshot taken at Start. Destroying the checkpointer waits for
+// the writer but never commits.
 //
 // Thread safety: one AsyncCheckpointer per rank, used by that rank's training thread.
 class AsyncCheckpointer {
@@ -110,7 +114,8 @@ class AsyncCheckpointer {
   // REQUIRES: no save in flight (else FailedPrecondition).
   absl::Status Start(Engine& engine, const std::string& root);
   bool in_flight() const { return pending_ != nullptr; }
-  // The engine the save in flight was started on; nullptr when none is.
+  // The engine the save in flight was started on (an identity to compare, possibly destroyed
+  // since); nullptr when none is.
   const Engine* saving() const;
   // Waits for the writer and commits; returns the committed directory. It needs no engine:
   // the snapshot was taken at Start, and the commit only talks to the communicator.
@@ -159,16 +164,47 @@ struct CheckpointState {
 // Reads and verifies the manifest only (path as for LoadCheckpoint).
 absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& path,
                                                   ckpt_internal::FileSystem* fs = nullptr);
-// Reads and verifies everything (every file's header, size and checksum).
+// Reads and verifies everything (every file's header, size and checksum) into memory. The
+// shard files' sizes are checked against the manifest before anything is allocated; running
+// out of memory is ResourceExhausted. Paths that are symlinks (`latest`, a step directory, the
+// manifest, a shard) are refused, never followed (DataLoss / FailedPrecondition naming them).
 absl::StatusOr<CheckpointState> ReadCheckpoint(const std::string& path,
                                                ckpt_internal::FileSystem* fs = nullptr);
 
-// Writes the full fp32 state as one safetensors file at `out` (atomically): tensor `<name>`
-// holds the master weights, `exp_avg.<name>` and `exp_avg_sq.<name>` Adam's moments; the
-// metadata holds step, loss scale and the source checkpoint. InvalidArgument when a parameter
-// name collides with another's moment name.
+// What VerifyCheckpoint finds: the info and the L2 norm of each parameter's fp32 master.
+struct CheckpointSummary {
+  CheckpointInfo info;
+  std::vector<double> master_norm;  // per parameter, in registration order
+};
+// Verifies everything as ReadCheckpoint does, streaming: memory stays at one read buffer
+// (8 MiB) whatever the checkpoint's size.
+absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path,
+                                                   ckpt_internal::FileSystem* fs = nullptr);
+
+struct ConsolidateOptions {
+  // false: an existing `out` (a symlink or a directory included) is AlreadyExists. true: it is
+  // replaced atomically (a symlink itself, never its target).
+  bool overwrite = false;
+  // Tests: use a named temporary (mkstemp) even where O_TMPFILE works.
+  bool named_temporary = false;
+  ckpt_internal::FileSystem* fs = nullptr;  // for reading the checkpoint; nullptr = POSIX
+};
+
+// Writes the full fp32 state as one safetensors file at `out`: tensor `<name>` holds the
+// master weights, `exp_avg.<name>` and `exp_avg_sq.<name>` Adam's moments; the metadata holds
+// step, loss scale and the source checkpoint (a source path that is not UTF-8 is written with
+// U+FFFD). Streams: memory stays at one read buffer whatever the checkpoint's size.
+//
+// `out` appears complete or not at all (ckpt_internal::PublishedFile): no temporary is left
+// behind on any error, and none at all with O_TMPFILE even when the process is killed; of
+// two consolidations racing for one `out` exactly one succeeds without overwrite, the other
+// failing with AlreadyExists. Errors: InvalidArgument when `out` lies inside the checkpoint
+// read (the path given or the step directory), names one of its root's files (`latest`,
+// step_*, the lock), does not name a file, or when a parameter is named `__metadata__` or
+// like another's moment; AlreadyExists for an existing `out` without overwrite; those of
+// ReadCheckpoint; the I/O error of the output naming it.
 absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
-                                   ckpt_internal::FileSystem* fs = nullptr);
+                                   const ConsolidateOptions& options = {});
 
 }  // namespace zerort
 

@@ -1,10 +1,14 @@
 #include "checkpoint/checkpoint.h"
 
+#include <dirent.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -26,6 +30,7 @@
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "checkpoint/internal/ckpt_fs.h"
+#include "checkpoint/internal/ckpt_manifest.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -541,6 +546,7 @@ class FaultyFs : public ckpt_internal::FileSystem {
     return posix_->FileSize(path);
   }
   bool Exists(const std::string& path) override { return posix_->Exists(path); }
+  bool IsDirectory(const std::string& path) override { return posix_->IsDirectory(path); }
   absl::Status MakeDir(const std::string& path) override {
     if (Hit("mkdir")) return Injected("mkdir", path);
     return posix_->MakeDir(path);
@@ -798,7 +804,8 @@ TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 
     if (r == 0) master = w;
     return SaveCheckpoint(*e, root).status();
   }));
-  const std::string out = root + "/full.safetensors";
+  // Outside the checkpoint: consolidate refuses to write into the checkpoint it reads.
+  const std::string out = TempDir("consolidated") + "/full.safetensors";
   REQUIRE(ConsolidateCheckpoint(root, out).ok());
   const std::string f = ReadFile(out);
   REQUIRE(f.size() > 8);
@@ -825,6 +832,409 @@ TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 
     REQUIRE(header.find("\"exp_avg." + name + "\":") != std::string::npos);
   }
   REQUIRE(8 + n + 3 * flat * 4 == f.size());
+}
+
+// --- hardening: hostile or careless inputs (docs/reliability_checkpoints.md) -----------------
+
+// Saves the synthetic model (two steps, 2 ranks, stage 2) into `root`; `rename` edits the
+// parameter names first.
+std::vector<absl::Status> SaveModel(const std::string& root,
+                                    const std::function<void(std::vector<ParamSpec>*)>& rename =
+                                        nullptr) {
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
+  return OnRanks(2, [&](int, comm::Communicator* comm) -> absl::Status {
+    std::vector<ParamSpec> specs = SmallModel();
+    if (rename) rename(&specs);
+    ASSIGN_OR_RETURN(auto e, Engine::Create(config, specs, comm, device.get()));
+    RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
+      int64_t n = 1;
+      for (int64_t d : spec.shape) n *= d;
+      for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+    }));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
+    return SaveCheckpoint(*e, root).status();
+  });
+}
+
+std::vector<std::string> ListDir(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (struct dirent* e = readdir(d)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) {
+        names.push_back(e->d_name);
+      }
+    }
+    closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A checksummed manifest claiming 2^36 elements per shard, beside 1 KiB shard files.
+void WriteHugeManifest(const std::string& dir) {
+  ckpt_internal::Manifest m;
+  m.world_size = 2;
+  m.stage = 2;
+  m.config_hash = "fnv1a64:0";
+  m.shard_elements = int64_t{1} << 36;
+  m.units = {{"u", m.shard_elements * 2, m.shard_elements, 0}};
+  m.params = {{"w", {int64_t{1} << 37}, int64_t{1} << 37, 0, 0}};
+  for (int r = 0; r < 2; ++r) {
+    m.files.push_back({ckpt_internal::ShardFileName(r), r, m.ShardFileBytes(), 0});
+    WriteFile(dir + "/" + ckpt_internal::ShardFileName(r), std::string(1024, 'x'));
+  }
+  WriteFile(dir + "/manifest.json", ckpt_internal::ManifestToJson(m));
+}
+
+TEST_CASE("Hardening: a small manifest claiming 2^36 elements is refused before allocating",
+          "[ckpt][hardening]") {
+  const std::string dir = TempDir("huge");
+  WriteHugeManifest(dir);
+  const std::string out = TempDir("huge_out") + "/x.safetensors";
+  const absl::Status read = ReadCheckpoint(dir).status();
+  const absl::Status verify = VerifyCheckpoint(dir).status();
+  const absl::Status cons = ConsolidateCheckpoint(dir, out);
+  for (const absl::Status& s : {read, verify, cons}) {
+    INFO(s.ToString());
+    REQUIRE(s.code() == absl::StatusCode::kDataLoss);
+    REQUIRE(absl::StrContains(s.message(), "rank_00000.bin' is truncated: 1024 bytes"));
+  }
+  REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
+}
+
+TEST_CASE("Hardening: a shape whose product wraps int64 is refused by every reader",
+          "[ckpt][hardening]") {
+  const std::string dir = TempDir("wrap");
+  ckpt_internal::Manifest m;
+  m.config_hash = "fnv1a64:0";
+  m.shard_elements = 18;
+  m.units = {{"u", 18, 18, 0}};
+  // 74696998 x 987817158259 wraps to 18 in int64 arithmetic... or to whatever it wraps to:
+  // either way not a shape of 18 elements.
+  m.params = {{"w", {74696998, 987817158259}, 18, 0, 0}};
+  m.files.push_back({ckpt_internal::ShardFileName(0), 0, m.ShardFileBytes(), 0});
+  WriteFile(dir + "/manifest.json", ckpt_internal::ManifestToJson(m));
+  WriteFile(dir + "/rank_00000.bin", std::string(m.ShardFileBytes(), '\0'));
+  const std::string out = TempDir("wrap_out") + "/x.safetensors";
+  const absl::Status s = ConsolidateCheckpoint(dir, out);
+  INFO(s.ToString());
+  REQUIRE(s.code() == absl::StatusCode::kDataLoss);
+  REQUIRE(absl::StrContains(s.message(), "params[0].shape: too many elements"));
+  REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
+}
+
+TEST_CASE("Hardening: a parameter name that is not UTF-8 fails the save on every rank at once",
+          "[ckpt][hardening]") {
+  const std::string root = TempDir("utf8");
+  const auto st = SaveModel(root, [](std::vector<ParamSpec>* specs) { (*specs)[1].name = "w\xff"; });
+  for (const absl::Status& s : st) {
+    INFO(s.ToString());
+    // Not rank 0's internal error with the others timing out in the next collective.
+    REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(absl::StrContains(s.message(), "parameter 1 name: not valid UTF-8 at byte 1"));
+    REQUIRE(s.message() == st[0].message());
+  }
+  // Nothing was created: the check precedes the first write.
+  REQUIRE(ListDir(root).empty());
+}
+
+TEST_CASE("Hardening: a parameter named __metadata__ is refused by consolidate",
+          "[ckpt][hardening]") {
+  const std::string root = TempDir("meta");
+  RequireAllOk(SaveModel(root, [](std::vector<ParamSpec>* s) { (*s)[0].name = "__metadata__"; }));
+  const std::string out = TempDir("meta_out") + "/x.safetensors";
+  const absl::Status s = ConsolidateCheckpoint(root, out);
+  REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(absl::StrContains(s.message(), "'__metadata__'"));
+  REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
+}
+
+TEST_CASE("Hardening: consolidate never overwrites without overwrite, never writes into the "
+          "checkpoint, and leaves no temporary", "[ckpt][hardening]") {
+  const std::string root = TempDir("cons_root");
+  RequireAllOk(SaveModel(root));
+  const std::string step = root + "/step_2";
+  const std::vector<std::string> inside = {step + "/rank_00000.bin", step + "/manifest.json",
+                                           root + "/latest", step + "/new.safetensors",
+                                           root + "/new.safetensors", root + "/step_9",
+                                           root + "/.zerort.lock"};
+  const std::string shard = ReadFile(step + "/rank_00000.bin");
+  const std::string manifest = ReadFile(step + "/manifest.json");
+  for (const std::string& from : {root, step}) {
+    for (const std::string& out : inside) {
+      for (bool overwrite : {false, true}) {
+        INFO(from << " -> " << out << " overwrite " << overwrite);
+        ConsolidateOptions o;
+        o.overwrite = overwrite;
+        const absl::Status s = ConsolidateCheckpoint(from, out, o);
+        INFO(s.ToString());
+        if (from == step && out == root + "/new.safetensors") {
+          REQUIRE(s.ok());  // beside the step directory read, not inside it
+          REQUIRE(std::remove(out.c_str()) == 0);
+          continue;
+        }
+        REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
+        REQUIRE(absl::StrContains(s.message(), "refusing to write"));
+      }
+    }
+  }
+  REQUIRE(ReadFile(step + "/rank_00000.bin") == shard);
+  REQUIRE(ReadFile(step + "/manifest.json") == manifest);
+  REQUIRE(Latest(root) == "step_2\n");
+  REQUIRE(ListDir(step) == std::vector<std::string>{"manifest.json", "rank_00000.bin",
+                                                    "rank_00001.bin"});
+  // An existing file: kept unless overwrite; a symlink at OUT is replaced, not followed.
+  const std::string outdir = TempDir("cons_out");
+  const std::string out = outdir + "/full.safetensors";
+  WriteFile(out, "precious");
+  REQUIRE(ConsolidateCheckpoint(root, out).code() == absl::StatusCode::kAlreadyExists);
+  REQUIRE(ReadFile(out) == "precious");
+  const std::string victim = outdir + "/victim";
+  WriteFile(victim, "victim");
+  REQUIRE(symlink(victim.c_str(), (outdir + "/link.safetensors").c_str()) == 0);
+  REQUIRE(symlink(victim.c_str(), (out + ".tmp").c_str()) == 0);  // the old fixed temp name
+  REQUIRE(ConsolidateCheckpoint(root, outdir + "/link.safetensors").code() ==
+          absl::StatusCode::kAlreadyExists);
+  ConsolidateOptions force;
+  force.overwrite = true;
+  REQUIRE(ConsolidateCheckpoint(root, out, force).ok());
+  REQUIRE(ConsolidateCheckpoint(root, outdir + "/link.safetensors", force).ok());
+  REQUIRE(ReadFile(victim) == "victim");
+  REQUIRE(ReadFile(out) == ReadFile(outdir + "/link.safetensors"));
+  REQUIRE(ReadFile(out).size() > 1000);
+  // A directory, an empty name, a missing directory: refused, nothing left behind.
+  REQUIRE(mkdir((outdir + "/adir").c_str(), 0755) == 0);
+  for (bool named : {false, true}) {
+    ConsolidateOptions o;
+    o.named_temporary = named;
+    REQUIRE(ConsolidateCheckpoint(root, outdir + "/adir", o).code() ==
+            absl::StatusCode::kAlreadyExists);
+    o.overwrite = true;
+    REQUIRE(!ConsolidateCheckpoint(root, outdir + "/adir", o).ok());
+    REQUIRE(!ConsolidateCheckpoint(root, "", o).ok());
+    REQUIRE(!ConsolidateCheckpoint(root, outdir + "/", o).ok());
+    REQUIRE(!ConsolidateCheckpoint(root, outdir + "/no/such/dir/x", o).ok());
+  }
+  REQUIRE(ListDir(outdir) == std::vector<std::string>{"adir", "full.safetensors",
+                                                      "full.safetensors.tmp", "link.safetensors",
+                                                      "victim"});
+}
+
+// Runs `fn` in a forked child and returns its wait status.
+int InChild(const std::function<int()>& fn) {
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) _exit(fn());
+  int wstatus = 0;
+  REQUIRE(waitpid(pid, &wstatus, 0) == pid);
+  return wstatus;
+}
+
+TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM leaves no "
+          "temporary", "[ckpt][hardening]") {
+  const std::string root = TempDir("full_root");
+  RequireAllOk(SaveModel(root));
+  for (bool named : {false, true}) {
+    INFO("named temporary " << named);
+    const std::string outdir = TempDir("full_out");
+    // A file-size limit below the output's size: write() fails with EFBIG, as on a full disk.
+    const int st = InChild([&] {
+      signal(SIGXFSZ, SIG_IGN);
+      struct rlimit lim = {4096, 4096};
+      setrlimit(RLIMIT_FSIZE, &lim);
+      ConsolidateOptions o;
+      o.named_temporary = named;
+      const absl::Status s = ConsolidateCheckpoint(root, outdir + "/x.safetensors", o);
+      return s.ok() ? 0 : absl::IsInvalidArgument(s) || absl::IsUnavailable(s) ? 3 : 4;
+    });
+    REQUIRE(WIFEXITED(st));
+    REQUIRE(WEXITSTATUS(st) != 0);
+    REQUIRE(ListDir(outdir).empty());
+  }
+  // SIGTERM while the shards stream into the unnamed output: nothing appears.
+  const std::string outdir = TempDir("term_out");
+  struct TermFs : ckpt_internal::FileSystem {
+    ckpt_internal::FileSystem* p = ckpt_internal::PosixFileSystem();
+    absl::StatusOr<std::unique_ptr<ckpt_internal::WritableFile>> NewWritableFile(
+        const std::string& path) override { return p->NewWritableFile(path); }
+    absl::StatusOr<std::unique_ptr<ckpt_internal::ReadableFile>> NewReadableFile(
+        const std::string& path) override {
+      raise(SIGTERM);  // the output exists (unnamed) by the time shards are opened
+      return p->NewReadableFile(path);
+    }
+    absl::StatusOr<int64_t> FileSize(const std::string& path) override { return p->FileSize(path); }
+    bool Exists(const std::string& path) override { return p->Exists(path); }
+    bool IsDirectory(const std::string& path) override { return p->IsDirectory(path); }
+    absl::Status MakeDir(const std::string& path) override { return p->MakeDir(path); }
+    absl::Status SyncDir(const std::string& path) override { return p->SyncDir(path); }
+    absl::Status Rename(const std::string& a, const std::string& b) override {
+      return p->Rename(a, b);
+    }
+    absl::Status RemoveAll(const std::string& path) override { return p->RemoveAll(path); }
+  };
+  const int st = InChild([&] {
+    signal(SIGTERM, SIG_DFL);  // Catch2's handler would report instead of dying
+    TermFs fs;
+    ConsolidateOptions o;
+    o.fs = &fs;
+    return ConsolidateCheckpoint(root, outdir + "/x.safetensors", o).ok() ? 0 : 3;
+  });
+  REQUIRE(WIFSIGNALED(st));
+  REQUIRE(WTERMSIG(st) == SIGTERM);
+  REQUIRE(ListDir(outdir).empty());
+}
+
+TEST_CASE("Hardening: two consolidates racing for one OUT: one wins, the other fails cleanly, "
+          "the file is complete", "[ckpt][hardening]") {
+  const std::string root = TempDir("race_root");
+  RequireAllOk(SaveModel(root));
+  const std::string ref = TempDir("race_ref") + "/ref.safetensors";
+  REQUIRE(ConsolidateCheckpoint(root, ref).ok());
+  for (int round = 0; round < 8; ++round) {
+    const bool overwrite = round % 2 == 1;
+    INFO("round " << round << " overwrite " << overwrite);
+    const std::string outdir = TempDir("race");
+    const std::string out = outdir + "/x.safetensors";
+    absl::Status s[2];
+    std::thread a([&] { ConsolidateOptions o; o.overwrite = overwrite; s[0] = ConsolidateCheckpoint(root, out, o); });
+    std::thread b([&] { ConsolidateOptions o; o.overwrite = overwrite; s[1] = ConsolidateCheckpoint(root, out, o); });
+    a.join();
+    b.join();
+    if (overwrite) {
+      REQUIRE(s[0].ok());
+      REQUIRE(s[1].ok());
+    } else {
+      REQUIRE(s[0].ok() != s[1].ok());
+      REQUIRE((s[0].ok() ? s[1] : s[0]).code() == absl::StatusCode::kAlreadyExists);
+    }
+    REQUIRE(ReadFile(out) == ReadFile(ref));
+    REQUIRE(ListDir(outdir) == std::vector<std::string>{"x.safetensors"});
+  }
+}
+
+TEST_CASE("Hardening: symlinks and odd `latest` files are refused, quoted escaped and bounded",
+          "[ckpt][hardening]") {
+  const std::string root = TempDir("links");
+  RequireAllOk(SaveModel(root));
+  const std::string elsewhere = TempDir("links_victim");
+  const std::string secret = elsewhere + "/passwd";
+  WriteFile(secret, "root:x:0:0:SECRET\n");
+  auto refused = [&](const std::string& path) {
+    const absl::Status s = ReadCheckpoint(path).status();
+    INFO(s.ToString());
+    REQUIRE(!s.ok());
+    REQUIRE(!absl::StrContains(s.message(), "SECRET"));
+    REQUIRE(s.message().find('\x1b') == absl::string_view::npos);
+    return std::string(s.message());
+  };
+  // `latest` a symlink to a file outside (its content is never read, let alone printed).
+  REQUIRE(std::rename((root + "/latest").c_str(), (root + "/latest.real").c_str()) == 0);
+  REQUIRE(symlink(secret.c_str(), (root + "/latest").c_str()) == 0);
+  REQUIRE(absl::StrContains(refused(root), "is a symlink"));
+  REQUIRE(std::remove((root + "/latest").c_str()) == 0);
+  // Escape codes, a long file, a number that is not one.
+  for (const std::string& text : {std::string("\x1b[2J\x1b]0;pwned\x07"), std::string(5000, 'A'),
+                                  std::string("step_-1\n"), std::string("step_2/../../x\n")}) {
+    WriteFile(root + "/latest", text);
+    const std::string msg = refused(root);
+    REQUIRE(!absl::StrContains(msg, std::string(65, 'A')));  // bounded
+    if (text[0] == '\x1b') REQUIRE(absl::StrContains(msg, "\\x1b[2J"));
+  }
+  WriteFile(root + "/latest", "step_2\n");
+  REQUIRE(ReadCheckpoint(root).ok());
+  // A step directory that is a symlink to a checkpoint elsewhere.
+  const std::string other = TempDir("links_other");
+  RequireAllOk(SaveModel(other));
+  REQUIRE(symlink((other + "/step_2").c_str(), (root + "/step_7").c_str()) == 0);
+  WriteFile(root + "/latest", "step_7\n");
+  REQUIRE(absl::StrContains(refused(root), "not a directory (a symlink is refused)"));
+  WriteFile(root + "/latest", "step_2\n");
+  // A shard, or the manifest, that is a symlink (even to a valid file of the same size).
+  const std::string shard = root + "/step_2/rank_00001.bin";
+  REQUIRE(std::rename(shard.c_str(), (elsewhere + "/shard").c_str()) == 0);
+  REQUIRE(symlink((elsewhere + "/shard").c_str(), shard.c_str()) == 0);
+  REQUIRE(absl::StrContains(refused(root), "rank_00001.bin' is a symlink"));
+  REQUIRE(absl::StrContains(std::string(VerifyCheckpoint(root).status().message()), "symlink"));
+  const std::string manifest = root + "/step_2/manifest.json";
+  REQUIRE(std::rename(manifest.c_str(), (elsewhere + "/manifest").c_str()) == 0);
+  REQUIRE(symlink((elsewhere + "/manifest").c_str(), manifest.c_str()) == 0);
+  REQUIRE(absl::StrContains(refused(root), "manifest.json' is a symlink"));
+}
+
+TEST_CASE("Hardening: a save never writes through a planted `latest.tmp` symlink",
+          "[ckpt][hardening]") {
+  const std::string root = TempDir("plant");
+  const std::string victim = TempDir("plant_victim") + "/victim";
+  WriteFile(victim, "victim");
+  REQUIRE(symlink(victim.c_str(), (root + "/latest.tmp").c_str()) == 0);
+  RequireAllOk(SaveModel(root));
+  REQUIRE(ReadFile(victim) == "victim");
+  REQUIRE(Latest(root) == "step_2\n");
+  REQUIRE(ReadCheckpoint(root).ok());
+}
+
+TEST_CASE("Hardening: a second writer is refused by the root's lock, and a save never deletes "
+          "a complete checkpoint", "[ckpt][hardening]") {
+  const std::string root = TempDir("lock");
+  // Another writer, mid-save: it holds the lock and is producing step_2.tmp.
+  {
+    auto lock = ckpt_internal::DirLock::Acquire(root);
+    REQUIRE(lock.ok());
+    REQUIRE(mkdir((root + "/step_2.tmp").c_str(), 0755) == 0);
+    WriteFile(root + "/step_2.tmp/rank_00000.bin", "in progress");
+    const auto st = SaveModel(root);
+    for (const absl::Status& s : st) {
+      INFO(s.ToString());
+      REQUIRE(s.code() == absl::StatusCode::kFailedPrecondition);
+      REQUIRE(absl::StrContains(s.message(), "another writer is saving into"));
+    }
+    REQUIRE(ReadFile(root + "/step_2.tmp/rank_00000.bin") == "in progress");
+  }
+  // Its lock released (it died): step_2.tmp is debris and goes; the save succeeds.
+  RequireAllOk(SaveModel(root));
+  REQUIRE(Latest(root) == "step_2\n");
+  // A complete step_2 that `latest` does not name is moved aside, not deleted.
+  WriteFile(root + "/step_2/marker", "keep me");
+  WriteFile(root + "/latest", "step_1\n");
+  REQUIRE(mkdir((root + "/step_1").c_str(), 0755) == 0);
+  RequireAllOk(SaveModel(root));
+  REQUIRE(Latest(root) == "step_2\n");
+  std::string aside;
+  for (const std::string& n : ListDir(root)) {
+    if (absl::StartsWith(n, "step_2.replaced-")) aside = n;
+  }
+  REQUIRE(!aside.empty());
+  REQUIRE(ReadFile(root + "/" + aside + "/marker") == "keep me");
+  REQUIRE(ReadCheckpoint(root + "/" + aside).ok());
+}
+
+TEST_CASE("Hardening: destroying the engine with an async save in flight is safe, and the save "
+          "still commits", "[ckpt][hardening]") {
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  device_options.async_streams = true;
+  device_options.stream_delay_us = 2000;  // the copies are still running when the engine goes
+  auto device = CreateCpuDevice(device_options);
+  const std::string root = TempDir("lifetime");
+  const std::string ref = TempDir("lifetime_ref");
+  RequireAllOk(OnRanks(2, [&](int, comm::Communicator* comm) -> absl::Status {
+    AsyncCheckpointer ck;  // declared before the engine: destroyed after it
+    ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
+    RETURN_IF_ERROR(SaveCheckpoint(*e, ref).status());
+    RETURN_IF_ERROR(ck.Start(*e, root));
+    e.reset();  // with the writer thread possibly still waiting for the snapshot
+    return ck.Finish().status();
+  }));
+  auto a = ReadCheckpoint(root);
+  auto b = ReadCheckpoint(ref);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  RequireSameState(*a, *b);
 }
 
 }  // namespace

@@ -1,7 +1,6 @@
 #include "cli/ckpt_command.h"
 
-#include <cmath>
-
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -13,16 +12,27 @@ namespace zerort {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT";
+    "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT [--force]";
 
-double Norm(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += static_cast<double>(x) * x;
-  return std::sqrt(s);
+// Names, paths and file contents come from the checkpoint or the command line, not from us:
+// printed with every byte outside printable ASCII escaped (an escape sequence never reaches
+// the terminal) and at most kMaxPrinted bytes of each.
+constexpr size_t kMaxPrinted = 256;
+
+std::string Printable(absl::string_view s) {
+  std::string out = absl::CHexEscape(s.substr(0, kMaxPrinted));
+  if (s.size() > kMaxPrinted) absl::StrAppend(&out, "...(", s.size(), " bytes)");
+  return out;
+}
+
+// JSON output: strings that are not valid UTF-8 (a path is any bytes) get U+FFFD in place of
+// the bad bytes instead of making the dump throw.
+std::string Dump(const nlohmann::ordered_json& j) {
+  return j.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 absl::Status Inspect(const std::string& dir, bool json, std::ostream& out) {
-  ASSIGN_OR_RETURN(CheckpointState st, ReadCheckpoint(dir));
+  ASSIGN_OR_RETURN(CheckpointSummary st, VerifyCheckpoint(dir));
   const CheckpointInfo& info = st.info;
   int64_t elements = 0, bytes = 0;
   for (const auto& p : info.params) elements += p.numel;
@@ -46,25 +56,25 @@ absl::Status Inspect(const std::string& dir, bool json, std::ostream& out) {
     for (size_t i = 0; i < info.params.size(); ++i) {
       params.push_back({{"name", info.params[i].name},
                         {"shape", info.params[i].shape},
-                        {"master_norm", Norm(st.master[i])}});
+                        {"master_norm", st.master_norm[i]}});
     }
     j["params"] = std::move(params);
-    out << j.dump(2) << "\n";
+    out << Dump(j) << "\n";
     return absl::OkStatus();
   }
   out << absl::StrFormat(
       "checkpoint %s\n  format version %d, step %d, saved by %d ranks at stage %d, %s compute\n"
       "  loss scale %g, config %s\n  %d parameters (%d elements) in %d units, %d files, %d bytes\n"
       "  verified: every file's size and CRC32C match the manifest\n",
-      info.dir, info.format_version, info.step, info.world_size, info.stage, info.compute_dtype,
-      info.loss_scale, info.config_hash, info.params.size(), elements, info.num_units,
+      Printable(info.dir), info.format_version, info.step, info.world_size, info.stage, info.compute_dtype,
+      info.loss_scale, Printable(info.config_hash), info.params.size(), elements, info.num_units,
       info.files.size(), bytes);
   for (const auto& f : info.files) {
     out << absl::StrFormat("  %s  %d bytes  crc32c %08x\n", f.name, f.bytes, f.crc32c);
   }
   for (size_t i = 0; i < info.params.size(); ++i) {
-    out << absl::StrFormat("  %-32s [%s]  |master| %.6g\n", info.params[i].name,
-                           absl::StrJoin(info.params[i].shape, ", "), Norm(st.master[i]));
+    out << absl::StrFormat("  %-32s [%s]  |master| %.6g\n", Printable(info.params[i].name),
+                           absl::StrJoin(info.params[i].shape, ", "), st.master_norm[i]);
   }
   return absl::OkStatus();
 }
@@ -81,7 +91,7 @@ absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& 
       if (args[i] == "--json") {
         json = true;
       } else if (!args[i].empty() && args[i][0] == '-') {
-        return absl::InvalidArgumentError(absl::StrCat("ckpt inspect: unknown flag '", args[i],
+        return absl::InvalidArgumentError(absl::StrCat("ckpt inspect: unknown flag '", Printable(args[i]),
                                                        "'; ", kUsage));
       } else {
         positional.push_back(args[i]);
@@ -93,16 +103,28 @@ absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& 
     return Inspect(positional[0], json, out);
   }
   if (sub == "consolidate") {
-    if (args.size() != 3) {
+    ConsolidateOptions options;
+    std::vector<std::string> positional;
+    for (size_t i = 1; i < args.size(); ++i) {
+      if (args[i] == "--force") {
+        options.overwrite = true;
+      } else if (!args[i].empty() && args[i][0] == '-') {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ckpt consolidate: unknown flag '", Printable(args[i]), "'; ", kUsage));
+      } else {
+        positional.push_back(args[i]);
+      }
+    }
+    if (positional.size() != 2) {
       return absl::InvalidArgumentError(absl::StrCat("ckpt consolidate needs DIR and OUT; ", kUsage));
     }
-    RETURN_IF_ERROR(ConsolidateCheckpoint(args[1], args[2]));
-    ASSIGN_OR_RETURN(CheckpointInfo info, ReadCheckpointInfo(args[1]));
-    out << "wrote " << args[2] << ": step " << info.step << ", " << info.params.size()
-        << " parameters (fp32 master, exp_avg, exp_avg_sq) as safetensors\n";
+    RETURN_IF_ERROR(ConsolidateCheckpoint(positional[0], positional[1], options));
+    ASSIGN_OR_RETURN(CheckpointInfo info, ReadCheckpointInfo(positional[0]));
+    out << "wrote " << Printable(positional[1]) << ": step " << info.step << ", "
+        << info.params.size() << " parameters (fp32 master, exp_avg, exp_avg_sq) as safetensors\n";
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(absl::StrCat("ckpt: unknown subcommand '", sub, "'; ", kUsage));
+  return absl::InvalidArgumentError(absl::StrCat("ckpt: unknown subcommand '", Printable(sub), "'; ", kUsage));
 }
 
 }  // namespace zerort

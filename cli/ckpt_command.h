@@ -2,10 +2,15 @@
 //
 //   zerort ckpt inspect DIR [--json]   summary of the checkpoint DIR (or the one DIR/latest
 //                                      names), after verifying every file's size and CRC32C
-//   zerort ckpt consolidate DIR OUT    the full fp32 state (masters and Adam moments) as one
-//                                      safetensors file OUT
+//   zerort ckpt consolidate DIR OUT [--force]
+//                                      the full fp32 state (masters and Adam moments) as one
+//                                      safetensors file OUT; an existing OUT only with --force,
+//                                      never one inside the checkpoint
 //
-// Output goes to `out`; errors come back as a Status (main prints them). Thread-safe.
+// Both stream the checkpoint (bounded memory). Names, paths and file contents are printed
+// escaped (bytes outside printable ASCII as \xNN) and bounded; --json replaces bytes that are
+// not UTF-8 with U+FFFD. Output goes to `out`; errors come back as a Status (main prints
+// them). Thread-safe.
 #ifndef ZERORT_CLI_CKPT_COMMAND_H_
 #define ZERORT_CLI_CKPT_COMMAND_H_
 

@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -11,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "nlohmann/json.hpp"
 #include "absl/strings/str_cat.h"
 #include "comm/inprocess.h"
 #include "checkpoint/checkpoint.h"
@@ -66,7 +68,8 @@ TEST_CASE("CkptCommand: inspect verifies and summarises, consolidate writes the 
   REQUIRE(RunCkptCommand({"inspect", dir, "--json"}, json).ok());
   REQUIRE(absl::StrContains(json.str(), "\"world_size\": 2"));
   std::ostringstream cons;
-  const std::string out = dir + "/full.safetensors";
+  // Next to the checkpoint, not inside it (refused: see the data-loss cases below).
+  const std::string out = dir + ".safetensors";
   REQUIRE(RunCkptCommand({"consolidate", dir, out}, cons).ok());
   std::ifstream f(out, std::ios::binary);
   const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -91,6 +94,69 @@ TEST_CASE("CkptCommand: bad arguments are InvalidArgument naming the problem", "
   REQUIRE(RunCkptCommand({"consolidate", "a"}, out).code() == absl::StatusCode::kInvalidArgument);
   REQUIRE(RunCkptCommand({"inspect", "/nonexistent/ckpt"}, out).code() ==
           absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("CkptCommand: a checkpoint path that is not UTF-8 inspects as JSON with U+FFFD",
+          "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  const std::string odd = dir + "\xff";
+  REQUIRE(std::rename(dir.c_str(), odd.c_str()) == 0);
+  std::ostringstream json;
+  const absl::Status s = RunCkptCommand({"inspect", odd, "--json"}, json);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  const auto parsed = nlohmann::json::parse(json.str());  // throws if not valid JSON
+  REQUIRE(absl::EndsWith(parsed["dir"].get<std::string>(), "\xef\xbf\xbd/step_0"));
+  std::ostringstream text;
+  REQUIRE(RunCkptCommand({"inspect", odd}, text).ok());
+  REQUIRE(absl::StrContains(text.str(), "\\xff"));
+  REQUIRE(text.str().find('\xff') == std::string::npos);
+}
+
+TEST_CASE("CkptCommand: consolidate refuses OUT inside the checkpoint and an existing OUT "
+          "without --force", "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  std::ostringstream out;
+  const std::string shard = dir + "/step_0/rank_00000.bin";
+  std::ifstream f(shard, std::ios::binary);
+  const std::string before((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (const std::string& target : {shard, dir + "/step_0/manifest.json", dir + "/latest"}) {
+    for (const std::vector<std::string>& args :
+         {std::vector<std::string>{"consolidate", dir, target},
+          std::vector<std::string>{"consolidate", dir, target, "--force"},
+          std::vector<std::string>{"consolidate", dir + "/step_0", target, "--force"}}) {
+      INFO(target);
+      const absl::Status s = RunCkptCommand(args, out);
+      REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
+      REQUIRE(absl::StrContains(s.message(), "refusing to write"));
+    }
+  }
+  std::ifstream g(shard, std::ios::binary);
+  REQUIRE(std::string((std::istreambuf_iterator<char>(g)), std::istreambuf_iterator<char>()) ==
+          before);
+  REQUIRE(RunCkptCommand({"inspect", dir}, out).ok());  // still verifies
+  const std::string target = dir + ".safetensors";
+  REQUIRE(RunCkptCommand({"consolidate", dir, target}, out).ok());
+  REQUIRE(RunCkptCommand({"consolidate", dir, target}, out).code() ==
+          absl::StatusCode::kAlreadyExists);
+  REQUIRE(RunCkptCommand({"consolidate", dir, target, "--force"}, out).ok());
+  REQUIRE(RunCkptCommand({"consolidate", dir, target, "--frobnicate"}, out).code() ==
+          absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("CkptCommand: what a checkpoint holds is printed escaped, never raw", "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  {
+    std::ofstream latest(dir + "/latest", std::ios::trunc);
+    latest << "\x1b]0;pwned\x07\x1b[2J";
+  }
+  std::ostringstream out;
+  const absl::Status s = RunCkptCommand({"inspect", dir}, out);
+  REQUIRE(s.code() == absl::StatusCode::kDataLoss);
+  REQUIRE(s.message().find('\x1b') == absl::string_view::npos);
+  REQUIRE(absl::StrContains(s.message(), "\\x1b]0;pwned"));
+  const absl::Status flag = RunCkptCommand({"inspect", dir, "--\x1b[2J"}, out);
+  REQUIRE(flag.message().find('\x1b') == absl::string_view::npos);
 }
 
 }  // namespace

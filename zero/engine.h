@@ -183,6 +183,10 @@ class Engine {
   // Unlike every other method it may be called from another thread while the trainer goes on
   // (a checkpoint writer waits here); without a snapshot it returns OK at once.
   absl::Status WaitSnapshot();
+  // WaitSnapshot as a closure that stays safe to call after the engine is destroyed (the
+  // destructor waits for the copies, and the closure then returns their status): what a
+  // checkpoint writer thread that may outlive the engine holds. Thread-safe.
+  std::function<absl::Status()> SnapshotWaiter() const;
 
   // Replaces the optimizer state and the scalar state. `master`, `m` and `v` hold
   // plan().shard_elements floats each, unit u's range at plan().units[u].shard_offset (the

@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -77,6 +78,16 @@ class PosixReadable : public ReadableFile {
   const std::string path_;
 };
 
+absl::Status SyncDirectory(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "open directory", path);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return ErrnoStatus(err, "fsync directory", path);
+  return absl::OkStatus();
+}
+
 absl::Status RemoveTree(const std::string& path) {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) {
@@ -100,29 +111,50 @@ absl::Status RemoveTree(const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status NotRegular(const std::string& path, const struct stat& st) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "'", path, "' is ", S_ISLNK(st.st_mode) ? "a symlink" : "not a regular file",
+      ": checkpoint files are plain files inside the checkpoint"));
+}
+
 class Posix : public FileSystem {
  public:
   absl::StatusOr<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int fd =
+        ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoStatus(errno, "create", path);
     return std::unique_ptr<WritableFile>(new PosixWritable(fd, path));
   }
   absl::StatusOr<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open", path);
+    // O_NONBLOCK: a FIFO in a shard's place must not block the open; it is refused below.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ELOOP) return absl::FailedPreconditionError(absl::StrCat(
+          "'", path, "' is a symlink: checkpoint files are plain files inside the checkpoint"));
+      return ErrnoStatus(errno, "open", path);
+    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      const absl::Status s = NotRegular(path, st);
+      ::close(fd);
+      return s;
+    }
+    ::fcntl(fd, F_SETFL, 0);  // back to blocking reads
     return std::unique_ptr<ReadableFile>(new PosixReadable(fd, path));
   }
   absl::StatusOr<int64_t> FileSize(const std::string& path) override {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, "stat", path);
-    if (!S_ISREG(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat("'", path, "' is not a regular file"));
-    }
+    if (::lstat(path.c_str(), &st) != 0) return ErrnoStatus(errno, "stat", path);
+    if (!S_ISREG(st.st_mode)) return NotRegular(path, st);
     return static_cast<int64_t>(st.st_size);
   }
   bool Exists(const std::string& path) override {
     struct stat st;
-    return ::stat(path.c_str(), &st) == 0;
+    return ::lstat(path.c_str(), &st) == 0;
+  }
+  bool IsDirectory(const std::string& path) override {
+    struct stat st;
+    return ::lstat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
   }
   absl::Status MakeDir(const std::string& path) override {
     if (::mkdir(path.c_str(), 0755) == 0) return absl::OkStatus();
@@ -133,15 +165,7 @@ class Posix : public FileSystem {
     }
     return ErrnoStatus(err, "mkdir", path);
   }
-  absl::Status SyncDir(const std::string& path) override {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open directory", path);
-    const int rc = ::fsync(fd);
-    const int err = errno;
-    ::close(fd);
-    if (rc != 0) return ErrnoStatus(err, "fsync directory", path);
-    return absl::OkStatus();
-  }
+  absl::Status SyncDir(const std::string& path) override { return SyncDirectory(path); }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (::rename(from.c_str(), to.c_str()) != 0) {
       return ErrnoStatus(errno, absl::StrCat("rename to '", to, "' of"), from);
@@ -195,14 +219,131 @@ absl::StatusOr<std::string> ReadSmallFile(FileSystem* fs, const std::string& pat
 absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path,
                                  absl::string_view data) {
   const std::string tmp = path + ".tmp";
-  {
-    ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> f, fs->NewWritableFile(tmp));
+  // Debris of an interrupted write, or a planted symlink: removed, never written through.
+  RETURN_IF_ERROR(fs->RemoveAll(tmp));
+  ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> f, fs->NewWritableFile(tmp));
+  absl::Status s = [&]() -> absl::Status {
     RETURN_IF_ERROR(f->Append(data));
     RETURN_IF_ERROR(f->Sync());
     RETURN_IF_ERROR(f->Close());
+    return fs->Rename(tmp, path);
+  }();
+  if (!s.ok()) {
+    f.reset();
+    (void)fs->RemoveAll(tmp);  // best effort: the error that matters is `s`
+    return s;
   }
-  RETURN_IF_ERROR(fs->Rename(tmp, path));
   return fs->SyncDir(Dirname(path));
+}
+
+// --- DirLock ---------------------------------------------------------------------------------
+
+constexpr char DirLock::kFileName[];
+
+absl::StatusOr<std::unique_ptr<DirLock>> DirLock::Acquire(const std::string& dir) {
+  const std::string path = JoinPath(dir, kFileName);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, "open lock file", path);
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "another writer is saving into '", dir, "' (it holds ", path,
+          "): save into another directory, or wait for it to finish"));
+    }
+    return ErrnoStatus(err, "flock", path);
+  }
+  return std::unique_ptr<DirLock>(new DirLock(fd));
+}
+
+DirLock::~DirLock() { ::close(fd_); }  // releases the flock
+
+// --- PublishedFile ---------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<PublishedFile>> PublishedFile::Create(const std::string& path,
+                                                                     bool unnamed) {
+  absl::string_view base = path;
+  const size_t slash = base.rfind('/');
+  if (slash != absl::string_view::npos) base.remove_prefix(slash + 1);
+  if (base.empty() || base == "." || base == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output path '", path, "' does not name a file"));
+  }
+  const std::string dir = Dirname(path);
+  if (unnamed && ::access("/proc/self/fd", X_OK) == 0) {
+    const int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);
+    if (fd >= 0) return std::unique_ptr<PublishedFile>(new PublishedFile(fd, path, ""));
+    if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+      return ErrnoStatus(errno, "create a temporary file in", dir);
+    }
+  }
+  std::string tmp = JoinPath(dir, absl::StrCat(".", base, ".XXXXXX"));
+  const int fd = ::mkostemp(&tmp[0], O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus(errno, "create a temporary file in", dir);
+  ::fchmod(fd, 0644);
+  return std::unique_ptr<PublishedFile>(new PublishedFile(fd, path, std::move(tmp)));
+}
+
+PublishedFile::~PublishedFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+absl::Status PublishedFile::WriteAt(int64_t offset, absl::string_view data) {
+  while (!data.empty()) {
+    const ssize_t n = ::pwrite(fd_, data.data(), data.size(), offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, "write", path_);
+    }
+    data.remove_prefix(static_cast<size_t>(n));
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PublishedFile::LinkUnnamed(const std::string& to) {
+  const std::string proc = absl::StrCat("/proc/self/fd/", fd_);
+  if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, to.c_str(), AT_SYMLINK_FOLLOW) != 0) {
+    return ErrnoStatus(errno, "create", to);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PublishedFile::Commit(bool overwrite) {
+  if (::fsync(fd_) != 0) return ErrnoStatus(errno, "fsync", path_);
+  if (!overwrite) {
+    // link() never replaces: of two racing writers exactly one creates `path_`.
+    if (unnamed()) {
+      RETURN_IF_ERROR(LinkUnnamed(path_));
+    } else {
+      if (::link(tmp_.c_str(), path_.c_str()) != 0) return ErrnoStatus(errno, "create", path_);
+      ::unlink(tmp_.c_str());
+      tmp_.clear();
+    }
+  } else {
+    if (unnamed()) {
+      // rename() needs a name: give the file a fresh one next to `path_` first.
+      std::string name;
+      absl::Status linked;
+      for (int attempt = 0; attempt < 16; ++attempt) {
+        name = absl::StrCat(path_, ".", ::getpid(), "-", attempt, "-", fd_, ".tmp");
+        linked = LinkUnnamed(name);
+        if (!absl::IsAlreadyExists(linked)) break;
+      }
+      RETURN_IF_ERROR(linked);
+      tmp_ = name;
+    }
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+      return ErrnoStatus(errno, absl::StrCat("rename to '", path_, "' of"), tmp_);
+    }
+    tmp_.clear();
+  }
+  const int fd = fd_;
+  fd_ = -1;
+  ::close(fd);
+  return SyncDirectory(Dirname(path_));
 }
 
 }  // namespace ckpt_internal

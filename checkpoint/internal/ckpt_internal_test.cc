@@ -111,6 +111,59 @@ TEST_CASE("Manifest: base/json's strictness applies, reported as DataLoss", "[ck
   }
 }
 
+TEST_CASE("Manifest: a shape whose element count overflows int64 is refused, not wrapped",
+          "[ckpt]") {
+  // 74696998 x 987817158259 wraps int64 to a small positive count: it once passed the check.
+  const std::vector<int64_t> wraps = {74696998, 987817158259};
+  REQUIRE(ShapeElements(wraps).status().code() == absl::StatusCode::kInvalidArgument);
+  // The boundaries: exactly kMaxElements is accepted, one more element or a product past
+  // 2^63 is refused.
+  REQUIRE(ShapeElements({kMaxElements}).value() == kMaxElements);
+  REQUIRE(ShapeElements({int64_t{1} << 20, int64_t{1} << 20}).value() == kMaxElements);
+  REQUIRE(!ShapeElements({kMaxElements + 1}).ok());
+  REQUIRE(!ShapeElements({(int64_t{1} << 20) + 1, int64_t{1} << 20}).ok());
+  REQUIRE(!ShapeElements({int64_t{1} << 32, int64_t{1} << 32}).ok());
+  REQUIRE(!ShapeElements({3037000500, 3037000500}).ok());  // just past sqrt(2^63)
+  REQUIRE(!ShapeElements({0}).ok());
+  // Through the parser: the manifest names the field.
+  Manifest m = Sample();
+  m.params[2].shape = wraps;
+  auto p = ParseManifest(ManifestToJson(m));
+  REQUIRE(p.status().code() == absl::StatusCode::kDataLoss);
+  REQUIRE(p.status().message().find("params[2].shape: too many elements") !=
+          absl::string_view::npos);
+}
+
+TEST_CASE("Manifest: names must be UTF-8 without control characters, at save and at load",
+          "[ckpt]") {
+  REQUIRE(CheckName("n", "layer.0.w").ok());
+  REQUIRE(CheckName("n", "\xc3\xa9t\xc3\xa9").ok());         // "ete" with accents
+  REQUIRE(CheckName("n", "\xf0\x9f\x98\x80").ok());          // U+1F600
+  for (const char* bad : {"dir\xff", "\xc0\xaf", "\xed\xa0\x80", "\xf4\x90\x80\x80", "\xe2\x82",
+                          "a\x1b[2Jb", "tab\there", "del\x7f"}) {
+    INFO(bad);
+    const absl::Status s = CheckName("params[0].name", bad);
+    REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(s.message().find("params[0].name") != absl::string_view::npos);
+    // The message never carries the raw bytes.
+    REQUIRE(s.message().find('\x1b') == absl::string_view::npos);
+    REQUIRE(s.message().find('\xff') == absl::string_view::npos);
+  }
+  REQUIRE(!CheckName("n", "").ok());
+  REQUIRE(!CheckName("n", std::string(kMaxNameBytes + 1, 'a')).ok());
+  REQUIRE(CheckName("n", std::string(kMaxNameBytes, 'a')).ok());
+  Manifest m = Sample();
+  REQUIRE(CheckManifestStrings(m).ok());
+  m.params[1].name = "w\xff";
+  REQUIRE(CheckManifestStrings(m).message().find("parameter 1 name") != absl::string_view::npos);
+  // An escape sequence is valid JSON (\u001b): the parser refuses it as a name.
+  m.params[1].name = "a\x1b[31mred";
+  auto p = ParseManifest(ManifestToJson(m));
+  REQUIRE(p.status().code() == absl::StatusCode::kDataLoss);
+  REQUIRE(p.status().message().find("params[1].name: control character") !=
+          absl::string_view::npos);
+}
+
 TEST_CASE("ShardHeader: accepted for its own rank and checkpoint only", "[ckpt]") {
   const Manifest m = Sample();
   const std::string h = EncodeShardHeader(m, 1);

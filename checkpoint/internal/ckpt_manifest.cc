@@ -5,6 +5,7 @@
 #include <exception>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -22,6 +23,29 @@ constexpr char kFormatName[] = "zerort-checkpoint";
 absl::Status Bad(absl::string_view field, absl::string_view why) {
   return absl::DataLossError(absl::StrCat("manifest: ", field, ": ", why));
 }
+
+// The length of the UTF-8 sequence starting at s[i] (1..4), or 0 when it is not one: overlong
+// forms, surrogates and code points past U+10FFFF are refused, as JSON writers do.
+size_t Utf8Length(absl::string_view s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  if (c < 0x80) return 1;
+  size_t n;
+  uint32_t cp;
+  if ((c & 0xe0) == 0xc0) { n = 2; cp = c & 0x1f; }
+  else if ((c & 0xf0) == 0xe0) { n = 3; cp = c & 0x0f; }
+  else if ((c & 0xf8) == 0xf0) { n = 4; cp = c & 0x07; }
+  else return 0;
+  if (i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xc0) != 0x80) return 0;
+    cp = cp << 6 | (b(i + k) & 0x3f);
+  }
+  static constexpr uint32_t kMin[5] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return 0;
+  return n;
+}
+
 
 void PutU32(char* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -176,7 +200,8 @@ absl::Status ReadUnits(const JsonFields& r, Manifest* m) {
   for (size_t i = 0; i < units->size(); ++i) {
     JsonFields u((*units)[i], JsonPath("units", i));
     ManifestUnit unit;
-    ASSIGN_OR_RETURN(unit.name, u.String("name"));
+    ASSIGN_OR_RETURN(unit.name, u.String("name", kMaxNameBytes));
+    RETURN_IF_ERROR(CheckName(u.Path("name"), unit.name));
     ASSIGN_OR_RETURN(unit.shard, u.Int("shard", 0, kMaxElements));
     ASSIGN_OR_RETURN(unit.padded, u.Int("padded", 0, kMaxElements));
     ASSIGN_OR_RETURN(unit.shard_offset, u.Int("shard_offset", 0, kMaxElements));
@@ -202,18 +227,19 @@ absl::Status ReadUnits(const JsonFields& r, Manifest* m) {
 // One parameter, inside its unit. REQUIRES: m->units read.
 absl::StatusOr<ManifestParam> ReadParam(const JsonFields& p, const Manifest& m) {
   ManifestParam param;
-  ASSIGN_OR_RETURN(param.name, p.String("name"));
-  if (param.name.empty()) return Bad(p.Path("name"), "empty");
+  ASSIGN_OR_RETURN(param.name, p.String("name", kMaxNameBytes));
+  RETURN_IF_ERROR(CheckName(p.Path("name"), param.name));
   ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", 64));
   if (shape->empty()) return Bad(p.Path("shape"), "empty (a scalar is [1])");
   param.numel = 1;
   for (size_t d = 0; d < shape->size(); ++d) {
     ASSIGN_OR_RETURN(int64_t dim, JsonToInt((*shape)[d], JsonPath(p.Path("shape"), d), 1,
                                             kMaxElements));
-    param.numel *= dim;
-    if (param.numel > kMaxElements) return Bad(p.Path("shape"), "too many elements");
     param.shape.push_back(dim);
   }
+  absl::StatusOr<int64_t> numel = ShapeElements(param.shape);
+  if (!numel.ok()) return Bad(p.Path("shape"), numel.status().message());
+  param.numel = *numel;
   ASSIGN_OR_RETURN(int64_t unit, p.Int("unit", 0, static_cast<int64_t>(m.units.size()) - 1));
   param.unit = static_cast<int>(unit);
   ASSIGN_OR_RETURN(param.offset_in_unit, p.Int("offset_in_unit", 0, kMaxElements));
@@ -314,6 +340,54 @@ absl::Status AsDataLoss(const absl::Status& s) {
 }
 
 }  // namespace
+
+absl::Status CheckName(absl::string_view field, absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": empty"));
+  if (name.size() > static_cast<size_t>(kMaxNameBytes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", name.size(), " bytes, more than ", kMaxNameBytes));
+  }
+  for (size_t i = 0; i < name.size();) {
+    const size_t n = Utf8Length(name, i);
+    if (n == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": not valid UTF-8 at byte ", i, " of '", absl::CHexEscape(name.substr(0, 64)),
+          "'"));
+    }
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (n == 1 && (c < 0x20 || c == 0x7f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": control character at byte ", i, " of '",
+          absl::CHexEscape(name.substr(0, 64)), "'"));
+    }
+    i += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> ShapeElements(const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t d : shape) {
+    if (d < 1) return absl::InvalidArgumentError(absl::StrCat("dimension ", d, " < 1"));
+    // The product is checked at every step: [74696998, 987817158259] wraps int64 to a small
+    // positive count if multiplied blindly.
+    if (__builtin_mul_overflow(numel, d, &numel) || numel > kMaxElements) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("too many elements (more than ", kMaxElements, ")"));
+    }
+  }
+  return numel;
+}
+
+absl::Status CheckManifestStrings(const Manifest& m) {
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    RETURN_IF_ERROR(CheckName(absl::StrCat("unit ", u, " name"), m.units[u].name));
+  }
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    RETURN_IF_ERROR(CheckName(absl::StrCat("parameter ", i, " name"), m.params[i].name));
+  }
+  return CheckName("config_hash", m.config_hash);
+}
 
 int64_t Manifest::ShardFileBytes() const {
   int64_t bytes = kHeaderBytes + 3 * shard_elements * 4;

@@ -35,6 +35,7 @@ constexpr int64_t kHeaderBytes = 64;
 constexpr int64_t kMaxElements = int64_t{1} << 40;
 constexpr int kMaxWorld = 1 << 16;
 constexpr int64_t kMaxManifestBytes = int64_t{256} << 20;
+constexpr int64_t kMaxNameBytes = 4096;
 
 struct ManifestUnit {
   std::string name;
@@ -85,6 +86,17 @@ struct Manifest {
 };
 
 std::string ShardFileName(int rank);  // "rank_00003.bin"
+
+// A parameter or unit name a checkpoint can hold: 1..kMaxNameBytes bytes of valid UTF-8
+// without control characters (JSON cannot carry other bytes, and names are printed).
+// InvalidArgument naming `field` and the offending byte (the name hex-escaped).
+absl::Status CheckName(absl::string_view field, absl::string_view name);
+// Every string ManifestToJson would write passes CheckName (what a save checks on every rank
+// before it writes anything, so that no rank fails alone while encoding the manifest).
+absl::Status CheckManifestStrings(const Manifest& m);
+// The product of `shape`, overflow-checked: InvalidArgument for a dimension < 1 or more than
+// kMaxElements elements.
+absl::StatusOr<int64_t> ShapeElements(const std::vector<int64_t>& shape);
 
 // Pretty JSON with a trailing "manifest_crc32c" over the compact dump of everything else.
 std::string ManifestToJson(const Manifest& m);
