@@ -165,8 +165,9 @@ absl::Status PublishDevice(absl::StatusOr<std::unique_ptr<zerort::Device>> creat
 }
 
 // MPI as zr_mpi_init left it: the session it opened (finalized by zr_mpi_finalize, or at exit).
-absl::Mutex g_mpi_mu;
-std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mpi_mu) {
+ABSL_CONST_INIT absl::Mutex g_mpi_mu(absl::kConstInit);
+std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mpi_mu) {
   static auto* slot = new std::unique_ptr<zerort::comm::MpiSession>();
   return *slot;
 }

@@ -16,7 +16,7 @@
  *   for (...) {
  *     forward reading zr_engine_param(); backward writing zr_engine_grad() then
  *     zr_engine_grad_ready() per parameter (zr_engine_gather / zr_engine_release per unit in
- *     stage 3); zr_step_stats stats = {sizeof stats}; zr_engine_step(e, &stats);
+ *     stage 3); zr_step_stats st = {.struct_size = sizeof st}; zr_engine_step(e, &st);
  *   }
  *   zr_engine_destroy(e);                    // before its communicator and device
  *
@@ -25,7 +25,8 @@
  * offending key, value, parameter or rank. No call aborts or throws across this boundary.
  *
  * Versioned structs: every struct passed by pointer starts with `size_t struct_size`, which the
- * caller sets to sizeof(the struct) as its header declares it (`zr_step_stats s = {sizeof s};`).
+ * caller sets to sizeof(the struct) as its header declares it
+ * (`zr_step_stats s = {.struct_size = sizeof s};`).
  * Fields are only ever appended, so a newer library reads or writes just the first struct_size
  * bytes of an older caller's struct (fields the caller does not know take their defaults); a
  * struct_size below the first published size, or above what the loaded library knows (a caller
@@ -249,8 +250,8 @@ typedef struct zr_step_stats {
 } zr_step_stats;
 
 /* Ends a micro-step; applies AdamW on every gradient_accumulation_steps-th call. `stats` may be
- * NULL; else its struct_size must be set. Collective. ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is
- * missing. */
+ * NULL; else its struct_size must be set (checked before the step is taken). Collective.
+ * ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is missing. */
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats);
 
 /* The full fp32 master weights, concatenated in registration order, into out[0..capacity-1].

@@ -99,7 +99,9 @@ static void* RunRank(void* arg) {
   RankJob* job = (RankJob*)arg;
   const int rank = zr_comm_rank(job->comm);
   const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
-  const zr_param_spec params[2] = {{sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"}, {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
+  const zr_param_spec params[2] = {
+      {sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+      {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
   zr_engine* engine = NULL;
   const zr_engine_options options = {sizeof(zr_engine_options), NULL};
   MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &options, &engine));
@@ -295,7 +297,9 @@ typedef struct {
 
 static int MakeSingle(const char* config, Single* out) {
   const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
-  const zr_param_spec params[2] = {{sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"}, {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
+  const zr_param_spec params[2] = {
+      {sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+      {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
   memset(out, 0, sizeof *out);
   if (zr_comm_group_create(1, 0, &out->comm) != ZR_OK) return 0;
   if (zr_cpu_device_create(1, &out->device) != ZR_OK) return 0;
@@ -330,7 +334,8 @@ static void ErrorPaths(void) {
   zr_device* device = NULL;
   CHECK(zr_comm_group_create(1, 0, &comm) == ZR_OK, "%s", zr_last_error());
   CHECK(zr_cpu_device_create(1, &device) == ZR_OK, "%s", zr_last_error());
-  zr_status st = zr_engine_create("{\"bf16\": {\"enabled\": tru}}", &one, 1, comm, device, NULL, &e);
+  zr_status st =
+      zr_engine_create("{\"bf16\": {\"enabled\": tru}}", &one, 1, comm, device, NULL, &e);
   CHECK(st == ZR_INVALID_ARGUMENT && e == NULL, "malformed JSON: %s", zr_status_name(st));
   /* The error message is per thread: a fresh thread sees none. */
   const char* other = NULL;

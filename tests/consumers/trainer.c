@@ -101,7 +101,7 @@ static void* Train(void* arg) {
     TRY(zr_engine_grad(e, 0, &p));
     zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
     TRY(zr_engine_grad_ready(e, 0));
-    zr_step_stats stats = {sizeof stats};
+    zr_step_stats stats = {.struct_size = sizeof stats};
     TRY(zr_engine_step(e, &stats));
   }
   zr_engine_destroy(e);
@@ -156,7 +156,7 @@ int main(void) {
     fprintf(stderr, "library %s, header %d\n", zr_version_string(), ZR_VERSION);
     return 1;
   }
-  zr_launch_info launch = {sizeof launch};
+  zr_launch_info launch = {.struct_size = sizeof launch};
   const int mpi = zr_launch_info_from_env(&launch) == ZR_OK &&
                   strcmp(launch.source, "openmpi") == 0;
   const int ok = mpi ? RunMpi() : RunInProcess();
