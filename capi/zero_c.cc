@@ -164,7 +164,8 @@ absl::Status PublishDevice(absl::StatusOr<std::unique_ptr<zerort::Device>> creat
   return absl::OkStatus();
 }
 
-// MPI as zr_mpi_init left it: the session it opened (finalized by zr_mpi_finalize, or at exit).
+// The session zr_mpi_init opened, until zr_mpi_finalize. Never destroyed at exit: MPI_Finalize
+// from a static destructor could run after MPI's own teardown.
 ABSL_CONST_INIT absl::Mutex g_mpi_mu(absl::kConstInit);
 std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mpi_mu) {
