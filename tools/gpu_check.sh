@@ -71,7 +71,9 @@ run_tests() {
       note "$t ($label): FAILED (see $name.log and gpu_tests.$label.log)"
       bad=$((bad + 1))
     elif grep -q "SKIPPED:" "$log"; then
-      note "$t ($label): SKIPPED (no GPU): $(grep -m1 -A2 'SKIPPED:' "$log" | tr -s ' \n' ' ')"
+      local why
+      why=$(grep -m1 -A2 'SKIPPED:' "$log" | tr -s ' \n' ' ' | sed 's/^ *SKIPPED: *//')
+      note "$t ($label): SKIPPED (no GPU): $why"
       skipped=$((skipped + 1))
     else
       note "$t ($label): ran on the GPU: passed"
