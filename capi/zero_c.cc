@@ -11,15 +11,22 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/dtype.h"
 #include "base/status.h"
-#include "comm/inprocess.h"
 #include "checkpoint/checkpoint.h"
-#include "zero/config.h"
+#include "comm/inprocess.h"
+#include "comm/mpi.h"
+#include "comm/nccl.h"
+#include "comm/rendezvous.h"
 #include "device/cpu_device.h"
+#include "device/cuda_device.h"
+#include "zero/config.h"
 #include "zero/engine.h"
+#include "zero/report.h"
 
 struct zr_comm {
   std::unique_ptr<zerort::comm::Communicator> comm;
@@ -35,6 +42,9 @@ struct zr_checkpointer {
 
 struct zr_engine {
   std::unique_ptr<zerort::Engine> engine;
+  // Rendered once at creation: the C ABI hands out pointers into them for the engine's lifetime.
+  std::string plan_json;
+  std::string config_notes;
 };
 
 namespace {
@@ -81,6 +91,119 @@ absl::Status NotNull(const void* p, const char* function, const char* argument) 
   return absl::InvalidArgumentError(absl::StrCat(function, ": ", argument, " is NULL"));
 }
 
+#define ZR_STR2(x) #x
+#define ZR_STR(x) ZR_STR2(x)
+constexpr char kVersionString[] =
+    ZR_STR(ZR_VERSION_MAJOR) "." ZR_STR(ZR_VERSION_MINOR) "." ZR_STR(ZR_VERSION_PATCH);
+
+// The size of each versioned struct as first published (0.1.0): a caller built against that
+// header passes exactly this. Every struct is still as first published; when a field is
+// appended to one, specialise this to the old size so that older callers stay accepted.
+template <typename T>
+constexpr size_t FirstPublishedSize() {
+  return sizeof(T);
+}
+
+template <typename T>
+absl::Status CheckStructSize(size_t size, const char* function, const char* type) {
+  if (size >= FirstPublishedSize<T>() && size <= sizeof(T)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      function, ": ", type, ".struct_size is ", size, ", not between ", FirstPublishedSize<T>(),
+      " and ", sizeof(T), ": set it to sizeof(", type,
+      "); a larger value means a header newer than this library (", kVersionString, ")"));
+}
+
+// The caller's struct: its first struct_size bytes over the defaults (zero) of the rest.
+template <typename T>
+absl::StatusOr<T> ReadSized(const T* in, const char* function, const char* type) {
+  RETURN_IF_ERROR(NotNull(in, function, type));
+  RETURN_IF_ERROR(CheckStructSize<T>(in->struct_size, function, type));
+  T out{};
+  std::memcpy(&out, in, in->struct_size);
+  out.struct_size = sizeof(T);
+  return out;
+}
+
+// Writes `value` into the first out->struct_size bytes of the caller's struct.
+template <typename T>
+absl::Status WriteSized(const T& value, T* out, const char* function, const char* type) {
+  RETURN_IF_ERROR(NotNull(out, function, type));
+  const size_t size = out->struct_size;
+  RETURN_IF_ERROR(CheckStructSize<T>(size, function, type));
+  std::memcpy(out, &value, size);
+  out->struct_size = size;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<zerort::comm::CommOptions> MakeCommOptions(int64_t timeout_ms,
+                                                          const char* function) {
+  if (timeout_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(function, ": timeout_ms ", timeout_ms,
+                                                   " must be >= 0 (0 = default)"));
+  }
+  zerort::comm::CommOptions options;
+  if (timeout_ms > 0) options.timeout_ms = timeout_ms;
+  return options;
+}
+
+absl::Status PublishComm(absl::StatusOr<std::unique_ptr<zerort::comm::Communicator>> created,
+                         zr_comm** out) {
+  RETURN_IF_ERROR(created.status());
+  auto wrapper = std::make_unique<zr_comm>();
+  wrapper->comm = std::move(*created);
+  *out = wrapper.release();
+  return absl::OkStatus();
+}
+
+absl::Status PublishDevice(absl::StatusOr<std::unique_ptr<zerort::Device>> created,
+                           zr_device** out) {
+  RETURN_IF_ERROR(created.status());
+  auto wrapper = std::make_unique<zr_device>();
+  wrapper->device = std::move(*created);
+  *out = wrapper.release();
+  return absl::OkStatus();
+}
+
+// The session zr_mpi_init opened, until zr_mpi_finalize. Never destroyed at exit: MPI_Finalize
+// from a static destructor could run after MPI's own teardown.
+ABSL_CONST_INIT absl::Mutex g_mpi_mu(absl::kConstInit);
+std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mpi_mu) {
+  static auto* slot = new std::unique_ptr<zerort::comm::MpiSession>();
+  return *slot;
+}
+
+// The parameter array, read with the caller's element size as the stride.
+absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(const zr_param_spec* params,
+                                                                  int num_params) {
+  if (num_params < 1 || params == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zr_engine_create: needs at least one parameter (num_params ", num_params, ")"));
+  }
+  const size_t stride = params[0].struct_size;
+  RETURN_IF_ERROR(CheckStructSize<zr_param_spec>(stride, "zr_engine_create", "zr_param_spec"));
+  std::vector<zerort::memory::ParamSpec> specs(num_params);
+  for (int i = 0; i < num_params; ++i) {
+    const auto* in = reinterpret_cast<const zr_param_spec*>(
+        reinterpret_cast<const char*>(params) + static_cast<size_t>(i) * stride);
+    if (in->struct_size != stride) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_engine_create: parameter ", i, " has struct_size ", in->struct_size,
+          ", parameter 0 has ", stride, ": every element must set sizeof(zr_param_spec)"));
+    }
+    ASSIGN_OR_RETURN(zr_param_spec p, ReadSized(in, "zr_engine_create", "zr_param_spec"));
+    if (p.name == nullptr || p.module == nullptr || p.ndim < 1 || p.shape == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_engine_create: parameter ", i, " (", p.name == nullptr ? "<NULL name>" : p.name,
+          ") needs a name, a module, ndim >= 1 and a shape"));
+    }
+    specs[i].name = p.name;
+    specs[i].module = p.module;
+    specs[i].shape.assign(p.shape, p.shape + p.ndim);
+  }
+  return specs;
+}
+
 }  // namespace
 
 extern "C" {
@@ -110,6 +233,10 @@ const char* zr_status_name(zr_status status) {
   return "UNKNOWN_STATUS";
 }
 
+int zr_version(void) { return ZR_VERSION; }
+
+const char* zr_version_string(void) { return kVersionString; }
+
 zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** comms) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(comms, "zr_comm_group_create", "comms"));
@@ -117,12 +244,8 @@ zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** com
       return absl::InvalidArgumentError(
           absl::StrCat("zr_comm_group_create: world_size ", world_size, " must be >= 1"));
     }
-    if (timeout_ms < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "zr_comm_group_create: timeout_ms ", timeout_ms, " must be >= 0 (0 = default)"));
-    }
-    zerort::comm::CommOptions options;
-    if (timeout_ms > 0) options.timeout_ms = timeout_ms;
+    ASSIGN_OR_RETURN(zerort::comm::CommOptions options,
+                     MakeCommOptions(timeout_ms, "zr_comm_group_create"));
     ASSIGN_OR_RETURN(auto group, zerort::comm::CreateInProcessGroup(world_size, options));
     // Build every wrapper before publishing any, so that a failure leaves comms untouched.
     std::vector<std::unique_ptr<zr_comm>> wrapped;
@@ -141,6 +264,81 @@ int zr_comm_rank(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm
 
 int zr_comm_size(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm->size(); }
 
+zr_status zr_mpi_init(void) {
+  return Guard([&]() -> absl::Status {
+    absl::MutexLock lock(&g_mpi_mu);
+    if (MpiSessionSlot() != nullptr) return absl::OkStatus();
+    ASSIGN_OR_RETURN(MpiSessionSlot(), zerort::comm::MpiSession::Init(nullptr, nullptr));
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_mpi_finalize(void) {
+  return Guard([&]() -> absl::Status {
+    absl::MutexLock lock(&g_mpi_mu);
+    MpiSessionSlot().reset();
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_mpi_comm_create(const void* mpi_comm, int64_t timeout_ms, zr_comm** comm) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(comm, "zr_mpi_comm_create", "comm"));
+    ASSIGN_OR_RETURN(zerort::comm::CommOptions options,
+                     MakeCommOptions(timeout_ms, "zr_mpi_comm_create"));
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (!initialized || finalized) {
+      return absl::FailedPreconditionError(
+          "zr_mpi_comm_create: MPI is not initialized (call zr_mpi_init or MPI_Init_thread "
+          "first)");
+    }
+    const MPI_Comm base =
+        mpi_comm == nullptr ? MPI_COMM_WORLD : *static_cast<const MPI_Comm*>(mpi_comm);
+    return PublishComm(zerort::comm::CreateMpiCommunicator(base, options), comm);
+  });
+}
+
+zr_status zr_launch_info_from_env(zr_launch_info* info) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(info, "zr_launch_info_from_env", "info"));
+    ASSIGN_OR_RETURN(zerort::comm::LaunchInfo launch, zerort::comm::LaunchInfoFromEnv());
+    zr_launch_info out{};
+    out.struct_size = sizeof(out);
+    out.rank = launch.rank;
+    out.world_size = launch.world_size;
+    out.local_rank = launch.local_rank;
+    out.master_port = launch.master_port;
+    // Static strings: the LaunchInfo dies here.
+    out.source = launch.source == "torchrun" ? "torchrun"
+                 : launch.source == "openmpi" ? "openmpi"
+                                              : "slurm";
+    return WriteSized(out, info, "zr_launch_info_from_env", "zr_launch_info");
+  });
+}
+
+zr_status zr_nccl_comm_wrap(void* nccl_comm, int64_t timeout_ms, zr_comm** comm) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(nccl_comm, "zr_nccl_comm_wrap", "nccl_comm"));
+    RETURN_IF_ERROR(NotNull(comm, "zr_nccl_comm_wrap", "comm"));
+    ASSIGN_OR_RETURN(zerort::comm::CommOptions options,
+                     MakeCommOptions(timeout_ms, "zr_nccl_comm_wrap"));
+    return PublishComm(
+        zerort::comm::CreateNcclCommunicator(static_cast<ncclComm_t>(nccl_comm), options), comm);
+  });
+}
+
+zr_status zr_nccl_comm_create_from_env(int64_t timeout_ms, zr_comm** comm) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(comm, "zr_nccl_comm_create_from_env", "comm"));
+    ASSIGN_OR_RETURN(zerort::comm::CommOptions options,
+                     MakeCommOptions(timeout_ms, "zr_nccl_comm_create_from_env"));
+    ASSIGN_OR_RETURN(zerort::comm::LaunchInfo launch, zerort::comm::LaunchInfoFromEnv());
+    return PublishComm(zerort::comm::CreateNcclCommunicatorFromLaunch(launch, options), comm);
+  });
+}
+
 zr_status zr_cpu_device_create(int threads, zr_device** device) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(device, "zr_cpu_device_create", "device"));
@@ -148,45 +346,46 @@ zr_status zr_cpu_device_create(int threads, zr_device** device) {
       return absl::InvalidArgumentError(
           absl::StrCat("zr_cpu_device_create: threads ", threads, " must be >= 0 (0 = all cores)"));
     }
-    auto wrapper = std::make_unique<zr_device>();
     zerort::CpuDeviceOptions device_options;
     device_options.threads = threads;
-    wrapper->device = zerort::CreateCpuDevice(device_options);
-    *device = wrapper.release();
-    return absl::OkStatus();
+    return PublishDevice(zerort::CreateCpuDevice(device_options), device);
+  });
+}
+
+zr_status zr_cuda_device_create(int ordinal, zr_device** device) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(device, "zr_cuda_device_create", "device"));
+    return PublishDevice(zerort::CreateCudaDevice(ordinal), device);
   });
 }
 
 void zr_device_destroy(zr_device* device) { delete device; }
 
 zr_status zr_engine_create(const char* config_json, const zr_param_spec* params, int num_params,
-                           zr_comm* comm, zr_device* device, zr_engine** engine) {
+                           zr_comm* comm, zr_device* device, const zr_engine_options* options,
+                           zr_engine** engine) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(config_json, "zr_engine_create", "config_json"));
     RETURN_IF_ERROR(NotNull(comm, "zr_engine_create", "comm"));
     RETURN_IF_ERROR(NotNull(device, "zr_engine_create", "device"));
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_create", "engine"));
-    if (num_params < 1 || params == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "zr_engine_create: needs at least one parameter (num_params ", num_params, ")"));
+    zerort::EngineOptions engine_options;
+    if (options != nullptr) {
+      ASSIGN_OR_RETURN(zr_engine_options o,
+                       ReadSized(options, "zr_engine_create", "zr_engine_options"));
+      engine_options.compute_stream = o.compute_stream;
     }
+    ASSIGN_OR_RETURN(std::vector<zerort::memory::ParamSpec> specs,
+                     ReadParams(params, num_params));
     ASSIGN_OR_RETURN(zerort::Config config, zerort::ParseConfig(config_json, "config_json"));
-    std::vector<zerort::memory::ParamSpec> specs(num_params);
-    for (int i = 0; i < num_params; ++i) {
-      const zr_param_spec& p = params[i];
-      if (p.name == nullptr || p.module == nullptr || p.ndim < 1 || p.shape == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "zr_engine_create: parameter ", i, " (", p.name == nullptr ? "<NULL name>" : p.name,
-            ") needs a name, a module, ndim >= 1 and a shape"));
-      }
-      specs[i].name = p.name;
-      specs[i].module = p.module;
-      specs[i].shape.assign(p.shape, p.shape + p.ndim);
-    }
     ASSIGN_OR_RETURN(std::unique_ptr<zerort::Engine> e,
                      zerort::Engine::Create(config, std::move(specs), comm->comm.get(),
-                                            device->device.get()));
+                                            device->device.get(), engine_options));
     auto wrapper = std::make_unique<zr_engine>();
+    wrapper->plan_json = zerort::PlanJson(e->plan()).dump(2);
+    for (const std::string& note : e->config().notes) {
+      absl::StrAppend(&wrapper->config_notes, note, "\n");
+    }
     wrapper->engine = std::move(e);
     *engine = wrapper.release();
     return absl::OkStatus();
@@ -262,21 +461,27 @@ zr_status zr_engine_release(zr_engine* engine, int unit) {
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_step", "engine"));
-    ASSIGN_OR_RETURN(zerort::StepStats s, engine->engine->Step());
+    // Checked before the step: a bad struct must not leave a step applied but unreported.
     if (stats != nullptr) {
-      stats->boundary = s.boundary ? 1 : 0;
-      stats->skipped = s.skipped ? 1 : 0;
-      stats->step = s.step;
-      stats->loss_scale = s.loss_scale;
-      stats->grad_norm = s.grad_norm;
-      stats->clip_coef = s.clip_coef;
-      stats->comm_bytes = s.comm_bytes;
-      stats->reduce_ms = s.reduce_ms;
-      stats->optimizer_ms = s.optimizer_ms;
-      stats->gather_ms = s.gather_ms;
-      stats->total_ms = s.total_ms;
+      RETURN_IF_ERROR(CheckStructSize<zr_step_stats>(stats->struct_size, "zr_engine_step",
+                                                     "zr_step_stats"));
     }
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(zerort::StepStats s, engine->engine->Step());
+    if (stats == nullptr) return absl::OkStatus();
+    zr_step_stats out{};
+    out.boundary = s.boundary ? 1 : 0;
+    out.skipped = s.skipped ? 1 : 0;
+    out.step = s.step;
+    out.loss_scale = s.loss_scale;
+    out.grad_norm = s.grad_norm;
+    out.clip_coef = s.clip_coef;
+    out.comm_bytes = s.comm_bytes;
+    out.reduce_ms = s.reduce_ms;
+    out.optimizer_ms = s.optimizer_ms;
+    out.gather_ms = s.gather_ms;
+    out.offload_wait_ms = s.offload_wait_ms;
+    out.total_ms = s.total_ms;
+    return WriteSized(out, stats, "zr_engine_step", "zr_step_stats");
   });
 }
 
@@ -299,25 +504,55 @@ zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t
 zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_plan_summary", "engine"));
-    RETURN_IF_ERROR(NotNull(out, "zr_engine_plan_summary", "out"));
     const zerort::memory::Plan& plan = engine->engine->plan();
     const zerort::MemoryReport report = engine->engine->memory_report();
-    std::memset(out, 0, sizeof(*out));
-    out->stage = plan.options.stage;
-    out->world_size = plan.options.world_size;
-    out->rank = plan.options.rank;
-    out->compute_dtype = static_cast<zr_dtype>(plan.options.compute_dtype);
-    out->num_params = engine->engine->num_params();
-    out->num_units = engine->engine->num_units();
-    out->num_elements = plan.num_elements;
-    out->padded_elements = plan.padded_elements;
-    out->shard_elements = plan.shard_elements;
-    out->model_state_bytes = plan.model_state_bytes;
-    out->comm_bytes_per_step = plan.comm_bytes_per_step;
+    zr_plan_summary summary{};
+    summary.stage = plan.options.stage;
+    summary.world_size = plan.options.world_size;
+    summary.rank = plan.options.rank;
+    summary.compute_dtype = static_cast<zr_dtype>(plan.options.compute_dtype);
+    summary.num_params = engine->engine->num_params();
+    summary.num_units = engine->engine->num_units();
+    summary.num_elements = plan.num_elements;
+    summary.padded_elements = plan.padded_elements;
+    summary.shard_elements = plan.shard_elements;
+    summary.model_state_bytes = plan.model_state_bytes;
+    summary.comm_bytes_per_step = plan.comm_bytes_per_step;
     for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
-      out->planned_bytes[k] = report.planned[k];
-      out->allocated_bytes[k] = report.allocated[k];
+      summary.planned_bytes[k] = report.planned[k];
+      summary.allocated_bytes[k] = report.allocated[k];
     }
+    return WriteSized(summary, out, "zr_engine_plan_summary", "zr_plan_summary");
+  });
+}
+
+zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_memory_report", "engine"));
+    const zerort::MemoryReport report = engine->engine->memory_report();
+    zr_memory_report r{};
+    for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
+      r.planned_bytes[k] = report.planned[k];
+      r.allocated_bytes[k] = report.allocated[k];
+    }
+    return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
+  });
+}
+
+zr_status zr_engine_plan_json(const zr_engine* engine, const char** json) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_plan_json", "engine"));
+    RETURN_IF_ERROR(NotNull(json, "zr_engine_plan_json", "json"));
+    *json = engine->plan_json.c_str();
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_config_notes", "engine"));
+    RETURN_IF_ERROR(NotNull(notes, "zr_engine_config_notes", "notes"));
+    *notes = engine->config_notes.c_str();
     return absl::OkStatus();
   });
 }

@@ -1,19 +1,22 @@
 /* zero_c.h: the C ABI of the zerort engine, for trainers written in C or bound from other
  * languages (ctypes, cgo, Rust FFI). The same calls as zero/engine.h over opaque handles.
+ * Installed as <zerort/zero_c.h> with libzerort (tools/install.sh, docs/embedding.md); plain
+ * C99, no header but <stddef.h> and <stdint.h> (MPI, NCCL and CUDA handles travel as void*).
  *
  *   zr_comm* comms[2];
  *   zr_device* device;
  *   zr_comm_group_create(2, 0, comms);      // in-process ranks: one thread per rank
  *   zr_cpu_device_create(1, &device);        // may be shared by every in-process rank
  *   // on rank r's thread:
+ *   zr_param_spec params[1] = {{sizeof(zr_param_spec), "fc.w", 2, shape, "fc"}};
  *   zr_engine* e;
- *   if (zr_engine_create(json, params, n, comms[r], device, &e) != ZR_OK)
+ *   if (zr_engine_create(json, params, 1, comms[r], device, NULL, &e) != ZR_OK)
  *     fprintf(stderr, "%s\n", zr_last_error());
  *   zr_engine_init_params(e, my_init, my_data, 1);
  *   for (...) {
  *     forward reading zr_engine_param(); backward writing zr_engine_grad() then
  *     zr_engine_grad_ready() per parameter (zr_engine_gather / zr_engine_release per unit in
- *     stage 3); zr_engine_step(e, &stats);
+ *     stage 3); zr_step_stats st = {.struct_size = sizeof st}; zr_engine_step(e, &st);
  *   }
  *   zr_engine_destroy(e);                    // before its communicator and device
  *
@@ -21,25 +24,51 @@
  * absl::StatusCode) and sets a thread-local message, read with zr_last_error(), that names the
  * offending key, value, parameter or rank. No call aborts or throws across this boundary.
  *
+ * Versioned structs: every struct passed by pointer starts with `size_t struct_size`, which the
+ * caller sets to sizeof(the struct) as its header declares it
+ * (`zr_step_stats s = {.struct_size = sizeof s};`).
+ * Fields are only ever appended, so a newer library reads or writes just the first struct_size
+ * bytes of an older caller's struct (fields the caller does not know take their defaults); a
+ * struct_size below the first published size, or above what the loaded library knows (a caller
+ * built against a newer header), is ZR_INVALID_ARGUMENT naming the struct.
+ *
  * Buffers: as in zero/engine.h. zr_engine_param() pointers are stable for the engine's lifetime
  * in stages 0-2 and valid between gather and release of their unit in stage 3;
  * zr_engine_grad() pointers are zero-filled when handed out and valid until grad_ready of the
- * last parameter of their unit. Values are in the compute dtype (zr_engine_compute_dtype():
- * bf16 / fp16 as raw uint16_t bits, or float); zr_convert() converts.
+ * last parameter of their unit. On the CUDA device both are device memory, written and read on
+ * the engine's compute stream. Values are in the compute dtype (zr_engine_compute_dtype():
+ * bf16 / fp16 as raw uint16_t bits, or float); zr_convert() converts host buffers. Strings the
+ * library returns (const char*) are owned by it; each call says how long they stay valid.
+ * Strings and arrays the caller passes are copied before the call returns unless stated.
  *
  * Thread safety: an engine and a communicator are used by one thread at a time (their rank's);
  * a device may be shared. zr_last_error() is per thread. Collective calls (create,
- * init_params, gather, grad_ready, step, gather_master_weights, the checkpoint calls) must be
- * made by every rank of the group in the same order.
+ * init_params, gather, grad_ready, step, gather_master_weights, the checkpoint calls, the
+ * MPI and NCCL communicator creation) must be made by every rank of the group in the same
+ * order.
  */
 #ifndef ZERORT_CAPI_ZERO_C_H_
 #define ZERORT_CAPI_ZERO_C_H_
 
+#include <stddef.h>
 #include <stdint.h>
+
+/* The version of this header. The library's soname carries the major version
+ * (libzerort.so.0); within a major version the ABI only grows (new calls, appended fields). */
+#define ZR_VERSION_MAJOR 0
+#define ZR_VERSION_MINOR 1
+#define ZR_VERSION_PATCH 0
+#define ZR_VERSION (ZR_VERSION_MAJOR * 10000 + ZR_VERSION_MINOR * 100 + ZR_VERSION_PATCH)
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The version of the loaded library, as ZR_VERSION computes it; compare with ZR_VERSION to
+ * detect a library older than the header a program was built with. */
+int zr_version(void);
+/* "0.1.0": the same version as a string. Static storage, never NULL. */
+const char* zr_version_string(void);
 
 /* Mirrors absl::StatusCode, value for value. */
 typedef enum zr_status {
@@ -84,38 +113,101 @@ const char* zr_last_error(void);
 /* "OK", "INVALID_ARGUMENT", ...: the name of a status code. Never NULL. */
 const char* zr_status_name(zr_status status);
 
-/* ---- Communicators and devices ---- */
+/* ---- Communicators ----
+ * Every creation call writes its result only on success. timeout_ms: how long a collective (and
+ * the creation itself, where it waits for peers) waits before failing with
+ * ZR_DEADLINE_EXCEEDED; 0 = the default, 600000. A communicator is destroyed after every engine
+ * using it. */
 
 /* Creates an in-process group of `world_size` communicators, one per rank, written to
- * comms[0..world_size-1]; each is then used by its rank's thread. timeout_ms: how long a
- * collective waits for its peers (0 = the default, 600000). Destroying one rank's communicator
- * while its peers wait makes them fail with ZR_UNAVAILABLE instead of hanging.
+ * comms[0..world_size-1]; each is then used by its rank's thread. Destroying one rank's
+ * communicator while its peers wait makes them fail with ZR_UNAVAILABLE instead of hanging.
  * REQUIRES: world_size >= 1, comms holds world_size pointers. */
 zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** comms);
 void zr_comm_destroy(zr_comm* comm); /* NULL is a no-op */
 int zr_comm_rank(const zr_comm* comm); /* -1 for NULL */
 int zr_comm_size(const zr_comm* comm); /* -1 for NULL */
 
+/* Initializes MPI with MPI_THREAD_SERIALIZED unless it already is (then it checks the thread
+ * level), for programs that do not call MPI_Init_thread themselves. Not collective by itself,
+ * but MPI_Init is: every process of the job calls it. Idempotent. */
+zr_status zr_mpi_init(void);
+/* Finalizes MPI if zr_mpi_init initialized it; otherwise a no-op (the trainer owns MPI). Call
+ * after destroying every MPI communicator. */
+zr_status zr_mpi_finalize(void);
+/* An MPI communicator over `mpi_comm`: the address of the trainer's MPI_Comm (passed by address
+ * so this header needs no mpi.h; the library dups it, so the trainer may free its own after
+ * this returns), or NULL for MPI_COMM_WORLD. Ranks are MPI processes; buffers are host memory
+ * (the CPU device). Collective over mpi_comm. ZR_FAILED_PRECONDITION when MPI is not
+ * initialized (call zr_mpi_init or MPI_Init_thread first). */
+zr_status zr_mpi_comm_create(const void* mpi_comm, int64_t timeout_ms, zr_comm** comm);
+
+/* Where this process sits in the job, as its launcher (torchrun, mpirun, srun) describes it in
+ * the environment (comm/rendezvous.h: RANK/WORLD_SIZE/LOCAL_RANK, OMPI_COMM_WORLD_*,
+ * SLURM_*; MASTER_ADDR/MASTER_PORT). */
+typedef struct zr_launch_info {
+  size_t struct_size;  /* sizeof(zr_launch_info) */
+  int rank;
+  int world_size;
+  int local_rank;      /* index among the ranks of this node: the GPU ordinal to use */
+  int master_port;     /* 0 when MASTER_PORT is unset */
+  const char* source;  /* "torchrun", "openmpi" or "slurm"; static storage */
+} zr_launch_info;
+/* ZR_NOT_FOUND when no launcher variables are set; ZR_INVALID_ARGUMENT naming the variable
+ * when one is malformed. */
+zr_status zr_launch_info_from_env(zr_launch_info* info);
+
+/* NCCL communicators: buffers are device memory (the CUDA device), collectives are enqueued on
+ * the engine's compute stream. A library built here always contains them; without a usable
+ * GPU or driver they fail with the CUDA runtime's reason.
+ *
+ * Wraps the trainer's existing communicator (`nccl_comm` is its ncclComm_t) without taking
+ * ownership: it must outlive the zr_comm, and the trainer still destroys it. Binds the CUDA
+ * device current on the calling thread. ZR_INVALID_ARGUMENT for NULL. */
+zr_status zr_nccl_comm_wrap(void* nccl_comm, int64_t timeout_ms, zr_comm** comm);
+/* Creates and owns one, bootstrapped from the launcher's environment (zr_launch_info_from_env):
+ * rank 0 makes the NCCL id and serves it over TCP at MASTER_ADDR:MASTER_PORT; the device is
+ * LOCAL_RANK. Collective over the job. */
+zr_status zr_nccl_comm_create_from_env(int64_t timeout_ms, zr_comm** comm);
+
+/* ---- Devices ---- */
+
 /* The CPU device; threads for its kernels (0 = all cores). */
 zr_status zr_cpu_device_create(int threads, zr_device** device);
+/* The CUDA device for GPU `ordinal` (as numbered under CUDA_VISIBLE_DEVICES). Without a usable
+ * GPU: ZR_FAILED_PRECONDITION with the driver's reason ("no CUDA device: cudaGetDeviceCount
+ * failed: ..."); ZR_INVALID_ARGUMENT for an ordinal outside the visible devices. */
+zr_status zr_cuda_device_create(int ordinal, zr_device** device);
 void zr_device_destroy(zr_device* device); /* NULL is a no-op; after every engine using it */
 
 /* ---- Engine ---- */
 
 /* One parameter tensor. The strings and the shape are copied by zr_engine_create. */
 typedef struct zr_param_spec {
+  size_t struct_size;    /* sizeof(zr_param_spec); the same in every element of the array */
   const char* name;      /* unique */
   int ndim;              /* >= 1 */
   const int64_t* shape;  /* ndim entries, each >= 1 */
   const char* module;    /* the layer it belongs to: parameters of one module stay together */
 } zr_param_spec;
 
+/* How the engine meets the trainer's device work. */
+typedef struct zr_engine_options {
+  size_t struct_size;   /* sizeof(zr_engine_options) */
+  /* The trainer's compute stream (a cudaStream_t on the CUDA device; NULL = the default
+   * stream; ignored by the CPU device). The engine enqueues its device work there, so gradients
+   * written on it before grad_ready and parameters read on it after gather are ordered without
+   * host waits. Must outlive the engine. */
+  void* compute_stream;
+} zr_engine_options;
+
 /* Parses `config_json` (DeepSpeed-style keys, docs/config.md), plans and allocates exactly the
- * plan. `comm` and `device` must outlive the engine. Every rank calls it. Errors: ZR_INVALID_ARGUMENT
- * for a bad config (the message names the key) or parameter list; ZR_RESOURCE_EXHAUSTED when
- * the plan does not fit. */
+ * plan. `comm` and `device` must outlive the engine; `options` may be NULL (the defaults). Every
+ * rank calls it. Errors: ZR_INVALID_ARGUMENT for a bad config (the message names the key) or
+ * parameter list; ZR_RESOURCE_EXHAUSTED when the plan does not fit. */
 zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
-                           int num_params, zr_comm* comm, zr_device* device, zr_engine** engine);
+                           int num_params, zr_comm* comm, zr_device* device,
+                           const zr_engine_options* options, zr_engine** engine);
 void zr_engine_destroy(zr_engine* engine); /* NULL is a no-op */
 
 /* Fills values[0..numel-1] (row-major) with the initial value of parameter `index`. */
@@ -142,6 +234,7 @@ zr_status zr_engine_release(zr_engine* engine, int unit);
 
 /* What one zr_engine_step did (zerort::StepStats). */
 typedef struct zr_step_stats {
+  size_t struct_size;   /* sizeof(zr_step_stats) */
   int boundary;         /* 0: a micro-step inside an accumulation window, nothing applied */
   int skipped;          /* fp16 overflow: the update was skipped on every rank */
   int64_t step;         /* optimizer steps applied so far */
@@ -152,12 +245,13 @@ typedef struct zr_step_stats {
   double reduce_ms;
   double optimizer_ms;
   double gather_ms;
-  double total_ms;
+  double offload_wait_ms; /* offload: host time waiting for gradient/parameter copies */
+  double total_ms;        /* wall time of this step call */
 } zr_step_stats;
 
 /* Ends a micro-step; applies AdamW on every gradient_accumulation_steps-th call. `stats` may be
- * NULL. Collective. ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is
- * missing. */
+ * NULL; else its struct_size must be set (checked before the step is taken). Collective.
+ * ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is missing. */
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats);
 
 /* The full fp32 master weights, concatenated in registration order, into out[0..capacity-1].
@@ -167,6 +261,7 @@ zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t
 /* ---- Plan and state ---- */
 
 typedef struct zr_plan_summary {
+  size_t struct_size;         /* sizeof(zr_plan_summary) */
   int stage;                  /* the stage in effect ("auto" resolved) */
   int world_size;
   int rank;
@@ -183,6 +278,22 @@ typedef struct zr_plan_summary {
 } zr_plan_summary;
 
 zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out);
+
+/* Bytes the engine allocated for each memory kind, beside what the plan listed. */
+typedef struct zr_memory_report {
+  size_t struct_size;                            /* sizeof(zr_memory_report) */
+  int64_t planned_bytes[ZR_NUM_MEMORY_KINDS];    /* per zr_memory_kind */
+  int64_t allocated_bytes[ZR_NUM_MEMORY_KINDS];
+} zr_memory_report;
+zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out);
+
+/* The plan as JSON (what `zerort plan --json` prints: per-rank bytes, units, buffers), into
+ * *json. The string is owned by the engine and valid until zr_engine_destroy. */
+zr_status zr_engine_plan_json(const zr_engine* engine, const char** json);
+/* The config's notes: one line per key that was accepted but has no effect here (Config::notes),
+ * each ending in '\n'; "" when there are none. Owned by the engine, valid until
+ * zr_engine_destroy. */
+zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes);
 /* The unit (gradient bucket and stage-3 gather unit) parameter i belongs to. */
 zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit);
 /* REQUIRES: engine != NULL (these cannot report an error). */

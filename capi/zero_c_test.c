@@ -1,9 +1,11 @@
 /* The C ABI from C: a linear regression trained on 2 in-process ranks (pthreads) under every
  * stage, checked against the teacher weights that generated the data, with an asynchronous
  * checkpoint taken mid-run and a synchronous one at the end, both reloaded into fresh engines;
- * plus the error paths. Plain C (no Catch2): a failed check prints its line and the test exits
- * non-zero. */
-#define _POSIX_C_SOURCE 200809L /* mkdtemp */
+ * plus the error paths, the versioned structs, the plan JSON, config notes, the launcher
+ * environment and the GPU calls on a machine without a GPU. MPI runs under mpirun in
+ * //tests/consumers:trainer_mpi_test. Plain C (no Catch2): a failed check prints its line and
+ * the test exits non-zero. */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, setenv */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -11,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "capi/zero_c.h"
+#include "zerort/zero_c.h"
 
 #define IN 6
 #define OUT 3
@@ -97,9 +99,12 @@ static void* RunRank(void* arg) {
   RankJob* job = (RankJob*)arg;
   const int rank = zr_comm_rank(job->comm);
   const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
-  const zr_param_spec params[2] = {{"fc.w", 2, w_shape, "fc"}, {"fc.b", 1, b_shape, "fc"}};
+  const zr_param_spec params[2] = {
+      {sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+      {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
   zr_engine* engine = NULL;
-  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &engine));
+  const zr_engine_options options = {sizeof(zr_engine_options), NULL};
+  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &options, &engine));
   MUST(zr_engine_init_params(engine, InitParams, NULL, 1));
   CHECK(strcmp(zr_last_error(), "") == 0, "after success: '%s'", zr_last_error());
   const zr_dtype dtype = zr_engine_compute_dtype(engine);
@@ -170,9 +175,12 @@ static void* RunRank(void* arg) {
       zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
       MUST(zr_engine_grad_ready(engine, 0));
     }
-    zr_step_stats stats;
+    zr_step_stats stats = {sizeof stats};
     MUST(zr_engine_step(engine, &stats));
-    CHECK(stats.boundary == 1, "step %d", step);
+    CHECK(stats.struct_size == sizeof stats && stats.boundary == 1 &&
+              stats.step == zr_engine_step_count(engine) && stats.offload_wait_ms >= 0 &&
+              stats.total_ms >= stats.optimizer_ms,
+          "step %d: boundary %d, step %lld", step, stats.boundary, (long long)stats.step);
     if (step == CKPT_STEP) {
       job->saved_step = zr_engine_step_count(engine);
       MUST(zr_engine_gather_master_weights(engine, job->saved_master, NUM_ELEMENTS));
@@ -182,6 +190,7 @@ static void* RunRank(void* arg) {
   }
   zr_checkpointer_destroy(ck);
   job->steps_applied = zr_engine_step_count(engine);
+  job->plan.struct_size = sizeof job->plan;
   MUST(zr_engine_plan_summary(engine, &job->plan));
   MUST(zr_engine_gather_master_weights(engine, job->master, NUM_ELEMENTS));
   MUST(zr_engine_save_checkpoint(engine, job->ckpt_root));
@@ -190,7 +199,7 @@ static void* RunRank(void* arg) {
   /* Fresh engines: the mid-run checkpoint by its directory, the final one through `latest`. */
   char path[512];
   snprintf(path, sizeof path, "%s/step_%lld", job->ckpt_root, (long long)job->saved_step);
-  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, &engine));
+  MUST(zr_engine_create(job->config, params, 2, job->comm, job->device, NULL, &engine));
   MUST(zr_engine_init_params(engine, InitParams, NULL, 1));
   MUST(zr_engine_load_checkpoint(engine, path, 0));
   job->loaded_step = zr_engine_step_count(engine);
@@ -288,11 +297,14 @@ typedef struct {
 
 static int MakeSingle(const char* config, Single* out) {
   const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
-  const zr_param_spec params[2] = {{"fc.w", 2, w_shape, "fc"}, {"fc.b", 1, b_shape, "fc"}};
+  const zr_param_spec params[2] = {
+      {sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+      {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
   memset(out, 0, sizeof *out);
   if (zr_comm_group_create(1, 0, &out->comm) != ZR_OK) return 0;
   if (zr_cpu_device_create(1, &out->device) != ZR_OK) return 0;
-  return zr_engine_create(config, params, 2, out->comm, out->device, &out->engine) == ZR_OK &&
+  return zr_engine_create(config, params, 2, out->comm, out->device, NULL, &out->engine) ==
+             ZR_OK &&
          zr_engine_init_params(out->engine, InitParams, NULL, 0) == ZR_OK;
 }
 
@@ -316,13 +328,14 @@ static void ErrorPaths(void) {
   FreeSingle(&s);
   /* Malformed JSON. */
   const int64_t shape[1] = {4};
-  const zr_param_spec one = {"p", 1, shape, "m"};
+  const zr_param_spec one = {sizeof(zr_param_spec), "p", 1, shape, "m"};
   zr_engine* e = NULL;
   zr_comm* comm = NULL;
   zr_device* device = NULL;
   CHECK(zr_comm_group_create(1, 0, &comm) == ZR_OK, "%s", zr_last_error());
   CHECK(zr_cpu_device_create(1, &device) == ZR_OK, "%s", zr_last_error());
-  zr_status st = zr_engine_create("{\"bf16\": {\"enabled\": tru}}", &one, 1, comm, device, &e);
+  zr_status st =
+      zr_engine_create("{\"bf16\": {\"enabled\": tru}}", &one, 1, comm, device, NULL, &e);
   CHECK(st == ZR_INVALID_ARGUMENT && e == NULL, "malformed JSON: %s", zr_status_name(st));
   /* The error message is per thread: a fresh thread sees none. */
   const char* other = NULL;
@@ -332,12 +345,12 @@ static void ErrorPaths(void) {
   CHECK(other != NULL && other[0] == '\0' && zr_last_error()[0] != '\0',
         "thread-local error: '%s'", other ? other : "(null)");
   /* NULL arguments and bad shapes are InvalidArgument naming the argument or parameter. */
-  st = zr_engine_create("{}", &one, 1, comm, device, NULL);
+  st = zr_engine_create("{}", &one, 1, comm, device, NULL, NULL);
   CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "engine") != NULL, "%s",
         zr_last_error());
   const int64_t bad_shape[2] = {4, 0};
-  const zr_param_spec bad = {"bad.w", 2, bad_shape, "m"};
-  st = zr_engine_create("{}", &bad, 1, comm, device, &e);
+  const zr_param_spec bad = {sizeof(zr_param_spec), "bad.w", 2, bad_shape, "m"};
+  st = zr_engine_create("{}", &bad, 1, comm, device, NULL, &e);
   CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "bad.w") != NULL, "%s: %s",
         zr_status_name(st), zr_last_error());
   st = zr_comm_group_create(0, 0, &comm);
@@ -376,6 +389,121 @@ static void ErrorPaths(void) {
   }
 }
 
+/* The version, the struct_size checks, the plan JSON, config notes and the memory report. */
+static void VersionAndIntrospection(void) {
+  char expected[32];
+  snprintf(expected, sizeof expected, "%d.%d.%d", ZR_VERSION_MAJOR, ZR_VERSION_MINOR,
+           ZR_VERSION_PATCH);
+  CHECK(zr_version() == ZR_VERSION && strcmp(zr_version_string(), expected) == 0,
+        "version %d '%s', header %d", zr_version(), zr_version_string(), ZR_VERSION);
+  Single s;
+  CHECK(MakeSingle("{\"zero_optimization\": {\"stage\": 2, \"round_robin_gradients\": true}}",
+                   &s),
+        "%s", zr_last_error());
+  if (s.engine == NULL) {
+    FreeSingle(&s);
+    return;
+  }
+  const char* notes = NULL;
+  CHECK(zr_engine_config_notes(s.engine, &notes) == ZR_OK && notes != NULL &&
+            strstr(notes, "zero_optimization.round_robin_gradients") != NULL &&
+            notes[strlen(notes) - 1] == '\n',
+        "notes: '%s'", notes ? notes : "(null)");
+  const char* json = NULL;
+  CHECK(zr_engine_plan_json(s.engine, &json) == ZR_OK && json != NULL && json[0] == '{' &&
+            strstr(json, "\"stage\": 2") != NULL && strstr(json, "\"buffers\"") != NULL,
+        "plan json: %.200s", json ? json : "(null)");
+  zr_plan_summary plan = {sizeof plan};
+  zr_memory_report report = {sizeof report};
+  CHECK(zr_engine_plan_summary(s.engine, &plan) == ZR_OK &&
+            zr_engine_memory_report(s.engine, &report) == ZR_OK,
+        "%s", zr_last_error());
+  for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
+    CHECK(report.planned_bytes[k] == plan.planned_bytes[k] &&
+              report.allocated_bytes[k] == plan.allocated_bytes[k],
+          "kind %d: report %lld/%lld, summary %lld/%lld", k, (long long)report.planned_bytes[k],
+          (long long)report.allocated_bytes[k], (long long)plan.planned_bytes[k],
+          (long long)plan.allocated_bytes[k]);
+  }
+  CHECK(report.planned_bytes[ZR_MEMORY_DEVICE] > 0, "no device bytes planned");
+  /* struct_size unset (0) or larger than this library knows: rejected, naming the struct, and
+   * the step is not taken. */
+  zr_step_stats stats;
+  memset(&stats, 0, sizeof stats);
+  zr_status st = zr_engine_step(s.engine, &stats);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "zr_step_stats.struct_size") != NULL,
+        "struct_size 0: %s: %s", zr_status_name(st), zr_last_error());
+  stats.struct_size = sizeof stats + 8;
+  st = zr_engine_step(s.engine, &stats);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "newer") != NULL, "%s: %s",
+        zr_status_name(st), zr_last_error());
+  CHECK(zr_engine_step_count(s.engine) == 0, "a rejected step was applied");
+  plan.struct_size = 4;
+  st = zr_engine_plan_summary(s.engine, &plan);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "zr_plan_summary") != NULL, "%s",
+        zr_last_error());
+  const zr_engine_options bad_options = {3, NULL};
+  const int64_t shape[1] = {4};
+  zr_param_spec specs[2] = {{sizeof(zr_param_spec), "a", 1, shape, "m"},
+                            {sizeof(zr_param_spec), "b", 1, shape, "m"}};
+  zr_engine* e = NULL;
+  st = zr_engine_create("{}", specs, 2, s.comm, s.device, &bad_options, &e);
+  CHECK(st == ZR_INVALID_ARGUMENT && e == NULL && strstr(zr_last_error(), "zr_engine_options"),
+        "%s", zr_last_error());
+  specs[1].struct_size = 0;
+  st = zr_engine_create("{}", specs, 2, s.comm, s.device, NULL, &e);
+  CHECK(st == ZR_INVALID_ARGUMENT && e == NULL && strstr(zr_last_error(), "parameter 1"), "%s",
+        zr_last_error());
+  FreeSingle(&s);
+}
+
+/* The launcher environment, MPI before initialization, and the GPU calls: here, without a GPU,
+ * they must fail with the driver's reason rather than crash or pretend. */
+static void LaunchMpiAndGpu(void) {
+  zr_launch_info info = {sizeof info};
+  zr_status st = zr_launch_info_from_env(&info);
+  CHECK(st == ZR_NOT_FOUND, "no launcher variables: %s: %s", zr_status_name(st), zr_last_error());
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "4", 1);
+  setenv("LOCAL_RANK", "1", 1);
+  st = zr_launch_info_from_env(&info);
+  CHECK(st == ZR_OK && info.rank == 1 && info.world_size == 4 && info.local_rank == 1 &&
+            strcmp(info.source, "torchrun") == 0,
+        "torchrun variables: %s: %s", zr_status_name(st), zr_last_error());
+  setenv("WORLD_SIZE", "x", 1);
+  st = zr_launch_info_from_env(&info);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "WORLD_SIZE") != NULL, "%s",
+        zr_last_error());
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("LOCAL_RANK");
+
+  zr_comm* comm = NULL;
+  st = zr_mpi_comm_create(NULL, 0, &comm);
+  CHECK(st == ZR_FAILED_PRECONDITION && comm == NULL && strstr(zr_last_error(), "zr_mpi_init"),
+        "MPI not initialized: %s: %s", zr_status_name(st), zr_last_error());
+  st = zr_nccl_comm_wrap(NULL, 0, &comm);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "nccl_comm") != NULL, "%s",
+        zr_last_error());
+  st = zr_nccl_comm_create_from_env(0, &comm);
+  CHECK(st == ZR_NOT_FOUND && comm == NULL, "NCCL without launcher variables: %s: %s",
+        zr_status_name(st), zr_last_error());
+
+  zr_device* device = NULL;
+  st = zr_cuda_device_create(0, &device);
+  if (st == ZR_OK) {
+    printf("zero_c_test: a CUDA device exists; created and destroyed it\n");
+    zr_device_destroy(device);
+  } else {
+    CHECK(st == ZR_FAILED_PRECONDITION && device == NULL &&
+              strstr(zr_last_error(), "CUDA") != NULL,
+          "no GPU: %s: %s", zr_status_name(st), zr_last_error());
+    printf("zero_c_test: zr_cuda_device_create: %s: %s\n", zr_status_name(st), zr_last_error());
+  }
+  st = zr_cuda_device_create(-1, &device);
+  CHECK(st != ZR_OK && device == NULL, "ordinal -1 accepted");
+}
+
 static void Conversions(void) {
   /* Round to nearest, ties to even. bf16 keeps 7 fraction bits, fp16 10:
    * 1 + 2^-8 is a bf16 tie (1 | 1 + 2^-7) -> 1, exact in fp16;
@@ -400,6 +528,8 @@ int main(void) {
     for (int stage = 0; stage <= 3; ++stage) TrainOnTwoRanks(precisions[p], stage, stage == 1);
   }
   ErrorPaths();
+  VersionAndIntrospection();
+  LaunchMpiAndGpu();
   Conversions();
   if (g_failures != 0) {
     fprintf(stderr, "zero_c_test: %d check(s) failed\n", g_failures);

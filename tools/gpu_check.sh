@@ -5,7 +5,9 @@
 #   OUTDIR/gpu_tests.log         bazel's output for the gpu-tagged tests
 #   OUTDIR/<package>_<test>.log  each test's full log (Catch2 output, SKIPPED lines included)
 #   OUTDIR/<benchmark>.json      each gpu-tagged benchmark's JSON (--quick with --quick)
-#   OUTDIR/summary.txt           one line per step, then "gpu_check: OK" or what went wrong
+#   OUTDIR/summary.txt           one line per test and benchmark: "ran on the GPU: passed",
+#                                "SKIPPED (no GPU): <reason>" or "FAILED", the counts, then
+#                                "gpu_check: OK" or "gpu_check: FAILED"
 # Exits non-zero if a build or test fails, or if tests skipped although nvidia-smi sees a GPU
 # (a driver/runtime mismatch would otherwise pass as "no GPU").
 #
@@ -48,32 +50,40 @@ if [ -z "$tests" ]; then
   failed=1
 fi
 
+# One line per test saying exactly what happened to it, then the counts.
 run_tests() {
   local label=$1
   shift
+  local run_log="$out/gpu_tests.$label.log"
   # Local strategy: the sandbox's read-only /dev remount is no place to debug a driver issue.
-  if bazel test "$@" --test_output=all --cache_test_results=no --strategy=TestRunner=local \
-    $tests >>"$out/gpu_tests.log" 2>&1; then
-    note "tests ($label): passed"
-  else
-    note "tests ($label): FAILED (see gpu_tests.log)"
-    failed=1
-  fi
-  local t
+  bazel test "$@" --test_output=all --cache_test_results=no --strategy=TestRunner=local \
+    $tests >"$run_log" 2>&1
+  cat "$run_log" >>"$out/gpu_tests.log"
+  local t ran=0 skipped=0 bad=0
   for t in $tests; do
     local rel=${t#//}
     local log="bazel-testlogs/${rel/://}/test.log"
     local name
     name=$(echo "$rel" | tr '/:' '__')
     [ "$label" = default ] || name="${name}.${label}"
-    if [ -f "$log" ]; then
-      cp "$log" "$out/$name.log"
-      if grep -q "SKIPPED:" "$log"; then
-        note "$t ($label): skipped: $(grep -m1 -A2 'SKIPPED:' "$log" | tr -s ' \n' ' ')"
-        if [ $gpu_seen -eq 1 ]; then failed=1; fi
-      fi
+    [ -f "$log" ] && cp "$log" "$out/$name.log"
+    if ! grep -qE "^$t\s+PASSED" "$run_log"; then
+      note "$t ($label): FAILED (see $name.log and gpu_tests.$label.log)"
+      bad=$((bad + 1))
+    elif grep -q "SKIPPED:" "$log"; then
+      local why
+      why=$(grep -m1 -A2 'SKIPPED:' "$log" | tr -s ' \n' ' ' | sed 's/^ *SKIPPED: *//')
+      note "$t ($label): SKIPPED (no GPU): $why"
+      skipped=$((skipped + 1))
+    else
+      note "$t ($label): ran on the GPU: passed"
+      ran=$((ran + 1))
     fi
   done
+  note "gpu tests ($label): $ran ran on the GPU and passed, $skipped skipped (no GPU), $bad failed"
+  if [ $bad -gt 0 ]; then failed=1; fi
+  # Skipping although nvidia-smi sees a GPU: a driver/runtime mismatch, not a pass.
+  if [ $skipped -gt 0 ] && [ $gpu_seen -eq 1 ]; then failed=1; fi
 }
 
 if [ -n "$tests" ]; then
@@ -88,10 +98,11 @@ for b in $benches; do
     bin="bazel-bin/${b#//}"
     bin=${bin/://}
     if "$bin" $quick >"$out/$name.json" 2>"$out/$name.stderr"; then
-      note "$b: ran ($(grep -c . "$out/$name.json") lines of JSON)"
-      if grep -q '"skipped"' "$out/$name.json" && [ $gpu_seen -eq 1 ]; then
-        note "$b: skipped although a GPU is visible"
-        failed=1
+      if grep -q '"skipped"' "$out/$name.json"; then
+        note "$b: SKIPPED (no GPU): $(tr -s ' \n' ' ' <"$out/$name.json")"
+        if [ $gpu_seen -eq 1 ]; then failed=1; fi
+      else
+        note "$b: ran on the GPU ($(grep -c . "$out/$name.json") lines of JSON in $name.json)"
       fi
     else
       note "$b: FAILED (see $name.stderr)"
@@ -103,5 +114,12 @@ for b in $benches; do
   fi
 done
 
-if [ $failed -eq 0 ]; then note "gpu_check: OK"; else note "gpu_check: FAILED"; fi
+if [ $failed -ne 0 ]; then
+  note "gpu_check: FAILED"
+elif [ $gpu_seen -eq 0 ]; then
+  # Not "OK": nothing GPU-side was verified, only that it builds and the host halves pass.
+  note "gpu_check: OK (no GPU visible: the CUDA code built and the host halves passed; nothing ran on a GPU)"
+else
+  note "gpu_check: OK"
+fi
 exit $failed

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test (the default optimised build, then the tests again under ASan + UBSan) and
-# ends with one line: "tests: N passed, M failed". GPU tests skip with a message where no GPU
+# Runs every test (the default optimised build, then the tests again under ASan + UBSan, then
+# the consumers of an installed tree, tests/consumers/run.sh) and ends with one line:
+# "tests: N passed, M failed". GPU tests skip with a message where no GPU
 # exists. Usage: tools/test.sh [--no-asan]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,25 @@ run default
 if [ "${1:-}" != "--no-asan" ]; then
   run asan --config=asan
 fi
+# Outside Bazel: install into a temporary prefix, build and run the CMake and pkg-config
+# consumers there. Each PASSED/FAILED line of run.sh counts as one test.
+consumers() {
+  local prefix
+  prefix=$(mktemp -d)
+  echo "== installed-tree consumers (tools/install.sh, tests/consumers/run.sh)"
+  if tools/install.sh "$prefix" >"$log" 2>&1; then
+    tests/consumers/run.sh "$prefix" >"$log" 2>&1
+    grep -E '^(PASSED|FAILED) ' "$log"
+    passed=$((passed + $(grep -c '^PASSED ' "$log")))
+    failed=$((failed + $(grep -c '^FAILED ' "$log")))
+  else
+    tail -20 "$log"
+    echo "FAILED tools/install.sh"
+    failed=$((failed + 1))
+  fi
+  rm -rf "$prefix"
+}
+consumers
 rm -f "$log"
 echo "tests: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds the consumer trainer against an installed zerort (tools/install.sh PREFIX), outside
+# Bazel: with CMake's find_package (shared and static) and with make + pkg-config (shared and
+# static); runs each on 2 in-process ranks and under mpirun -np 2; and checks that
+# libzerort.so exports nothing but zr_*. Prints one "PASSED <check>" or "FAILED <check>" line per
+# check (tools/test.sh counts them) and exits non-zero if any failed.
+#
+# Usage: tests/consumers/run.sh PREFIX
+set -uo pipefail
+prefix=$(cd "$1" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
+source "$here/../mpirun.sh"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failed=0
+result() {  # result <check> <status>
+  if [ "$2" -eq 0 ]; then echo "PASSED $1"; else echo "FAILED $1"; failed=1; fi
+}
+
+# Exported symbols: zr_* only. Allowed besides: ZERORT_0, the version node of capi/zerort.lds,
+# which nm lists as an absolute symbol (it names the symbol version; no code or data).
+lib="$prefix/lib/libzerort.so.0"
+extra=$(nm -D --defined-only "$lib" | awk '{print $NF}' | grep -v '^zr_' | grep -vx 'ZERORT_0')
+count=$(nm -D --defined-only "$lib" | awk '{print $NF}' | grep -c '^zr_')
+echo "libzerort.so.0 exports $count zr_* symbols; others: ${extra:-none}"
+[ -z "$extra" ] && [ "$count" -gt 0 ]
+result "exports-only-zr" $?
+soname=$(readelf -d "$lib" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+[ "$soname" = libzerort.so.0 ]
+result "soname-$soname" $?
+
+# The header alone, as strict C99 and as C++.
+echo '#include <zerort/zero_c.h>' >"$work/h.c"
+gcc -std=c99 -pedantic -Wall -Wextra -Werror -fsyntax-only -I"$prefix/include" "$work/h.c" &&
+  g++ -x c++ -std=c++11 -Wall -Wextra -Werror -fsyntax-only -I"$prefix/include" "$work/h.c"
+result "header-c99-and-cxx" $?
+
+run_trainer() {  # run_trainer <name> <binary>
+  echo "== $1: 2 in-process ranks"
+  timeout 300 "$2"
+  result "$1-inprocess" $?
+  echo "== $1: mpirun -np 2"
+  timeout 300 mpirun "${MPIRUN_FLAGS[@]}" -np 2 "$2"
+  result "$1-mpirun" $?
+}
+
+for kind in shared static; do
+  static=OFF
+  [ $kind = static ] && static=ON
+  b="$work/cmake-$kind"
+  if cmake -S "$here/cmake" -B "$b" -DCMAKE_PREFIX_PATH="$prefix" -DZERORT_STATIC=$static \
+      >"$b.log" 2>&1 && cmake --build "$b" >>"$b.log" 2>&1; then
+    result "cmake-$kind-build" 0
+    run_trainer "cmake-$kind" "$b/trainer"
+  else
+    cat "$b.log"
+    result "cmake-$kind-build" 1
+  fi
+done
+
+for target in trainer trainer_static; do
+  if PKG_CONFIG_PATH="$prefix/lib/pkgconfig" make -s -C "$here" OUT="$work" \
+      "$work/$target" >"$work/$target.log" 2>&1; then
+    result "pkgconfig-$target-build" 0
+    run_trainer "pkgconfig-$target" "$work/$target"
+  else
+    cat "$work/$target.log"
+    result "pkgconfig-$target-build" 1
+  fi
+done
+exit $failed

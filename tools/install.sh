@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Builds libzerort with Bazel and installs it for trainers built with CMake, pkg-config or by
+# hand, outside this tree:
+#   PREFIX/include/zerort/zero_c.h                 the C ABI (self-contained C99)
+#   PREFIX/lib/libzerort.so.MAJOR, libzerort.so     exports only zr_* (capi/zerort.lds)
+#   PREFIX/lib/libzerort.a                          the same objects, for static linking
+#   PREFIX/lib/pkgconfig/zerort.pc                  pkg-config --cflags --libs [--static] zerort
+#   PREFIX/lib/cmake/zerort/zerortConfig.cmake      find_package(zerort): zerort::zerort,
+#   PREFIX/lib/cmake/zerort/zerortConfigVersion.cmake       zerort::zerort_static
+# Only the C ABI is installed: the C++ headers depend on this tree's layout and on the exact
+# Abseil build, so C++ trainers outside Bazel use the C ABI too (docs/embedding.md).
+#
+# Usage: tools/install.sh PREFIX
+set -euo pipefail
+if [ $# -ne 1 ]; then
+  echo "usage: $0 PREFIX" >&2
+  exit 2
+fi
+mkdir -p "$1"
+prefix=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+
+bazel build //capi:libzerort.so.0 2>&1 | grep -v 'linux-sandbox' >&2
+execroot=$(bazel info execution_root 2>/dev/null)
+bin=$(bazel info bazel-bin 2>/dev/null)
+params="$bin/capi/libzerort.so.0-2.params"
+
+ver() { sed -n "s/^#define ZR_VERSION_$1 \([0-9]*\)$/\1/p" capi/zero_c.h; }
+major=$(ver MAJOR)
+version="$major.$(ver MINOR).$(ver PATCH)"
+
+install -d "$prefix/include/zerort" "$prefix/lib/pkgconfig" "$prefix/lib/cmake/zerort"
+install -m 644 capi/zero_c.h "$prefix/include/zerort/zero_c.h"
+rm -f "$prefix/lib/libzerort.so.$major" "$prefix/lib/libzerort.so"
+install -m 755 "$bin/capi/libzerort.so.$major" "$prefix/lib/libzerort.so.$major"
+ln -s "libzerort.so.$major" "$prefix/lib/libzerort.so"
+
+# The static archive: every object the shared library's link saw (its params file), renamed
+# after its path so that equal basenames from different packages do not collide.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+n=0
+while read -r obj; do
+  n=$((n + 1))
+  cp "$execroot/$obj" "$work/$(printf '%03d' $n)_$(basename "$obj" | sed 's/\.pic\.o$/.o/')"
+done < <(grep -E '^[^-].*\.o$' "$params")
+rm -f "$prefix/lib/libzerort.a"
+ar rcs "$prefix/lib/libzerort.a" "$work"/*.o
+
+# What a static link needs besides the archive, in the order the shared library was linked:
+# MPI, NCCL, the CUDA runtime, Abseil (shared, from the system), libstdc++.
+private=$(grep -E '^-(l|L|Wl,-rpath,)' "$params" | awk '!seen[$0]++' | tr '\n' ' ')
+private=${private% }
+
+cat >"$prefix/lib/pkgconfig/zerort.pc" <<PC
+prefix=$prefix
+libdir=\${prefix}/lib
+includedir=\${prefix}/include
+
+Name: zerort
+Description: ZeRO-style sharded optimizer runtime (C ABI)
+Version: $version
+Cflags: -I\${includedir}
+Libs: -L\${libdir} -lzerort
+Libs.private: $private
+PC
+
+cat >"$prefix/lib/cmake/zerort/zerortConfig.cmake" <<CMAKE
+# zerort $version: find_package(zerort) defines
+#   zerort::zerort         the shared library (exports only zr_*)
+#   zerort::zerort_static  the static archive with the libraries it needs
+get_filename_component(_zerort_prefix "\${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
+if(NOT TARGET zerort::zerort)
+  add_library(zerort::zerort SHARED IMPORTED)
+  set_target_properties(zerort::zerort PROPERTIES
+    IMPORTED_LOCATION "\${_zerort_prefix}/lib/libzerort.so.$major"
+    IMPORTED_SONAME "libzerort.so.$major"
+    INTERFACE_INCLUDE_DIRECTORIES "\${_zerort_prefix}/include")
+  add_library(zerort::zerort_static STATIC IMPORTED)
+  set_target_properties(zerort::zerort_static PROPERTIES
+    IMPORTED_LOCATION "\${_zerort_prefix}/lib/libzerort.a"
+    IMPORTED_LINK_INTERFACE_LANGUAGES "CXX"
+    INTERFACE_INCLUDE_DIRECTORIES "\${_zerort_prefix}/include"
+    INTERFACE_LINK_LIBRARIES "$private")
+endif()
+set(zerort_VERSION $version)
+unset(_zerort_prefix)
+CMAKE
+
+cat >"$prefix/lib/cmake/zerort/zerortConfigVersion.cmake" <<CMAKE
+# Compatible when the major version matches and the installed version is not older.
+set(PACKAGE_VERSION $version)
+if(PACKAGE_FIND_VERSION_MAJOR STREQUAL "$major" AND
+   NOT PACKAGE_VERSION VERSION_LESS PACKAGE_FIND_VERSION)
+  set(PACKAGE_VERSION_COMPATIBLE TRUE)
+  if(PACKAGE_FIND_VERSION STREQUAL PACKAGE_VERSION)
+    set(PACKAGE_VERSION_EXACT TRUE)
+  endif()
+else()
+  set(PACKAGE_VERSION_COMPATIBLE FALSE)
+endif()
+CMAKE
+
+echo "installed zerort $version into $prefix"
