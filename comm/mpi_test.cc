@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -203,6 +204,14 @@ TEST_CASE("Mpi: mismatched arguments fail on every rank naming both", "[comm]") 
   CHECK(recv[0] == static_cast<float>(g_size));
 }
 
+// A mismatch refused: InvalidArgument whose message names both ranks' differing arguments.
+void CheckRefused(const absl::Status& s, const std::string& one, const std::string& other) {
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), one));
+  CHECK(absl::StrContains(s.message(), other));
+}
+
 // Without check_args (the release default): the MPI backend checks anyway, so a mismatch is an
 // error naming both ranks' calls instead of unreduced or diverging data.
 TEST_CASE("Mpi: mismatched counts, roots and dtypes are refused even without check_args",
@@ -212,31 +221,23 @@ TEST_CASE("Mpi: mismatched counts, roots and dtypes are refused even without che
   options.timeout_ms = 20000;
   auto comm = MakeComm(options);
   const int last = g_size - 1;
+  const bool odd = g_rank == last;
   std::vector<float> send(g_size * 20, 1.0f), recv(g_size * 20, 0.0f);
 
-  absl::Status s = comm->AllReduce(send.data(), recv.data(), g_rank == last ? 19 : 20,
-                                   DType::kF32, ReduceOp::kSum);
-  INFO(s.ToString());
-  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(s.message(), "count=19"));
-  CHECK(absl::StrContains(s.message(), "count=20"));
+  CheckRefused(comm->AllReduce(send.data(), recv.data(), odd ? 19 : 20, DType::kF32,
+                               ReduceOp::kSum),
+               "count=19", "count=20");
   CHECK(recv[0] == 0.0f);  // nothing was reduced
 
-  std::vector<float> before = send;
-  s = comm->Broadcast(send.data(), 20, DType::kF32, g_rank == last ? last : 0);
-  INFO(s.ToString());
-  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(s.message(), "root=0"));
-  CHECK(absl::StrContains(s.message(), absl::StrCat("root=", last)));
+  const std::vector<float> before = send;
+  CheckRefused(comm->Broadcast(send.data(), 20, DType::kF32, odd ? last : 0), "root=0",
+               absl::StrCat("root=", last));
   CHECK(send == before);
 
   // Same byte count, different dtype: 20 fp32 against 40 bf16.
-  const bool odd = g_rank == last;
-  s = comm->AllGather(send.data(), recv.data(), odd ? 40 : 20, odd ? DType::kBF16 : DType::kF32);
-  INFO(s.ToString());
-  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(s.message(), "dtype=bf16"));
-  CHECK(absl::StrContains(s.message(), "dtype=fp32"));
+  CheckRefused(comm->AllGather(send.data(), recv.data(), odd ? 40 : 20,
+                               odd ? DType::kBF16 : DType::kF32),
+               "dtype=bf16", "dtype=fp32");
 
   // The communicator is still usable.
   REQUIRE(comm->AllReduce(send.data(), recv.data(), 20, DType::kF32, ReduceOp::kSum).ok());

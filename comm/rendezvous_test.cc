@@ -74,6 +74,22 @@ std::string Hello(uint32_t magic, uint32_t rank, uint32_t world) {
   return h;
 }
 
+// A LaunchInfo for `world` ranks on 127.0.0.1 at a port that was free a moment ago, with no
+// server on it yet.
+LaunchInfo LocalLaunch(int world) {
+  int port;
+  {
+    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
+    REQUIRE(probe.ok());
+    port = (*probe)->port();
+  }
+  LaunchInfo info;
+  info.world_size = world;
+  info.master_addr = "127.0.0.1";
+  info.master_port = port;
+  return info;
+}
+
 TEST_CASE("Rendezvous: launcher environments are recognised in order", "[comm]") {
   auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
                     {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
@@ -141,17 +157,8 @@ TEST_CASE("Rendezvous: every peer receives rank 0's payload byte for byte", "[co
 }
 
 TEST_CASE("Rendezvous: peers that connect before rank 0 listens are retried", "[comm]") {
-  // Find a free port, release it, then start the peers first.
-  int port;
-  {
-    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
-    REQUIRE(probe.ok());
-    port = (*probe)->port();
-  }
-  LaunchInfo info;
-  info.world_size = 3;
-  info.master_addr = "127.0.0.1";
-  info.master_port = port;
+  // A free port, released; then the peers start first.
+  const LaunchInfo info = LocalLaunch(3);
   std::vector<absl::StatusOr<std::string>> got(3, std::string());
   std::vector<std::thread> threads;
   for (int r = 2; r >= 0; --r) {
@@ -317,16 +324,16 @@ TEST_CASE("Rendezvous: with a shared secret only peers that know it join", "[com
     CHECK(absl::StrContains(refused.status().message(), "ZERORT_RENDEZVOUS_SECRET"));
     CHECK(!absl::StrContains(refused.status().message(), "s3cret"));
   }
-  // The refused attempts took no rank: the real peers still join.
-  absl::StatusOr<std::string> one, two;
-  std::thread t1([&] { one = RendezvousFetch("127.0.0.1", port, 1, world, with); });
-  two = RendezvousFetch("127.0.0.1", port, 2, world, with);
-  t1.join();
+  // The refused attempts took no rank: the real peers still join, all at once.
+  std::vector<absl::StatusOr<std::string>> got(world, std::string());
+  std::vector<std::thread> peers;
+  for (int r = 1; r < world; ++r) {
+    peers.emplace_back([&, r] { got[r] = RendezvousFetch("127.0.0.1", port, r, world, with); });
+  }
+  for (auto& t : peers) t.join();
   rank0.join();
   REQUIRE(served.ok());
-  REQUIRE(one.ok());
-  REQUIRE(two.ok());
-  CHECK(*one == "payload");
+  for (int r = 1; r < world; ++r) CHECK(got[r].value_or("") == "payload");
 
   // A peer with a secret is refused by a server without one, too.
   auto open_server = RendezvousServer::Listen("127.0.0.1", 0);
@@ -346,16 +353,7 @@ TEST_CASE("Rendezvous: with a shared secret only peers that know it join", "[com
 }
 
 TEST_CASE("Rendezvous: Rendezvous() takes the secret from ZERORT_RENDEZVOUS_SECRET", "[comm]") {
-  int port;
-  {
-    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
-    REQUIRE(probe.ok());
-    port = (*probe)->port();
-  }
-  LaunchInfo info;
-  info.world_size = 2;
-  info.master_addr = "127.0.0.1";
-  info.master_port = port;
+  const LaunchInfo info = LocalLaunch(2);
   REQUIRE(setenv("ZERORT_RENDEZVOUS_SECRET", "from-env", 1) == 0);
   absl::StatusOr<std::string> peer;
   std::thread t([&] {
