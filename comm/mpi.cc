@@ -101,8 +101,10 @@ class MpiCommunicator final : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!poison_.ok()) {
-      // A timed-out request may still write into the scratch buffers: keep them forever.
+      // A timed-out request may still write into (or read from) the scratch buffer and the
+      // argument-check records: keep both forever.
       new std::vector<char>(std::move(scratch_));
+      new std::vector<CheckRecord>(std::move(records_));
       return;
     }
     if (!finalized) MPI_Comm_free(&comm_);
