@@ -63,8 +63,14 @@ struct CommOptions {
   // Config key comm_timeout_ms. Must be > 0.
   int64_t timeout_ms = 600000;
 
-  // Verify that every rank called the same operation with the same count, dtype, op and root
-  // (costs one small exchange per call on MPI). On by default in debug builds only.
+  // How long creating a communicator may wait for every rank to join (MPI: the collective
+  // MPI_Comm_idup in CreateMpiCommunicator) before failing with DeadlineExceeded naming the
+  // rank and the call. Must be > 0. Default 2 minutes.
+  int64_t setup_timeout_ms = 120000;
+
+  // Verify that every rank called the same operation with the same count, dtype, op and root.
+  // On by default in debug builds only. The MPI backend always verifies (one small exchange
+  // per call), whatever this says: see comm/mpi.h.
 #ifdef NDEBUG
   bool check_args = false;
 #else

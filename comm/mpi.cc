@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "comm/internal/common.h"
@@ -86,6 +87,9 @@ struct CheckRecord {
 // 0.22-0.24 to 0.37-0.44 of a single-thread memcpy (docs/comm.md); other sizes were not tried.
 constexpr size_t kExchangeChunkBytes = size_t{1} << 20;
 
+// Tag of the argument-check messages; the data messages use the OpKind (0..4).
+constexpr int kCheckTag = 100;
+
 MPI_Datatype MpiType(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
 
 class MpiCommunicator final : public Communicator {
@@ -97,8 +101,10 @@ class MpiCommunicator final : public Communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!poison_.ok()) {
-      // A timed-out request may still write into the scratch buffers: keep them forever.
+      // A timed-out request may still write into (or read from) the scratch buffer and the
+      // argument-check records: keep both forever.
       new std::vector<char>(std::move(scratch_));
+      new std::vector<CheckRecord>(std::move(records_));
       return;
     }
     if (!finalized) MPI_Comm_free(&comm_);
@@ -213,25 +219,23 @@ class MpiCommunicator final : public Communicator {
     scratch_.resize(static_cast<size_t>(size_) * std::min(chunk, mine) * es);
     const int tag = static_cast<int>(d.kind);
     for (size_t j = 0; j < steps; ++j) {
-      reqs_.clear();
+      ClearRequests();
       const size_t begin = j * chunk;
       const size_t len = begin < mine ? std::min(chunk, mine - begin) : 0;
       for (int i = 1; i < size_; ++i) {
         const int q = (rank_ + i) % size_;
         if (len > 0) {
-          reqs_.emplace_back();
-          RETURN_IF_ERROR(Check(MPI_Irecv(scratch_.data() + q * len * es,
-                                          static_cast<int>(len * es), MPI_BYTE, q, tag, comm_,
-                                          &reqs_.back()),
+          const int bytes = static_cast<int>(len * es);
+          RETURN_IF_ERROR(Check(MPI_Irecv(scratch_.data() + q * len * es, bytes, MPI_BYTE, q,
+                                          tag, comm_, AddRequest(q, bytes)),
                                 "MPI_Irecv", d));
         }
         const size_t qlen = bounds_[q + 1] - bounds_[q];
         if (begin < qlen) {
-          reqs_.emplace_back();
           RETURN_IF_ERROR(Check(
               MPI_Isend(my_send + (bounds_[q] + begin) * es,
                         static_cast<int>(std::min(chunk, qlen - begin) * es), MPI_BYTE, q, tag,
-                        comm_, &reqs_.back()),
+                        comm_, AddRequest(q, -1)),
               "MPI_Isend", d));
         }
       }
@@ -269,21 +273,10 @@ class MpiCommunicator final : public Communicator {
     history_.Begin(d, d.count * DTypeSize(static_cast<DType>(d.dtype)));
     // One deadline for the whole operation, however many requests it takes.
     deadline_ = absl::Now() + absl::Milliseconds(options_.timeout_ms);
-    if (!options_.check_args) {
-      if (!valid.ok()) history_.End();
-      return valid;
-    }
-    // Every rank learns every rank's arguments (and whether its buffers were valid), so a
-    // mismatch fails everywhere with the same message instead of corrupting or hanging.
-    CheckRecord mine;
-    mine.desc = d;
-    mine.invalid = valid.ok() ? 0 : 1;
-    records_.resize(size_);
-    MPI_Request req;
-    RETURN_IF_ERROR(Check(MPI_Iallgather(&mine, sizeof mine, MPI_BYTE, records_.data(),
-                                         sizeof mine, MPI_BYTE, comm_, &req),
-                          "MPI_Iallgather(argument check)", d));
-    RETURN_IF_ERROR(Wait(&req, "MPI_Iallgather(argument check)", d));
+    // Always, whatever options_.check_args says: a mismatch on MPI would otherwise corrupt
+    // data or diverge silently (a collective's received sizes cannot be checked), and the
+    // exchange is what lets a timeout name the ranks that never arrived.
+    RETURN_IF_ERROR(ExchangeRecords(d, valid.ok()));
     if (!valid.ok()) {
       history_.End();
       return valid;
@@ -306,6 +299,25 @@ class MpiCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  // Every rank sends its CheckRecord to every other rank, point to point (not an allgather),
+  // so that when a rank never calls, the timeout can say which ranks' records are missing.
+  absl::Status ExchangeRecords(const OpDesc& d, bool valid) {
+    records_.assign(size_, CheckRecord());
+    records_[rank_].desc = d;
+    records_[rank_].invalid = valid ? 0 : 1;
+    ClearRequests();
+    for (int i = 1; i < size_; ++i) {
+      const int q = (rank_ + i) % size_;
+      RETURN_IF_ERROR(Check(MPI_Irecv(&records_[q], sizeof(CheckRecord), MPI_BYTE, q, kCheckTag,
+                                      comm_, AddRequest(q, sizeof(CheckRecord))),
+                            "MPI_Irecv(argument check)", d));
+      RETURN_IF_ERROR(Check(MPI_Isend(&records_[rank_], sizeof(CheckRecord), MPI_BYTE, q,
+                                      kCheckTag, comm_, AddRequest(q, -1)),
+                            "MPI_Isend(argument check)", d));
+    }
+    return WaitAll("argument check", d);
+  }
+
   absl::Status Done() {
     history_.End();
     return absl::OkStatus();
@@ -320,41 +332,107 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  absl::Status Wait(MPI_Request* req, absl::string_view call, const OpDesc& d) {
-    return Poll(1, req, call, d);
+  // The point-to-point requests of one step, with who is at the other end and, for a
+  // receive, how many bytes must arrive (-1 for a send).
+  void ClearRequests() {
+    reqs_.clear();
+    peers_.clear();
+    expect_.clear();
   }
-  absl::Status WaitAll(absl::string_view call, const OpDesc& d) {
-    if (reqs_.empty()) return absl::OkStatus();
-    return Poll(static_cast<int>(reqs_.size()), reqs_.data(), call, d);
+  MPI_Request* AddRequest(int peer, int expect_bytes) {
+    reqs_.emplace_back();
+    peers_.push_back(peer);
+    expect_.push_back(expect_bytes);
+    return &reqs_.back();
   }
 
-  // Polls `reqs` until all complete or the operation's deadline passes. Spins first (latency
-  // of small messages), then backs off to short sleeps so a long wait does not burn a core.
-  absl::Status Poll(int n, MPI_Request* reqs, absl::string_view call, const OpDesc& d) {
+  absl::Status Wait(MPI_Request* req, absl::string_view call, const OpDesc& d) {
+    return Poll(1, req, call, d, /*p2p=*/false);
+  }
+
+  // Waits for reqs_ and checks that every receive got exactly the bytes it expected: a peer
+  // that sent a different size (other count or dtype) is an InvalidArgument naming it, never a
+  // silently short or truncated block.
+  absl::Status WaitAll(absl::string_view call, const OpDesc& d) {
+    if (reqs_.empty()) return absl::OkStatus();
+    statuses_.resize(reqs_.size());
+    RETURN_IF_ERROR(Poll(static_cast<int>(reqs_.size()), reqs_.data(), call, d, /*p2p=*/true));
+    for (size_t i = 0; i < reqs_.size(); ++i) {
+      if (expect_[i] < 0) continue;
+      int got = -1;
+      MPI_Get_count(&statuses_[i], MPI_BYTE, &got);
+      if (got != expect_[i]) return SizeMismatch(call, d, peers_[i], got, expect_[i]);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SizeMismatch(absl::string_view call, const OpDesc& d, int peer, int got,
+                            int expected) {
+    poison_ = absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank_, ": ", internal::DescribeOp(d), ": ", call, ": rank ", peer, " sent ",
+        got < 0 ? std::string("more than ") + std::to_string(expected) : std::to_string(got),
+        " bytes where ", expected, " were expected (the ranks called with different counts or "
+        "dtypes)"));
+    history_.End();
+    return poison_;
+  }
+
+  // Polls `reqs` until all complete or the operation's deadline passes. Yields first (latency
+  // of small messages; and a peer that shares our core, under mpirun --oversubscribe, gets to
+  // run), then backs off to short sleeps so that a long wait does not burn a core. The deadline
+  // is checked on every round: under load even the yields can take longer than the timeout.
+  // `p2p`: reqs_ (with peers_ and expect_) are being polled, and statuses_ receives their
+  // statuses.
+  absl::Status Poll(int n, MPI_Request* reqs, absl::string_view call, const OpDesc& d, bool p2p) {
     const absl::Time limit = deadline_;
     for (int spin = 0;; ++spin) {
       int done = 0;
-      const int rc = MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
+      const int rc = MPI_Testall(n, reqs, &done, p2p ? statuses_.data() : MPI_STATUSES_IGNORE);
+      if (rc == MPI_ERR_IN_STATUS && p2p) {
+        for (int i = 0; i < n; ++i) {
+          if (statuses_[i].MPI_ERROR == MPI_ERR_TRUNCATE) {
+            return SizeMismatch(call, d, peers_[i], -1, expect_[i]);
+          }
+        }
+      }
       if (rc != MPI_SUCCESS) return Check(rc, call, d);
       if (done) return absl::OkStatus();
+      if (absl::Now() > limit) return TimedOut(n, reqs, call, d, p2p);
       if (spin < 2000) {
-        // Ranks may outnumber cores (mpirun --oversubscribe): let a peer that shares our core
-        // run. Returns at once when nothing else is runnable.
         std::this_thread::yield();
-        continue;
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(spin < 20000 ? 10 : 200));
       }
-      if (absl::Now() > limit) {
-        poison_ = absl::DeadlineExceededError(absl::StrCat(
-            internal::DescribeOp(d), " on MPI rank ", rank_, " of ", size_, ": ", call,
-            " did not complete within ", options_.timeout_ms,
-            " ms (a peer is missing, dead or calling a different operation)"));
-        absl::Status s = absl::DeadlineExceededError(
-            absl::StrCat(poison_.message(), "\nrank ", rank_, " ", history_.Format()));
-        history_.End();
-        return s;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(spin < 20000 ? 10 : 200));
     }
+  }
+
+  // The ranks at the other end of the requests that have not completed, when known.
+  std::string MissingPeers(int n, MPI_Request* reqs, bool p2p) {
+    if (!p2p) return "";
+    std::vector<int> missing;
+    for (int i = 0; i < n; ++i) {
+      int flag = 0;
+      MPI_Request_get_status(reqs[i], &flag, MPI_STATUS_IGNORE);
+      if (!flag && expect_[i] >= 0 &&
+          std::find(missing.begin(), missing.end(), peers_[i]) == missing.end()) {
+        missing.push_back(peers_[i]);
+      }
+    }
+    if (missing.empty()) return "";
+    std::sort(missing.begin(), missing.end());
+    return absl::StrCat("; no message arrived from ranks [", absl::StrJoin(missing, ","), "]");
+  }
+
+  absl::Status TimedOut(int n, MPI_Request* reqs, absl::string_view call, const OpDesc& d,
+                        bool p2p) {
+    poison_ = absl::DeadlineExceededError(absl::StrCat(
+        internal::DescribeOp(d), " on MPI rank ", rank_, " of ", size_, ": ", call,
+        " did not complete within ", options_.timeout_ms, " ms", MissingPeers(n, reqs, p2p),
+        " (a peer is missing, dead or calling a different operation)"));
+    absl::Status s = absl::DeadlineExceededError(
+        absl::StrCat(poison_.message(), "\nrank ", rank_, " ", history_.Format()));
+    history_.End();
+    return s;
   }
 
   MPI_Comm comm_;
@@ -369,7 +447,12 @@ class MpiCommunicator final : public Communicator {
   std::vector<const void*> ptrs_;
   std::vector<int> counts_, displs_;
   std::vector<size_t> bounds_;  // ExchangeReduce's blocks, size_+1 element offsets
+  // The point-to-point requests in flight, the rank at the other end of each, and the bytes
+  // each receive expects (-1 for sends); statuses_ gets their statuses.
   std::vector<MPI_Request> reqs_;
+  std::vector<int> peers_;
+  std::vector<int> expect_;
+  std::vector<MPI_Status> statuses_;
   std::vector<CheckRecord> records_;
 };
 
@@ -386,12 +469,37 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm com
   if (!initialized) {
     return absl::FailedPreconditionError("CreateMpiCommunicator: MPI is not initialized");
   }
+  if (options.setup_timeout_ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("setup_timeout_ms must be > 0, got ", options.setup_timeout_ms));
+  }
   int world_rank = -1;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  // MPI_Comm_idup, polled, rather than the blocking MPI_Comm_dup: a rank that never gets here
+  // must not hang the others forever.
   MPI_Comm dup;
-  RETURN_IF_ERROR(MpiStatus(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup", world_rank));
-  RETURN_IF_ERROR(MpiStatus(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN),
-                            "MPI_Comm_set_errhandler", world_rank));
+  MPI_Request req;
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_idup(comm, &dup, &req), "MPI_Comm_idup", world_rank));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options.setup_timeout_ms);
+  for (int spin = 0;; ++spin) {
+    int done = 0;
+    RETURN_IF_ERROR(MpiStatus(MPI_Test(&req, &done, MPI_STATUS_IGNORE),
+                              "MPI_Test(MPI_Comm_idup)", world_rank));
+    if (done) break;
+    if (absl::Now() > deadline) {
+      // The request stays pending: MPI cannot cancel it, so it and `dup` are leaked.
+      return absl::DeadlineExceededError(absl::StrCat(
+          "CreateMpiCommunicator on MPI world rank ", world_rank,
+          ": MPI_Comm_idup did not complete within setup_timeout_ms=", options.setup_timeout_ms,
+          " ms (a rank of the communicator has not called CreateMpiCommunicator, or is stuck "
+          "before it)"));
+    }
+    if (spin < 100) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
   int rank = 0, size = 0;
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_rank(dup, &rank), "MPI_Comm_rank", world_rank));
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_size(dup, &size), "MPI_Comm_size", world_rank));

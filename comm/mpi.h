@@ -10,8 +10,15 @@
 // MPI_Comm_dup of the given communicator with MPI_ERRORS_RETURN, so MPI errors come back as
 // Status naming the call and rank, and our traffic never matches the caller's.
 //
+// Arguments are always checked (CommOptions::check_args is not needed): before each operation
+// every rank sends its (op, sequence, count, dtype, reduce op, root) to every other rank point
+// to point, so a mismatch is InvalidArgument on every rank naming both ranks' calls, and every
+// received data message must have exactly the expected size (InvalidArgument naming the
+// sender otherwise).
+//
 // Timeouts: every operation is non-blocking and polled against options.timeout_ms, so a peer
-// that never calls yields DeadlineExceeded instead of a hang. The timed-out request cannot be
+// that never calls yields DeadlineExceeded, naming the ranks whose messages never came,
+// instead of a hang. CreateMpiCommunicator is bounded by options.setup_timeout_ms. The timed-out request cannot be
 // cancelled (MPI has no cancel for collectives): the communicator is then poisoned, keeps its
 // scratch buffers alive, and is never freed. A peer killed by a signal is usually noticed by
 // OpenMPI's runtime first, which terminates the whole job (see docs/comm.md).
@@ -62,8 +69,9 @@ class MpiSession {
 // (in practice a lost peer or transport).
 absl::Status MpiStatus(int code, absl::string_view call, int rank);
 
-// REQUIRES: MPI initialized; `comm` valid; every rank of `comm` calls this (MPI_Comm_dup is
-// collective); options.timeout_ms > 0.
+// REQUIRES: MPI initialized; `comm` valid; every rank of `comm` calls this (MPI_Comm_idup is
+// collective: DeadlineExceeded after options.setup_timeout_ms if one does not);
+// options.timeout_ms > 0 and options.setup_timeout_ms > 0.
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
                                                                     CommOptions options = {});
 

@@ -8,11 +8,12 @@
 #    DeadlineExceeded after comm_timeout_ms (2 s here), well within timeout + 5 s.
 # Both are checked: no hang in either mode, and the survivors' own failure in the second.
 set -uo pipefail
+source "$(dirname "$0")/../tests/mpirun.sh"
 bin="$1"
 run() {  # run <np> <extra mpirun args...>; sets rc, ms, out
   local np="$1"; shift
   local t0; t0=$(date +%s%N)
-  out=$(timeout 60 mpirun --allow-run-as-root --oversubscribe "$@" -np "${np}" "${bin}" 2>&1)
+  out=$(mpi_run 60 "$@" -np "${np}" "${bin}" 2>&1)
   rc=$?
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   echo "--- np=${np} args=[$*] rc=${rc} wall=${ms}ms"

@@ -7,10 +7,12 @@
 
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "comm/inprocess.h"
 #include "comm/testing/typed_buffer.h"
 #include "comm/mpi.h"
@@ -202,16 +204,61 @@ TEST_CASE("Mpi: mismatched arguments fail on every rank naming both", "[comm]") 
   CHECK(recv[0] == static_cast<float>(g_size));
 }
 
+// A mismatch refused: InvalidArgument whose message names both ranks' differing arguments.
+void CheckRefused(const absl::Status& s, const std::string& one, const std::string& other) {
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(s.message(), one));
+  CHECK(absl::StrContains(s.message(), other));
+}
+
+// Without check_args (the release default): the MPI backend checks anyway, so a mismatch is an
+// error naming both ranks' calls instead of unreduced or diverging data.
+TEST_CASE("Mpi: mismatched counts, roots and dtypes are refused even without check_args",
+          "[comm]") {
+  CommOptions options;
+  options.check_args = false;
+  options.timeout_ms = 20000;
+  auto comm = MakeComm(options);
+  const int last = g_size - 1;
+  const bool odd = g_rank == last;
+  std::vector<float> send(g_size * 20, 1.0f), recv(g_size * 20, 0.0f);
+
+  CheckRefused(comm->AllReduce(send.data(), recv.data(), odd ? 19 : 20, DType::kF32,
+                               ReduceOp::kSum),
+               "count=19", "count=20");
+  CHECK(recv[0] == 0.0f);  // nothing was reduced
+
+  const std::vector<float> before = send;
+  CheckRefused(comm->Broadcast(send.data(), 20, DType::kF32, odd ? last : 0), "root=0",
+               absl::StrCat("root=", last));
+  CHECK(send == before);
+
+  // Same byte count, different dtype: 20 fp32 against 40 bf16.
+  CheckRefused(comm->AllGather(send.data(), recv.data(), odd ? 40 : 20,
+                               odd ? DType::kBF16 : DType::kF32),
+               "dtype=bf16", "dtype=fp32");
+
+  // The communicator is still usable.
+  REQUIRE(comm->AllReduce(send.data(), recv.data(), 20, DType::kF32, ReduceOp::kSum).ok());
+  CHECK(recv[0] == static_cast<float>(g_size));
+}
+
 TEST_CASE("Mpi: a rank that does not call makes the others time out", "[comm]") {
   CommOptions options;
   options.timeout_ms = 300;
   options.check_args = false;
   auto comm = MakeComm(options);
   if (g_rank == g_size - 1) {
-    // Late by far more than the timeout; then completes the barrier the others abandoned, so
-    // their pending requests finish and MPI_Finalize has nothing outstanding.
+    // Late by far more than the timeout; then completes the argument-check messages the
+    // others abandoned, so their pending requests finish. The others never reach the barrier
+    // itself, so this rank times out there in turn, with every peer's message received.
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    CHECK(comm->Barrier().ok());
+    absl::Status late = comm->Barrier();
+    INFO(late.ToString());
+    CHECK(late.code() == absl::StatusCode::kDeadlineExceeded);
+    CHECK(absl::StrContains(late.message(), "MPI_Ibarrier"));
+    CHECK(!absl::StrContains(late.message(), "no message arrived"));
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -222,10 +269,33 @@ TEST_CASE("Mpi: a rank that does not call makes the others time out", "[comm]") 
   CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
   CHECK(absl::StrContains(s.message(), "barrier #1"));
   CHECK(absl::StrContains(s.message(), "recent operations"));
+  // Only the last rank is missing: it is named, and no other rank is.
+  CHECK(absl::StrContains(s.message(), absl::StrCat("no message arrived from ranks [", g_size - 1,
+                                                    "]")));
   CHECK(seconds >= 0.25);
   CHECK(seconds < 5.3);
   absl::Status again = comm->Barrier();
   CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+}
+
+// Last: the ranks that time out leave their MPI_Comm_idup pending, and it completes only when
+// the late rank joins.
+TEST_CASE("Mpi: creating a communicator times out when a rank does not join", "[comm]") {
+  CommOptions options;
+  options.setup_timeout_ms = 300;
+  if (g_rank == g_size - 1) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    options.setup_timeout_ms = 60000;
+    auto late = CreateMpiCommunicator(MPI_COMM_WORLD, options);
+    CHECK(late.ok());
+    return;
+  }
+  auto c = CreateMpiCommunicator(MPI_COMM_WORLD, options);
+  INFO(c.status().ToString());
+  CHECK(c.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(c.status().message(), absl::StrCat("world rank ", g_rank)));
+  CHECK(absl::StrContains(c.status().message(), "MPI_Comm_idup"));
+  CHECK(absl::StrContains(c.status().message(), "setup_timeout_ms=300"));
 }
 
 }  // namespace

@@ -29,7 +29,9 @@ namespace {
 
 constexpr uint32_t kMagic = 0x5a525631;  // "ZRV1"
 constexpr size_t kHelloBytes = 16;
+constexpr uint32_t kRejectMagic = 0x5a52584a;  // "ZRXJ": rank 0 refused the hello
 constexpr size_t kHeaderBytes = 8;
+constexpr size_t kMaxSecretBytes = 256;
 
 // Reads an integer variable; `present` tells whether it was set.
 absl::StatusOr<int> IntVar(const std::function<const char*(const char*)>& getenv,
@@ -116,23 +118,70 @@ absl::Status Transfer(int fd, char* buf, size_t n, bool send, absl::Time deadlin
   return absl::OkStatus();
 }
 
-// A connection accepted by the server that has not yet sent its whole hello.
+// Why the server refused a well-formed hello; sent back as {kRejectMagic, reason} so that the
+// peer can say why instead of seeing a bare close.
+enum Reject : uint32_t {
+  kAccepted = 0,
+  kRejectSecret = 1,     // the shared secret differs
+  kRejectWorld = 2,      // its world_size differs from rank 0's
+  kRejectRank = 3,       // rank outside [1, world_size)
+  kRejectDuplicate = 4,  // another peer already joined with this rank
+};
+
+// Equal length and bytes, in time that depends only on the lengths, so that a peer cannot
+// learn the secret a byte at a time from how fast it is refused.
+bool SameSecret(absl::string_view a, absl::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+// A connection accepted by the server that has not yet sent its whole hello (the 16-byte
+// header, then secret_len bytes of secret).
 struct PendingHello {
   int fd;
-  char hello[kHelloBytes];
+  char hello[kHelloBytes + kMaxSecretBytes];
   size_t got;
 };
 
+// Bytes of `p`'s hello still expected, or SIZE_MAX when its header is malformed.
+size_t HelloBytesWanted(const PendingHello& p) {
+  if (p.got < kHelloBytes) return kHelloBytes - p.got;
+  if (Get32(p.hello) != kMagic) return SIZE_MAX;
+  const uint32_t secret_len = Get32(p.hello + 12);
+  if (secret_len > kMaxSecretBytes) return SIZE_MAX;
+  return kHelloBytes + secret_len - p.got;
+}
+
+Reject JudgeHello(const PendingHello& p, int world_size, absl::string_view secret,
+                  const std::map<int, int>& peers) {
+  const uint32_t rank = Get32(p.hello + 4), world = Get32(p.hello + 8);
+  // The secret first: a peer without it learns nothing about the job.
+  if (!SameSecret(absl::string_view(p.hello + kHelloBytes, p.got - kHelloBytes), secret)) {
+    return kRejectSecret;
+  }
+  if (world != static_cast<uint32_t>(world_size)) return kRejectWorld;
+  if (rank < 1 || rank >= world) return kRejectRank;
+  if (peers.count(static_cast<int>(rank))) return kRejectDuplicate;
+  return kAccepted;
+}
+
 // Reads from every pending connection that `fds` (the server's poll set: the listening socket,
-// then `pending` in order) reports readable. A complete hello joins `peers` (rank -> fd) if it is
-// valid for `world_size` and its rank is new, else its connection is closed; failed connections
-// are closed too. Both leave `pending`.
-void ReadHellos(const std::vector<pollfd>& fds, int world_size, std::vector<PendingHello>& pending,
-                std::map<int, int>& peers) {
+// then `pending` in order) reports readable. A complete hello joins `peers` (rank -> fd) if
+// JudgeHello accepts it; else the peer is told why (best effort, never blocking) and its
+// connection closed. Malformed hellos and failed connections are closed without a word. All of
+// these leave `pending`.
+void ReadHellos(const std::vector<pollfd>& fds, int world_size, absl::string_view secret,
+                std::vector<PendingHello>& pending, std::map<int, int>& peers) {
   for (size_t i = 1; i < fds.size(); ++i) {
     if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
     PendingHello& p = pending[i - 1];
-    const ssize_t k = recv(p.fd, p.hello + p.got, kHelloBytes - p.got, 0);
+    const ssize_t k = recv(p.fd, p.hello + p.got, HelloBytesWanted(p), 0);
     if (k <= 0) {
       if (k < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       close(p.fd);
@@ -140,15 +189,22 @@ void ReadHellos(const std::vector<pollfd>& fds, int world_size, std::vector<Pend
       continue;
     }
     p.got += static_cast<size_t>(k);
-    if (p.got < kHelloBytes) continue;
-    const uint32_t magic = Get32(p.hello), rank = Get32(p.hello + 4),
-                   world = Get32(p.hello + 8), zero = Get32(p.hello + 12);
-    const bool valid = magic == kMagic && zero == 0 && world == static_cast<uint32_t>(world_size) &&
-                       rank >= 1 && rank < world && !peers.count(static_cast<int>(rank));
-    if (valid) {
-      peers[static_cast<int>(rank)] = p.fd;
+    const size_t wanted = HelloBytesWanted(p);
+    if (wanted == SIZE_MAX) {
+      close(p.fd);  // not our protocol
+      p.fd = -1;
+      continue;
+    }
+    if (wanted > 0) continue;
+    const Reject verdict = JudgeHello(p, world_size, secret, peers);
+    if (verdict == kAccepted) {
+      peers[static_cast<int>(Get32(p.hello + 4))] = p.fd;
     } else {
-      close(p.fd);  // rejected: the peer sees the connection close
+      char reply[kHeaderBytes];
+      Put32(reply, kRejectMagic);
+      Put32(reply + 4, verdict);
+      (void)!send(p.fd, reply, sizeof reply, MSG_NOSIGNAL | MSG_DONTWAIT);
+      close(p.fd);
     }
     p.fd = -1;
   }
@@ -164,7 +220,7 @@ void AcceptPending(int listen_fd, size_t max_pending, std::vector<PendingHello>&
   if (pending.size() >= max_pending) {
     close(c);
   } else {
-    pending.push_back({c, {}, 0});
+    pending.push_back(PendingHello{c, {}, 0});
   }
 }
 
@@ -195,6 +251,93 @@ absl::Status SendPayload(const std::map<int, int>& peers, absl::string_view payl
     close(kv.second);
   }
   return result;
+}
+
+// True for connect() failures that a later attempt may not see: nobody listening yet, or a
+// network path that is still coming up.
+bool Retryable(int err) {
+  return err == ECONNREFUSED || err == ECONNRESET || err == ETIMEDOUT || err == EINTR ||
+         err == ENETUNREACH || err == EHOSTUNREACH || err == ECONNABORTED;
+}
+
+// One non-blocking connect, waited for with poll until `deadline`: a peer that never answers
+// (SYNs dropped) cannot hold us past it, as a blocking connect() would for minutes. Returns the
+// connected (non-blocking) socket, or -1 with *err set; err == ETIMEDOUT at the deadline.
+int ConnectOnce(const sockaddr_in& sa, absl::Time deadline, int* err) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    *err = errno;
+    return -1;
+  }
+  int rc = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa);
+  *err = rc == 0 ? 0 : errno;
+  while (*err == EINPROGRESS || *err == EINTR) {
+    pollfd p{fd, POLLOUT, 0};
+    rc = poll(&p, 1, RemainingMs(deadline));
+    if (rc == 0) {
+      *err = ETIMEDOUT;
+    } else if (rc < 0) {
+      *err = errno;
+    } else {
+      socklen_t len = sizeof *err;
+      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, err, &len) != 0) *err = errno;
+    }
+  }
+  if (*err == 0) return fd;
+  close(fd);
+  return -1;
+}
+
+// Connects to `sa` before `deadline`, retrying refused and unreachable attempts (rank 0 may not
+// be listening yet) every 20 ms.
+absl::StatusOr<int> ConnectBefore(const sockaddr_in& sa, absl::Time deadline, int rank,
+                                  const std::string& where, int64_t timeout_ms) {
+  for (;;) {
+    int err = 0;
+    const int fd = ConnectOnce(sa, deadline, &err);
+    if (fd >= 0) return fd;
+    if (!Retryable(err)) {
+      errno = err;
+      return Errno("connect to", where);
+    }
+    const int left = RemainingMs(deadline);
+    if (left == 0) {
+      return absl::DeadlineExceededError(absl::StrCat("rendezvous: rank ", rank, " could not reach ",
+                                                      where, " within ", timeout_ms, " ms (",
+                                                      std::strerror(err), ")"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, left)));
+  }
+}
+
+absl::Status CheckSecret(const RendezvousOptions& options) {
+  if (options.secret.size() > kMaxSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous secret (", kSecretEnvVar,
+                                                   ") is ", options.secret.size(),
+                                                   " bytes, above the limit of ", kMaxSecretBytes));
+  }
+  return absl::OkStatus();
+}
+
+// What a peer reports when rank 0 refused its hello with `reason`.
+absl::Status RejectedError(uint32_t reason, const std::string& where, int rank) {
+  const std::string head = absl::StrCat("rendezvous: ", where, " rejected rank ", rank, ": ");
+  switch (reason) {
+    case kRejectSecret:
+      return absl::PermissionDeniedError(absl::StrCat(
+          head, "the shared secret does not match; set the same ", kSecretEnvVar,
+          " (RendezvousOptions::secret) on every rank, or on none"));
+    case kRejectWorld:
+      return absl::UnavailableError(
+          absl::StrCat(head, "its world size differs from rank 0's"));
+    case kRejectRank:
+      return absl::UnavailableError(absl::StrCat(head, "rank is outside rank 0's world"));
+    case kRejectDuplicate:
+      return absl::UnavailableError(absl::StrCat(head, "another peer already joined as rank ",
+                                                 rank));
+    default:
+      return absl::DataLossError(absl::StrCat(head, "unknown reason ", reason));
+  }
 }
 
 struct Fd {
@@ -298,6 +441,7 @@ absl::Status RendezvousServer::Serve(int world_size, absl::string_view payload,
                                                    " bytes exceeds max_payload_bytes=",
                                                    options.max_payload_bytes));
   }
+  RETURN_IF_ERROR(CheckSecret(options));
   if (fd_ < 0) return absl::FailedPreconditionError("rendezvous server already served");
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
   std::vector<PendingHello> pending;
@@ -326,7 +470,7 @@ absl::Status RendezvousServer::Serve(int world_size, absl::string_view payload,
       return s;
     }
     // Hellos first, so that a full set is recognised before accepting more.
-    ReadHellos(fds, world_size, pending, peers);
+    ReadHellos(fds, world_size, options.secret, pending, peers);
     if (static_cast<int>(peers.size()) >= world_size - 1) break;
     if (fds[0].revents & POLLIN) AcceptPending(fd_, max_pending, pending);
   }
@@ -344,40 +488,24 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
     return absl::InvalidArgumentError(absl::StrCat("rendezvous fetch: rank ", rank,
                                                    " must be in [1, world_size=", world_size, ")"));
   }
+  RETURN_IF_ERROR(CheckSecret(options));
   ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(addr, port));
   const std::string where = absl::StrCat("rank 0 at ", addr, ":", port);
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
-  // Rank 0 may not be listening yet: retry refused connections until the deadline.
-  int fd = -1;
-  while (true) {
-    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return Errno("socket", where);
-    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) break;
-    const int err = errno;
-    close(fd);
-    if (err != ECONNREFUSED && err != ECONNRESET && err != ETIMEDOUT && err != EINTR &&
-        err != ENETUNREACH && err != EHOSTUNREACH) {
-      errno = err;
-      return Errno("connect to", where);
-    }
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("rendezvous: rank ", rank, " could not reach ",
-                                                      where, " within ", options.timeout_ms,
-                                                      " ms (", std::strerror(err), ")"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  ASSIGN_OR_RETURN(int fd, ConnectBefore(sa, deadline, rank, where, options.timeout_ms));
   Fd guard(fd);
   const int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  char hello[kHelloBytes];
-  Put32(hello, kMagic);
-  Put32(hello + 4, static_cast<uint32_t>(rank));
-  Put32(hello + 8, static_cast<uint32_t>(world_size));
-  Put32(hello + 12, 0);
-  RETURN_IF_ERROR(Transfer(fd, hello, sizeof hello, /*send=*/true, deadline, where));
+  std::string hello(kHelloBytes, '\0');
+  Put32(&hello[0], kMagic);
+  Put32(&hello[4], static_cast<uint32_t>(rank));
+  Put32(&hello[8], static_cast<uint32_t>(world_size));
+  Put32(&hello[12], static_cast<uint32_t>(options.secret.size()));
+  hello += options.secret;
+  RETURN_IF_ERROR(Transfer(fd, &hello[0], hello.size(), /*send=*/true, deadline, where));
   char header[kHeaderBytes];
   RETURN_IF_ERROR(Transfer(fd, header, sizeof header, /*send=*/false, deadline, where));
+  if (Get32(header) == kRejectMagic) return RejectedError(Get32(header + 4), where, rank);
   if (Get32(header) != kMagic) {
     return absl::DataLossError(absl::StrCat("rendezvous: ", where, " sent a malformed reply"));
   }
@@ -395,8 +523,11 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
 }
 
 absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view payload,
-                                       const RendezvousOptions& options) {
+                                       RendezvousOptions options) {
   if (info.world_size == 1) return std::string(payload);
+  if (options.secret.empty()) {
+    if (const char* s = std::getenv(kSecretEnvVar)) options.secret = s;
+  }
   if (info.master_addr.empty() || info.master_port <= 0) {
     return absl::InvalidArgumentError(
         "rendezvous needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free port)");

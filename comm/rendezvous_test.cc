@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <string>
@@ -35,8 +36,9 @@ RendezvousOptions Quick(int64_t timeout_ms = 5000) {
   return o;
 }
 
-// A raw client that sends `bytes` and reports whether the server closed without a reply.
-bool SendRawAndSeeClosed(int port, const std::string& bytes) {
+// A raw client that sends `bytes` and returns what the server sent before closing ("" when it
+// closed without a reply); "<no connection>" when it could not connect.
+std::string SendRaw(int port, const std::string& bytes) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
@@ -44,13 +46,25 @@ bool SendRawAndSeeClosed(int port, const std::string& bytes) {
   inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
   if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
     close(fd);
-    return false;
+    return "<no connection>";
   }
   (void)!send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-  char c;
-  const ssize_t k = recv(fd, &c, 1, 0);  // blocks until the server closes or replies
+  std::string reply;
+  char buf[64];
+  ssize_t k;
+  while ((k = recv(fd, buf, sizeof buf, 0)) > 0) reply.append(buf, k);  // until the server closes
   close(fd);
-  return k <= 0;
+  return reply;
+}
+
+bool SendRawAndSeeClosed(int port, const std::string& bytes) { return SendRaw(port, bytes).empty(); }
+
+// The server's refusal of a well-formed hello: {"ZRXJ", reason}.
+std::string Refusal(uint32_t reason) {
+  std::string r(8, '\0');
+  const uint32_t v[2] = {htonl(0x5a52584a), htonl(reason)};
+  std::memcpy(&r[0], v, 8);
+  return r;
 }
 
 std::string Hello(uint32_t magic, uint32_t rank, uint32_t world) {
@@ -58,6 +72,22 @@ std::string Hello(uint32_t magic, uint32_t rank, uint32_t world) {
   const uint32_t v[4] = {htonl(magic), htonl(rank), htonl(world), 0};
   std::memcpy(&h[0], v, 16);
   return h;
+}
+
+// A LaunchInfo for `world` ranks on 127.0.0.1 at a port that was free a moment ago, with no
+// server on it yet.
+LaunchInfo LocalLaunch(int world) {
+  int port;
+  {
+    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
+    REQUIRE(probe.ok());
+    port = (*probe)->port();
+  }
+  LaunchInfo info;
+  info.world_size = world;
+  info.master_addr = "127.0.0.1";
+  info.master_port = port;
+  return info;
 }
 
 TEST_CASE("Rendezvous: launcher environments are recognised in order", "[comm]") {
@@ -127,17 +157,8 @@ TEST_CASE("Rendezvous: every peer receives rank 0's payload byte for byte", "[co
 }
 
 TEST_CASE("Rendezvous: peers that connect before rank 0 listens are retried", "[comm]") {
-  // Find a free port, release it, then start the peers first.
-  int port;
-  {
-    auto probe = RendezvousServer::Listen("127.0.0.1", 0);
-    REQUIRE(probe.ok());
-    port = (*probe)->port();
-  }
-  LaunchInfo info;
-  info.world_size = 3;
-  info.master_addr = "127.0.0.1";
-  info.master_port = port;
+  // A free port, released; then the peers start first.
+  const LaunchInfo info = LocalLaunch(3);
   std::vector<absl::StatusOr<std::string>> got(3, std::string());
   std::vector<std::thread> threads;
   for (int r = 2; r >= 0; --r) {
@@ -164,14 +185,16 @@ TEST_CASE("Rendezvous: malformed, out-of-range and duplicate hellos are rejected
   absl::Status served;
   std::thread rank0([&] { served = (*server)->Serve(world, "payload", Quick()); });
   CHECK(SendRawAndSeeClosed(port, "GET / HTTP/1.1\r\n\r\n"));          // not our protocol
-  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 7, world)));      // rank out of range
-  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 0, world)));      // rank 0 is the server
-  CHECK(SendRawAndSeeClosed(port, Hello(0x5a525631, 1, world + 1)));  // wrong world size
+  // Well-formed but refused: the peer is told why before the server closes.
+  CHECK(SendRaw(port, Hello(0x5a525631, 7, world)) == Refusal(3));      // rank out of range
+  CHECK(SendRaw(port, Hello(0x5a525631, 0, world)) == Refusal(3));      // rank 0 is the server
+  CHECK(SendRaw(port, Hello(0x5a525631, 1, world + 1)) == Refusal(2));  // wrong world size
   absl::StatusOr<std::string> one, dup, two;
   std::thread t1([&] { one = RendezvousFetch("127.0.0.1", port, 1, world, Quick()); });
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's hello registered
   dup = RendezvousFetch("127.0.0.1", port, 1, world, Quick());  // a second "rank 1"
   CHECK(dup.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(dup.status().message(), "already joined as rank 1"));
   two = RendezvousFetch("127.0.0.1", port, 2, world, Quick());
   t1.join();
   rank0.join();
@@ -251,6 +274,102 @@ TEST_CASE("Rendezvous: bad addresses and missing MASTER_ADDR are argument errors
   auto solo = Rendezvous(info, "id", Quick());
   REQUIRE(solo.ok());
   CHECK(*solo == "id");
+}
+
+// The reported hang: a blocking connect() to an address whose SYNs go unanswered waited for the
+// kernel's SYN retries (minutes), far past the 2 s timeout. A listener whose accept queue is
+// full drops SYNs the same way.
+TEST_CASE("Rendezvous: an address that accepts nothing times out at the deadline", "[comm]") {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  REQUIRE(bind(lfd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+  REQUIRE(listen(lfd, 0) == 0);  // never accepted: the queue fills at once
+  socklen_t len = sizeof sa;
+  getsockname(lfd, reinterpret_cast<sockaddr*>(&sa), &len);
+  std::vector<int> fillers;
+  for (int i = 0; i < 8; ++i) {
+    fillers.push_back(socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0));
+    (void)!connect(fillers.back(), reinterpret_cast<sockaddr*>(&sa), sizeof sa);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = RendezvousFetch("127.0.0.1", ntohs(sa.sin_port), 1, 2, Quick(1000));
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int fd : fillers) close(fd);
+  close(lfd);
+  INFO(got.status().ToString());
+  // The connect itself must give up at the deadline. The bound is loose (a loaded machine), yet
+  // far below the minutes a blocking connect takes.
+  CHECK(got.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(got.status().message(), "could not reach"));
+  CHECK(secs < 30.0);
+}
+
+TEST_CASE("Rendezvous: with a shared secret only peers that know it join", "[comm]") {
+  const int world = 3;
+  RendezvousOptions with = Quick(), wrong = Quick(), none = Quick();
+  with.secret = "s3cret-token";
+  wrong.secret = "s3cret-tokeX";
+  auto server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(server.ok());
+  const int port = (*server)->port();
+  absl::Status served;
+  std::thread rank0([&] { served = (*server)->Serve(world, "payload", with); });
+  for (const RendezvousOptions* o : {&wrong, &none}) {
+    auto refused = RendezvousFetch("127.0.0.1", port, 1, world, *o);
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kPermissionDenied);
+    CHECK(absl::StrContains(refused.status().message(), "ZERORT_RENDEZVOUS_SECRET"));
+    CHECK(!absl::StrContains(refused.status().message(), "s3cret"));
+  }
+  // The refused attempts took no rank: the real peers still join, all at once.
+  std::vector<absl::StatusOr<std::string>> got(world, std::string());
+  std::vector<std::thread> peers;
+  for (int r = 1; r < world; ++r) {
+    peers.emplace_back([&, r] { got[r] = RendezvousFetch("127.0.0.1", port, r, world, with); });
+  }
+  for (auto& t : peers) t.join();
+  rank0.join();
+  REQUIRE(served.ok());
+  for (int r = 1; r < world; ++r) CHECK(got[r].value_or("") == "payload");
+
+  // A peer with a secret is refused by a server without one, too.
+  auto open_server = RendezvousServer::Listen("127.0.0.1", 0);
+  REQUIRE(open_server.ok());
+  const int open_port = (*open_server)->port();
+  absl::Status open_served;
+  std::thread open0([&] { open_served = (*open_server)->Serve(2, "p", Quick(1500)); });
+  auto extra = RendezvousFetch("127.0.0.1", open_port, 1, 2, with);
+  open0.join();
+  CHECK(extra.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK(open_served.code() == absl::StatusCode::kDeadlineExceeded);
+
+  RendezvousOptions huge = Quick();
+  huge.secret.assign(257, 'x');
+  CHECK(RendezvousFetch("127.0.0.1", port, 1, 2, huge).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Rendezvous: Rendezvous() takes the secret from ZERORT_RENDEZVOUS_SECRET", "[comm]") {
+  const LaunchInfo info = LocalLaunch(2);
+  REQUIRE(setenv("ZERORT_RENDEZVOUS_SECRET", "from-env", 1) == 0);
+  absl::StatusOr<std::string> peer;
+  std::thread t([&] {
+    // Explicit and wrong: the environment does not override it.
+    RendezvousOptions o = Quick(2000);
+    o.secret = "other";
+    LaunchInfo mine = info;
+    mine.rank = 1;
+    peer = Rendezvous(mine, "", o);
+  });
+  LaunchInfo zero = info;
+  auto served = Rendezvous(zero, "id", Quick(2000));  // secret from the environment
+  t.join();
+  unsetenv("ZERORT_RENDEZVOUS_SECRET");
+  CHECK(peer.status().code() == absl::StatusCode::kPermissionDenied);
+  CHECK(served.status().code() == absl::StatusCode::kDeadlineExceeded);
 }
 
 }  // namespace
