@@ -100,7 +100,8 @@ absl::StatusOr<std::vector<memory::ParamSpec>> PlanModel(const Flags& flags) {
   }
   if (flags.Has("model")) {
     const std::string m = flags.Get("model");
-    if (absl::EndsWith(m, ".json")) return LoadModelFile(m);
+    // A path (a slash, or the .json suffix) is a model file; anything else names a preset.
+    if (absl::EndsWith(m, ".json") || absl::StrContains(m, '/')) return LoadModelFile(m);
     return ModelPreset(m);
   }
   ASSIGN_OR_RETURN(int64_t params, flags.GetInt("params", 0, 1));
