@@ -119,7 +119,7 @@ constexpr const char* kPlanUsage =
          --model NAME|FILE   preset (gpt2-124m, gpt2-1.5b, llama2-7b, llama2-13b, llama2-70b)
                              or a JSON model file
          --params N          a synthetic model of N parameters in --layers equal layers (48,
-                             at most 65536)
+                             at most 4096)
          --world N           data-parallel world size (1)        --rank R   rank to plan (0)
          --stage 0-3|auto    ZeRO stage (config's, else 0)
          --offload none|optimizer|all   CPU offload of optimizer state (and parameters)

@@ -91,7 +91,7 @@ TEST_CASE("CLI: sizes past int64 are refused naming the quantity, never printed 
           "exceeds 2^63-1");
   // Used to abort with std::bad_alloc building two billion layers.
   Refusal({"--params", "2e9", "--layers", "2e9"},
-          "flag '--layers' value '2e9' must be an integer in 1..65536");
+          "flag '--layers' value '2e9' must be an integer in 1..4096");
   // Used to be truncated to 32 bits: world 4294967297 planned as world 1.
   Refusal({"--params", "1000", "--world", "4294967297"},
           "flag '--world' value '4294967297' must be an integer in 1..2147483647");

@@ -34,7 +34,7 @@ import json, sys
 m = [{"name": "m%d" % i, "params": [{"name": "w", "shape": [2**50]}]} for i in range(8193)]
 json.dump({"modules": m}, open(sys.argv[1], "w"))' "$tmp/huge.json"
 
-expect_refusal "must be an integer in 1..65536" --params 2e9 --layers 2e9
+expect_refusal "must be an integer in 1..4096" --params 2e9 --layers 2e9
 expect_refusal 'config file "/dev/zero": not a regular file' --model gpt2-124m --config /dev/zero
 expect_refusal 'not a regular file' --model /dev/zero
 expect_refusal "the plan's" --params 1e18 --layers 1000

@@ -41,7 +41,7 @@ absl::StatusOr<std::vector<memory::ParamSpec>> LoadModelFile(const std::string& 
 
 // The most layers SyntheticModel builds: each is a ParamSpec in memory, and real models have a
 // few hundred at most.
-constexpr int64_t kMaxSyntheticLayers = 65536;
+constexpr int64_t kMaxSyntheticLayers = 4096;
 
 // `params` elements in `layers` equal one-parameter layers (the last takes the remainder).
 // REQUIRES: params >= layers >= 1, layers <= kMaxSyntheticLayers (InvalidArgument otherwise).
