@@ -31,11 +31,11 @@ for t in "${targets[@]}"; do
   label=${t%% *}
   corpus=tests/fuzz/${t##* }
   binary=bazel-out/k8-optfuzz/bin/$(echo "${label#//}" | tr ':' '/')
-  mkdir -p "$scratch/$label"
-  log="$scratch/$label/log"
+  mkdir -p "$scratch/${t##* }"
+  log="$scratch/${t##* }.log"
   start=$(date +%s)
   "$binary" -max_total_time="$seconds" -timeout=25 -rss_limit_mb=2048 -print_final_stats=1 \
-    -artifact_prefix="$corpus/" "$scratch/$label" "$corpus" >"$log" 2>&1
+    -artifact_prefix="$corpus/" "$scratch/${t##* }" "$corpus" >"$log" 2>&1
   rc=$?
   elapsed=$(($(date +%s) - start))
   runs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$')
