@@ -36,9 +36,13 @@ std::string GroupedBytes(int64_t bytes) {
 absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
   std::string s(absl::StripAsciiWhitespace(text));
   size_t split = 0;
+  // A sign only right after the exponent's e: "1e-3GiB" is a number, "-1" is not.
+  auto exponent_sign = [&](size_t i) {
+    return (s[i] == '-' || s[i] == '+') && i > 0 && (s[i - 1] == 'e' || s[i - 1] == 'E');
+  };
   while (split < s.size() && (std::isdigit(static_cast<unsigned char>(s[split])) ||
                               s[split] == '.' || s[split] == 'e' || s[split] == 'E' ||
-                              s[split] == '+')) {
+                              exponent_sign(split))) {
     ++split;
   }
   double number = 0;
@@ -61,7 +65,13 @@ absl::StatusOr<int64_t> ParseBytes(absl::string_view text) {
       if (bytes > 9.0e18) {
         return absl::InvalidArgumentError(absl::StrCat("byte size '", text, "' is too large"));
       }
-      return static_cast<int64_t>(std::llround(bytes));
+      const int64_t rounded = static_cast<int64_t>(std::llround(bytes));
+      // 0 reads as "no limit" in a budget: a tiny fraction must not turn into that.
+      if (rounded == 0 && bytes > 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("byte size '", text, "' rounds to 0 bytes"));
+      }
+      return rounded;
     }
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown unit '", unit, "' in byte size '", text,

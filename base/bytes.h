@@ -23,9 +23,11 @@ std::string HumanBytes(int64_t bytes);
 // 1234567 -> "1,234,567": exact, with thousands separators, for tables where equality matters.
 std::string GroupedBytes(int64_t bytes);
 
-// "80GiB", "80 GB", "1.5TiB", "8e10", "123" (bytes). Decimal (kB, MB, GB, TB) and binary (KiB,
-// MiB, GiB, TiB; also K, M, G, T) suffixes, case-insensitive. InvalidArgument names the text:
-// negative, unparsable, an unknown unit, or more than 9e18 bytes.
+// "80GiB", "80 GB", "1.5TiB", "8e10", "1e-3GiB", "123" (bytes). Decimal (kB, MB, GB, TB) and
+// binary (KiB, MiB, GiB, TiB; also K, M, G, T) suffixes, case-insensitive. A fractional byte
+// count is rounded to the nearest byte (1e-3GiB = 1073741.824 -> 1073742). InvalidArgument names
+// the text: negative, unparsable, an unknown unit, more than 9e18 bytes, or a positive size that
+// rounds to 0.
 absl::StatusOr<int64_t> ParseBytes(absl::string_view text);
 
 }  // namespace zerort

@@ -15,8 +15,16 @@ TEST_CASE("Bytes: sizes parse with decimal and binary units", "[base]") {
   CHECK(HumanBytes(1536) == "1.50 KiB");
 }
 
+TEST_CASE("Bytes: fractions and negative exponents round to the nearest byte", "[base]") {
+  CHECK(*ParseBytes("1e-3GiB") == 1073742);  // 1073741.824
+  CHECK(*ParseBytes("1.5e-3 TiB") == 1649267442);  // 1649267441.664
+  CHECK(*ParseBytes("2.5") == 3);  // halves round away from zero (llround)
+  CHECK(*ParseBytes("0") == 0);
+}
+
 TEST_CASE("Bytes: refusals name the text", "[base]") {
-  for (const char* bad : {"", "-5GB", "1e30", "12 furlongs"}) {
+  for (const char* bad : {"", "-5GB", "1e30", "12 furlongs", "0.4", "1e-10GiB", "1-3GiB", "1e-",
+                          "--1", "1e+-3"}) {
     INFO(bad);
     absl::StatusOr<int64_t> b = ParseBytes(bad);
     REQUIRE_FALSE(b.ok());

@@ -14,7 +14,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace zerort {
 namespace {
@@ -305,6 +307,54 @@ absl::StatusOr<int64_t> JsonToInt(const Json& v, absl::string_view path, int64_t
   }
   if (x < lo || x > hi) return JsonExpected(path, what, v);
   return x;
+}
+
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t substitute =
+          diagonal + (absl::ascii_tolower(a[i - 1]) == absl::ascii_tolower(b[j - 1]) ? 0 : 1);
+      diagonal = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
+    }
+  }
+  return row[b.size()];
+}
+
+absl::string_view NearestKey(absl::string_view key,
+                             absl::Span<const absl::string_view> candidates) {
+  absl::string_view best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (absl::string_view c : candidates) {
+    const size_t d = EditDistance(key, c);
+    if (d < best_distance) {
+      best_distance = d;
+      best = c;
+    }
+  }
+  const size_t limit = std::min<size_t>(3, std::max<size_t>(1, key.size() / 3));
+  return best_distance <= limit ? best : absl::string_view();
+}
+
+absl::Status CheckJsonKeys(const Json& obj, absl::string_view path,
+                           absl::Span<const absl::string_view> allowed) {
+  if (!obj.is_object()) return absl::OkStatus();  // the type is the getters' to report
+  for (const auto& item : obj.items()) {
+    const std::string& key = item.key();
+    if (std::find(allowed.begin(), allowed.end(), key) != allowed.end()) continue;
+    const std::string key_path = JsonPath(path, key);
+    if (absl::string_view near = NearestKey(key, allowed); !near.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(key_path, ": unknown key; did you mean \"", near, "\"?"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key (expected ",
+                                                   absl::StrJoin(allowed, ", "), ")"));
+  }
+  return absl::OkStatus();
 }
 
 const Json* JsonFields::Find(absl::string_view key) const {

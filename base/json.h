@@ -28,6 +28,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "nlohmann/json.hpp"
 
 namespace zerort {
@@ -80,6 +81,22 @@ enum class IntegralFloats { kRefuse, kAccept };
 absl::StatusOr<int64_t> JsonToInt(const Json& v, absl::string_view path, int64_t lo, int64_t hi,
                                   IntegralFloats floats = IntegralFloats::kRefuse,
                                   absl::string_view what = {});
+
+// ---- Key checking: a misspelt key is refused, never ignored.
+
+// Levenshtein distance, ignoring ASCII case.
+size_t EditDistance(absl::string_view a, absl::string_view b);
+
+// The candidate nearest to `key` when it is plausibly what was meant (distance at most
+// min(3, max(1, key.size() / 3))), else "".
+absl::string_view NearestKey(absl::string_view key,
+                             absl::Span<const absl::string_view> candidates);
+
+// OK when every member of `obj` (an object at `path`) is in `allowed`; else InvalidArgument
+// "<path>.<key>: unknown key; did you mean \"<nearest>\"?" or, with nothing near,
+// "<path>.<key>: unknown key (expected <allowed, comma-separated>)".
+absl::Status CheckJsonKeys(const Json& obj, absl::string_view path,
+                           absl::Span<const absl::string_view> allowed);
 
 // The members of one JSON object, each read with its type checked and its path in the error.
 // The getters are for required members ("<path>: missing" when absent); Find serves optional

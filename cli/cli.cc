@@ -1,6 +1,7 @@
 #include "cli/cli.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <utility>
 
@@ -21,21 +22,28 @@
 namespace zerort {
 namespace {
 
+// --budget SIZE | device=SIZE[,host=SIZE]: each key at most once, each part exactly KEY=SIZE.
 absl::Status ApplyBudget(const std::string& text, MemoryBudget* budget) {
-  for (absl::string_view part : absl::StrSplit(text, ',')) {
-    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(part, '=');
-    absl::string_view key = kv.second.empty() ? "device" : kv.first;
-    absl::string_view value = kv.second.empty() ? kv.first : kv.second;
-    absl::StatusOr<int64_t> bytes = ParseBytes(value);
-    if (!bytes.ok()) return Annotate(bytes.status(), "--budget");
-    if (key == "device") {
-      budget->device_bytes = *bytes;
-    } else if (key == "host") {
-      budget->host_bytes = *bytes;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--budget: unknown part '", key, "': expected SIZE or device=SIZE,host=SIZE"));
+  constexpr absl::string_view kForm = "expected SIZE or device=SIZE,host=SIZE";
+  const std::vector<absl::string_view> parts = absl::StrSplit(text, ',');
+  bool seen_device = false, seen_host = false;
+  for (absl::string_view part : parts) {
+    std::vector<absl::string_view> kv = absl::StrSplit(part, '=');
+    if (kv.size() == 1 && parts.size() == 1) kv.insert(kv.begin(), "device");
+    if (kv.size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--budget: cannot read part '", part, "': ", kForm));
     }
+    bool* seen = kv[0] == "device" ? &seen_device : kv[0] == "host" ? &seen_host : nullptr;
+    if (seen == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--budget: unknown part '", kv[0], "': ", kForm));
+    }
+    if (*seen) return absl::InvalidArgumentError(absl::StrCat("--budget: '", kv[0], "' is given twice"));
+    *seen = true;
+    absl::StatusOr<int64_t> bytes = ParseBytes(kv[1]);
+    if (!bytes.ok()) return Annotate(bytes.status(), "--budget");
+    (kv[0] == "device" ? budget->device_bytes : budget->host_bytes) = *bytes;
   }
   return absl::OkStatus();
 }
@@ -92,37 +100,64 @@ absl::StatusOr<std::vector<memory::ParamSpec>> PlanModel(const Flags& flags) {
   }
   if (flags.Has("model")) {
     const std::string m = flags.Get("model");
-    if (absl::EndsWith(m, ".json")) return LoadModelFile(m);
+    // A path (a slash, or the .json suffix) is a model file; anything else names a preset.
+    if (absl::EndsWith(m, ".json") || absl::StrContains(m, '/')) return LoadModelFile(m);
     return ModelPreset(m);
   }
   ASSIGN_OR_RETURN(int64_t params, flags.GetInt("params", 0, 1));
-  ASSIGN_OR_RETURN(int64_t layers, flags.GetInt("layers", 48, 1));
-  return SyntheticModel(params, static_cast<int>(std::min(layers, params)));
+  ASSIGN_OR_RETURN(int64_t layers, flags.GetInt("layers", 48, 1, kMaxSyntheticLayers));
+  return SyntheticModel(params, std::min(layers, params));
 }
 
 }  // namespace
 
-std::string Usage() {
-  return R"(usage: zerort <command> [flags]
+namespace {
 
-commands:
-  plan   print the per-rank memory plan of a model without allocating anything
+// One section per command: `zerort --help` prints them all, `zerort CMD --help` its own.
+constexpr const char* kPlanUsage =
+    R"(  plan   print the per-rank memory plan of a model without allocating anything
          --model NAME|FILE   preset (gpt2-124m, gpt2-1.5b, llama2-7b, llama2-13b, llama2-70b)
                              or a JSON model file
-         --params N          a synthetic model of N parameters in --layers equal layers (48)
+         --params N          a synthetic model of N parameters in --layers equal layers (48,
+                             at most 4096)
          --world N           data-parallel world size (1)        --rank R   rank to plan (0)
          --stage 0-3|auto    ZeRO stage (config's, else 0)
          --offload none|optimizer|all   CPU offload of optimizer state (and parameters)
          --precision bf16|fp16|fp32     compute dtype (config's, else bf16)
          --config FILE       a JSON config (DeepSpeed keys); flags above override it
-         --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto)
+         --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto);
+                             SIZE as 80GiB, 16GB, 8e10 or 1.5e-3TiB, rounded to the nearest byte
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
-  demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
+)";
+constexpr const char* kDemoUsage =
+    R"(  demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
          [--config FILE] [--ranks N (4)] [--steps S (30)] [--stage 0-3] [--precision P (bf16)]
-  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
+)";
+constexpr const char* kCkptUsage =
+    R"(  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
          write its full fp32 state as one safetensors file (docs/checkpoints.md)
 )";
+
+}  // namespace
+
+std::string Usage() {
+  return absl::StrCat("usage: zerort <command> [flags]\n\ncommands:\n", kPlanUsage, kDemoUsage,
+                      kCkptUsage);
+}
+
+std::string CommandUsage(absl::string_view command) {
+  const char* section = command == "plan"   ? kPlanUsage
+                        : command == "demo" ? kDemoUsage
+                        : command == "ckpt" ? kCkptUsage
+                                            : nullptr;
+  if (section == nullptr) return "";
+  return absl::StrCat("usage: zerort ", command, " [flags]\n\n", section);
+}
+
+bool WantsHelp(const std::vector<std::string>& args) {
+  return std::any_of(args.begin(), args.end(),
+                     [](const std::string& a) { return a == "--help" || a == "-h"; });
 }
 
 absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& out) {
@@ -137,8 +172,10 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(std::vector<memory::ParamSpec> specs, PlanModel(flags));
-  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world", 1, 1));
-  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0, 0));
+  // Plan options hold int ranks: a larger value is refused, never truncated.
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world", 1, 1, kIntMax));
+  ASSIGN_OR_RETURN(int64_t rank, flags.GetInt("rank", 0, 0, kIntMax));
   if (rank >= world) {
     return absl::InvalidArgumentError(
         absl::StrCat("--rank ", rank, " is outside the world of ", world, " ranks"));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace zerort {
 
@@ -23,6 +24,13 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
 
 // Usage text for every command.
 std::string Usage();
+
+// Usage text for one command ("plan", "demo", "ckpt"), or "" for an unknown one.
+std::string CommandUsage(absl::string_view command);
+
+// Whether a command's arguments ask for its usage: "--help" or "-h" anywhere among them, so
+// `zerort plan --model x --help` prints help rather than an unknown-flag error.
+bool WantsHelp(const std::vector<std::string>& args);
 
 }  // namespace zerort
 

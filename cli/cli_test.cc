@@ -4,9 +4,11 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <catch2/catch.hpp>
 
+#include "absl/status/status.h"
 #include "nlohmann/json.hpp"
 
 namespace zerort {
@@ -63,6 +65,138 @@ TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON arr
   std::ostringstream plain;
   REQUIRE(RunPlanCommand({"--params", "1000", "--json"}, plain).ok());
   CHECK(nlohmann::json::parse(plain.str())["notes"] == nlohmann::json::array());
+}
+
+std::string TempPath(const std::string& name) {
+  const char* dir = std::getenv("TEST_TMPDIR");
+  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+}
+
+// RunPlanCommand's refusal; the test fails if the command succeeds or the message lacks `needle`.
+std::string Refusal(const std::vector<std::string>& args, const std::string& needle) {
+  std::ostringstream out;
+  absl::Status status = RunPlanCommand(args, out);
+  INFO(out.str());
+  REQUIRE_FALSE(status.ok());
+  CHECK(status.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(status.message()), Catch::Contains(needle));
+  return std::string(status.message());
+}
+
+TEST_CASE("CLI: sizes past int64 are refused naming the quantity, never printed negative",
+          "[zero]") {
+  // Used to print "-2173.15 PiB", and --stage auto then called it a fit for 1 GiB.
+  Refusal({"--params", "1e18", "--layers", "1000"}, "the plan's ");
+  Refusal({"--params", "1e18", "--layers", "1000", "--stage", "auto", "--budget", "1GiB"},
+          "exceeds 2^63-1");
+  // Used to abort with std::bad_alloc building two billion layers.
+  Refusal({"--params", "2e9", "--layers", "2e9"},
+          "flag '--layers' value '2e9' must be an integer in 1..4096");
+  // Used to be truncated to 32 bits: world 4294967297 planned as world 1.
+  Refusal({"--params", "1000", "--world", "4294967297"},
+          "flag '--world' value '4294967297' must be an integer in 1..2147483647");
+  Refusal({"--params", "1000", "--world", "2", "--rank", "4294967296"}, "flag '--rank'");
+  // 2^63 and beyond: refused as a value, not cast (undefined behaviour).
+  for (const char* v : {"9223372036854775808", "9.3e18", "1e300", "nan", "inf", "-1", "1.5"}) {
+    Refusal({"--params", v}, std::string("flag '--params' value '") + v + "'");
+  }
+  // 2^63-1 parameters is a valid count but a tensor of more than 2^50 elements is not.
+  Refusal({"--params", "9223372036854775807", "--layers", "1"}, "more than 2^50 elements");
+  std::ostringstream out;
+  REQUIRE(RunPlanCommand({"--params", "1125899906842624", "--layers", "1", "--json"}, out).ok());
+  CHECK(nlohmann::json::parse(out.str())["params"] == 1125899906842624LL);  // 2^50
+}
+
+TEST_CASE("CLI: a model file summing past 2^63 elements is refused", "[zero]") {
+  // 8193 parameters of 2^50 elements: each is legal, their sum is not (it printed negative).
+  nlohmann::json modules = nlohmann::json::array();
+  for (int i = 0; i < 8193; ++i) {
+    modules.push_back({{"name", "m" + std::to_string(i)},
+                       {"params", {{{"name", "w"}, {"shape", {int64_t{1} << 50}}}}}});
+  }
+  const std::string path = TempPath("huge_model.json");
+  std::ofstream(path) << nlohmann::json{{"modules", modules}}.dump();
+  Refusal({"--model", path}, "the plan's parameter count exceeds 2^63-1");
+}
+
+TEST_CASE("CLI: config values at the int limits plan exactly or are refused", "[zero]") {
+  const std::string gas = TempPath("gas.json");
+  std::ofstream(gas) << R"({"gradient_accumulation_steps": 2147483647})";
+  // Used to print negative communication bytes.
+  Refusal({"--params", "1e12", "--world", "8", "--config", gas},
+          "the plan's communication bytes per step exceeds 2^63-1");
+  std::ostringstream small;
+  REQUIRE(RunPlanCommand({"--params", "1024", "--layers", "1", "--world", "2", "--config", gas,
+                          "--json"},
+                         small)
+              .ok());
+  // fp32 (the config has no bf16 block) all-reduce of 1024 elements: 2 passes of 512 elements
+  // sent, 2147483647 micro-steps.
+  CHECK(nlohmann::json::parse(small.str())["comm_bytes_per_step"] ==
+        int64_t{2147483647} * 2 * 512 * 4);
+
+  const std::string prefetch = TempPath("prefetch.json");
+  std::ofstream(prefetch) << R"({"zero_optimization": {"stage": 3,
+      "stage3_prefetch_bucket_size": 9223372036854775807, "reduce_bucket_size": 1000,
+      "stage3_param_persistence_threshold": 0}})";
+  std::ostringstream out;
+  REQUIRE(RunPlanCommand({"--params", "6000", "--layers", "6", "--world", "2", "--config",
+                          prefetch, "--json"},
+                         out)
+              .ok());
+  // Six 1000-element units, all within max_live_parameters: all six slots (it planned 1).
+  auto j = nlohmann::json::parse(out.str());
+  bool found = false;
+  for (const auto& b : j["buffers"]) {
+    if (b["name"] != "gather_buffer") continue;
+    found = true;
+    CHECK(b["slots"] == 6);
+    CHECK(b["elements"] == 6 * 1024);  // each unit padded to 2 ranks * 128 * 4
+  }
+  CHECK(found);
+}
+
+TEST_CASE("CLI: --budget reads SIZE or device=SIZE,host=SIZE strictly", "[zero]") {
+  std::ostringstream out;
+  REQUIRE(RunPlanCommand({"--params", "1000", "--budget", "1e-3GiB", "--json"}, out).ok());
+  CHECK_THAT(nlohmann::json::parse(out.str())["reason"].get<std::string>(),
+             Catch::Contains("within the budget of 1.02 MiB device"));  // 1073742 bytes
+  out.str("");
+  REQUIRE(RunPlanCommand({"--params", "1000", "--budget", "host=2GiB,device=1GiB"}, out).ok());
+  CHECK_THAT(out.str(), Catch::Contains("budget of 1.00 GiB device, 2.00 GiB host"));
+  Refusal({"--params", "1000", "--budget", "device=1GiB=junk"},
+          "--budget: cannot read part 'device=1GiB=junk'");
+  Refusal({"--params", "1000", "--budget", "device=1GiB,device=2GiB"},
+          "--budget: 'device' is given twice");
+  Refusal({"--params", "1000", "--budget", "1GiB,host=1GiB"}, "--budget: cannot read part '1GiB'");
+  Refusal({"--params", "1000", "--budget", "gpu=1GiB"}, "--budget: unknown part 'gpu'");
+  Refusal({"--params", "1000", "--budget", "device="}, "--budget");
+  Refusal({"--params", "1000", "--budget", "0.3"}, "rounds to 0 bytes");
+}
+
+TEST_CASE("CLI: config files that are not JSON text are refused by name", "[zero]") {
+  // A device: refused before reading (it used to be read without bound).
+  Refusal({"--model", "gpt2-124m", "--config", "/dev/zero"},
+          "cannot read config file \"/dev/zero\": not a regular file");
+  // Bytes after a NUL are not ignored: the NUL itself is the error, with its position.
+  const std::string nul = TempPath("nul.json");
+  std::ofstream(nul) << std::string("{\"bf16\": {\"enabled\": true}}\0{\"fp16\": 1}", 40);
+  Refusal({"--params", "1000", "--config", nul}, nul + ":1:28: not valid JSON: a NUL byte");
+}
+
+TEST_CASE("CLI: --help after a command asks for that command's usage", "[zero]") {
+  CHECK(WantsHelp({"--model", "x", "--help"}));
+  CHECK(WantsHelp({"-h"}));
+  CHECK_FALSE(WantsHelp({"--model", "help"}));
+  CHECK_THAT(CommandUsage("plan"), Catch::StartsWith("usage: zerort plan [flags]"));
+  CHECK_THAT(CommandUsage("plan"), Catch::Contains("--budget SIZE"));
+  CHECK_THAT(CommandUsage("ckpt"), Catch::Contains("consolidate DIR OUT"));
+  CHECK(CommandUsage("nope").empty());
+  // Every section is in the full usage.
+  for (const char* c : {"plan", "demo", "ckpt"}) {
+    const std::string section = CommandUsage(c).substr(CommandUsage(c).find("\n\n") + 2);
+    CHECK_THAT(Usage(), Catch::Contains(section));
+  }
 }
 
 }  // namespace

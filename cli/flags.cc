@@ -1,6 +1,7 @@
 #include "cli/flags.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -66,15 +67,23 @@ absl::StatusOr<int64_t> Flags::GetInt(const std::string& name, int64_t fallback,
                                       int64_t max) const {
   if (!Has(name)) return fallback;
   const std::string text = Get(name);
-  double v = 0;
-  if (!absl::SimpleAtod(text, &v) || !(v >= static_cast<double>(min)) ||
-      !(v <= static_cast<double>(max)) || v != static_cast<double>(static_cast<int64_t>(v))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("flag '--", name, "' value '", text, "' must be an integer in ", min, "..",
-                     max == std::numeric_limits<int64_t>::max() ? std::string("")
-                                                                : absl::StrCat(max)));
+  int64_t v = 0;
+  // Digits are read exactly; a double (1e6) is accepted only when it is integral and inside
+  // int64's range, checked before the cast: casting 2^63 or NaN to int64 is undefined.
+  bool ok = absl::SimpleAtoi(text, &v);
+  if (!ok) {
+    double d = 0;
+    ok = absl::SimpleAtod(text, &d) && std::isfinite(d) && d == std::trunc(d) &&
+         d >= -9223372036854775808.0 && d < 9223372036854775808.0;
+    if (ok) v = static_cast<int64_t>(d);
   }
-  return static_cast<int64_t>(v);
+  if (!ok || v < min || v > max) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "flag '--", name, "' value '", text, "' must be an integer ",
+        max == std::numeric_limits<int64_t>::max() ? absl::StrCat(">= ", min)
+                                                   : absl::StrCat("in ", min, "..", max)));
+  }
+  return v;
 }
 
 absl::StatusOr<DType> Flags::GetComputeDType(const std::string& name, DType fallback) const {

@@ -15,6 +15,10 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
+  if (!zerort::CommandUsage(command).empty() && zerort::WantsHelp(args)) {
+    std::cout << zerort::CommandUsage(command);
+    return 0;
+  }
   absl::Status status;
   if (command == "plan") {
     status = zerort::RunPlanCommand(args, std::cout);

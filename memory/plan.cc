@@ -1,6 +1,7 @@
 #include "memory/plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -13,7 +14,38 @@ namespace zerort {
 namespace memory {
 namespace {
 
-int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+// Every size of a plan is computed through Checked: an overflow saturates at INT64_MAX (so that
+// the divisions and comparisons after it stay defined) and records the first quantity that
+// overflowed, which MakePlan returns instead of the plan. A plan never reports a wrapped,
+// negative size, and "--stage auto" never takes one for a fit.
+class Checked {
+ public:
+  int64_t Add(int64_t a, int64_t b, absl::string_view what) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? Fail(what) : r;
+  }
+  int64_t Mul(int64_t a, int64_t b, absl::string_view what) {
+    int64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? Fail(what) : r;
+  }
+  // x rounded up to a multiple of m. REQUIRES: x >= 0, m >= 1.
+  int64_t RoundUp(int64_t x, int64_t m, absl::string_view what) {
+    return Mul(CeilDiv(x, m), m, what);
+  }
+  static int64_t CeilDiv(int64_t x, int64_t m) { return x / m + (x % m != 0 ? 1 : 0); }
+  const absl::Status& status() const { return status_; }
+
+ private:
+  int64_t Fail(absl::string_view what) {
+    if (status_.ok()) {
+      status_ = absl::InvalidArgumentError(absl::StrCat(
+          "the plan's ", what, " exceeds 2^63-1: the model, world size or options are too large "
+          "to plan"));
+    }
+    return std::numeric_limits<int64_t>::max();
+  }
+  absl::Status status_;
+};
 
 absl::Status ValidateOptions(const PlanOptions& o) {
   auto bad = [](absl::string_view what, auto value, absl::string_view range) {
@@ -87,7 +119,8 @@ std::vector<std::vector<int>> ModulesInBackwardOrder(absl::Span<const ParamSpec>
 
 // Elements of every parameter, in spec order; adds them up in plan->num_elements. Refuses a bad
 // shape or a name registered twice.
-absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> specs, Plan* plan) {
+absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> specs, Plan* plan,
+                                                   Checked* math) {
   std::vector<int64_t> numel(specs.size());
   absl::flat_hash_set<absl::string_view> names;
   names.reserve(specs.size());
@@ -95,7 +128,7 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
     auto n = Numel(specs[i]);
     if (!n.ok()) return n.status();
     numel[i] = *n;
-    plan->num_elements += *n;
+    plan->num_elements = math->Add(plan->num_elements, *n, "parameter count");
     if (!names.insert(specs[i].name).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("parameter name '", specs[i].name, "' is registered twice"));
@@ -108,13 +141,14 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
 // are merged up to the target and an oversized module is split at parameter bounds.
 class UnitBuilder {
  public:
-  UnitBuilder(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan)
-      : specs_(specs), numel_(numel), plan_(plan), o_(plan->options) {}
+  UnitBuilder(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan,
+              Checked* math)
+      : specs_(specs), numel_(numel), plan_(plan), o_(plan->options), math_(*math) {}
 
   void AddModule(const std::vector<int>& module) {
     const std::string& module_name = specs_[module.front()].module;
     int64_t size = 0;
-    for (int i : module) size = RoundUp(size, o_.param_alignment) + numel_[i];
+    for (int i : module) size = math_.Add(Aligned(size), numel_[i], "unit size");
     if (WouldOverflow(size)) Close();
     for (int i : module) {
       if (WouldOverflow(numel_[i])) Close();
@@ -131,32 +165,38 @@ class UnitBuilder {
     current_.name = first_module_ == last_module_
                         ? first_module_
                         : absl::StrCat(first_module_, "..", last_module_);
-    current_.padded = RoundUp(current_.numel, world * o_.shard_alignment);
+    current_.padded = math_.RoundUp(
+        current_.numel, math_.Mul(world, o_.shard_alignment, "shard alignment"), "padded unit");
     current_.shard = current_.padded / world;
     current_.flat_offset = plan_->padded_elements;
     current_.shard_offset = plan_->shard_elements;
-    plan_->padded_elements += current_.padded;
-    plan_->shard_elements += current_.shard;
+    plan_->padded_elements =
+        math_.Add(plan_->padded_elements, current_.padded, "padded element count");
+    plan_->shard_elements = math_.Add(plan_->shard_elements, current_.shard, "shard size");
     plan_->units.push_back(std::move(current_));
     current_ = Unit();
   }
 
  private:
   // Whether `elements` more (aligned) would push a non-empty unit past the target.
-  bool WouldOverflow(int64_t elements) const {
+  bool WouldOverflow(int64_t elements) {
     return !current_.params.empty() &&
-           RoundUp(current_.numel, o_.param_alignment) + elements > o_.unit_target_elements;
+           math_.Add(Aligned(current_.numel), elements, "unit size") > o_.unit_target_elements;
+  }
+
+  int64_t Aligned(int64_t elements) {
+    return math_.RoundUp(elements, o_.param_alignment, "parameter offset");
   }
 
   void AddParam(int i) {
-    const int64_t offset = RoundUp(current_.numel, o_.param_alignment);
+    const int64_t offset = Aligned(current_.numel);
     ParamLayout& p = plan_->params[i];
     p.name = specs_[i].name;
     p.shape = specs_[i].shape;
     p.numel = numel_[i];
     p.unit = static_cast<int>(plan_->units.size());
     p.offset_in_unit = offset;
-    current_.numel = offset + numel_[i];
+    current_.numel = math_.Add(offset, numel_[i], "unit size");
     current_.params.push_back(i);
   }
 
@@ -164,13 +204,15 @@ class UnitBuilder {
   const std::vector<int64_t>& numel_;
   Plan* plan_;
   const PlanOptions& o_;
+  Checked& math_;
   Unit current_;
   std::string first_module_, last_module_;
 };
 
-void BuildUnits(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan) {
+void BuildUnits(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan,
+                Checked* math) {
   plan->params.resize(specs.size());
-  UnitBuilder builder(specs, numel, plan);
+  UnitBuilder builder(specs, numel, plan, math);
   for (const std::vector<int>& module : ModulesInBackwardOrder(specs)) builder.AddModule(module);
   builder.Close();
 }
@@ -183,15 +225,19 @@ struct UnitTotals {
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
-UnitTotals PlaceUnits(Plan* plan) {
+UnitTotals PlaceUnits(Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   UnitTotals totals;
   for (Unit& u : plan->units) {
     plan->max_unit_elements = std::max(plan->max_unit_elements, u.padded);
     u.persistent = o.stage == 3 && u.numel <= o.persistence_threshold;
-    if (u.persistent) totals.persistent_elements += u.padded;
+    if (u.persistent) {
+      totals.persistent_elements =
+          math->Add(totals.persistent_elements, u.padded, "persistent element count");
+    }
     for (int i : u.params) {
-      plan->params[i].flat_offset = u.flat_offset + plan->params[i].offset_in_unit;
+      plan->params[i].flat_offset =
+          math->Add(u.flat_offset, plan->params[i].offset_in_unit, "parameter offset");
     }
   }
   for (const Unit& u : plan->units) {
@@ -204,8 +250,8 @@ UnitTotals PlaceUnits(Plan* plan) {
 }
 
 // Appends a buffer of `elements` (none when that is 0).
-void AddBuffer(Plan* plan, std::string name, BufferClass cls, MemoryKind kind, DType dtype,
-               int64_t elements, int64_t count = 1) {
+void AddBuffer(Plan* plan, Checked* math, std::string name, BufferClass cls, MemoryKind kind,
+               DType dtype, int64_t elements, int64_t count = 1) {
   if (elements <= 0) return;
   Buffer b;
   b.name = std::move(name);
@@ -214,7 +260,8 @@ void AddBuffer(Plan* plan, std::string name, BufferClass cls, MemoryKind kind, D
   b.dtype = dtype;
   b.elements = elements;
   b.count = count;
-  b.bytes = elements * static_cast<int64_t>(DTypeSize(dtype));
+  b.bytes = math->Mul(elements, static_cast<int64_t>(DTypeSize(dtype)),
+                      absl::StrCat(b.name, " buffer size"));
   plan->buffers.push_back(std::move(b));
 }
 
@@ -223,7 +270,7 @@ MemoryKind HostKind(const PlanOptions& o) {
 }
 
 // params + grads + master + m + v. E: padded elements (all units), S: this rank's shard.
-void AddModelState(Plan* plan) {
+void AddModelState(Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t E = plan->padded_elements;
   const int64_t S = plan->shard_elements;
@@ -233,73 +280,78 @@ void AddModelState(Plan* plan) {
   const bool sharded_optim = o.stage >= 1;
   const int64_t optim_elements = sharded_optim ? S : E;
   if (o.stage <= 2) {
-    AddBuffer(plan, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
+    AddBuffer(plan, math, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
   } else {
-    AddBuffer(plan, "param_shard", BufferClass::kParams,
+    AddBuffer(plan, math, "param_shard", BufferClass::kParams,
               o.offload_param ? HostKind(o) : MemoryKind::kDevice, c, S);
   }
   if (o.stage <= 1) {
-    AddBuffer(plan, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
+    AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
   } else {
-    AddBuffer(plan, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
+    AddBuffer(plan, math, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
   }
   // fp32 training updates the parameters in place, unless they are offloaded: the host then
   // needs its own fp32 copy to run AdamW on.
   if (mixed || o.offload_optimizer) {
-    AddBuffer(plan, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
+    AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
   }
-  AddBuffer(plan, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
-  AddBuffer(plan, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
+  AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
+  AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
 }
 
 // The working buffers: accumulator, buckets, gather slots, staging, the norm table.
-void AddWorkingBuffers(const UnitTotals& totals, Plan* plan) {
+void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t world = o.world_size;
   const DType c = o.compute_dtype;
   if (o.gradient_accumulation_steps > 1 && o.stage <= 1) {
     // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
-    AddBuffer(plan, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice, c,
+    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice, c,
               o.stage == 0 ? plan->padded_elements : plan->shard_elements);
   }
   if (o.stage >= 2) {
     const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->units.size());
-    AddBuffer(plan, "grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
-              buckets * plan->max_unit_elements, buckets);
+    AddBuffer(plan, math, "grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
+              math->Mul(buckets, plan->max_unit_elements, "grad_bucket size"), buckets);
   }
   if (o.stage == 3) {
     const int64_t unit = totals.max_gathered_unit;
     if (totals.gathered_units > 0) {
       const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
-      const int64_t want = 1 + (o.prefetch_elements + unit - 1) / unit;
+      // 1 + ceil(prefetch / unit), written so that a prefetch near INT64_MAX cannot wrap.
+      const int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
       plan->gather_slots =
           std::max<int64_t>(1, std::min({want, live_cap, totals.gathered_units}));
-      AddBuffer(plan, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
-                plan->gather_slots * unit, plan->gather_slots);
+      AddBuffer(plan, math, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
+                math->Mul(plan->gather_slots, unit, "gather_buffer size"), plan->gather_slots);
     }
-    AddBuffer(plan, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
+    AddBuffer(plan, math, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
               totals.persistent_elements);
   }
   if (o.offload_optimizer) {
     // Each chunk carries one unit's gradient shard in and its new parameter shard out.
-    const int64_t chunk = 2 * (plan->max_unit_elements / world);
-    AddBuffer(plan, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
-              o.offload_buffer_count * chunk, o.offload_buffer_count);
+    const int64_t chunk = math->Mul(2, plan->max_unit_elements / world, "offload_staging size");
+    AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
+              math->Mul(o.offload_buffer_count, chunk, "offload_staging size"),
+              o.offload_buffer_count);
   }
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
-    AddBuffer(plan, "norm_table", BufferClass::kNormTable, MemoryKind::kDevice, DType::kF32,
-              world * (static_cast<int64_t>(plan->units.size()) + 1));
+    AddBuffer(plan, math, "norm_table", BufferClass::kNormTable, MemoryKind::kDevice, DType::kF32,
+              math->Mul(world, static_cast<int64_t>(plan->units.size()) + 1, "norm_table size"));
   }
 }
 
 // Totals per memory kind and model state, then the bytes this rank moves per step.
-void CountBytes(const UnitTotals& totals, Plan* plan) {
+void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   for (const Buffer& b : plan->buffers) {
-    plan->bytes_by_kind[static_cast<int>(b.kind)] += b.bytes;
-    if (IsModelState(b.cls)) plan->model_state_bytes += b.bytes;
+    int64_t& kind = plan->bytes_by_kind[static_cast<int>(b.kind)];
+    kind = math->Add(kind, b.bytes, absl::StrCat(MemoryKindName(b.kind), " bytes"));
+    if (IsModelState(b.cls)) {
+      plan->model_state_bytes = math->Add(plan->model_state_bytes, b.bytes, "model state bytes");
+    }
   }
   const PlanOptions& o = plan->options;
   const int64_t world = o.world_size;
@@ -309,27 +361,35 @@ void CountBytes(const UnitTotals& totals, Plan* plan) {
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
   const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
   const int64_t gas = o.gradient_accumulation_steps;
-  auto collective = [&](int64_t elements) { return elements / world * (world - 1) * cb; };
+  constexpr absl::string_view kComm = "communication bytes per step";
+  auto add = [&](int64_t x, int64_t y) { return math->Add(x, y, kComm); };
+  auto mul = [&](int64_t x, int64_t y) { return math->Mul(x, y, kComm); };
+  auto collective = [&](int64_t elements) { return mul(mul(elements / world, world - 1), cb); };
   switch (o.stage) {
     case 0:
-      plan->comm_bytes_per_step = gas * 2 * collective(E);
+      plan->comm_bytes_per_step = mul(gas, mul(2, collective(E)));
       break;
     case 1:
     case 2:
-      plan->comm_bytes_per_step = gas * collective(E) + collective(E);
+      plan->comm_bytes_per_step = add(mul(gas, collective(E)), collective(E));
       break;
     case 3:
       // Forward and backward gather every non-persistent unit; persistent units are gathered
       // once after the step.
-      plan->comm_bytes_per_step = gas * (2 * collective(E - persistent) + collective(E)) +
-                                  collective(persistent);
+      plan->comm_bytes_per_step =
+          add(mul(gas, add(mul(2, collective(E - persistent)), collective(E))),
+              collective(persistent));
       break;
   }
+  constexpr absl::string_view kHost = "host transfer bytes per step";
+  const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    plan->host_transfer_bytes_per_step = 2 * S * cb;  // gradient shard down, parameters up
+    plan->host_transfer_bytes_per_step = shard_both_ways;  // gradient shard down, parameters up
   }
   if (o.offload_param) {
-    plan->host_transfer_bytes_per_step += gas * 2 * S * cb;  // shard up for forward and backward
+    // The shard goes up for forward and for backward in every micro-step.
+    plan->host_transfer_bytes_per_step = math->Add(
+        plan->host_transfer_bytes_per_step, math->Mul(gas, shard_both_ways, kHost), kHost);
   }
 }
 
@@ -393,13 +453,16 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
 
   Plan plan;
   plan.options = o;
-  absl::StatusOr<std::vector<int64_t>> numel = CountElements(specs, &plan);
+  Checked math;
+  absl::StatusOr<std::vector<int64_t>> numel = CountElements(specs, &plan, &math);
   if (!numel.ok()) return numel.status();
-  BuildUnits(specs, *numel, &plan);
-  const UnitTotals totals = PlaceUnits(&plan);
-  AddModelState(&plan);
-  AddWorkingBuffers(totals, &plan);
-  CountBytes(totals, &plan);
+  if (!math.status().ok()) return math.status();
+  BuildUnits(specs, *numel, &plan, &math);
+  const UnitTotals totals = PlaceUnits(&plan, &math);
+  AddModelState(&plan, &math);
+  AddWorkingBuffers(totals, &plan, &math);
+  CountBytes(totals, &plan, &math);
+  if (!math.status().ok()) return math.status();
   return plan;
 }
 

@@ -145,7 +145,9 @@ struct Plan {
 
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
 // an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
-// 0..3, rank outside the world, offload_param below stage 3, a non-positive alignment.
+// 0..3, rank outside the world, offload_param below stage 3, a non-positive alignment, and a
+// model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
+// 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
 
 }  // namespace memory

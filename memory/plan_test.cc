@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -288,6 +289,102 @@ TEST_CASE("Planner: communication bytes per step follow the stage", "[memory]") 
   CHECK(bytes[1] == 2 * one_pass);  // reduce-scatter + all-gather
   CHECK(bytes[2] == 2 * one_pass);
   CHECK(bytes[3] == 3 * one_pass);  // gather for forward and backward + reduce-scatter
+}
+
+// `count` one-parameter modules of `numel` elements each.
+std::vector<ParamSpec> EqualModules(int count, int64_t numel) {
+  std::vector<ParamSpec> specs;
+  for (int i = 0; i < count; ++i) {
+    const std::string m = "m" + std::to_string(i);
+    specs.push_back({m + ".w", {numel}, m});
+  }
+  return specs;
+}
+
+void ExpectTooLarge(const absl::StatusOr<Plan>& plan, const std::string& quantity) {
+  REQUIRE_FALSE(plan.ok());
+  CHECK(plan.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(plan.status().message()),
+             Catch::Contains("the plan's " + quantity + " exceeds 2^63-1"));
+}
+
+TEST_CASE("Planner: sizes at the int64 boundary are exact or refused, never wrapped", "[memory]") {
+  constexpr int64_t k2p50 = int64_t{1} << 50;  // the largest parameter Numel accepts
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;  // 16 bytes per element at stage 0: params, grads, m, v
+  // 511 * 2^50 elements * 16 B = 2^63 - 2^54: fits, and every total is the exact product.
+  auto fits = MakePlan(EqualModules(511, k2p50), o);
+  REQUIRE(fits.ok());
+  const __int128 E = static_cast<__int128>(511) * k2p50;
+  CHECK(fits->num_elements == static_cast<int64_t>(E));
+  CHECK(static_cast<__int128>(fits->device_bytes()) == 16 * E);
+  CHECK(static_cast<__int128>(fits->model_state_bytes) == 16 * E);
+  // 512 * 2^50 * 16 B = 2^63: the fourth 2^61-byte buffer overflows the device total.
+  ExpectTooLarge(MakePlan(EqualModules(512, k2p50), o), "device bytes");
+  // 8192 * 2^50 = 2^63 elements: the count itself overflows (it used to print as negative).
+  ExpectTooLarge(MakePlan(EqualModules(8192, k2p50), o), "parameter count");
+  o.compute_dtype = DType::kBF16;
+  ExpectTooLarge(MakePlan(EqualModules(8191, k2p50), o), "params buffer size");
+}
+
+TEST_CASE("Planner: gradient_accumulation_steps 2^31-1 gives exact or refused comm bytes",
+          "[memory]") {
+  PlanOptions o;
+  o.world_size = 2;
+  o.gradient_accumulation_steps = 2147483647;
+  auto small = MakePlan({{"w", {1024}, "m"}}, o);
+  REQUIRE(small.ok());
+  // All-reduce: 2 passes of (n-1)/n of 1024 bf16 elements per micro-step.
+  CHECK(small->comm_bytes_per_step == int64_t{2147483647} * 2 * (1024 / 2 * 2));
+  ExpectTooLarge(MakePlan({{"w", {int64_t{1} << 40}, "m"}}, o), "communication bytes per step");
+  o.stage = 3;
+  o.offload_optimizer = o.offload_param = true;
+  ExpectTooLarge(MakePlan({{"w", {int64_t{1} << 40}, "m"}}, o), "communication bytes per step");
+  auto transfer = MakePlan({{"w", {1024}, "m"}}, o);
+  REQUIRE(transfer.ok());
+  // Each rank owns 512 of the 1024 elements: the gradient shard down and the parameters up once
+  // per step, and the parameter shard up twice in every micro-step; 2 bytes each (bf16).
+  const int64_t both_ways = 2 * 512 * 2;
+  CHECK(transfer->host_transfer_bytes_per_step == both_ways + int64_t{2147483647} * both_ways);
+}
+
+TEST_CASE("Planner: a prefetch of INT64_MAX elements gathers every unit it may", "[memory]") {
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = 2;
+  o.persistence_threshold = 0;
+  o.unit_target_elements = 1000;
+  o.prefetch_elements = std::numeric_limits<int64_t>::max();
+  auto plan = MakePlan(EqualModules(6, 1000), o);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->units.size() == 6);
+  // max_live_elements (1e9) allows all six; 1 + ceil(prefetch / unit) used to wrap to 1.
+  CHECK(plan->gather_slots == 6);
+  o.max_live_elements = 3 * 1024;
+  auto capped = MakePlan(EqualModules(6, 1000), o);
+  REQUIRE(capped.ok());
+  CHECK(capped->gather_slots == 3);  // 3072 live elements / 1024-element units
+}
+
+TEST_CASE("Planner: a world of 2^31-1 ranks plans exactly; huge alignments are refused",
+          "[memory]") {
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = std::numeric_limits<int>::max();
+  o.rank = o.world_size - 1;
+  o.persistence_threshold = 0;
+  o.unit_target_elements = 4096;
+  auto plan = MakePlan(EqualModules(3, 4096), o);
+  REQUIRE(plan.ok());
+  // Each unit is padded to world * 128 elements, so every rank owns 128 of each.
+  CHECK(plan->shard_elements == 3 * 128);
+  CHECK(plan->padded_elements == int64_t{3} * 128 * o.world_size);
+  CHECK(plan->comm_bytes_per_step > 0);
+  o.shard_alignment = std::numeric_limits<int64_t>::max() / 2;
+  ExpectTooLarge(MakePlan(EqualModules(3, 4096), o), "shard alignment");
+  o.shard_alignment = 128;
+  o.param_alignment = std::numeric_limits<int64_t>::max();
+  ExpectTooLarge(MakePlan({{"a", {3}, "m"}, {"b", {3}, "m"}}, o), "unit size");
 }
 
 }  // namespace

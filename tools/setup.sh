@@ -2,8 +2,9 @@
 # Installs what zerort's build needs on a fresh Debian bookworm machine (no-op when present).
 # Everything else comes from the machine: the CUDA toolkit under /usr/local/cuda.
 set -euo pipefail
+# clang-14 + libclang-rt-14-dev: the libFuzzer targets of tools/fuzz.sh (--config=fuzz).
 packages=(bazel-bootstrap libabsl-dev catch2 openmpi-bin libopenmpi-dev nlohmann-json3-dev
-          libbenchmark-dev)
+          libbenchmark-dev clang-14 libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # Runs every test (the default optimised build, then the tests again under ASan + UBSan, then
-# the consumers of an installed tree, tests/consumers/run.sh) and ends with one line:
-# "tests: N passed, M failed". GPU tests skip with a message where no GPU
-# exists. Usage: tools/test.sh [--no-asan]
+# the consumers of an installed tree, tests/consumers/run.sh, then each fuzz target for
+# ZERORT_FUZZ_SECONDS, default 45, through tools/fuzz.sh) and ends with one line:
+# "tests: N passed, M failed". GPU tests skip with a message where no GPU exists.
+# Usage: tools/test.sh [--no-asan] [--no-fuzz]   (CI runs everything)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=$(mktemp)
 passed=0
 failed=0
-run() {
-  local label=$1
-  shift
-  echo "== bazel test $* ($label)"
-  bazel test "$@" //... 2>&1 | grep -v 'linux-sandbox' | tee "$log" |
-    grep -E '^(//|ERROR|FAIL|Executed)' || true
+asan=1
+fuzz=1
+for arg in "$@"; do
+  case $arg in
+    --no-asan) asan=0 ;;
+    --no-fuzz) fuzz=0 ;;
+    *) echo "usage: tools/test.sh [--no-asan] [--no-fuzz]" >&2; exit 2 ;;
+  esac
+done
+# Adds the PASSED and FAILED result lines in $log (bazel test's, or tools/fuzz.sh's) to the counts.
+count() {
   local p f
   p=$(grep -cE '^//\S+\s+(\(cached\) )?PASSED' "$log")
   f=$(grep -cE '^//\S+\s+(\(cached\) )?(FAILED|TIMEOUT|NO STATUS|FAILED TO BUILD)' "$log")
@@ -21,8 +27,16 @@ run() {
   passed=$((passed + p))
   failed=$((failed + f))
 }
+run() {
+  local label=$1
+  shift
+  echo "== bazel test $* ($label)"
+  bazel test "$@" //... 2>&1 | grep -v 'linux-sandbox' | tee "$log" |
+    grep -E '^(//|ERROR|FAIL|Executed)' || true
+  count
+}
 run default
-if [ "${1:-}" != "--no-asan" ]; then
+if [ "$asan" -eq 1 ]; then
   run asan --config=asan
 fi
 # Outside Bazel: install into a temporary prefix, build and run the CMake and pkg-config
@@ -44,6 +58,11 @@ consumers() {
   rm -rf "$prefix"
 }
 consumers
+if [ "$fuzz" -eq 1 ]; then
+  echo "== tools/fuzz.sh ${ZERORT_FUZZ_SECONDS:-45}"
+  tools/fuzz.sh "${ZERORT_FUZZ_SECONDS:-45}" 2>&1 | tee "$log"
+  count
+fi
 rm -f "$log"
 echo "tests: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

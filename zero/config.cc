@@ -27,22 +27,6 @@ constexpr int64_t kIntMax = std::numeric_limits<int>::max();
 // ---------------------------------------------------------------------------------------------
 // Key checking.
 
-size_t EditDistance(absl::string_view a, absl::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t substitute =
-          diagonal + (absl::ascii_tolower(a[i - 1]) == absl::ascii_tolower(b[j - 1]) ? 0 : 1);
-      diagonal = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
-    }
-  }
-  return row[b.size()];
-}
-
 void CollectPaths(const Json& obj, const std::string& prefix, std::vector<std::string>* out) {
   for (const auto& item : obj.items()) {
     std::string path = JsonPath(prefix, item.key());
@@ -118,17 +102,7 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
     std::vector<absl::string_view> valid;
     for (const char* s : settings) valid.push_back(s);
     for (const ForeignKey& f : foreign) valid.push_back(f.name);
-    absl::string_view best;
-    size_t best_distance = std::numeric_limits<size_t>::max();
-    for (absl::string_view v : valid) {
-      size_t d = EditDistance(key, v);
-      if (d < best_distance) {
-        best_distance = d;
-        best = v;
-      }
-    }
-    size_t limit = std::min<size_t>(3, std::max<size_t>(1, key.size() / 3));
-    if (best_distance <= limit) {
+    if (absl::string_view best = NearestKey(key, valid); !best.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
     }

@@ -87,6 +87,7 @@ constexpr size_t kMaxRank = 1024;
 absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
                                     const std::string& module) {
   JsonFields p(param, path);
+  RETURN_IF_ERROR(CheckJsonKeys(param, path, {"name", "shape"}));
   ASSIGN_OR_RETURN(std::string name, p.String("name"));
   ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", kMaxRank));
   if (shape->empty()) return JsonExpected(p.Path("shape"), "a non-empty array of dimensions", *shape);
@@ -105,16 +106,11 @@ absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
 // {"name": "layer0", "params": [...]}: appends its parameters to `specs`.
 absl::Status ReadModule(const Json& mod, const std::string& path, std::vector<ParamSpec>* specs) {
   JsonFields m(mod, path);
+  RETURN_IF_ERROR(CheckJsonKeys(mod, path, {"name", "params"}));
   ASSIGN_OR_RETURN(std::string module, m.String("name"));
   ASSIGN_OR_RETURN(const Json* params, m.Array("params", std::numeric_limits<size_t>::max()));
   if (params->empty()) {
     return JsonExpected(m.Path("params"), "a non-empty array of parameters", *params);
-  }
-  for (const auto& [key, value] : mod.items()) {
-    if (key != "name" && key != "params") {
-      return absl::InvalidArgumentError(
-          absl::StrCat(m.Path(key), ": unknown key (expected name, params)"));
-    }
   }
   for (size_t p = 0; p < params->size(); ++p) {
     ASSIGN_OR_RETURN(ParamSpec spec,
@@ -126,6 +122,7 @@ absl::Status ReadModule(const Json& mod, const std::string& path, std::vector<Pa
 
 absl::StatusOr<std::vector<ParamSpec>> ReadModel(const Json& doc) {
   JsonFields root(doc, "");
+  RETURN_IF_ERROR(CheckJsonKeys(doc, "", {"modules"}));
   ASSIGN_OR_RETURN(const Json* modules, root.Array("modules", std::numeric_limits<size_t>::max()));
   std::vector<ParamSpec> specs;
   for (size_t m = 0; m < modules->size(); ++m) {
@@ -167,15 +164,15 @@ absl::StatusOr<std::vector<ParamSpec>> LoadModelFile(const std::string& path) {
   return ParseModelJson(text, path);
 }
 
-absl::StatusOr<std::vector<ParamSpec>> SyntheticModel(int64_t params, int layers) {
-  if (layers < 1 || params < layers) {
+absl::StatusOr<std::vector<ParamSpec>> SyntheticModel(int64_t params, int64_t layers) {
+  if (layers < 1 || params < layers || layers > kMaxSyntheticLayers) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "a synthetic model needs params >= layers >= 1 (got params=", params, ", layers=", layers,
-        ")"));
+        "a synthetic model needs params >= layers >= 1 and at most ", kMaxSyntheticLayers,
+        " layers (got params=", params, ", layers=", layers, ")"));
   }
   std::vector<ParamSpec> specs;
   specs.reserve(layers);
-  for (int l = 0; l < layers; ++l) {
+  for (int64_t l = 0; l < layers; ++l) {
     const int64_t n = params / layers + (l == layers - 1 ? params % layers : 0);
     const std::string module = absl::StrCat("layer", l);
     specs.push_back({module + ".weight", {n}, module});

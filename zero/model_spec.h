@@ -32,16 +32,20 @@ absl::StatusOr<std::vector<memory::ParamSpec>> ModelPreset(absl::string_view nam
 // A JSON model file:
 //   {"modules": [{"name": "layer0", "params": [{"name": "w", "shape": [1024, 1024]}, ...]}, ...]}
 // Parameter names become "<module>.<param>". Parsed strictly by base/json (duplicate keys, trailing
-// bytes refused); errors are InvalidArgument naming the file and the JSON path
+// bytes refused; an unknown key at any level is refused with the nearest valid one suggested); errors are InvalidArgument naming the file and the JSON path
 // ("m.json: modules[0].params[1].shape[0]: expected a dimension >= 1, got 0"). LoadModelFile
 // refuses files that are not regular or larger than base/json's kMaxJsonFileBytes.
 absl::StatusOr<std::vector<memory::ParamSpec>> ParseModelJson(absl::string_view text,
                                                               absl::string_view source);
 absl::StatusOr<std::vector<memory::ParamSpec>> LoadModelFile(const std::string& path);
 
+// The most layers SyntheticModel builds: each is a ParamSpec in memory, and real models have a
+// few hundred at most.
+constexpr int64_t kMaxSyntheticLayers = 4096;
+
 // `params` elements in `layers` equal one-parameter layers (the last takes the remainder).
-// REQUIRES: params >= layers >= 1.
-absl::StatusOr<std::vector<memory::ParamSpec>> SyntheticModel(int64_t params, int layers);
+// REQUIRES: params >= layers >= 1, layers <= kMaxSyntheticLayers (InvalidArgument otherwise).
+absl::StatusOr<std::vector<memory::ParamSpec>> SyntheticModel(int64_t params, int64_t layers);
 
 }  // namespace zerort
 

@@ -1,5 +1,6 @@
 #include "zero/planner.h"
 
+#include <limits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -29,8 +30,16 @@ memory::PlanOptions BaseOptions(const Config& c, int world_size, int rank) {
   return o;
 }
 
+// Pinned plus pageable host bytes, saturating: MakePlan bounds each total by 2^63-1, not their sum.
+int64_t HostBytes(const memory::Plan& plan) {
+  int64_t host;
+  return __builtin_add_overflow(plan.pinned_host_bytes(), plan.host_bytes(), &host)
+             ? std::numeric_limits<int64_t>::max()
+             : host;
+}
+
 bool Fits(const memory::Plan& plan, const MemoryBudget& budget) {
-  const int64_t host = plan.pinned_host_bytes() + plan.host_bytes();
+  const int64_t host = HostBytes(plan);
   return (budget.device_bytes == 0 || plan.device_bytes() <= budget.device_bytes) &&
          (budget.host_bytes == 0 || host <= budget.host_bytes);
 }
@@ -46,8 +55,8 @@ std::string Describe(const memory::PlanOptions& o) {
 }
 
 std::string Needs(const memory::Plan& plan) {
-  return absl::StrCat(HumanBytes(plan.device_bytes()), " device + ",
-                      HumanBytes(plan.pinned_host_bytes() + plan.host_bytes()), " host per rank");
+  return absl::StrCat(HumanBytes(plan.device_bytes()), " device + ", HumanBytes(HostBytes(plan)),
+                      " host per rank");
 }
 
 std::string BudgetText(const MemoryBudget& b) {
@@ -128,9 +137,10 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
   }
   // Nothing fits: say what the smallest configuration needs and at what world size one would.
   std::string would_fit;
-  for (int world = world_size * 2; world <= 65536 && would_fit.empty(); world *= 2) {
+  // int64: world_size * 2 overflows an int for worlds from 2^30 up.
+  for (int64_t world = int64_t{world_size} * 2; world <= 65536 && would_fit.empty(); world *= 2) {
     for (memory::PlanOptions o : Candidates(base)) {
-      o.world_size = world;
+      o.world_size = static_cast<int>(world);
       o.rank = 0;
       ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));
       if (Fits(plan, budget)) {

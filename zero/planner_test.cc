@@ -1,6 +1,7 @@
 #include "zero/planner.h"
 
 #include <sstream>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,21 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
       "m.json");
   CHECK_THAT(std::string(unknown.status().message()),
              Catch::Contains("m.json: modules[0].dtype: unknown key"));
+  // Unknown keys at every level: the nearest valid key when one is close, else the list.
+  for (auto [text, message] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"modules": [], "extra": 1})", "m.json: extra: unknown key (expected modules)"},
+           {R"({"modulez": []})", "m.json: modulez: unknown key; did you mean \"modules\"?"},
+           {R"({"modules": [{"name": "l", "params": [{"name": "w", "shape": [3], "dtype": 1}]}]})",
+            "m.json: modules[0].params[0].dtype: unknown key (expected name, shape)"},
+           {R"({"modules": [{"name": "l", "params": [{"name": "w", "shap": [3]}]}]})",
+            "m.json: modules[0].params[0].shap: unknown key; did you mean \"shape\"?"},
+           {R"({"modules": [{"name": "l", "parms": []}]})",
+            "m.json: modules[0].parms: unknown key; did you mean \"params\"?"}}) {
+    auto refused = ParseModelJson(text, "m.json");
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK(std::string(refused.status().message()) == message);
+  }
   auto device = LoadModelFile("/dev/zero");
   CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(device.status().message()), Catch::Contains("not a regular file"));
