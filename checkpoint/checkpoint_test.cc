@@ -834,7 +834,7 @@ TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 
   REQUIRE(8 + n + 3 * flat * 4 == f.size());
 }
 
-// --- hardening: hostile or careless inputs (docs/reliability_checkpoints.md) -----------------
+// --- hardening: hostile or careless inputs (docs/reliability.md) -----------------
 
 // Saves the synthetic model (two steps, 2 ranks, stage 2) into `root`; `rename` edits the
 // parameter names first.
