@@ -118,8 +118,9 @@ commands:
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto)
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
-  demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
-         [--config FILE] [--ranks N (4)] [--steps S (30)] [--stage 0-3] [--precision P (bf16)]
+  demo   train the example GPT (or --model mlp) on in-process ranks: loss, sample, memory
+         [--model gpt|mlp] [--ranks N (4)] [--steps S (gpt 150, mlp 30)] [--stage 0-3] [--config FILE]
+         [--precision P (bf16)] [--checkpoint DIR [--checkpoint_every N (50)]] [--resume DIR]
   ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
          write its full fp32 state as one safetensors file (docs/checkpoints.md)
 )";
