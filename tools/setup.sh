@@ -3,7 +3,7 @@
 # Everything else comes from the machine: the CUDA toolkit under /usr/local/cuda.
 set -euo pipefail
 packages=(bazel-bootstrap libabsl-dev catch2 openmpi-bin libopenmpi-dev nlohmann-json3-dev
-          libbenchmark-dev)
+          libbenchmark-dev python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
