@@ -135,6 +135,14 @@ absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags) {
   ASSIGN_OR_RETURN(o.eval_every, flags.GetInt("eval_every", 25, 0, 1000000));
   ASSIGN_OR_RETURN(o.sample_tokens, flags.GetInt("sample_tokens", 200, 0, 100000));
   ASSIGN_OR_RETURN(o.checkpoint_every, flags.GetInt("checkpoint_every", 50, 1, 1000000));
+  ASSIGN_OR_RETURN(o.shape.layers, flags.GetInt("layers", o.shape.layers, 1, 96));
+  // Multiples of the 4 heads.
+  ASSIGN_OR_RETURN(const int64_t d_model, flags.GetInt("d_model", o.shape.d_model, 4, 4096));
+  if (d_model % o.shape.heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--d_model ", d_model, " must be a multiple of ", o.shape.heads));
+  }
+  o.shape.d_model = static_cast<int>(d_model);
   o.checkpoint_dir = flags.Get("checkpoint");
   o.resume_from = flags.Get("resume");
   o.sample_temperature = 0.8f;  // greedy decoding of a small model repeats "the the the"
@@ -195,11 +203,11 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args, {"model", "config", "ranks", "steps", "stage", "precision",
                                        "batch", "eval_every", "sample_tokens", "checkpoint",
-                                       "checkpoint_every", "resume"}));
+                                       "checkpoint_every", "resume", "layers", "d_model"}));
   const std::string model = flags.Get("model", "gpt");
   if (model == "mlp") {
     for (const char* gpt_only : {"batch", "eval_every", "sample_tokens", "checkpoint",
-                                 "checkpoint_every", "resume"}) {
+                                 "checkpoint_every", "resume", "layers", "d_model"}) {
       if (flags.Has(gpt_only)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", gpt_only, " applies to --model gpt only"));

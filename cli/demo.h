@@ -3,7 +3,7 @@
 //
 //   zerort demo [--model gpt|mlp] [--config FILE] [--ranks N] [--steps S] [--stage 0-3]
 //               [--precision P]
-//   GPT only:   [--batch N] [--eval_every N] [--sample_tokens N]
+//   GPT only:   [--batch N] [--eval_every N] [--sample_tokens N] [--layers N] [--d_model N]
 //               [--checkpoint DIR [--checkpoint_every N]] [--resume DIR]
 //
 // --model gpt (the default) trains examples/gpt's 0.83M-parameter byte-level GPT on the GPL-3

@@ -97,15 +97,18 @@ std::string TempDir(const std::string& name) {
 
 TEST_CASE("Demo: the GPT by default: falling losses, a sample, planned == allocated", "[zero]") {
   std::ostringstream out;
+  // 2 layers of width 32 keep the test fast under ASan.
   absl::Status status = RunDemoCommand({"--ranks", "2", "--steps", "6", "--batch", "1",
                                         "--eval_every", "3", "--sample_tokens", "12",
-                                        "--stage", "3"},
+                                        "--stage", "3", "--layers", "2", "--d_model", "32"},
                                        out);
   INFO(out.str());
   REQUIRE(status.ok());
   const std::string text = out.str();
-  CHECK(text.find("zerort demo: GPT of 4 layers") != std::string::npos);
-  CHECK(text.find("(834,304 parameters) on 2 in-process ranks, stage 3, bf16") !=
+  CHECK(text.find("zerort demo: GPT of 2 layers, 4 heads, d_model 32") != std::string::npos);
+  // wte 256*32 + wpe 64*32 + 2 layers of (2 LayerNorms 4*32, qkv 32*96+96, proj 32*32+32,
+  // fc 32*128+128, proj 128*32+32) + ln_f 2*32.
+  CHECK(text.find("(35,712 parameters) on 2 in-process ranks, stage 3, bf16") !=
         std::string::npos);
   // Rows: step 1 (5 numbers), step 3 and step 6 (6 numbers: with the held-out loss).
   std::vector<std::vector<double>> rows;
@@ -140,7 +143,8 @@ TEST_CASE("Demo: the GPT by default: falling losses, a sample, planned == alloca
 
 TEST_CASE("Demo: --checkpoint then --resume continues bit for bit", "[zero]") {
   const std::vector<std::string> common = {"--ranks", "2", "--batch", "1", "--eval_every", "0",
-                                           "--sample_tokens", "0", "--checkpoint_every", "2"};
+                                           "--sample_tokens", "0", "--checkpoint_every", "2",
+                                           "--layers", "2", "--d_model", "32"};
   auto run = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), common.begin(), common.end());
     std::ostringstream out;
@@ -190,6 +194,8 @@ TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
       {{"--model", "gpt5"}, "--model"},
       {{"--model", "mlp", "--resume", "/tmp/x"}, "--resume"},
       {{"--checkpoint_every", "0"}, "--checkpoint_every"},
+      {{"--d_model", "30"}, "--d_model"},
+      {{"--model", "mlp", "--layers", "2"}, "--layers"},
   };
   for (const Case& c : cases) {
     std::ostringstream out;
