@@ -47,6 +47,7 @@
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "examples/gpt/gpt.h"
+#include "memory/pinned_pool.h"
 #include "memory/plan.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
@@ -221,8 +222,8 @@ absl::Status RunEngines(const MeasureCase& mc, const examples::gpt::Gpt& gpt,
 }
 
 // Runs in the child. A first pass warms up what the process keeps after the engines are gone
-// (thread stacks, malloc arenas, the trainer's scratch); the second pass's RSS growth is then
-// the engines' own memory. Returns a JSON object or {"error": ...}.
+// (thread stacks, malloc arenas, the trainer's scratch; cached pinned slabs are trimmed); the
+// second pass's RSS growth is then the engines' own memory. Returns a JSON object or {"error": ...}.
 Json MeasureInChild(const MeasureCase& mc) {
   const examples::gpt::Gpt gpt(mc.shape);
   auto comms = comm::CreateInProcessGroup(mc.world);
@@ -234,6 +235,9 @@ Json MeasureInChild(const MeasureCase& mc) {
   absl::Status warm = RunEngines(mc, gpt, *comms, device.get(), &engines);
   if (!warm.ok()) return {{"error", warm.ToString()}};
   engines.clear();
+  // The pinned slabs the engines freed stay cached (and locked) for the next engine: return them
+  // to the OS, so that the measured pass allocates and locks its pinned memory afresh.
+  memory::SharedPinnedSlabs()->Trim();
   malloc_trim(0);
   const int64_t rss_before = ProcStatus()["VmRSS"];
   const int64_t lck_before = ProcStatus()["VmLck"];

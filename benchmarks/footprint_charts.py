@@ -36,7 +36,12 @@ CLASSES = [
 
 def world_chart(planned, out):
     models = list(dict.fromkeys(r["model"] for r in planned))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), sharey=False)
+    cols = 3
+    rows_n = (len(models) + cols - 1) // cols
+    fig, grid = plt.subplots(rows_n, cols, figsize=(5 * cols, 4 * rows_n), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(models):]:
+        ax.axis("off")
     for ax, model in zip(axes, models):
         for stage in range(4):
             rows = [r for r in planned
