@@ -10,7 +10,13 @@
 // The in-process ranks share the machine's cores, so absolute times at world > cores measure
 // contention as much as the engine; compare stages at the same world.
 //
-// Usage: step_bench [--quick]   (--quick: a small model and a few steps, a few seconds for CI)
+// --model gpt: the same for the example GPT (examples/gpt, the demo's 0.83M-parameter model, 2
+// sequences of 64 bytes per rank, default unit sizes). `forward_backward_ms` = iteration_ms -
+// step_ms: the trainer's forward and backward, including the stage-3 Gathers and the gradient
+// reductions that overlap backward (reduce_ms and gather_ms count those too).
+//
+// Usage: step_bench [--quick] [--model mlp|gpt]   (--quick: a small model and a few steps, a
+// few seconds for CI)
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -18,6 +24,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "benchmarks/bench_util.h"
+#include "base/status.h"
+#include "examples/gpt/gpt.h"
 #include "examples/mlp/mlp.h"
 #include "nlohmann/json.hpp"
 #include "zero/config.h"
@@ -27,78 +35,151 @@ namespace {
 
 using bench::Median;
 
-int Main(int argc, char** argv) {
-  bool quick = false;
-  if (!bench::ParseQuick(argc, argv, "step_bench", &quick)) return 2;
-  examples::RunOptions base;
-  base.shape.dims = quick ? std::vector<int>{32, 128, 128, 32} : std::vector<int>{128, 512, 512, 128};
-  base.batch = quick ? 8 : 16;
-  const int warmup = quick ? 2 : 3;
-  const int measured = quick ? 10 : 12;
-  base.steps = warmup + measured;
-  base.device_threads = 1;
-  const int64_t bucket = quick ? 4096 : 65536;
+// One (world, stage) run's per-step timings (after warm-up) and what the report prints beside.
+struct CaseResult {
+  std::vector<double> iter, step, reduce, gather, opt;
+  int64_t params = 0, units = 0, allocated = 0, comm = 0;
+  double final_loss = 0;
+};
 
+template <typename Result>
+void Collect(const Result& run, int warmup, CaseResult* out) {
+  for (size_t s = warmup; s < run.steps.size(); ++s) {
+    out->iter.push_back(run.steps[s].ms);
+    out->step.push_back(run.steps[s].stats.total_ms);
+    out->reduce.push_back(run.steps[s].stats.reduce_ms);
+    out->gather.push_back(run.steps[s].stats.gather_ms);
+    out->opt.push_back(run.steps[s].stats.optimizer_ms);
+  }
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) out->allocated += run.memory[0].allocated[k];
+  out->units = static_cast<int64_t>(run.plan.units.size());
+  out->comm = run.plan.comm_bytes_per_step;
+  out->final_loss = run.steps.back().loss;
+}
+
+struct Setup {
+  bool gpt = false;
+  bool quick = false;
+  int warmup = 3, measured = 12;
+  examples::RunOptions mlp;
+  examples::gpt::RunOptions gpt_options;
+};
+
+Setup MakeSetup(bool gpt, bool quick) {
+  Setup s;
+  s.gpt = gpt;
+  s.quick = quick;
+  s.warmup = quick ? 2 : 3;
+  s.measured = quick ? (gpt ? 3 : 10) : (gpt ? 8 : 12);
+  s.mlp.shape.dims = quick ? std::vector<int>{32, 128, 128, 32} : std::vector<int>{128, 512, 512, 128};
+  s.mlp.batch = quick ? 8 : 16;
+  s.mlp.steps = s.warmup + s.measured;
+  s.mlp.device_threads = 1;
+  // The demo's GPT (0.83M parameters), 2 sequences of 64 bytes per rank; --quick: 2 layers of 32.
+  examples::gpt::RunOptions& g = s.gpt_options;
+  if (quick) {
+    g.shape.layers = 2;
+    g.shape.d_model = 32;
+    g.shape.context = 16;
+  }
+  g.batch = 2;
+  g.steps = s.warmup + s.measured;
+  g.eval_every = 0;
+  g.eval_windows = 1;
+  g.device_threads = 1;
+  return s;
+}
+
+absl::StatusOr<CaseResult> RunCase(const Setup& s, int world, int stage) {
+  const int64_t bucket = s.quick ? 4096 : 65536;
+  // The MLP keeps its explicit small units (several buckets for a 5k-parameter model); the GPT
+  // uses the defaults ("auto": units of its largest module, docs/config.md).
+  const std::string sizes =
+      s.gpt ? "" : absl::StrCat(R"(, "reduce_bucket_size": )", bucket,
+                                R"(, "stage3_param_persistence_threshold": 0)");
+  const std::string json = absl::StrCat(
+      R"({"zero_optimization": {"stage": )", stage, sizes, R"(}, "bf16": {"enabled": true},)",
+      R"( "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}})");
+  ASSIGN_OR_RETURN(Config config, ParseConfig(json, "step_bench"));
+  CaseResult out;
+  if (s.gpt) {
+    examples::gpt::RunOptions options = s.gpt_options;
+    options.world_size = world;
+    ASSIGN_OR_RETURN(examples::gpt::RunResult run, examples::gpt::RunInProcess(config, options));
+    Collect(run, s.warmup, &out);
+    out.params = examples::gpt::Gpt(options.shape).num_elements();
+  } else {
+    examples::RunOptions options = s.mlp;
+    options.world_size = world;
+    ASSIGN_OR_RETURN(examples::RunResult run, examples::RunInProcess(config, options));
+    Collect(run, s.warmup, &out);
+    out.params = examples::Mlp(options.shape).num_elements();
+  }
+  return out;
+}
+
+std::string ModelName(const Setup& s) {
+  if (s.gpt) {
+    const examples::gpt::GptShape& g = s.gpt_options.shape;
+    return absl::StrCat("gpt ", g.layers, " layers, d_model ", g.d_model, ", context ", g.context);
+  }
+  const std::vector<int>& d = s.mlp.shape.dims;
+  return absl::StrCat("mlp ", d[0], "-", d[1], "-", d[2], "-", d[3]);
+}
+
+int Main(int argc, char** argv) {
+  bool quick = false, gpt = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--model" && i + 1 < argc && (std::string(argv[i + 1]) == "gpt" ||
+                                                   std::string(argv[i + 1]) == "mlp")) {
+      gpt = std::string(argv[++i]) == "gpt";
+    } else {
+      std::fprintf(stderr, "usage: step_bench [--quick] [--model mlp|gpt]\n");
+      return 2;
+    }
+  }
+  const Setup setup = MakeSetup(gpt, quick);
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (int world : {1, 2, 4}) {
     double stage0_ms = 0;
     for (int stage = 0; stage <= 3; ++stage) {
-      const std::string json = absl::StrCat(
-          R"({"zero_optimization": {"stage": )", stage, R"(, "reduce_bucket_size": )", bucket,
-          R"(, "stage3_param_persistence_threshold": 0}, "bf16": {"enabled": true},)",
-          R"( "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}})");
-      absl::StatusOr<Config> config = ParseConfig(json, "step_bench");
-      if (!config.ok()) {
-        std::fprintf(stderr, "step_bench: %s\n", std::string(config.status().message()).c_str());
-        return 1;
-      }
-      examples::RunOptions options = base;
-      options.world_size = world;
-      absl::StatusOr<examples::RunResult> run = examples::RunInProcess(*config, options);
-      if (!run.ok()) {
+      absl::StatusOr<CaseResult> r = RunCase(setup, world, stage);
+      if (!r.ok()) {
         std::fprintf(stderr, "step_bench: world %d stage %d: %s\n", world, stage,
-                     std::string(run.status().message()).c_str());
+                     r.status().ToString().c_str());
         return 1;
       }
-      std::vector<double> iter, step, reduce, gather, opt;
-      for (int s = warmup; s < base.steps; ++s) {
-        const examples::StepReport& r = run->steps[s];
-        iter.push_back(r.ms);
-        step.push_back(r.stats.total_ms);
-        reduce.push_back(r.stats.reduce_ms);
-        gather.push_back(r.stats.gather_ms);
-        opt.push_back(r.stats.optimizer_ms);
-      }
-      const double ms = Median(iter);
+      const double ms = Median(r->iter);
       if (stage == 0) stage0_ms = ms;
-      int64_t state_bytes = 0;
-      for (int k = 0; k < memory::kNumMemoryKinds; ++k) state_bytes += run->memory[0].allocated[k];
       results.push_back({
           {"world", world},
           {"stage", stage},
-          {"params", examples::Mlp(base.shape).num_elements()},
-          {"units", run->plan.units.size()},
+          {"params", r->params},
+          {"units", r->units},
           {"iteration_ms", ms},
-          {"step_ms", Median(step)},
-          {"reduce_ms", Median(reduce)},
-          {"gather_ms", Median(gather)},
-          {"optimizer_ms", Median(opt)},
+          {"forward_backward_ms", ms - Median(r->step)},
+          {"step_ms", Median(r->step)},
+          {"reduce_ms", Median(r->reduce)},
+          {"gather_ms", Median(r->gather)},
+          {"optimizer_ms", Median(r->opt)},
           {"ratio_to_stage0", stage0_ms > 0 ? ms / stage0_ms : 0.0},
-          {"allocated_bytes", state_bytes},
-          {"comm_bytes_per_step", run->plan.comm_bytes_per_step},
-          {"final_loss", run->steps.back().loss},
+          {"allocated_bytes", r->allocated},
+          {"comm_bytes_per_step", r->comm},
+          {"final_loss", r->final_loss},
       });
     }
   }
   bench::PrintStepReport(
       {
           {"benchmark", "step_bench"},
-          {"model", absl::StrCat("mlp ", base.shape.dims[0], "-", base.shape.dims[1], "-",
-                                 base.shape.dims[2], "-", base.shape.dims[3])},
+          {"model", ModelName(setup)},
           {"precision", "bf16"},
-          {"batch_per_rank", base.batch},
+          {"batch_per_rank", gpt ? setup.gpt_options.batch : setup.mlp.batch},
       },
-      warmup, measured, "stage 0 at the same world size (ratio_to_stage0)", results);
+      setup.warmup, setup.measured, "stage 0 at the same world size (ratio_to_stage0)", results);
   return 0;
 }
 

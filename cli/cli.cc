@@ -131,8 +131,9 @@ constexpr const char* kPlanUsage =
          --resolved-config   print the effective config (every default filled in) and exit
 )";
 constexpr const char* kDemoUsage =
-    R"(  demo   train an example MLP on in-process ranks: per-step loss, then memory planned/allocated
-         [--config FILE] [--ranks N (4)] [--steps S (30)] [--stage 0-3] [--precision P (bf16)]
+    R"(  demo   train the example GPT (or --model mlp) on in-process ranks: loss, sample, memory
+         [--model gpt|mlp] [--ranks N (4)] [--steps S (gpt 150, mlp 30)] [--stage 0-3] [--config FILE]
+         [--precision P (bf16)] [--checkpoint DIR [--checkpoint_every N (50)]] [--resume DIR]
 )";
 constexpr const char* kCkptUsage =
     R"(  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or

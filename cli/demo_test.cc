@@ -1,14 +1,17 @@
 #include "cli/demo.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "catch2/catch.hpp"
+#include "checkpoint/checkpoint.h"
 
 namespace zerort {
 namespace {
@@ -30,10 +33,12 @@ std::vector<std::vector<double>> StepRows(const std::string& text) {
   return rows;
 }
 
-TEST_CASE("Demo: prints one line per step, a falling loss and planned == allocated", "[zero]") {
+TEST_CASE("Demo: --model mlp prints one line per step, a falling loss and planned == allocated",
+          "[zero]") {
   const std::string stage = GENERATE(std::string("2"), std::string("3"));
   std::ostringstream out;
-  absl::Status status = RunDemoCommand({"--ranks", "2", "--steps=12", "--stage", stage}, out);
+  absl::Status status =
+      RunDemoCommand({"--model", "mlp", "--ranks", "2", "--steps=12", "--stage", stage}, out);
   INFO(out.str());
   REQUIRE(status.ok());
   const std::vector<std::vector<double>> rows = StepRows(out.str());
@@ -56,7 +61,8 @@ TEST_CASE("Demo: --config is honoured and --stage / --precision override it", "[
   }
   std::ostringstream out;
   absl::Status status = RunDemoCommand(
-      {"--config", path, "--stage", "2", "--precision", "fp32", "--ranks", "3", "--steps", "4"},
+      {"--model=mlp", "--config", path, "--stage", "2", "--precision", "fp32", "--ranks", "3",
+       "--steps", "4"},
       out);
   INFO(out.str());
   REQUIRE(status.ok());
@@ -75,6 +81,102 @@ TEST_CASE("Demo: --config is honoured and --stage / --precision override it", "[
   CHECK(out.str().find("every rank allocated exactly its plan") != std::string::npos);
 }
 
+// "val loss A -> B ..." of the GPT demo: {A, B} as printed.
+std::pair<std::string, std::string> ValLoss(const std::string& text) {
+  const size_t at = text.find("\nval loss ");
+  if (at == std::string::npos) return {};
+  std::vector<std::string> f = absl::StrSplit(text.substr(at + 10, 40), ' ');
+  if (f.size() < 3 || f[1] != "->") return {};
+  return {f[0], f[2]};
+}
+
+std::string TempDir(const std::string& name) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  return std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+}
+
+TEST_CASE("Demo: the GPT by default: falling losses, a sample, planned == allocated", "[zero]") {
+  std::ostringstream out;
+  // 2 layers of width 32 keep the test fast under ASan.
+  absl::Status status = RunDemoCommand({"--ranks", "2", "--steps", "6", "--batch", "1",
+                                        "--eval_every", "3", "--sample_tokens", "12",
+                                        "--stage", "3", "--layers", "2", "--d_model", "32"},
+                                       out);
+  INFO(out.str());
+  REQUIRE(status.ok());
+  const std::string text = out.str();
+  CHECK(text.find("zerort demo: GPT of 2 layers, 4 heads, d_model 32") != std::string::npos);
+  // wte 256*32 + wpe 64*32 + 2 layers of (2 LayerNorms 4*32, qkv 32*96+96, proj 32*32+32,
+  // fc 32*128+128, proj 128*32+32) + ln_f 2*32.
+  CHECK(text.find("(35,712 parameters) on 2 in-process ranks, stage 3, bf16") !=
+        std::string::npos);
+  // Rows: step 1 (5 numbers), step 3 and step 6 (6 numbers: with the held-out loss).
+  std::vector<std::vector<double>> rows;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    std::vector<double> row;
+    double v;
+    for (absl::string_view x : f) {
+      if (!absl::SimpleAtod(x, &v)) break;
+      row.push_back(v);
+    }
+    if (row.size() == f.size() && (row.size() == 5 || row.size() == 6)) rows.push_back(row);
+  }
+  REQUIRE(rows.size() == 3u);
+  CHECK(rows[0][0] == 1);
+  CHECK(rows[1][0] == 3);
+  CHECK(rows[2][0] == 6);
+  CHECK(rows[0].size() == 5u);
+  CHECK(rows[2].size() == 6u);
+  CHECK(rows[2][1] < rows[0][1]);  // training loss
+  const auto [before, after] = ValLoss(text);
+  double v0 = 0, v1 = 0;
+  REQUIRE(absl::SimpleAtod(before, &v0));
+  REQUIRE(absl::SimpleAtod(after, &v1));
+  CHECK(v1 < v0);
+  CHECK(std::abs(rows[2][2] - v1) < 1e-4);  // the last row's held-out loss is the final one
+  CHECK(text.find("tokens/s") != std::string::npos);
+  const size_t sample = text.find("):\nThis program is ");
+  REQUIRE(sample != std::string::npos);
+  CHECK(text.find("every rank allocated exactly its plan") != std::string::npos);
+}
+
+TEST_CASE("Demo: --checkpoint then --resume continues bit for bit", "[zero]") {
+  const std::vector<std::string> common = {"--ranks", "2", "--batch", "1", "--eval_every", "0",
+                                           "--sample_tokens", "0", "--checkpoint_every", "2",
+                                           "--layers", "2", "--d_model", "32"};
+  auto run = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    std::ostringstream out;
+    absl::Status status = RunDemoCommand(extra, out);
+    INFO(out.str());
+    REQUIRE(status.ok());
+    return out.str();
+  };
+  const std::string whole = TempDir("demo_whole"), split = TempDir("demo_split");
+  const std::string a = run({"--steps", "4", "--checkpoint", whole});
+  CHECK(a.find("checkpoint " + whole + "/step_2\n") != std::string::npos);
+  CHECK(a.find("checkpoint " + whole + "/step_4\n") != std::string::npos);
+  run({"--steps", "2", "--checkpoint", split});
+  const std::string c = run({"--steps", "4", "--resume", split, "--checkpoint", split});
+  CHECK(c.find("resuming from " + split) != std::string::npos);
+  CHECK(c.find("over steps 3-4") != std::string::npos);
+  CHECK(ValLoss(c).second == ValLoss(a).second);
+
+  absl::StatusOr<CheckpointState> x = ReadCheckpoint(whole);
+  absl::StatusOr<CheckpointState> y = ReadCheckpoint(split);
+  REQUIRE(x.ok());
+  REQUIRE(y.ok());
+  CHECK(x->info.step == 4);
+  CHECK(y->info.step == 4);
+  CHECK(x->master == y->master);  // float ==: bitwise here (no NaN in trained weights)
+  CHECK(x->exp_avg == y->exp_avg);
+  CHECK(x->exp_avg_sq == y->exp_avg_sq);
+  absl::StatusOr<CheckpointState> two = ReadCheckpoint(whole + "/step_2");
+  REQUIRE(two.ok());
+  CHECK(two->master != x->master);  // steps 3-4 changed the weights
+}
+
 TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
   struct Case {
     std::vector<std::string> args;
@@ -89,6 +191,11 @@ TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
       {{"--steps"}, "--steps"},
       {{"--ranks", "2", "--ranks", "3"}, "--ranks"},
       {{"stray"}, "stray"},
+      {{"--model", "gpt5"}, "--model"},
+      {{"--model", "mlp", "--resume", "/tmp/x"}, "--resume"},
+      {{"--checkpoint_every", "0"}, "--checkpoint_every"},
+      {{"--d_model", "30"}, "--d_model"},
+      {{"--model", "mlp", "--layers", "2"}, "--layers"},
   };
   for (const Case& c : cases) {
     std::ostringstream out;

@@ -4,7 +4,7 @@
 set -euo pipefail
 # clang-14 + libclang-rt-14-dev: the libFuzzer targets of tools/fuzz.sh (--config=fuzz).
 packages=(bazel-bootstrap libabsl-dev catch2 openmpi-bin libopenmpi-dev nlohmann-json3-dev
-          libbenchmark-dev clang-14 libclang-rt-14-dev)
+          libbenchmark-dev clang-14 libclang-rt-14-dev python3-matplotlib)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -143,6 +143,19 @@ absl::Status ReadInt64(const Json& obj, const std::string& path, const char* key
   return ToInt64(*it, JsonPath(path, key), lo, hi, IntRange(lo, hi), out);
 }
 
+// A size that may also be "auto" (kAutoSize: the planner derives it from the model).
+absl::Status ReadSizeOrAuto(const Json& obj, const std::string& path, const char* key, int64_t lo,
+                            int64_t* out) {
+  auto it = obj.find(key);
+  if (it == obj.end()) return absl::OkStatus();
+  if (it->is_string() && it->get_ref<const std::string&>() == "auto") {
+    *out = kAutoSize;
+    return absl::OkStatus();
+  }
+  return ToInt64(*it, JsonPath(path, key), lo, kInt64Max,
+                 absl::StrCat(IntRange(lo, kInt64Max), " or \"auto\""), out);
+}
+
 absl::Status ReadInt(const Json& obj, const std::string& path, const char* key, int lo, int hi,
                      int* out) {
   int64_t x = *out;
@@ -324,8 +337,7 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
       out->stage = static_cast<int>(stage);
     }
   }
-  RETURN_IF_ERROR(
-      ReadInt64(obj, path, "reduce_bucket_size", 1, kInt64Max, &out->reduce_bucket_size));
+  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "reduce_bucket_size", 1, &out->reduce_bucket_size));
   RETURN_IF_ERROR(
       ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max, &out->allgather_bucket_size));
   RETURN_IF_ERROR(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
@@ -341,10 +353,10 @@ absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
     RETURN_IF_ERROR(ReadOffloadParam(*offload_param, JsonPath(path, "offload_param"),
                                      &out->offload_param, notes));
   }
-  RETURN_IF_ERROR(ReadInt64(obj, path, "stage3_prefetch_bucket_size", 0, kInt64Max,
-                            &out->stage3_prefetch_bucket_size));
-  RETURN_IF_ERROR(ReadInt64(obj, path, "stage3_param_persistence_threshold", 0, kInt64Max,
-                            &out->stage3_param_persistence_threshold));
+  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "stage3_prefetch_bucket_size", 0,
+                                 &out->stage3_prefetch_bucket_size));
+  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "stage3_param_persistence_threshold", 0,
+                                 &out->stage3_param_persistence_threshold));
   RETURN_IF_ERROR(ReadInt64(obj, path, "stage3_max_live_parameters", 1, kInt64Max,
                             &out->stage3_max_live_parameters));
   ASSIGN_OR_RETURN(const Json* budget, ReadObject(obj, path, "memory_budget"));
@@ -573,17 +585,18 @@ absl::StatusOr<Config> LoadConfigFile(const std::string& path) {
 
 std::string ResolvedConfigJson(const Config& c) {
   const ZeroConfig& z = c.zero;
+  auto size = [](int64_t v) { return v == kAutoSize ? Json("auto") : Json(v); };
   Json zero;
   zero["stage"] = z.stage_auto ? Json("auto") : Json(z.stage);
-  zero["reduce_bucket_size"] = z.reduce_bucket_size;
+  zero["reduce_bucket_size"] = size(z.reduce_bucket_size);
   zero["offload_optimizer"] = {
       {"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
       {"pin_memory", z.offload_optimizer.pin_memory},
       {"buffer_count", z.offload_optimizer.buffer_count}};
   zero["offload_param"] = {{"device", std::string(OffloadDeviceName(z.offload_param.device))},
                            {"pin_memory", z.offload_param.pin_memory}};
-  zero["stage3_prefetch_bucket_size"] = z.stage3_prefetch_bucket_size;
-  zero["stage3_param_persistence_threshold"] = z.stage3_param_persistence_threshold;
+  zero["stage3_prefetch_bucket_size"] = size(z.stage3_prefetch_bucket_size);
+  zero["stage3_param_persistence_threshold"] = size(z.stage3_param_persistence_threshold);
   zero["stage3_max_live_parameters"] = z.stage3_max_live_parameters;
   zero["memory_budget"] = {{"device_bytes", z.memory_budget.device_bytes},
                            {"host_bytes", z.memory_budget.host_bytes}};

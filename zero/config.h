@@ -47,11 +47,16 @@ struct MemoryBudget {
   int64_t host_bytes = 0;    // >= 0; 0 = no limit
 };
 
+// A unit size written as "auto" (the default): the planner derives it from the model's hidden
+// size h, as DeepSpeed's Hugging Face integration does (zero/planner.h ResolveUnitSizes).
+inline constexpr int64_t kAutoSize = -1;
+
 // zero_optimization. Sizes are in elements, as in DeepSpeed.
 struct ZeroConfig {
   bool stage_auto = false;  // "stage": "auto": the planner picks the stage (needs memory_budget)
   int stage = 0;            // 0..3, meaningful when !stage_auto
-  int64_t reduce_bucket_size = 500000000;  // >= 1 elements: the unit (bucket) size target
+  // >= 1 elements: the unit (bucket) size target; kAutoSize = h * h
+  int64_t reduce_bucket_size = kAutoSize;
   // DeepSpeed switches for what zerort always does: it reduces each unit during backward, keeps
   // gradients in flat buffers and all-gathers one unit at a time. Type-checked and kept as
   // written, but read by nothing: not settings, so operator== and ResolvedConfigJson leave them
@@ -61,8 +66,10 @@ struct ZeroConfig {
   bool contiguous_gradients = true;
   OffloadOptimizerConfig offload_optimizer;
   OffloadParamConfig offload_param;                     // REQUIRES stage 3 when enabled
-  int64_t stage3_prefetch_bucket_size = 50000000;       // >= 0 elements; 0 = no prefetch
-  int64_t stage3_param_persistence_threshold = 100000;  // >= 0 elements
+  // >= 0 elements; 0 = no prefetch; kAutoSize = 0.9 * h * h
+  int64_t stage3_prefetch_bucket_size = kAutoSize;
+  // >= 0 elements; kAutoSize = 10 * h
+  int64_t stage3_param_persistence_threshold = kAutoSize;
   int64_t stage3_max_live_parameters = 1000000000;      // >= 1 elements
   MemoryBudget memory_budget;
 };

@@ -1,5 +1,6 @@
 #include "zero/planner.h"
 
+#include <algorithm>
 #include <sstream>
 #include <utility>
 #include <string>
@@ -148,6 +149,87 @@ TEST_CASE("Planner: when nothing fits the error names the smallest need and a wo
   auto bigger_world = ChoosePlan(*specs, AutoConfig(12 << 20), 2, 0);
   REQUIRE_FALSE(bigger_world.ok());
   CHECK_THAT(std::string(bigger_world.status().message()), Catch::Contains("it would fit on"));
+}
+
+TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
+  // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
+  // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.
+  const std::vector<std::pair<std::string, int64_t>> hidden = {
+      {"gpt2-124m", 768}, {"gpt2-1.5b", 1600}, {"llama2-7b", 4096}, {"llama2-70b", 8192}};
+  for (const auto& [name, h] : hidden) {
+    INFO(name);
+    auto specs = ModelPreset(name);
+    REQUIRE(specs.ok());
+    const UnitSizes sizes = ResolveUnitSizes(*specs, Config{});
+    CHECK(sizes.hidden == h);
+    CHECK(sizes.reduce_bucket_size == std::max(h * h, sizes.largest_module));
+    CHECK(sizes.prefetch_bucket_size == h * h * 9 / 10);
+    CHECK(sizes.persistence_threshold == 10 * h);
+    CHECK_THAT(sizes.reason, Catch::Contains("reduce_bucket_size = max(h*h, largest module) = " +
+                                             std::to_string(sizes.reduce_bucket_size)));
+  }
+  const std::vector<memory::ParamSpec> vector_only = {{"v", {10000}, "m"}};
+  CHECK(ResolveUnitSizes(vector_only, Config{}).hidden == 100);
+  // Units never split a module: h = 4, but module m1 holds 20 elements.
+  const std::vector<memory::ParamSpec> small = {
+      {"a", {4, 4}, "m1"}, {"b", {4}, "m1"}, {"c", {2, 2}, "m2"}};
+  CHECK(ResolveUnitSizes(small, Config{}).hidden == 4);
+  CHECK(ResolveUnitSizes(small, Config{}).largest_module == 20);
+  CHECK(ResolveUnitSizes(small, Config{}).reduce_bucket_size == 20);
+  // GPT-2 1.5B's largest module is the embeddings (wte and wpe): (50257 + 1024) * 1600.
+  auto xl = ModelPreset("gpt2-1.5b");
+  REQUIRE(xl.ok());
+  CHECK(ResolveUnitSizes(*xl, Config{}).reduce_bucket_size == (50257 + 1024) * 1600);
+
+  Config c;
+  c.zero.reduce_bucket_size = 123;
+  c.zero.stage3_prefetch_bucket_size = 0;
+  c.zero.stage3_param_persistence_threshold = 7;
+  auto specs = ModelPreset("gpt2-1.5b");
+  REQUIRE(specs.ok());
+  const UnitSizes kept = ResolveUnitSizes(*specs, c);
+  CHECK(kept.reduce_bucket_size == 123);
+  CHECK(kept.prefetch_bucket_size == 0);
+  CHECK(kept.persistence_threshold == 7);
+  CHECK(kept.reason.empty());
+  // The plan uses the resolved sizes, and says so.
+  c = Config{};
+  c.zero.stage = 3;
+  auto choice = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(choice.ok());
+  CHECK(choice->plan.options.unit_target_elements == (50257 + 1024) * 1600);
+  CHECK(choice->plan.options.prefetch_elements == 2304000);
+  CHECK(choice->plan.options.persistence_threshold == 16000);
+  CHECK_THAT(choice->reason, Catch::Contains("hidden size h = 1600"));
+}
+
+TEST_CASE("Planner: with default sizes stage-3 bytes per rank fall with the world size", "[zero]") {
+  // The ZeRO paper's Table 1: stage 3 divides all model states by the world size, so per-rank
+  // bytes keep falling and end far below stage 2's, whose parameters stay whole. With the old
+  // fixed 5e8-element units, GPT-2 1.5B on 64 ranks planned 4.0 GiB per rank at stage 3.
+  auto specs = ModelPreset("gpt2-1.5b");
+  REQUIRE(specs.ok());
+  Config c;
+  c.compute_dtype = DType::kBF16;
+  int64_t previous = INT64_MAX;
+  for (int world = 1; world <= 1024; world *= 2) {
+    INFO("world " << world);
+    c.zero.stage = 3;
+    auto s3 = ChoosePlan(*specs, c, world, 0);
+    c.zero.stage = 2;
+    auto s2 = ChoosePlan(*specs, c, world, 0);
+    REQUIRE(s3.ok());
+    REQUIRE(s2.ok());
+    const int64_t bytes = s3->plan.device_bytes();
+    // Up to 512 ranks; at 1024 (planned: 734 MB against 725 MB at 512) the padding of every
+    // unit to a multiple of world * 128 elements outweighs what one more halving still saves.
+    if (world <= 512) CHECK(bytes < previous);
+    previous = bytes;
+    if (world >= 4) CHECK(bytes < s2->plan.device_bytes());
+    // 1,557,611,200 parameters at 18 bytes (bf16 param + grad, fp32 master, m, v, per rank
+    // share of each) plus at most a few units of buffers: under 1 GiB from 64 ranks on.
+    if (world >= 64) CHECK(bytes < (int64_t{1} << 30));
+  }
 }
 
 }  // namespace

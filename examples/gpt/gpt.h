@@ -173,18 +173,29 @@ struct RunOptions {
   int sample_tokens = 0;
   std::string sample_prompt = "This program is ";
   float sample_temperature = 0;  // <= 0: greedy
+  // Checkpoints (checkpoint/checkpoint.h): with checkpoint_dir set and checkpoint_every > 0,
+  // an asynchronous save (AsyncCheckpointer) starts after every checkpoint_every-th step and is
+  // committed before the next one starts and at the end. With resume_from set (a checkpoint
+  // directory or a root whose `latest` names one), the ranks load it after InitParams and
+  // train steps [checkpoint step, steps): the same windows, hence the same bits, as an
+  // uninterrupted run. InvalidArgument if the checkpoint is at or past `steps`.
+  std::string checkpoint_dir;
+  int checkpoint_every = 0;  // >= 0
+  std::string resume_from;
   // Called once per step after every rank has finished it, in step order, on the thread of the
   // last rank to finish. Must not call into the engines.
   std::function<void(const StepReport&)> on_step;
 };
 
 struct RunResult {
-  std::vector<StepReport> steps;
+  int first_step = 0;                       // 0, or the resumed checkpoint's step
+  std::vector<StepReport> steps;            // steps [first_step, options.steps)
   double initial_val_loss = 0;              // before the first update
   double final_val_loss = 0;                // after the last update
   double tokens_per_s = 0;                  // all training tokens over the training wall time
   std::string corpus_path;                  // the file the tokens came from
   std::string sample;                       // prompt + generated text, if sample_tokens > 0
+  std::vector<std::string> checkpoints;     // committed checkpoint directories, in order
   std::vector<MemoryReport> memory;         // per rank, after the last step
   std::vector<std::vector<float>> master;   // per rank, if gather_master
   memory::Plan plan;                        // rank 0's

@@ -1,6 +1,10 @@
 #include "examples/gpt/gpt.h"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -226,6 +230,55 @@ TEST_CASE("Gpt: stages 0-3, with and without offload, train to bit-identical res
       CHECK(run->master[1] == reference->master[0]);
     }
   }
+}
+
+TEST_CASE("Gpt: N steps, a checkpoint, a resume and N more steps equal 2N steps bit for bit",
+          "[gpt]") {
+  const int stage = GENERATE(2, 3);
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string root =
+      absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/gpt_resume_stage", stage, "_", getpid());
+  const Config config = TestConfig(stage, false, DType::kBF16);
+
+  RunOptions whole = TinyRun(6);
+  whole.checkpoint_dir = root + "/whole";
+  whole.checkpoint_every = 3;
+  absl::StatusOr<RunResult> a = RunInProcess(config, whole);
+  REQUIRE(a.ok());
+  CHECK(a->checkpoints ==
+        std::vector<std::string>{root + "/whole/step_3", root + "/whole/step_6"});
+
+  RunOptions first = TinyRun(3);
+  first.checkpoint_dir = root + "/split";
+  first.checkpoint_every = 3;
+  absl::StatusOr<RunResult> b = RunInProcess(config, first);
+  REQUIRE(b.ok());
+  RunOptions second = TinyRun(6);
+  second.resume_from = root + "/split";
+  absl::StatusOr<RunResult> c = RunInProcess(config, second);
+  INFO(c.status());
+  REQUIRE(c.ok());
+
+  CHECK(c->first_step == 3);
+  REQUIRE(c->steps.size() == 3u);
+  for (int k = 0; k < 3; ++k) CHECK(c->steps[k].loss == a->steps[3 + k].loss);
+  CHECK(c->initial_val_loss == b->final_val_loss);  // the loaded state is the saved one
+  CHECK(c->final_val_loss == a->final_val_loss);
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(c->master[r].size() == a->master[r].size());
+    CHECK(std::memcmp(c->master[r].data(), a->master[r].data(),
+                      a->master[r].size() * sizeof(float)) == 0);
+    // The resumed run trained: its weights moved away from those it loaded.
+    CHECK(std::memcmp(c->master[r].data(), b->master[r].data(),
+                      b->master[r].size() * sizeof(float)) != 0);
+  }
+
+  // A checkpoint at or past the last step leaves nothing to train.
+  RunOptions done = TinyRun(3);
+  done.resume_from = root + "/split";
+  absl::StatusOr<RunResult> d = RunInProcess(config, done);
+  CHECK(absl::IsInvalidArgument(d.status()));
+  CHECK(d.status().message().find("step 3") != absl::string_view::npos);
 }
 
 TEST_CASE("Gpt: a later token does not change earlier logits", "[gpt]") {

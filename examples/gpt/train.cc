@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "examples/gpt/gpt.h"
@@ -35,6 +36,7 @@ absl::Status ValidateOptions(const RunOptions& o) {
   if (o.eval_every < 0) return bad("eval_every", o.eval_every, ">= 0");
   if (o.eval_windows < 0) return bad("eval_windows", o.eval_windows, ">= 0");
   if (o.sample_tokens < 0) return bad("sample_tokens", o.sample_tokens, ">= 0");
+  if (o.checkpoint_every < 0) return bad("checkpoint_every", o.checkpoint_every, ">= 0");
   return Annotate(ValidateShape(o.shape), "RunOptions.shape");
 }
 
@@ -55,6 +57,7 @@ struct Shared {
   Device* device;
   int seq;           // tokens per training sequence
   int eval_windows;  // held-out windows per evaluation
+  int first_step;    // 0, or the step of the checkpoint resumed from
   std::mutex mu;
   RunResult result;
   std::vector<int> arrived;                // per step: ranks done
@@ -85,23 +88,48 @@ absl::StatusOr<double> Evaluate(Shared& s, Engine& engine) {
 // Step() is collective; the last rank to arrive calls on_step.
 void Report(Shared& s, int rank, const StepReport& mine, float loss) {
   std::lock_guard<std::mutex> lock(s.mu);
-  StepReport& report = s.result.steps[mine.step];
-  s.losses[mine.step][rank] = loss;
+  const int i = mine.step - s.first_step;
+  StepReport& report = s.result.steps[i];
+  s.losses[i][rank] = loss;
   if (rank == 0) {
     report = mine;
     s.train_ms += mine.ms;
   }
-  if (++s.arrived[mine.step] < static_cast<int>(s.losses[mine.step].size())) return;
+  if (++s.arrived[i] < static_cast<int>(s.losses[i].size())) return;
   double sum = 0;
-  for (float l : s.losses[mine.step]) sum += l;  // rank order: the same value run to run
-  report.loss = sum / static_cast<double>(s.losses[mine.step].size());
+  for (float l : s.losses[i]) sum += l;  // rank order: the same value run to run
+  report.loss = sum / static_cast<double>(s.losses[i].size());
   if (s.options.on_step) s.options.on_step(report);
 }
 
-absl::Status TrainSteps(Shared& s, Engine& engine, int rank) {
+// Commits the save in flight, if any; rank 0 records its directory.
+absl::Status FinishCheckpoint(Shared& s, AsyncCheckpointer& saver, int rank) {
+  if (!saver.in_flight()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::string dir, saver.Finish());
+  if (rank == 0) {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.result.checkpoints.push_back(std::move(dir));
+  }
+  return absl::OkStatus();
+}
+
+// After the step that brings the engine to a multiple of checkpoint_every: commits the save
+// in flight (so at most one shard buffer exists) and starts the next one, whose writes overlap
+// the following steps.
+absl::Status MaybeCheckpoint(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank) {
+  const RunOptions& o = s.options;
+  if (o.checkpoint_dir.empty() || o.checkpoint_every == 0 ||
+      engine.step() % o.checkpoint_every != 0) {
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(FinishCheckpoint(s, saver, rank));
+  return saver.Start(engine, o.checkpoint_dir);
+}
+
+absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank) {
   const RunOptions& o = s.options;
   const double tokens = static_cast<double>(o.world_size) * o.batch * s.seq;
-  for (int step = 0; step < o.steps; ++step) {
+  for (int step = s.first_step; step < o.steps; ++step) {
     const TokenBatch batch = s.corpus.Sample(rank, step, o.batch, s.seq, o.data_seed);
     const auto t0 = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(float loss, s.gpt.ForwardBackward(engine, batch));
@@ -115,18 +143,25 @@ absl::Status TrainSteps(Shared& s, Engine& engine, int rank) {
     if (mine.evaluated) {
       ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine));
     }
+    RETURN_IF_ERROR(MaybeCheckpoint(s, engine, saver, rank));
     Report(s, rank, mine, loss);
   }
-  return absl::OkStatus();
+  return FinishCheckpoint(s, saver, rank);
 }
 
 absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
   const RunOptions& o = s.options;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                    Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device));
+  AsyncCheckpointer saver;  // after the engine: destroyed first, as it borrows the engine
   RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
+  if (!o.resume_from.empty()) {
+    LoadOptions load;
+    load.allow_reshard = true;  // resuming on another number of ranks is allowed
+    RETURN_IF_ERROR(LoadCheckpoint(*engine, o.resume_from, load));
+  }
   ASSIGN_OR_RETURN(const double initial_val, Evaluate(s, *engine));
-  RETURN_IF_ERROR(TrainSteps(s, *engine, rank));
+  RETURN_IF_ERROR(TrainSteps(s, *engine, saver, rank));
   std::vector<float> master;
   if (o.gather_master || o.sample_tokens > 0) {
     ASSIGN_OR_RETURN(master, engine->GatherMasterWeights());  // collective: every rank
@@ -164,6 +199,19 @@ absl::Status FirstCause(const std::vector<absl::Status>& status) {
   return absl::OkStatus();
 }
 
+// The step training starts from: the resumed checkpoint's, read from its manifest before any
+// engine exists so that every rank knows how many steps it will run.
+absl::StatusOr<int> FirstStep(const RunOptions& o) {
+  if (o.resume_from.empty()) return 0;
+  ASSIGN_OR_RETURN(const CheckpointInfo info, ReadCheckpointInfo(o.resume_from));
+  if (info.step >= o.steps) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RunOptions.steps ", o.steps, ": the checkpoint ", info.dir, " is already at step ",
+        info.step, "; nothing left to train"));
+  }
+  return static_cast<int>(info.step);
+}
+
 }  // namespace
 
 absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
@@ -190,14 +238,18 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
                    comm::CreateInProcessGroup(world, comm_options));
   std::unique_ptr<Device> device = MakeDevice(options);
+  ASSIGN_OR_RETURN(const int first_step, FirstStep(options));
+  const int steps = options.steps - first_step;
   Shared shared{config, options, corpus, gpt, device.get(), seq,
-                options.eval_windows > 0 ? std::min(options.eval_windows, windows) : windows};
+                options.eval_windows > 0 ? std::min(options.eval_windows, windows) : windows,
+                first_step};
   shared.result.corpus_path = path;
-  shared.result.steps.resize(options.steps);
+  shared.result.first_step = first_step;
+  shared.result.steps.resize(steps);
   shared.result.memory.resize(world);
   if (options.gather_master) shared.result.master.resize(world);
-  shared.arrived.assign(options.steps, 0);
-  shared.losses.assign(options.steps, std::vector<float>(world, 0.0f));
+  shared.arrived.assign(steps, 0);
+  shared.losses.assign(steps, std::vector<float>(world, 0.0f));
 
   std::vector<absl::Status> status(world);
   std::vector<std::thread> threads_of_ranks;
@@ -209,7 +261,7 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   }
   for (std::thread& t : threads_of_ranks) t.join();
   RETURN_IF_ERROR(FirstCause(status));
-  shared.result.tokens_per_s = static_cast<double>(world) * options.batch * seq * options.steps /
+  shared.result.tokens_per_s = static_cast<double>(world) * options.batch * seq * steps /
                                (shared.train_ms / 1000.0);
   return std::move(shared.result);
 }
