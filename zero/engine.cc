@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -34,14 +33,6 @@ using zero_internal::Stopwatch;
 
 // The engine's parts, each a class of its own (zero/internal/, offload/pipeline.h), and the
 // phases of Step() that tie them together.
-// What SnapshotWaiter's closures share with the engine: the snapshot while the engine lives,
-// and the status of its copies once the destructor has waited for them.
-struct SnapshotLink {
-  std::mutex mu;
-  zero_internal::OwnedSnapshot* snapshot = nullptr;  // ABSL_GUARDED_BY(mu); null once destroyed
-  absl::Status copies;                               // ABSL_GUARDED_BY(mu)
-};
-
 class Engine::Impl {
  public:
   Impl(Config config, std::vector<memory::ParamSpec> specs, memory::Plan plan,
@@ -118,7 +109,6 @@ class Engine::Impl {
 
   std::unique_ptr<zero_internal::GradNorm> norm_;
   std::unique_ptr<zero_internal::OwnedSnapshot> snapshot_;
-  std::shared_ptr<SnapshotLink> snapshot_link_ = std::make_shared<SnapshotLink>();
 };
 
 absl::Status Engine::Impl::Build(Device::Stream compute) {
@@ -137,7 +127,6 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
-  snapshot_link_->snapshot = snapshot_.get();
   if (!offload_) return absl::OkStatus();
   std::vector<offload::PipelineRegion> regions;
   for (int u = 0; u < num_units(); ++u) {
@@ -331,11 +320,8 @@ absl::StatusOr<StepStats> Engine::Step() {
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
-  // A checkpoint writer may still hold a SnapshotWaiter: detach it, after the copies landed.
-  SnapshotLink& link = *impl_->snapshot_link_;
-  std::lock_guard<std::mutex> lock(link.mu);
-  if (link.snapshot != nullptr) link.copies = link.snapshot->Wait();
-  link.snapshot = nullptr;
+  // A checkpoint writer may still hold a SnapshotWaiter: cut it loose after the copies landed.
+  impl_->snapshot_->Detach();
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
@@ -533,10 +519,7 @@ absl::Status Engine::WaitSnapshot() {
 }
 
 std::function<absl::Status()> Engine::SnapshotWaiter() const {
-  return [link = impl_->snapshot_link_]() -> absl::Status {
-    std::lock_guard<std::mutex> lock(link->mu);
-    return link->snapshot != nullptr ? link->snapshot->Wait() : link->copies;
-  };
+  return impl_->snapshot_->Waiter();
 }
 
 // Writes unit u's master, m and v from this rank's checkpoint ranges `src`, re-derives the

@@ -5,7 +5,29 @@
 namespace zerort {
 namespace zero_internal {
 
+std::shared_ptr<OwnedSnapshot::Link> OwnedSnapshot::MakeLink(OwnedSnapshot* self) {
+  auto link = std::make_shared<Link>();
+  absl::MutexLock lock(&link->mu);
+  link->snapshot = self;
+  return link;
+}
+
+std::function<absl::Status()> OwnedSnapshot::Waiter() const {
+  return [link = link_]() -> absl::Status {
+    absl::MutexLock lock(&link->mu);
+    return link->snapshot != nullptr ? link->snapshot->Wait() : link->copies;
+  };
+}
+
+void OwnedSnapshot::Detach() {
+  absl::MutexLock lock(&link_->mu);
+  if (link_->snapshot == nullptr) return;
+  link_->copies = Wait();
+  link_->snapshot = nullptr;
+}
+
 OwnedSnapshot::~OwnedSnapshot() {
+  Detach();
   // The copies write into buffers that outlive this object only by contract.
   if (stream_ != nullptr) {
     dev_->Synchronize(stream_).IgnoreError();  // reported by Wait

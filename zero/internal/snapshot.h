@@ -11,7 +11,12 @@
 #ifndef ZERORT_ZERO_INTERNAL_SNAPSHOT_H_
 #define ZERORT_ZERO_INTERNAL_SNAPSHOT_H_
 
+#include <functional>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "device/device.h"
 #include "memory/plan.h"
 #include "zero/internal/shard_layout.h"
@@ -38,6 +43,13 @@ class OwnedSnapshot {
   // (`host`), or the compute stream does.
   absl::Status Fence(bool host);
 
+  // A Wait that may outlive this object (a checkpoint writer's thread holds it): while the
+  // object lives it waits for the copies; after Detach it returns their final status.
+  std::function<absl::Status()> Waiter() const;
+  // Waits for the copies and cuts every Waiter loose. The engine calls it before it frees the
+  // owned state, so a late writer never touches freed memory.
+  void Detach();
+
  private:
   const memory::Plan& plan_;
   const ShardLayout& layout_;
@@ -48,6 +60,15 @@ class OwnedSnapshot {
   Device::Event start_ = nullptr;  // compute -> stream_
   Device::Event done_ = nullptr;   // the copies have landed
   bool pending_ = false;           // a writer must wait for done_ first
+
+  // What Waiter's closures share with this object.
+  struct Link {
+    absl::Mutex mu;
+    OwnedSnapshot* snapshot ABSL_GUARDED_BY(mu) = nullptr;  // null once detached
+    absl::Status copies ABSL_GUARDED_BY(mu);                 // the copies' status after Detach
+  };
+  const std::shared_ptr<Link> link_ = MakeLink(this);
+  static std::shared_ptr<Link> MakeLink(OwnedSnapshot* self);
 };
 
 }  // namespace zero_internal
