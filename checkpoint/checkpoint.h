@@ -51,7 +51,7 @@
 namespace zerort {
 
 namespace ckpt_internal {
-class FileSystem;  // zero/internal/ckpt_fs.h
+class FileSystem;  // checkpoint/internal/ckpt_fs.h
 }  // namespace ckpt_internal
 
 struct SaveOptions {
@@ -122,7 +122,7 @@ class AsyncCheckpointer {
   // REQUIRES: a save in flight (else FailedPrecondition).
   absl::StatusOr<std::string> Finish();
 
-  struct Pending;  // zero/checkpoint.cc
+  struct Pending;  // checkpoint/checkpoint.cc
 
  private:
   SaveOptions options_;

@@ -1,4 +1,4 @@
-// `zerort ckpt`: inspect and consolidate checkpoints (zero/checkpoint.h) without an engine.
+// `zerort ckpt`: inspect and consolidate checkpoints (checkpoint/checkpoint.h) without an engine.
 //
 //   zerort ckpt inspect DIR [--json]   summary of the checkpoint DIR (or the one DIR/latest
 //                                      names), after verifying every file's size and CRC32C

@@ -1,4 +1,5 @@
-// The `zerort` command line: `zerort plan ...` (and later `demo`, `ckpt`).
+// The `zerort` command line: `zerort plan ...` (cli.cc), and the usage text of every command
+// (`demo`: cli/demo.h, `ckpt`: cli/ckpt_command.h).
 //
 // Each command parses its own flags ("--name value" or "--name=value"); an unknown flag or a bad
 // value is an InvalidArgument naming it. Output goes to `out`; main() prints errors and sets the

@@ -1,6 +1,6 @@
 // The CUDA device: the engine's buffers in GPU memory and its kernels on one GPU.
 //
-// It implements zero/device.h with the same math as the CPU device, bit for bit on finite
+// It implements device/device.h with the same math as the CPU device, bit for bit on finite
 // inputs (see docs/cuda.md for the rules that make this true and the one exception: the payload
 // of a NaN produced by AdamW's arithmetic). Memory kinds:
 //   kDevice        cudaMalloc on this GPU

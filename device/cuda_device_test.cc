@@ -1,7 +1,7 @@
 // The CUDA device against the host reference, bit for bit.
 //
 // Two halves. "CudaMath" cases run everywhere: they compile the kernels' per-element arithmetic
-// (zero/internal/cuda_math.h) for the host and compare it with base/dtype.h, offload::CpuAdamW
+// (device/internal/cuda_math.h) for the host and compare it with base/dtype.h, offload::CpuAdamW
 // and offload::SquaredNormF32. "CudaDevice" cases need a GPU: each kernel on random inputs of
 // awkward sizes against the CPU device. Without a GPU they print
 // "SKIPPED: no CUDA device: <reason>" and pass.

@@ -1,7 +1,7 @@
 // Device: where the engine's buffers live and the few kernels it runs on them.
 //
 // The engine (zero/engine.h) is written once against this interface and comm::Communicator and
-// never mentions CUDA, NCCL or MPI. The CPU device (zero/cpu_device.h) runs everything on the
+// never mentions CUDA, NCCL or MPI. The CPU device (device/cpu_device.h) runs everything on the
 // host; the CUDA device runs the same math in kernels. Every call takes a stream handle that the
 // CPU device ignores; on a stream-ordered device a call is only enqueued, and values written to
 // host pointers (SquaredNorm, AllFinite) are valid after Synchronize(stream).

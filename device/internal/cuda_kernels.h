@@ -1,4 +1,4 @@
-// Launchers of the CUDA device's kernels (zero/internal/cuda_kernels.cu), for zero/cuda_device.cc.
+// Launchers of the CUDA device's kernels (device/internal/cuda_kernels.cu), for device/cuda_device.cc.
 //
 // A plain C++ header: no CUDA types, so that it can be included anywhere. Streams travel as
 // void* (a cudaStream_t; nullptr is the legacy default stream). Each launcher only enqueues;
