@@ -561,6 +561,8 @@ absl::string_view OffloadDeviceName(OffloadDevice d) {
       return "none";
     case OffloadDevice::kCpu:
       return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
   }
   assert(false && "unknown OffloadDevice");
   return "?";

@@ -15,6 +15,7 @@
 #define ZERORT_ZERO_CONFIG_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,20 +26,35 @@
 
 namespace zerort {
 
-// Where offloaded state lives. DeepSpeed's "nvme" is recognised and rejected as Unimplemented.
-enum class OffloadDevice { kNone, kCpu };
+// Where offloaded state lives: host memory, or files under nvme_path (ZeRO-Infinity).
+enum class OffloadDevice { kNone, kCpu, kNvme };
 
-// zero_optimization.offload_optimizer: fp32 master weights and Adam moments in host memory.
+// zero_optimization.offload_optimizer: fp32 master weights and Adam moments in host memory, or
+// in files under nvme_path streamed through pinned buffers.
 struct OffloadOptimizerConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;  // page-locked host buffers (faster, asynchronous copies)
   int buffer_count = 4;    // >= 1: host staging buffers for gradient copies in flight
+  std::string nvme_path;   // REQUIRES non-empty when device == kNvme: a directory on local disk
 };
 
-// zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory. Stage 3 only.
+// zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory or under
+// nvme_path. Stage 3 only.
 struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;
+  std::string nvme_path;           // REQUIRES non-empty when device == kNvme
+  int buffer_count = 5;            // >= 1 (nvme): pinned read-ahead buffers
+  int64_t buffer_size = 100000000;  // >= 1 elements (nvme): size of each of those buffers
+};
+
+// aio: DeepSpeed's asynchronous-I/O settings for NVMe offload, with DeepSpeed's defaults.
+struct AioConfig {
+  int64_t block_size = 1048576;  // >= 4096 bytes, a multiple of 4096: one I/O request
+  int queue_depth = 8;           // >= 1: requests in flight per thread
+  bool single_submit = false;    // submit requests one at a time instead of in batches
+  bool overlap_events = true;    // submit new requests before reaping all completions
+  int thread_count = 1;          // >= 1: I/O threads
 };
 
 // zero_optimization.memory_budget (ours): what "stage": "auto" must fit into, per rank.
@@ -96,6 +112,14 @@ struct OptimizerConfig {
   double weight_decay = 0.01;  // >= 0
 };
 
+// zerort.param_groups[i] (ours): AdamW scalars for the parameters whose names match a pattern.
+// A parameter takes the first group whose pattern matches; unmatched ones use `optimizer`.
+struct ParamGroupConfig {
+  std::string pattern;          // glob on ParamSpec::name ('*', '?')
+  double weight_decay = 0;      // >= 0
+  double lr_scale = 1;          // >= 0: multiplies the current learning rate
+};
+
 struct Config {
   ZeroConfig zero;
   // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
@@ -108,6 +132,14 @@ struct Config {
   int gradient_accumulation_steps = 1;  // >= 1
   int64_t comm_timeout_ms = 600000;     // >= 1 (ours): a collective taking longer fails
   int cpu_threads = 0;                  // >= 0 (ours): host AdamW threads, 0 = all cores
+  // data_types.grad_accum_dtype: the dtype gradients are accumulated in across micro-steps on
+  // the owned shard; nullopt = compute_dtype (DeepSpeed's default). kF32 adds an fp32 buffer.
+  std::optional<DType> grad_accum_dtype;
+  // communication_data_type: the dtype gradients are reduced in on the wire; nullopt =
+  // compute_dtype.
+  std::optional<DType> communication_dtype;
+  AioConfig aio;
+  std::vector<ParamGroupConfig> param_groups;
   // Accepted-but-ignored DeepSpeed keys and other remarks, one line each, each starting with the
   // JSON path it is about. Diagnostics, not settings: operator== ignores them.
   std::vector<std::string> notes;
