@@ -15,16 +15,23 @@
 // step_ms: the trainer's forward and backward, including the stage-3 Gathers and the gradient
 // reductions that overlap backward (reduce_ms and gather_ms count those too).
 //
-// Usage: step_bench [--quick] [--model mlp|gpt]   (--quick: a small model and a few steps, a
-// few seconds for CI)
+// Usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi]
+//   --quick: a small model and a few steps, a few seconds for CI.
+//   --repeat N: every stage N times in alternating order; `ratio_min`/`ratio_max` are the spread
+//     of the ratio over the repetitions.
+//   --mpi: under `mpirun -np W`, one rank per process over the MPI communicator, world W only
+//     (the GPT only); rank 0 prints the report.
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "benchmarks/bench_util.h"
 #include "base/status.h"
+#include "comm/mpi.h"
 #include "examples/gpt/gpt.h"
 #include "examples/mlp/mlp.h"
 #include "nlohmann/json.hpp"
@@ -51,6 +58,7 @@ void Collect(const Result& run, int warmup, CaseResult* out) {
     out->gather.push_back(run.steps[s].stats.gather_ms);
     out->opt.push_back(run.steps[s].stats.optimizer_ms);
   }
+  out->allocated = 0;
   for (int k = 0; k < memory::kNumMemoryKinds; ++k) out->allocated += run.memory[0].allocated[k];
   out->units = static_cast<int64_t>(run.plan.units.size());
   out->comm = run.plan.comm_bytes_per_step;
@@ -90,7 +98,7 @@ Setup MakeSetup(bool gpt, bool quick) {
   return s;
 }
 
-absl::StatusOr<CaseResult> RunCase(const Setup& s, int world, int stage) {
+Config BenchConfig(const Setup& s, int stage) {
   const int64_t bucket = s.quick ? 4096 : 65536;
   // The MLP keeps its explicit small units (several buckets for a 5k-parameter model); the GPT
   // uses the defaults ("auto": units of its largest module, docs/config.md).
@@ -100,22 +108,30 @@ absl::StatusOr<CaseResult> RunCase(const Setup& s, int world, int stage) {
   const std::string json = absl::StrCat(
       R"({"zero_optimization": {"stage": )", stage, sizes, R"(}, "bf16": {"enabled": true},)",
       R"( "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}})");
-  ASSIGN_OR_RETURN(Config config, ParseConfig(json, "step_bench"));
-  CaseResult out;
+  return ParseConfig(json, "step_bench").value();  // a constant text: parses
+}
+
+// One run of `stage` at `world`, appended to `out`. With `mpi`, this process is one rank of
+// the job (the GPT over the MPI communicator); otherwise `world` in-process ranks.
+absl::Status RunCase(const Setup& s, int world, int stage, comm::Communicator* mpi,
+                     CaseResult* out) {
+  const Config config = BenchConfig(s, stage);
   if (s.gpt) {
     examples::gpt::RunOptions options = s.gpt_options;
     options.world_size = world;
-    ASSIGN_OR_RETURN(examples::gpt::RunResult run, examples::gpt::RunInProcess(config, options));
-    Collect(run, s.warmup, &out);
-    out.params = examples::gpt::Gpt(options.shape).num_elements();
+    ASSIGN_OR_RETURN(examples::gpt::RunResult run,
+                     mpi != nullptr ? examples::gpt::RunOnCommunicator(config, options, mpi)
+                                    : examples::gpt::RunInProcess(config, options));
+    Collect(run, s.warmup, out);
+    out->params = examples::gpt::Gpt(options.shape).num_elements();
   } else {
     examples::RunOptions options = s.mlp;
     options.world_size = world;
     ASSIGN_OR_RETURN(examples::RunResult run, examples::RunInProcess(config, options));
-    Collect(run, s.warmup, &out);
-    out.params = examples::Mlp(options.shape).num_elements();
+    Collect(run, s.warmup, out);
+    out->params = examples::Mlp(options.shape).num_elements();
   }
-  return out;
+  return absl::OkStatus();
 }
 
 std::string ModelName(const Setup& s) {
@@ -127,57 +143,125 @@ std::string ModelName(const Setup& s) {
   return absl::StrCat("mlp ", d[0], "-", d[1], "-", d[2], "-", d[3]);
 }
 
-int Main(int argc, char** argv) {
-  bool quick = false, gpt = false;
+struct Flags {
+  bool quick = false, gpt = false, mpi = false;
+  int repeat = 1;
+};
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    const std::string next = i + 1 < argc ? argv[i + 1] : "";
     if (a == "--quick") {
-      quick = true;
-    } else if (a == "--model" && i + 1 < argc && (std::string(argv[i + 1]) == "gpt" ||
-                                                   std::string(argv[i + 1]) == "mlp")) {
-      gpt = std::string(argv[++i]) == "gpt";
+      f->quick = true;
+    } else if (a == "--mpi") {
+      f->mpi = true;
+    } else if (a == "--model" && (next == "gpt" || next == "mlp")) {
+      f->gpt = next == "gpt";
+      ++i;
+    } else if (a == "--repeat" && !next.empty() && next.size() < 4 &&
+               next.find_first_not_of("0123456789") == std::string::npos && std::stoi(next) >= 1) {
+      f->repeat = std::stoi(next);
+      ++i;
     } else {
-      std::fprintf(stderr, "usage: step_bench [--quick] [--model mlp|gpt]\n");
-      return 2;
+      return false;
     }
   }
-  const Setup setup = MakeSetup(gpt, quick);
-  nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  for (int world : {1, 2, 4}) {
-    double stage0_ms = 0;
-    for (int stage = 0; stage <= 3; ++stage) {
-      absl::StatusOr<CaseResult> r = RunCase(setup, world, stage);
-      if (!r.ok()) {
-        std::fprintf(stderr, "step_bench: world %d stage %d: %s\n", world, stage,
-                     r.status().ToString().c_str());
-        return 1;
+  return !f->mpi || f->gpt;  // one rank per process: the GPT's RunOnCommunicator
+}
+
+// Every stage at one world size, `repeat` times, in alternating order (0-3, then 3-0, ...) so
+// that a slow spell of the machine does not fall on one stage only. Medians pool every
+// repetition's steps; the ratio's spread is over the repetitions' own medians.
+absl::Status MeasureWorld(const Setup& setup, int world, int repeat, comm::Communicator* mpi,
+                          nlohmann::ordered_json* results) {
+  CaseResult pooled[4];
+  std::vector<double> rep_ms[4];
+  for (int rep = 0; rep < repeat; ++rep) {
+    for (int k = 0; k < 4; ++k) {
+      const int stage = rep % 2 == 0 ? k : 3 - k;
+      CaseResult r;
+      RETURN_IF_ERROR(Annotate(RunCase(setup, world, stage, mpi, &r),
+                               absl::StrCat("world ", world, " stage ", stage)));
+      rep_ms[stage].push_back(Median(r.iter));
+      CaseResult& p = pooled[stage];
+      for (auto [from, to] : {std::pair{&r.iter, &p.iter}, {&r.step, &p.step},
+                              {&r.reduce, &p.reduce}, {&r.gather, &p.gather}, {&r.opt, &p.opt}}) {
+        to->insert(to->end(), from->begin(), from->end());
       }
-      const double ms = Median(r->iter);
-      if (stage == 0) stage0_ms = ms;
-      results.push_back({
-          {"world", world},
-          {"stage", stage},
-          {"params", r->params},
-          {"units", r->units},
-          {"iteration_ms", ms},
-          {"forward_backward_ms", ms - Median(r->step)},
-          {"step_ms", Median(r->step)},
-          {"reduce_ms", Median(r->reduce)},
-          {"gather_ms", Median(r->gather)},
-          {"optimizer_ms", Median(r->opt)},
-          {"ratio_to_stage0", stage0_ms > 0 ? ms / stage0_ms : 0.0},
-          {"allocated_bytes", r->allocated},
-          {"comm_bytes_per_step", r->comm},
-          {"final_loss", r->final_loss},
-      });
+      p.params = r.params, p.units = r.units, p.allocated = r.allocated, p.comm = r.comm;
+      p.final_loss = r.final_loss;
     }
   }
+  const double stage0_ms = Median(pooled[0].iter);
+  for (int stage = 0; stage <= 3; ++stage) {
+    const CaseResult& r = pooled[stage];
+    std::vector<double> ratios;
+    for (int rep = 0; rep < repeat; ++rep) ratios.push_back(rep_ms[stage][rep] / rep_ms[0][rep]);
+    const double ms = Median(r.iter);
+    results->push_back({
+        {"world", world},
+        {"stage", stage},
+        {"params", r.params},
+        {"units", r.units},
+        {"iteration_ms", ms},
+        {"forward_backward_ms", ms - Median(r.step)},
+        {"step_ms", Median(r.step)},
+        {"reduce_ms", Median(r.reduce)},
+        {"gather_ms", Median(r.gather)},
+        {"optimizer_ms", Median(r.opt)},
+        {"ratio_to_stage0", stage0_ms > 0 ? ms / stage0_ms : 0.0},
+        {"ratio_min", *std::min_element(ratios.begin(), ratios.end())},
+        {"ratio_max", *std::max_element(ratios.begin(), ratios.end())},
+        {"allocated_bytes", r.allocated},
+        {"comm_bytes_per_step", r.comm},
+        {"final_loss", r.final_loss},
+    });
+  }
+  return absl::OkStatus();
+}
+
+int Main(int argc, char** argv) {
+  Flags flags;
+  if (!ParseFlags(argc, argv, &flags)) {
+    std::fprintf(stderr,
+                 "usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi]\n"
+                 "  --mpi (under mpirun, one rank per process) needs --model gpt\n");
+    return 2;
+  }
+  std::unique_ptr<comm::MpiSession> session;
+  std::unique_ptr<comm::Communicator> mpi;
+  std::vector<int> worlds = {1, 2, 4};
+  if (flags.mpi) {
+    absl::StatusOr<std::unique_ptr<comm::MpiSession>> s = comm::MpiSession::Init(&argc, &argv);
+    absl::StatusOr<std::unique_ptr<comm::Communicator>> c =
+        s.ok() ? comm::CreateMpiCommunicator(MPI_COMM_WORLD) : s.status();
+    if (!c.ok()) {
+      std::fprintf(stderr, "step_bench --mpi: %s\n", c.status().ToString().c_str());
+      return 1;
+    }
+    session = std::move(*s);
+    mpi = std::move(*c);
+    worlds = {mpi->size()};
+  }
+  const Setup setup = MakeSetup(flags.gpt, flags.quick);
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (int world : worlds) {
+    const absl::Status st = MeasureWorld(setup, world, flags.repeat, mpi.get(), &results);
+    if (!st.ok()) {
+      std::fprintf(stderr, "step_bench: %s\n", st.ToString().c_str());
+      return 1;
+    }
+  }
+  if (mpi != nullptr && mpi->rank() != 0) return 0;
   bench::PrintStepReport(
       {
           {"benchmark", "step_bench"},
           {"model", ModelName(setup)},
           {"precision", "bf16"},
-          {"batch_per_rank", gpt ? setup.gpt_options.batch : setup.mlp.batch},
+          {"ranks", flags.mpi ? "processes under mpirun (MPI communicator)" : "in-process threads"},
+          {"repetitions", flags.repeat},
+          {"batch_per_rank", flags.gpt ? setup.gpt_options.batch : setup.mlp.batch},
       },
       setup.warmup, setup.measured, "stage 0 at the same world size (ratio_to_stage0)", results);
   return 0;

@@ -18,7 +18,8 @@
 //   }
 //
 // RunInProcess does exactly that on N threads over an in-process communicator group, with a
-// validation loss every few steps and a generated sample at the end.
+// validation loss every few steps and a generated sample at the end; RunOnCommunicator does it
+// for one rank over any communicator (one process per rank under mpirun).
 //
 // Thread safety: Corpus and Gpt are immutable after construction and may be shared by the
 // ranks' threads; ForwardBackward and Loss keep their scratch in the call.
@@ -32,6 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "comm/communicator.h"
 #include "memory/plan.h"
 #include "zero/config.h"
 #include "zero/engine.h"
@@ -207,6 +209,14 @@ struct RunResult {
 // not depend on the world size. Errors: InvalidArgument for bad options (naming the field);
 // otherwise the first failing rank's error.
 absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options);
+
+// One rank of the same run over `comm` (e.g. one process of `mpirun -np N` over the MPI
+// communicator), with its own CPU device; options.world_size must equal comm->size(). The
+// result is this rank's: StepReport::loss is the mean over the group (an all-reduce per step),
+// `stats` and `ms` are this rank's, `memory` and `master` have one entry. Collective: every
+// rank of `comm` calls it with the same config and options.
+absl::StatusOr<RunResult> RunOnCommunicator(const Config& config, const RunOptions& options,
+                                            comm::Communicator* comm);
 
 }  // namespace gpt
 }  // namespace examples

@@ -58,6 +58,9 @@ struct Shared {
   int seq;           // tokens per training sequence
   int eval_windows;  // held-out windows per evaluation
   int first_step;    // 0, or the step of the checkpoint resumed from
+  // RunOnCommunicator: this process is one rank; every rank's loss arrives by all-reduce, and
+  // this rank's stats, plan and memory are the ones reported.
+  bool one_rank_per_process = false;
   std::mutex mu;
   RunResult result;
   std::vector<int> arrived;                // per step: ranks done
@@ -84,18 +87,24 @@ absl::StatusOr<double> Evaluate(Shared& s, Engine& engine) {
   return sum / s.eval_windows;
 }
 
-// Publishes step `step` once every rank has reported it. Steps complete in order because
-// Step() is collective; the last rank to arrive calls on_step.
-void Report(Shared& s, int rank, const StepReport& mine, float loss) {
+// Publishes step `step` once every rank of this process has reported it. Steps complete in
+// order because Step() is collective; the last rank to arrive calls on_step. With one rank per
+// process, `loss` is already the group's mean and the process's rank is the one reported.
+void Report(Shared& s, int rank, const StepReport& mine, const std::vector<float>& losses) {
   std::lock_guard<std::mutex> lock(s.mu);
   const int i = mine.step - s.first_step;
   StepReport& report = s.result.steps[i];
-  s.losses[i][rank] = loss;
-  if (rank == 0) {
+  if (s.one_rank_per_process) {
+    s.losses[i] = losses;
+  } else {
+    s.losses[i][rank] = losses[rank];
+  }
+  if (s.one_rank_per_process || rank == 0) {
     report = mine;
     s.train_ms += mine.ms;
   }
-  if (++s.arrived[i] < static_cast<int>(s.losses[i].size())) return;
+  const int ranks_here = s.one_rank_per_process ? 1 : static_cast<int>(s.losses[i].size());
+  if (++s.arrived[i] < ranks_here) return;
   double sum = 0;
   for (float l : s.losses[i]) sum += l;  // rank order: the same value run to run
   report.loss = sum / static_cast<double>(s.losses[i].size());
@@ -126,13 +135,30 @@ absl::Status MaybeCheckpoint(Shared& s, Engine& engine, AsyncCheckpointer& saver
   return saver.Start(engine, o.checkpoint_dir);
 }
 
+// Every rank's `value`, by rank: each rank writes its slot of a zero vector and the all-reduce
+// adds zeros only, exactly, whatever the backend's summation order.
+absl::StatusOr<std::vector<float>> AllRanks(Engine& engine, float value) {
+  comm::Communicator* comm = engine.communicator();
+  std::vector<float> all(comm->size(), 0.0f);
+  all[comm->rank()] = value;
+  RETURN_IF_ERROR(comm->AllReduce(all.data(), all.data(), all.size(), DType::kF32,
+                                  comm::ReduceOp::kSum));
+  return all;
+}
+
 absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank) {
   const RunOptions& o = s.options;
   const double tokens = static_cast<double>(o.world_size) * o.batch * s.seq;
   for (int step = s.first_step; step < o.steps; ++step) {
     const TokenBatch batch = s.corpus.Sample(rank, step, o.batch, s.seq, o.data_seed);
     const auto t0 = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(float loss, s.gpt.ForwardBackward(engine, batch));
+    ASSIGN_OR_RETURN(const float loss, s.gpt.ForwardBackward(engine, batch));
+    std::vector<float> losses(o.world_size, 0.0f);
+    if (s.one_rank_per_process) {
+      ASSIGN_OR_RETURN(losses, AllRanks(engine, loss));
+    } else {
+      losses[rank] = loss;
+    }
     StepReport mine;
     ASSIGN_OR_RETURN(mine.stats, engine.Step());
     mine.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
@@ -144,7 +170,7 @@ absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int
       ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine));
     }
     RETURN_IF_ERROR(MaybeCheckpoint(s, engine, saver, rank));
-    Report(s, rank, mine, loss);
+    Report(s, rank, mine, losses);
   }
   return FinishCheckpoint(s, saver, rank);
 }
@@ -172,14 +198,15 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
                             o.data_seed);
   }
   std::lock_guard<std::mutex> lock(s.mu);
-  if (rank == 0) {
+  if (s.one_rank_per_process || rank == 0) {
     s.result.plan = engine->plan();
     s.result.initial_val_loss = initial_val;
     s.result.final_val_loss = s.result.steps.back().val_loss;
     s.result.sample = std::move(sample);
   }
-  s.result.memory[rank] = engine->memory_report();
-  if (o.gather_master) s.result.master[rank] = std::move(master);
+  const int slot = s.one_rank_per_process ? 0 : rank;
+  s.result.memory[slot] = engine->memory_report();
+  if (o.gather_master) s.result.master[slot] = std::move(master);
   return absl::OkStatus();
 }
 
@@ -212,16 +239,23 @@ absl::StatusOr<int> FirstStep(const RunOptions& o) {
   return static_cast<int>(info.step);
 }
 
-}  // namespace
+// What both runners prepare before any rank starts: the corpus, the model and the sizes.
+struct Inputs {
+  std::string path;
+  Corpus corpus;
+  int seq = 0;
+  int eval_windows = 0;
+  int threads = 0;
+  int first_step = 0;
+};
 
-absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
+absl::StatusOr<Inputs> Prepare(const RunOptions& options, int world) {
   RETURN_IF_ERROR(ValidateOptions(options));
   std::string path = options.corpus_path;
   if (path.empty()) {
     ASSIGN_OR_RETURN(path, DefaultCorpusPath());
   }
-  ASSIGN_OR_RETURN(const Corpus corpus, Corpus::Load(path));
-  const int world = options.world_size;
+  ASSIGN_OR_RETURN(Corpus corpus, Corpus::Load(path));
   const int seq = options.seq > 0 ? options.seq : options.shape.context;
   const int windows = corpus.NumValWindows(seq);
   if (seq + 1 > corpus.train_tokens() || windows < 1) {
@@ -230,26 +264,45 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
         " held-out bytes are too few for sequences of ", seq, " tokens"));
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = options.threads > 0 ? options.threads : std::max(1, cores / world);
-  const Gpt gpt(options.shape, threads);
+  ASSIGN_OR_RETURN(const int first_step, FirstStep(options));
+  return Inputs{std::move(path),
+                std::move(corpus),
+                seq,
+                options.eval_windows > 0 ? std::min(options.eval_windows, windows) : windows,
+                options.threads > 0 ? options.threads : std::max(1, cores / world),
+                first_step};
+}
 
+// Sizes the result for `slots` ranks reporting in this process.
+void InitShared(Shared& s, const Inputs& in, int slots) {
+  const int steps = s.options.steps - in.first_step;
+  s.result.corpus_path = in.path;
+  s.result.first_step = in.first_step;
+  s.result.steps.resize(steps);
+  s.result.memory.resize(slots);
+  if (s.options.gather_master) s.result.master.resize(slots);
+  s.arrived.assign(steps, 0);
+  s.losses.assign(steps, std::vector<float>(s.options.world_size, 0.0f));
+}
+
+double TokensPerSecond(const Shared& s, int world, int seq, int steps) {
+  return static_cast<double>(world) * s.options.batch * seq * steps / (s.train_ms / 1000.0);
+}
+
+}  // namespace
+
+absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
+  const int world = options.world_size;
+  ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
+  const Gpt gpt(options.shape, in.threads);
   comm::CommOptions comm_options;
   comm_options.timeout_ms = config.comm_timeout_ms;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
                    comm::CreateInProcessGroup(world, comm_options));
   std::unique_ptr<Device> device = MakeDevice(options);
-  ASSIGN_OR_RETURN(const int first_step, FirstStep(options));
-  const int steps = options.steps - first_step;
-  Shared shared{config, options, corpus, gpt, device.get(), seq,
-                options.eval_windows > 0 ? std::min(options.eval_windows, windows) : windows,
-                first_step};
-  shared.result.corpus_path = path;
-  shared.result.first_step = first_step;
-  shared.result.steps.resize(steps);
-  shared.result.memory.resize(world);
-  if (options.gather_master) shared.result.master.resize(world);
-  shared.arrived.assign(steps, 0);
-  shared.losses.assign(steps, std::vector<float>(world, 0.0f));
+  Shared shared{config, options, in.corpus, gpt, device.get(), in.seq, in.eval_windows,
+                in.first_step};
+  InitShared(shared, in, world);
 
   std::vector<absl::Status> status(world);
   std::vector<std::thread> threads_of_ranks;
@@ -261,8 +314,30 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   }
   for (std::thread& t : threads_of_ranks) t.join();
   RETURN_IF_ERROR(FirstCause(status));
-  shared.result.tokens_per_s = static_cast<double>(world) * options.batch * seq * steps /
-                               (shared.train_ms / 1000.0);
+  shared.result.tokens_per_s =
+      TokensPerSecond(shared, world, in.seq, options.steps - in.first_step);
+  return std::move(shared.result);
+}
+
+absl::StatusOr<RunResult> RunOnCommunicator(const Config& config, const RunOptions& options,
+                                            comm::Communicator* comm) {
+  const int world = comm->size();
+  if (options.world_size != world) {
+    return absl::InvalidArgumentError(absl::StrCat("RunOptions.world_size ", options.world_size,
+                                                   " differs from the communicator's size ",
+                                                   world));
+  }
+  ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
+  const Gpt gpt(options.shape, in.threads);
+  std::unique_ptr<Device> device = MakeDevice(options);
+  Shared shared{config, options, in.corpus, gpt, device.get(), in.seq, in.eval_windows,
+                in.first_step};
+  shared.one_rank_per_process = true;
+  InitShared(shared, in, 1);
+  RETURN_IF_ERROR(Annotate(RunRank(shared, comm->rank(), comm),
+                           absl::StrCat("rank ", comm->rank())));
+  shared.result.tokens_per_s =
+      TokensPerSecond(shared, world, in.seq, options.steps - in.first_step);
   return std::move(shared.result);
 }
 
