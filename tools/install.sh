@@ -52,8 +52,10 @@ ar rcs "$prefix/lib/libzerort.a" "$work"/*.o
 private=$(grep -E '^-(l|L|Wl,-rpath,)' "$params" | awk '!seen[$0]++' | tr '\n' ' ')
 private=${private% }
 
+# prefix is relative to the .pc file itself (pkgconf's pcfiledir), so an installed tree can be
+# moved or copied (a container image, a shared filesystem mounted elsewhere) and still resolve.
 cat >"$prefix/lib/pkgconfig/zerort.pc" <<PC
-prefix=$prefix
+prefix=\${pcfiledir}/../..
 libdir=\${prefix}/lib
 includedir=\${prefix}/include
 

@@ -68,4 +68,30 @@ for target in trainer trainer_static; do
     result "pkgconfig-$target-build" 1
   fi
 done
+# The installed tree moved elsewhere: pkg-config and CMake resolve the new place (prefix is
+# relative to the .pc file and to zerortConfig.cmake), and the trainer loads the moved library.
+moved="$work/moved/zerort"
+mkdir -p "$work/moved" && cp -a "$prefix" "$moved"
+loads_moved() {  # loads_moved <binary>: the dynamic loader resolves libzerort in the moved tree
+  local lib
+  lib=$(ldd "$1" | awk '/libzerort/ {print $3}')
+  [ -n "$lib" ] && [ "$(readlink -f "$lib")" = "$(readlink -f "$moved/lib/libzerort.so.0")" ]
+}
+if PKG_CONFIG_PATH="$moved/lib/pkgconfig" make -s -C "$here" OUT="$work/moved" \
+    "$work/moved/trainer" >"$work/moved.log" 2>&1 &&
+    loads_moved "$work/moved/trainer"; then
+  result "pkgconfig-relocated-build" 0
+  echo "== pkgconfig-relocated: 2 in-process ranks"
+  timeout 300 "$work/moved/trainer"
+  result "pkgconfig-relocated-inprocess" $?
+else
+  cat "$work/moved.log"; ldd "$work/moved/trainer" 2>&1 | grep zerort
+  result "pkgconfig-relocated-build" 1
+fi
+b="$work/cmake-relocated"
+cmake -S "$here/cmake" -B "$b" -DCMAKE_PREFIX_PATH="$moved" >"$b.log" 2>&1 &&
+  cmake --build "$b" >>"$b.log" 2>&1 && loads_moved "$b/trainer"
+st=$?
+[ $st -eq 0 ] || { cat "$b.log"; ldd "$b/trainer" 2>&1 | grep zerort; }
+result "cmake-relocated-build" $st
 exit $failed
