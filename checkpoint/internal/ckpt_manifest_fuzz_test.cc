@@ -1,7 +1,7 @@
 // Drives LLVMFuzzerTestOneInput with a fixed seed for a bounded number of inputs, so that CI
 // runs it briefly (about a second) on every build: byte-level mutations of valid manifests
-// (which mostly stop at the checksum) and value-level mutations with the checksum recomputed
-// (which reach every field check).
+// (the entry point retries each with its checksum recomputed, so they reach the field checks
+// too) and value-level mutations with the checksum recomputed.
 #include <chrono>
 #include <cstdint>
 #include <random>
