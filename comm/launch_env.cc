@@ -42,8 +42,7 @@ struct Scheme {
   const char* local_size;
 };
 
-constexpr Scheme kTorchrun = {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                              "LOCAL_WORLD_SIZE"};
+constexpr Scheme kTorchrun = {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
 // The MPI launchers, in the order their values are reported (all must agree).
 constexpr Scheme kMpi[] = {
     {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -85,9 +84,9 @@ absl::StatusOr<std::optional<Reading>> Read(const Getenv& getenv, const Scheme& 
   RETURN_IF_ERROR(ReadField(getenv, s.size, 1, &r.size, &r.size_var));
   if (r.rank_var == nullptr && r.size_var == nullptr) return std::nullopt;
   if (r.rank_var == nullptr || (s.size != nullptr && r.size_var == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "launcher environment incomplete: ", r.rank_var ? s.rank : s.size, " is set but ",
-        r.rank_var ? s.size : s.rank, " is not"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("launcher environment incomplete: ", r.rank_var ? s.rank : s.size,
+                     " is set but ", r.rank_var ? s.size : s.rank, " is not"));
   }
   if (r.size_var != nullptr && r.rank >= r.size) {
     return absl::InvalidArgumentError(
@@ -164,10 +163,9 @@ absl::StatusOr<std::optional<Reading>> ReadSlurm(const Getenv& getenv) {
     ASSIGN_OR_RETURN(int ntasks, IntVar(getenv, "SLURM_NTASKS", &has_ntasks));
     if (has_ntasks && ntasks > 1) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "inside Slurm job ", StrVar(getenv, "SLURM_JOB_ID"), " (SLURM_NTASKS=", ntasks,
-          ") but not in a job step: SLURM_STEP_ID is unset, so this is the batch script or an "
-          "salloc shell, and the other ", ntasks - 1,
-          " tasks will never start; launch the program with srun"));
+          "inside Slurm job ", StrVar(getenv, "SLURM_JOB_ID"), " of SLURM_NTASKS=", ntasks,
+          " tasks but not in a job step (SLURM_STEP_ID is unset: this is the batch script or an "
+          "salloc shell, where no other task will ever start); launch the program with srun"));
     }
     Reading single;  // the batch script itself: one process
     single.source = "slurm";
@@ -273,17 +271,19 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const Getenv& getenv) {
   std::optional<Reading> slurm;
   ASSIGN_OR_RETURN(Reading r, Choose(getenv, &slurm));
   // Slurm started this very process when it reports the same rank (and size, if known).
-  const bool slurm_started_us =
-      slurm && r.source != std::string("torchrun") && slurm->rank == r.rank && (r.size_var == nullptr || slurm->size == r.size);
+  const bool slurm_started_us = slurm && r.source != std::string("torchrun") &&
+                                slurm->rank == r.rank &&
+                                (r.size_var == nullptr || slurm->size == r.size);
   if (slurm_started_us && r.source != slurm->source) RETURN_IF_ERROR(Merge(*slurm, r));
   if (r.size_var == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
-        r.rank_var, "=", r.rank, " is set but no world size is (PMI_SIZE, OMPI_COMM_WORLD_SIZE, "
+        r.rank_var, "=", r.rank,
+        " is set but no world size is (PMI_SIZE, OMPI_COMM_WORLD_SIZE, "
         "MV2_COMM_WORLD_SIZE, or SLURM_NTASKS from the srun that started this process)"));
   }
   if (r.rank >= r.size) {
-    return absl::InvalidArgumentError(absl::StrCat(r.rank_var, "=", r.rank, " is outside [0, ",
-                                                   r.size_var, "=", r.size, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(r.rank_var, "=", r.rank, " is outside [0, ", r.size_var, "=", r.size, ")"));
   }
   LaunchInfo info;
   info.source = r.source;
@@ -292,9 +292,9 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const Getenv& getenv) {
   info.local_rank = r.local_var ? r.local : 0;
   info.local_world_size = r.local_size_var ? r.local_size : 0;
   if (info.local_world_size > 0 && info.local_rank >= info.local_world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(r.local_var, "=", info.local_rank, " is outside [0, ", r.local_size_var,
-                     "=", info.local_world_size, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(r.local_var, "=", info.local_rank,
+                                                   " is outside [0, ", r.local_size_var, "=",
+                                                   info.local_world_size, ")"));
   }
   info.device = DeviceOrdinal(getenv, info.local_rank);
   RETURN_IF_ERROR(ReadMaster(getenv, slurm_started_us && info.world_size > 1, info));
@@ -348,8 +348,8 @@ absl::Status ExpandName(absl::string_view list, size_t pos, absl::string_view na
   size_t i = 0;
   while (i < name.size()) {
     const size_t open = name.find('[', i);
-    const absl::string_view text = name.substr(i, open == absl::string_view::npos ? name.npos
-                                                                                   : open - i);
+    const absl::string_view text =
+        name.substr(i, open == absl::string_view::npos ? name.npos : open - i);
     if (text.find(']') != absl::string_view::npos) {
       return HostlistError(list, pos + i + text.find(']'), "']' without '['");
     }
@@ -410,8 +410,8 @@ absl::StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(absl::string_view list)
            repeat >= 1 && repeat <= (1 << 20);
     }
     if (!ok || count.find_first_not_of("0123456789") != absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("Slurm tasks-per-node list '", list,
-                                                     "': '", part, "' is not N or N(xM)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("Slurm tasks-per-node list '", list, "': '", part, "' is not N or N(xM)"));
     }
     out.insert(out.end(), repeat, tasks);
   }

@@ -65,8 +65,7 @@ struct LaunchInfo {
 // the program was meant to be started by srun.
 absl::StatusOr<LaunchInfo> LaunchInfoFromEnv();
 // Same, reading variables through `getenv` (returns nullptr when unset); for tests.
-absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(
-    const std::function<const char*(const char*)>& getenv);
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const std::function<const char*(const char*)>& getenv);
 
 // Expands a Slurm hostlist: comma-separated names, each with any number of bracket groups of
 // comma-separated numbers and ranges ("gpu-a[01-04,07],gpu-b9" -> gpu-a01 ... gpu-a04,

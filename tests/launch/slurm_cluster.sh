@@ -15,8 +15,12 @@ if [ "${1:-start}" = stop ]; then
   done
   exit 0
 fi
+die() {
+  echo "slurm_cluster: $1" >&2
+  exit 1
+}
 for tool in slurmctld slurmd srun sinfo; do
-  command -v "$tool" >/dev/null || { echo "slurm_cluster: $tool not installed (slurm-wlm)" >&2; exit 1; }
+  command -v "$tool" >/dev/null || die "$tool not installed (slurm-wlm)"
 done
 export SLURM_CONF=$conf
 if [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null &&
@@ -55,8 +59,9 @@ AccountingStorageType=accounting_storage/none
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
 PartitionName=debug Nodes=$node Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 CONF
-slurmctld -c -f "$conf" || { echo "slurm_cluster: slurmctld failed to start: $(tail -3 "$dir/slurmctld.log")" >&2; exit 1; }
-slurmd -f "$conf" || { echo "slurm_cluster: slurmd failed to start: $(tail -3 "$dir/slurmd.log")" >&2; exit 1; }
+last() { tail -3 "$1" 2>/dev/null | tr '\n' ' '; }
+slurmctld -c -f "$conf" || die "slurmctld failed to start: $(last "$dir/slurmctld.log")"
+slurmd -f "$conf" || die "slurmd failed to start: $(last "$dir/slurmd.log")"
 for _ in $(seq 1 100); do
   if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
     echo "$conf"
@@ -64,5 +69,5 @@ for _ in $(seq 1 100); do
   fi
   sleep 0.2
 done
-echo "slurm_cluster: node not idle after 20 s: $(sinfo 2>&1 | tail -2 | tr '\n' ' ') slurmctld: $(tail -2 "$dir/slurmctld.log" | tr '\n' ' ') slurmd: $(tail -2 "$dir/slurmd.log" | tr '\n' ' ')" >&2
-exit 1
+die "node not idle after 20 s: $(sinfo 2>&1 | tail -2 | tr '\n' ' ') slurmctld: \
+$(last "$dir/slurmctld.log") slurmd: $(last "$dir/slurmd.log")"
