@@ -10,7 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
+#include <mutex>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -561,12 +561,20 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
 
 namespace {
 
+// How many store rendezvous this rank made before in this process: the key's last part. Counted
+// per key and rank, so that ranks run as threads of one process (tests) count alike.
+uint64_t NextStoreCall(const LaunchInfo& info) {
+  static std::mutex mu;
+  static auto* calls = new std::map<std::pair<std::string, int>, uint64_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  return (*calls)[{info.store_key, info.rank}]++;
+}
+
 // Rendezvous() under torchrun's agent store (see the header).
 absl::StatusOr<std::string> RendezvousThroughTorchStore(const LaunchInfo& info,
                                                         absl::string_view payload,
                                                         const RendezvousOptions& options) {
-  static std::atomic<uint64_t> calls{0};
-  const std::string key = absl::StrCat(info.store_key, "/", calls.fetch_add(1));
+  const std::string key = absl::StrCat(info.store_key, "/", NextStoreCall(info));
   const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
   ASSIGN_OR_RETURN(std::unique_ptr<TorchStore> store,
                    TorchStore::Connect(info.master_addr, info.master_port, info.rank, deadline,
@@ -586,9 +594,12 @@ absl::StatusOr<std::string> RendezvousThroughTorchStore(const LaunchInfo& info,
     return std::string(payload);
   }
   for (;;) {
-    ASSIGN_OR_RETURN(bool ready, store->Check(key));
-    if (ready) break;
+    absl::StatusOr<bool> ready = store->Check(key);
+    if (ready.ok() && *ready) break;
     const int left = RemainingMs(deadline);
+    if (!ready.ok() && (left > 0 || !absl::IsDeadlineExceeded(ready.status()))) {
+      return ready.status();
+    }
     if (left == 0) {
       return absl::DeadlineExceededError(absl::StrCat(
           "rendezvous: rank ", info.rank, " found no key '", key, "' in ", store->where(),

@@ -91,7 +91,7 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
 // Under torchrun's agent store (info.master_is_torch_store) MASTER_PORT is taken: rank 0 then
 // binds a free port on the address through which it reaches the store, and publishes
 // "address:port" in that store (torch's TCPStore protocol: VALIDATE, SET, CHECK, GET) under
-// info.store_key + "/" + the number of earlier such calls in this process; the other ranks poll
+// info.store_key + "/" + the number of this rank's earlier such calls; the other ranks poll
 // the store for the key, then fetch from that address. So every rank must make its
 // Rendezvous() calls in the same order, as collectives require anyway. The deadline covers the
 // store too: a key that never appears is DeadlineExceeded naming the key and the store.
