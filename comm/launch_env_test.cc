@@ -162,6 +162,50 @@ const std::vector<Case>& Cases() {
   return cases;
 }
 
+TEST_CASE("LaunchInfoFromEnv: launcher environments are recognised in order", "[comm]") {
+  auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+                    {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  REQUIRE(t.ok());
+  CHECK(t->source == "torchrun");
+  CHECK(t->rank == 3);
+  CHECK(t->world_size == 8);
+  CHECK(t->local_rank == 1);
+  CHECK(t->master_addr == "10.0.0.1");
+  CHECK(t->master_port == 29500);
+
+  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+  REQUIRE(o.ok());
+  CHECK(o->source == "openmpi");
+  CHECK(o->rank == 1);
+  CHECK(o->world_size == 4);
+  CHECK(o->master_port == 0);
+
+  auto s = FromEnv({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
+  REQUIRE(s.ok());
+  CHECK(s->source == "slurm");
+  CHECK(s->rank == 5);
+  CHECK(s->local_rank == 2);
+
+  CHECK(FromEnv({}).status().code() == absl::StatusCode::kNotFound);
+}
+
+TEST_CASE("LaunchInfoFromEnv: malformed launcher variables name the variable", "[comm]") {
+  auto bad = FromEnv({{"RANK", "x1"}, {"WORLD_SIZE", "2"}});
+  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(bad.status().message(), "RANK"));
+  auto range = FromEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+  CHECK(range.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(range.status().message(), "WORLD_SIZE=2"));
+  auto half = FromEnv({{"SLURM_PROCID", "0"}});
+  CHECK(half.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(half.status().message(), "SLURM_NTASKS"));
+  auto port = FromEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}});
+  CHECK(port.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(port.status().message(), "MASTER_PORT"));
+}
+
 TEST_CASE("LaunchInfoFromEnv: each launcher's environment", "[comm]") {
   for (const Case& c : Cases()) {
     INFO(c.name);

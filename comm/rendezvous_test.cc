@@ -22,15 +22,6 @@ namespace zerort {
 namespace comm {
 namespace {
 
-using Env = std::map<std::string, std::string>;
-
-absl::StatusOr<LaunchInfo> FromEnv(const Env& env) {
-  return LaunchInfoFromEnv([&](const char* name) -> const char* {
-    auto it = env.find(name);
-    return it == env.end() ? nullptr : it->second.c_str();
-  });
-}
-
 RendezvousOptions Quick(int64_t timeout_ms = 5000) {
   RendezvousOptions o;
   o.timeout_ms = timeout_ms;
@@ -253,50 +244,6 @@ TEST_CASE("Rendezvous: through torchrun's store, a missing rank 0 times out nami
   LaunchInfo none = TorchLaunch(store, 2, 1, "x/0");
   none.master_port = LocalLaunch(2).master_port;
   CHECK(Rendezvous(none, "", Quick(300)).status().code() == absl::StatusCode::kDeadlineExceeded);
-}
-
-TEST_CASE("Rendezvous: launcher environments are recognised in order", "[comm]") {
-  auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
-                    {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
-  REQUIRE(t.ok());
-  CHECK(t->source == "torchrun");
-  CHECK(t->rank == 3);
-  CHECK(t->world_size == 8);
-  CHECK(t->local_rank == 1);
-  CHECK(t->master_addr == "10.0.0.1");
-  CHECK(t->master_port == 29500);
-
-  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
-  REQUIRE(o.ok());
-  CHECK(o->source == "openmpi");
-  CHECK(o->rank == 1);
-  CHECK(o->world_size == 4);
-  CHECK(o->master_port == 0);
-
-  auto s = FromEnv({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
-  REQUIRE(s.ok());
-  CHECK(s->source == "slurm");
-  CHECK(s->rank == 5);
-  CHECK(s->local_rank == 2);
-
-  CHECK(FromEnv({}).status().code() == absl::StatusCode::kNotFound);
-}
-
-TEST_CASE("Rendezvous: malformed launcher variables name the variable", "[comm]") {
-  auto bad = FromEnv({{"RANK", "x1"}, {"WORLD_SIZE", "2"}});
-  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(bad.status().message(), "RANK"));
-  auto range = FromEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
-  CHECK(range.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(range.status().message(), "WORLD_SIZE=2"));
-  auto half = FromEnv({{"SLURM_PROCID", "0"}});
-  CHECK(half.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(half.status().message(), "SLURM_NTASKS"));
-  auto port = FromEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}});
-  CHECK(port.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(port.status().message(), "MASTER_PORT"));
 }
 
 TEST_CASE("Rendezvous: every peer receives rank 0's payload byte for byte", "[comm]") {
