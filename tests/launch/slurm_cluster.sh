@@ -22,6 +22,8 @@ die() {
 for tool in slurmctld slurmd srun sinfo; do
   command -v "$tool" >/dev/null || die "$tool not installed (slurm-wlm)"
 done
+# srun's tasks find rank 0 by this name (the node list's first host), as on a real cluster.
+getent hosts "$node" >/dev/null || die "host name $node does not resolve (add it to /etc/hosts)"
 export SLURM_CONF=$conf
 if [ -f "$dir/slurmctld.pid" ] && kill -0 "$(cat "$dir/slurmctld.pid")" 2>/dev/null &&
    [ -f "$dir/slurmd.pid" ] && kill -0 "$(cat "$dir/slurmd.pid")" 2>/dev/null &&
