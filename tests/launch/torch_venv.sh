@@ -26,8 +26,13 @@ rm -rf "$venv" "$venv.failed"
 mkdir -p "$(dirname "$venv")"
 python3 -m venv "$venv" >/dev/null 2>&1 || fail "python3 -m venv failed (install python3-venv)"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
-if ! out=$("${pip[@]}" --no-deps "torch==$version" 2>&1); then
-  if grep -qiE 'connection|network|resolve|timed out|No matching distribution' <<<"$out"; then
+# Not quiet: pip reports connection failures only as warnings, which -q hides. An index that
+# lists no torch at all ("from versions: none") is one pip could not reach; a missing version
+# lists the others and is a real failure.
+if ! out=$("$venv/bin/python" -m pip install --disable-pip-version-check --no-deps \
+           "torch==$version" 2>&1); then
+  if grep -qiE 'from versions: none|NewConnectionError|ConnectTimeout|Network is unreachable' \
+       <<<"$out"; then
     fail "no network: pip could not fetch torch==$version from PyPI: $(tail -1 <<<"$out")"
   fi
   fail "pip install torch==$version failed: $(tail -3 <<<"$out" | tr '\n' ' ')"
