@@ -179,14 +179,20 @@ absl::StatusOr<std::optional<Reading>> ReadSlurm(const Getenv& getenv) {
   ASSIGN_OR_RETURN(std::optional<Reading> r, Read(getenv, s));
   if (!r) return r;
   ASSIGN_OR_RETURN(int node, IntVar(getenv, "SLURM_NODEID", &unused));
-  for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+  // SLURM_NTASKS_PER_NODE (set only by --ntasks-per-node) is one count for every node.
+  for (const char* name :
+       {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
     const std::string list = StrVar(getenv, name);
     if (list.empty()) continue;
     auto per_node = ExpandSlurmTasksPerNode(list);
     if (!per_node.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(name, ": ", per_node.status().message()));
     }
-    if (node >= 0 && node < static_cast<int>(per_node->size())) {
+    const bool every_node = std::string(name) == "SLURM_NTASKS_PER_NODE";
+    if (every_node && per_node->size() == 1 && node >= 0) {
+      r->local_size = per_node->front();
+      r->local_size_var = name;
+    } else if (node >= 0 && node < static_cast<int>(per_node->size())) {
       r->local_size = (*per_node)[node];
       r->local_size_var = name;
     }

@@ -15,7 +15,8 @@
 //      Every set of these that is present must agree: two that differ are an InvalidArgument
 //      naming both variables (an environment mixed from two launchers).
 //   3. Slurm (srun): SLURM_PROCID / SLURM_STEP_NUM_TASKS (else SLURM_NTASKS) / SLURM_LOCALID;
-//      the local size from SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID.
+//      the local size from SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID (else
+//      SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE at SLURM_NODEID).
 // When Slurm itself started this process (its rank and size equal the chosen ones) it also
 // fills what an MPI launcher left out (PMIX_RANK alone has no size or local rank) and
 // MASTER_ADDR / MASTER_PORT when they are unset: the first host of SLURM_STEP_NODELIST

@@ -152,6 +152,16 @@ const std::vector<Case>& Cases() {
         {"SLURM_JOB_NODELIST", "vm"},
         {"CUDA_VISIBLE_DEVICES", "3"}},
        {"slurm", 3, 4, 3, 0, 0, "vm", 20041}},
+      {"srun --ntasks-per-node without a step list: SLURM_NTASKS_PER_NODE on every node",
+       {{"SLURM_JOB_ID", "41"},
+        {"SLURM_STEP_ID", "0"},
+        {"SLURM_PROCID", "5"},
+        {"SLURM_NTASKS", "6"},
+        {"SLURM_LOCALID", "2"},
+        {"SLURM_NODEID", "1"},
+        {"SLURM_NTASKS_PER_NODE", "3"},
+        {"SLURM_NODELIST", "b[7-8]"}},
+       {"slurm", 5, 6, 2, 3, 2, "b7", 20041}},
       {"several visible devices: the local rank",
        {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"CUDA_VISIBLE_DEVICES", "2,3"}},
        {"torchrun", 1, 2, 1, 0, 1, "", 0}},
@@ -163,9 +173,13 @@ const std::vector<Case>& Cases() {
 }
 
 TEST_CASE("LaunchInfoFromEnv: launcher environments are recognised in order", "[comm]") {
-  auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
-                    {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+  auto t = FromEnv({{"RANK", "3"},
+                    {"WORLD_SIZE", "8"},
+                    {"LOCAL_RANK", "1"},
+                    {"MASTER_ADDR", "10.0.0.1"},
+                    {"MASTER_PORT", "29500"},
+                    {"OMPI_COMM_WORLD_RANK", "0"},
+                    {"OMPI_COMM_WORLD_SIZE", "2"}});
   REQUIRE(t.ok());
   CHECK(t->source == "torchrun");
   CHECK(t->rank == 3);
@@ -174,7 +188,8 @@ TEST_CASE("LaunchInfoFromEnv: launcher environments are recognised in order", "[
   CHECK(t->master_addr == "10.0.0.1");
   CHECK(t->master_port == 29500);
 
-  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"},
+                    {"OMPI_COMM_WORLD_SIZE", "4"},
                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
   REQUIRE(o.ok());
   CHECK(o->source == "openmpi");
