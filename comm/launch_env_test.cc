@@ -1,7 +1,9 @@
 #include "comm/launch_env.h"
 
 #include <catch2/catch.hpp>
+#include <cstdio>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -382,6 +384,58 @@ TEST_CASE("ExpandSlurmHostlist: Slurm's syntax", "[comm]") {
     auto got = ExpandSlurmHostlist(c.first);
     REQUIRE(got.ok());
     CHECK(*got == c.second);
+  }
+}
+
+// Random lists built from parts, against the names those parts spell out: a bracket group is a
+// list of (low, high, width) ranges, rendered zero-padded to the width and expanded in loops.
+TEST_CASE("ExpandSlurmHostlist: random lists against their parts", "[comm]") {
+  std::mt19937 rng(20261122);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int round = 0; round < 300; ++round) {
+    std::string list;
+    std::vector<std::string> want;
+    const int names = pick(1, 3);
+    for (int n = 0; n < names; ++n) {
+      std::vector<std::string> expanded = {""};
+      std::string text;
+      const int groups = pick(0, 2);
+      for (int g = 0; g <= groups; ++g) {
+        const std::string word = std::string(1, static_cast<char>('a' + pick(0, 25))) + "-";
+        text += word;
+        for (std::string& e : expanded) e += word;
+        if (g == groups) break;
+        std::vector<std::string> values;
+        text += "[";
+        const int ranges = pick(1, 3);
+        for (int k = 0; k < ranges; ++k) {
+          const int width = pick(1, 3), low = pick(0, 12), high = low + pick(0, 4);
+          char buf[16];
+          std::snprintf(buf, sizeof buf, "%0*d", width, low);
+          text += (k ? "," : "") + std::string(buf);
+          if (high != low || pick(0, 1)) {
+            text += "-" + std::to_string(high);
+          }
+          for (int v = low; v <= std::max(low, high); ++v) {
+            std::snprintf(buf, sizeof buf, "%0*d", width, v);
+            values.push_back(buf);
+            if (high == low) break;
+          }
+        }
+        text += "]";
+        std::vector<std::string> next;
+        for (const std::string& e : expanded) {
+          for (const std::string& v : values) next.push_back(e + v);
+        }
+        expanded = next;
+      }
+      list += (n ? "," : "") + text;
+      want.insert(want.end(), expanded.begin(), expanded.end());
+    }
+    INFO(list);
+    auto got = ExpandSlurmHostlist(list);
+    REQUIRE(got.ok());
+    CHECK(*got == want);
   }
 }
 
