@@ -236,6 +236,20 @@ void ReadTorchStore(const Getenv& getenv, LaunchInfo& info) {
                                 restart.empty() ? "0" : restart);
 }
 
+// ZERORT_RENDEZVOUS_PORT, when set, replaces the port (and the use of torchrun's store).
+absl::StatusOr<LaunchInfo> OverridePort(const Getenv& getenv, LaunchInfo info) {
+  bool has = false;
+  ASSIGN_OR_RETURN(int port, IntVar(getenv, kRendezvousPortEnvVar, &has));
+  if (!has) return info;
+  if (port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kRendezvousPortEnvVar, "=", port, " is outside [1, 65535]"));
+  }
+  info.master_port = port;
+  info.master_is_torch_store = false;
+  return info;
+}
+
 // 0 when CUDA_VISIBLE_DEVICES names exactly one device (the rank sees only its own), else the
 // local rank.
 int DeviceOrdinal(const Getenv& getenv, int local_rank) {
@@ -305,7 +319,7 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const Getenv& getenv) {
   info.device = DeviceOrdinal(getenv, info.local_rank);
   RETURN_IF_ERROR(ReadMaster(getenv, slurm_started_us && info.world_size > 1, info));
   if (r.source == std::string("torchrun")) ReadTorchStore(getenv, info);
-  return info;
+  return OverridePort(getenv, std::move(info));
 }
 
 namespace {

@@ -37,6 +37,11 @@
 namespace zerort {
 namespace comm {
 
+// When set, the rendezvous port on MASTER_ADDR, in place of MASTER_PORT, of the port derived
+// from Slurm's job id, and of torchrun's store (rank 0 then binds it): for two job steps at once,
+// or a torch whose store protocol differs from the one spoken here.
+inline constexpr char kRendezvousPortEnvVar[] = "ZERORT_RENDEZVOUS_PORT";
+
 // Where this process sits in the job, as its launcher describes it.
 struct LaunchInfo {
   int rank = 0;
@@ -85,7 +90,7 @@ absl::StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(absl::string_view list)
 // 20000 + job_id % 10000, within [20000, 29999]: unprivileged, and below Linux's default
 // ephemeral range (32768-60999), so no outgoing connection holds it. Two jobs on one node
 // collide only when their ids are equal modulo 10000; two steps of one job running at the same
-// time need MASTER_PORT.
+// time need MASTER_PORT or ZERORT_RENDEZVOUS_PORT.
 int SlurmPort(uint64_t job_id);
 
 }  // namespace comm

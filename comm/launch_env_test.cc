@@ -136,6 +136,14 @@ const std::vector<Case>& Cases() {
         {"SLURM_JOB_NODELIST", "a[1-9]"},
         {"SLURM_STEP_NODELIST", "a[3-5]"}},
        {"slurm", 3, 5, 1, 2, 1, "a3", 20000}},
+      {"srun with ZERORT_RENDEZVOUS_PORT: it replaces the derived port",
+       {{"SLURM_JOB_ID", "41"},
+        {"SLURM_STEP_ID", "1"},
+        {"SLURM_PROCID", "0"},
+        {"SLURM_NTASKS", "2"},
+        {"SLURM_JOB_NODELIST", "vm"},
+        {"ZERORT_RENDEZVOUS_PORT", "31000"}},
+       {"slurm", 0, 2, 0, 0, 0, "vm", 31000}},
       {"srun with MASTER_ADDR / MASTER_PORT set: they win",
        {{"SLURM_JOB_ID", "41"},
         {"SLURM_STEP_ID", "0"},
@@ -359,10 +367,19 @@ TEST_CASE("LaunchInfoFromEnv: torchrun's agent store", "[comm]") {
   REQUIRE(got.ok());
   CHECK(got->master_is_torch_store);
   CHECK(got->store_key == "zerort/rendezvous/job7/2");
+  env["ZERORT_RENDEZVOUS_PORT"] = "29611";  // the way around the store
+  got = FromEnv(env);
+  REQUIRE(got.ok());
+  CHECK_FALSE(got->master_is_torch_store);
+  CHECK(got->master_port == 29611);
+  env["ZERORT_RENDEZVOUS_PORT"] = "0";
+  CHECK(absl::StrContains(FromEnv(env).status().message(), "ZERORT_RENDEZVOUS_PORT=0"));
+  env.erase("ZERORT_RENDEZVOUS_PORT");
   env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
   got = FromEnv(env);
   REQUIRE(got.ok());
   CHECK_FALSE(got->master_is_torch_store);
+  CHECK(got->master_port == 29500);
 }
 
 TEST_CASE("ExpandSlurmHostlist: Slurm's syntax", "[comm]") {
