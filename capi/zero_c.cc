@@ -310,10 +310,12 @@ zr_status zr_launch_info_from_env(zr_launch_info* info) {
     out.world_size = launch.world_size;
     out.local_rank = launch.local_rank;
     out.master_port = launch.master_port;
+    out.device = launch.device;
     // Static strings: the LaunchInfo dies here.
-    out.source = launch.source == "torchrun" ? "torchrun"
-                 : launch.source == "openmpi" ? "openmpi"
-                                              : "slurm";
+    out.source = "slurm";
+    for (const char* name : {"torchrun", "openmpi", "mvapich", "mpich", "pmix"}) {
+      if (launch.source == name) out.source = name;
+    }
     return WriteSized(out, info, "zr_launch_info_from_env", "zr_launch_info");
   });
 }

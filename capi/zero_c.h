@@ -143,15 +143,18 @@ zr_status zr_mpi_finalize(void);
 zr_status zr_mpi_comm_create(const void* mpi_comm, int64_t timeout_ms, zr_comm** comm);
 
 /* Where this process sits in the job, as its launcher (torchrun, mpirun, srun) describes it in
- * the environment (comm/rendezvous.h: RANK/WORLD_SIZE/LOCAL_RANK, OMPI_COMM_WORLD_*,
- * SLURM_*; MASTER_ADDR/MASTER_PORT). */
+ * the environment (comm/launch_env.h: RANK/WORLD_SIZE/LOCAL_RANK, OMPI_COMM_WORLD_*,
+ * MV2_COMM_WORLD_*, PMI_RANK/PMI_SIZE, PMIX_RANK, SLURM_*; MASTER_ADDR/MASTER_PORT). */
 typedef struct zr_launch_info {
   size_t struct_size;  /* sizeof(zr_launch_info) */
   int rank;
   int world_size;
-  int local_rank;      /* index among the ranks of this node: the GPU ordinal to use */
+  int local_rank;      /* index among the ranks of this node */
   int master_port;     /* 0 when MASTER_PORT is unset */
-  const char* source;  /* "torchrun", "openmpi" or "slurm"; static storage */
+  const char* source;  /* "torchrun", "openmpi", "mvapich", "mpich", "pmix" or "slurm"; static
+                        * storage */
+  int device;          /* CUDA ordinal for this rank: 0 when CUDA_VISIBLE_DEVICES lists one
+                        * device, else local_rank */
 } zr_launch_info;
 /* ZR_NOT_FOUND when no launcher variables are set; ZR_INVALID_ARGUMENT naming the variable
  * when one is malformed. */

@@ -297,7 +297,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorFromLaunch(
                                             " bytes, expected an ncclUniqueId of ", sizeof id));
   }
   std::memcpy(&id, shared.data(), sizeof id);
-  return CreateNcclCommunicator(id, info.rank, info.world_size, info.local_rank, options);
+  return CreateNcclCommunicator(id, info.rank, info.world_size, info.device, options);
 }
 
 }  // namespace comm

@@ -45,7 +45,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const ncclU
                                                                      CommOptions options = {});
 
 // Rank 0 makes the unique id and hands it to the others through the TCP rendezvous at
-// info.master_addr:master_port; the device is info.local_rank.
+// info.master_addr:master_port (or through torchrun's store); the device is info.device
+// (comm/launch_env.h).
 absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicatorFromLaunch(
     const LaunchInfo& info, CommOptions options = {},
     RendezvousOptions rendezvous = RendezvousOptions());

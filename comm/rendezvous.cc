@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -32,20 +33,6 @@ constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kRejectMagic = 0x5a52584a;  // "ZRXJ": rank 0 refused the hello
 constexpr size_t kHeaderBytes = 8;
 constexpr size_t kMaxSecretBytes = 256;
-
-// Reads an integer variable; `present` tells whether it was set.
-absl::StatusOr<int> IntVar(const std::function<const char*(const char*)>& getenv,
-                           const char* name, bool* present) {
-  const char* v = getenv(name);
-  *present = v != nullptr && *v != '\0';
-  if (!*present) return 0;
-  int out = 0;
-  if (!absl::SimpleAtoi(v, &out)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable ", name, "='", v, "' is not an integer"));
-  }
-  return out;
-}
 
 int RemainingMs(absl::Time deadline) {
   const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
@@ -310,6 +297,113 @@ absl::StatusOr<int> ConnectBefore(const sockaddr_in& sa, absl::Time deadline, in
   }
 }
 
+// torchrun's TCPStore, spoken as a client (torch/csrc/distributed/c10d/TCPStoreBackend.hpp,
+// the same for its classic and libuv servers): a request is a one-byte query type and its
+// arguments; a string is a uint64 length and its bytes, in the host's byte order (torch sends
+// its integers raw). The connection must open with VALIDATE and the magic number.
+enum TorchQuery : uint8_t { kTorchValidate = 0, kTorchSet = 1, kTorchGet = 3, kTorchCheck = 5 };
+constexpr uint32_t kTorchValidateMagic = 0x3C85F7CE;
+constexpr uint8_t kTorchReady = 0;  // CheckResponseType::READY
+
+template <typename T>
+void AppendRaw(std::string& msg, T v) {
+  msg.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+void AppendStoreString(std::string& msg, absl::string_view s) {
+  AppendRaw<uint64_t>(msg, s.size());
+  msg.append(s.data(), s.size());
+}
+
+// A connection to torchrun's store; every call sends one request and reads its reply.
+class TorchStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<TorchStore>> Connect(const std::string& addr, int port,
+                                                             int rank, absl::Time deadline,
+                                                             int64_t timeout_ms) {
+    ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(addr, port));
+    const std::string where = absl::StrCat("torchrun's store at ", addr, ":", port);
+    ASSIGN_OR_RETURN(int fd, ConnectBefore(sa, deadline, rank, where, timeout_ms));
+    std::unique_ptr<TorchStore> store(new TorchStore(fd, where, deadline));
+    std::string msg(1, static_cast<char>(kTorchValidate));
+    AppendRaw<uint32_t>(msg, kTorchValidateMagic);
+    RETURN_IF_ERROR(store->Send(msg));
+    return store;
+  }
+  ~TorchStore() { close(fd_); }
+
+  const std::string& where() const { return where_; }
+
+  // This end's IPv4 address: the interface through which the store's host reaches us.
+  absl::StatusOr<std::string> LocalAddress() const {
+    sockaddr_in sa{};
+    socklen_t len = sizeof sa;
+    char text[INET_ADDRSTRLEN] = {};
+    if (getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0 ||
+        inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text) == nullptr) {
+      return Errno("getsockname on the connection to", where_);
+    }
+    return std::string(text);
+  }
+
+  absl::Status Set(absl::string_view key, absl::string_view value) {
+    std::string msg(1, static_cast<char>(kTorchSet));
+    AppendStoreString(msg, key);
+    AppendStoreString(msg, value);
+    return Send(msg);
+  }
+
+  absl::StatusOr<bool> Check(absl::string_view key) {
+    std::string msg(1, static_cast<char>(kTorchCheck));
+    AppendRaw<uint64_t>(msg, 1);
+    AppendStoreString(msg, key);
+    RETURN_IF_ERROR(Send(msg));
+    char reply = 0;
+    RETURN_IF_ERROR(Transfer(fd_, &reply, 1, /*send=*/false, deadline_, where_));
+    return static_cast<uint8_t>(reply) == kTorchReady;
+  }
+
+  // REQUIRES: Check(key) returned true.
+  absl::StatusOr<std::string> Get(absl::string_view key, size_t max_bytes) {
+    std::string msg(1, static_cast<char>(kTorchGet));
+    AppendStoreString(msg, key);
+    RETURN_IF_ERROR(Send(msg));
+    uint64_t n = 0;
+    RETURN_IF_ERROR(Transfer(fd_, reinterpret_cast<char*>(&n), sizeof n, false, deadline_, where_));
+    if (n > max_bytes) {
+      return absl::DataLossError(absl::StrCat("rendezvous: ", where_, " returned ", n,
+                                              " bytes for key '", key, "', expected at most ",
+                                              max_bytes));
+    }
+    std::string value(n, '\0');
+    if (n > 0) RETURN_IF_ERROR(Transfer(fd_, &value[0], n, false, deadline_, where_));
+    return value;
+  }
+
+ private:
+  TorchStore(int fd, std::string where, absl::Time deadline)
+      : fd_(fd), where_(std::move(where)), deadline_(deadline) {}
+  absl::Status Send(std::string& msg) {
+    return Transfer(fd_, &msg[0], msg.size(), /*send=*/true, deadline_, where_);
+  }
+  int fd_;
+  std::string where_;
+  absl::Time deadline_;
+};
+
+// Splits "a.b.c.d:port" as rank 0 published it.
+absl::Status ParseHostPort(const std::string& text, const std::string& key, std::string* host,
+                           int* port) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(text.substr(colon + 1), port) || *port < 1 || *port > 65535) {
+    return absl::DataLossError(
+        absl::StrCat("rendezvous: key '", key, "' in torchrun's store holds '", text,
+                     "', not host:port (another program wrote it?)"));
+  }
+  *host = text.substr(0, colon);
+  return absl::OkStatus();
+}
+
 absl::Status CheckSecret(const RendezvousOptions& options) {
   if (options.secret.size() > kMaxSecretBytes) {
     return absl::InvalidArgumentError(absl::StrCat("rendezvous secret (", kSecretEnvVar,
@@ -349,63 +443,6 @@ struct Fd {
 };
 
 }  // namespace
-
-absl::StatusOr<LaunchInfo> LaunchInfoFromEnv() {
-  return LaunchInfoFromEnv([](const char* name) -> const char* { return std::getenv(name); });
-}
-
-absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(
-    const std::function<const char*(const char*)>& getenv) {
-  struct Scheme {
-    const char* source;
-    const char* rank;
-    const char* size;
-    const char* local;
-  };
-  const Scheme schemes[] = {
-      {"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"},
-      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"},
-      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"},
-  };
-  for (const Scheme& s : schemes) {
-    bool has_rank = false, has_size = false, has_local = false;
-    ASSIGN_OR_RETURN(int rank, IntVar(getenv, s.rank, &has_rank));
-    ASSIGN_OR_RETURN(int size, IntVar(getenv, s.size, &has_size));
-    if (!has_rank && !has_size) continue;
-    if (!has_rank || !has_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "launcher environment incomplete: ", has_rank ? s.rank : s.size, " is set but ",
-          has_rank ? s.size : s.rank, " is not"));
-    }
-    if (size < 1) {
-      return absl::InvalidArgumentError(absl::StrCat(s.size, "=", size, " must be >= 1"));
-    }
-    if (rank < 0 || rank >= size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(s.rank, "=", rank, " is outside [0, ", s.size, "=", size, ")"));
-    }
-    ASSIGN_OR_RETURN(int local, IntVar(getenv, s.local, &has_local));
-    if (local < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(s.local, "=", local, " must be >= 0"));
-    }
-    LaunchInfo info;
-    info.rank = rank;
-    info.world_size = size;
-    info.local_rank = local;
-    info.source = s.source;
-    if (const char* a = getenv("MASTER_ADDR")) info.master_addr = a;
-    bool has_port = false;
-    ASSIGN_OR_RETURN(info.master_port, IntVar(getenv, "MASTER_PORT", &has_port));
-    if (has_port && (info.master_port < 1 || info.master_port > 65535)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("MASTER_PORT=", info.master_port, " is outside [1, 65535]"));
-    }
-    return info;
-  }
-  return absl::NotFoundError(
-      "no launcher environment: none of RANK/WORLD_SIZE, OMPI_COMM_WORLD_RANK/SIZE, "
-      "SLURM_PROCID/SLURM_NTASKS is set");
-}
 
 absl::StatusOr<std::unique_ptr<RendezvousServer>> RendezvousServer::Listen(
     const std::string& addr, int port) {
@@ -522,6 +559,66 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
   return payload;
 }
 
+namespace {
+
+// How many store rendezvous this rank made before in this process: the key's last part. Counted
+// per key and rank, so that ranks run as threads of one process (tests) count alike.
+uint64_t NextStoreCall(const LaunchInfo& info) {
+  static std::mutex mu;
+  static auto* calls = new std::map<std::pair<std::string, int>, uint64_t>();
+  std::lock_guard<std::mutex> lock(mu);
+  return (*calls)[{info.store_key, info.rank}]++;
+}
+
+// Rendezvous() under torchrun's agent store (see the header).
+absl::StatusOr<std::string> RendezvousThroughTorchStore(const LaunchInfo& info,
+                                                        absl::string_view payload,
+                                                        const RendezvousOptions& options) {
+  const std::string key = absl::StrCat(info.store_key, "/", NextStoreCall(info));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(options.timeout_ms);
+  ASSIGN_OR_RETURN(std::unique_ptr<TorchStore> store,
+                   TorchStore::Connect(info.master_addr, info.master_port, info.rank, deadline,
+                                       options.timeout_ms));
+  if (info.rank == 0) {
+    ASSIGN_OR_RETURN(std::string host, store->LocalAddress());
+    ASSIGN_OR_RETURN(auto server, RendezvousServer::Listen(host, 0));
+    RETURN_IF_ERROR(store->Set(key, absl::StrCat(host, ":", server->port())));
+    // A reply to a later request on the same connection: the store has applied the SET.
+    ASSIGN_OR_RETURN(bool stored, store->Check(key));
+    if (!stored) {
+      return absl::UnavailableError(
+          absl::StrCat("rendezvous: ", store->where(), " did not keep key '", key, "'"));
+    }
+    store.reset();
+    RETURN_IF_ERROR(server->Serve(info.world_size, payload, options));
+    return std::string(payload);
+  }
+  for (;;) {
+    absl::StatusOr<bool> ready = store->Check(key);
+    if (ready.ok() && *ready) break;
+    const int left = RemainingMs(deadline);
+    if (!ready.ok() && (left > 0 || !absl::IsDeadlineExceeded(ready.status()))) {
+      return ready.status();
+    }
+    if (left == 0) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "rendezvous: rank ", info.rank, " found no key '", key, "' in ", store->where(),
+          " within ", options.timeout_ms, " ms: rank 0 never published its address"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, left)));
+  }
+  ASSIGN_OR_RETURN(std::string published, store->Get(key, 256));
+  store.reset();
+  std::string host;
+  int port = 0;
+  RETURN_IF_ERROR(ParseHostPort(published, key, &host, &port));
+  RendezvousOptions rest = options;
+  rest.timeout_ms = std::max<int64_t>(1, RemainingMs(deadline));
+  return RendezvousFetch(host, port, info.rank, info.world_size, rest);
+}
+
+}  // namespace
+
 absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view payload,
                                        RendezvousOptions options) {
   if (info.world_size == 1) return std::string(payload);
@@ -532,6 +629,7 @@ absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view
     return absl::InvalidArgumentError(
         "rendezvous needs MASTER_ADDR and MASTER_PORT (rank 0's address and a free port)");
   }
+  if (info.master_is_torch_store) return RendezvousThroughTorchStore(info, payload, options);
   if (info.rank == 0) {
     ASSIGN_OR_RETURN(auto server, RendezvousServer::Listen(info.master_addr, info.master_port));
     RETURN_IF_ERROR(server->Serve(info.world_size, payload, options));

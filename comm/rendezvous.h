@@ -23,6 +23,8 @@
 // the network, and peers do not authenticate rank 0. Use a private network, as for torchrun's
 // own store.
 //
+// LaunchInfo and LaunchInfoFromEnv() (the launcher's environment) are in comm/launch_env.h.
+//
 // Thread safety: a RendezvousServer is used by one thread; the free functions are thread-safe.
 #ifndef ZERORT_COMM_RENDEZVOUS_H_
 #define ZERORT_COMM_RENDEZVOUS_H_
@@ -35,29 +37,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "comm/launch_env.h"
 
 namespace zerort {
 namespace comm {
-
-// Where this process sits in the job, as its launcher describes it.
-struct LaunchInfo {
-  int rank = 0;
-  int world_size = 1;
-  int local_rank = 0;       // index among the ranks of this node (selects the GPU)
-  std::string master_addr;  // MASTER_ADDR; empty when the launcher sets none
-  int master_port = 0;      // MASTER_PORT; 0 when unset
-  std::string source;       // "torchrun", "openmpi" or "slurm"
-};
-
-// Reads, in this order of preference: RANK / WORLD_SIZE / LOCAL_RANK (torchrun),
-// OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK (mpirun), SLURM_PROCID / SLURM_NTASKS /
-// SLURM_LOCALID (srun); MASTER_ADDR / MASTER_PORT in every case.
-// NotFound when no launcher variables are set; InvalidArgument naming the variable when one is
-// malformed or out of range.
-absl::StatusOr<LaunchInfo> LaunchInfoFromEnv();
-// Same, reading variables through `getenv` (returns nullptr when unset); for tests.
-absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(
-    const std::function<const char*(const char*)>& getenv);
 
 // The environment variable Rendezvous() reads the shared secret from.
 inline constexpr char kSecretEnvVar[] = "ZERORT_RENDEZVOUS_SECRET";
@@ -104,6 +87,14 @@ absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, i
 // Rank 0 listens on info.master_addr:info.master_port and serves `payload`; other ranks fetch
 // it. Returns the payload on every rank. InvalidArgument when master_addr/port are unset.
 // When options.secret is empty, ZERORT_RENDEZVOUS_SECRET (if set) is used as the secret.
+//
+// Under torchrun's agent store (info.master_is_torch_store) MASTER_PORT is taken: rank 0 then
+// binds a free port on the address through which it reaches the store, and publishes
+// "address:port" in that store (torch's TCPStore protocol: VALIDATE, SET, CHECK, GET) under
+// info.store_key + "/" + the number of this rank's earlier such calls; the other ranks poll
+// the store for the key, then fetch from that address. So every rank must make its
+// Rendezvous() calls in the same order, as collectives require anyway. The deadline covers the
+// store too: a key that never appears is DeadlineExceeded naming the key and the store.
 absl::StatusOr<std::string> Rendezvous(const LaunchInfo& info, absl::string_view payload,
                                        RendezvousOptions options);
 

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,15 +21,6 @@
 namespace zerort {
 namespace comm {
 namespace {
-
-using Env = std::map<std::string, std::string>;
-
-absl::StatusOr<LaunchInfo> FromEnv(const Env& env) {
-  return LaunchInfoFromEnv([&](const char* name) -> const char* {
-    auto it = env.find(name);
-    return it == env.end() ? nullptr : it->second.c_str();
-  });
-}
 
 RendezvousOptions Quick(int64_t timeout_ms = 5000) {
   RendezvousOptions o;
@@ -90,48 +82,168 @@ LaunchInfo LocalLaunch(int world) {
   return info;
 }
 
-TEST_CASE("Rendezvous: launcher environments are recognised in order", "[comm]") {
-  auto t = FromEnv({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                    {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
-                    {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
-  REQUIRE(t.ok());
-  CHECK(t->source == "torchrun");
-  CHECK(t->rank == 3);
-  CHECK(t->world_size == 8);
-  CHECK(t->local_rank == 1);
-  CHECK(t->master_addr == "10.0.0.1");
-  CHECK(t->master_port == 29500);
+// A stand-in for torchrun's TCPStore, written from torch's TCPStoreBackend.hpp: per connection,
+// VALIDATE (query 0, uint32 magic) must come first; then SET (1: key, value), GET (3: key ->
+// value) and CHECK (5: uint64 count, keys -> 0 ready / 1 not ready). Strings are a host-order
+// uint64 length and the bytes. Records every key SET, in order.
+class FakeTorchStore {
+ public:
+  FakeTorchStore() {
+    auto probe = RendezvousServer::Listen("127.0.0.1", 0);  // only to find a free port
+    REQUIRE(probe.ok());
+    port_ = (*probe)->port();
+    probe->reset();
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(static_cast<uint16_t>(port_));
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    REQUIRE(bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
+    REQUIRE(listen(listen_fd_, 16) == 0);
+    acceptor_ = std::thread([this] {
+      for (;;) {
+        const int c = accept(listen_fd_, nullptr, nullptr);
+        if (c < 0) return;  // shut down
+        std::lock_guard<std::mutex> l(mu_);
+        fds_.push_back(c);
+        clients_.emplace_back([this, c] { Serve(c); });
+      }
+    });
+  }
+  ~FakeTorchStore() {
+    shutdown(listen_fd_, SHUT_RDWR);
+    acceptor_.join();
+    close(listen_fd_);
+    std::lock_guard<std::mutex> l(mu_);
+    for (int fd : fds_) shutdown(fd, SHUT_RDWR);
+    for (auto& t : clients_) t.join();
+    for (int fd : fds_) close(fd);
+  }
+  int port() const { return port_; }
+  std::vector<std::string> keys_set() {
+    std::lock_guard<std::mutex> l(mu_);
+    return keys_set_;
+  }
+  int bad_validations() {
+    std::lock_guard<std::mutex> l(mu_);
+    return bad_validations_;
+  }
 
-  auto o = FromEnv({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
-  REQUIRE(o.ok());
-  CHECK(o->source == "openmpi");
-  CHECK(o->rank == 1);
-  CHECK(o->world_size == 4);
-  CHECK(o->master_port == 0);
+ private:
+  static bool ReadAll(int fd, void* p, size_t n) {
+    char* b = static_cast<char*>(p);
+    while (n > 0) {
+      const ssize_t k = recv(fd, b, n, 0);
+      if (k <= 0) return false;
+      b += k;
+      n -= static_cast<size_t>(k);
+    }
+    return true;
+  }
+  static bool ReadString(int fd, std::string* s) {
+    uint64_t n = 0;
+    if (!ReadAll(fd, &n, sizeof n) || n > 4096) return false;
+    s->assign(n, '\0');
+    return n == 0 || ReadAll(fd, &(*s)[0], n);
+  }
+  void Serve(int fd) {
+    uint8_t q = 0;
+    uint32_t magic = 0;
+    if (!ReadAll(fd, &q, 1) || !ReadAll(fd, &magic, 4) || q != 0 || magic != 0x3C85F7CE) {
+      std::lock_guard<std::mutex> l(mu_);
+      ++bad_validations_;
+      return;
+    }
+    while (ReadAll(fd, &q, 1)) {
+      std::string key, value;
+      if (q == 1 && ReadString(fd, &key) && ReadString(fd, &value)) {
+        std::lock_guard<std::mutex> l(mu_);
+        data_[key] = value;
+        keys_set_.push_back(key);
+      } else if (q == 3 && ReadString(fd, &key)) {
+        std::string reply;
+        {
+          std::lock_guard<std::mutex> l(mu_);
+          value = data_[key];
+        }
+        const uint64_t n = value.size();
+        reply.append(reinterpret_cast<const char*>(&n), sizeof n);
+        reply += value;
+        (void)!send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+      } else if (q == 5) {
+        uint64_t count = 0;
+        bool all = ReadAll(fd, &count, sizeof count);
+        for (uint64_t i = 0; all && i < count; ++i) {
+          all = ReadString(fd, &key);
+          std::lock_guard<std::mutex> l(mu_);
+          all = all && data_.count(key) > 0;
+        }
+        const uint8_t ready = all ? 0 : 1;
+        (void)!send(fd, &ready, 1, MSG_NOSIGNAL);
+      } else {
+        return;
+      }
+    }
+  }
 
-  auto s = FromEnv({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"}, {"SLURM_LOCALID", "2"}});
-  REQUIRE(s.ok());
-  CHECK(s->source == "slurm");
-  CHECK(s->rank == 5);
-  CHECK(s->local_rank == 2);
+  int port_ = 0;
+  int listen_fd_ = -1;
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::vector<int> fds_;
+  std::vector<std::thread> clients_;
+  std::map<std::string, std::string> data_;
+  std::vector<std::string> keys_set_;
+  int bad_validations_ = 0;
+};
 
-  CHECK(FromEnv({}).status().code() == absl::StatusCode::kNotFound);
+LaunchInfo TorchLaunch(const FakeTorchStore& store, int world, int rank, const char* key) {
+  LaunchInfo info;
+  info.world_size = world;
+  info.rank = rank;
+  info.master_addr = "127.0.0.1";
+  info.master_port = store.port();
+  info.master_is_torch_store = true;
+  info.store_key = key;
+  return info;
 }
 
-TEST_CASE("Rendezvous: malformed launcher variables name the variable", "[comm]") {
-  auto bad = FromEnv({{"RANK", "x1"}, {"WORLD_SIZE", "2"}});
-  CHECK(bad.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(bad.status().message(), "RANK"));
-  auto range = FromEnv({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
-  CHECK(range.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(range.status().message(), "WORLD_SIZE=2"));
-  auto half = FromEnv({{"SLURM_PROCID", "0"}});
-  CHECK(half.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(half.status().message(), "SLURM_NTASKS"));
-  auto port = FromEnv({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}});
-  CHECK(port.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(absl::StrContains(port.status().message(), "MASTER_PORT"));
+TEST_CASE("Rendezvous: through torchrun's store, rank 0 publishes a free port", "[comm]") {
+  FakeTorchStore store;
+  // Two rendezvous in one attempt, then one after a restart (a new key prefix).
+  for (const char* run : {"runA/0", "runA/0", "runA/1"}) {
+    std::vector<absl::StatusOr<std::string>> got(3);
+    std::vector<std::thread> peers;
+    for (int r = 1; r < 3; ++r) {
+      peers.emplace_back(
+          [&, r] { got[r] = Rendezvous(TorchLaunch(store, 3, r, run), "", Quick()); });
+    }
+    got[0] = Rendezvous(TorchLaunch(store, 3, 0, run), "the-id", Quick());
+    for (auto& t : peers) t.join();
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r << ": " << got[r].status());
+      REQUIRE(got[r].ok());
+      CHECK(*got[r] == "the-id");
+    }
+  }
+  const std::vector<std::string> keys = store.keys_set();
+  CHECK(keys == std::vector<std::string>{"runA/0/0", "runA/0/1", "runA/1/0"});
+  CHECK(store.bad_validations() == 0);
+}
+
+TEST_CASE("Rendezvous: through torchrun's store, a missing rank 0 times out naming the key",
+          "[comm]") {
+  FakeTorchStore store;
+  auto got = Rendezvous(TorchLaunch(store, 2, 1, "lonely/0"), "", Quick(300));
+  REQUIRE(got.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(got.status().message(), "lonely/0/"));
+  CHECK(absl::StrContains(got.status().message(), "torchrun's store at 127.0.0.1:"));
+  // No store at all: the connect retries until the deadline.
+  LaunchInfo none = TorchLaunch(store, 2, 1, "x/0");
+  none.master_port = LocalLaunch(2).master_port;
+  CHECK(Rendezvous(none, "", Quick(300)).status().code() == absl::StatusCode::kDeadlineExceeded);
 }
 
 TEST_CASE("Rendezvous: every peer receives rank 0's payload byte for byte", "[comm]") {
