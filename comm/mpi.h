@@ -34,6 +34,7 @@
 #endif
 #include <mpi.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -46,10 +47,15 @@ namespace comm {
 
 // Owns MPI's lifetime for a program: MPI_Init_thread(MPI_THREAD_SERIALIZED) on Init unless MPI
 // is already initialized, MPI_Finalize on destruction if Init initialized it.
-// Not thread-safe; create once from main().
+// Init is bounded by `timeout_ms`: MPI_Init_thread waits for every process of the job, so a
+// peer that never starts is DeadlineExceeded naming MPI_Init_thread instead of a hang. MPI is
+// then unusable in this process (the init is still blocked, on a detached thread, and a later
+// Init is FailedPrecondition): report the error and exit.
+// Not thread-safe; create once from main(). REQUIRES: timeout_ms > 0 (else InvalidArgument).
 class MpiSession {
  public:
-  static absl::StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
+  static absl::StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv,
+                                                          int64_t timeout_ms = 120000);
   ~MpiSession();
   MpiSession(const MpiSession&) = delete;
   MpiSession& operator=(const MpiSession&) = delete;
