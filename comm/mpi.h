@@ -18,10 +18,14 @@
 //
 // Timeouts: every operation is non-blocking and polled against options.timeout_ms, so a peer
 // that never calls yields DeadlineExceeded, naming the ranks whose messages never came,
-// instead of a hang. CreateMpiCommunicator is bounded by options.setup_timeout_ms. The timed-out request cannot be
-// cancelled (MPI has no cancel for collectives): the communicator is then poisoned, keeps its
-// scratch buffers alive, and is never freed. A peer killed by a signal is usually noticed by
-// OpenMPI's runtime first, which terminates the whole job (see docs/comm.md).
+// instead of a hang. In a collective's own phase (every rank's argument record arrived) the
+// requests cannot say who is late: the ranks that time out there notify each other, and the
+// error, up to min(timeout_ms, 5 s) later, names the ranks never heard from and those that
+// finished. CreateMpiCommunicator is bounded by options.setup_timeout_ms, MpiSession::Init by
+// its timeout_ms. The timed-out request cannot be cancelled (MPI has no cancel for
+// collectives): the communicator is then poisoned, keeps its scratch buffers alive, and is
+// never freed. A peer killed by a signal is usually noticed by OpenMPI's runtime first, which
+// terminates the whole job (see docs/comm.md).
 //
 // Thread safety: one thread at a time per communicator. MPI must be initialized with at least
 // MPI_THREAD_SERIALIZED if several threads use communicators (MpiSession does this).
