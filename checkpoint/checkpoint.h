@@ -196,7 +196,8 @@ struct ConsolidateOptions {
 // U+FFFD). Streams: memory stays at one read buffer whatever the checkpoint's size.
 //
 // `out` appears complete or not at all (ckpt_internal::PublishedFile): no temporary is left
-// behind on any error, and none at all with O_TMPFILE even when the process is killed; of
+// behind on any error, and none at all with O_TMPFILE even when the process is killed (without
+// O_TMPFILE, the next consolidate to `out` removes a killed one's `.<out>.XXXXXX`); of
 // two consolidations racing for one `out` exactly one succeeds without overwrite, the other
 // failing with AlreadyExists. Errors: InvalidArgument when `out` lies inside the checkpoint
 // read (the path given or the step directory), names one of its root's files (`latest`,

@@ -1,7 +1,9 @@
 #include "checkpoint/checkpoint.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <stdlib.h>
@@ -1062,7 +1064,8 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
         const std::string& path) override { return p->NewWritableFile(path); }
     absl::StatusOr<std::unique_ptr<ckpt_internal::ReadableFile>> NewReadableFile(
         const std::string& path) override {
-      raise(SIGTERM);  // the output exists (unnamed) by the time shards are opened
+      // The output exists by the time shards are opened (the manifest is read before it).
+      if (absl::EndsWith(path, ".bin")) raise(SIGTERM);
       return p->NewReadableFile(path);
     }
     absl::StatusOr<int64_t> FileSize(const std::string& path) override { return p->FileSize(path); }
@@ -1085,6 +1088,43 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
   REQUIRE(WIFSIGNALED(st));
   REQUIRE(WTERMSIG(st) == SIGTERM);
   REQUIRE(ListDir(outdir).empty());
+
+  // Without O_TMPFILE the killed writer's named temporary stays; the next consolidate to the
+  // same OUT removes it, but not a temporary being created (0600), one whose writer is alive
+  // (it holds its lock), nor another OUT's.
+  const int named_st = InChild([&] {
+    signal(SIGTERM, SIG_DFL);
+    TermFs fs;
+    ConsolidateOptions o;
+    o.fs = &fs;
+    o.named_temporary = true;
+    return ConsolidateCheckpoint(root, outdir + "/x.safetensors", o).ok() ? 0 : 3;
+  });
+  REQUIRE(WIFSIGNALED(named_st));
+  const std::vector<std::string> left = ListDir(outdir);
+  REQUIRE(left.size() == 1);
+  REQUIRE(absl::StartsWith(left[0], ".x.safetensors."));
+  auto plant = [&](const std::string& name, mode_t mode) {
+    const int fd = ::open((outdir + "/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, mode);
+    REQUIRE(fd >= 0);
+    REQUIRE(::fchmod(fd, mode) == 0);
+    return fd;
+  };
+  ::close(plant(".x.safetensors.AAAAAA", 0600));
+  const int live = plant(".x.safetensors.BBBBBB", 0644);
+  REQUIRE(::flock(live, LOCK_EX) == 0);
+  ::close(plant(".y.safetensors.CCCCCC", 0644));
+  for (bool named : {true, false}) {
+    ConsolidateOptions o;
+    o.named_temporary = named;
+    o.overwrite = true;
+    REQUIRE(ConsolidateCheckpoint(root, outdir + "/x.safetensors", o).ok());
+    REQUIRE(ListDir(outdir) == std::vector<std::string>{".x.safetensors.AAAAAA",
+                                                        ".x.safetensors.BBBBBB",
+                                                        ".y.safetensors.CCCCCC",
+                                                        "x.safetensors"});
+  }
+  ::close(live);
 }
 
 TEST_CASE("Hardening: two consolidates racing for one OUT: one wins, the other fails cleanly, "

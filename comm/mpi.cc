@@ -1,9 +1,12 @@
 #include "comm/mpi.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -11,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "comm/internal/common.h"
@@ -42,14 +46,71 @@ absl::Status MpiStatus(int code, absl::string_view call, int rank) {
   }
 }
 
-absl::StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) {
+namespace {
+
+// Set once an MPI_Init_thread has been started by MpiSession::Init: MPI may be initialized
+// only once, and a timed-out init is still running.
+std::atomic<bool> g_init_started{false};
+
+// The outcome of MPI_Init_thread, shared with the thread that runs it: on a timeout that
+// thread outlives Init, so it owns its own reference.
+struct InitCall {
+  absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  int rc ABSL_GUARDED_BY(mu) = MPI_SUCCESS;
+  int provided ABSL_GUARDED_BY(mu) = 0;
+};
+
+// MPI_Init_thread has no timeout of its own: it waits (OpenMPI: in the PMIx fence of its
+// modex) until every process of the job has started it, so a peer that never starts would
+// hang us forever. It runs on a helper thread, and the wait for it is bounded; on a timeout
+// that thread stays blocked in MPI (an init cannot be abandoned) and is detached.
+absl::Status InitThreadWithin(int* argc, char*** argv, int64_t timeout_ms, int* provided) {
+  auto call = std::make_shared<InitCall>();
+  std::thread t([call, argc, argv] {
+    int got = 0;
+    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &got);
+    absl::MutexLock lock(&call->mu);
+    call->done = true;
+    call->rc = rc;
+    call->provided = got;
+  });
+  call->mu.Lock();
+  const bool done = call->mu.AwaitWithTimeout(absl::Condition(&call->done),
+                                              absl::Milliseconds(timeout_ms));
+  const int rc = call->rc;
+  *provided = call->provided;
+  call->mu.Unlock();
+  if (!done) {
+    t.detach();
+    return absl::DeadlineExceededError(absl::StrCat(
+        "MPI_Init_thread did not complete within ", timeout_ms, " ms (MpiSession::Init "
+        "timeout_ms): a process of the MPI job has not started or is stuck before MPI_Init; "
+        "MPI is unusable in this process"));
+  }
+  t.join();
+  return MpiStatus(rc, "MPI_Init_thread", -1);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv,
+                                                             int64_t timeout_ms) {
+  if (timeout_ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("MpiSession::Init: timeout_ms must be > 0, got ", timeout_ms));
+  }
   int initialized = 0;
   MPI_Initialized(&initialized);
   bool owns = false;
   if (!initialized) {
+    if (g_init_started.exchange(true)) {
+      return absl::FailedPreconditionError(
+          "MpiSession::Init: an earlier MPI_Init_thread of this process failed or is still "
+          "waiting for its peers; MPI can be initialized only once");
+    }
     int provided = 0;
-    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided);
-    if (rc != MPI_SUCCESS) return MpiStatus(rc, "MPI_Init_thread", -1);
+    RETURN_IF_ERROR(InitThreadWithin(argc, argv, timeout_ms, &provided));
     owns = true;
     if (provided < MPI_THREAD_SERIALIZED) {
       MPI_Finalize();
@@ -89,6 +150,10 @@ constexpr size_t kExchangeChunkBytes = size_t{1} << 20;
 
 // Tag of the argument-check messages; the data messages use the OpKind (0..4).
 constexpr int kCheckTag = 100;
+// Tag of the notice a rank sends every peer when a collective's data phase times out on it.
+constexpr int kStuckTag = 101;
+// The longest a timed-out rank waits to learn where its peers are (Survey).
+constexpr int64_t kSurveyMaxMs = 5000;
 
 MPI_Datatype MpiType(DType t) { return t == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
 
@@ -406,9 +471,8 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  // The ranks at the other end of the requests that have not completed, when known.
-  std::string MissingPeers(int n, MPI_Request* reqs, bool p2p) {
-    if (!p2p) return "";
+  // The ranks at the other end of the requests that have not completed.
+  std::string MissingPeers(int n, MPI_Request* reqs) {
     std::vector<int> missing;
     for (int i = 0; i < n; ++i) {
       int flag = 0;
@@ -423,11 +487,67 @@ class MpiCommunicator final : public Communicator {
     return absl::StrCat("; no message arrived from ranks [", absl::StrJoin(missing, ","), "]");
   }
 
+  // Where the peers are when a collective (whose requests do not say which peer is late)
+  // timed out. Every rank that passed the argument check is in this operation's data phase
+  // or past it. A rank that times out in it sends every peer a notice (kStuckTag); a peer
+  // that finished it sends its next argument-check record (kCheckTag: messages of one
+  // sender and tag arrive in order, and this operation's record was already received). For
+  // up to min(timeout_ms, 5 s) (a peer that started later times out later, by at most
+  // timeout_ms: it passed the same argument check), each peer is probed for either; the peers
+  // with neither are the ones the collective waits for.
+  std::string Survey(const OpDesc& d) {
+    // The notices are never waited for (a missing peer never receives them): their buffer is
+    // leaked on purpose, one per poisoned communicator, and the requests freed.
+    const int64_t* notice = new int64_t(d.seq);
+    for (int q = 0; q < size_; ++q) {
+      if (q == rank_) continue;
+      MPI_Request req;
+      if (MPI_Isend(notice, 1, MPI_INT64_T, q, kStuckTag, comm_, &req) == MPI_SUCCESS) {
+        MPI_Request_free(&req);
+      }
+    }
+    enum Where { kUnknown, kWaiting, kPast };
+    std::vector<Where> where(size_, kUnknown);
+    where[rank_] = kWaiting;
+    const absl::Time limit =
+        absl::Now() + absl::Milliseconds(std::min(options_.timeout_ms, kSurveyMaxMs));
+    for (bool all = false; !all && absl::Now() < limit;) {
+      all = true;
+      for (int q = 0; q < size_; ++q) {
+        int flag = 0;
+        if (where[q] == kUnknown &&
+            MPI_Iprobe(q, kStuckTag, comm_, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) {
+          where[q] = kWaiting;
+        }
+        if (where[q] == kUnknown &&
+            MPI_Iprobe(q, kCheckTag, comm_, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) {
+          where[q] = kPast;
+        }
+        all = all && where[q] != kUnknown;
+      }
+      if (!all) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::vector<int> ranks[3];
+    for (int q = 0; q < size_; ++q) ranks[where[q]].push_back(q);
+    std::string out;
+    if (!ranks[kUnknown].empty()) {
+      absl::StrAppend(&out, "; waiting for ranks [", absl::StrJoin(ranks[kUnknown], ","),
+                      "] (no word from them: missing, dead or stuck outside this operation)");
+    }
+    absl::StrAppend(&out, "; ranks [", absl::StrJoin(ranks[kWaiting], ","),
+                    "] timed out in it");
+    if (!ranks[kPast].empty()) {
+      absl::StrAppend(&out, "; ranks [", absl::StrJoin(ranks[kPast], ","), "] finished it");
+    }
+    return out;
+  }
+
   absl::Status TimedOut(int n, MPI_Request* reqs, absl::string_view call, const OpDesc& d,
                         bool p2p) {
     poison_ = absl::DeadlineExceededError(absl::StrCat(
         internal::DescribeOp(d), " on MPI rank ", rank_, " of ", size_, ": ", call,
-        " did not complete within ", options_.timeout_ms, " ms", MissingPeers(n, reqs, p2p),
+        " did not complete within ", options_.timeout_ms, " ms",
+        p2p ? MissingPeers(n, reqs) : Survey(d),
         " (a peer is missing, dead or calling a different operation)"));
     absl::Status s = absl::DeadlineExceededError(
         absl::StrCat(poison_.message(), "\nrank ", rank_, " ", history_.Format()));
@@ -500,6 +620,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm com
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
+  // The duplicate inherits the caller's handler (MPI_COMM_WORLD's aborts the job): errors,
+  // a truncated message among them, must come back as a Status.
+  RETURN_IF_ERROR(MpiStatus(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN),
+                            "MPI_Comm_set_errhandler", world_rank));
   int rank = 0, size = 0;
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_rank(dup, &rank), "MPI_Comm_rank", world_rank));
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_size(dup, &size), "MPI_Comm_size", world_rank));

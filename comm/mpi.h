@@ -18,10 +18,14 @@
 //
 // Timeouts: every operation is non-blocking and polled against options.timeout_ms, so a peer
 // that never calls yields DeadlineExceeded, naming the ranks whose messages never came,
-// instead of a hang. CreateMpiCommunicator is bounded by options.setup_timeout_ms. The timed-out request cannot be
-// cancelled (MPI has no cancel for collectives): the communicator is then poisoned, keeps its
-// scratch buffers alive, and is never freed. A peer killed by a signal is usually noticed by
-// OpenMPI's runtime first, which terminates the whole job (see docs/comm.md).
+// instead of a hang. In a collective's own phase (every rank's argument record arrived) the
+// requests cannot say who is late: the ranks that time out there notify each other, and the
+// error, up to min(timeout_ms, 5 s) later, names the ranks never heard from and those that
+// finished. CreateMpiCommunicator is bounded by options.setup_timeout_ms, MpiSession::Init by
+// its timeout_ms. The timed-out request cannot be cancelled (MPI has no cancel for
+// collectives): the communicator is then poisoned, keeps its scratch buffers alive, and is
+// never freed. A peer killed by a signal is usually noticed by OpenMPI's runtime first, which
+// terminates the whole job (see docs/comm.md).
 //
 // Thread safety: one thread at a time per communicator. MPI must be initialized with at least
 // MPI_THREAD_SERIALIZED if several threads use communicators (MpiSession does this).
@@ -34,6 +38,7 @@
 #endif
 #include <mpi.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "absl/status/status.h"
@@ -46,10 +51,15 @@ namespace comm {
 
 // Owns MPI's lifetime for a program: MPI_Init_thread(MPI_THREAD_SERIALIZED) on Init unless MPI
 // is already initialized, MPI_Finalize on destruction if Init initialized it.
-// Not thread-safe; create once from main().
+// Init is bounded by `timeout_ms`: MPI_Init_thread waits for every process of the job, so a
+// peer that never starts is DeadlineExceeded naming MPI_Init_thread instead of a hang. MPI is
+// then unusable in this process (the init is still blocked, on a detached thread, and a later
+// Init is FailedPrecondition): report the error and exit.
+// Not thread-safe; create once from main(). REQUIRES: timeout_ms > 0 (else InvalidArgument).
 class MpiSession {
  public:
-  static absl::StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
+  static absl::StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv,
+                                                          int64_t timeout_ms = 120000);
   ~MpiSession();
   MpiSession(const MpiSession&) = delete;
   MpiSession& operator=(const MpiSession&) = delete;

@@ -13,6 +13,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "comm/internal/common.h"
 #include "comm/inprocess.h"
 #include "comm/testing/typed_buffer.h"
 #include "comm/mpi.h"
@@ -276,6 +278,129 @@ TEST_CASE("Mpi: a rank that does not call makes the others time out", "[comm]") 
   CHECK(seconds < 5.3);
   absl::Status again = comm->Barrier();
   CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+}
+
+// The last rank plays a peer that passes the argument check and then misbehaves, which the
+// public API cannot do. It speaks comm/mpi.cc's wire format, copied here: a change there must
+// change this copy (these tests fail otherwise).
+struct WireRecord {
+  internal::OpDesc desc;
+  int32_t invalid = 0;
+  int32_t pad = 0;
+};
+constexpr int kWireCheckTag = 100;
+constexpr int kWireStuckTag = 101;
+
+// The last rank's side of CreateMpiCommunicator: the same MPI_Comm_idup, with no communicator
+// around it. Never freed, like the others' poisoned communicators.
+MPI_Comm RogueDup() {
+  MPI_Comm dup;
+  MPI_Request req;
+  REQUIRE(MPI_Comm_idup(MPI_COMM_WORLD, &dup, &req) == MPI_SUCCESS);
+  REQUIRE(MPI_Wait(&req, MPI_STATUS_IGNORE) == MPI_SUCCESS);
+  return dup;
+}
+
+// Exchanges argument-check records with every other rank as the MPI backend does, claiming
+// `d`, and checks that the peers called the same operation.
+void RogueCheck(MPI_Comm c, const internal::OpDesc& d) {
+  WireRecord mine;
+  mine.desc = d;
+  std::vector<WireRecord> theirs(g_size);
+  std::vector<MPI_Request> reqs(2 * g_size, MPI_REQUEST_NULL);
+  for (int q = 0; q < g_size; ++q) {
+    if (q == g_rank) continue;
+    MPI_Irecv(&theirs[q], sizeof(WireRecord), MPI_BYTE, q, kWireCheckTag, c, &reqs[2 * q]);
+    MPI_Isend(&mine, sizeof(WireRecord), MPI_BYTE, q, kWireCheckTag, c, &reqs[2 * q + 1]);
+  }
+  REQUIRE(MPI_Waitall(2 * g_size, reqs.data(), MPI_STATUSES_IGNORE) == MPI_SUCCESS);
+  for (int q = 0; q < g_size; ++q) {
+    if (q == g_rank) continue;
+    CHECK(theirs[q].desc.seq == d.seq);
+    CHECK(theirs[q].desc.kind == d.kind);
+  }
+}
+
+// The received-size check behind the argument check: a peer whose data message is shorter or
+// longer than the block it owes (a peer built with a different protocol, or memory corrupted)
+// is an error naming it, and nothing is reduced.
+TEST_CASE("Mpi: a peer sending a block of the wrong size is refused and nothing is reduced",
+          "[comm]") {
+  const int last = g_size - 1;
+  const size_t count = 20;  // fp32: a block of 80 bytes
+  for (int extra : {-4, 4}) {
+    if (g_rank == last) {
+      MPI_Comm c = RogueDup();
+      RogueCheck(c, internal::MakeOpDesc(1, internal::OpKind::kReduceScatter, count,
+                                         DType::kF32, ReduceOp::kSum, 0));
+      // Receive every peer's block for us; send every peer a block `extra` bytes off.
+      std::vector<float> in(g_size * count), out(count + 1, 1.0f);
+      std::vector<MPI_Request> reqs(2 * g_size, MPI_REQUEST_NULL);
+      const int tag = static_cast<int>(internal::OpKind::kReduceScatter);
+      for (int q = 0; q < last; ++q) {
+        MPI_Irecv(&in[q * count], count * 4, MPI_BYTE, q, tag, c, &reqs[2 * q]);
+        MPI_Isend(out.data(), count * 4 + extra, MPI_BYTE, q, tag, c, &reqs[2 * q + 1]);
+      }
+      REQUIRE(MPI_Waitall(2 * g_size, reqs.data(), MPI_STATUSES_IGNORE) == MPI_SUCCESS);
+      continue;
+    }
+    CommOptions options;
+    options.timeout_ms = 20000;
+    auto comm = MakeComm(options);
+    std::vector<float> send(g_size * count, 1.0f), recv(count, -7.0f);
+    absl::Status s =
+        comm->ReduceScatter(send.data(), recv.data(), count, DType::kF32, ReduceOp::kSum);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(s.message(), absl::StrCat("rank ", last, " sent ",
+                                                      extra < 0 ? "76" : "more than 80",
+                                                      " bytes where 80 were expected")));
+    CHECK(absl::StrContains(s.message(), "reduce_scatter #1"));
+    CHECK(recv == std::vector<float>(count, -7.0f));
+    CHECK(comm->Barrier().code() == absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+// A rank that passed the argument check but never enters the collective itself (stopped,
+// or stuck in other code): the collective's requests cannot say who is late, so the ranks
+// that time out tell each other, and the one that never does is named.
+TEST_CASE("Mpi: a collective's timeout names the rank that never entered it", "[comm]") {
+  const int last = g_size - 1;
+  if (g_rank == last) {
+    MPI_Comm c = RogueDup();
+    RogueCheck(c, internal::MakeOpDesc(1, internal::OpKind::kBarrier, 0, DType::kF32,
+                                       ReduceOp::kSum, 0));
+    // Every other rank times out in the barrier and says so.
+    for (int q = 0; q < last; ++q) {
+      int64_t seq = 0;
+      REQUIRE(MPI_Recv(&seq, 1, MPI_INT64_T, q, kWireStuckTag, c, MPI_STATUS_IGNORE) ==
+              MPI_SUCCESS);
+      CHECK(seq == 1);
+    }
+    // Completes the barrier the others left pending (they progress it in later MPI calls).
+    MPI_Request req;
+    REQUIRE(MPI_Ibarrier(c, &req) == MPI_SUCCESS);
+    REQUIRE(MPI_Wait(&req, MPI_STATUS_IGNORE) == MPI_SUCCESS);
+    // The others are still waiting for this rank's word; the next test must start together.
+    MPI_Barrier(MPI_COMM_WORLD);
+    return;
+  }
+  CommOptions options;
+  // Also how long a rank waits for the others' notices: ample for their deadlines' skew.
+  options.timeout_ms = 1500;
+  auto comm = MakeComm(options);
+  absl::Status s = comm->Barrier();
+  INFO(s.ToString());
+  CHECK(s.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(s.message(), "barrier #1"));
+  CHECK(absl::StrContains(s.message(), "MPI_Ibarrier"));
+  CHECK(absl::StrContains(s.message(), absl::StrCat("waiting for ranks [", last, "]")));
+  std::vector<std::string> others;
+  for (int q = 0; q < last; ++q) others.push_back(std::to_string(q));
+  CHECK(absl::StrContains(s.message(),
+                          absl::StrCat("ranks [", absl::StrJoin(others, ","), "] timed out")));
+  CHECK(comm->Barrier().code() == absl::StatusCode::kFailedPrecondition);
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Last: the ranks that time out leave their MPI_Comm_idup pending, and it completes only when

@@ -110,7 +110,9 @@ class DirLock {
 // writers racing for one path exactly one wins and the other fails cleanly; with `overwrite`
 // the entry is replaced by rename (a symlink at `path` is replaced, its target untouched).
 // Every failure, and destruction without a Commit, removes the temporary; a process killed
-// before Commit leaves nothing with O_TMPFILE, the named temporary otherwise.
+// before Commit leaves nothing with O_TMPFILE, the named temporary otherwise, which the next
+// Create for the same path removes (a writer holds an flock on its temporary: only those
+// whose writer is gone are removed).
 // Thread safety: one thread at a time.
 class PublishedFile {
  public:
