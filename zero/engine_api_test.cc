@@ -1,0 +1,366 @@
+// The trainer-facing optimizer API of the engine: per-step hyperparameters, the split step
+// (ComputeGradNorm, then ApplyStep or SkipStep), parameter groups and the scalar helpers,
+// each against an independent reference.
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "base/status.h"
+#include "checkpoint/checkpoint.h"
+#include "device/cpu_device.h"
+#include "zero/engine.h"
+#include "zero/internal/test_util.h"
+#include "zero/testing/synthetic_trainer.h"
+
+namespace zerort {
+namespace {
+
+using memory::ParamSpec;
+using testing::GradValue;
+using testing::InitValue;
+using testing::SmallModel;
+using zero_internal::OnRanks;
+
+constexpr double kPi = 3.14159265358979323846;
+
+// Warmup over 3 steps, then cosine decay to 10% over the rest of 12.
+double WarmupCosine(int64_t t) {
+  const double peak = 2e-2;
+  if (t <= 3) return peak * t / 3.0;
+  const double progress = (t - 3) / 9.0;
+  return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(kPi * std::min(progress, 1.0))));
+}
+
+// One micro-step of the synthetic trainer: forward gathers, then backward writes this
+// (rank, step, micro)'s gradients (times `factor`) and marks them ready. Not Step().
+absl::Status Backward(Engine& e, int step, int micro, float factor = 1) {
+  const int r = e.communicator()->rank();
+  const DType dtype = e.plan().options.compute_dtype;
+  for (int u = e.num_units() - 1; u >= 0; --u) {
+    RETURN_IF_ERROR(e.Gather(u));
+    RETURN_IF_ERROR(e.Release(u));
+  }
+  for (int u = 0; u < e.num_units(); ++u) {
+    RETURN_IF_ERROR(e.Gather(u));
+    for (int i : e.plan().units[u].params) {
+      ASSIGN_OR_RETURN(void* g, e.grad(i));
+      const int64_t n = e.plan().params[i].numel;
+      std::vector<float> f(n);
+      for (int64_t k = 0; k < n; ++k) {
+        f[k] = static_cast<float>(GradValue(r, step, micro, i, k) * factor * e.loss_scale());
+      }
+      std::vector<char> bytes(n * DTypeSize(dtype));
+      for (int64_t k = 0; k < n; ++k) {
+        if (dtype == DType::kF32) {
+          std::memcpy(bytes.data() + 4 * k, &f[k], 4);
+        } else {
+          const uint16_t h = dtype == DType::kBF16 ? FloatToBf16(f[k]) : FloatToHalf(f[k]);
+          std::memcpy(bytes.data() + 2 * k, &h, 2);
+        }
+      }
+      RETURN_IF_ERROR(e.device()->Copy(g, bytes.data(), bytes.size(), e.compute_stream()));
+      RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
+      RETURN_IF_ERROR(e.GradReady(i));
+    }
+    RETURN_IF_ERROR(e.Release(u));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const Config& c, comm::Communicator* comm,
+                                                   Device* device,
+                                                   const EngineOptions& options = {},
+                                                   const std::vector<ParamSpec>& specs =
+                                                       SmallModel()) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(c, specs, comm, device, options));
+  RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  }));
+  return e;
+}
+
+std::unique_ptr<Device> HostDevice() {
+  CpuDeviceOptions o;
+  o.threads = 1;
+  return CreateCpuDevice(o);
+}
+
+// The textbook AdamW in double, unsharded, with a learning rate per step and a weight decay and
+// lr multiplier per parameter; steps in `skip` leave everything (and t) unchanged.
+struct Reference {
+  int world = 1, gas = 1;
+  double clip = 0;
+  std::function<double(int64_t)> lr;
+  std::function<double(int)> weight_decay;  // per parameter
+  std::function<double(int)> lr_scale;      // per parameter
+  std::set<int> skip;
+
+  std::vector<double> Run(const Config& c, int steps) const {
+    const auto specs = SmallModel();
+    std::vector<double> w, m, v;
+    std::vector<std::pair<int, int64_t>> at;
+    for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
+      int64_t n = 1;
+      for (int64_t d : specs[i].shape) n *= d;
+      for (int64_t k = 0; k < n; ++k) {
+        w.push_back(InitValue(i, k));
+        at.push_back({i, k});
+      }
+    }
+    m.assign(w.size(), 0);
+    v.assign(w.size(), 0);
+    const double b1 = c.optimizer.beta1, b2 = c.optimizer.beta2, eps = c.optimizer.eps;
+    int t = 0;
+    for (int step = 0; step < steps; ++step) {
+      if (skip.count(step)) continue;
+      ++t;
+      std::vector<double> g(w.size(), 0);
+      double norm = 0;
+      for (size_t j = 0; j < w.size(); ++j) {
+        for (int micro = 0; micro < gas; ++micro) {
+          for (int r = 0; r < world; ++r) g[j] += GradValue(r, step, micro, at[j].first, at[j].second);
+        }
+        g[j] /= world * gas;
+        norm += g[j] * g[j];
+      }
+      norm = std::sqrt(norm);
+      const double coef = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
+      for (size_t j = 0; j < w.size(); ++j) {
+        const double a = lr(t) * lr_scale(at[j].first);
+        const double gj = g[j] * coef;
+        m[j] = b1 * m[j] + (1 - b1) * gj;
+        v[j] = b2 * v[j] + (1 - b2) * gj * gj;
+        const double mhat = m[j] / (1 - std::pow(b1, t)), vhat = v[j] / (1 - std::pow(b2, t));
+        w[j] = w[j] * (1 - a * weight_decay(at[j].first)) - a * mhat / (std::sqrt(vhat) + eps);
+      }
+    }
+    return w;
+  }
+};
+
+double WorstRelative(const std::vector<float>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (size_t j = 0; j < want.size(); ++j) {
+    worst = std::max(worst, std::fabs(got[j] - want[j]) / std::max(std::fabs(want[j]), 1.0));
+  }
+  return worst;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+}
+
+void RequireAllOk(const std::vector<absl::Status>& s) {
+  for (size_t r = 0; r < s.size(); ++r) {
+    INFO("rank " << r << ": " << s[r].ToString());
+    REQUIRE(s[r].ok());
+  }
+}
+
+struct Variant {
+  int stage;
+  bool offload;
+};
+const Variant kVariants[] = {{0, false}, {1, false}, {1, true}, {2, false},
+                             {2, true},  {3, false}, {3, true}};
+
+// Trains `steps` steps with one Step() per micro-step; `before(engine, t)` runs before each
+// optimizer step's first micro-step (t = the step about to be applied, 1-based). Returns rank
+// 0's masters and boundary stats.
+struct Trained {
+  std::vector<std::vector<float>> master;  // per rank
+  std::vector<StepStats> stats;            // rank 0
+};
+Trained Train(const Config& c, int world, int steps, const EngineOptions& options,
+              const std::function<absl::Status(Engine&, int64_t)>& before) {
+  auto device = HostDevice();
+  Trained out;
+  out.master.resize(world);
+  RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get(), options));
+    for (int step = 0; step < steps; ++step) {
+      if (before) RETURN_IF_ERROR(before(*e, e->step() + 1));
+      for (int micro = 0; micro < c.gradient_accumulation_steps; ++micro) {
+        RETURN_IF_ERROR(Backward(*e, step, micro));
+        ASSIGN_OR_RETURN(StepStats s, e->Step());
+        if (r == 0 && s.boundary) out.stats.push_back(s);
+      }
+    }
+    ASSIGN_OR_RETURN(out.master[r], e->GatherMasterWeights());
+    return absl::OkStatus();
+  }));
+  return out;
+}
+
+TEST_CASE("EngineApi: a warmup+cosine schedule through SetLearningRate matches a serial AdamW, "
+          "bitwise across stages 0-3",
+          "[zero]") {
+  const int world = 2, steps = 12, gas = 2;
+  auto set_lr = [](Engine& e, int64_t t) { return e.SetLearningRate(WarmupCosine(t)); };
+  std::vector<float> first;
+  for (const Variant& v : kVariants) {
+    INFO("stage=" << v.stage << " offload=" << v.offload);
+    const Config c = testing::TestConfig(v.stage, DType::kF32, gas, 0.05, v.offload);
+    Trained run = Train(c, world, steps, {}, set_lr);
+    REQUIRE(run.stats.size() == steps);
+    for (int k = 0; k < steps; ++k) CHECK(run.stats[k].lr == WarmupCosine(k + 1));
+    CHECK(run.stats[0].weight_decay == c.optimizer.weight_decay);
+    CHECK(BitEqual(run.master[1], run.master[0]));
+    if (first.empty()) {
+      first = run.master[0];
+      Reference ref{world, gas, 0.05, WarmupCosine, [&](int) { return c.optimizer.weight_decay; },
+                    [](int) { return 1.0; }};
+      CHECK(WorstRelative(run.master[0], ref.Run(c, steps)) <= 1e-6);
+      // The schedule mattered: the config's constant rate ends elsewhere.
+      Reference constant = ref;
+      constant.lr = [&](int64_t) { return c.optimizer.lr; };
+      CHECK(WorstRelative(run.master[0], constant.Run(c, steps)) > 1e-4);
+    } else {
+      CHECK(BitEqual(run.master[0], first));
+    }
+  }
+  // EngineOptions::lr_schedule is the same schedule from the engine's side: the same bits.
+  EngineOptions scheduled;
+  scheduled.lr_schedule = WarmupCosine;
+  Trained run = Train(testing::TestConfig(2, DType::kF32, gas, 0.05, true), world, steps,
+                      scheduled, nullptr);
+  CHECK(BitEqual(run.master[0], first));
+  CHECK(run.stats[4].lr == WarmupCosine(5));
+}
+
+TEST_CASE("EngineApi: bad hyperparameters are InvalidArgument naming the value", "[zero]") {
+  auto comms = comm::CreateInProcessGroup(1).value();
+  auto device = HostDevice();
+  const Config c = testing::TestConfig(1, DType::kF32, 1, 0, false);
+  EngineOptions o;
+  o.lr_schedule = [](int64_t t) { return t == 2 ? -0.5 : 1e-3; };
+  auto e = MakeEngine(c, comms[0].get(), device.get(), o).value();
+  const AdamWScalars before = e->hyperparams();
+  auto lr = e->SetLearningRate(-1);
+  CHECK(lr.code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(lr.message()), Catch::Contains("SetLearningRate") &&
+                                            Catch::Contains("lr=-1"));
+  CHECK(e->SetLearningRate(NAN).code() == absl::StatusCode::kInvalidArgument);
+  AdamWScalars s = before;
+  s.beta1 = 1;
+  auto beta = e->SetHyperparams(s);
+  CHECK_THAT(std::string(beta.message()), Catch::Contains("beta1=1"));
+  s = before;
+  s.eps = 0;
+  CHECK_THAT(std::string(e->SetHyperparams(s).message()), Catch::Contains("eps=0"));
+  CHECK(e->hyperparams().lr == before.lr);
+  CHECK(e->hyperparams().beta1 == before.beta1);
+  // A scheduled value is checked when its step applies; the step fails before changing t.
+  REQUIRE(Backward(*e, 0, 0).ok());
+  REQUIRE(e->Step().ok());
+  REQUIRE(Backward(*e, 1, 0).ok());
+  auto bad = e->Step();
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(std::string(bad.status().message()), Catch::Contains("lr_schedule(2)") &&
+                                                      Catch::Contains("lr=-0.5"));
+  CHECK(e->step() == 1);
+  // The trainer's rate replaces the schedule; the pending step then applies.
+  REQUIRE(e->SetLearningRate(1e-3).ok());
+  auto applied = e->ApplyStep();
+  REQUIRE(applied.ok());
+  CHECK(applied->step == 2);
+  CHECK(applied->lr == 1e-3);
+}
+
+TEST_CASE("EngineApi: a restored state brings back the trainer's scalars, bit for bit",
+          "[zero]") {
+  const int world = 2;
+  for (const Variant& v : {Variant{1, false}, Variant{3, true}}) {
+    INFO("stage=" << v.stage << " offload=" << v.offload);
+    const Config c = testing::TestConfig(v.stage, DType::kBF16, 1, 0, v.offload);
+    AdamWScalars custom{3e-3, 0.8, 0.99, 1e-6, 0.2};
+    auto device = HostDevice();
+    RequireAllOk(OnRanks(world, [&](int, comm::Communicator* comm) -> absl::Status {
+      ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
+      RETURN_IF_ERROR(a->SetHyperparams(custom));
+      for (int step = 0; step < 3; ++step) {
+        RETURN_IF_ERROR(Backward(*a, step, 0));
+        RETURN_IF_ERROR(a->Step().status());
+      }
+      const int64_t n = a->plan().shard_elements;
+      std::vector<float> master(n), m(n), vv(n);
+      RETURN_IF_ERROR(a->BeginSnapshot(master.data(), m.data(), vv.data(), nullptr));
+      RETURN_IF_ERROR(a->WaitSnapshot());
+      const EngineState state = a->state();
+      if (!state.hyperparams_set || state.hyperparams.beta1 != 0.8) {
+        return absl::InternalError("state() lost the trainer's scalars");
+      }
+      // The resumed engine never calls SetHyperparams: the state carries them.
+      ASSIGN_OR_RETURN(auto b, MakeEngine(c, comm, device.get()));
+      RETURN_IF_ERROR(b->RestoreOwnedState(master, m, vv, state));
+      for (int step = 3; step < 6; ++step) {
+        for (Engine* e : {a.get(), b.get()}) {
+          RETURN_IF_ERROR(Backward(*e, step, 0));
+          RETURN_IF_ERROR(e->Step().status());
+        }
+      }
+      ASSIGN_OR_RETURN(std::vector<float> wa, a->GatherMasterWeights());
+      ASSIGN_OR_RETURN(std::vector<float> wb, b->GatherMasterWeights());
+      if (!BitEqual(wa, wb)) return absl::InternalError("the resumed run differs");
+      // A state without trainer scalars puts the config's back.
+      EngineState plain = b->state();
+      plain.hyperparams_set = false;
+      RETURN_IF_ERROR(b->BeginSnapshot(master.data(), m.data(), vv.data(), nullptr));
+      RETURN_IF_ERROR(b->WaitSnapshot());
+      RETURN_IF_ERROR(b->RestoreOwnedState(master, m, vv, plain));
+      if (b->hyperparams().beta1 != c.optimizer.beta1) {
+        return absl::InternalError("the config's scalars did not come back");
+      }
+      return absl::OkStatus();
+    }));
+  }
+}
+
+TEST_CASE("EngineApi: a checkpoint keeps the trainer's scalars; a resumed run is bit-identical",
+          "[zero]") {
+  const int world = 2;
+  const Config c = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+  char tmpl[] = "/tmp/zerort_api_ckpt_XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string root = tmpl;
+  auto device = HostDevice();
+  RequireAllOk(OnRanks(world, [&](int, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
+    for (int step = 0; step < 4; ++step) {
+      RETURN_IF_ERROR(a->SetLearningRate(WarmupCosine(step + 1)));
+      RETURN_IF_ERROR(Backward(*a, step, 0));
+      RETURN_IF_ERROR(a->Step().status());
+      if (step == 1) RETURN_IF_ERROR(SaveCheckpoint(*a, root).status());
+    }
+    // Resumed after step 2; its first step takes the saved lr (WarmupCosine(2)), not the
+    // config's, until the trainer sets the next.
+    ASSIGN_OR_RETURN(auto b, MakeEngine(c, comm, device.get()));
+    RETURN_IF_ERROR(LoadCheckpoint(*b, root));
+    if (b->hyperparams().lr != WarmupCosine(2)) {
+      return absl::InternalError(absl::StrCat("resumed lr ", b->hyperparams().lr));
+    }
+    for (int step = 2; step < 4; ++step) {
+      RETURN_IF_ERROR(b->SetLearningRate(WarmupCosine(step + 1)));
+      RETURN_IF_ERROR(Backward(*b, step, 0));
+      RETURN_IF_ERROR(b->Step().status());
+    }
+    ASSIGN_OR_RETURN(std::vector<float> wa, a->GatherMasterWeights());
+    ASSIGN_OR_RETURN(std::vector<float> wb, b->GatherMasterWeights());
+    if (!BitEqual(wa, wb)) return absl::InternalError("the resumed run differs");
+    return absl::OkStatus();
+  }));
+  std::filesystem::remove_all(root);
+}
+
+}  // namespace
+}  // namespace zerort
