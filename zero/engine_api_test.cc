@@ -362,5 +362,165 @@ TEST_CASE("EngineApi: a checkpoint keeps the trainer's scalars; a resumed run is
   std::filesystem::remove_all(root);
 }
 
+// This rank's owned master, m and v, through a snapshot (at a step boundary).
+absl::StatusOr<std::vector<float>> OwnedState(Engine& e) {
+  const int64_t n = e.plan().shard_elements;
+  std::vector<float> all(3 * n);
+  RETURN_IF_ERROR(e.BeginSnapshot(all.data(), all.data() + n, all.data() + 2 * n, nullptr));
+  RETURN_IF_ERROR(e.WaitSnapshot());
+  return all;
+}
+
+bool SameScalars(const EngineState& a, const EngineState& b) {
+  return a.step == b.step && a.loss_scale == b.loss_scale &&
+         a.scaler_hysteresis_left == b.scaler_hysteresis_left && a.scaler_iter == b.scaler_iter &&
+         a.scaler_last_overflow == b.scaler_last_overflow;
+}
+
+absl::Status Expect(bool ok, const std::string& what) {
+  return ok ? absl::OkStatus() : absl::InternalError(what);
+}
+
+TEST_CASE("EngineApi: a trainer skips an outlier step on every rank; SkipStep changes nothing",
+          "[zero]") {
+  const int steps = 6, outlier = 3, gas = 2;
+  for (int world : {2, 4}) {
+    for (const Variant& v : {Variant{1, false}, Variant{3, true}}) {
+      INFO("world=" << world << " stage=" << v.stage << " offload=" << v.offload);
+      const Config c = testing::TestConfig(v.stage, DType::kF32, gas, 0, v.offload);
+      auto device = HostDevice();
+      std::vector<std::vector<float>> master(world);
+      std::vector<std::vector<bool>> skipped(world);
+      RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
+        double first_norm = 0;
+        for (int step = 0; step < steps; ++step) {
+          ASSIGN_OR_RETURN(const std::vector<float> before, OwnedState(*e));
+          const EngineState state_before = e->state();
+          RETURN_IF_ERROR(Backward(*e, step, 0));
+          RETURN_IF_ERROR(Expect(!e->last_micro_step(), "micro-step 1 of 2 is not the last"));
+          auto early = e->ComputeGradNorm();
+          RETURN_IF_ERROR(Expect(early.status().code() == absl::StatusCode::kFailedPrecondition,
+                                 "ComputeGradNorm on micro-step 1 of 2"));
+          ASSIGN_OR_RETURN(StepStats micro, e->Step());
+          RETURN_IF_ERROR(Expect(!micro.boundary, "the first micro-step applied"));
+          // The outlier: one rank's gradients of one micro-step blow up.
+          const float factor = step == outlier && r == world - 1 ? 60.0f : 1.0f;
+          RETURN_IF_ERROR(Backward(*e, step, 1, factor));
+          ASSIGN_OR_RETURN(const GradNormInfo info, e->ComputeGradNorm());
+          ASSIGN_OR_RETURN(const GradNormInfo again, e->ComputeGradNorm());
+          RETURN_IF_ERROR(Expect(again.norm == info.norm, "a second ComputeGradNorm differs"));
+          RETURN_IF_ERROR(Expect(e->Step().status().code() ==
+                                     absl::StatusCode::kFailedPrecondition,
+                                 "Step() while a split step is pending"));
+          if (step == 0) first_norm = info.norm;
+          const bool skip = info.norm > 3 * first_norm;  // the trainer's rule
+          skipped[r].push_back(skip);
+          ASSIGN_OR_RETURN(StepStats s, skip ? e->SkipStep() : e->ApplyStep());
+          RETURN_IF_ERROR(Expect(s.skipped == skip && s.grad_norm == info.norm, "stats"));
+          if (skip) {
+            ASSIGN_OR_RETURN(const std::vector<float> after, OwnedState(*e));
+            RETURN_IF_ERROR(Expect(BitEqual(before, after), "SkipStep changed master, m or v"));
+            RETURN_IF_ERROR(Expect(SameScalars(state_before, e->state()),
+                                   "SkipStep changed the step or the scaler"));
+          }
+        }
+        ASSIGN_OR_RETURN(master[r], e->GatherMasterWeights());
+        return absl::OkStatus();
+      }));
+      for (int r = 0; r < world; ++r) {
+        std::vector<bool> want(steps, false);
+        want[outlier] = true;
+        CHECK(skipped[r] == want);
+        CHECK(BitEqual(master[r], master[0]));
+      }
+      Reference ref{world, gas, 0, [&](int64_t) { return c.optimizer.lr; },
+                    [&](int) { return c.optimizer.weight_decay; }, [](int) { return 1.0; },
+                    {outlier}};
+      CHECK(WorstRelative(master[0], ref.Run(c, steps)) <= 1e-6);
+    }
+  }
+}
+
+TEST_CASE("EngineApi: the split step with fp16 overflow, a trainer's skip, and disagreement",
+          "[zero]") {
+  Config c = testing::TestConfig(2, DType::kF16, 1, 0.05, false);
+  c.fp16.initial_scale_power = 4;
+  c.fp16.hysteresis = 1;
+  c.fp16.loss_scale_window = 2;
+  auto device = HostDevice();
+  RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
+    RETURN_IF_ERROR(Expect(e->ApplyStep().status().code() ==
+                               absl::StatusCode::kFailedPrecondition,
+                           "ApplyStep without ComputeGradNorm"));
+    // A trainer's skip of finite gradients leaves the scaler alone (no clean step counted).
+    RETURN_IF_ERROR(Backward(*e, 0, 0));
+    const EngineState s0 = e->state();
+    ASSIGN_OR_RETURN(GradNormInfo info, e->ComputeGradNorm());
+    RETURN_IF_ERROR(Expect(!info.overflow && info.loss_scale == 16, "fp16 window"));
+    RETURN_IF_ERROR(e->SkipStep().status());
+    RETURN_IF_ERROR(Expect(SameScalars(s0, e->state()), "a trainer's skip moved the scaler"));
+    // The ranks disagree: both fail alike and the step stays pending; then they agree.
+    RETURN_IF_ERROR(Backward(*e, 1, 0));
+    RETURN_IF_ERROR(e->ComputeGradNorm().status());
+    absl::Status split = r == 0 ? e->ApplyStep().status() : e->SkipStep().status();
+    RETURN_IF_ERROR(Expect(split.code() == absl::StatusCode::kFailedPrecondition &&
+                               split.message().find("rank 0 called ApplyStep() and rank 1 "
+                                                    "SkipStep()") != std::string::npos,
+                           std::string(split.message())));
+    ApplyOptions clip;
+    clip.clip_coef = r == 0 ? 0.5 : 0.25;
+    split = e->ApplyStep(clip).status();
+    RETURN_IF_ERROR(Expect(split.code() == absl::StatusCode::kFailedPrecondition,
+                           "different clip_coef accepted"));
+    clip.clip_coef = -1;
+    RETURN_IF_ERROR(Expect(e->ApplyStep(clip).status().code() ==
+                               absl::StatusCode::kInvalidArgument,
+                           "clip_coef=-1 accepted"));
+    clip.clip_coef = 0.5;
+    ASSIGN_OR_RETURN(StepStats applied, e->ApplyStep(clip));
+    RETURN_IF_ERROR(Expect(applied.step == 1 && applied.clip_coef == 0.5, "applied"));
+    // An overflow on one rank: ApplyStep is refused everywhere; SkipStep halves the scale.
+    RETURN_IF_ERROR(Backward(*e, 2, 0, r == 1 ? INFINITY : 1.0f));
+    ASSIGN_OR_RETURN(info, e->ComputeGradNorm());
+    RETURN_IF_ERROR(Expect(info.overflow && std::isinf(info.norm), "overflow verdict"));
+    RETURN_IF_ERROR(Expect(e->ApplyStep().status().code() ==
+                               absl::StatusCode::kFailedPrecondition,
+                           "ApplyStep on overflow"));
+    ASSIGN_OR_RETURN(StepStats skipped, e->SkipStep());
+    RETURN_IF_ERROR(Expect(skipped.skipped && e->loss_scale() == 8 && e->step() == 1,
+                           "overflow skip"));
+    return absl::OkStatus();
+  }));
+}
+
+TEST_CASE("EngineApi: ApplyStep with the measured clip factor is Step(), bit for bit", "[zero]") {
+  const Config c = testing::TestConfig(3, DType::kBF16, 1, 0.05, false);
+  Trained plain = Train(c, 2, 5, {}, nullptr);
+  auto device = HostDevice();
+  std::vector<std::vector<float>> master(2);
+  RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
+    for (int step = 0; step < 5; ++step) {
+      RETURN_IF_ERROR(Backward(*e, step, 0));
+      ASSIGN_OR_RETURN(const GradNormInfo info, e->ComputeGradNorm());
+      ApplyOptions o;
+      o.clip_coef = info.clip_coef;
+      ASSIGN_OR_RETURN(StepStats s, e->ApplyStep(o));
+      RETURN_IF_ERROR(Expect(s.grad_norm == plain.stats[step].grad_norm &&
+                                 s.clip_coef == plain.stats[step].clip_coef,
+                             "norm or clip differs from Step()'s"));
+    }
+    ASSIGN_OR_RETURN(master[r], e->GatherMasterWeights());
+    return absl::OkStatus();
+  }));
+  bool clipped = false;
+  for (const StepStats& s : plain.stats) clipped = clipped || s.clip_coef < 1;
+  CHECK(clipped);
+  CHECK(BitEqual(master[0], plain.master[0]));
+  CHECK(BitEqual(master[1], plain.master[0]));
+}
+
 }  // namespace
 }  // namespace zerort
