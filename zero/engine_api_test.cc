@@ -6,12 +6,14 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
 #include "device/cpu_device.h"
@@ -520,6 +522,97 @@ TEST_CASE("EngineApi: ApplyStep with the measured clip factor is Step(), bit for
   CHECK(clipped);
   CHECK(BitEqual(master[0], plain.master[0]));
   CHECK(BitEqual(master[1], plain.master[0]));
+}
+
+TEST_CASE("EngineApi: parameter groups match a per-parameter AdamW reference, bitwise across "
+          "stages 0-3 with and without offload",
+          "[zero]") {
+  const int world = 3, steps = 8;
+  // SmallModel: 0 embed.w [37,5], 1 l0.w [13,11], 2 l0.b [13], 3 l1.w [64,9], 4 l1.b [1],
+  // 5 l2.w [3,7,2], 6 head.w [101].
+  const double kWd[] = {0.0, 0.1, 0.0, 0.05, 0.0, 0.3, 0.0};
+  const double kScale[] = {0.5, 1.0, 1.0, 1.5, 1.0, 2.0, 1.0};
+  EngineOptions o;
+  o.param_groups.assign(7, std::nullopt);
+  o.param_groups[3] = ParamGroup{0.05, 1.5};  // explicit: wins over patterns
+  o.no_decay_1d = true;                       // l0.b, l1.b, head.w
+  std::vector<float> first;
+  for (const Variant& v : kVariants) {
+    INFO("stage=" << v.stage << " offload=" << v.offload);
+    Config c = testing::TestConfig(v.stage, DType::kF32, 1, 0, v.offload);
+    c.param_groups = {{"embed.*", 0.0, 0.5}, {"l?.w", 0.3, 2.0}, {"nothing.*", 0.2, 1.0}};
+    // l0.w's own pattern comes first (the config's decay, spelled out), so "l?.w" takes l2.w
+    // only; l1.w is explicit. The pattern that matches nothing is [3] after the insertion.
+    c.param_groups.insert(c.param_groups.begin() + 1, {"l0.w", c.optimizer.weight_decay, 1.0});
+    auto device = HostDevice();
+    std::vector<std::vector<float>> master(world);
+    RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
+      ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get(), o));
+      for (int i = 0; i < 7; ++i) {
+        const std::optional<ParamGroup> g = e->param_group(i);
+        RETURN_IF_ERROR(Expect(g.has_value() && g->weight_decay == kWd[i] &&
+                                   g->lr_scale == kScale[i],
+                               absl::StrCat("group of parameter ", i)));
+      }
+      bool noted = false;
+      for (const std::string& n : e->config().notes) {
+        noted = noted || n.find("zerort.param_groups[3]: pattern 'nothing.*' matches no") == 0;
+      }
+      RETURN_IF_ERROR(Expect(noted, "no note for the pattern that matches nothing"));
+      for (int step = 0; step < steps; ++step) {
+        RETURN_IF_ERROR(Backward(*e, step, 0));
+        RETURN_IF_ERROR(e->Step().status());
+      }
+      ASSIGN_OR_RETURN(master[r], e->GatherMasterWeights());
+      return absl::OkStatus();
+    }));
+    for (int r = 1; r < world; ++r) CHECK(BitEqual(master[r], master[0]));
+    if (first.empty()) {
+      first = master[0];
+      Reference ref{world, 1, 0, [&](int64_t) { return c.optimizer.lr; },
+                    [&](int i) { return kWd[i]; }, [&](int i) { return kScale[i]; }};
+      CHECK(WorstRelative(master[0], ref.Run(c, steps)) <= 1e-6);
+      Reference flat = ref;  // the groups mattered
+      flat.weight_decay = [&](int) { return c.optimizer.weight_decay; };
+      flat.lr_scale = [](int) { return 1.0; };
+      CHECK(WorstRelative(master[0], flat.Run(c, steps)) > 1e-4);
+    } else {
+      CHECK(BitEqual(master[0], first));
+    }
+  }
+}
+
+TEST_CASE("EngineApi: bad groups are InvalidArgument naming the pattern or parameter", "[zero]") {
+  auto comms = comm::CreateInProcessGroup(1).value();
+  auto device = HostDevice();
+  Config c = testing::TestConfig(2, DType::kF32, 1, 0, false);
+  c.param_groups = {{"l*", -0.1, 1.0}};
+  auto bad = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
+  REQUIRE_FALSE(bad.ok());
+  CHECK_THAT(std::string(bad.status().message()),
+             Catch::Contains("zerort.param_groups[0] ('l*')") &&
+                 Catch::Contains("weight_decay=-0.1"));
+  c.param_groups.clear();
+  EngineOptions o;
+  o.param_groups.assign(7, std::nullopt);
+  o.param_groups[2] = ParamGroup{0, NAN};
+  auto nan = Engine::Create(c, SmallModel(), comms[0].get(), device.get(), o);
+  CHECK_THAT(std::string(nan.status().message()), Catch::Contains("'l0.b'") &&
+                                                      Catch::Contains("lr_scale=nan"));
+  o.param_groups.resize(3);
+  auto count = Engine::Create(c, SmallModel(), comms[0].get(), device.get(), o);
+  CHECK_THAT(std::string(count.status().message()), Catch::Contains("3 entries for 7"));
+}
+
+TEST_CASE("GlobMatch: '*' and '?' against names", "[zero]") {
+  CHECK(GlobMatch("*", ""));
+  CHECK(GlobMatch("h.*.bias", "h.11.bias"));
+  CHECK(GlobMatch("*ln*", "h.0.ln_1.weight"));
+  CHECK(GlobMatch("l?.w", "l2.w"));
+  CHECK_FALSE(GlobMatch("l?.w", "l12.w"));
+  CHECK_FALSE(GlobMatch("h.*.bias", "h.0.weight"));
+  CHECK(GlobMatch("a*b*c", "aXbYbZc"));
+  CHECK_FALSE(GlobMatch("a*b*c", "aXbYbZ"));
 }
 
 }  // namespace
