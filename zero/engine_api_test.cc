@@ -615,5 +615,38 @@ TEST_CASE("GlobMatch: '*' and '?' against names", "[zero]") {
   CHECK_FALSE(GlobMatch("a*b*c", "aXbYbZ"));
 }
 
+TEST_CASE("EngineApi: scalar all-reduce and barrier through the engine's communicator, world 3",
+          "[zero]") {
+  const Config c = testing::TestConfig(1, DType::kF32, 1, 0, false);
+  auto device = HostDevice();
+  RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
+    // Values whose double sum depends on the order: rank order gives exactly this.
+    const double mine[] = {1e16, 1.0, -1e16};
+    std::vector<double> v = {mine[r], 0.1 * (r + 1), -static_cast<double>(r)};
+    RETURN_IF_ERROR(e->AllReduceScalars(absl::MakeSpan(v), comm::ReduceOp::kSum));
+    const double sum0 = (1e16 + 1.0) + -1e16;
+    RETURN_IF_ERROR(Expect(v[0] == sum0 && v[1] == (0.1 + 0.2) + 0.30000000000000004 &&
+                               v[2] == -3,
+                           absl::StrCat("sum ", v[0], " ", v[1], " ", v[2])));
+    v = {static_cast<double>(r), r == 1 ? NAN : 0.0};
+    RETURN_IF_ERROR(e->AllReduceScalars(absl::MakeSpan(v), comm::ReduceOp::kMax));
+    RETURN_IF_ERROR(Expect(v[0] == 2 && std::isnan(v[1]), "max (NaN propagates)"));
+    v = {3.0 * r};
+    RETURN_IF_ERROR(e->AllReduceScalars(absl::MakeSpan(v), comm::ReduceOp::kAvg));
+    RETURN_IF_ERROR(Expect(v[0] == 3, absl::StrCat("avg ", v[0])));
+    // Different counts fail every rank alike, naming them.
+    v.assign(r == 2 ? 2 : 1, 1.0);
+    absl::Status bad = e->AllReduceScalars(absl::MakeSpan(v), comm::ReduceOp::kSum);
+    RETURN_IF_ERROR(Expect(bad.code() == absl::StatusCode::kInvalidArgument &&
+                               bad.message().find("rank 2 2") != std::string::npos,
+                           std::string(bad.message())));
+    RETURN_IF_ERROR(e->Barrier());
+    // The engine still trains after the side traffic.
+    RETURN_IF_ERROR(Backward(*e, 0, 0));
+    return e->Step().status();
+  }));
+}
+
 }  // namespace
 }  // namespace zerort
