@@ -3,7 +3,8 @@
 // The trainer owns forward and backward; the engine owns the memory (exactly what memory::Plan
 // lists), the collectives and the optimizer step. Every rank creates one Engine over its
 // Communicator; all ranks must make the same sequence of collective-bearing calls (InitParams,
-// Gather, GradReady, Step, GatherMasterWeights).
+// Gather, GradReady, Step or ComputeGradNorm + ApplyStep / SkipStep, GatherMasterWeights,
+// AllReduceScalars, Barrier).
 //
 // One micro-step (gradient_accumulation_steps of them per optimizer step):
 //

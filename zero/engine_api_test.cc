@@ -40,40 +40,11 @@ double WarmupCosine(int64_t t) {
   return peak * (0.1 + 0.9 * 0.5 * (1 + std::cos(kPi * std::min(progress, 1.0))));
 }
 
-// One micro-step of the synthetic trainer: forward gathers, then backward writes this
-// (rank, step, micro)'s gradients (times `factor`) and marks them ready. Not Step().
+// One micro-step of the synthetic trainer (gradients times `factor`), not Step().
 absl::Status Backward(Engine& e, int step, int micro, float factor = 1) {
-  const int r = e.communicator()->rank();
-  const DType dtype = e.plan().options.compute_dtype;
-  for (int u = e.num_units() - 1; u >= 0; --u) {
-    RETURN_IF_ERROR(e.Gather(u));
-    RETURN_IF_ERROR(e.Release(u));
-  }
-  for (int u = 0; u < e.num_units(); ++u) {
-    RETURN_IF_ERROR(e.Gather(u));
-    for (int i : e.plan().units[u].params) {
-      ASSIGN_OR_RETURN(void* g, e.grad(i));
-      const int64_t n = e.plan().params[i].numel;
-      std::vector<float> f(n);
-      for (int64_t k = 0; k < n; ++k) {
-        f[k] = static_cast<float>(GradValue(r, step, micro, i, k) * factor * e.loss_scale());
-      }
-      std::vector<char> bytes(n * DTypeSize(dtype));
-      for (int64_t k = 0; k < n; ++k) {
-        if (dtype == DType::kF32) {
-          std::memcpy(bytes.data() + 4 * k, &f[k], 4);
-        } else {
-          const uint16_t h = dtype == DType::kBF16 ? FloatToBf16(f[k]) : FloatToHalf(f[k]);
-          std::memcpy(bytes.data() + 2 * k, &h, 2);
-        }
-      }
-      RETURN_IF_ERROR(e.device()->Copy(g, bytes.data(), bytes.size(), e.compute_stream()));
-      RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
-      RETURN_IF_ERROR(e.GradReady(i));
-    }
-    RETURN_IF_ERROR(e.Release(u));
-  }
-  return absl::OkStatus();
+  std::vector<std::vector<char>> host;
+  RETURN_IF_ERROR(testing::Backward(e, step, micro, &host, factor));
+  return e.device()->Synchronize(e.compute_stream());
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const Config& c, comm::Communicator* comm,
