@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -17,6 +16,7 @@
 #include "offload/cpu_kernels.h"
 #include "offload/pipeline.h"
 #include "zero/internal/adamw_groups.h"
+#include "zero/internal/step_control.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/grad_buckets.h"
 #include "zero/internal/grad_norm.h"
@@ -53,8 +53,7 @@ class Engine::Impl {
         gas_(plan_.options.gradient_accumulation_steps),
         offload_(plan_.options.offload_optimizer),
         scaler_(config_),
-        timer_(world_, c_),
-        hyper_(ScalarsOf(config_.optimizer)) {}
+        timer_(world_, c_) {}
 
   // Allocates the plan and builds the parts over it.
   absl::Status Build(Device::Stream compute);
@@ -75,8 +74,6 @@ class Engine::Impl {
   double ClipCoefficient(double norm) const;
   absl::Status EndMicroStep();
   absl::Status CheckPending(const char* call, bool want) const;
-  absl::Status AgreeOnDecision(bool apply, std::optional<double> clip);
-  absl::StatusOr<AdamWScalars> ScalarsForStep(int64_t step) const;
   absl::StatusOr<StepStats> Apply(std::optional<double> clip);
   absl::StatusOr<StepStats> Skip();
   // AdamW on every owned region (device, or the offload pipeline); returns the time the
@@ -107,11 +104,7 @@ class Engine::Impl {
   int micro_ = 0;  // completed micro-steps in this accumulation window
   zero_internal::StepTimer timer_;
 
-  // The optimizer's scalars: the config's until the trainer sets them (hyper_set_), the lr from
-  // lr_schedule_ (when given) until then.
-  AdamWScalars hyper_;
-  bool hyper_set_ = false;
-  std::function<double(int64_t)> lr_schedule_;
+  std::unique_ptr<zero_internal::Hyperparams> hyper_;  // the AdamW scalars in force
   // A window measured by ComputeGradNorm and not yet applied or skipped.
   struct Pending {
     bool active = false;
@@ -254,7 +247,7 @@ double Engine::Impl::ClipCoefficient(double norm) const {
 
 absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepStats* stats) {
   // Scalars first: a bad scheduled value fails the step before anything changes.
-  ASSIGN_OR_RETURN(const AdamWScalars scalars, ScalarsForStep(step_ + 1));
+  ASSIGN_OR_RETURN(const AdamWScalars scalars, hyper_->ForStep(step_ + 1));
   using RangeLists = std::vector<std::vector<offload::AdamWRange>>;
   ASSIGN_OR_RETURN(const RangeLists* ranges, groups_->Prepare(scalars, step_ + 1));
   ++step_;
@@ -360,7 +353,7 @@ absl::StatusOr<StepStats> Engine::ApplyStep(const ApplyOptions& options) {
     return absl::FailedPreconditionError(
         "ApplyStep() on gradients holding an Inf or NaN (on some rank): call SkipStep()");
   }
-  RETURN_IF_ERROR(m.AgreeOnDecision(/*apply=*/true, options.clip_coef));
+  RETURN_IF_ERROR(zero_internal::AgreeOnDecision(*m.host_, /*apply=*/true, options.clip_coef));
   // Checked after the agreement: every rank holds the same value, so all fail alike.
   if (options.clip_coef.has_value() &&
       !(std::isfinite(*options.clip_coef) && *options.clip_coef >= 0)) {
@@ -376,29 +369,19 @@ absl::StatusOr<StepStats> Engine::SkipStep() {
   Impl& m = *impl_;
   const Stopwatch total;
   RETURN_IF_ERROR(m.CheckPending("SkipStep()", /*want=*/true));
-  RETURN_IF_ERROR(m.AgreeOnDecision(/*apply=*/false, std::nullopt));
+  RETURN_IF_ERROR(zero_internal::AgreeOnDecision(*m.host_, /*apply=*/false, std::nullopt));
   ASSIGN_OR_RETURN(StepStats stats, m.Skip());
   stats.total_ms = total.ElapsedMs();
   return stats;
 }
 
 absl::Status Engine::SetHyperparams(const AdamWScalars& scalars) {
-  RETURN_IF_ERROR(ValidateScalars(scalars, "SetHyperparams"));
-  impl_->hyper_ = scalars;
-  impl_->hyper_set_ = true;
-  return absl::OkStatus();
+  return impl_->hyper_->Set(scalars, "SetHyperparams");
 }
 
-absl::Status Engine::SetLearningRate(double lr) {
-  AdamWScalars s = impl_->hyper_;
-  s.lr = lr;
-  RETURN_IF_ERROR(ValidateScalars(s, "SetLearningRate"));
-  impl_->hyper_ = s;
-  impl_->hyper_set_ = true;
-  return absl::OkStatus();
-}
+absl::Status Engine::SetLearningRate(double lr) { return impl_->hyper_->SetLearningRate(lr); }
 
-AdamWScalars Engine::hyperparams() const { return impl_->hyper_; }
+AdamWScalars Engine::hyperparams() const { return impl_->hyper_->current(); }
 
 std::optional<ParamGroup> Engine::param_group(int i) const {
   const zero_internal::GroupChoice& c = impl_->groups_->choice();
@@ -409,36 +392,7 @@ std::optional<ParamGroup> Engine::param_group(int i) const {
 }
 
 absl::Status Engine::AllReduceScalars(absl::Span<double> values, comm::ReduceOp op) {
-  Impl& m = *impl_;
-  // The counts first: a mismatch fails every rank instead of corrupting the exchange.
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> counts,
-                   comm::AllGatherU64(*m.host_, {static_cast<uint64_t>(values.size())}));
-  for (int r = 0; r < m.world_; ++r) {
-    if (counts[r] != counts[0]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "AllReduceScalars: rank 0 passed ", counts[0], " values and rank ", r, " ",
-          counts[r], ": every rank must pass the same count"));
-    }
-  }
-  std::vector<uint64_t> mine(values.size());
-  std::memcpy(mine.data(), values.data(), values.size() * sizeof(double));
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*m.host_, mine));
-  for (size_t k = 0; k < values.size(); ++k) {
-    double acc = 0;
-    for (int r = 0; r < m.world_; ++r) {  // rank order: the same bits on every rank
-      double x;
-      std::memcpy(&x, &all[r * values.size() + k], sizeof x);
-      if (r == 0) {
-        acc = x;
-      } else if (op == comm::ReduceOp::kMax) {
-        if (std::isnan(x) || x > acc) acc = x;
-      } else {
-        acc += x;
-      }
-    }
-    values[k] = op == comm::ReduceOp::kAvg ? acc / m.world_ : acc;
-  }
-  return absl::OkStatus();
+  return zero_internal::AllReduceDoubles(*impl_->host_, values, op);
 }
 
 absl::Status Engine::Barrier() { return comm::AllGatherU64(*impl_->host_, {0}).status(); }
@@ -461,38 +415,6 @@ absl::Status Engine::Impl::CheckPending(const char* call, bool want) const {
       want ? absl::StrCat(call, " without ComputeGradNorm(): measure the window first")
            : absl::StrCat(call, " after ComputeGradNorm(): finish that step with ApplyStep() "
                                 "or SkipStep() first"));
-}
-
-absl::Status Engine::Impl::AgreeOnDecision(bool apply, std::optional<double> clip) {
-  if (world_ == 1) return absl::OkStatus();
-  uint64_t bits = 0;
-  if (clip.has_value()) std::memcpy(&bits, &*clip, sizeof bits);
-  const uint64_t kind = apply ? (clip.has_value() ? 2 : 1) : 0;
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*host_, {kind, bits}));
-  auto name = [&](int r) {
-    if (all[2 * r] == 0) return std::string("SkipStep()");
-    if (all[2 * r] == 1) return std::string("ApplyStep()");
-    double c;
-    std::memcpy(&c, &all[2 * r + 1], sizeof c);
-    return absl::StrCat("ApplyStep(clip_coef=", c, ")");
-  };
-  for (int r = 1; r < world_; ++r) {
-    if (all[2 * r] == all[0] && all[2 * r + 1] == all[1]) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank 0 called ", name(0), " and rank ", r, " ", name(r),
-        ": every rank must take the same decision after ComputeGradNorm() (the step is still "
-        "pending)"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<AdamWScalars> Engine::Impl::ScalarsForStep(int64_t step) const {
-  AdamWScalars s = hyper_;
-  if (!hyper_set_ && lr_schedule_) {
-    s.lr = lr_schedule_(step);
-    RETURN_IF_ERROR(ValidateScalars(s, absl::StrCat("EngineOptions::lr_schedule(", step, ")")));
-  }
-  return s;
 }
 
 absl::StatusOr<StepStats> Engine::Impl::Apply(std::optional<double> clip) {
@@ -579,7 +501,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
   impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,
                                                                std::move(groups));
-  impl->lr_schedule_ = options.lr_schedule;
+  impl->hyper_ = std::make_unique<zero_internal::Hyperparams>(
+      ScalarsOf(impl->config_.optimizer), options.lr_schedule);
   RETURN_IF_ERROR(impl->CheckPeersAgree());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -718,8 +641,8 @@ EngineState Engine::state() const {
   EngineState e;
   static_cast<ScalerState&>(e) = impl_->scaler_.state();
   e.step = impl_->step_;
-  e.hyperparams = impl_->hyper_;
-  e.hyperparams_set = impl_->hyper_set_;
+  e.hyperparams = impl_->hyper_->current();
+  e.hyperparams_set = impl_->hyper_->set();
   return e;
 }
 
@@ -794,7 +717,7 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
     return absl::FailedPreconditionError(
         "RestoreOwnedState inside an accumulation window: restore between optimizer steps");
   }
-  if (state.hyperparams_set) {
+  if (state.hyperparams_set) {  // checked before anything changes
     RETURN_IF_ERROR(ValidateScalars(state.hyperparams, "RestoreOwnedState: hyperparams"));
   }
   RETURN_IF_ERROR(e.snapshot_->Fence(/*host=*/true));
@@ -808,8 +731,7 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
   e.step_ = state.step;
   e.scaler_.set_state(state);
   // The trainer's scalars come back with the state; without any, the config's rule again.
-  e.hyper_ = state.hyperparams_set ? state.hyperparams : ScalarsOf(e.config_.optimizer);
-  e.hyper_set_ = state.hyperparams_set;
+  RETURN_IF_ERROR(e.hyper_->Restore(state.hyperparams_set, state.hyperparams));
   e.timer_.Reset();
   return e.dev_->Synchronize(e.streams_->compute());
 }
