@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/crc32c.h"
 #include "base/status.h"
@@ -175,14 +176,23 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
   }
+  // Groups too: ranks that decay a parameter differently would drift apart without a sign.
+  const zero_internal::GroupChoice& groups = groups_->choice();
+  for (int g : groups.of_param) {
+    if (g < 0) absl::StrAppend(&canon, "|-");
+    if (g >= 0) {
+      absl::StrAppend(&canon, "|", absl::StrFormat("%a/%a", groups.groups[g].weight_decay,
+                                                   groups.groups[g].lr_scale));
+    }
+  }
   const uint64_t mine = Crc32c(0, canon.data(), canon.size());
   ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*host_, {mine}));
   for (int r = 0; r < world_; ++r) {
     if (all[r] != mine) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
-          "names, shapes, modules, stage, precision or gradient accumulation): every rank must "
-          "register the same parameters with the same config"));
+          "names, shapes, modules, stage, precision, gradient accumulation or parameter "
+          "groups): every rank must register the same parameters with the same config"));
     }
   }
   return absl::OkStatus();

@@ -575,6 +575,20 @@ TEST_CASE("EngineApi: bad groups are InvalidArgument naming the pattern or param
   CHECK_THAT(std::string(count.status().message()), Catch::Contains("3 entries for 7"));
 }
 
+TEST_CASE("EngineApi: ranks with different parameter groups are refused at Create", "[zero]") {
+  const Config c = testing::TestConfig(2, DType::kF32, 1, 0, false);
+  auto device = HostDevice();
+  const std::vector<absl::Status> s = OnRanks(2, [&](int r, comm::Communicator* comm) {
+    EngineOptions o;
+    o.no_decay_1d = r == 1;
+    return Engine::Create(c, SmallModel(), comm, device.get(), o).status();
+  });
+  for (const absl::Status& st : s) {
+    CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+    CHECK_THAT(std::string(st.message()), Catch::Contains("parameter groups"));
+  }
+}
+
 TEST_CASE("GlobMatch: '*' and '?' against names", "[zero]") {
   CHECK(GlobMatch("*", ""));
   CHECK(GlobMatch("h.*.bias", "h.11.bias"));
