@@ -3,10 +3,12 @@
 // point that can allocate runs inside Guard().
 #include "capi/zero_c.h"
 
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -104,6 +106,20 @@ constexpr size_t FirstPublishedSize() {
   return sizeof(T);
 }
 
+// Appended to in 0.2: the sizes before.
+template <>
+constexpr size_t FirstPublishedSize<zr_param_spec>() {
+  return offsetof(zr_param_spec, has_group);
+}
+template <>
+constexpr size_t FirstPublishedSize<zr_engine_options>() {
+  return offsetof(zr_engine_options, no_decay_1d);
+}
+template <>
+constexpr size_t FirstPublishedSize<zr_step_stats>() {
+  return offsetof(zr_step_stats, lr);
+}
+
 template <typename T>
 absl::Status CheckStructSize(size_t size, const char* function, const char* type) {
   if (size >= FirstPublishedSize<T>() && size <= sizeof(T)) return absl::OkStatus();
@@ -174,8 +190,10 @@ std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
 }
 
 // The parameter array, read with the caller's element size as the stride.
-absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(const zr_param_spec* params,
-                                                                  int num_params) {
+// `groups` receives each parameter's own group (has_group), if any.
+absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
+    const zr_param_spec* params, int num_params,
+    std::vector<std::optional<zerort::ParamGroup>>* groups) {
   if (num_params < 1 || params == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "zr_engine_create: needs at least one parameter (num_params ", num_params, ")"));
@@ -183,6 +201,7 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(const zr_param
   const size_t stride = params[0].struct_size;
   RETURN_IF_ERROR(CheckStructSize<zr_param_spec>(stride, "zr_engine_create", "zr_param_spec"));
   std::vector<zerort::memory::ParamSpec> specs(num_params);
+  groups->assign(num_params, std::nullopt);
   for (int i = 0; i < num_params; ++i) {
     const auto* in = reinterpret_cast<const zr_param_spec*>(
         reinterpret_cast<const char*>(params) + static_cast<size_t>(i) * stride);
@@ -200,8 +219,44 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(const zr_param
     specs[i].name = p.name;
     specs[i].module = p.module;
     specs[i].shape.assign(p.shape, p.shape + p.ndim);
+    if (p.has_group != 0) (*groups)[i] = zerort::ParamGroup{p.weight_decay, p.lr_scale};
   }
   return specs;
+}
+
+zr_step_stats StatsOut(const zerort::StepStats& s) {
+  zr_step_stats out{};
+  out.boundary = s.boundary ? 1 : 0;
+  out.skipped = s.skipped ? 1 : 0;
+  out.step = s.step;
+  out.loss_scale = s.loss_scale;
+  out.grad_norm = s.grad_norm;
+  out.clip_coef = s.clip_coef;
+  out.comm_bytes = s.comm_bytes;
+  out.reduce_ms = s.reduce_ms;
+  out.optimizer_ms = s.optimizer_ms;
+  out.gather_ms = s.gather_ms;
+  out.offload_wait_ms = s.offload_wait_ms;
+  out.total_ms = s.total_ms;
+  out.lr = s.lr;
+  out.weight_decay = s.weight_decay;
+  return out;
+}
+
+// Runs one of the step calls and reports its stats into `stats` (may be NULL).
+template <typename Fn>
+zr_status RunStep(zr_engine* engine, zr_step_stats* stats, const char* function, Fn step) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, function, "engine"));
+    // Checked before the step: a bad struct must not leave a step applied but unreported.
+    if (stats != nullptr) {
+      RETURN_IF_ERROR(CheckStructSize<zr_step_stats>(stats->struct_size, function,
+                                                     "zr_step_stats"));
+    }
+    ASSIGN_OR_RETURN(zerort::StepStats s, step());
+    if (stats == nullptr) return absl::OkStatus();
+    return WriteSized(StatsOut(s), stats, function, "zr_step_stats");
+  });
 }
 
 }  // namespace
@@ -376,9 +431,10 @@ zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
       ASSIGN_OR_RETURN(zr_engine_options o,
                        ReadSized(options, "zr_engine_create", "zr_engine_options"));
       engine_options.compute_stream = o.compute_stream;
+      engine_options.no_decay_1d = o.no_decay_1d != 0;
     }
     ASSIGN_OR_RETURN(std::vector<zerort::memory::ParamSpec> specs,
-                     ReadParams(params, num_params));
+                     ReadParams(params, num_params, &engine_options.param_groups));
     ASSIGN_OR_RETURN(zerort::Config config, zerort::ParseConfig(config_json, "config_json"));
     ASSIGN_OR_RETURN(std::unique_ptr<zerort::Engine> e,
                      zerort::Engine::Create(config, std::move(specs), comm->comm.get(),
@@ -461,29 +517,99 @@ zr_status zr_engine_release(zr_engine* engine, int unit) {
 }
 
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats) {
+  return RunStep(engine, stats, "zr_engine_step", [&] { return engine->engine->Step(); });
+}
+
+zr_status zr_engine_set_hyperparams(zr_engine* engine, const zr_adamw_scalars* scalars) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_step", "engine"));
-    // Checked before the step: a bad struct must not leave a step applied but unreported.
-    if (stats != nullptr) {
-      RETURN_IF_ERROR(CheckStructSize<zr_step_stats>(stats->struct_size, "zr_engine_step",
-                                                     "zr_step_stats"));
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_hyperparams", "engine"));
+    ASSIGN_OR_RETURN(zr_adamw_scalars s,
+                     ReadSized(scalars, "zr_engine_set_hyperparams", "zr_adamw_scalars"));
+    return engine->engine->SetHyperparams({s.lr, s.beta1, s.beta2, s.eps, s.weight_decay});
+  });
+}
+
+zr_status zr_engine_set_learning_rate(zr_engine* engine, double lr) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_learning_rate", "engine"));
+    return engine->engine->SetLearningRate(lr);
+  });
+}
+
+zr_status zr_engine_hyperparams(const zr_engine* engine, zr_adamw_scalars* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_hyperparams", "engine"));
+    const zerort::AdamWScalars s = engine->engine->hyperparams();
+    zr_adamw_scalars value{sizeof(zr_adamw_scalars), s.lr, s.beta1, s.beta2, s.eps,
+                           s.weight_decay};
+    return WriteSized(value, out, "zr_engine_hyperparams", "zr_adamw_scalars");
+  });
+}
+
+int zr_engine_last_micro_step(const zr_engine* engine) {
+  return engine->engine->last_micro_step() ? 1 : 0;
+}
+
+zr_status zr_engine_compute_grad_norm(zr_engine* engine, zr_grad_norm* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_compute_grad_norm", "engine"));
+    if (out != nullptr) {
+      RETURN_IF_ERROR(CheckStructSize<zr_grad_norm>(out->struct_size,
+                                                    "zr_engine_compute_grad_norm",
+                                                    "zr_grad_norm"));
     }
-    ASSIGN_OR_RETURN(zerort::StepStats s, engine->engine->Step());
-    if (stats == nullptr) return absl::OkStatus();
-    zr_step_stats out{};
-    out.boundary = s.boundary ? 1 : 0;
-    out.skipped = s.skipped ? 1 : 0;
-    out.step = s.step;
-    out.loss_scale = s.loss_scale;
-    out.grad_norm = s.grad_norm;
-    out.clip_coef = s.clip_coef;
-    out.comm_bytes = s.comm_bytes;
-    out.reduce_ms = s.reduce_ms;
-    out.optimizer_ms = s.optimizer_ms;
-    out.gather_ms = s.gather_ms;
-    out.offload_wait_ms = s.offload_wait_ms;
-    out.total_ms = s.total_ms;
-    return WriteSized(out, stats, "zr_engine_step", "zr_step_stats");
+    ASSIGN_OR_RETURN(zerort::GradNormInfo g, engine->engine->ComputeGradNorm());
+    if (out == nullptr) return absl::OkStatus();
+    zr_grad_norm value{sizeof(zr_grad_norm), g.norm, g.overflow ? 1 : 0, g.clip_coef,
+                       g.loss_scale};
+    return WriteSized(value, out, "zr_engine_compute_grad_norm", "zr_grad_norm");
+  });
+}
+
+zr_status zr_engine_apply_step(zr_engine* engine, const zr_apply_options* options,
+                               zr_step_stats* stats) {
+  return RunStep(engine, stats, "zr_engine_apply_step",
+                 [&]() -> absl::StatusOr<zerort::StepStats> {
+                   zerort::ApplyOptions o;
+                   if (options != nullptr) {
+                     ASSIGN_OR_RETURN(zr_apply_options in, ReadSized(options,
+                                                                     "zr_engine_apply_step",
+                                                                     "zr_apply_options"));
+                     if (in.has_clip_coef != 0) o.clip_coef = in.clip_coef;
+                   }
+                   return engine->engine->ApplyStep(o);
+                 });
+}
+
+zr_status zr_engine_skip_step(zr_engine* engine, zr_step_stats* stats) {
+  return RunStep(engine, stats, "zr_engine_skip_step", [&] { return engine->engine->SkipStep(); });
+}
+
+zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n,
+                                      zr_reduce_op op) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_allreduce_scalars", "engine"));
+    if (n < 0 || (n > 0 && values == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_engine_allreduce_scalars: n=", n, " with values ", values == nullptr ? "NULL" : "set"));
+    }
+    if (op != ZR_REDUCE_SUM && op != ZR_REDUCE_AVG && op != ZR_REDUCE_MAX) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zr_engine_allreduce_scalars: op=", static_cast<int>(op),
+                       " is not ZR_REDUCE_SUM, ZR_REDUCE_AVG or ZR_REDUCE_MAX"));
+    }
+    static_assert(static_cast<int>(zerort::comm::ReduceOp::kAvg) == ZR_REDUCE_AVG &&
+                      static_cast<int>(zerort::comm::ReduceOp::kMax) == ZR_REDUCE_MAX,
+                  "zr_reduce_op mirrors comm::ReduceOp");
+    return engine->engine->AllReduceScalars(absl::MakeSpan(values, n),
+                                            static_cast<zerort::comm::ReduceOp>(op));
+  });
+}
+
+zr_status zr_engine_barrier(zr_engine* engine) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_barrier", "engine"));
+    return engine->engine->Barrier();
   });
 }
 

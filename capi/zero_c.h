@@ -192,6 +192,11 @@ typedef struct zr_param_spec {
   int ndim;              /* >= 1 */
   const int64_t* shape;  /* ndim entries, each >= 1 */
   const char* module;    /* the layer it belongs to: parameters of one module stay together */
+  /* Appended in 0.2: when has_group != 0, the parameter's own AdamW group (weight decay, and a
+   * multiplier of the step's learning rate), before the config's zerort.param_groups. */
+  int has_group;
+  double weight_decay;   /* >= 0 */
+  double lr_scale;       /* >= 0 */
 } zr_param_spec;
 
 /* How the engine meets the trainer's device work. */
@@ -202,6 +207,9 @@ typedef struct zr_engine_options {
    * written on it before grad_ready and parameters read on it after gather are ordered without
    * host waits. Must outlive the engine. */
   void* compute_stream;
+  /* Appended in 0.2: != 0 puts one-dimensional parameters that no group took (biases, norm
+   * gains) into a group with weight decay 0. */
+  int no_decay_1d;
 } zr_engine_options;
 
 /* Parses `config_json` (DeepSpeed-style keys, docs/config.md), plans and allocates exactly the
@@ -250,12 +258,68 @@ typedef struct zr_step_stats {
   double gather_ms;
   double offload_wait_ms; /* offload: host time waiting for gradient/parameter copies */
   double total_ms;        /* wall time of this step call */
+  /* Appended in 0.2. */
+  double lr;              /* applied steps: the base learning rate (before a group's lr_scale) */
+  double weight_decay;    /* applied steps: the weight decay of parameters in no group */
 } zr_step_stats;
 
 /* Ends a micro-step; applies AdamW on every gradient_accumulation_steps-th call. `stats` may be
  * NULL; else its struct_size must be set (checked before the step is taken). Collective.
  * ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is missing. */
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats);
+
+/* ---- Optimizer: hyperparameters and the split step (zerort::Engine, zero/engine.h) ---- */
+
+/* AdamW's scalars. lr >= 0, beta1 and beta2 in [0, 1), eps > 0, weight_decay >= 0 (that of the
+ * parameters in no group), all finite. */
+typedef struct zr_adamw_scalars {
+  size_t struct_size; /* sizeof(zr_adamw_scalars) */
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+} zr_adamw_scalars;
+
+/* The scalars of the next optimizer steps (the config's until set; allowed before the first
+ * step). Not collective, but every rank must set the same values. ZR_INVALID_ARGUMENT names a
+ * bad value and changes nothing. */
+zr_status zr_engine_set_hyperparams(zr_engine* engine, const zr_adamw_scalars* scalars);
+zr_status zr_engine_set_learning_rate(zr_engine* engine, double lr);
+zr_status zr_engine_hyperparams(const zr_engine* engine, zr_adamw_scalars* out);
+
+/* The verdict of zr_engine_compute_grad_norm, the same on every rank. */
+typedef struct zr_grad_norm {
+  size_t struct_size; /* sizeof(zr_grad_norm) */
+  double norm;        /* global L2 norm of the unscaled averaged gradients (Inf on overflow) */
+  int overflow;       /* an Inf/NaN on some rank: only zr_engine_skip_step is allowed */
+  double clip_coef;   /* what gradient_clipping would apply (1 = none) */
+  double loss_scale;
+} zr_grad_norm;
+
+/* Split step. On the last micro-step of a window (zr_engine_last_micro_step() != 0), instead of
+ * zr_engine_step: compute_grad_norm ends the micro-step and measures (collective; `out` may be
+ * NULL), then every rank calls apply_step or skip_step alike (checked: ZR_FAILED_PRECONDITION
+ * on every rank when they differ, the step still pending). skip_step leaves parameters, moments,
+ * the step count and (unless the window overflowed) the loss scaler unchanged. */
+int zr_engine_last_micro_step(const zr_engine* engine); /* REQUIRES: engine != NULL */
+zr_status zr_engine_compute_grad_norm(zr_engine* engine, zr_grad_norm* out);
+typedef struct zr_apply_options {
+  size_t struct_size; /* sizeof(zr_apply_options) */
+  int has_clip_coef;  /* != 0: clip_coef replaces the config's clipping for this step */
+  double clip_coef;   /* finite, >= 0, the same on every rank */
+} zr_apply_options;
+zr_status zr_engine_apply_step(zr_engine* engine, const zr_apply_options* options,
+                               zr_step_stats* stats); /* options, stats may be NULL */
+zr_status zr_engine_skip_step(zr_engine* engine, zr_step_stats* stats);
+
+/* Reductions of a few scalars through the engine's communicator, e.g. the loss. */
+typedef enum zr_reduce_op { ZR_REDUCE_SUM = 0, ZR_REDUCE_AVG = 1, ZR_REDUCE_MAX = 2 } zr_reduce_op;
+/* values[0..n-1] = op over ranks, reduced in rank order in double: the same bits on every rank.
+ * Collective; ZR_INVALID_ARGUMENT on every rank when the ranks pass different n. */
+zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n, zr_reduce_op op);
+/* Returns once every rank has called it. Collective. */
+zr_status zr_engine_barrier(zr_engine* engine);
 
 /* The full fp32 master weights, concatenated in registration order, into out[0..capacity-1].
  * Collective. ZR_OUT_OF_RANGE when capacity < zr_plan_summary.num_elements. */

@@ -522,6 +522,111 @@ static void Conversions(void) {
         "fp16: %.9g %.9g %.9g", back[0], back[1], back[2]);
 }
 
+/* The optimizer API on 3 in-process ranks: hyperparameters, parameter groups (fc.w its own,
+ * fc.b by no_decay_1d), the split step, and the scalar reductions. */
+#define OPT_RANKS 3
+typedef struct {
+  zr_comm* comm;
+  zr_device* device;
+  int rank;
+} OptJob;
+
+static int WriteGrads(zr_engine* e, float g) {
+  for (int i = 0; i < 2; ++i) {
+    void* p = NULL;
+    if (zr_engine_grad(e, i, &p) != ZR_OK) return 0;
+    const int n = i == 0 ? OUT * IN : OUT;
+    for (int k = 0; k < n; ++k) ((float*)p)[k] = g;
+    if (zr_engine_grad_ready(e, i) != ZR_OK) return 0;
+  }
+  return 1;
+}
+
+static void* OptimizerRank(void* arg) {
+  OptJob* job = (OptJob*)arg;
+  const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
+  zr_param_spec params[2] = {{sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+                             {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
+  params[0].has_group = 1;
+  params[0].weight_decay = 0.5;
+  params[0].lr_scale = 2;
+  zr_engine_options options = {sizeof options, NULL};
+  options.no_decay_1d = 1;
+  zr_engine* e = NULL;
+  MUST(zr_engine_create("{\"zero_optimization\": {\"stage\": 2}}", params, 2, job->comm,
+                        job->device, &options, &e));
+  MUST(zr_engine_init_params(e, InitParams, NULL, 0));
+  zr_status st = zr_engine_set_learning_rate(e, -1);
+  CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "lr=-1") != NULL, "%s",
+        zr_last_error());
+  const zr_adamw_scalars set = {sizeof set, 0.05, 0.9, 0.999, 1e-8, 0.1};
+  MUST(zr_engine_set_hyperparams(e, &set));
+  zr_adamw_scalars got = {sizeof got};
+  MUST(zr_engine_hyperparams(e, &got));
+  CHECK(got.lr == 0.05 && got.weight_decay == 0.1, "hyperparams %g %g", got.lr, got.weight_decay);
+  float before[NUM_ELEMENTS], after[NUM_ELEMENTS];
+  MUST(zr_engine_gather_master_weights(e, before, NUM_ELEMENTS));
+  /* An outlier window, skipped on every rank: nothing changes. */
+  CHECK(WriteGrads(e, 100.0f), "grads: %s", zr_last_error());
+  CHECK(zr_engine_last_micro_step(e) == 1, "not the last micro-step");
+  zr_grad_norm norm = {sizeof norm};
+  MUST(zr_engine_compute_grad_norm(e, &norm));
+  CHECK(norm.overflow == 0 && fabs(norm.norm - 100.0 * sqrt(NUM_ELEMENTS)) < 1e-3, "norm %g",
+        norm.norm);
+  zr_step_stats stats = {sizeof stats};
+  MUST(zr_engine_skip_step(e, &stats));
+  CHECK(stats.skipped == 1 && zr_engine_step_count(e) == 0, "skip: %d", stats.skipped);
+  MUST(zr_engine_gather_master_weights(e, after, NUM_ELEMENTS));
+  CHECK(memcmp(before, after, sizeof before) == 0, "a skipped step changed the weights");
+  /* A normal window, applied: Adam's first step moves each weight by lr_eff * sign(g), after
+   * the group's decoupled decay. */
+  CHECK(WriteGrads(e, 0.25f), "grads: %s", zr_last_error());
+  MUST(zr_engine_compute_grad_norm(e, NULL));
+  MUST(zr_engine_apply_step(e, NULL, &stats));
+  CHECK(stats.step == 1 && stats.lr == 0.05 && stats.weight_decay == 0.1, "apply: %lld %g %g",
+        (long long)stats.step, stats.lr, stats.weight_decay);
+  MUST(zr_engine_gather_master_weights(e, after, NUM_ELEMENTS));
+  for (int k = 0; k < NUM_ELEMENTS; ++k) {
+    const int is_w = k < OUT * IN;
+    const double lr = is_w ? 0.1 : 0.05, wd = is_w ? 0.5 : 0.0;
+    const double want = before[k] * (1 - lr * wd) - lr;
+    CHECK(fabs(after[k] - want) < 1e-5, "element %d: %g, want %g", k, after[k], want);
+  }
+  /* Scalars: sum, mean and max of per-rank values, the same on every rank. */
+  double v[2] = {job->rank, 2.0 * job->rank + 0.5};
+  MUST(zr_engine_allreduce_scalars(e, v, 2, ZR_REDUCE_SUM));
+  CHECK(v[0] == 3 && v[1] == 7.5, "sum %g %g", v[0], v[1]);
+  v[0] = job->rank;
+  v[1] = -job->rank;
+  MUST(zr_engine_allreduce_scalars(e, v, 2, ZR_REDUCE_MAX));
+  CHECK(v[0] == 2 && v[1] == 0, "max %g %g", v[0], v[1]);
+  v[0] = job->rank;
+  MUST(zr_engine_allreduce_scalars(e, v, 1, ZR_REDUCE_AVG));
+  CHECK(v[0] == 1, "avg %g", v[0]);
+  MUST(zr_engine_barrier(e));
+  zr_engine_destroy(e);
+  return NULL;
+}
+
+static void OptimizerApi(void) {
+  zr_comm* comms[OPT_RANKS];
+  zr_device* device = NULL;
+  if (zr_comm_group_create(OPT_RANKS, 0, comms) != ZR_OK ||
+      zr_cpu_device_create(1, &device) != ZR_OK) {
+    CHECK(0, "setup: %s", zr_last_error());
+    return;
+  }
+  pthread_t threads[OPT_RANKS];
+  OptJob jobs[OPT_RANKS];
+  for (int r = 0; r < OPT_RANKS; ++r) {
+    jobs[r] = (OptJob){comms[r], device, r};
+    pthread_create(&threads[r], NULL, OptimizerRank, &jobs[r]);
+  }
+  for (int r = 0; r < OPT_RANKS; ++r) pthread_join(threads[r], NULL);
+  for (int r = 0; r < OPT_RANKS; ++r) zr_comm_destroy(comms[r]);
+  zr_device_destroy(device);
+}
+
 int main(void) {
   const char* precisions[2] = {"bf16", "fp16"};
   for (int p = 0; p < 2; ++p) {
@@ -531,6 +636,7 @@ int main(void) {
   VersionAndIntrospection();
   LaunchMpiAndGpu();
   Conversions();
+  OptimizerApi();
   if (g_failures != 0) {
     fprintf(stderr, "zero_c_test: %d check(s) failed\n", g_failures);
     return 1;

@@ -111,6 +111,12 @@ Manifest ManifestOf(const Engine& engine, uint64_t id) {
   m.compute_dtype = plan.options.compute_dtype;
   m.config_hash = ConfigHash(engine.config());
   SetScalerState(st, &m);
+  m.hyperparams_set = st.hyperparams_set;
+  m.lr = st.hyperparams.lr;
+  m.beta1 = st.hyperparams.beta1;
+  m.beta2 = st.hyperparams.beta2;
+  m.eps = st.hyperparams.eps;
+  m.weight_decay = st.hyperparams.weight_decay;
   m.shard_elements = plan.shard_elements;
   m.has_param_section = plan.options.stage == 3;
   for (const memory::Unit& u : plan.units) {
@@ -382,6 +388,8 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
   }
   state->step = man.step;
   static_cast<ScalerState&>(*state) = ScalerStateOf(man);
+  state->hyperparams_set = man.hyperparams_set;
+  state->hyperparams = {man.lr, man.beta1, man.beta2, man.eps, man.weight_decay};
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -184,10 +185,15 @@ class CpuDevice final : public Device {
     });
   }
 
-  absl::Status AdamW(const offload::AdamWArrays& arrays, const offload::AdamWStepParams& params,
-                     float grad_scale, Stream stream) override {
+  absl::Status AdamWRanges(const offload::AdamWArrays& arrays,
+                           absl::Span<const offload::AdamWRange> ranges, float grad_scale,
+                           Stream stream) override {
     const int threads = threads_;
-    return Run(stream, [=] { return offload::CpuAdamW(arrays, params, grad_scale, threads); });
+    // Copied: the call may run after the caller's ranges are gone.
+    std::vector<offload::AdamWRange> copy(ranges.begin(), ranges.end());
+    return Run(stream, [=, copy = std::move(copy)] {
+      return offload::CpuAdamW(arrays, copy, grad_scale, threads);
+    });
   }
 
   absl::Status Synchronize(Stream stream) override {

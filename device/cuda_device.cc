@@ -269,8 +269,10 @@ class CudaDevice final : public Device {
     return status;
   }
 
-  absl::Status AdamW(const offload::AdamWArrays& a, const offload::AdamWStepParams& p,
-                     float grad_scale, Stream stream) override {
+  absl::Status AdamWRanges(const offload::AdamWArrays& a,
+                           absl::Span<const offload::AdamWRange> ranges, float grad_scale,
+                           Stream stream) override {
+    RETURN_IF_ERROR(offload::CheckAdamWRanges(ranges, a.n, "AdamW"));
     if (a.n == 0) return absl::OkStatus();
     if (a.master == nullptr || a.m == nullptr || a.v == nullptr || a.grad == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -283,14 +285,28 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(CheckAccessible(a.v, "AdamW", "v"));
     RETURN_IF_ERROR(CheckAccessible(a.grad, "AdamW", "grad"));
     if (a.param_out != nullptr) RETURN_IF_ERROR(CheckAccessible(a.param_out, "AdamW", "param"));
-    // -step_size is exact (a sign flip), so negating once here is the reference's
-    // fma(-step_size, ...).
-    const cuda_internal::AdamWConstants c{p.beta1,        p.beta2,          p.one_minus_beta1,
-                                          p.one_minus_beta2, p.eps,         -p.step_size,
-                                          p.inv_sqrt_bias2,  p.decay,       grad_scale};
-    return LaunchStatus(cuda_internal::LaunchAdamW(c, a.master, a.m, a.v, a.grad, a.grad_dtype,
-                                                   a.param_out, a.param_dtype, a.n, stream),
-                        name_, "AdamW", a.n, a.grad_dtype);
+    // One launch per range, on offset pointers: the constants travel by value in the launch,
+    // so no table has to be copied to the device first.
+    const size_t gsize = DTypeSize(a.grad_dtype), psize = DTypeSize(a.param_dtype);
+    for (const offload::AdamWRange& r : ranges) {
+      if (r.end == r.begin) continue;
+      const offload::AdamWStepParams& p = r.params;
+      // -step_size is exact (a sign flip), so negating once here is the reference's
+      // fma(-step_size, ...).
+      const cuda_internal::AdamWConstants c{p.beta1,        p.beta2,          p.one_minus_beta1,
+                                            p.one_minus_beta2, p.eps,         -p.step_size,
+                                            p.inv_sqrt_bias2,  p.decay,       grad_scale};
+      void* out = a.param_out == nullptr
+                      ? nullptr
+                      : static_cast<char*>(a.param_out) + r.begin * psize;
+      const size_t n = r.end - r.begin;
+      RETURN_IF_ERROR(LaunchStatus(
+          cuda_internal::LaunchAdamW(c, a.master + r.begin, a.m + r.begin, a.v + r.begin,
+                                     static_cast<const char*>(a.grad) + r.begin * gsize,
+                                     a.grad_dtype, out, a.param_dtype, n, stream),
+          name_, "AdamW", n, a.grad_dtype));
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Synchronize(Stream stream) override {

@@ -449,6 +449,42 @@ void CheckAdamWSteps(Device* gpu, DType g, DType p, bool out, bool alias_master,
   }
 }
 
+TEST_CASE("CudaDevice: AdamW over per-range constants equals CpuAdamW's ranges bitwise",
+          "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  const size_t n = 10007;
+  const size_t cuts[] = {0, 5, 5, 3000, 3001, n};
+  std::vector<offload::AdamWRange> ranges;
+  for (int k = 0; k < 5; ++k) {
+    auto p = offload::MakeAdamWStepParams(1e-3 * (k + 1), 0.9, 0.95, 1e-8, 0.1 * (k % 2), 1);
+    REQUIRE(p.ok());
+    ranges.push_back({cuts[k], cuts[k + 1], *p});
+  }
+  const std::vector<char> init = RandomValues(DType::kF32, 2 * n, 5, -12, 1);
+  std::vector<float> master(n), m(n, 0.0f), v(n, 0.0f);
+  std::memcpy(master.data(), init.data(), 4 * n);
+  const std::vector<char> grad = RandomValues(DType::kBF16, n, 6, -30, 8);
+  std::vector<char> param(2 * n);
+  auto dmaster = Upload(gpu, std::vector<char>(init.begin(), init.begin() + 4 * n));
+  auto dm = Upload(gpu, std::vector<char>(4 * n, 0));
+  auto dv = Upload(gpu, std::vector<char>(4 * n, 0));
+  auto dgrad = Upload(gpu, grad);
+  memory::Allocation dparam = Alloc(gpu, memory::MemoryKind::kDevice, param.size());
+  REQUIRE(offload::CpuAdamW({master.data(), m.data(), v.data(), grad.data(), DType::kBF16,
+                             param.data(), DType::kBF16, n},
+                            ranges, 0.5f, 1)
+              .ok());
+  REQUIRE(gpu->AdamWRanges({dmaster->as<float>(), dm->as<float>(), dv->as<float>(),
+                            dgrad->get(), DType::kBF16, dparam.get(), DType::kBF16, n},
+                           ranges, 0.5f, nullptr)
+              .ok());
+  std::vector<char> want(4 * n);
+  std::memcpy(want.data(), master.data(), want.size());
+  CHECK(Download(gpu, dmaster->get(), 4 * n) == want);
+  CHECK(Download(gpu, dparam.get(), param.size()) == param);
+}
+
 TEST_CASE("CudaDevice: AdamW equals CpuAdamW bitwise over three steps", "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;

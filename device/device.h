@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
@@ -56,10 +57,19 @@ class Device {
   // *out = every element finite.
   virtual absl::Status AllFinite(const void* x, DType dtype, size_t n, bool* out,
                                  Stream stream) = 0;
-  // The fused AdamW of offload/cpu_adamw.h over arrays in this device's memory.
-  virtual absl::Status AdamW(const offload::AdamWArrays& arrays,
-                             const offload::AdamWStepParams& params, float grad_scale,
-                             Stream stream) = 0;
+  // The fused AdamW of offload/cpu_adamw.h over arrays in this device's memory, each range
+  // with its own constants (parameter groups). REQUIRES: `ranges` tile [0, arrays.n) in order
+  // (offload::CheckAdamWRanges; InvalidArgument otherwise). The ranges are copied: they need
+  // not outlive an enqueued call.
+  virtual absl::Status AdamWRanges(const offload::AdamWArrays& arrays,
+                                   absl::Span<const offload::AdamWRange> ranges,
+                                   float grad_scale, Stream stream) = 0;
+  // One set of constants for every element.
+  absl::Status AdamW(const offload::AdamWArrays& arrays, const offload::AdamWStepParams& params,
+                     float grad_scale, Stream stream) {
+    const offload::AdamWRange all{0, arrays.n, params};
+    return AdamWRanges(arrays, absl::MakeConstSpan(&all, 1), grad_scale, stream);
+  }
   virtual absl::Status Synchronize(Stream stream) = 0;
 
   virtual absl::StatusOr<Stream> CreateStream() = 0;

@@ -3,6 +3,7 @@
 // vector paths (and from the CUDA kernel) in the last bit.
 #include "offload/cpu_adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -120,12 +121,37 @@ absl::StatusOr<AdamWStepParams> MakeAdamWStepParams(double lr, double beta1, dou
   return p;
 }
 
+absl::Status CheckAdamWRanges(absl::Span<const AdamWRange> ranges, size_t n, const char* who) {
+  size_t expected = 0;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const AdamWRange& r = ranges[k];
+    if (r.begin != expected || r.end < r.begin || r.end > n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": range ", k, " is [", r.begin, ", ", r.end, "); ranges must tile [0, ", n,
+          ") in order and this one must start at ", expected));
+    }
+    expected = r.end;
+  }
+  if (expected != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": the ranges cover [0, ", expected, ") of ", n, " elements"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuAdamW(const AdamWArrays& a, const AdamWStepParams& params, float grad_scale,
                       int threads) {
+  const AdamWRange all{0, a.n, params};
+  return CpuAdamW(a, absl::MakeConstSpan(&all, 1), grad_scale, threads);
+}
+
+absl::Status CpuAdamW(const AdamWArrays& a, absl::Span<const AdamWRange> ranges,
+                      float grad_scale, int threads) {
   if (threads < 0) {
     return absl::InvalidArgumentError(absl::StrCat("CpuAdamW: threads=", threads,
                                                    " must be >= 0 (0 = all cores)"));
   }
+  if (absl::Status s = CheckAdamWRanges(ranges, a.n, "CpuAdamW"); !s.ok()) return s;
   if (a.n == 0) return absl::OkStatus();
   if (a.master == nullptr || a.m == nullptr || a.v == nullptr || a.grad == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -134,7 +160,12 @@ absl::Status CpuAdamW(const AdamWArrays& a, const AdamWStepParams& params, float
   }
   const RangeFn fn = Select(ActiveSimd(), a.grad_dtype, a.param_out != nullptr, a.param_dtype);
   internal::ParallelRanges(a.n, threads, kMinElementsPerTask, [&](size_t begin, size_t end) {
-    fn(a, params, grad_scale, begin, end);
+    // The first range that ends after `begin`, then every range this task's slice touches.
+    auto r = std::upper_bound(ranges.begin(), ranges.end(), begin,
+                              [](size_t x, const AdamWRange& range) { return x < range.end; });
+    for (; r != ranges.end() && r->begin < end; ++r) {
+      fn(a, r->params, grad_scale, std::max(begin, r->begin), std::min(end, r->end));
+    }
   });
   return absl::OkStatus();
 }

@@ -26,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 
 namespace zerort {
@@ -69,6 +70,25 @@ struct AdamWArrays {
 // Non-finite inputs propagate (the engine checks gradients before calling).
 absl::Status CpuAdamW(const AdamWArrays& arrays, const AdamWStepParams& params, float grad_scale,
                       int threads);
+
+// Elements [begin, end) of the arrays and the constants they take: one parameter group's part
+// of a shard (the engine cuts a unit's shard at parameter boundaries).
+struct AdamWRange {
+  size_t begin = 0;
+  size_t end = 0;
+  AdamWStepParams params;
+};
+
+// CpuAdamW with per-range constants. `ranges` must tile [0, arrays.n) in order (empty ranges
+// allowed); InvalidArgument naming the first range that does not. The threads split the whole
+// array, not each range, and a range boundary only ends one vector loop early, so any number
+// of ranges costs what one does (adamw_bench's "groups" case measures it). Each element gets
+// exactly the op sequence above with its range's constants.
+absl::Status CpuAdamW(const AdamWArrays& arrays, absl::Span<const AdamWRange> ranges,
+                      float grad_scale, int threads);
+
+// InvalidArgument unless `ranges` tile [0, n) in order. `who` prefixes the message.
+absl::Status CheckAdamWRanges(absl::Span<const AdamWRange> ranges, size_t n, const char* who);
 
 }  // namespace offload
 }  // namespace zerort

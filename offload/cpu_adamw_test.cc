@@ -198,6 +198,75 @@ TEST_CASE("CpuAdamW: any thread count gives the single-thread result bitwise", "
   }
 }
 
+// Per-range constants: ranges of odd lengths (so vector loops end early at every boundary),
+// each with its own lr and weight decay, as parameter groups give them.
+std::vector<AdamWRange> GroupRanges(size_t n, int t) {
+  const size_t cuts[] = {0, 13, 13, 1000, 1003, 40000, n};
+  const double lr[] = {1e-3, 5e-4, 2e-3, 1e-3, 0.0, 3e-3};
+  const double wd[] = {0.1, 0.0, 0.5, 0.0, 0.1, 0.01};
+  std::vector<AdamWRange> ranges;
+  for (int k = 0; k < 6; ++k) {
+    auto p = MakeAdamWStepParams(lr[k], kBeta1, kBeta2, kEps, wd[k], t);
+    REQUIRE(p.ok());
+    ranges.push_back({cuts[k], cuts[k + 1], *p});
+  }
+  return ranges;
+}
+
+TEST_CASE("CpuAdamW: per-range constants equal one call per range, bitwise, any threads",
+          "[offload]") {
+  SimdGuard guard;
+  const size_t n = 70001;
+  for (SimdLevel level : AvailableLevels()) {
+    REQUIRE(ForceSimd(level).ok());
+    for (int threads : {1, 3}) {
+      State grouped = RandomState(n, DType::kBF16, DType::kBF16, true, 21);
+      State split = RandomState(n, DType::kBF16, DType::kBF16, true, 21);
+      for (int t = 1; t <= 3; ++t) {
+        const std::vector<AdamWRange> ranges = GroupRanges(n, t);
+        REQUIRE(CpuAdamW(grouped.Arrays(), ranges, 0.5f, threads).ok());
+        for (const AdamWRange& r : ranges) {
+          AdamWArrays a = split.Arrays();
+          a.master += r.begin;
+          a.m += r.begin;
+          a.v += r.begin;
+          a.grad = split.grad16.data() + r.begin;
+          a.param_out = split.out.data() + 2 * r.begin;
+          a.n = r.end - r.begin;
+          REQUIRE(CpuAdamW(a, r.params, 0.5f, 1).ok());
+        }
+      }
+      INFO("level " << static_cast<int>(level) << " threads=" << threads);
+      CHECK(SameBits(grouped.master.data(), split.master.data(), 4 * n));
+      CHECK(SameBits(grouped.m.data(), split.m.data(), 4 * n));
+      CHECK(SameBits(grouped.v.data(), split.v.data(), 4 * n));
+      CHECK(grouped.out == split.out);
+      // The ranges really took different constants: lr 0 left its range's masters alone.
+      State fresh = RandomState(n, DType::kBF16, DType::kBF16, true, 21);
+      CHECK(SameBits(grouped.master.data() + 1003, fresh.master.data() + 1003, 4 * 38997));
+      CHECK(!SameBits(grouped.master.data(), fresh.master.data(), 4 * 13));
+    }
+  }
+}
+
+TEST_CASE("CpuAdamW: ranges that do not tile the array are InvalidArgument", "[offload]") {
+  State s = RandomState(100, DType::kF32, DType::kF32, false, 1);
+  const AdamWStepParams p = Params(1);
+  const std::vector<std::vector<AdamWRange>> bad = {
+      {{0, 50, p}},                   // short
+      {{0, 50, p}, {60, 100, p}},     // a gap
+      {{0, 60, p}, {50, 100, p}},     // an overlap
+      {{0, 120, p}},                  // past the end
+  };
+  for (const auto& ranges : bad) {
+    const absl::Status st = CpuAdamW(s.Arrays(), ranges, 1.0f, 1);
+    CHECK(st.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(st.message().find("CpuAdamW") != std::string::npos);
+  }
+  const std::vector<AdamWRange> fine = {{0, 0, p}, {0, 100, p}, {100, 100, p}};
+  CHECK(CpuAdamW(s.Arrays(), fine, 1.0f, 1).ok());
+}
+
 TEST_CASE("CpuAdamW: NaN and Inf gradients propagate, identically on every path", "[offload]") {
   SimdGuard guard;
   const size_t n = 100;

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace zerort {
@@ -85,6 +87,20 @@ absl::Status OffloadPipeline::Download(int u) {
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
                                                                float grad_scale,
                                                                const Hooks& hooks) {
+  std::vector<std::vector<AdamWRange>> ranges;
+  for (const PipelineRegion& r : regions_) {
+    ranges.push_back({AdamWRange{0, static_cast<size_t>(r.n), params}});
+  }
+  return Update(ranges, grad_scale, hooks);
+}
+
+absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
+    const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale, const Hooks& hooks) {
+  if (ranges.size() != regions_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("OffloadPipeline::Update: ", ranges.size(),
+                                                   " range lists for ", regions_.size(),
+                                                   " regions"));
+  }
   const int nu = static_cast<int>(regions_.size());
   const int chunks = options_.chunks;
   Times times;
@@ -92,15 +108,15 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepPa
   for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(Download(u));
   downloads_issued_ = 0;
   for (int u = 0; u < nu; ++u) {
-    RETURN_IF_ERROR(UpdateUnit(u, params, grad_scale, &times));
+    RETURN_IF_ERROR(UpdateUnit(u, ranges[u], grad_scale, &times));
     if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, &times));
   }
   if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, &times));
   return times;
 }
 
-absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, float grad_scale,
-                                         Times* times) {
+absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ranges,
+                                         float grad_scale, Times* times) {
   const PipelineRegion& r = regions_[u];
   const int chunks = options_.chunks;
   const int nu = static_cast<int>(regions_.size());
@@ -112,7 +128,7 @@ absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, f
   void* out = on_host ? r.param : ParamChunk(u);
   AdamWArrays a{r.master, r.m, r.v, GradChunk(u), options_.dtype, out, options_.dtype,
                 static_cast<size_t>(r.n)};
-  RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
+  RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
   if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));

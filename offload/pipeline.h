@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
@@ -85,6 +86,10 @@ class OffloadPipeline {
   // AdamW over every region (see above), then hooks.gather of every unit in order.
   absl::StatusOr<Times> Update(const AdamWStepParams& params, float grad_scale,
                                const Hooks& hooks);
+  // The same with per-range constants (parameter groups): ranges[u] tiles region u's n
+  // elements as CpuAdamW's ranges do.
+  absl::StatusOr<Times> Update(const std::vector<std::vector<AdamWRange>>& ranges,
+                               float grad_scale, const Hooks& hooks);
   // Orders the uploads before `stream`'s next work (no-op with param_on_host).
   absl::Status JoinUploads(Device::Stream stream);
   // After a skipped step: waits for downloads begun during backward, whose gradients are about
@@ -97,7 +102,8 @@ class OffloadPipeline {
   char* GradChunk(int u) const;
   char* ParamChunk(int u) const;
   absl::Status Download(int u);
-  absl::Status UpdateUnit(int u, const AdamWStepParams& params, float grad_scale, Times* times);
+  absl::Status UpdateUnit(int u, absl::Span<const AdamWRange> ranges, float grad_scale,
+                          Times* times);
   absl::Status Gather(int u, const Hooks& hooks, Times* times);
 
   Device* const dev_;

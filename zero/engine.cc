@@ -1,12 +1,14 @@
 #include "zero/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/crc32c.h"
 #include "base/status.h"
@@ -14,6 +16,8 @@
 #include "offload/cpu_adamw.h"
 #include "offload/cpu_kernels.h"
 #include "offload/pipeline.h"
+#include "zero/internal/adamw_groups.h"
+#include "zero/internal/step_control.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/grad_buckets.h"
 #include "zero/internal/grad_norm.h"
@@ -69,11 +73,15 @@ class Engine::Impl {
   StepStats BoundaryStats() const;
   absl::StatusOr<GradMeasure> MeasureGradients();
   double ClipCoefficient(double norm) const;
+  absl::Status EndMicroStep();
+  absl::Status CheckPending(const char* call, bool want) const;
+  absl::StatusOr<StepStats> Apply(std::optional<double> clip);
+  absl::StatusOr<StepStats> Skip();
   // AdamW on every owned region (device, or the offload pipeline); returns the time the
   // pipeline spent in all-gathers.
   absl::StatusOr<double> UpdateOwnedShards(float grad_scale, StepStats* stats);
   absl::Status GatherUpdatedParams();
-  absl::Status FinishStep(bool overflow, StepStats* stats);
+  absl::Status FinishStep(bool overflow, bool update_scaler, StepStats* stats);
 
   absl::Status ReduceUnit(int unit);
   absl::Status RestoreUnit(int unit, const float* const src[3]);
@@ -97,6 +105,17 @@ class Engine::Impl {
   int micro_ = 0;  // completed micro-steps in this accumulation window
   zero_internal::StepTimer timer_;
 
+  std::unique_ptr<zero_internal::Hyperparams> hyper_;  // the AdamW scalars in force
+  // A window measured by ComputeGradNorm and not yet applied or skipped.
+  struct Pending {
+    bool active = false;
+    GradMeasure g;
+    StepStats stats;     // BoundaryStats() at the measurement
+    double clip_coef = 1;
+    double norm_ms = 0;  // time ComputeGradNorm took (part of optimizer_ms)
+  };
+  Pending pending_;
+
   // Declared first, destroyed last: every stream below that may still write into the arenas
   // is synchronized by its owner's destructor before they go.
   std::unique_ptr<zero_internal::EngineMemory> memory_;
@@ -108,6 +127,7 @@ class Engine::Impl {
   std::unique_ptr<offload::OffloadPipeline> pipeline_;  // with offload_optimizer only
 
   std::unique_ptr<zero_internal::GradNorm> norm_;
+  std::unique_ptr<zero_internal::AdamWGroups> groups_;
   std::unique_ptr<zero_internal::OwnedSnapshot> snapshot_;
 };
 
@@ -156,14 +176,23 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
   }
+  // Groups too: ranks that decay a parameter differently would drift apart without a sign.
+  const zero_internal::GroupChoice& groups = groups_->choice();
+  for (int g : groups.of_param) {
+    if (g < 0) absl::StrAppend(&canon, "|-");
+    if (g >= 0) {
+      absl::StrAppend(&canon, "|", absl::StrFormat("%a/%a", groups.groups[g].weight_decay,
+                                                   groups.groups[g].lr_scale));
+    }
+  }
   const uint64_t mine = Crc32c(0, canon.data(), canon.size());
   ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*host_, {mine}));
   for (int r = 0; r < world_; ++r) {
     if (all[r] != mine) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
-          "names, shapes, modules, stage, precision or gradient accumulation): every rank must "
-          "register the same parameters with the same config"));
+          "names, shapes, modules, stage, precision, gradient accumulation or parameter "
+          "groups): every rank must register the same parameters with the same config"));
     }
   }
   return absl::OkStatus();
@@ -227,18 +256,20 @@ double Engine::Impl::ClipCoefficient(double norm) const {
 }
 
 absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepStats* stats) {
+  // Scalars first: a bad scheduled value fails the step before anything changes.
+  ASSIGN_OR_RETURN(const AdamWScalars scalars, hyper_->ForStep(step_ + 1));
+  using RangeLists = std::vector<std::vector<offload::AdamWRange>>;
+  ASSIGN_OR_RETURN(const RangeLists* ranges, groups_->Prepare(scalars, step_ + 1));
   ++step_;
-  const OptimizerConfig& oc = config_.optimizer;
-  ASSIGN_OR_RETURN(offload::AdamWStepParams params,
-                   offload::MakeAdamWStepParams(oc.lr, oc.beta1, oc.beta2, oc.eps,
-                                                oc.weight_decay, step_));
+  stats->lr = scalars.lr;
+  stats->weight_decay = scalars.weight_decay;
   RETURN_IF_ERROR(snapshot_->Fence(/*host=*/offload_));
   if (offload_) {
     offload::OffloadPipeline::Hooks hooks;
     hooks.before_gather = [this](Device::Event e) { return streams_->BeforeCommAfter(e); };
     hooks.gather = [this](int u) { return gatherer_->AllGatherUpdated(u); };
     ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t,
-                     pipeline_->Update(params, grad_scale, hooks));
+                     pipeline_->Update(*ranges, grad_scale, hooks));
     stats->offload_wait_ms += t.wait_ms;
     // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
     RETURN_IF_ERROR(streams_->JoinComm());
@@ -250,7 +281,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     const Region& reg = region(u);
     offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
                            write_param ? reg.param : nullptr, cdt_, static_cast<size_t>(reg.n)};
-    RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, streams_->compute()));
+    RETURN_IF_ERROR(dev_->AdamWRanges(a, (*ranges)[u], grad_scale, streams_->compute()));
   }
   return 0.0;
 }
@@ -266,11 +297,11 @@ absl::Status Engine::Impl::GatherUpdatedParams() {
   return absl::OkStatus();
 }
 
-absl::Status Engine::Impl::FinishStep(bool overflow, StepStats* stats) {
+absl::Status Engine::Impl::FinishStep(bool overflow, bool update_scaler, StepStats* stats) {
   // A skipped step leaves the downloads begun in backward: the gradients they read are about
   // to be overwritten.
   if (pipeline_ != nullptr) RETURN_IF_ERROR(pipeline_->AbandonDownloads());
-  RETURN_IF_ERROR(scaler_.Update(overflow));
+  if (update_scaler) RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
   RETURN_IF_ERROR(grads_->ClearFullGradients());
   stats->step = step_;
@@ -279,44 +310,155 @@ absl::Status Engine::Impl::FinishStep(bool overflow, StepStats* stats) {
   return absl::OkStatus();
 }
 
-// --- Engine --------------------------------------------------------------------------------
-
 absl::StatusOr<StepStats> Engine::Step() {
   Impl& m = *impl_;
   const Stopwatch total;
-  RETURN_IF_ERROR(m.CheckGradsReady());
-  // The reductions of this micro-step, and their follow-up, complete before anything reads
-  // the gradients again (the optimizer, or the next micro-step's backward).
-  RETURN_IF_ERROR(m.streams_->JoinComm());
-  m.grads_->StartMicroStep();
-  if (++m.micro_ < m.gas_) {  // inside an accumulation window: nothing to apply
+  RETURN_IF_ERROR(m.CheckPending("Step()", /*want=*/false));
+  if (!last_micro_step()) {  // inside an accumulation window: nothing to apply
+    RETURN_IF_ERROR(m.EndMicroStep());
     StepStats stats = m.MicroStepStats();
     stats.total_ms = total.ElapsedMs();
     return stats;
   }
-  m.micro_ = 0;
-
-  const Stopwatch optimizer;
-  StepStats stats = m.BoundaryStats();
-  ASSIGN_OR_RETURN(const Impl::GradMeasure g, m.MeasureGradients());
-  stats.grad_norm = g.norm;
-  if (g.overflow) {
-    // Skip everywhere: parameters, m, v and the step count stay as they are.
-    stats.skipped = true;
-    stats.grad_norm = std::numeric_limits<double>::infinity();
-  } else {
-    stats.clip_coef = m.ClipCoefficient(g.norm);
-    const float grad_scale = static_cast<float>(stats.clip_coef / g.scale);
-    ASSIGN_OR_RETURN(const double pipeline_gather_ms, m.UpdateOwnedShards(grad_scale, &stats));
-    stats.optimizer_ms = optimizer.ElapsedMs() - pipeline_gather_ms;
-    const Stopwatch gather;
-    RETURN_IF_ERROR(m.GatherUpdatedParams());
-    stats.gather_ms += pipeline_gather_ms + gather.ElapsedMs();
-  }
-  RETURN_IF_ERROR(m.FinishStep(g.overflow, &stats));
+  ASSIGN_OR_RETURN(const GradNormInfo info, ComputeGradNorm());
+  // Every rank holds the same verdict, so no agreement round is needed here.
+  ASSIGN_OR_RETURN(StepStats stats, info.overflow ? m.Skip() : m.Apply(std::nullopt));
   stats.total_ms = total.ElapsedMs();
   return stats;
 }
+
+bool Engine::last_micro_step() const { return impl_->micro_ + 1 >= impl_->gas_; }
+
+absl::StatusOr<GradNormInfo> Engine::ComputeGradNorm() {
+  Impl& m = *impl_;
+  Impl::Pending& p = m.pending_;
+  if (!p.active) {
+    if (!last_micro_step()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ComputeGradNorm() on micro-step ", m.micro_ + 1, " of ", m.gas_,
+          " (gradient_accumulation_steps): call Step() for all but the last micro-step of "
+          "each window"));
+    }
+    const Stopwatch optimizer;
+    RETURN_IF_ERROR(m.EndMicroStep());
+    p.stats = m.BoundaryStats();
+    ASSIGN_OR_RETURN(p.g, m.MeasureGradients());
+    p.clip_coef = p.g.overflow ? 1.0 : m.ClipCoefficient(p.g.norm);
+    p.norm_ms = optimizer.ElapsedMs();
+    p.active = true;
+  }
+  GradNormInfo info;
+  info.overflow = p.g.overflow;
+  info.norm = p.g.overflow ? std::numeric_limits<double>::infinity() : p.g.norm;
+  info.clip_coef = p.clip_coef;
+  info.loss_scale = p.stats.loss_scale;
+  return info;
+}
+
+absl::StatusOr<StepStats> Engine::ApplyStep(const ApplyOptions& options) {
+  Impl& m = *impl_;
+  const Stopwatch total;
+  RETURN_IF_ERROR(m.CheckPending("ApplyStep()", /*want=*/true));
+  if (m.pending_.g.overflow) {
+    return absl::FailedPreconditionError(
+        "ApplyStep() on gradients holding an Inf or NaN (on some rank): call SkipStep()");
+  }
+  RETURN_IF_ERROR(zero_internal::AgreeOnDecision(*m.host_, /*apply=*/true, options.clip_coef));
+  // Checked after the agreement: every rank holds the same value, so all fail alike.
+  if (options.clip_coef.has_value() &&
+      !(std::isfinite(*options.clip_coef) && *options.clip_coef >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ApplyStep: clip_coef=", *options.clip_coef, " must be finite and >= 0"));
+  }
+  ASSIGN_OR_RETURN(StepStats stats, m.Apply(options.clip_coef));
+  stats.total_ms = total.ElapsedMs();
+  return stats;
+}
+
+absl::StatusOr<StepStats> Engine::SkipStep() {
+  Impl& m = *impl_;
+  const Stopwatch total;
+  RETURN_IF_ERROR(m.CheckPending("SkipStep()", /*want=*/true));
+  RETURN_IF_ERROR(zero_internal::AgreeOnDecision(*m.host_, /*apply=*/false, std::nullopt));
+  ASSIGN_OR_RETURN(StepStats stats, m.Skip());
+  stats.total_ms = total.ElapsedMs();
+  return stats;
+}
+
+absl::Status Engine::SetHyperparams(const AdamWScalars& scalars) {
+  return impl_->hyper_->Set(scalars, "SetHyperparams");
+}
+
+absl::Status Engine::SetLearningRate(double lr) { return impl_->hyper_->SetLearningRate(lr); }
+
+AdamWScalars Engine::hyperparams() const { return impl_->hyper_->current(); }
+
+std::optional<ParamGroup> Engine::param_group(int i) const {
+  const zero_internal::GroupChoice& c = impl_->groups_->choice();
+  if (i < 0 || i >= static_cast<int>(c.of_param.size()) || c.of_param[i] < 0) {
+    return std::nullopt;
+  }
+  return c.groups[c.of_param[i]];
+}
+
+absl::Status Engine::AllReduceScalars(absl::Span<double> values, comm::ReduceOp op) {
+  return zero_internal::AllReduceDoubles(*impl_->host_, values, op);
+}
+
+absl::Status Engine::Barrier() { return comm::AllGatherU64(*impl_->host_, {0}).status(); }
+
+// --- the split step's parts ---------------------------------------------------------------
+
+absl::Status Engine::Impl::EndMicroStep() {
+  RETURN_IF_ERROR(CheckGradsReady());
+  // The reductions of this micro-step, and their follow-up, complete before anything reads
+  // the gradients again (the optimizer, or the next micro-step's backward).
+  RETURN_IF_ERROR(streams_->JoinComm());
+  grads_->StartMicroStep();
+  if (++micro_ == gas_) micro_ = 0;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Impl::CheckPending(const char* call, bool want) const {
+  if (pending_.active == want) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      want ? absl::StrCat(call, " without ComputeGradNorm(): measure the window first")
+           : absl::StrCat(call, " after ComputeGradNorm(): finish that step with ApplyStep() "
+                                "or SkipStep() first"));
+}
+
+absl::StatusOr<StepStats> Engine::Impl::Apply(std::optional<double> clip) {
+  const Stopwatch optimizer;
+  StepStats stats = pending_.stats;
+  stats.grad_norm = pending_.g.norm;
+  stats.clip_coef = clip.value_or(pending_.clip_coef);
+  const float grad_scale = static_cast<float>(stats.clip_coef / pending_.g.scale);
+  ASSIGN_OR_RETURN(const double pipeline_gather_ms, UpdateOwnedShards(grad_scale, &stats));
+  stats.optimizer_ms = pending_.norm_ms + optimizer.ElapsedMs() - pipeline_gather_ms;
+  pending_.active = false;
+  const Stopwatch gather;
+  RETURN_IF_ERROR(GatherUpdatedParams());
+  stats.gather_ms += pipeline_gather_ms + gather.ElapsedMs();
+  RETURN_IF_ERROR(FinishStep(/*overflow=*/false, /*update_scaler=*/true, &stats));
+  return stats;
+}
+
+absl::StatusOr<StepStats> Engine::Impl::Skip() {
+  const Stopwatch optimizer;
+  const bool overflow = pending_.g.overflow;
+  StepStats stats = pending_.stats;
+  // Parameters, m, v and the step count stay as they are.
+  stats.skipped = true;
+  stats.grad_norm = overflow ? std::numeric_limits<double>::infinity() : pending_.g.norm;
+  stats.clip_coef = pending_.clip_coef;
+  pending_.active = false;
+  // An overflow is the scaler's business; a trainer's skip of finite gradients is not.
+  RETURN_IF_ERROR(FinishStep(overflow, /*update_scaler=*/overflow, &stats));
+  stats.optimizer_ms = pending_.norm_ms + optimizer.ElapsedMs();
+  return stats;
+}
+
+// --- Engine --------------------------------------------------------------------------------
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
@@ -357,9 +499,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
     return absl::ResourceExhaustedError(absl::StrCat(
         "the plan does not fit zero_optimization.memory_budget: ", choice.reason));
   }
-  auto impl = std::make_unique<Impl>(config, std::move(params), std::move(choice.plan), comm,
-                                     device);
+  // Groups are resolved before the engine exists: a pattern that matches nothing is a note of
+  // the engine's config.
+  Config with_notes = config;
+  ASSIGN_OR_RETURN(zero_internal::GroupChoice groups,
+                   zero_internal::ResolveParamGroups(params, config.param_groups,
+                                                     options.param_groups, options.no_decay_1d,
+                                                     &with_notes.notes));
+  auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
+                                     std::move(choice.plan), comm, device);
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
+  impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,
+                                                               std::move(groups));
+  impl->hyper_ = std::make_unique<zero_internal::Hyperparams>(
+      ScalarsOf(impl->config_.optimizer), options.lr_schedule);
   RETURN_IF_ERROR(impl->CheckPeersAgree());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -491,13 +644,15 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
 }
 
 bool Engine::at_step_boundary() const {
-  return impl_->micro_ == 0 && !impl_->grads_->any_ready();
+  return impl_->micro_ == 0 && !impl_->grads_->any_ready() && !impl_->pending_.active;
 }
 
 EngineState Engine::state() const {
   EngineState e;
   static_cast<ScalerState&>(e) = impl_->scaler_.state();
   e.step = impl_->step_;
+  e.hyperparams = impl_->hyper_->current();
+  e.hyperparams_set = impl_->hyper_->set();
   return e;
 }
 
@@ -572,6 +727,9 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
     return absl::FailedPreconditionError(
         "RestoreOwnedState inside an accumulation window: restore between optimizer steps");
   }
+  if (state.hyperparams_set) {  // checked before anything changes
+    RETURN_IF_ERROR(ValidateScalars(state.hyperparams, "RestoreOwnedState: hyperparams"));
+  }
   RETURN_IF_ERROR(e.snapshot_->Fence(/*host=*/true));
   for (int u = 0; u < num_units(); ++u) {
     const int64_t off = e.plan_.units[u].shard_offset;
@@ -582,6 +740,8 @@ absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Spa
   e.gatherer_->Invalidate();
   e.step_ = state.step;
   e.scaler_.set_state(state);
+  // The trainer's scalars come back with the state; without any, the config's rule again.
+  RETURN_IF_ERROR(e.hyper_->Restore(state.hyperparams_set, state.hyperparams));
   e.timer_.Reset();
   return e.dev_->Synchronize(e.streams_->compute());
 }

@@ -3,7 +3,8 @@
 // The trainer owns forward and backward; the engine owns the memory (exactly what memory::Plan
 // lists), the collectives and the optimizer step. Every rank creates one Engine over its
 // Communicator; all ranks must make the same sequence of collective-bearing calls (InitParams,
-// Gather, GradReady, Step, GatherMasterWeights).
+// Gather, GradReady, Step or ComputeGradNorm + ApplyStep / SkipStep, GatherMasterWeights,
+// AllReduceScalars, Barrier).
 //
 // One micro-step (gradient_accumulation_steps of them per optimizer step):
 //
@@ -14,6 +15,15 @@
 //     for each param i of unit: write dLoss/dparam into engine->grad(i); engine->GradReady(i);
 //     engine->Release(unit);                   // stage 3
 //   ASSIGN_OR_RETURN(StepStats stats, engine->Step());   // applies AdamW every GAS micro-steps
+//
+// Hyperparameters: SetLearningRate / SetHyperparams before a step set what it uses; without
+// them the step takes EngineOptions::lr_schedule(t), else the config's optimizer block.
+// Parameter groups (weight decay and lr multiplier per parameter) come from
+// EngineOptions::param_groups, Config::param_groups patterns, or EngineOptions::no_decay_1d.
+//
+// Split step, when the trainer decides on the norm (skip outliers, its own clipping): on the
+// last micro-step of a window call ComputeGradNorm() instead of Step(), then ApplyStep() or
+// SkipStep() on every rank alike (the engine checks that the ranks agree).
 //
 // Buffers:
 //  - param(i): the compute-dtype parameter (bf16/fp16 bits, or float in fp32 mode). Stages 0-2:
@@ -51,6 +61,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +72,7 @@
 #include "memory/plan.h"
 #include "device/device.h"
 #include "zero/config.h"
+#include "zero/hyperparams.h"
 #include "zero/loss_scaler.h"
 
 namespace zerort {
@@ -73,6 +85,8 @@ struct StepStats {
   double loss_scale = 1;    // scale of the gradients of this window (1 unless fp16)
   double grad_norm = 0;     // global L2 norm of the unscaled, averaged gradients before clipping
   double clip_coef = 1;     // factor applied by gradient clipping (1 = not clipped)
+  double lr = 0;            // boundary: the base learning rate of this step (before lr_scale)
+  double weight_decay = 0;  // boundary: the weight decay of parameters in no group
   int64_t comm_bytes = 0;   // bytes this rank sent since the previous boundary
   double reduce_ms = 0;     // time in gradient reductions since the previous boundary
   double optimizer_ms = 0;  // norm, overflow check and AdamW
@@ -92,6 +106,25 @@ struct MemoryReport {
 // zero/loss_scaler.h's ScalerState.
 struct EngineState : ScalerState {
   int64_t step = 0;  // optimizer steps applied (AdamW's t)
+  // The scalars the trainer last set (SetHyperparams / SetLearningRate), and whether it set
+  // any: a restored state with hyperparams_set keeps them; without, the engine's config and
+  // lr_schedule stay in charge (so a resumed run may change the config's optimizer block).
+  AdamWScalars hyperparams;
+  bool hyperparams_set = false;
+};
+
+// ComputeGradNorm's verdict, the same on every rank.
+struct GradNormInfo {
+  double norm = 0;         // global L2 norm of the unscaled, averaged gradients (Inf on overflow)
+  bool overflow = false;   // an Inf/NaN on some rank: only SkipStep() is allowed
+  double clip_coef = 1;    // what gradient_clipping would apply (1 = not clipped)
+  double loss_scale = 1;   // scale of this window's gradients (1 unless fp16)
+};
+
+struct ApplyOptions {
+  // Replaces the config's clipping factor for this step (the gradients are multiplied by it
+  // before AdamW): finite, >= 0, the same on every rank.
+  std::optional<double> clip_coef;
 };
 
 // How the engine meets the trainer's device work.
@@ -100,6 +133,17 @@ struct EngineOptions {
   // stream). The engine enqueues its device work on it, so gradients written there before
   // GradReady and parameters read there after Gather are ordered without host waits.
   Device::Stream compute_stream = nullptr;
+
+  // Per parameter (indexed like Create's `params`), or empty: the parameter's group. Unset
+  // entries fall to Config::param_groups (first matching glob), then to no_decay_1d.
+  std::vector<std::optional<ParamGroup>> param_groups;
+  // Puts one-dimensional parameters no earlier rule placed into a group with weight decay 0
+  // (biases, norm gains): the usual recipe, only when asked.
+  bool no_decay_1d = false;
+  // The learning rate of optimizer step t (1-based) while the trainer has not called
+  // SetLearningRate / SetHyperparams; null = the config's optimizer.lr. Must give the same value
+  // on every rank. Called once per applied step.
+  std::function<double(int64_t step)> lr_schedule;
 };
 
 class Engine {
@@ -148,9 +192,47 @@ class Engine {
   absl::Status Gather(int unit);
   absl::Status Release(int unit);
 
-  // Ends a micro-step; on every gradient_accumulation_steps-th call applies the optimizer.
-  // FailedPrecondition naming the first parameter whose GradReady is missing.
+  // Ends a micro-step; on every gradient_accumulation_steps-th call applies the optimizer
+  // (ComputeGradNorm, then SkipStep on overflow, else ApplyStep). FailedPrecondition naming the
+  // first parameter whose GradReady is missing, or while a split step is pending.
   absl::StatusOr<StepStats> Step();
+
+  // --- split step ---------------------------------------------------------------------------
+  // True when the next Step() / ComputeGradNorm() ends an accumulation window.
+  bool last_micro_step() const;
+  // Ends the last micro-step of a window and measures its gradients: the global norm, the
+  // overflow verdict and the clip factor, identical on every rank. Nothing is applied until
+  // ApplyStep() or SkipStep(); a second call returns the same verdict without communicating.
+  // FailedPrecondition unless last_micro_step() (use Step() for the others). Collective.
+  absl::StatusOr<GradNormInfo> ComputeGradNorm();
+  // Applies AdamW to the measured gradients, as Step() would. Every rank must call the same
+  // one of ApplyStep / SkipStep with the same options: they check it (one small all-gather)
+  // and fail alike with FailedPrecondition otherwise, leaving the decision pending.
+  // FailedPrecondition on overflow (only SkipStep then) or without ComputeGradNorm. Collective.
+  absl::StatusOr<StepStats> ApplyStep(const ApplyOptions& options = {});
+  // Drops the measured gradients: parameters, m, v, the step count and, unless the window
+  // overflowed (which the fp16 scaler counts as Step() does), the loss scaler stay as they
+  // were. StepStats.skipped is set. Collective.
+  absl::StatusOr<StepStats> SkipStep();
+
+  // --- hyperparameters ------------------------------------------------------------------------
+  // The scalars of the next steps, on every rank alike (not collective). InvalidArgument naming
+  // the value (nothing changes then). Allowed any time, also before the first step; a step
+  // reads them when it applies AdamW.
+  absl::Status SetHyperparams(const AdamWScalars& scalars);
+  absl::Status SetLearningRate(double lr);
+  // What the next step uses, except that lr comes from EngineOptions::lr_schedule until the
+  // trainer sets one.
+  AdamWScalars hyperparams() const;
+  // The group of parameter i: nullopt for none (the current weight decay, lr_scale 1).
+  std::optional<ParamGroup> param_group(int i) const;
+
+  // --- scalars through the engine's communicator ---------------------------------------------
+  // values[k] = op over ranks of values[k] (kSum, kAvg, kMax), reduced in rank order in double,
+  // so every rank gets the same bits. Collective; REQUIRES the same values.size() everywhere.
+  absl::Status AllReduceScalars(absl::Span<double> values, comm::ReduceOp op);
+  // Returns once every rank has called it. Collective.
+  absl::Status Barrier();
 
   // The full fp32 master weights (the parameters themselves in fp32 mode), concatenated in
   // registration order. Collective (all-gathers the shards).

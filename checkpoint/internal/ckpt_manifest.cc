@@ -1,6 +1,7 @@
 #include "checkpoint/internal/ckpt_manifest.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <utility>
@@ -78,6 +79,10 @@ Json Body(const Manifest& m) {
                       {"hysteresis_left", m.scaler_hysteresis_left},
                       {"iter", m.scaler_iter},
                       {"last_overflow_iter", m.scaler_last_overflow}};
+  if (m.hyperparams_set) {
+    j["optimizer"] = {{"lr", m.lr}, {"beta1", m.beta1}, {"beta2", m.beta2}, {"eps", m.eps},
+                      {"weight_decay", m.weight_decay}};
+  }
   j["shard_elements"] = m.shard_elements;
   Json sections = Json::array({"master:fp32", "exp_avg:fp32", "exp_avg_sq:fp32"});
   if (m.has_param_section) sections.push_back(absl::StrCat("param:", DTypeName(m.compute_dtype)));
@@ -170,6 +175,16 @@ absl::Status ReadScalars(const JsonFields& r, Manifest* m) {
   m->scaler_hysteresis_left = static_cast<int>(h);
   ASSIGN_OR_RETURN(m->scaler_iter, s.Int("iter", 0, kMaxElements));
   ASSIGN_OR_RETURN(m->scaler_last_overflow, s.Int("last_overflow_iter", -1, kMaxElements));
+  if (r.Find("optimizer") == nullptr) return absl::OkStatus();  // the config's scalars
+  ASSIGN_OR_RETURN(const Json* opt, r.Object("optimizer"));
+  JsonFields o(*opt, r.Path("optimizer"));
+  for (auto [key, dst] : {std::pair<const char*, double*>{"lr", &m->lr}, {"beta1", &m->beta1},
+                          {"beta2", &m->beta2}, {"eps", &m->eps},
+                          {"weight_decay", &m->weight_decay}}) {
+    ASSIGN_OR_RETURN(*dst, o.Number(key));
+    if (!std::isfinite(*dst)) return Bad(absl::StrCat("optimizer.", key), "not finite");
+  }
+  m->hyperparams_set = true;
   return absl::OkStatus();
 }
 

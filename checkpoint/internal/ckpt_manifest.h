@@ -72,6 +72,9 @@ struct Manifest {
   int scaler_hysteresis_left = 0;
   int64_t scaler_iter = 0;
   int64_t scaler_last_overflow = -1;
+  // The trainer's AdamW scalars ("optimizer" on disk, only when it set them).
+  bool hyperparams_set = false;
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
 
   int64_t shard_elements = 0;
   bool has_param_section = false;  // stage 3: the compute-dtype parameter shard follows v

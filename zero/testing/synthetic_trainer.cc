@@ -61,41 +61,48 @@ Config TestConfig(int stage, DType precision, int gas, double clip, bool offload
   return c;
 }
 
+absl::Status Backward(Engine& e, int step, int micro, std::vector<std::vector<char>>* host,
+                      float factor, bool overflow) {
+  const int r = e.communicator()->rank();
+  const DType dtype = e.plan().options.compute_dtype;
+  // Forward visits units in forward order (the plan lists them in backward order).
+  for (int u = e.num_units() - 1; u >= 0; --u) {
+    RETURN_IF_ERROR(e.Gather(u));
+    for (int i : e.plan().units[u].params) RETURN_IF_ERROR(e.param(i).status());
+    RETURN_IF_ERROR(e.Release(u));
+  }
+  for (int u = 0; u < e.num_units(); ++u) {
+    RETURN_IF_ERROR(e.Gather(u));
+    for (int i : e.plan().units[u].params) {
+      ASSIGN_OR_RETURN(void* g, e.grad(i));
+      const int64_t n = e.plan().params[i].numel;
+      // Built on the host and copied in on the compute stream, without waiting, as a
+      // trainer's backward writes device memory: the engine must order what follows.
+      host->emplace_back(n * DTypeSize(dtype));
+      for (int64_t k = 0; k < n; ++k) {
+        float v = static_cast<float>(GradValue(r, step, micro, i, k) * factor * e.loss_scale());
+        if (overflow && k == 0) v = INFINITY;
+        Store(host->back().data(), dtype, k, v);
+      }
+      RETURN_IF_ERROR(
+          e.device()->Copy(g, host->back().data(), host->back().size(), e.compute_stream()));
+      RETURN_IF_ERROR(e.GradReady(i));
+    }
+    RETURN_IF_ERROR(e.Release(u));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>& overflow_steps,
                         int overflow_rank, std::vector<StepStats>* stats) {
   const int r = e.communicator()->rank();
-  const DType dtype = e.plan().options.compute_dtype;
   std::vector<std::vector<char>> host;  // this micro-step's gradients, until copied
   for (int step = first; step < first + steps; ++step) {
     const bool overflow =
         r == overflow_rank &&
         std::find(overflow_steps.begin(), overflow_steps.end(), step) != overflow_steps.end();
     for (int micro = 0; micro < e.config().gradient_accumulation_steps; ++micro) {
-      // Forward visits units in forward order (the plan lists them in backward order).
-      for (int u = e.num_units() - 1; u >= 0; --u) {
-        RETURN_IF_ERROR(e.Gather(u));
-        for (int i : e.plan().units[u].params) RETURN_IF_ERROR(e.param(i).status());
-        RETURN_IF_ERROR(e.Release(u));
-      }
-      for (int u = 0; u < e.num_units(); ++u) {
-        RETURN_IF_ERROR(e.Gather(u));
-        for (int i : e.plan().units[u].params) {
-          ASSIGN_OR_RETURN(void* g, e.grad(i));
-          const int64_t n = e.plan().params[i].numel;
-          // Built on the host and copied in on the compute stream, without waiting, as a
-          // trainer's backward writes device memory: the engine must order what follows.
-          host.emplace_back(n * DTypeSize(dtype));
-          for (int64_t k = 0; k < n; ++k) {
-            float v = static_cast<float>(GradValue(r, step, micro, i, k) * e.loss_scale());
-            if (overflow && micro == 0 && k == 0) v = INFINITY;
-            Store(host.back().data(), dtype, k, v);
-          }
-          RETURN_IF_ERROR(
-              e.device()->Copy(g, host.back().data(), host.back().size(), e.compute_stream()));
-          RETURN_IF_ERROR(e.GradReady(i));
-        }
-        RETURN_IF_ERROR(e.Release(u));
-      }
+      RETURN_IF_ERROR(Backward(e, step, micro, &host, 1.0f, overflow && micro == 0));
       ASSIGN_OR_RETURN(StepStats s, e.Step());
       RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));  // `host` is reused
       host.clear();

@@ -37,6 +37,13 @@ struct TrainResult {
   MemoryReport report;
 };
 
+// One micro-step's forward gathers and backward: writes (rank, step, micro)'s gradients times
+// `factor` (an Inf in the first element of each parameter with `overflow`) and marks them
+// ready, without Step(). The copies read `host` (appended to) on the compute stream: keep it
+// until the stream is synchronized.
+absl::Status Backward(Engine& engine, int step, int micro, std::vector<std::vector<char>>* host,
+                      float factor = 1, bool overflow = false);
+
 // Optimizer steps [first, first + steps) on an engine whose parameters are set. Gradients depend
 // on the global step index, so a resumed run sees exactly what an uninterrupted one does. At each
 // step in `overflow_steps`, rank `overflow_rank` writes an Inf into its first gradient element.

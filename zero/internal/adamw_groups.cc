@@ -1,0 +1,118 @@
+#include "zero/internal/adamw_groups.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace zerort {
+namespace zero_internal {
+
+absl::StatusOr<GroupChoice> ResolveParamGroups(
+    const std::vector<memory::ParamSpec>& specs, const std::vector<ParamGroupConfig>& patterns,
+    const std::vector<std::optional<ParamGroup>>& explicit_groups, bool no_decay_1d,
+    std::vector<std::string>* notes) {
+  if (!explicit_groups.empty() && explicit_groups.size() != specs.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EngineOptions::param_groups has ", explicit_groups.size(), " entries for ",
+        specs.size(), " parameters: give one per parameter, or none"));
+  }
+  GroupChoice c;
+  // Groups [0, patterns) are the config's; later ones are explicit or no-decay groups.
+  for (size_t k = 0; k < patterns.size(); ++k) {
+    const ParamGroupConfig& p = patterns[k];
+    RETURN_IF_ERROR(ValidateGroup({p.weight_decay, p.lr_scale},
+                                  absl::StrCat("zerort.param_groups[", k, "] ('", p.pattern,
+                                               "')")));
+    c.groups.push_back({p.weight_decay, p.lr_scale});
+  }
+  std::vector<bool> used(patterns.size(), false);
+  int no_decay = -1;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    int g = -1;
+    if (!explicit_groups.empty() && explicit_groups[i].has_value()) {
+      RETURN_IF_ERROR(ValidateGroup(*explicit_groups[i],
+                                    absl::StrCat("parameter '", specs[i].name, "' group")));
+      g = static_cast<int>(c.groups.size());
+      c.groups.push_back(*explicit_groups[i]);
+    }
+    for (size_t k = 0; g < 0 && k < patterns.size(); ++k) {
+      if (GlobMatch(patterns[k].pattern, specs[i].name)) {
+        g = static_cast<int>(k);
+        used[k] = true;
+      }
+    }
+    if (g < 0 && no_decay_1d && specs[i].shape.size() == 1) {
+      if (no_decay < 0) {
+        no_decay = static_cast<int>(c.groups.size());
+        c.groups.push_back({0.0, 1.0});
+      }
+      g = no_decay;
+    }
+    c.of_param.push_back(g);
+  }
+  for (size_t k = 0; k < patterns.size(); ++k) {
+    if (used[k] || notes == nullptr) continue;
+    notes->push_back(absl::StrCat("zerort.param_groups[", k, "]: pattern '",
+                                  patterns[k].pattern,
+                                  "' matches no parameter (or only ones an earlier group or "
+                                  "EngineOptions::param_groups took)"));
+  }
+  return c;
+}
+
+AdamWGroups::AdamWGroups(const memory::Plan& plan, const ShardLayout& layout,
+                         GroupChoice choice)
+    : choice_(std::move(choice)), by_group_(choice_.groups.size() + 1) {
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    const Region& reg = layout.region(static_cast<int>(u));
+    const int64_t lo = reg.unit_begin, hi = reg.unit_begin + reg.n;
+    std::vector<int> params = plan.units[u].params;
+    std::sort(params.begin(), params.end(), [&](int a, int b) {
+      return plan.params[a].offset_in_unit < plan.params[b].offset_in_unit;
+    });
+    std::vector<offload::AdamWRange> ranges;
+    std::vector<int> groups;
+    for (int i : params) {
+      const memory::ParamLayout& p = plan.params[i];
+      if (p.offset_in_unit + p.numel <= lo || p.offset_in_unit >= hi) continue;
+      const int g = choice_.of_param[i];
+      if (!groups.empty() && groups.back() == g) continue;  // extends the previous range
+      // The first range starts at the region's start: a parameter straddling into it.
+      const size_t begin = ranges.empty() ? 0 : static_cast<size_t>(p.offset_in_unit - lo);
+      if (!ranges.empty()) ranges.back().end = begin;
+      ranges.push_back({begin, 0, {}});
+      groups.push_back(g);
+    }
+    if (ranges.empty()) {  // only padding
+      ranges.push_back({0, 0, {}});
+      groups.push_back(-1);
+    }
+    ranges.back().end = static_cast<size_t>(reg.n);
+    ranges_.push_back(std::move(ranges));
+    range_group_.push_back(std::move(groups));
+  }
+}
+
+absl::StatusOr<const std::vector<std::vector<offload::AdamWRange>>*> AdamWGroups::Prepare(
+    const AdamWScalars& s, int64_t step) {
+  for (size_t g = 0; g < by_group_.size(); ++g) {
+    double lr = s.lr, wd = s.weight_decay;
+    if (g > 0) {
+      lr *= choice_.groups[g - 1].lr_scale;
+      wd = choice_.groups[g - 1].weight_decay;
+    }
+    ASSIGN_OR_RETURN(by_group_[g],
+                     offload::MakeAdamWStepParams(lr, s.beta1, s.beta2, s.eps, wd, step));
+  }
+  for (size_t u = 0; u < ranges_.size(); ++u) {
+    for (size_t k = 0; k < ranges_[u].size(); ++k) {
+      ranges_[u][k].params = by_group_[range_group_[u][k] + 1];
+    }
+  }
+  return &ranges_;
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

@@ -1,0 +1,61 @@
+// The trainer's side of the optimizer step: the AdamW scalars in force (the config's, a
+// schedule's learning rate, or what the trainer set), the check that every rank took the same
+// decision after a split step's ComputeGradNorm, and reductions of a few doubles.
+//
+// Thread safety: not thread-safe; one per engine (the free functions are collective).
+#ifndef ZERORT_ZERO_INTERNAL_STEP_CONTROL_H_
+#define ZERORT_ZERO_INTERNAL_STEP_CONTROL_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "comm/agree.h"
+#include "comm/communicator.h"
+#include "zero/hyperparams.h"
+
+namespace zerort {
+namespace zero_internal {
+
+class Hyperparams {
+ public:
+  // `config`: the scalars before the trainer sets any; `schedule` (may be null): the learning
+  // rate of step t until then.
+  Hyperparams(const AdamWScalars& config, std::function<double(int64_t)> schedule)
+      : config_(config), current_(config), schedule_(std::move(schedule)) {}
+
+  // InvalidArgument naming `who` and the value; nothing changes then.
+  absl::Status Set(const AdamWScalars& scalars, const char* who);
+  absl::Status SetLearningRate(double lr);
+  // The scalars of optimizer step `step` (1-based); a scheduled rate is validated here.
+  absl::StatusOr<AdamWScalars> ForStep(int64_t step) const;
+  // Back to a saved state: the trainer's scalars when `set`, else the config's rule.
+  absl::Status Restore(bool set, const AdamWScalars& scalars);
+
+  const AdamWScalars& current() const { return current_; }
+  bool set() const { return set_; }
+
+ private:
+  const AdamWScalars config_;
+  AdamWScalars current_;
+  bool set_ = false;  // the trainer called Set or SetLearningRate
+  const std::function<double(int64_t)> schedule_;
+};
+
+// FailedPrecondition on every rank, naming rank 0's and the first differing rank's call, unless
+// all ranks chose the same (apply, clip). Collective.
+absl::Status AgreeOnDecision(comm::HostExchange& exchange, bool apply,
+                             std::optional<double> clip);
+
+// values[k] = op over ranks, in rank order in double (the same bits everywhere).
+// InvalidArgument on every rank when the ranks pass different counts. Collective.
+absl::Status AllReduceDoubles(comm::HostExchange& exchange, absl::Span<double> values,
+                              comm::ReduceOp op);
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_STEP_CONTROL_H_
