@@ -121,7 +121,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
-                                                         mem.grad_buckets());
+                                                         mem.grad_buckets(), mem.grad_wire());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
@@ -152,7 +152,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   // identical models on two MPI processes look different.
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
-                                   "|", offload_);
+                                   "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
+                                   plan_.options.fp32_grad_comm);
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
   }
@@ -248,7 +249,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
   const bool write_param = memory_->model_state().master != nullptr;
   for (int u = 0; u < num_units(); ++u) {
     const Region& reg = region(u);
-    offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
+    offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, reg.grad_dtype,
                            write_param ? reg.param : nullptr, cdt_, static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(dev_->AdamW(a, params, grad_scale, streams_->compute()));
   }

@@ -37,8 +37,9 @@ namespace zero_internal {
 class GradBuckets {
  public:
   // Every pointer must outlive this object.
+  // `wire`: the plan's fp32 grad_wire scratch (null when neither fp32 option is set).
   GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
-              const SlottedBuffer& buckets);
+              const SlottedBuffer& buckets, float* wire);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
   // FailedPrecondition after its GradReady, or when every bucket holds an unfinished unit.
@@ -60,12 +61,24 @@ class GradBuckets {
   absl::Status ClearFullGradients();
 
  private:
+  // A reduced block: n elements of dtype at data.
+  struct Reduced {
+    char* data;
+    DType dtype;
+    int64_t n;
+  };
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
+  absl::StatusOr<Reduced> Collective(char* full, const memory::Unit& unit, char* out);
+  absl::Status Deposit(char* dst, const Reduced& r, bool first, char* spare);
+  char* Spare(char* full, const memory::Unit& unit) const;
   absl::Status ReduceFull(const memory::Unit& unit, bool first_micro);     // stages 0-1
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
   const int gas_;
+  const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
+  const DType wire_dtype_;  // gradients are reduced in
+  float* const wire_;
   char* const grads_;
   char* const accum_;
   const SlottedBuffer buckets_;
