@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
@@ -202,6 +203,15 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(const zr_param
     specs[i].shape.assign(p.shape, p.shape + p.ndim);
   }
   return specs;
+}
+
+// params[0..count-1] as a span, or InvalidArgument naming the call.
+absl::StatusOr<absl::Span<const int>> IndexSpan(const int* params, int count, const char* call) {
+  if (count < 0 || (count > 0 && params == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, ": params must hold count >= 0 indices (count ", count, ")"));
+  }
+  return absl::Span<const int>(params, static_cast<size_t>(count));
 }
 
 }  // namespace
@@ -455,6 +465,24 @@ zr_status zr_engine_release(zr_engine* engine, int unit) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_release", "engine"));
     return engine->engine->Release(unit);
+  });
+}
+
+zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_acquire", "engine"));
+    ASSIGN_OR_RETURN(const absl::Span<const int> set,
+                     IndexSpan(params, count, "zr_engine_acquire"));
+    return engine->engine->Acquire(set);
+  });
+}
+
+zr_status zr_engine_release_params(zr_engine* engine, const int* params, int count) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_release_params", "engine"));
+    ASSIGN_OR_RETURN(const absl::Span<const int> set,
+                     IndexSpan(params, count, "zr_engine_release_params"));
+    return engine->engine->Release(set);
   });
 }
 

@@ -461,6 +461,16 @@ absl::Status Engine::Release(int unit) {
   return impl_->gatherer_->Release(unit);
 }
 
+absl::Status Engine::Acquire(absl::Span<const int> params) {
+  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+  return impl_->gatherer_->Acquire(params);
+}
+
+absl::Status Engine::Release(absl::Span<const int> params) {
+  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Release", i, /*unit=*/false));
+  return impl_->gatherer_->ReleaseParams(params);
+}
+
 absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
   Impl& m = *impl_;
   const Device::Stream compute = m.streams_->compute();

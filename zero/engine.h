@@ -7,6 +7,7 @@
 //
 // One micro-step (gradient_accumulation_steps of them per optimizer step):
 //
+//   (or, without tracking units: engine->Acquire(layer_params) ... engine->Release(layer_params))
 //   for unit in forward order:                 // stage 3 only; no-ops otherwise
 //     engine->Gather(unit); forward(unit uses engine->param(i)); engine->Release(unit);
 //   for unit in backward order (plan().units order):
@@ -147,6 +148,20 @@ class Engine {
   // free); Release lets its slot be reused. No-ops in stages 0-2. Collective.
   absl::Status Gather(int unit);
   absl::Status Release(int unit);
+
+  // Reference-counted gathers by parameter, so a trainer never tracks units: Acquire(params)
+  // holds every distinct unit of `params` once more (stage 3 gathers it on its first hold, with
+  // prefetch as Gather), Release(params) once less (its last hold lets the slot be reused). A
+  // unit shared by two layers, or a tied embedding acquired by the embedding and the head, stays
+  // gathered until its last Release. param(i) is readable while its unit is held. Holds are
+  // counted in every stage (a no-op for memory in stages 0-2 and for persistent units), so an
+  // unbalanced Release fails in stage 0 already. Errors: OutOfRange for an index outside the
+  // model; FailedPrecondition when the gather slots are all held (naming
+  // stage3_prefetch_bucket_size, which sets their count), or, naming the parameter, for a
+  // Release of a unit not held; a failed call changes no count. Collective in stage 3.
+  // Note: Release({u}) with one braced index is the unit call above; pass a vector or span.
+  absl::Status Acquire(absl::Span<const int> params);
+  absl::Status Release(absl::Span<const int> params);
 
   // Ends a micro-step; on every gradient_accumulation_steps-th call applies the optimizer.
   // FailedPrecondition naming the first parameter whose GradReady is missing.

@@ -2,6 +2,8 @@
 // communication_dtype), reference-counted gathers, and gradient hand-off without a copy.
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <string>
 #include <limits>
 #include <thread>
 #include <vector>
@@ -9,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "base/half.h"
+#include "base/status.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "offload/cpu_adamw.h"
@@ -119,6 +122,117 @@ TEST_CASE("Engine: fp32 accumulation alone is exact where nothing is reduced", "
     const std::vector<float> ref = ReferenceMasters(c, 1, 4);
     CHECK(MaxGap(TrainMasters(c, 1, 4), ref) <= Fp32Bound(c, 1, 4));
   }
+}
+
+// Runs fn(engine) on `world` in-process ranks, each with its own engine over `config` and the
+// small model with InitValue parameters; returns each rank's status.
+std::vector<absl::Status> OnEngines(const Config& config, int world,
+                                    const std::function<absl::Status(Engine&)>& fn) {
+  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions{});
+  std::vector<absl::Status> out(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto engine = Engine::Create(config, SmallModel(), comms[r].get(), device.get());
+      if (!engine.ok()) {
+        out[r] = engine.status();
+        return;
+      }
+      out[r] = (*engine)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+        int64_t n = 1;
+        for (int64_t d : spec.shape) n *= d;
+        for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+      });
+      if (out[r].ok()) out[r] = fn(**engine);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return out;
+}
+
+absl::Status Expect(bool cond, const std::string& what) {
+  return cond ? absl::OkStatus() : absl::InternalError("expected: " + what);
+}
+
+absl::Status ExpectError(const absl::Status& st, absl::StatusCode code, const std::string& has) {
+  return Expect(st.code() == code && std::string(st.message()).find(has) != std::string::npos,
+                "an error containing '" + has + "', got: " + st.ToString());
+}
+
+// Parameter i is readable and holds bf16(InitValue).
+absl::Status ExpectReadable(Engine& e, int i) {
+  void* p = nullptr;
+  ASSIGN_OR_RETURN(p, e.param(i));
+  std::vector<uint16_t> host(3);
+  RETURN_IF_ERROR(e.device()->Copy(host.data(), p, 6, e.compute_stream()));
+  RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
+  for (int k = 0; k < 3; ++k) {
+    RETURN_IF_ERROR(Expect(host[k] == FloatToBf16(InitValue(i, k)), "gathered values"));
+  }
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: Acquire/Release count holds per unit (tied parameter, nesting)", "[engine]") {
+  // SmallModel: 0 embed.w, 1-2 l0, 3-4 l1, 5 l2, 6 head.w; the head reuses embed.w (tied).
+  const std::vector<int> embed = {0}, layer0 = {1, 2}, head = {6, 0};
+  const auto code = absl::StatusCode::kFailedPrecondition;
+  const Config c = testing::TestConfig(3, DType::kBF16, 1, 0.0, false);
+  const std::vector<absl::Status> st = OnEngines(c, 2, [&](Engine& e) -> absl::Status {
+    RETURN_IF_ERROR(Expect(!e.plan().units[e.unit_of(0)].persistent, "embed.w is gathered"));
+    RETURN_IF_ERROR(Expect(e.unit_of(0) != e.unit_of(6), "head and embed in different units"));
+    RETURN_IF_ERROR(e.Acquire(embed));  // forward: the embedding
+    RETURN_IF_ERROR(ExpectReadable(e, 0));
+    RETURN_IF_ERROR(e.Acquire(layer0));
+    RETURN_IF_ERROR(ExpectReadable(e, 1));
+    RETURN_IF_ERROR(e.Release(layer0));
+    RETURN_IF_ERROR(e.Acquire(head));  // the head needs embed.w again while it is still held
+    RETURN_IF_ERROR(e.Release(embed));
+    RETURN_IF_ERROR(ExpectReadable(e, 0));  // the head's hold keeps it
+    RETURN_IF_ERROR(ExpectReadable(e, 6));
+    // The unit call refuses a unit held by parameter: Gather/Release(unit) do not count.
+    RETURN_IF_ERROR(ExpectError(e.Gather(e.unit_of(0)), code, "already gathered"));
+    RETURN_IF_ERROR(e.Release(head));
+    RETURN_IF_ERROR(ExpectError(e.param(0).status(), code, "is not gathered"));
+    RETURN_IF_ERROR(ExpectError(e.Release(embed), code, "parameter 'embed.w'"));
+    RETURN_IF_ERROR(ExpectError(e.Acquire(std::vector<int>{7}), absl::StatusCode::kOutOfRange,
+                                "Acquire(7)"));
+    RETURN_IF_ERROR(e.Gather(e.unit_of(0)));  // the unit calls still work
+    RETURN_IF_ERROR(ExpectReadable(e, 0));
+    return e.Release(e.unit_of(0));
+  });
+  for (const absl::Status& s : st) CHECK(s.ToString() == "OK");
+}
+
+TEST_CASE("Engine: too few gather slots name the setting; a failed Acquire holds nothing",
+          "[engine]") {
+  Config c = testing::TestConfig(3, DType::kBF16, 1, 0.0, false);
+  c.zero.stage3_prefetch_bucket_size = 0;  // one gather slot
+  const std::vector<absl::Status> st = OnEngines(c, 2, [&](Engine& e) -> absl::Status {
+    RETURN_IF_ERROR(Expect(e.plan().gather_slots == 1, "one slot"));
+    RETURN_IF_ERROR(ExpectError(e.Acquire(std::vector<int>{0, 1}),
+                                absl::StatusCode::kFailedPrecondition,
+                                "zero_optimization.stage3_prefetch_bucket_size"));
+    RETURN_IF_ERROR(ExpectError(e.Release(std::vector<int>{0}),
+                                absl::StatusCode::kFailedPrecondition, "'embed.w'"));
+    RETURN_IF_ERROR(e.Acquire(std::vector<int>{1}));
+    RETURN_IF_ERROR(ExpectReadable(e, 1));
+    return e.Release(std::vector<int>{1});
+  });
+  for (const absl::Status& s : st) CHECK(s.ToString() == "OK");
+}
+
+TEST_CASE("Engine: holds are counted in stage 0 too", "[engine]") {
+  const Config c = testing::TestConfig(0, DType::kBF16, 1, 0.0, false);
+  const std::vector<absl::Status> st = OnEngines(c, 1, [&](Engine& e) -> absl::Status {
+    RETURN_IF_ERROR(e.Acquire(std::vector<int>{6, 0}));
+    RETURN_IF_ERROR(e.Acquire(std::vector<int>{0}));
+    RETURN_IF_ERROR(e.Release(std::vector<int>{0}));
+    RETURN_IF_ERROR(e.Release(std::vector<int>{6, 0}));
+    return ExpectError(e.Release(std::vector<int>{6}), absl::StatusCode::kFailedPrecondition,
+                       "parameter 'head.w'");
+  });
+  CHECK(st[0].ToString() == "OK");
 }
 
 }  // namespace
