@@ -454,6 +454,19 @@ zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit) {
   });
 }
 
+zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_grad_buffer", "engine"));
+    ASSIGN_OR_RETURN(const bool d, engine->engine->SetGradBuffer(i, buffer));
+    if (direct != nullptr) *direct = d ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int zr_engine_reduced_units(const zr_engine* engine) {
+  return engine == nullptr ? 0 : engine->engine->reduced_units();
+}
+
 zr_status zr_engine_gather(zr_engine* engine, int unit) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather", "engine"));

@@ -227,6 +227,16 @@ zr_status zr_engine_grad(zr_engine* engine, int i, void** out);
  * ZR_FAILED_PRECONDITION; an index outside the model ZR_OUT_OF_RANGE. */
 zr_status zr_engine_grad_ready(zr_engine* engine, int i);
 zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit);
+/* Gradient hand-off (zerort::Engine::SetGradBuffer): grad_ready(i) reads parameter i's
+ * gradient from `buffer` (compute dtype, numel elements, the device's memory; NULL undoes it)
+ * instead of zr_engine_grad(i), which then fails. *direct (may be NULL) is set to 1 when the
+ * unit is reduced straight from `buffer` (i alone fills its unit), 0 when grad_ready copies
+ * it. From grad_ready(i) until zr_engine_step returns the engine may read and overwrite the
+ * buffer; write it in full for each micro-step. ZR_FAILED_PRECONDITION part-way through the
+ * unit's gradients in a micro-step. */
+zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct);
+/* Units whose reduction has been issued in this micro-step (0 for NULL). */
+int zr_engine_reduced_units(const zr_engine* engine);
 /* Stage 3: make `unit`'s parameters readable / let its buffer be reused. No-ops in stages 0-2.
  * Collective. */
 zr_status zr_engine_gather(zr_engine* engine, int unit);

@@ -117,6 +117,14 @@ static void* RunRank(void* arg) {
 
   float x[BATCH][IN], y[BATCH][OUT], pred[BATCH][OUT], w[OUT * IN], b[OUT];
   float gw[OUT * IN], gb[OUT];
+  /* Without per-unit calls, the bias gradient comes from a buffer of the trainer's (the CPU
+   * device's memory is host memory); too small to fill a unit, it is copied at grad_ready. */
+  float gb_own[OUT]; /* room for OUT elements of any compute dtype */
+  if (!job->per_unit) {
+    int direct = -1;
+    MUST(zr_engine_set_grad_buffer(engine, 1, gb_own, &direct));
+    CHECK(direct == 0, "fc.b is padded: direct %d", direct);
+  }
   for (int step = 0; step < STEPS; ++step) {
     uint64_t state = 1000003ull * (uint64_t)(rank + 1) + (uint64_t)step;
     for (int s = 0; s < BATCH; ++s) {
@@ -179,12 +187,18 @@ static void* RunRank(void* arg) {
       MUST(zr_engine_grad_ready_unit(engine, unit_b));
       if (unit_w != unit_b) MUST(zr_engine_grad_ready_unit(engine, unit_w));
     } else {
-      MUST(zr_engine_grad(engine, 1, &p));
-      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      CHECK(zr_engine_grad(engine, 1, &p) == ZR_FAILED_PRECONDITION, "grad of a handed-off "
+            "parameter: %s", zr_last_error());
+      zr_convert(gb, ZR_F32, gb_own, dtype, OUT);
       MUST(zr_engine_grad_ready(engine, 1));
+      /* Its unit is reduced at once unless it waits for fc.w. */
+      CHECK(zr_engine_reduced_units(engine) == (unit_b != unit_w), "after fc.b: %d",
+            zr_engine_reduced_units(engine));
       MUST(zr_engine_grad(engine, 0, &p));
       zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
       MUST(zr_engine_grad_ready(engine, 0));
+      CHECK(zr_engine_reduced_units(engine) == 1 + (unit_b != unit_w), "after fc.w: %d",
+            zr_engine_reduced_units(engine));
     }
     zr_step_stats stats = {sizeof stats};
     MUST(zr_engine_step(engine, &stats));

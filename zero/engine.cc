@@ -443,6 +443,24 @@ absl::Status Engine::GradReady(int i) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Engine::SetGradBuffer(int i, void* buffer) {
+  RETURN_IF_ERROR(impl_->CheckRange("SetGradBuffer", i, /*unit=*/false));
+  return impl_->grads_->SetSource(i, buffer);
+}
+
+int Engine::reduced_units() const { return impl_->grads_->reduced_units(); }
+
+std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked) {
+  std::vector<memory::ParamSpec> out;
+  std::vector<int64_t> slice(stacked.shape.begin() + 1, stacked.shape.end());
+  if (slice.empty()) slice = {1};  // [L]: L scalars
+  for (int64_t l = 0; l < stacked.shape.at(0); ++l) {
+    const std::string suffix = absl::StrCat("[", l, "]");
+    out.push_back({stacked.name + suffix, slice, stacked.module + suffix});
+  }
+  return out;
+}
+
 absl::Status Engine::GradReadyUnit(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReadyUnit", unit, /*unit=*/true));
   for (int i : impl_->plan_.units[unit].params) {

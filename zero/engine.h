@@ -103,6 +103,15 @@ struct EngineOptions {
   Device::Stream compute_stream = nullptr;
 };
 
+// A stacked tensor ([L, ...], e.g. per-layer weights) declared as L parameters
+// "name[l]" of shape [...], each in module "module[l]", so that each layer's slice can be its
+// own unit and its GradReady starts that unit's reduction while backward goes on (with
+// SetGradBuffer(first + l, stacked_grad + l * slice elements) the trainer keeps one stacked
+// gradient tensor). A slice gets a unit of its own when it reaches reduce_bucket_size;
+// smaller slices are merged with their neighbours as any modules are. [L] gives L
+// scalars. REQUIRES: stacked.shape is not empty.
+std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked);
+
 class Engine {
  public:
   // Fills `values` (numel floats, row-major) with the initial value of parameter `index`.
@@ -143,6 +152,23 @@ class Engine {
   absl::Status GradReady(int i);
   // Marks every parameter of `unit` ready.
   absl::Status GradReadyUnit(int unit);
+
+  // Gradient hand-off from the trainer's own buffer: from now on GradReady(i) reads parameter
+  // i's gradient from `buffer` (compute dtype, numel elements, in the engine's device memory,
+  // written on the compute stream) instead of grad(i), which then fails. Returns true when
+  // the unit is reduced straight from `buffer`, without a copy: i is alone in its unit and
+  // fills it without padding (numel a multiple of world_size * 128 elements, the plan's
+  // shard alignment; alone in its unit when it reaches reduce_bucket_size), and not an fp32 wire without fp32
+  // accumulation; false when GradReady copies it into the engine's buffer (on the compute
+  // stream) first. Lifetime: the trainer writes `buffer` before GradReady(i); from
+  // GradReady(i) until Step() returns, the engine may read and overwrite it (the reduction
+  // may run in place), so the trainer writes it again, in full, for the next micro-step.
+  // nullptr goes back to grad(i). FailedPrecondition while i's unit is part-way through
+  // this micro-step; register between micro-steps.
+  absl::StatusOr<bool> SetGradBuffer(int i, void* buffer);
+  // Units whose reduction has been issued in this micro-step (reset by Step()): each starts
+  // at the GradReady that completes its unit, while backward goes on.
+  int reduced_units() const;
 
   // Stage 3: gathers `unit` (prefetching the next ones in the same direction while slots are
   // free); Release lets its slot be reused. No-ops in stages 0-2. Collective.

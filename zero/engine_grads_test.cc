@@ -235,5 +235,121 @@ TEST_CASE("Engine: holds are counted in stage 0 too", "[engine]") {
   CHECK(st[0].ToString() == "OK");
 }
 
+// One embedding and a stacked [4, 16, 16] weight declared as four slices of 256 elements:
+// each slice is a unit of its own (reduce_bucket_size 200) that fills it without padding at
+// world 2 (2 x 128 elements); the embedding's 40 elements do not.
+std::vector<memory::ParamSpec> StackedModel() {
+  std::vector<memory::ParamSpec> specs = {{"emb.w", {40}, "emb"}};
+  for (const memory::ParamSpec& s : StackedSlices({"blocks.w", {4, 16, 16}, "blocks"})) {
+    specs.push_back(s);
+  }
+  return specs;
+}
+
+struct StackedRun {
+  std::vector<float> master;
+  std::vector<int> reduced;  // reduced_units() after each GradReady, first micro-step
+};
+
+// Trains on this rank, writing each gradient either into grad(i) (copy path) or into the
+// trainer's own buffers handed over with SetGradBuffer: one stacked [4, 256] tensor and one
+// for the embedding. The CPU device's memory is host memory, so plain stores write it.
+absl::StatusOr<StackedRun> TrainStacked(Engine& e, bool handoff, int steps) {
+  constexpr int kSlice = 256;
+  const int r = e.communicator()->rank();
+  std::vector<uint16_t> stacked(4 * kSlice), emb(40);
+  auto buffer = [&](int i) { return i == 0 ? emb.data() : stacked.data() + (i - 1) * kSlice; };
+  if (handoff) {
+    for (int i = 0; i < 5; ++i) {
+      ASSIGN_OR_RETURN(const bool direct, e.SetGradBuffer(i, buffer(i)));
+      RETURN_IF_ERROR(Expect(direct == (i != 0), "slices are reduced in place, emb.w copied"));
+    }
+  }
+  StackedRun run;
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < e.config().gradient_accumulation_steps; ++micro) {
+      for (int i = 4; i >= 0; --i) {  // backward: the last slice first
+        const int64_t n = i == 0 ? 40 : kSlice;
+        uint16_t* g = buffer(i);
+        if (!handoff) {
+          void* slot = nullptr;
+          ASSIGN_OR_RETURN(slot, e.grad(i));
+          g = static_cast<uint16_t*>(slot);
+        }
+        for (int64_t k = 0; k < n; ++k) g[k] = FloatToBf16(GradValue(r, step, micro, i, k));
+        RETURN_IF_ERROR(e.GradReady(i));
+        if (step == 0 && micro == 0) run.reduced.push_back(e.reduced_units());
+      }
+      RETURN_IF_ERROR(e.Step().status());
+    }
+  }
+  ASSIGN_OR_RETURN(run.master, e.GatherMasterWeights());
+  return run;
+}
+
+TEST_CASE("Engine: gradients handed over in the trainer's buffers, stacked slices overlap",
+          "[engine]") {
+  for (int stage : {0, 1, 2, 3}) {
+    for (int gas : {1, 2}) {
+      for (bool fp32 : {false, true}) {
+        CAPTURE(stage, gas, fp32);
+        Config c = testing::TestConfig(stage, DType::kBF16, gas, 0.0, false);
+        if (fp32) c.grad_accum_dtype = c.communication_dtype = DType::kF32;
+        std::vector<StackedRun> runs[2];
+        for (bool handoff : {false, true}) {
+          auto comms = comm::CreateInProcessGroup(2, {c.comm_timeout_ms}).value();
+          auto device = CreateCpuDevice(CpuDeviceOptions{});
+          std::vector<absl::StatusOr<StackedRun>> out(2, absl::UnknownError("not run"));
+          std::vector<std::thread> threads;
+          for (int r = 0; r < 2; ++r) {
+            threads.emplace_back([&, r] {
+              auto e = Engine::Create(c, StackedModel(), comms[r].get(), device.get());
+              if (!e.ok()) {
+                out[r] = e.status();
+                return;
+              }
+              absl::Status st = (*e)->InitParams([](int i, const memory::ParamSpec&, float* v) {
+                for (int64_t k = 0; k < (i == 0 ? 40 : 256); ++k) v[k] = InitValue(i, k);
+              });
+              out[r] = st.ok() ? TrainStacked(**e, handoff, 3) : st;
+            });
+          }
+          for (std::thread& t : threads) t.join();
+          for (auto& o : out) {
+            REQUIRE(o.status().ToString() == "OK");
+            runs[handoff].push_back(*o);
+          }
+        }
+        for (int r = 0; r < 2; ++r) {
+          CHECK(runs[1][r].master == runs[0][r].master);  // bitwise: no NaN here
+          // Each slice's unit is reduced at its own GradReady: the first slice's reduction is
+          // issued while three slices are still to come.
+          CHECK(runs[1][r].reduced == std::vector<int>{1, 2, 3, 4, 5});
+          CHECK(runs[0][r].reduced == std::vector<int>{1, 2, 3, 4, 5});
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Engine: grad(i) is refused for a parameter with a buffer of the trainer's",
+          "[engine]") {
+  const Config c = testing::TestConfig(2, DType::kBF16, 1, 0.0, false);
+  const std::vector<absl::Status> st = OnEngines(c, 1, [&](Engine& e) -> absl::Status {
+    std::vector<uint16_t> buf(200);
+    RETURN_IF_ERROR(e.SetGradBuffer(0, buf.data()).status());
+    RETURN_IF_ERROR(ExpectError(e.grad(0).status(), absl::StatusCode::kFailedPrecondition,
+                                "SetGradBuffer"));
+    RETURN_IF_ERROR(e.SetGradBuffer(0, nullptr).status());
+    RETURN_IF_ERROR(e.grad(0).status());
+    // Part-way through the unit's gradients, the source cannot change.
+    const int other = e.plan().units[e.unit_of(1)].params[0];
+    RETURN_IF_ERROR(e.grad(other).status());
+    return ExpectError(e.SetGradBuffer(other, buf.data()).status(),
+                       absl::StatusCode::kFailedPrecondition, "register buffers between");
+  });
+  CHECK(st[0].ToString() == "OK");
+}
+
 }  // namespace
 }  // namespace zerort

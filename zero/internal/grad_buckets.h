@@ -51,6 +51,14 @@ class GradBuckets {
   // Collective.
   absl::Status Reduce(int unit, bool first_micro);
 
+  // Parameter i's gradient is read from `buffer` (compute dtype, its numel elements; null
+  // undoes it) at MarkReady instead of the engine's slot. Returns true when its unit is reduced
+  // straight from it (the parameter alone fills its padded unit), false when MarkReady copies
+  // it into the slot. FailedPrecondition while its unit is being written in this micro-step.
+  absl::StatusOr<bool> SetSource(int i, void* buffer);
+  // Units whose reduction has been issued in this micro-step.
+  int reduced_units() const { return reduced_; }
+
   bool ready(int i) const { return ready_[i] != 0; }
   bool any_ready() const;
   // The first parameter not yet ready in this micro-step, or -1.
@@ -68,10 +76,12 @@ class GradBuckets {
     int64_t n;
   };
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
+  absl::StatusOr<void*> Slot(int i);  // the engine's buffer for parameter i
+  bool direct(int unit) const;        // reduced straight from a SetSource buffer
   absl::StatusOr<Reduced> Collective(char* full, const memory::Unit& unit, char* out);
   absl::Status Deposit(char* dst, const Reduced& r, bool first, char* spare);
   char* Spare(char* full, const memory::Unit& unit) const;
-  absl::Status ReduceFull(const memory::Unit& unit, bool first_micro);     // stages 0-1
+  absl::Status ReduceFull(const memory::Unit& unit, int u, bool first_micro);  // stages 0-1
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
@@ -83,6 +93,8 @@ class GradBuckets {
   char* const accum_;
   const SlottedBuffer buckets_;
   std::vector<uint8_t> ready_;      // per param
+  std::vector<char*> source_;       // per param: SetSource buffer, or null
+  int reduced_ = 0;                 // units reduced in this micro-step
   std::vector<int> pending_;        // per unit: params not yet ready
   std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
   std::vector<uint8_t> bucket_busy_;  // per bucket
