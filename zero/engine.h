@@ -23,7 +23,8 @@
 //  - grad(i): the compute-dtype gradient buffer for this micro-step, zero-filled when handed
 //    out; the trainer writes (or adds) the gradient of this micro-batch, scaled by the loss
 //    scale in fp16 mode. Valid until GradReady of the last parameter of its unit. Stages 0-1:
-//    a stable pointer; stages 2-3: a slot of a reused bucket.
+//    a stable pointer; stages 2-3: a slot of a reused bucket. Or the trainer's own buffer,
+//    handed over with SetGradBuffer (reduced in place where the layout allows).
 //  - GradReady: once every parameter of a unit is ready, that unit is reduced at once
 //    (all-reduce in stage 0, reduce-scatter otherwise), overlapping the rest of backward.
 //

@@ -113,6 +113,8 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base) {
     o.offload_optimizer = o.offload_param = false;
     out.push_back(o);
   }
+  // fp32 gradient accumulation has no offload path (memory::MakePlan refuses the pair).
+  if (base.fp32_grad_accum && base.compute_dtype != DType::kF32) return out;
   for (int stage = 1; stage <= 3; ++stage) {
     memory::PlanOptions o = base;
     o.stage = stage;
