@@ -114,6 +114,32 @@ TEST_CASE("Engine: fp32 accumulation and reduction close the gap to fp32 roundin
   }
 }
 
+TEST_CASE("Engine: an fp16 overflow is still seen through fp32 gradients", "[engine]") {
+  for (int stage : {0, 2}) {
+    CAPTURE(stage);
+    Config c = testing::TestConfig(stage, DType::kF16, /*gas=*/2, 0.0, false);
+    c.grad_accum_dtype = c.communication_dtype = DType::kF32;
+    auto comms = comm::CreateInProcessGroup(2, {c.comm_timeout_ms}).value();
+    auto device = CreateCpuDevice(CpuDeviceOptions{});
+    std::vector<absl::StatusOr<testing::TrainResult>> runs(2, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        runs[r] = testing::TrainRank(c, SmallModel(), comms[r].get(), device.get(), 3,
+                                     /*inject_step=*/1, /*inject_rank=*/1);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) REQUIRE(runs[r].status().ToString() == "OK");
+    const std::vector<StepStats>& stats = runs[0]->stats;
+    REQUIRE(stats.size() == 3);
+    CHECK_FALSE(stats[0].skipped);
+    CHECK(stats[1].skipped);
+    CHECK_FALSE(stats[2].skipped);
+    CHECK(stats[2].step == 2);
+  }
+}
+
 TEST_CASE("Engine: fp32 accumulation alone is exact where nothing is reduced", "[engine]") {
   for (int stage : {0, 2}) {
     CAPTURE(stage);
