@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
@@ -257,6 +258,15 @@ zr_status RunStep(zr_engine* engine, zr_step_stats* stats, const char* function,
     if (stats == nullptr) return absl::OkStatus();
     return WriteSized(StatsOut(s), stats, function, "zr_step_stats");
   });
+}
+
+// params[0..count-1] as a span, or InvalidArgument naming the call.
+absl::StatusOr<absl::Span<const int>> IndexSpan(const int* params, int count, const char* call) {
+  if (count < 0 || (count > 0 && params == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(call, ": params must hold count >= 0 indices (count ", count, ")"));
+  }
+  return absl::Span<const int>(params, static_cast<size_t>(count));
 }
 
 }  // namespace
@@ -502,6 +512,19 @@ zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit) {
   });
 }
 
+zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_grad_buffer", "engine"));
+    ASSIGN_OR_RETURN(const bool d, engine->engine->SetGradBuffer(i, buffer));
+    if (direct != nullptr) *direct = d ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int zr_engine_reduced_units(const zr_engine* engine) {
+  return engine == nullptr ? 0 : engine->engine->reduced_units();
+}
+
 zr_status zr_engine_gather(zr_engine* engine, int unit) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather", "engine"));
@@ -513,6 +536,24 @@ zr_status zr_engine_release(zr_engine* engine, int unit) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_release", "engine"));
     return engine->engine->Release(unit);
+  });
+}
+
+zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_acquire", "engine"));
+    ASSIGN_OR_RETURN(const absl::Span<const int> set,
+                     IndexSpan(params, count, "zr_engine_acquire"));
+    return engine->engine->AcquireParams(set);
+  });
+}
+
+zr_status zr_engine_release_params(zr_engine* engine, const int* params, int count) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_release_params", "engine"));
+    ASSIGN_OR_RETURN(const absl::Span<const int> set,
+                     IndexSpan(params, count, "zr_engine_release_params"));
+    return engine->engine->ReleaseParams(set);
   });
 }
 

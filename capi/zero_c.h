@@ -238,10 +238,28 @@ zr_status zr_engine_grad(zr_engine* engine, int i, void** out);
  * ZR_FAILED_PRECONDITION; an index outside the model ZR_OUT_OF_RANGE. */
 zr_status zr_engine_grad_ready(zr_engine* engine, int i);
 zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit);
+/* Gradient hand-off (zerort::Engine::SetGradBuffer): grad_ready(i) reads parameter i's
+ * gradient from `buffer` (compute dtype, numel elements, the device's memory; NULL undoes it)
+ * instead of zr_engine_grad(i), which then fails. *direct (may be NULL) is set to 1 when the
+ * unit is reduced straight from `buffer` (i alone fills its unit), 0 when grad_ready copies
+ * it. From grad_ready(i) until zr_engine_step returns the engine may read and overwrite the
+ * buffer; write it in full for each micro-step. ZR_FAILED_PRECONDITION part-way through the
+ * unit's gradients in a micro-step. */
+zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct);
+/* Units whose reduction has been issued in this micro-step (0 for NULL). */
+int zr_engine_reduced_units(const zr_engine* engine);
 /* Stage 3: make `unit`'s parameters readable / let its buffer be reused. No-ops in stages 0-2.
  * Collective. */
 zr_status zr_engine_gather(zr_engine* engine, int unit);
 zr_status zr_engine_release(zr_engine* engine, int unit);
+/* Reference-counted gathers by parameter (zerort::Engine::Acquire/Release): hold / drop one
+ * hold of every distinct unit of params[0..count-1]; a unit is gathered on its first hold and
+ * released on its last, so a tied or shared parameter may be acquired by each of its users.
+ * Counted in every stage. ZR_FAILED_PRECONDITION when the gather slots are all held (the
+ * message names stage3_prefetch_bucket_size) or for a release of a parameter not held (the
+ * message names it); a failed call changes no count. Collective in stage 3. */
+zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count);
+zr_status zr_engine_release_params(zr_engine* engine, const int* params, int count);
 
 /* What one zr_engine_step did (zerort::StepStats). */
 typedef struct zr_step_stats {

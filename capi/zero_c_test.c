@@ -117,6 +117,14 @@ static void* RunRank(void* arg) {
 
   float x[BATCH][IN], y[BATCH][OUT], pred[BATCH][OUT], w[OUT * IN], b[OUT];
   float gw[OUT * IN], gb[OUT];
+  /* Without per-unit calls, the bias gradient comes from a buffer of the trainer's (the CPU
+   * device's memory is host memory); too small to fill a unit, it is copied at grad_ready. */
+  float gb_own[OUT]; /* room for OUT elements of any compute dtype */
+  if (!job->per_unit) {
+    int direct = -1;
+    MUST(zr_engine_set_grad_buffer(engine, 1, gb_own, &direct));
+    CHECK(direct == 0, "fc.b is padded: direct %d", direct);
+  }
   for (int step = 0; step < STEPS; ++step) {
     uint64_t state = 1000003ull * (uint64_t)(rank + 1) + (uint64_t)step;
     for (int s = 0; s < BATCH; ++s) {
@@ -128,14 +136,25 @@ static void* RunRank(void* arg) {
     }
     /* Forward: the parameters are readable between gather and release (stage 3). */
     void* p = NULL;
-    MUST(zr_engine_gather(engine, unit_w));
-    if (unit_b != unit_w) MUST(zr_engine_gather(engine, unit_b));
+    const int both[2] = {0, 1}, weight[1] = {0};
+    if (job->per_unit) {
+      MUST(zr_engine_gather(engine, unit_w));
+      if (unit_b != unit_w) MUST(zr_engine_gather(engine, unit_b));
+    } else {  /* by parameter, with a nested second hold of fc.w (as a tied weight would) */
+      MUST(zr_engine_acquire(engine, both, 2));
+      MUST(zr_engine_acquire(engine, weight, 1));
+    }
     MUST(zr_engine_param(engine, 0, &p));
     zr_convert(p, dtype, w, ZR_F32, OUT * IN);
     MUST(zr_engine_param(engine, 1, &p));
     zr_convert(p, dtype, b, ZR_F32, OUT);
-    if (unit_b != unit_w) MUST(zr_engine_release(engine, unit_b));
-    MUST(zr_engine_release(engine, unit_w));
+    if (job->per_unit) {
+      if (unit_b != unit_w) MUST(zr_engine_release(engine, unit_b));
+      MUST(zr_engine_release(engine, unit_w));
+    } else {
+      MUST(zr_engine_release_params(engine, weight, 1));
+      MUST(zr_engine_release_params(engine, both, 2));
+    }
     float loss = 0;
     for (int s = 0; s < BATCH; ++s) {
       for (int o = 0; o < OUT; ++o) {
@@ -168,12 +187,18 @@ static void* RunRank(void* arg) {
       MUST(zr_engine_grad_ready_unit(engine, unit_b));
       if (unit_w != unit_b) MUST(zr_engine_grad_ready_unit(engine, unit_w));
     } else {
-      MUST(zr_engine_grad(engine, 1, &p));
-      zr_convert(gb, ZR_F32, p, dtype, OUT);
+      CHECK(zr_engine_grad(engine, 1, &p) == ZR_FAILED_PRECONDITION, "grad of a handed-off "
+            "parameter: %s", zr_last_error());
+      zr_convert(gb, ZR_F32, gb_own, dtype, OUT);
       MUST(zr_engine_grad_ready(engine, 1));
+      /* Its unit is reduced at once unless it waits for fc.w. */
+      CHECK(zr_engine_reduced_units(engine) == (unit_b != unit_w), "after fc.b: %d",
+            zr_engine_reduced_units(engine));
       MUST(zr_engine_grad(engine, 0, &p));
       zr_convert(gw, ZR_F32, p, dtype, OUT * IN);
       MUST(zr_engine_grad_ready(engine, 0));
+      CHECK(zr_engine_reduced_units(engine) == 1 + (unit_b != unit_w), "after fc.w: %d",
+            zr_engine_reduced_units(engine));
     }
     zr_step_stats stats = {sizeof stats};
     MUST(zr_engine_step(engine, &stats));
@@ -382,6 +407,13 @@ static void ErrorPaths(void) {
     st = zr_engine_grad_ready(s.engine, 7);
     CHECK(st == ZR_OUT_OF_RANGE && strstr(zr_last_error(), "7") != NULL, "index 7: %s: %s",
           zr_status_name(st), zr_last_error());
+    /* A release without its acquire names the parameter; a bad index list is refused. */
+    const int bias[1] = {1};
+    st = zr_engine_release_params(s.engine, bias, 1);
+    CHECK(st == ZR_FAILED_PRECONDITION && strstr(zr_last_error(), "fc.b") != NULL,
+          "unbalanced release: %s: %s", zr_status_name(st), zr_last_error());
+    st = zr_engine_acquire(s.engine, NULL, 1);
+    CHECK(st == ZR_INVALID_ARGUMENT, "NULL params: %s", zr_status_name(st));
     float small[4];
     st = zr_engine_gather_master_weights(s.engine, small, 4);
     CHECK(st == ZR_OUT_OF_RANGE, "short buffer: %s", zr_status_name(st));

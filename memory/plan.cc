@@ -67,6 +67,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "offload_optimizer requires stage 1, 2 or 3 (zero_optimization.stage is 0): offload "
         "moves the sharded optimizer state");
   }
+  if (o.fp32_grad_accum && o.offload_optimizer && o.compute_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        "data_types.grad_accum_dtype \"fp32\" cannot be combined with offload_optimizer yet: "
+        "the offload pipeline moves compute-dtype gradients to the host; drop one of them");
+  }
   if (o.offload_buffer_count < 1) return bad("offload_buffer_count", o.offload_buffer_count, ">= 1");
   if (o.gradient_accumulation_steps < 1) {
     return bad("gradient_accumulation_steps", o.gradient_accumulation_steps, ">= 1");
@@ -288,7 +293,9 @@ void AddModelState(Plan* plan, Checked* math) {
   if (o.stage <= 1) {
     AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
   } else {
-    AddBuffer(plan, math, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice, c, S);
+    // The reduced shard is the accumulator: fp32 with fp32_grad_accum.
+    AddBuffer(plan, math, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice,
+              ReducedGradDType(o), S);
   }
   // fp32 training updates the parameters in place, unless they are offloaded: the host then
   // needs its own fp32 copy to run AdamW on.
@@ -304,11 +311,20 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t world = o.world_size;
   const DType c = o.compute_dtype;
-  if (o.gradient_accumulation_steps > 1 && o.stage <= 1) {
+  const DType reduced = ReducedGradDType(o);
+  if ((o.gradient_accumulation_steps > 1 || reduced != c) && o.stage <= 1) {
     // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
-    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice, c,
-              o.stage == 0 ? plan->padded_elements : plan->shard_elements);
+    // An fp32 accumulator is needed even without accumulation: it holds the fp32 result.
+    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice,
+              reduced, o.stage == 0 ? plan->padded_elements : plan->shard_elements);
+  }
+  if (reduced != c || GradWireDType(o) != c) {
+    // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
+    // block converted before it is added; stage 0 reduces whole units.
+    const bool whole = GradWireDType(o) != c || o.stage == 0;
+    AddBuffer(plan, math, "grad_wire", BufferClass::kGradWire, MemoryKind::kDevice, DType::kF32,
+              whole ? plan->max_unit_elements : plan->max_unit_elements / world);
   }
   if (o.stage >= 2) {
     const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->units.size());
@@ -365,19 +381,22 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   auto add = [&](int64_t x, int64_t y) { return math->Add(x, y, kComm); };
   auto mul = [&](int64_t x, int64_t y) { return math->Mul(x, y, kComm); };
   auto collective = [&](int64_t elements) { return mul(mul(elements / world, world - 1), cb); };
+  // Gradient reductions move the wire dtype (fp32 with fp32_grad_comm).
+  const int64_t wb = static_cast<int64_t>(DTypeSize(GradWireDType(o)));
+  auto reduction = [&](int64_t elements) { return mul(mul(elements / world, world - 1), wb); };
   switch (o.stage) {
     case 0:
-      plan->comm_bytes_per_step = mul(gas, mul(2, collective(E)));
+      plan->comm_bytes_per_step = mul(gas, mul(2, reduction(E)));
       break;
     case 1:
     case 2:
-      plan->comm_bytes_per_step = add(mul(gas, collective(E)), collective(E));
+      plan->comm_bytes_per_step = add(mul(gas, reduction(E)), collective(E));
       break;
     case 3:
       // Forward and backward gather every non-persistent unit; persistent units are gathered
       // once after the step.
       plan->comm_bytes_per_step =
-          add(mul(gas, add(mul(2, collective(E - persistent)), collective(E))),
+          add(mul(gas, add(mul(2, collective(E - persistent)), reduction(E))),
               collective(persistent));
       break;
   }
@@ -394,6 +413,14 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
+
+DType ReducedGradDType(const PlanOptions& o) {
+  return o.fp32_grad_accum ? DType::kF32 : o.compute_dtype;
+}
+
+DType GradWireDType(const PlanOptions& o) {
+  return o.fp32_grad_comm ? DType::kF32 : o.compute_dtype;
+}
 
 const char* MemoryKindName(MemoryKind kind) {
   switch (kind) {
@@ -423,6 +450,8 @@ const char* BufferClassName(BufferClass c) {
       return "grad_accumulator";
     case BufferClass::kGradBucket:
       return "grad_bucket";
+    case BufferClass::kGradWire:
+      return "grad_wire";
     case BufferClass::kGatherBuffer:
       return "gather_buffer";
     case BufferClass::kPersistentParams:

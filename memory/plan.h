@@ -55,7 +55,8 @@ enum class BufferClass {
   kMaster,           // fp32 master weights of the owned shard (mixed precision only)
   kExpAvg,           // Adam m of the owned shard, fp32
   kExpAvgSq,         // Adam v of the owned shard, fp32
-  kGradAccumulator,  // reduced-gradient accumulator when gradient_accumulation_steps > 1
+  kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32)
+  kGradWire,         // fp32 scratch of one unit: fp32 reduction on the wire / fp32 accumulation
   kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
   kGatherBuffer,     // full-unit parameter buffers for gathered units (stage 3)
   kPersistentParams, // whole small units kept gathered on every rank (stage 3)
@@ -87,6 +88,13 @@ struct PlanOptions {
   bool pin_memory = true;              // offloaded state in pinned (true) or pageable host memory
   int offload_buffer_count = 4;        // pinned staging chunks for the offload pipeline
   int gradient_accumulation_steps = 1;
+  // data_types.grad_accum_dtype == fp32 (mixed precision only): the reduced gradients of the
+  // owned shard are kept and accumulated across micro-steps in fp32; the optimizer reads them
+  // in fp32. Not with offload_optimizer (the offload pipeline moves compute-dtype gradients).
+  bool fp32_grad_accum = false;
+  // communication_data_type == fp32 (mixed precision only): gradients are converted to fp32
+  // before their reduction and reduced in fp32 (twice the bytes on the wire).
+  bool fp32_grad_comm = false;
   int64_t unit_target_elements = 500000000;  // reduce_bucket_size
   int64_t shard_alignment = 128;  // elements; shard starts are multiples of this (256 B in bf16)
   int64_t param_alignment = 8;    // elements; parameter starts inside a unit
@@ -143,11 +151,16 @@ struct Plan {
   const Buffer* Find(BufferClass cls) const;
 };
 
+// The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
+// precision, else the compute dtype), and the dtype gradients are reduced in on the wire.
+DType ReducedGradDType(const PlanOptions& o);
+DType GradWireDType(const PlanOptions& o);
+
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
 // an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, a non-positive alignment, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
-// 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
+// 2^63-1: ..."); fp32_grad_accum with offload_optimizer; every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
 
 }  // namespace memory

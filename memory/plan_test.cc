@@ -291,6 +291,53 @@ TEST_CASE("Planner: communication bytes per step follow the stage", "[memory]") 
   CHECK(bytes[3] == 3 * one_pass);  // gather for forward and backward + reduce-scatter
 }
 
+TEST_CASE("Planner: fp32 gradient accumulation and reduction count their bytes", "[memory]") {
+  std::vector<ParamSpec> specs = {{"a", {1 << 12}, "a"}, {"b", {1 << 12}, "b"}};
+  PlanOptions o;
+  o.world_size = 8;
+  o.persistence_threshold = 0;
+  o.unit_target_elements = 1 << 12;  // one unit per parameter
+  const int64_t E = 2 << 12, S = E / 8, unit = 1 << 12;
+  const int64_t pass = E / 8 * 7;  // elements sent per collective over all units
+  for (int stage = 0; stage < 4; ++stage) {
+    CAPTURE(stage);
+    o.stage = stage;
+    o.fp32_grad_accum = o.fp32_grad_comm = false;
+    auto base = MakePlan(specs, o);
+    REQUIRE(base.ok());
+    CHECK(base->Find(BufferClass::kGradWire) == nullptr);
+    o.fp32_grad_accum = true;
+    auto acc = MakePlan(specs, o);
+    REQUIRE(acc.ok());
+    // The reduced gradients become fp32: the stage 0-1 accumulator appears (even at gas 1),
+    // the stage 2-3 shard doubles; the scratch holds one reduced block (stage 0: a unit).
+    const int64_t reduced = stage == 0 ? E : S;
+    if (stage <= 1) {
+      REQUIRE(acc->Find(BufferClass::kGradAccumulator) != nullptr);
+      CHECK(acc->Find(BufferClass::kGradAccumulator)->bytes == 4 * reduced);
+    } else {
+      CHECK(acc->Find(BufferClass::kGrads)->bytes == 4 * S);
+    }
+    REQUIRE(acc->Find(BufferClass::kGradWire) != nullptr);
+    CHECK(acc->Find(BufferClass::kGradWire)->bytes == 4 * (stage == 0 ? unit : unit / 8));
+    CHECK(acc->comm_bytes_per_step == base->comm_bytes_per_step);
+    o.fp32_grad_accum = false;
+    o.fp32_grad_comm = true;
+    auto wire = MakePlan(specs, o);
+    REQUIRE(wire.ok());
+    CHECK(wire->Find(BufferClass::kGradWire)->bytes == 4 * unit);
+    // Gradient reductions move 4 bytes per element instead of 2.
+    const int64_t reductions = stage == 0 ? 2 : 1;
+    CHECK(wire->comm_bytes_per_step - base->comm_bytes_per_step == reductions * pass * 2);
+  }
+  o.stage = 2;
+  o.fp32_grad_accum = true;
+  o.offload_optimizer = true;
+  auto offload = MakePlan(specs, o);
+  REQUIRE_FALSE(offload.ok());
+  CHECK_THAT(std::string(offload.status().message()), Catch::Contains("grad_accum_dtype"));
+}
+
 // `count` one-parameter modules of `numel` elements each.
 std::vector<ParamSpec> EqualModules(int count, int64_t numel) {
   std::vector<ParamSpec> specs;

@@ -141,7 +141,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
-                                                         mem.grad_buckets());
+                                                         mem.grad_buckets(), mem.grad_wire());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
@@ -172,7 +172,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   // identical models on two MPI processes look different.
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
-                                   "|", offload_);
+                                   "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
+                                   plan_.options.fp32_grad_comm);
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
   }
@@ -279,7 +280,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
   const bool write_param = memory_->model_state().master != nullptr;
   for (int u = 0; u < num_units(); ++u) {
     const Region& reg = region(u);
-    offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, cdt_,
+    offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, reg.grad_dtype,
                            write_param ? reg.param : nullptr, cdt_, static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(dev_->AdamWRanges(a, (*ranges)[u], grad_scale, streams_->compute()));
   }
@@ -595,6 +596,24 @@ absl::Status Engine::GradReady(int i) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> Engine::SetGradBuffer(int i, void* buffer) {
+  RETURN_IF_ERROR(impl_->CheckRange("SetGradBuffer", i, /*unit=*/false));
+  return impl_->grads_->SetSource(i, buffer);
+}
+
+int Engine::reduced_units() const { return impl_->grads_->reduced_units(); }
+
+std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked) {
+  std::vector<memory::ParamSpec> out;
+  std::vector<int64_t> slice(stacked.shape.begin() + 1, stacked.shape.end());
+  if (slice.empty()) slice = {1};  // [L]: L scalars
+  for (int64_t l = 0; l < stacked.shape.at(0); ++l) {
+    const std::string suffix = absl::StrCat("[", l, "]");
+    out.push_back({stacked.name + suffix, slice, stacked.module + suffix});
+  }
+  return out;
+}
+
 absl::Status Engine::GradReadyUnit(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReadyUnit", unit, /*unit=*/true));
   for (int i : impl_->plan_.units[unit].params) {
@@ -611,6 +630,16 @@ absl::Status Engine::Gather(int unit) {
 absl::Status Engine::Release(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("Release", unit, /*unit=*/true));
   return impl_->gatherer_->Release(unit);
+}
+
+absl::Status Engine::AcquireParams(absl::Span<const int> params) {
+  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+  return impl_->gatherer_->Acquire(params);
+}
+
+absl::Status Engine::ReleaseParams(absl::Span<const int> params) {
+  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Release", i, /*unit=*/false));
+  return impl_->gatherer_->ReleaseParams(params);
 }
 
 absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {

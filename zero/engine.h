@@ -8,6 +8,7 @@
 //
 // One micro-step (gradient_accumulation_steps of them per optimizer step):
 //
+//   (or, without tracking units: engine->AcquireParams(layer_params) ... engine->ReleaseParams(layer_params))
 //   for unit in forward order:                 // stage 3 only; no-ops otherwise
 //     engine->Gather(unit); forward(unit uses engine->param(i)); engine->Release(unit);
 //   for unit in backward order (plan().units order):
@@ -32,7 +33,8 @@
 //  - grad(i): the compute-dtype gradient buffer for this micro-step, zero-filled when handed
 //    out; the trainer writes (or adds) the gradient of this micro-batch, scaled by the loss
 //    scale in fp16 mode. Valid until GradReady of the last parameter of its unit. Stages 0-1:
-//    a stable pointer; stages 2-3: a slot of a reused bucket.
+//    a stable pointer; stages 2-3: a slot of a reused bucket. Or the trainer's own buffer,
+//    handed over with SetGradBuffer (reduced in place where the layout allows).
 //  - GradReady: once every parameter of a unit is ready, that unit is reduced at once
 //    (all-reduce in stage 0, reduce-scatter otherwise), overlapping the rest of backward.
 //
@@ -146,6 +148,15 @@ struct EngineOptions {
   std::function<double(int64_t step)> lr_schedule;
 };
 
+// A stacked tensor ([L, ...], e.g. per-layer weights) declared as L parameters
+// "name[l]" of shape [...], each in module "module[l]", so that each layer's slice can be its
+// own unit and its GradReady starts that unit's reduction while backward goes on (with
+// SetGradBuffer(first + l, stacked_grad + l * slice elements) the trainer keeps one stacked
+// gradient tensor). A slice gets a unit of its own when it reaches reduce_bucket_size;
+// smaller slices are merged with their neighbours as any modules are. [L] gives L
+// scalars. REQUIRES: stacked.shape is not empty.
+std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked);
+
 class Engine {
  public:
   // Fills `values` (numel floats, row-major) with the initial value of parameter `index`.
@@ -187,10 +198,40 @@ class Engine {
   // Marks every parameter of `unit` ready.
   absl::Status GradReadyUnit(int unit);
 
+  // Gradient hand-off from the trainer's own buffer: from now on GradReady(i) reads parameter
+  // i's gradient from `buffer` (compute dtype, numel elements, in the engine's device memory,
+  // written on the compute stream) instead of grad(i), which then fails. Returns true when
+  // the unit is reduced straight from `buffer`, without a copy: i is alone in its unit and
+  // fills it without padding (numel a multiple of world_size * 128 elements, the plan's
+  // shard alignment; alone in its unit when it reaches reduce_bucket_size), and not an fp32 wire without fp32
+  // accumulation; false when GradReady copies it into the engine's buffer (on the compute
+  // stream) first. Lifetime: the trainer writes `buffer` before GradReady(i); from
+  // GradReady(i) until Step() returns, the engine may read and overwrite it (the reduction
+  // may run in place), so the trainer writes it again, in full, for the next micro-step.
+  // nullptr goes back to grad(i). FailedPrecondition while i's unit is part-way through
+  // this micro-step; register between micro-steps.
+  absl::StatusOr<bool> SetGradBuffer(int i, void* buffer);
+  // Units whose reduction has been issued in this micro-step (reset by Step()): each starts
+  // at the GradReady that completes its unit, while backward goes on.
+  int reduced_units() const;
+
   // Stage 3: gathers `unit` (prefetching the next ones in the same direction while slots are
   // free); Release lets its slot be reused. No-ops in stages 0-2. Collective.
   absl::Status Gather(int unit);
   absl::Status Release(int unit);
+
+  // Reference-counted gathers by parameter, so a trainer never tracks units:
+  // AcquireParams(params) holds every distinct unit of `params` once more (stage 3 gathers it on
+  // its first hold, with prefetch as Gather), ReleaseParams(params) once less (its last hold lets the slot be reused). A
+  // unit shared by two layers, or a tied embedding acquired by the embedding and the head, stays
+  // gathered until its last Release. param(i) is readable while its unit is held. Holds are
+  // counted in every stage (a no-op for memory in stages 0-2 and for persistent units), so an
+  // unbalanced Release fails in stage 0 already. Errors: OutOfRange for an index outside the
+  // model; FailedPrecondition when the gather slots are all held (naming
+  // stage3_prefetch_bucket_size, which sets their count), or, naming the parameter, for a
+  // Release of a unit not held; a failed call changes no count. Collective in stage 3.
+  absl::Status AcquireParams(absl::Span<const int> params);
+  absl::Status ReleaseParams(absl::Span<const int> params);
 
   // Ends a micro-step; on every gradient_accumulation_steps-th call applies the optimizer
   // (ComputeGradNorm, then SkipStep on overflow, else ApplyStep). FailedPrecondition naming the

@@ -58,6 +58,10 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
                                  : c.zero.offload_optimizer.pin_memory;
   o.offload_buffer_count = c.zero.offload_optimizer.buffer_count;
   o.gradient_accumulation_steps = c.gradient_accumulation_steps;
+  // fp32 accumulation / reduction only change anything in mixed precision.
+  const bool mixed = c.compute_dtype != DType::kF32;
+  o.fp32_grad_accum = mixed && c.grad_accum_dtype == DType::kF32;
+  o.fp32_grad_comm = mixed && c.communication_dtype == DType::kF32;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
   o.unit_target_elements = sizes.reduce_bucket_size;
   o.persistence_threshold = sizes.persistence_threshold;
@@ -109,6 +113,8 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base) {
     o.offload_optimizer = o.offload_param = false;
     out.push_back(o);
   }
+  // fp32 gradient accumulation has no offload path (memory::MakePlan refuses the pair).
+  if (base.fp32_grad_accum && base.compute_dtype != DType::kF32) return out;
   for (int stage = 1; stage <= 3; ++stage) {
     memory::PlanOptions o = base;
     o.stage = stage;

@@ -151,6 +151,23 @@ TEST_CASE("Planner: when nothing fits the error names the smallest need and a wo
   CHECK_THAT(std::string(bigger_world.status().message()), Catch::Contains("it would fit on"));
 }
 
+TEST_CASE("Planner: auto with fp32 gradient accumulation skips offload, which cannot take it",
+          "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  Config c = AutoConfig(1000, 1000);
+  c.grad_accum_dtype = DType::kF32;
+  auto none = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
+  c = AutoConfig(1LL << 40);
+  c.grad_accum_dtype = DType::kF32;
+  auto fits = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(fits.ok());
+  CHECK(fits->plan.options.fp32_grad_accum);
+  CHECK(fits->plan.Find(memory::BufferClass::kGradWire) != nullptr);
+}
+
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
   // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
   // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.

@@ -52,6 +52,7 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kExpAvgSq: model_state_.v = reinterpret_cast<float*>(p); break;
     case BufferClass::kGradAccumulator: model_state_.accum = p; break;
     case BufferClass::kGradBucket: grad_buckets_ = slotted; break;
+    case BufferClass::kGradWire: grad_wire_ = reinterpret_cast<float*>(p); break;
     case BufferClass::kGatherBuffer: gather_slots_ = slotted; break;
     case BufferClass::kPersistentParams: persistent_ = p; break;
     case BufferClass::kOffloadStaging: staging_ = slotted; break;

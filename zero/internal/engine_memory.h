@@ -44,6 +44,7 @@ class EngineMemory {
   const SlottedBuffer& staging() const { return staging_; }              // offload
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
+  float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   const ByteCounts& bytes() const { return bytes_; }
 
  private:
@@ -55,6 +56,7 @@ class EngineMemory {
   SlottedBuffer grad_buckets_, gather_slots_, staging_;
   char* persistent_ = nullptr;
   float* norm_table_ = nullptr;
+  float* grad_wire_ = nullptr;
   ByteCounts bytes_;
 };
 

@@ -9,13 +9,17 @@ namespace zerort {
 namespace zero_internal {
 
 GradBuckets::GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
-                         const SlottedBuffer& buckets)
+                         const SlottedBuffer& buckets, float* wire)
     : ctx_(ctx),
       gas_(ctx.plan.options.gradient_accumulation_steps),
+      grad_dtype_(memory::ReducedGradDType(ctx.plan.options)),
+      wire_dtype_(memory::GradWireDType(ctx.plan.options)),
+      wire_(wire),
       grads_(state.grads),
       accum_(state.accum),
       buckets_(buckets),
       ready_(ctx.plan.params.size(), 0),
+      source_(ctx.plan.params.size(), nullptr),
       pending_(ctx.plan.units.size()),
       unit_bucket_(ctx.plan.units.size(), -1),
       bucket_busy_(buckets.count, 0) {
@@ -28,6 +32,16 @@ absl::StatusOr<void*> GradBuckets::Grad(int i) {
     return absl::FailedPreconditionError(absl::StrCat(
         "grad('", p.name, "') after its GradReady in this micro-step: the buffer is being reduced"));
   }
+  if (source_[i] != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "grad('", p.name, "'): its gradient is read from the buffer given to SetGradBuffer; "
+        "write there, or SetGradBuffer(i, nullptr) first"));
+  }
+  return Slot(i);
+}
+
+absl::StatusOr<void*> GradBuckets::Slot(int i) {
+  const memory::ParamLayout& p = ctx_.plan.params[i];
   if (ctx_.stage <= 1) return static_cast<void*>(ctx_.At(grads_, p.flat_offset));
   int b = unit_bucket_[p.unit];
   if (b < 0) {
@@ -59,7 +73,11 @@ absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
     return absl::FailedPreconditionError(
         absl::StrCat("GradReady('", p.name, "') called twice in one micro-step"));
   }
-  if (ctx_.stage >= 2 && unit_bucket_[p.unit] < 0) {
+  if (source_[i] != nullptr && !direct(p.unit)) {
+    // The trainer's buffer cannot be reduced in place: copy it into the engine's slot.
+    ASSIGN_OR_RETURN(void* slot, Slot(i));
+    RETURN_IF_ERROR(ctx_.device->Copy(slot, source_[i], p.numel * ctx_.c, ctx_.streams->compute()));
+  } else if (ctx_.stage >= 2 && unit_bucket_[p.unit] < 0 && !direct(p.unit)) {
     // The trainer never asked for this gradient: it is zero. Hand out the bucket now.
     RETURN_IF_ERROR(Grad(i).status());
   }
@@ -67,11 +85,33 @@ absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
   return --pending_[p.unit] == 0;
 }
 
+absl::StatusOr<bool> GradBuckets::SetSource(int i, void* buffer) {
+  const memory::ParamLayout& p = ctx_.plan.params[i];
+  if (pending_[p.unit] != static_cast<int>(ctx_.plan.units[p.unit].params.size()) ||
+      unit_bucket_[p.unit] >= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetGradBuffer('", p.name, "') while its unit's gradients are being written in this "
+        "micro-step: register buffers between micro-steps"));
+  }
+  source_[i] = static_cast<char*>(buffer);
+  return buffer != nullptr && direct(p.unit);
+}
+
+bool GradBuckets::direct(int u) const {
+  const memory::Unit& unit = ctx_.plan.units[u];
+  // The buffer must be the whole padded unit; an fp32 wire without fp32 accumulation needs a
+  // compute-dtype block of the engine's to convert back into (Spare).
+  return unit.params.size() == 1 && source_[unit.params[0]] != nullptr &&
+         ctx_.plan.params[unit.params[0]].numel == unit.padded &&
+         !(wire_dtype_ != ctx_.cdt && grad_dtype_ == ctx_.cdt);
+}
+
 absl::Status GradBuckets::Reduce(int u, bool first_micro) {
+  ++reduced_;
   const Stopwatch t;
   RETURN_IF_ERROR(ctx_.streams->BeforeComm());
   if (ctx_.stage <= 1) {
-    RETURN_IF_ERROR(ReduceFull(ctx_.plan.units[u], first_micro));
+    RETURN_IF_ERROR(ReduceFull(ctx_.plan.units[u], u, first_micro));
   } else {
     RETURN_IF_ERROR(ReduceBucket(u, first_micro));
   }
@@ -79,46 +119,91 @@ absl::Status GradBuckets::Reduce(int u, bool first_micro) {
   return absl::OkStatus();
 }
 
-absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, bool first_micro) {
+// Reduces `full` (one unit in the compute dtype: the engine's, or a trainer's buffer given to
+// SetSource, which is the engine's until Step) in the wire dtype: converted first when that
+// is fp32. Stage 0 all-reduces the whole unit, the others reduce-scatter this rank's block,
+// into `out` when given and the wire is the compute dtype, else in place.
+absl::StatusOr<GradBuckets::Reduced> GradBuckets::Collective(char* full, const memory::Unit& unit,
+                                                             char* out) {
   const auto avg = comm::ReduceOp::kAvg;
   const Device::Stream side = ctx_.streams->side();
+  const bool all = ctx_.stage == 0;
+  Reduced r{full, ctx_.cdt, all ? unit.padded : unit.shard};
+  if (wire_dtype_ != ctx_.cdt) {
+    RETURN_IF_ERROR(ctx_.device->Cast(full, ctx_.cdt, wire_, wire_dtype_, unit.padded, side));
+    r.data = reinterpret_cast<char*>(wire_);
+    r.dtype = wire_dtype_;
+    out = nullptr;
+  }
+  const size_t es = DTypeSize(r.dtype);
+  char* buf = r.data;
+  if (all) {
+    if (out != nullptr) r.data = out;
+    RETURN_IF_ERROR(ctx_.comm->AllReduce(buf, r.data, unit.padded, r.dtype, avg, side));
+    ctx_.timer->Sent(unit.shard, 2, es);
+    return r;
+  }
+  r.data = out != nullptr ? out : buf + ctx_.rank * unit.shard * static_cast<int64_t>(es);
+  RETURN_IF_ERROR(ctx_.comm->ReduceScatter(buf, r.data, unit.shard, r.dtype, avg, side));
+  ctx_.timer->Sent(unit.shard, 1, es);
+  return r;
+}
+
+// Stores (first micro-step) or adds the reduced block into `dst` (reduced-gradient dtype),
+// converting through `spare` (room for r.n elements of that dtype) when the dtypes differ.
+absl::Status GradBuckets::Deposit(char* dst, const Reduced& r, bool first, char* spare) {
+  Device* dev = ctx_.device;
+  const Device::Stream side = ctx_.streams->side();
+  if (first) {
+    if (dst == r.data) return absl::OkStatus();
+    if (r.dtype == grad_dtype_) {
+      return dev->Copy(dst, r.data, r.n * DTypeSize(r.dtype), side);
+    }
+    return dev->Cast(r.data, r.dtype, dst, grad_dtype_, r.n, side);
+  }
+  const char* x = r.data;
+  if (r.dtype != grad_dtype_) {
+    RETURN_IF_ERROR(dev->Cast(r.data, r.dtype, spare, grad_dtype_, r.n, side));
+    x = spare;
+  }
+  return dev->Accumulate(dst, x, grad_dtype_, r.n, side);
+}
+
+// Where the fp32 / compute-dtype conversion of a unit's reduced block goes: the fp32 scratch
+// when the destination is fp32, else the compute-dtype block of `full`, which the fp32 wire
+// copy has already consumed.
+char* GradBuckets::Spare(char* full, const memory::Unit& unit) const {
+  if (grad_dtype_ != ctx_.cdt) return reinterpret_cast<char*>(wire_);
+  return ctx_.stage == 0 ? full : ctx_.At(full, ctx_.rank * unit.shard);
+}
+
+absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first_micro) {
   char* g = ctx_.At(grads_, unit.flat_offset);
-  if (ctx_.stage == 0) {
-    RETURN_IF_ERROR(ctx_.comm->AllReduce(g, g, unit.padded, ctx_.cdt, avg, side));
-    ctx_.timer->Sent(unit.shard, 2);
-  } else {
-    RETURN_IF_ERROR(
-        ctx_.comm->ReduceScatter(g, ctx_.At(g, ctx_.rank * unit.shard), unit.shard, ctx_.cdt, avg, side));
-    ctx_.timer->Sent(unit.shard, 1);
-  }
-  if (gas_ == 1) return absl::OkStatus();
-  // Accumulate after the reduction so that every stage sums in the same order.
-  const char* reduced = ctx_.stage == 0 ? g : ctx_.At(g, ctx_.rank * unit.shard);
-  char* acc = ctx_.stage == 0 ? ctx_.At(accum_, unit.flat_offset) : ctx_.At(accum_, unit.shard_offset);
-  const int64_t n = ctx_.stage == 0 ? unit.padded : unit.shard;
-  if (first_micro) {
-    RETURN_IF_ERROR(ctx_.device->Copy(acc, reduced, n * ctx_.c, side));
-  } else {
-    RETURN_IF_ERROR(ctx_.device->Accumulate(acc, reduced, ctx_.cdt, n, side));
-  }
-  return ctx_.device->Zero(g, unit.padded * ctx_.c, side);
+  char* src = direct(u) ? source_[unit.params[0]] : nullptr;  // the trainer's, read in place
+  const int64_t block = ctx_.stage == 0 ? 0 : ctx_.rank * unit.shard;
+  // Accumulate after the reduction so that every stage sums in the same order; without
+  // accumulation (and in the compute dtype) the reduced block stays where it was reduced.
+  const bool to_accum = gas_ > 1 || grad_dtype_ != ctx_.cdt;
+  const int64_t acc_offset = ctx_.stage == 0 ? unit.flat_offset : unit.shard_offset;
+  char* dst = to_accum ? accum_ + acc_offset * static_cast<int64_t>(DTypeSize(grad_dtype_))
+                       : ctx_.At(g, block);
+  char* full = src != nullptr ? src : g;
+  ASSIGN_OR_RETURN(const Reduced r, Collective(full, unit, to_accum ? nullptr : dst));
+  RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
+  if (!to_accum || src != nullptr) return absl::OkStatus();
+  return ctx_.device->Zero(g, unit.padded * ctx_.c, ctx_.streams->side());
 }
 
 absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
   const memory::Unit& unit = ctx_.plan.units[u];
-  const auto avg = comm::ReduceOp::kAvg;
-  const Device::Stream side = ctx_.streams->side();
   const int b = unit_bucket_[u];
-  char* bucket = ctx_.At(buckets_.base, b * buckets_.elements);
-  char* shard = ctx_.At(grads_, unit.shard_offset);
-  if (first_micro) {
-    RETURN_IF_ERROR(ctx_.comm->ReduceScatter(bucket, shard, unit.shard, ctx_.cdt, avg, side));
-  } else {
-    char* mine = ctx_.At(bucket, ctx_.rank * unit.shard);
-    RETURN_IF_ERROR(ctx_.comm->ReduceScatter(bucket, mine, unit.shard, ctx_.cdt, avg, side));
-    RETURN_IF_ERROR(ctx_.device->Accumulate(shard, mine, ctx_.cdt, unit.shard, side));
-  }
-  ctx_.timer->Sent(unit.shard, 1);
+  char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, b * buckets_.elements);
+  char* shard = grads_ + unit.shard_offset * static_cast<int64_t>(DTypeSize(grad_dtype_));
+  // The first micro-step reduce-scatters straight into the shard when the dtypes allow.
+  const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt;
+  ASSIGN_OR_RETURN(const Reduced r, Collective(bucket, unit, into_shard ? shard : nullptr));
+  RETURN_IF_ERROR(Deposit(shard, r, first_micro, Spare(bucket, unit)));
+  if (b < 0) return absl::OkStatus();  // the trainer's buffer: no bucket to hand back
   RETURN_IF_ERROR(ctx_.streams->BucketReduced(b));
   bucket_busy_[b] = 0;
   unit_bucket_[u] = -1;
@@ -135,6 +220,7 @@ int GradBuckets::FirstMissing() const {
 }
 
 void GradBuckets::StartMicroStep() {
+  reduced_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   for (size_t u = 0; u < ctx_.plan.units.size(); ++u) {
     pending_[u] = static_cast<int>(ctx_.plan.units[u].params.size());

@@ -37,8 +37,9 @@ namespace zero_internal {
 class GradBuckets {
  public:
   // Every pointer must outlive this object.
+  // `wire`: the plan's fp32 grad_wire scratch (null when neither fp32 option is set).
   GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
-              const SlottedBuffer& buckets);
+              const SlottedBuffer& buckets, float* wire);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
   // FailedPrecondition after its GradReady, or when every bucket holds an unfinished unit.
@@ -50,6 +51,14 @@ class GradBuckets {
   // Collective.
   absl::Status Reduce(int unit, bool first_micro);
 
+  // Parameter i's gradient is read from `buffer` (compute dtype, its numel elements; null
+  // undoes it) at MarkReady instead of the engine's slot. Returns true when its unit is reduced
+  // straight from it (the parameter alone fills its padded unit), false when MarkReady copies
+  // it into the slot. FailedPrecondition while its unit is being written in this micro-step.
+  absl::StatusOr<bool> SetSource(int i, void* buffer);
+  // Units whose reduction has been issued in this micro-step.
+  int reduced_units() const { return reduced_; }
+
   bool ready(int i) const { return ready_[i] != 0; }
   bool any_ready() const;
   // The first parameter not yet ready in this micro-step, or -1.
@@ -60,16 +69,32 @@ class GradBuckets {
   absl::Status ClearFullGradients();
 
  private:
+  // A reduced block: n elements of dtype at data.
+  struct Reduced {
+    char* data;
+    DType dtype;
+    int64_t n;
+  };
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
-  absl::Status ReduceFull(const memory::Unit& unit, bool first_micro);     // stages 0-1
+  absl::StatusOr<void*> Slot(int i);  // the engine's buffer for parameter i
+  bool direct(int unit) const;        // reduced straight from a SetSource buffer
+  absl::StatusOr<Reduced> Collective(char* full, const memory::Unit& unit, char* out);
+  absl::Status Deposit(char* dst, const Reduced& r, bool first, char* spare);
+  char* Spare(char* full, const memory::Unit& unit) const;
+  absl::Status ReduceFull(const memory::Unit& unit, int u, bool first_micro);  // stages 0-1
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
   const int gas_;
+  const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
+  const DType wire_dtype_;  // gradients are reduced in
+  float* const wire_;
   char* const grads_;
   char* const accum_;
   const SlottedBuffer buckets_;
   std::vector<uint8_t> ready_;      // per param
+  std::vector<char*> source_;       // per param: SetSource buffer, or null
+  int reduced_ = 0;                 // units reduced in this micro-step
   std::vector<int> pending_;        // per unit: params not yet ready
   std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
   std::vector<uint8_t> bucket_busy_;  // per bucket

@@ -27,7 +27,7 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
                    StreamOrder::Create(dev, nullptr, false, mem->grad_buckets().count, 0));
   StepTimer timer(world, 4);
   GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state(),
-                    mem->grad_buckets());
+                    mem->grad_buckets(), mem->grad_wire());
   const ShardLayout layout(plan, mem->model_state());
   for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {
     for (int i : plan.units[u].params) {

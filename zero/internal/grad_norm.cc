@@ -13,8 +13,6 @@ namespace zero_internal {
 absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
   const int nu = layout_.num_units();
   const int world = plan_.options.world_size, rank = plan_.options.rank;
-  const DType cdt = plan_.options.compute_dtype;
-  const size_t c = DTypeSize(cdt);
   // (world, units + 1) fp32
   std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
   // Written by the device when its stream gets there: valid after the Synchronize below.
@@ -22,6 +20,8 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region& reg = layout_.region(u);
+    const DType cdt = reg.grad_dtype;
+    const size_t c = DTypeSize(cdt);
     RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
     if (reg.whole_unit) {
       for (int q = 0; q < world; ++q) {

@@ -1,5 +1,7 @@
 #include "zero/internal/param_gatherer.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
@@ -16,6 +18,7 @@ ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params,
       persistent_(persistent),
       slots_(slots.count) {
   const size_t nu = ctx.plan.units.size();
+  refs_.assign(nu, 0);
   unit_slot_.assign(nu, -1);
   persistent_offset_.assign(nu, -1);
   int64_t off = 0;
@@ -39,23 +42,48 @@ absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
   const int s = unit_slot_[p.unit];
   if (s < 0 || !slots_[s].held) {
     return absl::FailedPreconditionError(absl::StrCat("parameter '", p.name, "' (unit ", p.unit,
-                                                      ") is not gathered: call Gather(", p.unit,
-                                                      ") first"));
+                                                      ") is not gathered: Acquire it (or Gather(",
+                                                      p.unit, ")) first"));
   }
   return static_cast<void*>(ctx_.At(gather_.base, s * gather_.elements + p.offset_in_unit));
 }
 
 absl::Status ParamGatherer::Gather(int unit) {
-  if (ctx_.stage != 3 || ctx_.plan.units[unit].persistent) return absl::OkStatus();
-  int s = unit_slot_[unit];
-  if (s >= 0 && slots_[s].held) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("Gather(", unit, "): the unit is already gathered; Release it first"));
+  if (!gathers(unit)) return absl::OkStatus();
+  if (refs_[unit] > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Gather(", unit, "): the unit is already gathered (held ", refs_[unit],
+        " time(s)); Release it first, or use Acquire/Release by parameter, which count"));
   }
+  return Hold(unit);
+}
+
+absl::Status ParamGatherer::Release(int unit) {
+  if (!gathers(unit)) return absl::OkStatus();
+  if (refs_[unit] == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("Release(", unit, "): the unit is not gathered"));
+  }
+  return Drop(unit);
+}
+
+// Gathers `unit` into a slot unless it already is in one, and counts one hold.
+absl::Status ParamGatherer::Hold(int unit) {
+  const bool first = refs_[unit]++ == 0;
+  if (!first || !gathers(unit)) return absl::OkStatus();
+  int s = unit_slot_[unit];
   const int direction = last_gathered_ >= 0 && unit > last_gathered_ ? 1 : -1;
   if (s < 0) {
-    ASSIGN_OR_RETURN(s, AcquireSlot());
-    RETURN_IF_ERROR(GatherIntoSlot(unit, s));
+    absl::StatusOr<int> acquired = AcquireSlot();
+    if (acquired.ok()) {
+      s = *acquired;
+      absl::Status st = GatherIntoSlot(unit, s);
+      if (!st.ok()) acquired = st;
+    }
+    if (!acquired.ok()) {
+      refs_[unit] = 0;
+      return acquired.status();
+    }
   }
   slots_[s].held = true;
   slots_[s].last_use = ++use_clock_;
@@ -64,16 +92,51 @@ absl::Status ParamGatherer::Gather(int unit) {
   return Prefetch(unit, direction);
 }
 
-absl::Status ParamGatherer::Release(int unit) {
-  if (ctx_.stage != 3 || ctx_.plan.units[unit].persistent) return absl::OkStatus();
+// Drops one hold of `unit`; the last lets its slot be reused.
+absl::Status ParamGatherer::Drop(int unit) {
+  if (--refs_[unit] > 0 || !gathers(unit)) return absl::OkStatus();
   const int s = unit_slot_[unit];
-  if (s < 0 || !slots_[s].held) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("Release(", unit, "): the unit is not gathered"));
-  }
   slots_[s].held = false;
   // The next all-gather into this slot waits for the trainer's work on this unit.
   return ctx_.streams->SlotReleased(s);
+}
+
+std::vector<int> ParamGatherer::UnitsOf(absl::Span<const int> params) const {
+  std::vector<int> units;
+  for (int i : params) {
+    const int u = ctx_.plan.params[i].unit;
+    if (std::find(units.begin(), units.end(), u) == units.end()) units.push_back(u);
+  }
+  return units;
+}
+
+absl::Status ParamGatherer::Acquire(absl::Span<const int> params) {
+  const std::vector<int> units = UnitsOf(params);
+  for (size_t k = 0; k < units.size(); ++k) {
+    absl::Status st = Hold(units[k]);
+    if (st.ok()) continue;
+    // Leave the counts as they were before this call, so the trainer may retry or release.
+    for (size_t j = 0; j < k; ++j) RETURN_IF_ERROR(Drop(units[j]));
+    return absl::Status(st.code(),
+                        absl::StrCat("Acquire of ", params.size(), " parameter(s) over ",
+                                     units.size(), " unit(s): ", st.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParamGatherer::ReleaseParams(absl::Span<const int> params) {
+  const std::vector<int> units = UnitsOf(params);
+  // Check every unit first: an unbalanced call changes nothing.
+  for (int u : units) {
+    if (refs_[u] > 0) continue;
+    const int i = *std::find_if(params.begin(), params.end(),
+                                [&](int p) { return ctx_.plan.params[p].unit == u; });
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Release of parameter '", ctx_.plan.params[i].name, "' (unit ", u, "): it is not "
+        "acquired; every Release must match an earlier Acquire of the same unit"));
+  }
+  for (int u : units) RETURN_IF_ERROR(Drop(u));
+  return absl::OkStatus();
 }
 
 absl::Status ParamGatherer::AllGatherUpdated(int u) {

@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "memory/plan.h"
@@ -46,6 +47,15 @@ class ParamGatherer {
   // Stage 3 (no-ops otherwise and for persistent units). Collective.
   absl::Status Gather(int unit);
   absl::Status Release(int unit);
+  // Reference-counted holds by parameter: each distinct unit of `params` is held once more
+  // (gathered on its first hold) / once less (released on its last). Gather/Release(unit) are
+  // a hold that must be the unit's only one. Counted in every stage, so an unbalanced Release
+  // fails in stage 0 as it would in stage 3; an Acquire that fails (no free slot) or a Release
+  // of a unit not held changes no count. Collective in stage 3.
+  absl::Status Acquire(absl::Span<const int> params);
+  absl::Status ReleaseParams(absl::Span<const int> params);
+  // Holds of `unit` (Acquire and Gather) not yet released.
+  int holds(int unit) const { return refs_[unit]; }
   // After an update of this rank's shard of `unit`: all-gathers it into the full parameters
   // (stages 1-2) or its persistent copy (stage 3). REQUIRES: StreamOrder::BeforeComm since the
   // shard was written. Collective.
@@ -61,6 +71,13 @@ class ParamGatherer {
     bool held = false;
     uint64_t last_use = 0;
   };
+  // Stage 3 and not persistent: the unit lives in a gather slot.
+  bool gathers(int unit) const {
+    return ctx_.stage == 3 && !ctx_.plan.units[unit].persistent;
+  }
+  absl::Status Hold(int unit);
+  absl::Status Drop(int unit);
+  std::vector<int> UnitsOf(absl::Span<const int> params) const;
   absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
@@ -75,6 +92,7 @@ class ParamGatherer {
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
   std::vector<Slot> slots_;
   std::vector<int> unit_slot_;  // per unit, or -1
+  std::vector<int> refs_;       // per unit: holds (Acquire, Gather) not yet released
   uint64_t use_clock_ = 0;
   int last_gathered_ = -1;
 };

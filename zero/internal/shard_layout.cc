@@ -8,22 +8,26 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   const memory::PlanOptions& o = plan.options;
   const size_t c = DTypeSize(o.compute_dtype);
   auto at = [c](char* base, int64_t elems) { return base + elems * static_cast<int64_t>(c); };
-  const bool accumulate = o.gradient_accumulation_steps > 1;
+  const DType gdt = memory::ReducedGradDType(o);
+  const int64_t gs = static_cast<int64_t>(DTypeSize(gdt));
+  auto at_grad = [gs](char* base, int64_t elems) { return base + elems * gs; };
+  const bool accumulate = o.gradient_accumulation_steps > 1 || gdt != o.compute_dtype;
   Region r;
+  r.grad_dtype = gdt;
   r.whole_unit = o.stage == 0;
   r.n = r.whole_unit ? unit.padded : unit.shard;
   r.unit_begin = r.whole_unit ? 0 : o.rank * unit.shard;
   r.owned_begin = r.whole_unit ? o.rank * unit.shard : 0;
   switch (o.stage) {
     case 0:
-      r.grad = at(accumulate ? b.accum : b.grads, unit.flat_offset);
+      r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : at(b.grads, unit.flat_offset);
       break;
     case 1:
-      r.grad = accumulate ? at(b.accum, unit.shard_offset)
+      r.grad = accumulate ? at_grad(b.accum, unit.shard_offset)
                           : at(b.grads, unit.flat_offset + r.unit_begin);
       break;
     default:
-      r.grad = at(b.grads, unit.shard_offset);
+      r.grad = at_grad(b.grads, unit.shard_offset);
       break;
   }
   r.param = o.stage == 3 ? at(b.params, unit.shard_offset)

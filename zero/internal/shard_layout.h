@@ -6,6 +6,9 @@
 // whole padded unit; stages 1-3 own shard `rank` of each unit (unit.shard elements). Where the
 // reduced gradient sits depends on the stage and on gradient accumulation:
 //
+// (the accumulator, and with fp32_grad_accum also used without accumulation, is in
+// memory::ReducedGradDType):
+//
 //   stage 0:  the full gradients, or the full accumulator when accumulating
 //   stage 1:  this rank's block of the full gradients, or the shard accumulator
 //   stage 2-3: the gradient shard (accumulated in place)
@@ -30,11 +33,13 @@ namespace zero_internal {
 // without offload: the parameters themselves are then the fp32 weights.
 struct ModelStateBuffers {
   char* params = nullptr;   // compute dtype: full (stages 0-2) or the shard (stage 3)
-  char* grads = nullptr;    // compute dtype: full (stages 0-1) or the shard (stages 2-3)
+  char* grads = nullptr;    // compute dtype: full (stages 0-1); the shard (stages 2-3) in
+                            // the reduced-gradient dtype
   float* master = nullptr;  // fp32: full (stage 0) or the shard (stages 1-3)
   float* m = nullptr;
   float* v = nullptr;
-  char* accum = nullptr;    // compute dtype: full (stage 0) or the shard (stage 1), GAS > 1
+  char* accum = nullptr;    // reduced-gradient dtype (memory::ReducedGradDType): full
+                            // (stage 0) or the shard (stage 1), with GAS > 1 or fp32
 };
 
 // This rank's region of one unit.
@@ -43,7 +48,8 @@ struct Region {
   int64_t unit_begin = 0;    // where the region starts inside the padded unit
   int64_t owned_begin = 0;   // where this rank's shard starts inside the region
   bool whole_unit = false;   // the region is the whole unit (stage 0)
-  const char* grad = nullptr;  // (n) compute dtype: the reduced gradient
+  const char* grad = nullptr;  // (n) grad_dtype: the reduced gradient
+  DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
   float* master = nullptr;     // (n) fp32
   float* m = nullptr;          // (n) fp32
   float* v = nullptr;          // (n) fp32

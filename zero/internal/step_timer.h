@@ -47,8 +47,10 @@ class StepTimer {
 
   // Counts one collective of `passes` passes over blocks of `block` elements per rank, in
   // nccl-tests' convention: a rank sends (n-1)/n of the buffer per pass (an all-reduce is two).
-  void Sent(int64_t block, int passes) {
-    window_.comm_bytes += passes * block * (world_ - 1) * static_cast<int64_t>(element_bytes_);
+  void Sent(int64_t block, int passes) { Sent(block, passes, element_bytes_); }
+  // A collective in another dtype (fp32 gradient reductions).
+  void Sent(int64_t block, int passes, size_t element_bytes) {
+    window_.comm_bytes += passes * block * (world_ - 1) * static_cast<int64_t>(element_bytes);
   }
   void AddReduceMs(double ms) { window_.reduce_ms += ms; }
   void AddGatherMs(double ms) { window_.gather_ms += ms; }
