@@ -331,5 +331,49 @@ TEST_CASE("ResolveAuto: without a fill the documented rules apply, and gaps are 
   CHECK(!ParseAutoFill(R"({"lr": "high"})").ok());
 }
 
+TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse and resolve",
+          "[zero]") {
+  // Written for these tests in the manner of each project's templates (not copies).
+  struct Case {
+    const char* file;
+    int64_t world;
+    DType dtype;  // what the config ends up computing in
+  };
+  const Case cases[] = {
+      {"hf_trainer_zero3.json", 8, DType::kBF16},
+      {"accelerate_zero2.json", 8, DType::kF16},
+      {"llama_factory_zero3_offload.json", 8, DType::kBF16},
+      {"axolotl_zero1.json", 8, DType::kBF16},
+      {"deepspeedexamples_bert_zero1.json", 64, DType::kF16},  // 4096 = 64 * 1 * 64
+      {"megatron_deepspeed_bf16.json", 256, DType::kBF16},     // 512 = 2 * 1 * 256
+      {"infinity_nvme_cosine.json", 4, DType::kBF16},
+      {"deepspeed_full.json", 8, DType::kF16},                 // 512 = 4 * 16 * 8
+  };
+  auto llama = ModelPreset("llama2-7b");
+  REQUIRE(llama.ok());
+  for (const Case& c : cases) {
+    INFO(c.file);
+    absl::StatusOr<Config> config = LoadConfigFile(std::string("zero/testdata/") + c.file);
+    INFO(config.status().ToString());
+    REQUIRE(config.ok());
+    AutoFill fill;
+    fill.world_size = c.world;
+    fill.compute_dtype = DType::kBF16;
+    fill.lr = 2e-5;
+    fill.total_num_steps = 1000;
+    fill.warmup_num_steps = 30;
+    absl::Status s = ResolveAuto(fill, *llama, &*config);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    CHECK(config->auto_keys.empty());
+    CHECK(config->compute_dtype == c.dtype);
+    CHECK(config->zero.reduce_bucket_size != kAutoSize);
+    CHECK(ValidateConfig(*config).ok());
+    absl::StatusOr<PlanChoice> plan = ChoosePlan(*llama, *config, static_cast<int>(c.world), 0);
+    INFO(plan.status().ToString());
+    CHECK(plan.ok());
+  }
+}
+
 }  // namespace
 }  // namespace zerort
