@@ -306,11 +306,11 @@ void ResolveUnitSizeAutos(AutoResolver* r, absl::Span<const memory::ParamSpec> s
   ZeroConfig& z = r->config()->zero;
   const bool any = z.reduce_bucket_size == kAutoSize || z.stage3_prefetch_bucket_size == kAutoSize ||
                    z.stage3_param_persistence_threshold == kAutoSize;
-  // With neither a hidden size nor the parameters, the planner derives them when it plans.
-  if (!any || (!r->fill().hidden_size && specs.empty())) return;
-  const UnitSizes sizes = ResolveUnitSizes(specs, *r->config(), r->fill().hidden_size.value_or(0));
-  const std::string h = absl::StrCat(
-      "h = ", sizes.hidden, r->fill().hidden_size ? " from the trainer" : " from the parameters");
+  // Without the trainer's h they stay kAutoSize: the planner derives them from the parameters
+  // when it plans, and its PlanChoice::reason says so.
+  if (!any || !r->fill().hidden_size) return;
+  const UnitSizes sizes = ResolveUnitSizes(specs, *r->config(), *r->fill().hidden_size);
+  const std::string h = absl::StrCat("h = ", sizes.hidden, " from the trainer");
   auto set = [&](const char* key, int64_t* field, int64_t value, const char* rule) {
     if (*field != kAutoSize) return;
     *field = value;

@@ -68,8 +68,8 @@ absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
 
 // Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with
 // a value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
-// docs/config.md: unit sizes from h (the fill's hidden_size, else the parameters in `specs`; with
-// neither they stay kAutoSize for the planner); bf16/fp16.enabled from fill.compute_dtype (false
+// docs/config.md: unit sizes from the fill's hidden_size (the largest module bound read off
+// `specs`; without a hidden_size they stay kAutoSize and the planner derives h from `specs`); bf16/fp16.enabled from fill.compute_dtype (false
 // without one); optimizer and gradient-clipping values from the fill, else zerort's defaults;
 // gradient_accumulation_steps from the fill, else train / (micro * world) when all are known,
 // else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else the
