@@ -886,3 +886,59 @@ TEST_CASE("Config: strict mode turns every ignored key into an error", "[zero]")
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: \"auto\" is accepted where Hugging Face writes it and recorded by path",
+          "[zero]") {
+  Config c = MustParse(R"({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+      "optimizer": {"params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                               "weight_decay": "auto"}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                    "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+      "zero_optimization": {"reduce_bucket_size": "auto", "prefetch_bucket_size": "auto"},
+      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+      "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})");
+  const std::vector<std::string> expected = {
+      "bf16.enabled", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+      "optimizer.params.eps", "optimizer.params.weight_decay",
+      "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+      "scheduler.params.warmup_num_steps", "gradient_clipping", "gradient_accumulation_steps"};
+  CHECK(c.auto_keys == expected);
+  // Until filled, each value is its default.
+  CHECK(c.compute_dtype == DType::kF32);
+  CHECK(c.optimizer.lr == 1e-3);
+  CHECK(c.zero.stage3_prefetch_bucket_size == kAutoSize);
+  CHECK(c.train_batch_size == 0);
+  // The dump writes "auto" back, and parses to the same Config.
+  const std::string dump = ResolvedConfigJson(c);
+  const Json j = Json::parse(dump);
+  CHECK(j["optimizer"]["params"]["betas"] == "auto");
+  CHECK(j["bf16"]["enabled"] == "auto");
+  CHECK(j["scheduler"]["params"]["warmup_num_steps"] == "auto");
+  absl::StatusOr<Config> again = ParseConfig(dump);
+  REQUIRE(again.ok());
+  CHECK(*again == c);
+  // "auto" only where it is meaningful.
+  for (const char* json : {R"({"cpu_threads": "auto"})", R"({"zero_optimization": {"stage": 3,
+      "stage3_max_live_parameters": "auto"}})", R"({"fp16": {"loss_scale": "auto"}})"}) {
+    INFO(json);
+    CHECK(ParseError(json).code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("Config: the test configs in each user's style all parse", "[zero]") {
+  for (const char* file :
+       {"hf_trainer_zero3.json", "accelerate_zero2.json", "llama_factory_zero3_offload.json",
+        "axolotl_zero1.json", "deepspeedexamples_bert_zero1.json", "megatron_deepspeed_bf16.json",
+        "infinity_nvme_cosine.json"}) {
+    absl::StatusOr<Config> c = LoadConfigFile(std::string("zero/testdata/") + file);
+    INFO(file);
+    INFO(c.status().ToString());
+    CHECK(c.ok());
+  }
+}
+
+}  // namespace
+}  // namespace zerort
