@@ -199,6 +199,13 @@ typedef struct zr_engine_options {
    * written on it before grad_ready and parameters read on it after gather are ordered without
    * host waits. Must outlive the engine. */
   void* compute_stream;
+  /* NULL, or a JSON object filling the config's "auto" values as the trainer knows them, e.g.
+   * {"hidden_size": 4096, "lr": 3e-4, "total_num_steps": 10000, "compute_dtype": "bf16"}
+   * (keys: zerort::AutoFill, docs/config.md). Every "auto" is resolved either way (from this,
+   * else by the documented rule; the world size is the communicator's), and each resolution is
+   * one line of zr_engine_config_notes. Appended after 0.1.0: the 0.1.0 struct_size (without
+   * this field) is still accepted. */
+  const char* auto_fill_json;
 } zr_engine_options;
 
 /* Parses `config_json` (DeepSpeed-style keys, docs/config.md), plans and allocates exactly the
