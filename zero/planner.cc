@@ -309,6 +309,11 @@ void ResolveUnitSizeAutos(AutoResolver* r, absl::Span<const memory::ParamSpec> s
   // Without the trainer's h they stay kAutoSize: the planner derives them from the parameters
   // when it plans, and its PlanChoice::reason says so.
   if (!any || !r->fill().hidden_size) return;
+  // h*h must fit an int64 (h up to 3e9, far beyond any model's hidden size).
+  if (*r->fill().hidden_size < 1 || *r->fill().hidden_size > 3000000000) {
+    return r->Error(absl::StrCat("hidden_size ", *r->fill().hidden_size,
+                                 " from the trainer: expected 1..3000000000"));
+  }
   const UnitSizes sizes = ResolveUnitSizes(specs, *r->config(), *r->fill().hidden_size);
   const std::string h = absl::StrCat("h = ", sizes.hidden, " from the trainer");
   auto set = [&](const char* key, int64_t* field, int64_t value, const char* rule) {
@@ -391,22 +396,34 @@ void ResolveBatchAutos(AutoResolver* r) {
   const int64_t micro = c->train_micro_batch_size_per_gpu > 0 ? c->train_micro_batch_size_per_gpu
                                                              : f.train_micro_batch_size_per_gpu.value_or(0);
   const int64_t world = f.world_size.value_or(0);
+  // Products of trainer-given sizes can overflow: __int128 holds any product of two int64s.
+  const __int128 per_step = static_cast<__int128>(micro) * world;
   if (r->Take("gradient_accumulation_steps")) {
     std::string why = "zerort's default";
+    constexpr int64_t kIntMax = std::numeric_limits<int>::max();
     if (f.gradient_accumulation_steps) {
+      if (*f.gradient_accumulation_steps < 1 || *f.gradient_accumulation_steps > kIntMax) {
+        return r->Error(absl::StrCat("gradient_accumulation_steps ",
+                                     *f.gradient_accumulation_steps,
+                                     " from the trainer: expected 1..", kIntMax));
+      }
       c->gradient_accumulation_steps = static_cast<int>(*f.gradient_accumulation_steps);
       why = "from the trainer";
-    } else if (train > 0 && micro > 0 && world > 0 && train % (micro * world) == 0) {
-      c->gradient_accumulation_steps = static_cast<int>(train / (micro * world));
+    } else if (train > 0 && micro > 0 && world > 0 && train % per_step == 0 &&
+               train / per_step <= kIntMax) {
+      c->gradient_accumulation_steps = static_cast<int>(train / per_step);
       why = "train_batch_size / (train_micro_batch_size_per_gpu * world size)";
     }
     r->Note("gradient_accumulation_steps", c->gradient_accumulation_steps, why);
   }
-  const int64_t gas = c->gradient_accumulation_steps;
-  if (train > 0 && micro > 0 && world > 0 && train != micro * gas * world) {
+  const __int128 expected = per_step * c->gradient_accumulation_steps;
+  if (train > 0 && micro > 0 && world > 0 && expected != train) {
     r->Error(absl::StrCat("train_batch_size ", train, " != train_micro_batch_size_per_gpu ", micro,
-                          " * gradient_accumulation_steps ", gas, " * world size ", world, " = ",
-                          micro * gas * world));
+                          " * gradient_accumulation_steps ", c->gradient_accumulation_steps,
+                          " * world size ", world,
+                          expected <= std::numeric_limits<int64_t>::max()
+                              ? absl::StrCat(" = ", static_cast<int64_t>(expected))
+                              : std::string(" (more than 2^63-1)")));
   }
 }
 

@@ -325,6 +325,15 @@ TEST_CASE("ResolveAuto: without a fill the documented rules apply, and gaps are 
   // parameters and says so in its reason.
   CHECK(d.zero.stage3_param_persistence_threshold == kAutoSize);
 
+  // Sizes whose product passes 2^63 are compared exactly, never wrapped.
+  Config big = *ParseConfig(R"({"train_batch_size": 9223372036854775807,
+      "train_micro_batch_size_per_gpu": 4611686018427387904, "gradient_accumulation_steps": "auto"})");
+  fill.hidden_size = int64_t{1} << 40;
+  s = ResolveAuto(fill, {}, &big);
+  CHECK(absl::StrContains(s.message(), "* world size 8 (more than 2^63-1)"));
+  CHECK(absl::StrContains(s.message(), "hidden_size 1099511627776 from the trainer: expected"));
+  CHECK(big.gradient_accumulation_steps == 1);
+
   CHECK(!ParseAutoFill(R"({"hiden_size": 4})").ok());
   CHECK(!ParseAutoFill(R"({"compute_dtype": "fp64"})").ok());
   CHECK(!ParseAutoFill(R"({"lr": "high"})").ok());
