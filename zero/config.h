@@ -3,8 +3,10 @@
 // Key names follow DeepSpeed wherever DeepSpeed has the setting, so a DeepSpeed config usually
 // parses unchanged; docs/config.md lists every key with its default, constraint and DeepSpeed
 // equivalent. Parsing is strict: an unknown key, a duplicate key, a value of the wrong type or
-// out of range is an error that names the key's JSON path. DeepSpeed keys that have no effect
-// here are accepted and reported one line each in Config::notes.
+// out of range is an error that names the key's JSON path, and one parse reports every such
+// problem at once. DeepSpeed keys that have no effect here, and foreign top-level keys, are
+// accepted and reported one line each in Config::notes (errors in strict mode). Values written
+// "auto" are listed in Config::auto_keys for ResolveAuto (zero/planner.h) to fill.
 //
 //   ASSIGN_OR_RETURN(zerort::Config config, zerort::LoadConfigFile("ds_config.json"));
 //   for (const std::string& note : config.notes) std::cerr << note << "\n";
