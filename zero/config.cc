@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/json.h"
 #include "base/status.h"
 
@@ -47,7 +48,13 @@ class Reader {
   // did not parse, rather than report a second, misleading problem about them.
   bool Failed(absl::string_view path) const {
     for (const absl::Status& s : errors_) {
-      if (absl::StartsWith(s.message(), path)) return true;
+      absl::string_view m = s.message();
+      // "path" itself or a key below it, not a sibling that merely starts the same
+      // ("zero_optimization.stage" is not "zero_optimization.stage3_...").
+      if (absl::ConsumePrefix(&m, path) && (m.empty() || m[0] == ':' || m[0] == '.' ||
+                                            m[0] == '[' || m[0] == ' ')) {
+        return true;
+      }
     }
     return false;
   }
@@ -1029,7 +1036,11 @@ void ReadConfig(Reader* r, const Json& root, Config* config) {
 // Writes "auto" at a dotted path of the dump, creating objects on the way.
 void SetAuto(Json* root, const std::string& path) {
   Json* at = root;
-  for (absl::string_view part : absl::StrSplit(path, '.')) at = &(*at)[std::string(part)];
+  for (absl::string_view part : absl::StrSplit(path, '.')) {
+    // A hand-built Config may list a path through a value; such a path names no setting.
+    if (!at->is_object() && !at->is_null()) return;
+    at = &(*at)[std::string(part)];
+  }
   *at = "auto";
 }
 

@@ -765,6 +765,15 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
   // Only problems: a key that failed to parse raises no second, derived complaint.
   CHECK_FALSE(absl::StrContains(s.message(), "offload"));
 
+  // A rule across keys is skipped when a key it reads did not parse, and only then.
+  CHECK(ParseError(R"({"zero_optimization": {"stage": 5, "offload_param": {"device": "cpu"}}})")
+            .message() ==
+        "<config>: zero_optimization.stage: expected an integer in 0..3 or \"auto\", got 5");
+  absl::Status both = ParseError(R"({"zero_optimization": {"stage": 2,
+      "stage3_max_live_parameters": 0, "offload_param": {"device": "cpu"}}})");
+  CHECK(absl::StartsWith(both.message(), "<config>: 2 problems:\n"));
+  CHECK(absl::StrContains(both.message(), "parameter offload requires stage 3"));
+
   // All of one kind keep their code; one problem keeps the single-line form.
   absl::Status unimplemented =
       ParseError(R"({"prescale_gradients": true, "amp": {"enabled": true}})");
@@ -920,6 +929,11 @@ TEST_CASE("Config: \"auto\" is accepted where Hugging Face writes it and recorde
   absl::StatusOr<Config> again = ParseConfig(dump);
   REQUIRE(again.ok());
   CHECK(*again == c);
+  // A hand-built list naming no setting is written nowhere (and never throws).
+  Config odd;
+  odd.auto_keys = {"gradient_clipping.x", "cpu_threads"};
+  CHECK(Json::parse(ResolvedConfigJson(odd))["gradient_clipping"] == 0);
+  CHECK(ValidateConfig(odd).code() == absl::StatusCode::kInvalidArgument);  // cpu_threads: "auto"
   // "auto" only where it is meaningful.
   for (const char* json : {R"({"cpu_threads": "auto"})", R"({"zero_optimization": {"stage": 3,
       "stage3_max_live_parameters": "auto"}})", R"({"fp16": {"loss_scale": "auto"}})"}) {
