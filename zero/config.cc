@@ -574,10 +574,12 @@ void ReadZero(Reader* r, const Json& obj, const std::string& path, ZeroConfig* o
                           &out->stage3_param_persistence_threshold));
   r->Check(ReadSizeOrAuto(obj, path, "param_persistence_threshold", 0,
                           &out->stage3_param_persistence_threshold));
-  r->Check(ReadInt64(obj, path, "stage3_max_live_parameters", 1, kInt64Max,
-                     &out->stage3_max_live_parameters));
-  r->Check(ReadInt64(obj, path, "max_live_parameters", 1, kInt64Max,
-                     &out->stage3_max_live_parameters));
+  // OpenRLHF-style configs write "auto" here too; ResolveAuto gives DeepSpeed's default.
+  const std::string live_path = JsonPath(path, "stage3_max_live_parameters");
+  for (const char* key : {"stage3_max_live_parameters", "max_live_parameters"}) {
+    if (TakeAuto(r, obj, key, live_path)) continue;
+    r->Check(ReadInt64(obj, path, key, 1, kInt64Max, &out->stage3_max_live_parameters));
+  }
   if (const Json* budget = Object(r, obj, path, "memory_budget")) {
     ReadMemoryBudget(r, *budget, JsonPath(path, "memory_budget"), &out->memory_budget);
   }
@@ -959,6 +961,12 @@ void ReadTopScalars(Reader* r, const Json& root, Config* config) {
     }
     r->Note(absl::StrCat(key, ": the trainer owns batch sizes; checked only for consistency "
                               "(train = micro * gradient_accumulation_steps * world size)"));
+  }
+  // DeepSpeed derives the accumulation from the two batch sizes when it is not written: so does
+  // ResolveAuto, once it knows the world size.
+  if (!root.contains("gradient_accumulation_steps") && root.contains("train_batch_size") &&
+      root.contains("train_micro_batch_size_per_gpu")) {
+    r->Auto("gradient_accumulation_steps");
   }
   r->Check(ReadDType(root, top, "communication_data_type", &config->communication_dtype));
   r->Check(ReadInt64(root, top, "comm_timeout_ms", 1, kInt64Max, &config->comm_timeout_ms));

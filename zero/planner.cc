@@ -366,6 +366,15 @@ void ResolveOptimizerAutos(AutoResolver* r) {
   r->Fill("gradient_clipping", &r->config()->gradient_clipping, f.gradient_clipping, kDefault);
 }
 
+void ResolveZeroAutos(AutoResolver* r) {
+  ZeroConfig& z = r->config()->zero;
+  if (r->Take("zero_optimization.stage3_max_live_parameters")) {
+    z.stage3_max_live_parameters = ZeroConfig{}.stage3_max_live_parameters;
+    r->Note("zero_optimization.stage3_max_live_parameters", z.stage3_max_live_parameters,
+            "DeepSpeed's default");
+  }
+}
+
 void ResolveSchedulerAutos(AutoResolver* r) {
   SchedulerConfig& s = r->config()->scheduler;
   const AutoFill& f = r->fill();
@@ -433,6 +442,7 @@ absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpe
                          Config* config) {
   AutoResolver r(fill, config);
   ResolveUnitSizeAutos(&r, specs);
+  ResolveZeroAutos(&r);
   ResolvePrecisionAutos(&r);
   ResolveOptimizerAutos(&r);
   ResolveSchedulerAutos(&r);

@@ -355,6 +355,7 @@ TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse
       {"deepspeedexamples_bert_zero1.json", 64, DType::kF16},  // 4096 = 64 * 1 * 64
       {"megatron_deepspeed_bf16.json", 256, DType::kBF16},     // 512 = 2 * 1 * 256
       {"infinity_nvme_cosine.json", 4, DType::kBF16},
+      {"openrlhf_zero3.json", 8, DType::kBF16},  // 128 = 1 * 16 * 8 (auto accumulation)
       {"deepspeed_full.json", 8, DType::kF16},                 // 512 = 4 * 16 * 8
   };
   auto llama = ModelPreset("llama2-7b");
