@@ -297,7 +297,8 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
 /* The plan as JSON (what `zerort plan --json` prints: per-rank bytes, units, buffers), into
  * *json. The string is owned by the engine and valid until zr_engine_destroy. */
 zr_status zr_engine_plan_json(const zr_engine* engine, const char** json);
-/* The config's notes: one line per key that was accepted but has no effect here (Config::notes),
+/* The config's notes: one line per key that was accepted but has no effect here, and per "auto"
+ * value resolved (Config::notes),
  * each ending in '\n'; "" when there are none. Owned by the engine, valid until
  * zr_engine_destroy. */
 zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes);
