@@ -29,6 +29,7 @@
 #include "device/cuda_device.h"
 #include "zero/config.h"
 #include "zero/engine.h"
+#include "zero/planner.h"
 #include "zero/report.h"
 
 struct zr_comm {
@@ -106,7 +107,6 @@ template <typename T>
 constexpr size_t FirstPublishedSize() {
   return sizeof(T);
 }
-
 // Appended to in 0.2: the sizes before.
 template <>
 constexpr size_t FirstPublishedSize<zr_param_spec>() {
@@ -437,15 +437,21 @@ zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
     RETURN_IF_ERROR(NotNull(device, "zr_engine_create", "device"));
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_create", "engine"));
     zerort::EngineOptions engine_options;
+    zerort::AutoFill fill;
     if (options != nullptr) {
       ASSIGN_OR_RETURN(zr_engine_options o,
                        ReadSized(options, "zr_engine_create", "zr_engine_options"));
       engine_options.compute_stream = o.compute_stream;
       engine_options.no_decay_1d = o.no_decay_1d != 0;
+      if (o.auto_fill_json != nullptr) {
+        ASSIGN_OR_RETURN(fill, zerort::ParseAutoFill(o.auto_fill_json));
+      }
     }
     ASSIGN_OR_RETURN(std::vector<zerort::memory::ParamSpec> specs,
                      ReadParams(params, num_params, &engine_options.param_groups));
     ASSIGN_OR_RETURN(zerort::Config config, zerort::ParseConfig(config_json, "config_json"));
+    if (!fill.world_size) fill.world_size = comm->comm->size();
+    RETURN_IF_ERROR(zerort::Annotate(zerort::ResolveAuto(fill, specs, &config), "config_json"));
     ASSIGN_OR_RETURN(std::unique_ptr<zerort::Engine> e,
                      zerort::Engine::Create(config, std::move(specs), comm->comm.get(),
                                             device->device.get(), engine_options));

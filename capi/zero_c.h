@@ -210,6 +210,12 @@ typedef struct zr_engine_options {
   /* Appended in 0.2: != 0 puts one-dimensional parameters that no group took (biases, norm
    * gains) into a group with weight decay 0. */
   int no_decay_1d;
+  /* NULL, or a JSON object filling the config's "auto" values as the trainer knows them, e.g.
+   * {"hidden_size": 4096, "lr": 3e-4, "total_num_steps": 10000, "compute_dtype": "bf16"}
+   * (keys: zerort::AutoFill, docs/config.md). Every "auto" is resolved either way (from this,
+   * else by the documented rule; the world size is the communicator's), and each resolution is
+   * one line of zr_engine_config_notes. Appended in 0.2. */
+  const char* auto_fill_json;
 } zr_engine_options;
 
 /* Parses `config_json` (DeepSpeed-style keys, docs/config.md), plans and allocates exactly the
@@ -375,7 +381,8 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
 /* The plan as JSON (what `zerort plan --json` prints: per-rank bytes, units, buffers), into
  * *json. The string is owned by the engine and valid until zr_engine_destroy. */
 zr_status zr_engine_plan_json(const zr_engine* engine, const char** json);
-/* The config's notes: one line per key that was accepted but has no effect here (Config::notes),
+/* The config's notes: one line per key that was accepted but has no effect here, and per "auto"
+ * value resolved (Config::notes),
  * each ending in '\n'; "" when there are none. Owned by the engine, valid until
  * zr_engine_destroy. */
 zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes);

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -489,6 +490,48 @@ static void VersionAndIntrospection(void) {
   FreeSingle(&s);
 }
 
+/* "auto" config values filled through zr_engine_options.auto_fill_json, each reported in the
+ * notes; the 0.1.0 options struct (without the field) is still accepted. */
+static void AutoFill(void) {
+  const int64_t w_shape[2] = {OUT, IN}, b_shape[1] = {OUT};
+  const zr_param_spec params[2] = {{sizeof(zr_param_spec), "fc.w", 2, w_shape, "fc"},
+                                   {sizeof(zr_param_spec), "fc.b", 1, b_shape, "fc"}};
+  zr_comm* comm = NULL;
+  zr_device* device = NULL;
+  MUST(zr_comm_group_create(1, 0, &comm));
+  MUST(zr_cpu_device_create(1, &device));
+  const char* config = "{\"optimizer\": {\"params\": {\"lr\": \"auto\"}}, "
+                       "\"bf16\": {\"enabled\": \"auto\"}}";
+  zr_engine_options options = {sizeof options, NULL,
+                               "{\"lr\": 0.25, \"compute_dtype\": \"bf16\"}"};
+  zr_engine* engine = NULL;
+  zr_status st = zr_engine_create(config, params, 2, comm, device, &options, &engine);
+  CHECK(st == ZR_OK, "%s", zr_last_error());
+  if (engine != NULL) {
+    const char* notes = NULL;
+    CHECK(zr_engine_config_notes(engine, &notes) == ZR_OK &&
+              strstr(notes, "optimizer.params.lr: auto -> 0.25 (from the trainer)\n") != NULL &&
+              strstr(notes, "bf16.enabled: auto -> true") != NULL,
+          "notes: '%s'", notes ? notes : "(null)");
+    CHECK(zr_engine_compute_dtype(engine) == ZR_BF16, "auto bf16 not applied");
+    zr_engine_destroy(engine);
+    engine = NULL;
+  }
+  /* A caller built against 0.1.0 passes the smaller struct: no fill, the documented rules. */
+  options.struct_size = offsetof(zr_engine_options, auto_fill_json);
+  st = zr_engine_create(config, params, 2, comm, device, &options, &engine);
+  CHECK(st == ZR_OK, "0.1.0 options: %s", zr_last_error());
+  zr_engine_destroy(engine);
+  engine = NULL;
+  options.struct_size = sizeof options;
+  options.auto_fill_json = "{\"learning_rate\": 1}";
+  st = zr_engine_create(config, params, 2, comm, device, &options, &engine);
+  CHECK(st == ZR_INVALID_ARGUMENT && engine == NULL && strstr(zr_last_error(), "learning_rate"),
+        "%s", zr_last_error());
+  zr_comm_destroy(comm);
+  zr_device_destroy(device);
+}
+
 /* The launcher environment, MPI before initialization, and the GPU calls: here, without a GPU,
  * they must fail with the driver's reason rather than crash or pretend. */
 static void LaunchMpiAndGpu(void) {
@@ -660,6 +703,7 @@ static void OptimizerApi(void) {
 }
 
 int main(void) {
+  AutoFill();
   const char* precisions[2] = {"bf16", "fp16"};
   for (int p = 0; p < 2; ++p) {
     for (int stage = 0; stage <= 3; ++stage) TrainOnTwoRanks(precisions[p], stage, stage == 1);

@@ -80,7 +80,7 @@ absl::StatusOr<Config> PlanConfig(const Flags& flags) {
   Config config;
   config.compute_dtype = DType::kBF16;  // the mixed-precision setting users plan for
   if (flags.Has("config")) {
-    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
+    ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config"), ParseOptions{flags.Has("strict")}));
   }
   ASSIGN_OR_RETURN(config.compute_dtype,
                    flags.GetComputeDType("precision", config.compute_dtype));
@@ -109,6 +109,21 @@ absl::StatusOr<std::vector<memory::ParamSpec>> PlanModel(const Flags& flags) {
   return SyntheticModel(params, std::min(layers, params));
 }
 
+// --fill JSON (ParseAutoFill's keys), with --world and the compute dtype as defaults: what
+// `plan` knows in place of a trainer.
+absl::StatusOr<AutoFill> PlanFill(const Flags& flags, int64_t world) {
+  AutoFill fill;
+  if (flags.Has("fill")) {
+    ASSIGN_OR_RETURN(fill, ParseAutoFill(flags.Get("fill")));
+  }
+  if (!fill.world_size) fill.world_size = world;
+  if (!fill.compute_dtype) {
+    // --precision, else bf16: the mixed-precision setting users plan for.
+    ASSIGN_OR_RETURN(fill.compute_dtype, flags.GetComputeDType("precision", DType::kBF16));
+  }
+  return fill;
+}
+
 }  // namespace
 
 namespace {
@@ -127,6 +142,10 @@ constexpr const char* kPlanUsage =
          --config FILE       a JSON config (DeepSpeed keys); flags above override it
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto);
                              SIZE as 80GiB, 16GB, 8e10 or 1.5e-3TiB, rounded to the nearest byte
+         --fill JSON         values for the config's "auto" keys, as a trainer fills them:
+                             {"hidden_size": 4096, "lr": 3e-4, "total_num_steps": 1000, ...}
+                             (docs/config.md); --world and --precision fill their own
+         --strict            every config key that would be ignored is an error
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
 )";
@@ -165,8 +184,8 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args,
                                 {"model", "params", "layers", "world", "rank", "stage", "offload",
-                                 "precision", "config", "budget"},
-                                {"json", "resolved-config"}));
+                                 "precision", "config", "budget", "fill"},
+                                {"json", "resolved-config", "strict"}));
   ASSIGN_OR_RETURN(Config config, PlanConfig(flags));
   if (flags.Has("resolved-config")) {
     out << ResolvedConfigJson(config) << "\n";
@@ -181,6 +200,8 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     return absl::InvalidArgumentError(
         absl::StrCat("--rank ", rank, " is outside the world of ", world, " ranks"));
   }
+  ASSIGN_OR_RETURN(AutoFill fill, PlanFill(flags, world));
+  RETURN_IF_ERROR(Annotate(ResolveAuto(fill, specs, &config), "\"auto\" values"));
   ASSIGN_OR_RETURN(PlanChoice choice,
                    ChoosePlan(specs, config, static_cast<int>(world), static_cast<int>(rank)));
   if (flags.Has("json")) {
@@ -188,6 +209,12 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     j["fits_budget"] = choice.fits;
     j["reason"] = choice.reason;
     j["notes"] = config.notes;
+    // The "auto" resolutions again on their own: "<path>: auto -> <value> (<why>)".
+    std::vector<std::string> resolved;
+    for (const std::string& note : config.notes) {
+      if (absl::StrContains(note, ": auto -> ")) resolved.push_back(note);
+    }
+    j["auto_resolved"] = resolved;
     out << j.dump(2) << "\n";
   } else {
     for (const std::string& note : config.notes) out << "note: " << note << "\n";

@@ -57,9 +57,11 @@ TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON arr
                          json)
               .ok());
   auto j = nlohmann::json::parse(json.str());
-  REQUIRE(j["notes"].size() == 3);
-  CHECK_THAT(j["notes"][1].get<std::string>(),
+  // The three keys', and the optimizer the config does not name.
+  REQUIRE(j["notes"].size() == 4);
+  CHECK_THAT(j["notes"][0].get<std::string>(),
              Catch::StartsWith("zero_optimization.overlap_comm: false has no effect"));
+  CHECK_THAT(j["notes"][2].get<std::string>(), Catch::StartsWith("optimizer: absent; "));
 
   // Without a config there is nothing to note; the array is still there.
   std::ostringstream plain;
@@ -81,6 +83,52 @@ std::string Refusal(const std::vector<std::string>& args, const std::string& nee
   CHECK(status.code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(status.message()), Catch::Contains(needle));
   return std::string(status.message());
+}
+
+TEST_CASE("CLI: zerort plan fills \"auto\" values and shows each; --strict refuses ignored keys",
+          "[zero]") {
+  const std::string path = TempPath("auto.json");
+  std::ofstream(path) << R"({"bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto",
+      "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+      "optimizer": {"params": {"lr": "auto"}}, "wall_clock_breakdown": false,
+      "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}})";
+  std::ostringstream text;
+  REQUIRE(RunPlanCommand({"--model", "gpt2-124m", "--world", "4", "--config", path, "--fill",
+                          R"({"lr": 6e-4, "total_num_steps": 5000, "hidden_size": 1024})"},
+                         text)
+              .ok());
+  for (const char* line :
+       {"note: optimizer.params.lr: auto -> 0.0006 (from the trainer)",
+        "note: bf16.enabled: auto -> true (the trainer computes in bf16)",
+        "note: gradient_accumulation_steps: auto -> 4 (train_batch_size / "
+        "(train_micro_batch_size_per_gpu * world size))",
+        "note: scheduler.params.total_num_steps: auto -> 5000 (from the trainer)",
+        "note: zero_optimization.reduce_bucket_size: auto -> 39383808 (max(h*h, largest module), "
+        "h = 1024 from the trainer)"}) {
+    CHECK_THAT(text.str(), Catch::Contains(line));
+  }
+  CHECK_THAT(text.str(), Catch::Contains(", bf16"));  // the plan computes in bf16
+
+  std::ostringstream json;
+  REQUIRE(RunPlanCommand({"--model", "gpt2-124m", "--world", "4", "--config", path, "--json",
+                          "--fill", R"({"total_num_steps": 10})"},
+                         json)
+              .ok());
+  auto j = nlohmann::json::parse(json.str());
+  CHECK(j["auto_resolved"].size() == 4);  // bf16, lr, gradient_accumulation_steps, total_num_steps
+
+  // Without total_num_steps nothing fills it; a batch size that cannot match the world size.
+  Refusal({"--model", "gpt2-124m", "--world", "4", "--config", path},
+          "scheduler.params.total_num_steps: \"auto\", but the trainer gave no total_num_steps");
+  Refusal({"--model", "gpt2-124m", "--world", "3", "--config", path, "--fill",
+           R"({"total_num_steps": 10})"},
+          "train_batch_size 64 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 1 "
+          "* world size 3 = 12");
+  Refusal({"--model", "gpt2-124m", "--config", path, "--strict", "--fill",
+           R"({"total_num_steps": 10})"},
+          "wall_clock_breakdown: DeepSpeed key accepted, no effect");
+  Refusal({"--model", "gpt2-124m", "--fill", R"({"hidden": 4})"}, "hidden");
 }
 
 TEST_CASE("CLI: sizes past int64 are refused naming the quantity, never printed negative",

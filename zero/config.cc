@@ -10,8 +10,11 @@
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/json.h"
 #include "base/status.h"
 
@@ -19,10 +22,84 @@ namespace zerort {
 namespace {
 
 // Parsing (strict JSON, errors with line and column) is base/json's; base/json's Json keeps the
-// document's key order, so the first offending key in the file is the one reported, and the
-// resolved dump reads in the documented order.
+// document's key order, so problems are listed in the file's order, and the resolved dump reads
+// in the documented order.
 constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
 constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+
+// Everything one parse collects: every problem (not only the first: a user fixing a pasted
+// config should see them all at once), the notes, and the keys written as "auto".
+class Reader {
+ public:
+  explicit Reader(Config* config) : config_(config) {}
+
+  void Check(const absl::Status& s) {
+    if (!s.ok()) errors_.push_back(s);
+  }
+  void Error(std::string message) { errors_.push_back(absl::InvalidArgumentError(message)); }
+  void Note(std::string note) { config_->notes.push_back(std::move(note)); }
+  // A key that has no effect here: a note, or an error in strict mode.
+  void Ignored(std::string note) {
+    ignored_.push_back(config_->notes.size());
+    Note(std::move(note));
+  }
+  void Auto(std::string path) { config_->auto_keys.push_back(std::move(path)); }
+  // Whether a problem was reported at `path` or below it: rules across keys skip keys that
+  // did not parse, rather than report a second, misleading problem about them.
+  bool Failed(absl::string_view path) const {
+    for (const absl::Status& s : errors_) {
+      absl::string_view m = s.message();
+      // "path" itself or a key below it, not a sibling that merely starts the same
+      // ("zero_optimization.stage" is not "zero_optimization.stage3_...").
+      if (absl::ConsumePrefix(&m, path) && (m.empty() || m[0] == ':' || m[0] == '.' ||
+                                            m[0] == '[' || m[0] == ' ')) {
+        return true;
+      }
+    }
+    return false;
+  }
+  absl::Status Finish(absl::string_view source, bool strict);
+
+ private:
+  Config* config_;
+  std::vector<absl::Status> errors_;
+  std::vector<size_t> ignored_;  // indices into config_->notes
+};
+
+absl::Status Reader::Finish(absl::string_view source, bool strict) {
+  if (strict && !ignored_.empty()) {
+    std::vector<std::string> kept;
+    size_t next = 0;
+    for (size_t i = 0; i < config_->notes.size(); ++i) {
+      if (next < ignored_.size() && ignored_[next] == i) {
+        ++next;
+        Error(absl::StrCat(config_->notes[i], " [refused: strict mode]"));
+      } else {
+        kept.push_back(config_->notes[i]);
+      }
+    }
+    config_->notes = std::move(kept);
+  }
+  if (errors_.empty()) return absl::OkStatus();
+  if (errors_.size() == 1) return Annotate(errors_[0], source);
+  absl::StatusCode code = errors_[0].code();
+  std::string message = absl::StrCat(source, ": ", errors_.size(), " problems:");
+  for (const absl::Status& s : errors_) {
+    if (s.code() != code) code = absl::StatusCode::kInvalidArgument;
+    absl::StrAppend(&message, "\n", source, ": ", s.message());
+  }
+  return absl::Status(code, message);
+}
+
+bool IsAuto(const Json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
+
+// obj[key] is "auto": recorded under `path` (the canonical spelling), nothing else read.
+bool TakeAuto(Reader* r, const Json& obj, const char* key, const std::string& path) {
+  auto it = obj.find(key);
+  if (it == obj.end() || !IsAuto(*it)) return false;
+  r->Auto(path);
+  return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Key checking.
@@ -68,10 +145,27 @@ struct ForeignKey {
   const char* why;
 };
 
-// Checks every key of `obj` (at `path`) against what is valid there, in document order.
-absl::Status CheckKeys(const Json& obj, const std::string& path,
-                       std::initializer_list<const char*> settings,
-                       std::initializer_list<ForeignKey> foreign, std::vector<std::string>* notes) {
+void CheckForeign(Reader* r, const ForeignKey& f, const Json& value, const std::string& key_path) {
+  if (f.only_value == nullptr) {
+    r->Ignored(absl::StrCat(key_path, ": DeepSpeed key accepted, no effect (", f.why, ")"));
+    return;
+  }
+  if (value == Json::parse(f.only_value)) {
+    r->Ignored(
+        absl::StrCat(key_path, ": DeepSpeed default ", f.only_value, " accepted, no effect"));
+    return;
+  }
+  r->Check(absl::UnimplementedError(absl::StrCat(key_path, ": not supported by zerort (", f.why,
+                                                 "); only ", f.only_value,
+                                                 ", DeepSpeed's default, is accepted")));
+}
+
+// Checks every key of `obj` (at `path`) against what is valid there, in document order. At the
+// top level, a key that is neither a setting nor a DeepSpeed key nor close to one is ignored
+// with a note, as DeepSpeed ignores foreign top-level keys; everywhere else it is an error.
+void CheckKeys(Reader* r, const Json& obj, const std::string& path,
+               std::initializer_list<const char*> settings,
+               std::initializer_list<ForeignKey> foreign) {
   for (const auto& item : obj.items()) {
     const std::string& key = item.key();
     std::string key_path = JsonPath(path, key);
@@ -83,40 +177,40 @@ absl::Status CheckKeys(const Json& obj, const std::string& path,
       if (key == f.name) match = &f;
     }
     if (match != nullptr) {
-      if (match->only_value == nullptr) {
-        notes->push_back(
-            absl::StrCat(key_path, ": DeepSpeed key accepted, no effect (", match->why, ")"));
-        continue;
-      }
-      Json only = Json::parse(match->only_value);
-      if (item.value() == only) {
-        notes->push_back(absl::StrCat(key_path, ": DeepSpeed default ", match->only_value,
-                                      " accepted, no effect"));
-        continue;
-      }
-      return absl::UnimplementedError(absl::StrCat(key_path, ": not supported by zerort (",
-                                                   match->why, "); only ", match->only_value,
-                                                   ", DeepSpeed's default, is accepted"));
+      CheckForeign(r, *match, item.value(), key_path);
+      continue;
     }
     // Unknown: suggest the nearest valid key, if any is plausibly what was meant.
     std::vector<absl::string_view> valid;
     for (const char* s : settings) valid.push_back(s);
     for (const ForeignKey& f : foreign) valid.push_back(f.name);
     if (absl::string_view best = NearestKey(key, valid); !best.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
+      r->Error(absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
+    } else if (absl::string_view elsewhere = SettingElsewhere(key, path); !elsewhere.empty()) {
+      r->Error(absl::StrCat(key_path, ": unknown key ", path.empty() ? "at the top level" : "here",
+                            "; did you mean \"", elsewhere, "\"?"));
+    } else if (path.empty()) {
+      r->Ignored(absl::StrCat(key_path,
+                              ": not a zerort or DeepSpeed setting; ignored (as DeepSpeed ignores "
+                              "unknown top-level keys)"));
+    } else {
+      // The foreign keys are left out of the list: no help to someone looking for a setting.
+      r->Error(absl::StrCat(key_path, ": unknown key; the settings here are: ",
+                            absl::StrJoin(settings, ", ")));
     }
-    if (absl::string_view elsewhere = SettingElsewhere(key, path); !elsewhere.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key ",
-                                                     path.empty() ? "at the top level" : "here",
-                                                     "; did you mean \"", elsewhere, "\"?"));
-    }
-    // The foreign keys are left out of the list: they are no help to someone looking for a setting.
-    return absl::InvalidArgumentError(absl::StrCat(key_path, ": unknown key; the settings",
-                                                   path.empty() ? " at the top level" : " here",
-                                                   " are: ", absl::StrJoin(settings, ", ")));
   }
-  return absl::OkStatus();
+}
+
+// DeepSpeed spells several settings two ways; one of them, or an error naming both. Returns the
+// spelling present (or `canonical` when neither is).
+const char* Spelling(Reader* r, const Json& obj, const std::string& path, const char* canonical,
+                     const char* alias) {
+  const bool has_canonical = obj.contains(canonical), has_alias = obj.contains(alias);
+  if (has_canonical && has_alias) {
+    r->Error(absl::StrCat(JsonPath(path, canonical), " and ", JsonPath(path, alias),
+                          " are two spellings of one DeepSpeed setting; give only one"));
+  }
+  return has_alias && !has_canonical ? alias : canonical;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -210,11 +304,57 @@ absl::StatusOr<const Json*> ReadObject(const Json& obj, const std::string& path,
   return &*it;
 }
 
+// A typed value that may also be "auto" (recorded, default kept).
+absl::Status ReadDoubleOrAuto(Reader* r, const Json& obj, const std::string& path,
+                              const char* key, const DoubleRange& range, double* out) {
+  if (TakeAuto(r, obj, key, JsonPath(path, key))) return absl::OkStatus();
+  return ReadDouble(obj, path, key, range, out);
+}
+
+absl::Status ReadInt64OrAuto(Reader* r, const Json& obj, const std::string& path, const char* key,
+                             int64_t lo, int64_t* out) {
+  if (TakeAuto(r, obj, key, JsonPath(path, key))) return absl::OkStatus();
+  auto it = obj.find(key);
+  if (it == obj.end()) return absl::OkStatus();
+  return ToInt64(*it, JsonPath(path, key), lo, kInt64Max,
+                 absl::StrCat(IntRange(lo, kInt64Max), " or \"auto\""), out);
+}
+
+absl::Status ReadString(const Json& obj, const std::string& path, const char* key,
+                        std::string* out) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string()) return JsonExpected(JsonPath(path, key), "a string or null", *it);
+  *out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+// "fp32", "bf16" or "fp16" (also DeepSpeed's "bfp16" and base/dtype's long names); null = unset.
+absl::Status ReadDType(const Json& obj, const std::string& path, const char* key,
+                       std::optional<DType>* out) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return absl::OkStatus();
+  constexpr absl::string_view kWhat = "\"fp32\", \"bf16\", \"fp16\" or null";
+  if (!it->is_string()) return JsonExpected(JsonPath(path, key), kWhat, *it);
+  std::string name = it->get<std::string>();
+  if (name == "bfp16") name = "bf16";
+  absl::StatusOr<DType> d = ParseDType(name);
+  if (!d.ok()) return JsonExpected(JsonPath(path, key), kWhat, *it);
+  *out = *d;
+  return absl::OkStatus();
+}
+
+const Json* Object(Reader* r, const Json& obj, const std::string& path, const char* key) {
+  absl::StatusOr<const Json*> o = ReadObject(obj, path, key);
+  r->Check(o.status());
+  return o.ok() ? *o : nullptr;
+}
+
 absl::Status ReadOffloadDevice(const Json& obj, const std::string& path, OffloadDevice* out) {
   auto it = obj.find("device");
   if (it == obj.end()) return absl::OkStatus();
   std::string device_path = JsonPath(path, "device");
-  constexpr absl::string_view kWhat = "\"none\" or \"cpu\"";
+  constexpr absl::string_view kWhat = "\"none\", \"cpu\" or \"nvme\"";
   if (!it->is_string()) return JsonExpected(device_path, kWhat, *it);
   const std::string& s = it->get_ref<const std::string&>();
   if (s == "none") {
@@ -222,8 +362,7 @@ absl::Status ReadOffloadDevice(const Json& obj, const std::string& path, Offload
   } else if (s == "cpu") {
     *out = OffloadDevice::kCpu;
   } else if (s == "nvme") {
-    return absl::UnimplementedError(absl::StrCat(
-        device_path, ": \"nvme\" offload is not implemented; use \"cpu\" or \"none\""));
+    *out = OffloadDevice::kNvme;
   } else {
     return JsonExpected(device_path, kWhat, *it);
   }
@@ -233,44 +372,51 @@ absl::Status ReadOffloadDevice(const Json& obj, const std::string& path, Offload
 // ---------------------------------------------------------------------------------------------
 // The config, level by level.
 
-constexpr char kNvmeOnly[] = "used only by nvme offload, which zerort does not have";
+constexpr char kNvmeTuning[] =
+    "a tuning switch of DeepSpeed's NVMe swapper, which zerort's nvme offload does not have";
 constexpr char kMonitoring[] = "monitoring belongs to the trainer";
 constexpr char kCheckpointing[] = "checkpointing belongs to the trainer";
+constexpr char kTrainerFeature[] = "a DeepSpeed feature of the training loop or model, not of "
+                                   "the optimizer runtime; the trainer implements it or not";
 
-absl::Status ReadOffloadOptimizer(const Json& obj, const std::string& path,
-                                  OffloadOptimizerConfig* out, std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(obj, path, {"device", "pin_memory", "buffer_count"},
-                            {{"nvme_path", nullptr, kNvmeOnly},
-                             {"pipeline_read", nullptr, kNvmeOnly},
-                             {"pipeline_write", nullptr, kNvmeOnly},
-                             {"fast_init", nullptr, kNvmeOnly},
-                             {"ratio", "1.0", "partial optimizer offload"}},
-                            notes));
-  RETURN_IF_ERROR(ReadOffloadDevice(obj, path, &out->device));
-  RETURN_IF_ERROR(ReadBool(obj, path, "pin_memory", &out->pin_memory));
-  RETURN_IF_ERROR(ReadInt(obj, path, "buffer_count", 1, kIntMax, &out->buffer_count));
-  return absl::OkStatus();
+void RequireNvmePath(Reader* r, const std::string& path, OffloadDevice device,
+                     const std::string& nvme_path) {
+  if (device == OffloadDevice::kNvme && nvme_path.empty() && !r->Failed(path)) {
+    r->Error(absl::StrCat(path, ".device is \"nvme\" but ", path,
+                          ".nvme_path is not set; name a directory on a local NVMe disk"));
+  }
 }
 
-absl::Status ReadOffloadParam(const Json& obj, const std::string& path, OffloadParamConfig* out,
-                              std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(obj, path, {"device", "pin_memory"},
-                            {{"nvme_path", nullptr, kNvmeOnly},
-                             {"buffer_count", nullptr, kNvmeOnly},
-                             {"buffer_size", nullptr, kNvmeOnly},
-                             {"max_in_cpu", nullptr, kNvmeOnly}},
-                            notes));
-  RETURN_IF_ERROR(ReadOffloadDevice(obj, path, &out->device));
-  RETURN_IF_ERROR(ReadBool(obj, path, "pin_memory", &out->pin_memory));
-  return absl::OkStatus();
+void ReadOffloadOptimizer(Reader* r, const Json& obj, const std::string& path,
+                          OffloadOptimizerConfig* out) {
+  CheckKeys(r, obj, path, {"device", "pin_memory", "buffer_count", "nvme_path"},
+            {{"pipeline_read", nullptr, kNvmeTuning},
+             {"pipeline_write", nullptr, kNvmeTuning},
+             {"fast_init", nullptr, kNvmeTuning},
+             {"ratio", "1.0", "partial optimizer offload"}});
+  r->Check(ReadOffloadDevice(obj, path, &out->device));
+  r->Check(ReadBool(obj, path, "pin_memory", &out->pin_memory));
+  r->Check(ReadInt(obj, path, "buffer_count", 1, kIntMax, &out->buffer_count));
+  r->Check(ReadString(obj, path, "nvme_path", &out->nvme_path));
+  RequireNvmePath(r, path, out->device, out->nvme_path);
 }
 
-absl::Status ReadMemoryBudget(const Json& obj, const std::string& path, MemoryBudget* out,
-                              std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(obj, path, {"device_bytes", "host_bytes"}, {}, notes));
-  RETURN_IF_ERROR(ReadInt64(obj, path, "device_bytes", 0, kInt64Max, &out->device_bytes));
-  RETURN_IF_ERROR(ReadInt64(obj, path, "host_bytes", 0, kInt64Max, &out->host_bytes));
-  return absl::OkStatus();
+void ReadOffloadParam(Reader* r, const Json& obj, const std::string& path,
+                      OffloadParamConfig* out) {
+  CheckKeys(r, obj, path, {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size"},
+            {{"max_in_cpu", nullptr, kNvmeTuning}});
+  r->Check(ReadOffloadDevice(obj, path, &out->device));
+  r->Check(ReadBool(obj, path, "pin_memory", &out->pin_memory));
+  r->Check(ReadString(obj, path, "nvme_path", &out->nvme_path));
+  r->Check(ReadInt(obj, path, "buffer_count", 1, kIntMax, &out->buffer_count));
+  r->Check(ReadInt64(obj, path, "buffer_size", 1, kInt64Max, &out->buffer_size));
+  RequireNvmePath(r, path, out->device, out->nvme_path);
+}
+
+void ReadMemoryBudget(Reader* r, const Json& obj, const std::string& path, MemoryBudget* out) {
+  CheckKeys(r, obj, path, {"device_bytes", "host_bytes"}, {});
+  r->Check(ReadInt64(obj, path, "device_bytes", 0, kInt64Max, &out->device_bytes));
+  r->Check(ReadInt64(obj, path, "host_bytes", 0, kInt64Max, &out->host_bytes));
 }
 
 // What zerort always does in place of three DeepSpeed switches (docs/config.md says the same).
@@ -286,242 +432,641 @@ constexpr char kAllgatherWhy[] =
 
 // Keys DeepSpeed users set that zerort parses (their types and ranges are checked) but that
 // change nothing: each present one adds a note saying what zerort does instead.
-void NoteFixedBehaviour(const Json& obj, const std::string& path, const ZeroConfig& z,
-                        std::vector<std::string>* notes) {
+void NoteFixedBehaviour(Reader* r, const Json& obj, const std::string& path, const ZeroConfig& z) {
   // `what` names the behaviour a `false` asks to turn off.
   auto note = [&](const char* key, bool turned_off, const char* what, const char* why) {
-    if (!obj.contains(key)) return;
-    notes->push_back(turned_off ? absl::StrCat(JsonPath(path, key), ": false has no effect, ",
-                                               what, " cannot be turned off: ", why)
-                                : absl::StrCat(JsonPath(path, key), ": accepted, no effect: ", why));
+    if (!obj.contains(key) || r->Failed(JsonPath(path, key))) return;
+    r->Ignored(turned_off ? absl::StrCat(JsonPath(path, key), ": false has no effect, ", what,
+                                         " cannot be turned off: ", why)
+                          : absl::StrCat(JsonPath(path, key), ": accepted, no effect: ", why));
   };
   note("overlap_comm", !z.overlap_comm, "overlap", kOverlapWhy);
   note("contiguous_gradients", !z.contiguous_gradients, "contiguous gradients", kContiguousWhy);
   note("allgather_bucket_size", false, "", kAllgatherWhy);
 }
 
-absl::Status ReadZero(const Json& obj, const std::string& path, ZeroConfig* out,
-                      std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(
-      obj, path,
+void ReadStage(Reader* r, const Json& obj, const std::string& path, ZeroConfig* out) {
+  auto it = obj.find("stage");
+  if (it == obj.end()) return;
+  std::string stage_path = JsonPath(path, "stage");
+  constexpr absl::string_view kWhat = "an integer in 0..3 or \"auto\"";
+  if (it->is_string()) {
+    if (!IsAuto(*it)) return r->Check(JsonExpected(stage_path, kWhat, *it));
+    out->stage_auto = true;
+    return;
+  }
+  int64_t stage = 0;
+  r->Check(ToInt64(*it, stage_path, 0, 3, kWhat, &stage));
+  out->stage_auto = false;
+  out->stage = static_cast<int>(stage);
+}
+
+// DeepSpeed's deprecated booleans for what offload_optimizer / offload_param now say. DeepSpeed
+// still honours them, so zerort does too, with a note; given with the new block, an error.
+void ReadDeprecatedOffload(Reader* r, const Json& obj, const std::string& path, ZeroConfig* out) {
+  auto flag = [&](const char* key, const char* block, OffloadDevice* device) {
+    bool on = false;
+    absl::Status s = ReadBool(obj, path, key, &on);
+    r->Check(s);
+    if (!obj.contains(key) || !s.ok()) return;
+    if (obj.contains(block)) {
+      r->Error(absl::StrCat(JsonPath(path, key), " (deprecated) and ", JsonPath(path, block),
+                            " are both given; keep only ", JsonPath(path, block)));
+      return;
+    }
+    if (on) *device = OffloadDevice::kCpu;
+    r->Note(absl::StrCat(JsonPath(path, key), ": deprecated DeepSpeed spelling, read as ",
+                         JsonPath(path, block), ".device \"", on ? "cpu" : "none", "\""));
+  };
+  flag("cpu_offload", "offload_optimizer", &out->offload_optimizer.device);
+  flag("cpu_offload_param", "offload_param", &out->offload_param.device);
+  bool pin = true;
+  absl::Status s = ReadBool(obj, path, "cpu_offload_use_pin_memory", &pin);
+  r->Check(s);
+  if (obj.contains("cpu_offload_use_pin_memory") && s.ok()) {
+    out->offload_optimizer.pin_memory = out->offload_param.pin_memory = pin;
+    r->Note(absl::StrCat(JsonPath(path, "cpu_offload_use_pin_memory"),
+                         ": deprecated DeepSpeed spelling, read as pin_memory of both offloads"));
+  }
+}
+
+// The stage3_ settings DeepSpeed also accepts without the prefix (its pydantic aliases).
+struct Alias {
+  const char* canonical;
+  const char* alias;
+};
+constexpr Alias kZeroAliases[] = {
+    {"stage3_prefetch_bucket_size", "prefetch_bucket_size"},
+    {"stage3_param_persistence_threshold", "param_persistence_threshold"},
+    {"stage3_max_live_parameters", "max_live_parameters"},
+    {"stage3_max_reuse_distance", "max_reuse_distance"},
+    {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"},
+    {"stage3_model_persistence_threshold", "model_persistence_threshold"},
+    {"stage3_module_granularity_threshold", "module_granularity_threshold"},
+    {"stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"},
+};
+
+void CheckZeroKeys(Reader* r, const Json& obj, const std::string& path) {
+  CheckKeys(
+      r, obj, path,
       {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
        "contiguous_gradients", "offload_optimizer", "offload_param", "stage3_prefetch_bucket_size",
-       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "memory_budget"},
+       "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
+       "stage3_max_live_parameters", "max_live_parameters", "memory_budget", "cpu_offload",
+       "cpu_offload_param", "cpu_offload_use_pin_memory"},
       {{"allgather_partitions", nullptr, "parameters are always all-gathered per unit"},
        {"reduce_scatter", nullptr, "the reduction collective follows from the stage"},
+       {"use_multi_rank_bucket_allreduce", nullptr,
+        "the reduction collective follows from the stage"},
        {"round_robin_gradients", nullptr, "host gradient copies follow unit order"},
        {"sub_group_size", nullptr, "the host optimizer already steps one unit shard at a time"},
        {"stage3_max_reuse_distance", nullptr,
         "stage-3 release is driven by the trainer's Release calls"},
+       {"max_reuse_distance", nullptr, "stage-3 release is driven by the trainer's Release calls"},
+       {"stage3_model_persistence_threshold", nullptr,
+        "persistence follows stage3_param_persistence_threshold alone"},
+       {"model_persistence_threshold", nullptr,
+        "persistence follows stage3_param_persistence_threshold alone"},
+       {"stage3_module_granularity_threshold", nullptr, "the trainer gathers whole units"},
+       {"module_granularity_threshold", nullptr, "the trainer gathers whole units"},
+       {"stage3_use_all_reduce_for_fetch_params", nullptr, "units are gathered with all-gather"},
+       {"use_all_reduce_for_fetch_params", nullptr, "units are gathered with all-gather"},
        {"stage3_gather_16bit_weights_on_model_save", nullptr, kCheckpointing},
+       {"gather_16bit_weights_on_model_save", nullptr, kCheckpointing},
        {"stage3_gather_fp16_weights_on_model_save", nullptr, kCheckpointing},
        {"elastic_checkpoint", nullptr, kCheckpointing},
        {"load_from_fp32_weights", nullptr, kCheckpointing},
-       {"cpu_offload", "false", "deprecated; use offload_optimizer.device \"cpu\""},
+       {"pipeline_loading_checkpoint", nullptr, kCheckpointing},
+       {"memory_efficient_linear", nullptr, kTrainerFeature},
+       {"override_module_apply", nullptr, kTrainerFeature},
+       {"legacy_stage1", "false", "the old stage-1 implementation"},
        {"zero_quantized_weights", "false", "quantized communication"},
+       {"zero_quantized_nontrainable_weights", "false", "quantized weights"},
        {"zero_quantized_gradients", "false", "quantized communication"},
+       {"zeropp_loco_param", "null", "quantized communication"},
        {"zero_hpz_partition_size", "1", "hierarchical partitioning"},
-       {"mics_shard_size", "-1", "MiCS sharding"}},
-      notes));
+       {"mics_shard_size", "-1", "MiCS sharding"},
+       {"mics_hierarchical_params_gather", "false", "MiCS sharding"}});
+}
 
-  if (auto it = obj.find("stage"); it != obj.end()) {
-    std::string stage_path = JsonPath(path, "stage");
-    constexpr absl::string_view kWhat = "an integer in 0..3 or \"auto\"";
-    if (it->is_string()) {
-      if (it->get_ref<const std::string&>() != "auto") return JsonExpected(stage_path, kWhat, *it);
-      out->stage_auto = true;
-    } else {
-      int64_t stage = 0;
-      RETURN_IF_ERROR(ToInt64(*it, stage_path, 0, 3, kWhat, &stage));
-      out->stage_auto = false;
-      out->stage = static_cast<int>(stage);
-    }
-  }
-  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "reduce_bucket_size", 1, &out->reduce_bucket_size));
-  RETURN_IF_ERROR(
+void ReadZero(Reader* r, const Json& obj, const std::string& path, ZeroConfig* out) {
+  CheckZeroKeys(r, obj, path);
+  for (const Alias& a : kZeroAliases) Spelling(r, obj, path, a.canonical, a.alias);
+  ReadStage(r, obj, path, out);
+  r->Check(ReadSizeOrAuto(obj, path, "reduce_bucket_size", 1, &out->reduce_bucket_size));
+  r->Check(
       ReadInt64(obj, path, "allgather_bucket_size", 1, kInt64Max, &out->allgather_bucket_size));
-  RETURN_IF_ERROR(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
-  RETURN_IF_ERROR(ReadBool(obj, path, "contiguous_gradients", &out->contiguous_gradients));
-  NoteFixedBehaviour(obj, path, *out, notes);
-  ASSIGN_OR_RETURN(const Json* offload_optimizer, ReadObject(obj, path, "offload_optimizer"));
-  if (offload_optimizer != nullptr) {
-    RETURN_IF_ERROR(ReadOffloadOptimizer(*offload_optimizer, JsonPath(path, "offload_optimizer"),
-                                         &out->offload_optimizer, notes));
+  r->Check(ReadBool(obj, path, "overlap_comm", &out->overlap_comm));
+  r->Check(ReadBool(obj, path, "contiguous_gradients", &out->contiguous_gradients));
+  NoteFixedBehaviour(r, obj, path, *out);
+  if (const Json* o = Object(r, obj, path, "offload_optimizer")) {
+    ReadOffloadOptimizer(r, *o, JsonPath(path, "offload_optimizer"), &out->offload_optimizer);
   }
-  ASSIGN_OR_RETURN(const Json* offload_param, ReadObject(obj, path, "offload_param"));
-  if (offload_param != nullptr) {
-    RETURN_IF_ERROR(ReadOffloadParam(*offload_param, JsonPath(path, "offload_param"),
-                                     &out->offload_param, notes));
+  if (const Json* o = Object(r, obj, path, "offload_param")) {
+    ReadOffloadParam(r, *o, JsonPath(path, "offload_param"), &out->offload_param);
   }
-  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "stage3_prefetch_bucket_size", 0,
-                                 &out->stage3_prefetch_bucket_size));
-  RETURN_IF_ERROR(ReadSizeOrAuto(obj, path, "stage3_param_persistence_threshold", 0,
-                                 &out->stage3_param_persistence_threshold));
-  RETURN_IF_ERROR(ReadInt64(obj, path, "stage3_max_live_parameters", 1, kInt64Max,
-                            &out->stage3_max_live_parameters));
-  ASSIGN_OR_RETURN(const Json* budget, ReadObject(obj, path, "memory_budget"));
-  if (budget != nullptr) {
-    RETURN_IF_ERROR(
-        ReadMemoryBudget(*budget, JsonPath(path, "memory_budget"), &out->memory_budget, notes));
+  ReadDeprecatedOffload(r, obj, path, out);
+  // Both spellings are read: when both are given, Spelling has reported it.
+  r->Check(
+      ReadSizeOrAuto(obj, path, "stage3_prefetch_bucket_size", 0, &out->stage3_prefetch_bucket_size));
+  r->Check(ReadSizeOrAuto(obj, path, "prefetch_bucket_size", 0, &out->stage3_prefetch_bucket_size));
+  r->Check(ReadSizeOrAuto(obj, path, "stage3_param_persistence_threshold", 0,
+                          &out->stage3_param_persistence_threshold));
+  r->Check(ReadSizeOrAuto(obj, path, "param_persistence_threshold", 0,
+                          &out->stage3_param_persistence_threshold));
+  // OpenRLHF-style configs write "auto" here too; ResolveAuto gives DeepSpeed's default.
+  const std::string live_path = JsonPath(path, "stage3_max_live_parameters");
+  for (const char* key : {"stage3_max_live_parameters", "max_live_parameters"}) {
+    if (TakeAuto(r, obj, key, live_path)) continue;
+    r->Check(ReadInt64(obj, path, key, 1, kInt64Max, &out->stage3_max_live_parameters));
   }
-  return absl::OkStatus();
+  if (const Json* budget = Object(r, obj, path, "memory_budget")) {
+    ReadMemoryBudget(r, *budget, JsonPath(path, "memory_budget"), &out->memory_budget);
+  }
 }
 
-absl::Status ReadFp16(const Json& obj, const std::string& path, bool* enabled, Fp16Config* out,
-                      std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(
-      CheckKeys(obj, path,
-                {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                 "min_loss_scale"},
-                {{"consecutive_hysteresis", "false", "hysteresis refill"},
-                 {"auto_cast", "false", "input casting belongs to the trainer"},
-                 {"fp16_master_weights_and_grads", "false", "master weights are always fp32"}},
-                notes));
-  RETURN_IF_ERROR(ReadBool(obj, path, "enabled", enabled));
-  RETURN_IF_ERROR(
-      ReadDouble(obj, path, "loss_scale", {0, false, INFINITY, false}, &out->loss_scale));
+// "enabled": true, false or "auto" (the trainer's compute dtype decides; ResolveAuto).
+void ReadEnabled(Reader* r, const Json& obj, const std::string& path, bool* enabled) {
+  if (TakeAuto(r, obj, "enabled", JsonPath(path, "enabled"))) return;
+  r->Check(ReadBool(obj, path, "enabled", enabled));
+}
+
+void ReadFp16(Reader* r, const Json& obj, const std::string& path, bool* enabled,
+              Fp16Config* out) {
+  CheckKeys(r, obj, path,
+            {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "min_loss_scale"},
+            {{"consecutive_hysteresis", "false", "hysteresis refill"},
+             {"auto_cast", nullptr, "casting the model's inputs belongs to the trainer"},
+             {"fp16_master_weights_and_grads", "false", "master weights are always fp32"}});
+  ReadEnabled(r, obj, path, enabled);
+  r->Check(ReadDouble(obj, path, "loss_scale", {0, false, INFINITY, false}, &out->loss_scale));
   // 2^127 is the largest power of two a float holds.
-  RETURN_IF_ERROR(ReadInt(obj, path, "initial_scale_power", 0, 127, &out->initial_scale_power));
-  RETURN_IF_ERROR(ReadInt(obj, path, "loss_scale_window", 1, kIntMax, &out->loss_scale_window));
-  RETURN_IF_ERROR(ReadInt(obj, path, "hysteresis", 1, kIntMax, &out->hysteresis));
-  RETURN_IF_ERROR(
+  r->Check(ReadInt(obj, path, "initial_scale_power", 0, 127, &out->initial_scale_power));
+  r->Check(ReadInt(obj, path, "loss_scale_window", 1, kIntMax, &out->loss_scale_window));
+  r->Check(ReadInt(obj, path, "hysteresis", 1, kIntMax, &out->hysteresis));
+  r->Check(
       ReadDouble(obj, path, "min_loss_scale", {0, true, INFINITY, false}, &out->min_loss_scale));
-  return absl::OkStatus();
 }
 
-absl::Status ReadOptimizer(const Json& obj, const std::string& path, OptimizerConfig* out,
-                           std::vector<std::string>* notes) {
-  RETURN_IF_ERROR(CheckKeys(obj, path, {"type", "params"}, {}, notes));
-  if (auto it = obj.find("type"); it != obj.end()) {
-    std::string type_path = JsonPath(path, "type");
-    constexpr absl::string_view kWhat = "\"AdamW\" or \"Adam\"";
-    if (!it->is_string()) return JsonExpected(type_path, kWhat, *it);
-    // DeepSpeed matches optimizer names case-insensitively.
-    std::string type = absl::AsciiStrToLower(it->get_ref<const std::string&>());
-    if (type == "adam") {
-      notes->push_back(
-          absl::StrCat(type_path,
-                       ": \"Adam\" runs as AdamW (decoupled weight decay), as DeepSpeed's Adam "
-                       "does with its default adam_w_mode=true"));
-    } else if (type != "adamw") {
-      return JsonExpected(type_path, kWhat, *it);
-    }
-    out->type = "AdamW";
+void ReadOptimizerType(Reader* r, const Json& obj, const std::string& path, OptimizerConfig* out) {
+  auto it = obj.find("type");
+  if (it == obj.end()) return;
+  std::string type_path = JsonPath(path, "type");
+  constexpr absl::string_view kWhat = "\"AdamW\" or \"Adam\"";
+  if (!it->is_string()) return r->Check(JsonExpected(type_path, kWhat, *it));
+  // DeepSpeed matches optimizer names case-insensitively.
+  std::string type = absl::AsciiStrToLower(it->get_ref<const std::string&>());
+  if (type == "adam") {
+    r->Note(absl::StrCat(type_path,
+                         ": \"Adam\" runs as AdamW (decoupled weight decay), as DeepSpeed's Adam "
+                         "does with its default adam_w_mode=true"));
+  } else if (type != "adamw") {
+    return r->Check(JsonExpected(type_path, kWhat, *it));
   }
-  ASSIGN_OR_RETURN(const Json* params, ReadObject(obj, path, "params"));
-  if (params == nullptr) return absl::OkStatus();
+  out->type = "AdamW";
+}
+
+void ReadOptimizer(Reader* r, const Json& obj, const std::string& path, OptimizerConfig* out) {
+  CheckKeys(r, obj, path, {"type", "params"}, {});
+  ReadOptimizerType(r, obj, path, out);
+  const Json* params = Object(r, obj, path, "params");
+  if (params == nullptr) return;
   std::string params_path = JsonPath(path, "params");
-  RETURN_IF_ERROR(
-      CheckKeys(*params, params_path, {"lr", "betas", "eps", "weight_decay"},
-                {{"adam_w_mode", "true", "Adam with coupled L2 weight decay"},
-                 {"bias_correction", "true", "Adam without bias correction"},
-                 {"amsgrad", "false", "AMSGrad"},
-                 {"torch_adam", nullptr, "zerort has one AdamW implementation per device"}},
-                notes));
-  RETURN_IF_ERROR(ReadDouble(*params, params_path, "lr", {0, false, INFINITY, false}, &out->lr));
-  if (auto it = params->find("betas"); it != params->end()) {
-    std::string betas_path = JsonPath(params_path, "betas");
+  CheckKeys(r, *params, params_path, {"lr", "betas", "eps", "weight_decay"},
+            {{"adam_w_mode", "true", "Adam with coupled L2 weight decay"},
+             {"bias_correction", "true", "Adam without bias correction"},
+             {"amsgrad", "false", "AMSGrad"},
+             {"torch_adam", nullptr, "zerort has one AdamW implementation per device"},
+             {"fused", nullptr, "zerort has one AdamW implementation per device"}});
+  const DoubleRange kNonNegative{0, false, INFINITY, false};
+  r->Check(ReadDoubleOrAuto(r, *params, params_path, "lr", kNonNegative, &out->lr));
+  std::string betas_path = JsonPath(params_path, "betas");
+  if (auto it = params->find("betas");
+      it != params->end() && !TakeAuto(r, *params, "betas", betas_path)) {
     if (!it->is_array() || it->size() != 2) {
-      return JsonExpected(betas_path, "an array of two numbers [beta1, beta2]", *it);
+      r->Check(JsonExpected(betas_path, "an array of two numbers [beta1, beta2] or \"auto\"", *it));
+    } else {
+      const DoubleRange kBeta{0, false, 1, true};
+      r->Check(ToDouble((*it)[0], betas_path + "[0]", kBeta, &out->beta1));
+      r->Check(ToDouble((*it)[1], betas_path + "[1]", kBeta, &out->beta2));
     }
-    const DoubleRange kBeta{0, false, 1, true};
-    RETURN_IF_ERROR(ToDouble((*it)[0], betas_path + "[0]", kBeta, &out->beta1));
-    RETURN_IF_ERROR(ToDouble((*it)[1], betas_path + "[1]", kBeta, &out->beta2));
   }
-  RETURN_IF_ERROR(ReadDouble(*params, params_path, "eps", {0, true, INFINITY, false}, &out->eps));
-  RETURN_IF_ERROR(ReadDouble(*params, params_path, "weight_decay", {0, false, INFINITY, false},
-                             &out->weight_decay));
-  return absl::OkStatus();
+  r->Check(
+      ReadDoubleOrAuto(r, *params, params_path, "eps", {0, true, INFINITY, false}, &out->eps));
+  r->Check(ReadDoubleOrAuto(r, *params, params_path, "weight_decay", kNonNegative,
+                            &out->weight_decay));
 }
 
-absl::Status ReadConfig(const Json& root, Config* config) {
-  std::vector<std::string>* notes = &config->notes;
-  if (!root.is_object()) return JsonExpected("<root>", "a JSON object", root);
-  const std::string top;
-  RETURN_IF_ERROR(CheckKeys(
-      root, top,
-      {"zero_optimization", "bf16", "fp16", "optimizer", "gradient_clipping",
-       "gradient_accumulation_steps", "comm_timeout_ms", "cpu_threads"},
-      {{"train_batch_size", nullptr, "the trainer owns batch sizes"},
-       {"train_micro_batch_size_per_gpu", nullptr, "the trainer owns batch sizes"},
-       {"steps_per_print", nullptr, kMonitoring},
+// ---- scheduler
+
+struct SchedulerKind {
+  SchedulerType type;
+  const char* name;
+};
+constexpr SchedulerKind kSchedulers[] = {
+    {SchedulerType::kWarmupLR, "WarmupLR"},
+    {SchedulerType::kWarmupDecayLR, "WarmupDecayLR"},
+    {SchedulerType::kWarmupCosineLR, "WarmupCosineLR"},
+    {SchedulerType::kOneCycle, "OneCycle"},
+    {SchedulerType::kLRRangeTest, "LRRangeTest"},
+};
+
+constexpr char kResumeWhy[] = "on resume the schedule continues from the checkpoint's step count";
+constexpr char kMomentumWhy[] =
+    "zerort's OneCycle cycles the learning rate only; betas stay optimizer.params.betas";
+constexpr char kStairWhy[] = "DeepSpeed's OneCycle does not use it either";
+
+void ReadWarmupType(Reader* r, const Json& obj, const std::string& path, WarmupType* out) {
+  auto it = obj.find("warmup_type");
+  if (it == obj.end()) return;
+  if (it->is_string() && it->get_ref<const std::string&>() == "log") {
+    *out = WarmupType::kLog;
+  } else if (it->is_string() && it->get_ref<const std::string&>() == "linear") {
+    *out = WarmupType::kLinear;
+  } else {
+    r->Check(JsonExpected(JsonPath(path, "warmup_type"), "\"log\" or \"linear\"", *it));
+  }
+}
+
+void ReadWarmupParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
+  const DoubleRange kNonNegative{0, false, INFINITY, false};
+  const bool cosine = s->type == SchedulerType::kWarmupCosineLR;
+  if (cosine) {
+    CheckKeys(r, p, path,
+              {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+               "warmup_type"},
+              {{"last_batch_iteration", nullptr, kResumeWhy}});
+    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_ratio", kNonNegative, &s->warmup_min_ratio));
+    r->Check(ReadDoubleOrAuto(r, p, path, "cos_min_ratio", kNonNegative, &s->cos_min_ratio));
+  } else {
+    if (s->type == SchedulerType::kWarmupDecayLR) {
+      CheckKeys(r, p, path,
+                {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                 "warmup_type"},
+                {{"last_batch_iteration", nullptr, kResumeWhy}});
+    } else {
+      CheckKeys(r, p, path, {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+                {{"last_batch_iteration", nullptr, kResumeWhy}});
+    }
+    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_lr", kNonNegative, &s->warmup_min_lr));
+    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_max_lr", kNonNegative, &s->warmup_max_lr));
+  }
+  r->Check(ReadInt64OrAuto(r, p, path, "warmup_num_steps", 0, &s->warmup_num_steps));
+  ReadWarmupType(r, p, path, &s->warmup_type);
+  if (s->type == SchedulerType::kWarmupLR) return;
+  // DeepSpeed makes total_num_steps a required argument of the decaying schedules.
+  if (!p.contains("total_num_steps")) {
+    r->Error(absl::StrCat(JsonPath(path, "total_num_steps"), ": missing; ",
+                          SchedulerTypeName(s->type), " needs it (a number, or \"auto\")"));
+  }
+  r->Check(ReadInt64OrAuto(r, p, path, "total_num_steps", 1, &s->total_num_steps));
+}
+
+void ReadOneCycleParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
+  CheckKeys(r, p, path,
+            {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
+             "cycle_second_step_size", "decay_step_size"},
+            {{"last_batch_iteration", nullptr, kResumeWhy},
+             {"cycle_momentum", nullptr, kMomentumWhy},
+             {"cycle_min_mom", nullptr, kMomentumWhy},
+             {"cycle_max_mom", nullptr, kMomentumWhy},
+             {"decay_mom_rate", nullptr, kMomentumWhy},
+             {"cycle_first_stair_count", nullptr, kStairWhy},
+             {"cycle_second_stair_count", nullptr, kStairWhy}});
+  const DoubleRange kNonNegative{0, false, INFINITY, false};
+  for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
+    if (!p.contains(key)) {
+      r->Error(absl::StrCat(JsonPath(path, key), ": missing; OneCycle needs it"));
+    }
+  }
+  r->Check(ReadDoubleOrAuto(r, p, path, "cycle_min_lr", kNonNegative, &s->cycle_min_lr));
+  r->Check(ReadDoubleOrAuto(r, p, path, "cycle_max_lr", kNonNegative, &s->cycle_max_lr));
+  r->Check(ReadDoubleOrAuto(r, p, path, "decay_lr_rate", kNonNegative, &s->decay_lr_rate));
+  r->Check(ReadInt64(p, path, "cycle_first_step_size", 1, kInt64Max, &s->cycle_first_step_size));
+  if (auto it = p.find("cycle_second_step_size"); it != p.end() && !it->is_null()) {
+    r->Check(ToInt64(*it, JsonPath(path, "cycle_second_step_size"), 1, kInt64Max,
+                     "an integer >= 1 or null", &s->cycle_second_step_size));
+  }
+  r->Check(ReadInt64(p, path, "decay_step_size", 0, kInt64Max, &s->decay_step_size));
+}
+
+void ReadRangeTestParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
+  CheckKeys(r, p, path,
+            {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+             "lr_range_test_staircase"},
+            {{"last_batch_iteration", nullptr, kResumeWhy}});
+  const DoubleRange kNonNegative{0, false, INFINITY, false};
+  r->Check(ReadDoubleOrAuto(r, p, path, "lr_range_test_min_lr", kNonNegative,
+                            &s->lr_range_test_min_lr));
+  r->Check(
+      ReadInt64(p, path, "lr_range_test_step_size", 1, kInt64Max, &s->lr_range_test_step_size));
+  r->Check(ReadDouble(p, path, "lr_range_test_step_rate", kNonNegative,
+                      &s->lr_range_test_step_rate));
+  r->Check(ReadBool(p, path, "lr_range_test_staircase", &s->lr_range_test_staircase));
+}
+
+void ReadSchedulerType(Reader* r, const Json& obj, const std::string& path, SchedulerConfig* s) {
+  auto it = obj.find("type");
+  std::string type_path = JsonPath(path, "type");
+  std::vector<absl::string_view> names;
+  for (const SchedulerKind& k : kSchedulers) names.push_back(k.name);
+  const std::string what = absl::StrCat("one of ", absl::StrJoin(names, ", "));
+  if (it == obj.end()) return r->Error(absl::StrCat(type_path, ": missing; expected ", what));
+  if (it->is_string()) {
+    for (const SchedulerKind& k : kSchedulers) {
+      if (it->get_ref<const std::string&>() == k.name) {
+        s->type = k.type;
+        return;
+      }
+    }
+    // DeepSpeed compares names exactly; a near miss gets the right spelling.
+    absl::string_view best = NearestKey(it->get_ref<const std::string&>(), names);
+    if (!best.empty()) {
+      return r->Error(absl::StrCat(type_path, ": unknown scheduler ", DescribeJson(*it),
+                                   "; did you mean \"", best, "\"?"));
+    }
+  }
+  r->Check(JsonExpected(type_path, what, *it));
+}
+
+void ReadScheduler(Reader* r, const Json& obj, const std::string& path, SchedulerConfig* s) {
+  CheckKeys(r, obj, path, {"type", "params"}, {});
+  ReadSchedulerType(r, obj, path, s);
+  const Json empty = Json::object();
+  const Json* params = Object(r, obj, path, "params");
+  if (params == nullptr) params = &empty;
+  const std::string params_path = JsonPath(path, "params");
+  switch (s->type) {
+    case SchedulerType::kNone:
+      return;
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR:
+    case SchedulerType::kWarmupCosineLR:
+      return ReadWarmupParams(r, *params, params_path, s);
+    case SchedulerType::kOneCycle:
+      return ReadOneCycleParams(r, *params, params_path, s);
+    case SchedulerType::kLRRangeTest:
+      return ReadRangeTestParams(r, *params, params_path, s);
+  }
+}
+
+// ---- aio, data_types, zerort
+
+void ReadAio(Reader* r, const Json& obj, const std::string& path, AioConfig* out) {
+  CheckKeys(r, obj, path,
+            {"block_size", "queue_depth", "single_submit", "overlap_events", "thread_count",
+             "intra_op_parallelism"},
+            {{"use_gds", "false", "GPUDirect Storage"}});
+  r->Check(ReadInt64(obj, path, "block_size", 4096, kInt64Max, &out->block_size));
+  if (out->block_size % 4096 != 0 && !r->Failed(JsonPath(path, "block_size"))) {
+    r->Error(absl::StrCat(JsonPath(path, "block_size"), ": expected a multiple of 4096, got ",
+                          out->block_size));
+  }
+  r->Check(ReadInt(obj, path, "queue_depth", 1, kIntMax, &out->queue_depth));
+  r->Check(ReadBool(obj, path, "single_submit", &out->single_submit));
+  r->Check(ReadBool(obj, path, "overlap_events", &out->overlap_events));
+  // DeepSpeed renamed thread_count to intra_op_parallelism.
+  r->Check(ReadInt(obj, path, Spelling(r, obj, path, "thread_count", "intra_op_parallelism"), 1,
+                   kIntMax, &out->thread_count));
+}
+
+void ReadParamGroups(Reader* r, const Json& obj, const std::string& path,
+                     std::vector<ParamGroupConfig>* out) {
+  auto it = obj.find("param_groups");
+  if (it == obj.end()) return;
+  const std::string groups_path = JsonPath(path, "param_groups");
+  if (!it->is_array()) return r->Check(JsonExpected(groups_path, "an array of objects", *it));
+  const DoubleRange kNonNegative{0, false, INFINITY, false};
+  for (size_t i = 0; i < it->size(); ++i) {
+    const Json& g = (*it)[i];
+    const std::string g_path = JsonPath(groups_path, i);
+    if (!g.is_object()) {
+      r->Check(JsonExpected(g_path, "an object {pattern, weight_decay, lr_scale}", g));
+      continue;
+    }
+    CheckKeys(r, g, g_path, {"pattern", "weight_decay", "lr_scale"}, {});
+    ParamGroupConfig group;
+    auto pattern = g.find("pattern");
+    if (pattern == g.end() || !pattern->is_string() || pattern->get_ref<const std::string&>().empty()) {
+      r->Check(JsonExpected(JsonPath(g_path, "pattern"), "a non-empty glob string",
+                            pattern == g.end() ? Json() : *pattern));
+    } else {
+      group.pattern = pattern->get<std::string>();
+    }
+    r->Check(ReadDouble(g, g_path, "weight_decay", kNonNegative, &group.weight_decay));
+    r->Check(ReadDouble(g, g_path, "lr_scale", kNonNegative, &group.lr_scale));
+    out->push_back(std::move(group));
+  }
+}
+
+void ReadZerort(Reader* r, const Json& obj, const std::string& path, Config* config) {
+  CheckKeys(r, obj, path, {"strict", "param_groups"}, {});
+  r->Check(ReadBool(obj, path, "strict", &config->strict));
+  ReadParamGroups(r, obj, path, &config->param_groups);
+}
+
+void ReadDataTypes(Reader* r, const Json& obj, const std::string& path, Config* config) {
+  CheckKeys(r, obj, path, {"grad_accum_dtype"}, {});
+  r->Check(ReadDType(obj, path, "grad_accum_dtype", &config->grad_accum_dtype));
+}
+
+// ---- the top level
+
+void CheckTopKeys(Reader* r, const Json& root) {
+  CheckKeys(
+      r, root, "",
+      {"zero_optimization", "bf16", "bfloat16", "fp16", "optimizer", "scheduler",
+       "gradient_clipping", "gradient_accumulation_steps", "train_batch_size",
+       "train_micro_batch_size_per_gpu", "communication_data_type", "data_types", "aio",
+       "comm_timeout_ms", "cpu_threads", "zerort"},
+      {{"steps_per_print", nullptr, kMonitoring},
        {"wall_clock_breakdown", nullptr, kMonitoring},
-       {"zero_allow_untested_optimizer", nullptr, "the optimizer is always zerort's AdamW"},
+       {"memory_breakdown", nullptr, kMonitoring},
+       {"dump_state", nullptr, kMonitoring},
        {"tensorboard", nullptr, kMonitoring},
        {"wandb", nullptr, kMonitoring},
        {"csv_monitor", nullptr, kMonitoring},
+       {"comet", nullptr, kMonitoring},
        {"comms_logger", nullptr, kMonitoring},
        {"flops_profiler", nullptr, kMonitoring},
+       {"timers", nullptr, kMonitoring},
+       {"zero_allow_untested_optimizer", nullptr, "the optimizer is always zerort's AdamW"},
+       {"zero_force_ds_cpu_optimizer", nullptr, "offloaded steps always run zerort's host AdamW"},
        {"activation_checkpointing", nullptr, "activation checkpointing belongs to the trainer"},
+       {"checkpoint", nullptr, kCheckpointing},
+       {"load_universal_checkpoint", nullptr, kCheckpointing},
+       {"dataloader_drop_last", nullptr, "data loading belongs to the trainer"},
+       {"data_efficiency", nullptr, kTrainerFeature},
+       {"curriculum_learning", nullptr, kTrainerFeature},
+       {"progressive_layer_drop", nullptr, kTrainerFeature},
+       {"sparse_attention", nullptr, kTrainerFeature},
+       {"pipeline", nullptr, kTrainerFeature},
+       {"compression_training", nullptr, kTrainerFeature},
+       {"quantize_training", nullptr, kTrainerFeature},
+       {"eigenvalue", nullptr, kTrainerFeature},
+       {"elasticity", nullptr, kTrainerFeature},
+       {"autotuning", nullptr, kTrainerFeature},
+       {"nebula", nullptr, kCheckpointing},
+       {"compile", nullptr, kTrainerFeature},
+       {"torch_autocast", nullptr, "casting the model's inputs belongs to the trainer"},
+       {"seq_parallel_communication_data_type", nullptr, "zerort has no sequence parallelism"},
        {"prescale_gradients", "false", "gradient prescaling"},
        {"gradient_predivide_factor", "1.0", "gradient predivision"},
        {"sparse_gradients", "false", "sparse gradients"},
-       {"communication_data_type", "null", "gradients are reduced in the compute dtype"},
+       {"disable_allgather", "false", "broadcast instead of all-gather"},
        {"amp", "{\"enabled\": false}", "Apex AMP"},
-       {"scheduler", "null", "the trainer sets the learning rate"}},
-      notes));
+       {"hybrid_engine", "{\"enabled\": false}", "the RLHF hybrid engine"}});
+}
 
-  ASSIGN_OR_RETURN(const Json* zero, ReadObject(root, top, "zero_optimization"));
-  if (zero != nullptr) RETURN_IF_ERROR(ReadZero(*zero, "zero_optimization", &config->zero, notes));
-
+// bf16 / bfloat16 (DeepSpeed's older name for the same block) / fp16.
+void ReadPrecision(Reader* r, const Json& root, Config* config) {
   bool bf16 = false, fp16 = false;
-  ASSIGN_OR_RETURN(const Json* bf16_block, ReadObject(root, top, "bf16"));
-  if (bf16_block != nullptr) {
-    RETURN_IF_ERROR(CheckKeys(*bf16_block, "bf16", {"enabled"}, {}, notes));
-    RETURN_IF_ERROR(ReadBool(*bf16_block, "bf16", "enabled", &bf16));
+  const char* bf16_key = Spelling(r, root, "", "bf16", "bfloat16");
+  if (const Json* b = Object(r, root, "", bf16_key)) {
+    CheckKeys(r, *b, bf16_key, {"enabled"},
+              {{"immediate_grad_update", nullptr, "gradients are accumulated in the unit buckets"},
+               {"check_grad_overflow", nullptr, "bf16 steps never skip on overflow"}});
+    ReadEnabled(r, *b, "bf16", &bf16);
+    if (std::string(bf16_key) == "bfloat16") {
+      r->Note("bfloat16: DeepSpeed's older name of the bf16 block, read as bf16");
+    }
   }
-  ASSIGN_OR_RETURN(const Json* fp16_block, ReadObject(root, top, "fp16"));
-  if (fp16_block != nullptr) {
-    RETURN_IF_ERROR(ReadFp16(*fp16_block, "fp16", &fp16, &config->fp16, notes));
-  }
-  if (bf16 && fp16) {
-    return absl::InvalidArgumentError(
-        "bf16.enabled and fp16.enabled are both true; enable at most one");
-  }
+  if (const Json* f = Object(r, root, "", "fp16")) ReadFp16(r, *f, "fp16", &fp16, &config->fp16);
+  if (bf16 && fp16) r->Error("bf16.enabled and fp16.enabled are both true; enable at most one");
   config->compute_dtype = bf16 ? DType::kBF16 : fp16 ? DType::kF16 : DType::kF32;
+}
 
-  ASSIGN_OR_RETURN(const Json* optimizer, ReadObject(root, top, "optimizer"));
-  if (optimizer != nullptr) {
-    RETURN_IF_ERROR(ReadOptimizer(*optimizer, "optimizer", &config->optimizer, notes));
+void ReadTopScalars(Reader* r, const Json& root, Config* config) {
+  const std::string top;
+  r->Check(ReadDoubleOrAuto(r, root, top, "gradient_clipping", {0, false, INFINITY, false},
+                            &config->gradient_clipping));
+  int64_t gas = config->gradient_accumulation_steps;
+  r->Check(ReadInt64OrAuto(r, root, top, "gradient_accumulation_steps", 1, &gas));
+  if (gas > kIntMax) {
+    r->Error(absl::StrCat("gradient_accumulation_steps: expected an integer >= 1 and <= ", kIntMax,
+                          ", got ", gas));
+  } else {
+    config->gradient_accumulation_steps = static_cast<int>(gas);
   }
-  RETURN_IF_ERROR(ReadDouble(root, top, "gradient_clipping", {0, false, INFINITY, false},
-                             &config->gradient_clipping));
-  RETURN_IF_ERROR(ReadInt(root, top, "gradient_accumulation_steps", 1, kIntMax,
-                          &config->gradient_accumulation_steps));
-  RETURN_IF_ERROR(ReadInt64(root, top, "comm_timeout_ms", 1, kInt64Max, &config->comm_timeout_ms));
-  RETURN_IF_ERROR(ReadInt(root, top, "cpu_threads", 0, kIntMax, &config->cpu_threads));
+  // Batch sizes are not settings: "auto" is simply 0 (ResolveAuto takes them from its fill).
+  for (auto [key, out] : {std::pair<const char*, int64_t*>{"train_batch_size",
+                                                           &config->train_batch_size},
+                          {"train_micro_batch_size_per_gpu",
+                           &config->train_micro_batch_size_per_gpu}}) {
+    auto it = root.find(key);
+    if (it == root.end()) continue;
+    if (!IsAuto(*it)) {
+      r->Check(ToInt64(*it, key, 1, kInt64Max, "an integer >= 1 or \"auto\"", out));
+    }
+    r->Note(absl::StrCat(key, ": the trainer owns batch sizes; checked only for consistency "
+                              "(train = micro * gradient_accumulation_steps * world size)"));
+  }
+  // DeepSpeed derives the accumulation from the two batch sizes when it is not written: so does
+  // ResolveAuto, once it knows the world size.
+  if (!root.contains("gradient_accumulation_steps") && root.contains("train_batch_size") &&
+      root.contains("train_micro_batch_size_per_gpu")) {
+    r->Auto("gradient_accumulation_steps");
+  }
+  r->Check(ReadDType(root, top, "communication_data_type", &config->communication_dtype));
+  r->Check(ReadInt64(root, top, "comm_timeout_ms", 1, kInt64Max, &config->comm_timeout_ms));
+  r->Check(ReadInt(root, top, "cpu_threads", 0, kIntMax, &config->cpu_threads));
+}
 
-  // Rules across keys.
-  const ZeroConfig& z = config->zero;
-  if (z.offload_param.device != OffloadDevice::kNone && (z.stage_auto || z.stage != 3)) {
-    return absl::InvalidArgumentError(absl::StrCat(
+// Rules across keys, each checked only when the keys involved parsed.
+void CheckAcrossKeys(Reader* r, const Config& c) {
+  const ZeroConfig& z = c.zero;
+  const bool stage_ok = !r->Failed("zero_optimization.stage");
+  if (stage_ok && !r->Failed("zero_optimization.offload_param") &&
+      z.offload_param.device != OffloadDevice::kNone && (z.stage_auto || z.stage != 3)) {
+    r->Error(absl::StrCat(
         "zero_optimization.offload_param.device is \"", OffloadDeviceName(z.offload_param.device),
         "\" but zero_optimization.stage is ",
         z.stage_auto ? std::string("\"auto\"") : absl::StrCat(z.stage),
         "; parameter offload requires stage 3 (set it explicitly)"));
   }
-  if (z.stage_auto && z.memory_budget.device_bytes == 0) {
-    return absl::InvalidArgumentError(
+  if (stage_ok && !r->Failed("zero_optimization.memory_budget") && z.stage_auto &&
+      z.memory_budget.device_bytes == 0) {
+    r->Error(
         "zero_optimization.stage is \"auto\" but zero_optimization.memory_budget.device_bytes is "
         "not set; \"auto\" picks the lowest stage that fits that budget");
   }
-  const Fp16Config& f = config->fp16;
-  if (f.loss_scale == 0 && std::ldexp(1.0, f.initial_scale_power) < f.min_loss_scale) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "fp16.initial_scale_power ", f.initial_scale_power, " starts dynamic loss scaling at 2^",
-        f.initial_scale_power, ", below fp16.min_loss_scale ", f.min_loss_scale));
+  const Fp16Config& f = c.fp16;
+  if (!r->Failed("fp16") && f.loss_scale == 0 &&
+      std::ldexp(1.0, f.initial_scale_power) < f.min_loss_scale) {
+    r->Error(absl::StrCat("fp16.initial_scale_power ", f.initial_scale_power,
+                          " starts dynamic loss scaling at 2^", f.initial_scale_power,
+                          ", below fp16.min_loss_scale ", f.min_loss_scale));
   }
-  return absl::OkStatus();
+  const SchedulerConfig& s = c.scheduler;
+  if (s.type == SchedulerType::kOneCycle && !r->Failed("scheduler") &&
+      s.cycle_max_lr < s.cycle_min_lr) {
+    r->Error(absl::StrCat("scheduler.params.cycle_max_lr ", s.cycle_max_lr,
+                          " is below scheduler.params.cycle_min_lr ", s.cycle_min_lr));
+  }
+}
+
+// The defaults zerort uses when a config has no optimizer block, said once.
+std::string OptimizerDefaultsNote(const OptimizerConfig& o) {
+  return absl::StrCat("optimizer: absent; using AdamW lr=", o.lr, ", betas=[", o.beta1, ", ",
+                      o.beta2, "], eps=", o.eps, ", weight_decay=", o.weight_decay,
+                      " (zerort's defaults; DeepSpeed would leave the optimizer to the trainer)");
+}
+
+void ReadConfig(Reader* r, const Json& root, Config* config) {
+  if (!root.is_object()) return r->Check(JsonExpected("<root>", "a JSON object", root));
+  const std::string top;
+  CheckTopKeys(r, root);
+  if (const Json* zero = Object(r, root, top, "zero_optimization")) {
+    ReadZero(r, *zero, "zero_optimization", &config->zero);
+  }
+  ReadPrecision(r, root, config);
+  if (const Json* optimizer = Object(r, root, top, "optimizer")) {
+    ReadOptimizer(r, *optimizer, "optimizer", &config->optimizer);
+  } else if (!root.contains("optimizer")) {
+    r->Note(OptimizerDefaultsNote(config->optimizer));
+  }
+  // "scheduler": null is DeepSpeed's default: no schedule.
+  if (auto it = root.find("scheduler"); it != root.end() && !it->is_null()) {
+    if (const Json* s = Object(r, root, top, "scheduler")) {
+      ReadScheduler(r, *s, "scheduler", &config->scheduler);
+    }
+  }
+  ReadTopScalars(r, root, config);
+  if (const Json* d = Object(r, root, top, "data_types")) {
+    ReadDataTypes(r, *d, "data_types", config);
+  }
+  if (const Json* aio = Object(r, root, top, "aio")) ReadAio(r, *aio, "aio", &config->aio);
+  if (const Json* z = Object(r, root, top, "zerort")) ReadZerort(r, *z, "zerort", config);
+  CheckAcrossKeys(r, *config);
+}
+
+// Writes "auto" at a dotted path of the dump, creating objects on the way.
+void SetAuto(Json* root, const std::string& path) {
+  Json* at = root;
+  for (absl::string_view part : absl::StrSplit(path, '.')) {
+    // A hand-built Config may list a path through a value; such a path names no setting.
+    if (!at->is_object() && !at->is_null()) return;
+    at = &(*at)[std::string(part)];
+  }
+  *at = "auto";
+}
+
+std::vector<std::string> Sorted(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  return v;
 }
 
 }  // namespace
 
 bool operator==(const OffloadOptimizerConfig& a, const OffloadOptimizerConfig& b) {
-  return a.device == b.device && a.pin_memory == b.pin_memory && a.buffer_count == b.buffer_count;
+  return a.device == b.device && a.pin_memory == b.pin_memory &&
+         a.buffer_count == b.buffer_count && a.nvme_path == b.nvme_path;
 }
 
 bool operator==(const OffloadParamConfig& a, const OffloadParamConfig& b) {
-  return a.device == b.device && a.pin_memory == b.pin_memory;
+  return a.device == b.device && a.pin_memory == b.pin_memory && a.nvme_path == b.nvme_path &&
+         a.buffer_count == b.buffer_count && a.buffer_size == b.buffer_size;
 }
 
 bool operator==(const MemoryBudget& a, const MemoryBudget& b) {
@@ -530,7 +1075,8 @@ bool operator==(const MemoryBudget& a, const MemoryBudget& b) {
 
 bool operator==(const ZeroConfig& a, const ZeroConfig& b) {
   return a.stage_auto == b.stage_auto && (a.stage_auto || a.stage == b.stage) &&
-         a.reduce_bucket_size == b.reduce_bucket_size && a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
+         a.reduce_bucket_size == b.reduce_bucket_size &&
+         a.offload_optimizer == b.offload_optimizer && a.offload_param == b.offload_param &&
          a.stage3_prefetch_bucket_size == b.stage3_prefetch_bucket_size &&
          a.stage3_param_persistence_threshold == b.stage3_param_persistence_threshold &&
          a.stage3_max_live_parameters == b.stage3_max_live_parameters &&
@@ -548,11 +1094,39 @@ bool operator==(const OptimizerConfig& a, const OptimizerConfig& b) {
          a.eps == b.eps && a.weight_decay == b.weight_decay;
 }
 
+bool operator==(const SchedulerConfig& a, const SchedulerConfig& b) {
+  return a.type == b.type && a.warmup_min_lr == b.warmup_min_lr &&
+         a.warmup_max_lr == b.warmup_max_lr && a.warmup_num_steps == b.warmup_num_steps &&
+         a.warmup_type == b.warmup_type && a.total_num_steps == b.total_num_steps &&
+         a.warmup_min_ratio == b.warmup_min_ratio && a.cos_min_ratio == b.cos_min_ratio &&
+         a.cycle_min_lr == b.cycle_min_lr && a.cycle_max_lr == b.cycle_max_lr &&
+         a.decay_lr_rate == b.decay_lr_rate && a.cycle_first_step_size == b.cycle_first_step_size &&
+         a.cycle_second_step_size == b.cycle_second_step_size &&
+         a.decay_step_size == b.decay_step_size && a.lr_range_test_min_lr == b.lr_range_test_min_lr &&
+         a.lr_range_test_step_size == b.lr_range_test_step_size &&
+         a.lr_range_test_step_rate == b.lr_range_test_step_rate &&
+         a.lr_range_test_staircase == b.lr_range_test_staircase;
+}
+
+bool operator==(const AioConfig& a, const AioConfig& b) {
+  return a.block_size == b.block_size && a.queue_depth == b.queue_depth &&
+         a.single_submit == b.single_submit && a.overlap_events == b.overlap_events &&
+         a.thread_count == b.thread_count;
+}
+
+bool operator==(const ParamGroupConfig& a, const ParamGroupConfig& b) {
+  return a.pattern == b.pattern && a.weight_decay == b.weight_decay && a.lr_scale == b.lr_scale;
+}
+
 bool operator==(const Config& a, const Config& b) {
   return a.zero == b.zero && a.compute_dtype == b.compute_dtype && a.fp16 == b.fp16 &&
          a.optimizer == b.optimizer && a.gradient_clipping == b.gradient_clipping &&
          a.gradient_accumulation_steps == b.gradient_accumulation_steps &&
-         a.comm_timeout_ms == b.comm_timeout_ms && a.cpu_threads == b.cpu_threads;
+         a.comm_timeout_ms == b.comm_timeout_ms && a.cpu_threads == b.cpu_threads &&
+         a.grad_accum_dtype == b.grad_accum_dtype &&
+         a.communication_dtype == b.communication_dtype && a.aio == b.aio &&
+         a.param_groups == b.param_groups && a.scheduler == b.scheduler && a.strict == b.strict &&
+         Sorted(a.auto_keys) == Sorted(b.auto_keys);
 }
 
 absl::string_view OffloadDeviceName(OffloadDevice d) {
@@ -568,43 +1142,108 @@ absl::string_view OffloadDeviceName(OffloadDevice d) {
   return "?";
 }
 
-absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_view source) {
+absl::string_view SchedulerTypeName(SchedulerType t) {
+  for (const SchedulerKind& k : kSchedulers) {
+    if (k.type == t) return k.name;
+  }
+  return "";
+}
+
+absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_view source,
+                                   const ParseOptions& options) {
   ASSIGN_OR_RETURN(Json root, ParseJson(json_text, source));
   Config config;
+  Reader reader(&config);
   try {
-    RETURN_IF_ERROR(Annotate(ReadConfig(root, &config), source));
+    ReadConfig(&reader, root, &config);
   } catch (const std::exception& e) {
     // The readers check types before every access; a throw here is a bug, reported not raised.
     return absl::InternalError(absl::StrCat(source, ": reading config: ", e.what()));
   }
+  RETURN_IF_ERROR(reader.Finish(source, options.strict || config.strict));
   return config;
 }
 
-absl::StatusOr<Config> LoadConfigFile(const std::string& path) {
+absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOptions& options) {
   ASSIGN_OR_RETURN(std::string text, ReadBoundedFile(path, "config"));
-  return ParseConfig(text, path);
+  return ParseConfig(text, path, options);
 }
 
-std::string ResolvedConfigJson(const Config& c) {
-  const ZeroConfig& z = c.zero;
+namespace {
+
+Json SchedulerJson(const SchedulerConfig& s) {
+  if (s.type == SchedulerType::kNone) return nullptr;
+  const char* warmup_type = s.warmup_type == WarmupType::kLog ? "log" : "linear";
+  Json p;
+  switch (s.type) {
+    case SchedulerType::kNone:
+      break;
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR:
+      p = {{"warmup_min_lr", s.warmup_min_lr},
+           {"warmup_max_lr", s.warmup_max_lr},
+           {"warmup_num_steps", s.warmup_num_steps},
+           {"warmup_type", warmup_type}};
+      if (s.type == SchedulerType::kWarmupDecayLR) p["total_num_steps"] = s.total_num_steps;
+      break;
+    case SchedulerType::kWarmupCosineLR:
+      p = {{"total_num_steps", s.total_num_steps},
+           {"warmup_min_ratio", s.warmup_min_ratio},
+           {"warmup_num_steps", s.warmup_num_steps},
+           {"cos_min_ratio", s.cos_min_ratio},
+           {"warmup_type", warmup_type}};
+      break;
+    case SchedulerType::kOneCycle:
+      p = {{"cycle_min_lr", s.cycle_min_lr},
+           {"cycle_max_lr", s.cycle_max_lr},
+           {"decay_lr_rate", s.decay_lr_rate},
+           {"cycle_first_step_size", s.cycle_first_step_size},
+           {"cycle_second_step_size",
+            s.cycle_second_step_size < 0 ? Json() : Json(s.cycle_second_step_size)},
+           {"decay_step_size", s.decay_step_size}};
+      break;
+    case SchedulerType::kLRRangeTest:
+      p = {{"lr_range_test_min_lr", s.lr_range_test_min_lr},
+           {"lr_range_test_step_size", s.lr_range_test_step_size},
+           {"lr_range_test_step_rate", s.lr_range_test_step_rate},
+           {"lr_range_test_staircase", s.lr_range_test_staircase}};
+      break;
+  }
+  return {{"type", std::string(SchedulerTypeName(s.type))}, {"params", std::move(p)}};
+}
+
+Json ZeroJson(const ZeroConfig& z) {
   auto size = [](int64_t v) { return v == kAutoSize ? Json("auto") : Json(v); };
+  auto path = [](const std::string& p) { return p.empty() ? Json() : Json(p); };
   Json zero;
   zero["stage"] = z.stage_auto ? Json("auto") : Json(z.stage);
   zero["reduce_bucket_size"] = size(z.reduce_bucket_size);
   zero["offload_optimizer"] = {
       {"device", std::string(OffloadDeviceName(z.offload_optimizer.device))},
       {"pin_memory", z.offload_optimizer.pin_memory},
-      {"buffer_count", z.offload_optimizer.buffer_count}};
+      {"buffer_count", z.offload_optimizer.buffer_count},
+      {"nvme_path", path(z.offload_optimizer.nvme_path)}};
   zero["offload_param"] = {{"device", std::string(OffloadDeviceName(z.offload_param.device))},
-                           {"pin_memory", z.offload_param.pin_memory}};
+                           {"pin_memory", z.offload_param.pin_memory},
+                           {"nvme_path", path(z.offload_param.nvme_path)},
+                           {"buffer_count", z.offload_param.buffer_count},
+                           {"buffer_size", z.offload_param.buffer_size}};
   zero["stage3_prefetch_bucket_size"] = size(z.stage3_prefetch_bucket_size);
   zero["stage3_param_persistence_threshold"] = size(z.stage3_param_persistence_threshold);
   zero["stage3_max_live_parameters"] = z.stage3_max_live_parameters;
   zero["memory_budget"] = {{"device_bytes", z.memory_budget.device_bytes},
                            {"host_bytes", z.memory_budget.host_bytes}};
+  return zero;
+}
 
+}  // namespace
+
+std::string ResolvedConfigJson(const Config& c) {
+  auto dtype = [](const std::optional<DType>& d) {
+    return d ? Json(std::string(DTypeName(*d))) : Json();
+  };
   Json root;
-  root["zero_optimization"] = std::move(zero);
+  root["zero_optimization"] = ZeroJson(c.zero);
   root["bf16"] = {{"enabled", c.compute_dtype == DType::kBF16}};
   root["fp16"] = {{"enabled", c.compute_dtype == DType::kF16},
                   {"loss_scale", c.fp16.loss_scale},
@@ -618,11 +1257,24 @@ std::string ResolvedConfigJson(const Config& c) {
                          {"betas", {c.optimizer.beta1, c.optimizer.beta2}},
                          {"eps", c.optimizer.eps},
                          {"weight_decay", c.optimizer.weight_decay}}}};
+  root["scheduler"] = SchedulerJson(c.scheduler);
   root["gradient_clipping"] = c.gradient_clipping;
   root["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  root["communication_data_type"] = dtype(c.communication_dtype);
+  root["data_types"] = {{"grad_accum_dtype", dtype(c.grad_accum_dtype)}};
+  root["aio"] = {{"block_size", c.aio.block_size},       {"queue_depth", c.aio.queue_depth},
+                 {"single_submit", c.aio.single_submit}, {"overlap_events", c.aio.overlap_events},
+                 {"thread_count", c.aio.thread_count}};
   root["comm_timeout_ms"] = c.comm_timeout_ms;
   root["cpu_threads"] = c.cpu_threads;
-  // `replace` keeps a hand-built Config with invalid UTF-8 in optimizer.type from throwing.
+  Json groups = Json::array();
+  for (const ParamGroupConfig& g : c.param_groups) {
+    groups.push_back(
+        {{"pattern", g.pattern}, {"weight_decay", g.weight_decay}, {"lr_scale", g.lr_scale}});
+  }
+  root["zerort"] = {{"strict", c.strict}, {"param_groups", std::move(groups)}};
+  for (const std::string& path : c.auto_keys) SetAuto(&root, path);
+  // `replace` keeps a hand-built Config with invalid UTF-8 in a string from throwing.
   return root.dump(2, ' ', false, Json::error_handler_t::replace);
 }
 

@@ -3,8 +3,10 @@
 // Key names follow DeepSpeed wherever DeepSpeed has the setting, so a DeepSpeed config usually
 // parses unchanged; docs/config.md lists every key with its default, constraint and DeepSpeed
 // equivalent. Parsing is strict: an unknown key, a duplicate key, a value of the wrong type or
-// out of range is an error that names the key's JSON path. DeepSpeed keys that have no effect
-// here are accepted and reported one line each in Config::notes.
+// out of range is an error that names the key's JSON path, and one parse reports every such
+// problem at once. DeepSpeed keys that have no effect here, and foreign top-level keys, are
+// accepted and reported one line each in Config::notes (errors in strict mode). Values written
+// "auto" are listed in Config::auto_keys for ResolveAuto (zero/planner.h) to fill.
 //
 //   ASSIGN_OR_RETURN(zerort::Config config, zerort::LoadConfigFile("ds_config.json"));
 //   for (const std::string& note : config.notes) std::cerr << note << "\n";
@@ -120,6 +122,41 @@ struct ParamGroupConfig {
   double lr_scale = 1;          // >= 0: multiplies the current learning rate
 };
 
+// scheduler: DeepSpeed's learning-rate schedules, with DeepSpeed's parameter names and defaults
+// (zero/lr_schedule.h computes them). Only the parameters of `type` are read; the others keep
+// their defaults.
+enum class SchedulerType { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle,
+                           kLRRangeTest };
+enum class WarmupType { kLog, kLinear };
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::kNone;  // kNone: constant optimizer.params.lr
+  // WarmupLR, WarmupDecayLR: from warmup_min_lr to warmup_max_lr over warmup_num_steps.
+  double warmup_min_lr = 0;        // >= 0
+  double warmup_max_lr = 0.001;    // >= 0
+  int64_t warmup_num_steps = 1000; // >= 0 (DeepSpeed, and zerort, use max(2, this))
+  WarmupType warmup_type = WarmupType::kLog;
+  // WarmupDecayLR, WarmupCosineLR: >= 1, the step at which the decay reaches its end.
+  int64_t total_num_steps = 0;
+  // WarmupCosineLR: multiples of optimizer.params.lr.
+  double warmup_min_ratio = 0;      // >= 0
+  double cos_min_ratio = 0.0001;    // >= 0
+  // OneCycle: up from cycle_min_lr to cycle_max_lr in cycle_first_step_size steps, back down in
+  // cycle_second_step_size (-1: the same), then cycle_min_lr / (1 + decay_lr_rate * k /
+  // decay_step_size) k steps later (no decay when either is 0).
+  double cycle_min_lr = 0;                  // >= 0 (DeepSpeed requires it)
+  double cycle_max_lr = 0;                  // >= 0 (DeepSpeed requires it)
+  double decay_lr_rate = 0;                 // >= 0
+  int64_t cycle_first_step_size = 2000;     // >= 1
+  int64_t cycle_second_step_size = -1;      // >= 1, or -1 = cycle_first_step_size
+  int64_t decay_step_size = 0;              // >= 0
+  // LRRangeTest: lr_range_test_min_lr * (1 + lr_range_test_step_rate * step / step_size),
+  // with step / step_size floored when lr_range_test_staircase.
+  double lr_range_test_min_lr = 0.001;      // >= 0
+  int64_t lr_range_test_step_size = 2000;   // >= 1
+  double lr_range_test_step_rate = 1.0;     // >= 0
+  bool lr_range_test_staircase = false;
+};
+
 struct Config {
   ZeroConfig zero;
   // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
@@ -140,6 +177,20 @@ struct Config {
   std::optional<DType> communication_dtype;
   AioConfig aio;
   std::vector<ParamGroupConfig> param_groups;
+  SchedulerConfig scheduler;
+  // zerort.strict (ours): every key that would be ignored with a note is an error instead.
+  bool strict = false;
+  // Batch sizes are the trainer's; written ones are kept only to check train_batch_size =
+  // train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size (ResolveAuto in
+  // zero/planner.h, once the world size is known). 0 = not given, or "auto" (not listed in
+  // auto_keys: ResolveAuto takes a 0 from its fill). Not settings: operator== and
+  // ResolvedConfigJson leave them out.
+  int64_t train_batch_size = 0;
+  int64_t train_micro_batch_size_per_gpu = 0;
+  // JSON paths written as "auto" (Hugging Face's "the trainer fills this in"), canonical
+  // spelling, in document order. The value behind each stays at its default until
+  // ResolveAuto (zero/planner.h) fills it; ResolvedConfigJson writes "auto" back for them.
+  std::vector<std::string> auto_keys;
   // Accepted-but-ignored DeepSpeed keys and other remarks, one line each, each starting with the
   // JSON path it is about. Diagnostics, not settings: operator== ignores them.
   std::vector<std::string> notes;
@@ -151,25 +202,39 @@ bool operator==(const MemoryBudget& a, const MemoryBudget& b);
 bool operator==(const ZeroConfig& a, const ZeroConfig& b);
 bool operator==(const Fp16Config& a, const Fp16Config& b);
 bool operator==(const OptimizerConfig& a, const OptimizerConfig& b);
+bool operator==(const SchedulerConfig& a, const SchedulerConfig& b);
+bool operator==(const AioConfig& a, const AioConfig& b);
+bool operator==(const ParamGroupConfig& a, const ParamGroupConfig& b);
 // Every setting; not `notes`, not the no-effect ZeroConfig fields, and not `stage` when both are
 // "auto".
 bool operator==(const Config& a, const Config& b);
 inline bool operator!=(const Config& a, const Config& b) { return !(a == b); }
 
-// "none" / "cpu", as written in the JSON. (Dtypes: DTypeName in base/dtype.h.)
+// "none" / "cpu" / "nvme", as written in the JSON. (Dtypes: DTypeName in base/dtype.h.)
 absl::string_view OffloadDeviceName(OffloadDevice d);
+// DeepSpeed's scheduler type names ("WarmupLR", ...); "" for kNone.
+absl::string_view SchedulerTypeName(SchedulerType t);
+
+// How a parse treats keys that have no effect here.
+struct ParseOptions {
+  // Every ignored key (a DeepSpeed key without effect, a foreign top-level key) is an error
+  // instead of a note, as with "zerort": {"strict": true} in the config.
+  bool strict = false;
+};
 
 // Parses and validates a JSON config. `source` names the text in error messages (a file name).
-// Errors: InvalidArgument for malformed JSON ("<source>:LINE:COL: ..."), unknown or duplicate
-// keys, wrong types and out-of-range values (each naming the JSON path, e.g.
-// "zero_optimization.reduce_bucket_size"); Unimplemented for DeepSpeed features zerort does not
-// have (e.g. "nvme" offload).
+// Every problem of the document is reported in one Status, one line each, each line
+// "<source>: <JSON path>: <problem>" (a first line "<source>: N problems:" when there are
+// several). Errors: InvalidArgument for malformed JSON ("<source>:LINE:COL: ..."), unknown or
+// duplicate keys, wrong types and out-of-range values, inconsistent keys; Unimplemented when
+// every problem is a DeepSpeed feature zerort does not have (e.g. "prescale_gradients": true).
 absl::StatusOr<Config> ParseConfig(absl::string_view json_text,
-                                   absl::string_view source = "<config>");
+                                   absl::string_view source = "<config>",
+                                   const ParseOptions& options = {});
 
 // Reads and parses a file; every error names the file. NotFound / PermissionDenied when it
 // cannot be read.
-absl::StatusOr<Config> LoadConfigFile(const std::string& path);
+absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOptions& options = {});
 
 // Every setting with its effective value as pretty JSON, in the documented order (the keys that
 // have no effect are left out). ParseConfig of the

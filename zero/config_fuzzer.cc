@@ -1,7 +1,8 @@
 // libFuzzer entry point for the config parser (tools/fuzz.sh runs it; tests/fuzz/config/ seeds
 // it and config_fuzzer_corpus_test replays that folder in every build). Beyond not crashing: an
 // accepted config reads back unchanged from its resolved dump, and plans a small model with no
-// negative or wrapped size (ChoosePlan may refuse, e.g. when nothing fits the budget).
+// negative or wrapped size (ChoosePlan may refuse, e.g. when nothing fits the budget), and its
+// "auto" values resolve to a valid config.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -37,5 +38,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {"head.w", {64, 1000}, "head"}};
   absl::StatusOr<PlanChoice> choice = ChoosePlan(specs, *config, /*world_size=*/4, /*rank=*/3);
   if (choice.ok() && !NonNegative(choice->plan)) std::abort();
+  // "auto" values: once resolved, none is left and the result is still a valid config.
+  AutoFill fill;
+  fill.world_size = 4;
+  fill.hidden_size = 64;
+  fill.total_num_steps = 100;
+  fill.compute_dtype = DType::kBF16;
+  if (ResolveAuto(fill, specs, &*config).ok() &&
+      (!config->auto_keys.empty() || !ValidateConfig(*config).ok())) {
+    std::abort();
+  }
   return 0;
 }

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
@@ -83,7 +84,10 @@ std::map<std::string, Json> DocumentedDefaults() {
 
 TEST_CASE("Config: an empty object gives the defaults documented in docs/config.md", "[zero]") {
   Config parsed = MustParse("{}");
-  CHECK(parsed.notes.empty());
+  // The one note: which optimizer runs when the config names none.
+  REQUIRE(parsed.notes.size() == 1);
+  CHECK(absl::StartsWith(parsed.notes[0], "optimizer: absent; using AdamW lr=0.001, "
+                                          "betas=[0.9, 0.999], eps=1e-08, weight_decay=0.01"));
   CHECK(parsed == Config{});
 
   std::map<std::string, Json> resolved;
@@ -181,7 +185,7 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
 
 TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no effect, noted",
           "[zero]") {
-  Config on = MustParse(R"({"zero_optimization": {"overlap_comm": true,
+  Config on = MustParse(R"({"optimizer": {}, "zero_optimization": {"overlap_comm": true,
       "contiguous_gradients": true, "allgather_bucket_size": 2e8}})");
   CHECK(on == Config{});
   REQUIRE(on.notes.size() == 3);
@@ -196,7 +200,8 @@ TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no
 
   // false asks for what zerort has no mode for: the note says it cannot be turned off, and why.
   Config off = MustParse(
-      R"({"zero_optimization": {"overlap_comm": false, "contiguous_gradients": false}})");
+      R"({"optimizer": {}, "zero_optimization": {"overlap_comm": false,
+          "contiguous_gradients": false}})");
   CHECK(off == Config{});
   REQUIRE(off.notes.size() == 2);
   CHECK(absl::StartsWith(off.notes[0], "zero_optimization.overlap_comm: false has no effect, "
@@ -213,7 +218,7 @@ TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no
   for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
     CHECK_FALSE(absl::StrContains(resolved, key));
   }
-  CHECK(MustParse("{}").notes.empty());
+  CHECK(MustParse(R"({"optimizer": {}})").notes.empty());
 
   // docs/config.md documents each of them, outside the Settings table, with what zerort does.
   const std::string doc = ReadFile("docs/config.md");
@@ -316,21 +321,24 @@ TEST_CASE("Config: unknown keys at every level name the path and suggest the nea
        "zero_optimization.offload_optimizer"},
       {R"({"zero_optimization": {"gradient_clipping": 1}})", "zero_optimization.gradient_clipping",
        "gradient_clipping"},
-      {R"({"overlap": true})", "overlap", nullptr},
   };
   for (const Case& c : cases) {
     absl::Status s = ParseError(c.json);
     INFO(s.ToString());
     CHECK(s.code() == absl::StatusCode::kInvalidArgument);
     CHECK(absl::StrContains(s.message(), absl::StrCat(c.path, ": unknown key")));
-    if (c.suggestion != nullptr) {
-      CHECK(absl::StrContains(s.message(), absl::StrCat("did you mean \"", c.suggestion, "\"")));
-    } else {
-      // Nothing close at the top level: the message lists what is valid there instead.
-      CHECK(absl::StrContains(s.message(), "zero_optimization"));
-      CHECK(absl::StrContains(s.message(), "gradient_clipping"));
-    }
+    CHECK(absl::StrContains(s.message(), absl::StrCat("did you mean \"", c.suggestion, "\"")));
   }
+  // Nothing close inside a block: the message lists what is valid there instead.
+  absl::Status s = ParseError(R"({"zero_optimization": {"overlapping": true}})");
+  CHECK(absl::StrContains(s.message(), "zero_optimization.overlapping: unknown key; the settings "
+                                       "here are: stage, reduce_bucket_size"));
+  // Nothing close at the top level: DeepSpeed ignores foreign top-level keys, and so does
+  // zerort, with a note (an error in strict mode).
+  Config foreign = MustParse(R"({"optimizer": {}, "overlap": true, "cuda_visible_devices": "0"})");
+  REQUIRE(foreign.notes.size() == 2);
+  CHECK(absl::StartsWith(foreign.notes[0], "overlap: not a zerort or DeepSpeed setting; ignored"));
+  CHECK(absl::StartsWith(foreign.notes[1], "cuda_visible_devices: not a zerort or DeepSpeed"));
 }
 
 TEST_CASE("Config: wrong types and out-of-range values name the key, the value and the range",
@@ -363,9 +371,11 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
       {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})",
        "zero_optimization.offload_optimizer.buffer_count", "0", ">= 1"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
-       "zero_optimization.offload_optimizer.device", "\"gpu\"", "\"none\" or \"cpu\""},
+       "zero_optimization.offload_optimizer.device", "\"gpu\"",
+       "\"none\", \"cpu\" or \"nvme\""},
       {R"({"zero_optimization": {"offload_param": {"device": 1}}})",
-       "zero_optimization.offload_param.device", "1", "\"none\" or \"cpu\""},
+       "zero_optimization.offload_param.device", "1",
+       "\"none\", \"cpu\" or \"nvme\""},
       {R"({"zero_optimization": {"memory_budget": {"host_bytes": -5}}})",
        "zero_optimization.memory_budget.host_bytes", "-5", ">= 0"},
       {R"({"zero_optimization": {"stage3_max_live_parameters": 0}})",
@@ -379,7 +389,7 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
        "two numbers"},
       {R"({"optimizer": {"params": {"eps": 0}}})", "optimizer.params.eps", "0", "> 0"},
       {R"({"optimizer": {"params": {"lr": -0.1}}})", "optimizer.params.lr", "-0.1", ">= 0"},
-      {R"({"optimizer": {"params": {"lr": "auto"}}})", "optimizer.params.lr", "\"auto\"", ">= 0"},
+      {R"({"optimizer": {"params": {"lr": "Auto"}}})", "optimizer.params.lr", "\"Auto\"", ">= 0"},
       {R"({"optimizer": {"params": {"weight_decay": -1}}})", "optimizer.params.weight_decay", "-1",
        ">= 0"},
       {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type", "\"Lamb\"", "\"AdamW\""},
@@ -553,11 +563,13 @@ TEST_CASE("Config: rules across keys name every key involved", "[zero]") {
        absl::StatusCode::kInvalidArgument,
        {"fp16.initial_scale_power", "fp16.min_loss_scale"}},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})",
-       absl::StatusCode::kUnimplemented,
-       {"zero_optimization.offload_optimizer.device", "nvme"}},
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.offload_optimizer.device", "nvme",
+        "zero_optimization.offload_optimizer.nvme_path"}},
       {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
-       absl::StatusCode::kUnimplemented,
-       {"zero_optimization.offload_param.device", "nvme"}},
+       absl::StatusCode::kInvalidArgument,
+       {"zero_optimization.offload_param.device", "nvme",
+        "zero_optimization.offload_param.nvme_path"}},
   };
   for (const Case& c : cases) {
     absl::Status s = ParseError(c.json);
@@ -613,14 +625,15 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       {"zero_allow_untested_optimizer", "true"},
       {"tensorboard", R"({"enabled": true, "output_path": "x"})"},
       {"prescale_gradients", "false"},
-      {"scheduler", "null"},
   };
-  std::string json = "{";
+  // With gradient_accumulation_steps written, the batch sizes change nothing (without it they
+  // would derive it, as in DeepSpeed: see ResolveAuto).
+  std::string json = R"({"optimizer": {}, "scheduler": null, "gradient_accumulation_steps": 1,)";
   for (const auto& [key, value] : ignored) json += "\"" + key + "\": " + value + ",";
   json += R"("zero_optimization": {"round_robin_gradients": true, "sub_group_size": 1e9,
       "reduce_scatter": false, "allgather_partitions": false, "stage3_max_reuse_distance": 0,
       "stage3_gather_16bit_weights_on_model_save": true, "zero_quantized_weights": false,
-      "offload_optimizer": {"nvme_path": "/nvme", "ratio": 1.0}}})";
+      "offload_optimizer": {"pipeline_read": true, "ratio": 1.0}}})";
   Config c = MustParse(json);
   CHECK(c == Config{});  // no effect on any setting
   const std::vector<std::string> paths = {
@@ -631,7 +644,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       "zero_optimization.stage3_max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
       "zero_optimization.zero_quantized_weights",
-      "zero_optimization.offload_optimizer.nvme_path",
+      "zero_optimization.offload_optimizer.pipeline_read",
       "zero_optimization.offload_optimizer.ratio"};
   CHECK(c.notes.size() == ignored.size() + paths.size());
   std::vector<std::string> all = paths;
@@ -649,11 +662,11 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
     const char* path;
   };
   const Case unsupported[] = {
-      {R"({"scheduler": {"type": "WarmupLR"}})", "scheduler"},
+      {R"({"zero_optimization": {"legacy_stage1": true}})", "zero_optimization.legacy_stage1"},
       {R"({"prescale_gradients": true})", "prescale_gradients"},
       {R"({"zero_optimization": {"zero_quantized_gradients": true}})",
        "zero_optimization.zero_quantized_gradients"},
-      {R"({"zero_optimization": {"cpu_offload": true}})", "zero_optimization.cpu_offload"},
+      {R"({"amp": {"enabled": true}})", "amp"},
       {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}})",
        "zero_optimization.offload_optimizer.ratio"},
       {R"({"fp16": {"consecutive_hysteresis": true}})", "fp16.consecutive_hysteresis"},
@@ -708,6 +721,240 @@ TEST_CASE("Config: ValidateConfig applies the parser's rules to a Config built i
   c = Config{};
   c.zero.offload_param.device = OffloadDevice::kCpu;  // stage 0
   CHECK(ValidateConfig(c).code() == absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: every problem of a config is reported in one error, one line each", "[zero]") {
+  // Eight distinct mistakes: a typo, a misplaced key, a wrong type, three out-of-range values,
+  // a conflict and a missing scheduler parameter.
+  absl::Status s = ParseError(R"({
+    "zero_optimization": {"stage": 3, "reduce_bucket_sise": 5e8,
+                          "stage3_max_live_parameters": 0, "max_live_parameters": 1e9},
+    "optimizer": {"lr": 0.1, "params": {"betas": [0.9, 1.5]}},
+    "bf16": {"enabled": "yes"},
+    "gradient_clipping": -1,
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}
+  })");
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  std::vector<std::string> lines = absl::StrSplit(s.message(), '\n');
+  INFO(s.message());
+  REQUIRE(lines.size() == 9);
+  CHECK(lines[0] == "<config>: 8 problems:");
+  const char* expected[] = {
+      "<config>: zero_optimization.reduce_bucket_sise: unknown key; did you mean "
+      "\"reduce_bucket_size\"?",
+      "<config>: zero_optimization.stage3_max_live_parameters and "
+      "zero_optimization.max_live_parameters are two spellings of one DeepSpeed setting",
+      "<config>: zero_optimization.stage3_max_live_parameters: expected an integer >= 1, got 0",
+      "<config>: optimizer.lr: unknown key here; did you mean \"optimizer.params.lr\"?",
+      "<config>: optimizer.params.betas[1]: expected a number in [0, 1), got 1.5",
+      "<config>: bf16.enabled: expected true or false, got \"yes\"",
+      "<config>: scheduler.params.total_num_steps: missing; WarmupDecayLR needs it",
+  };
+  // And gradient_clipping's; the order follows the readers.
+  for (const char* e : expected) {
+    INFO(e);
+    CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) {
+            return absl::StartsWith(l, e);
+          }) == 1);
+  }
+  CHECK(absl::StrContains(s.message(), "<config>: gradient_clipping: expected a number >= 0"));
+  // Only problems: a key that failed to parse raises no second, derived complaint.
+  CHECK_FALSE(absl::StrContains(s.message(), "offload"));
+
+  // A rule across keys is skipped when a key it reads did not parse, and only then.
+  CHECK(ParseError(R"({"zero_optimization": {"stage": 5, "offload_param": {"device": "cpu"}}})")
+            .message() ==
+        "<config>: zero_optimization.stage: expected an integer in 0..3 or \"auto\", got 5");
+  absl::Status both = ParseError(R"({"zero_optimization": {"stage": 2,
+      "stage3_max_live_parameters": 0, "offload_param": {"device": "cpu"}}})");
+  CHECK(absl::StartsWith(both.message(), "<config>: 2 problems:\n"));
+  CHECK(absl::StrContains(both.message(), "parameter offload requires stage 3"));
+
+  // All of one kind keep their code; one problem keeps the single-line form.
+  absl::Status unimplemented =
+      ParseError(R"({"prescale_gradients": true, "amp": {"enabled": true}})");
+  CHECK(unimplemented.code() == absl::StatusCode::kUnimplemented);
+  CHECK(absl::StartsWith(unimplemented.message(), "<config>: 2 problems:\n"));
+  CHECK(ParseError(R"({"cpu_threads": -1})").message() ==
+        "<config>: cpu_threads: expected an integer >= 0 and <= 2147483647, got -1");
+}
+
+TEST_CASE("Config: DeepSpeed's other spellings are read as the setting they name", "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+      "prefetch_bucket_size": 123, "param_persistence_threshold": 456,
+      "max_live_parameters": 789, "max_reuse_distance": 1e9,
+      "gather_16bit_weights_on_model_save": true, "model_persistence_threshold": 1e9},
+      "bfloat16": {"enabled": true}})");
+  CHECK(c.zero.stage3_prefetch_bucket_size == 123);
+  CHECK(c.zero.stage3_param_persistence_threshold == 456);
+  CHECK(c.zero.stage3_max_live_parameters == 789);
+  CHECK(c.compute_dtype == DType::kBF16);
+  CHECK(c.notes.size() == 4);  // three keys without effect, and bfloat16's note
+  CHECK(absl::StartsWith(c.notes.back(), "bfloat16: DeepSpeed's older name of the bf16 block"));
+
+  // Both spellings at once: one error naming both.
+  for (const char* json :
+       {R"({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 1}})",
+        R"({"bf16": {"enabled": true}, "bfloat16": {"enabled": true}})",
+        R"({"aio": {"thread_count": 1, "intra_op_parallelism": 2}})"}) {
+    absl::Status s = ParseError(json);
+    INFO(s.ToString());
+    CHECK(absl::StrContains(s.message(), "are two spellings of one DeepSpeed setting"));
+  }
+
+  // The deprecated cpu_offload still means optimizer offload, as in DeepSpeed, with a note.
+  c = MustParse(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})");
+  CHECK(c.zero.offload_optimizer.device == OffloadDevice::kCpu);
+  CHECK(absl::StrContains(absl::StrJoin(c.notes, "\n"),
+                          "zero_optimization.cpu_offload: deprecated DeepSpeed spelling, read as "
+                          "zero_optimization.offload_optimizer.device \"cpu\""));
+  c = MustParse(R"({"zero_optimization": {"stage": 3, "cpu_offload_param": true,
+      "cpu_offload_use_pin_memory": false}})");
+  CHECK(c.zero.offload_param.device == OffloadDevice::kCpu);
+  CHECK_FALSE(c.zero.offload_param.pin_memory);
+  CHECK(absl::StrContains(
+      ParseError(R"({"zero_optimization": {"cpu_offload": true, "offload_optimizer": {}}})")
+          .message(),
+      "zero_optimization.cpu_offload (deprecated) and zero_optimization.offload_optimizer"));
+
+  // Keys DeepSpeed accepts that do nothing here, each with a note.
+  c = MustParse(R"({"optimizer": {}, "zero_force_ds_cpu_optimizer": false,
+      "fp16": {"enabled": true, "auto_cast": true}, "comms_logger": {"enabled": false}})");
+  CHECK(c.compute_dtype == DType::kF16);
+  CHECK(c.notes.size() == 3);
+}
+
+TEST_CASE("Config: nvme offload, aio, data types and param groups parse into their fields",
+          "[zero]") {
+  Config c = MustParse(R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pipeline_read": true},
+      "offload_param": {"device": "nvme", "nvme_path": "/local_nvme", "buffer_count": 6,
+                        "buffer_size": 1e8, "max_in_cpu": 1e9}},
+      "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submit": true,
+              "overlap_events": false},
+      "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bfp16",
+      "zerort": {"param_groups": [{"pattern": "*.bias", "weight_decay": 0},
+                                  {"pattern": "emb*", "weight_decay": 0.1, "lr_scale": 0.5}]}})");
+  CHECK(c.zero.offload_optimizer.device == OffloadDevice::kNvme);
+  CHECK(c.zero.offload_optimizer.nvme_path == "/local_nvme");
+  CHECK(c.zero.offload_param.device == OffloadDevice::kNvme);
+  CHECK(c.zero.offload_param.buffer_count == 6);
+  CHECK(c.zero.offload_param.buffer_size == 100000000);
+  CHECK(c.aio.block_size == 262144);
+  CHECK(c.aio.queue_depth == 32);
+  CHECK(c.aio.thread_count == 2);
+  CHECK(c.aio.single_submit);
+  CHECK_FALSE(c.aio.overlap_events);
+  CHECK(c.grad_accum_dtype == DType::kF32);
+  CHECK(c.communication_dtype == DType::kBF16);
+  REQUIRE(c.param_groups.size() == 2);
+  CHECK(c.param_groups[1].pattern == "emb*");
+  CHECK(c.param_groups[1].weight_decay == 0.1);
+  CHECK(c.param_groups[1].lr_scale == 0.5);
+  CHECK(c.param_groups[0].lr_scale == 1);
+  // They round-trip through the resolved dump.
+  absl::StatusOr<Config> again = ParseConfig(ResolvedConfigJson(c));
+  REQUIRE(again.ok());
+  CHECK(*again == c);
+
+  for (const char* json : {R"({"aio": {"block_size": 5000}})",
+                           R"({"data_types": {"grad_accum_dtype": "fp64"}})",
+                           R"({"zerort": {"param_groups": [{"weight_decay": 0}]}})",
+                           R"({"zerort": {"param_groups": [{"pattern": "x", "lr_scale": -1}]}})"}) {
+    INFO(json);
+    CHECK(ParseError(json).code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("Config: strict mode turns every ignored key into an error", "[zero]") {
+  const std::string json = R"({"optimizer": {}, "wall_clock_breakdown": false,
+      "cuda_visible_devices": "0,1", "zero_optimization": {"round_robin_gradients": true}})";
+  Config lenient = MustParse(json);
+  CHECK(lenient.notes.size() == 3);
+  absl::StatusOr<Config> strict = ParseConfig(json, "ds.json", ParseOptions{true});
+  REQUIRE(!strict.ok());
+  INFO(strict.status().message());
+  CHECK(absl::StartsWith(strict.status().message(), "ds.json: 3 problems:\n"));
+  for (const char* path :
+       {"wall_clock_breakdown", "cuda_visible_devices", "zero_optimization.round_robin_gradients"}) {
+    CHECK(absl::StrContains(strict.status().message(), absl::StrCat("ds.json: ", path, ": ")));
+  }
+  CHECK(absl::StrContains(strict.status().message(), "[refused: strict mode]"));
+  // The same from the config itself; notes that are not about ignored keys stay notes.
+  absl::StatusOr<Config> in_file = ParseConfig(
+      R"({"zerort": {"strict": true}, "wall_clock_breakdown": false})");
+  CHECK(!in_file.ok());
+  Config clean = MustParse(R"({"zerort": {"strict": true}, "optimizer": {"type": "Adam"}})");
+  CHECK(clean.strict);
+  CHECK(clean.notes.size() == 1);
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: \"auto\" is accepted where Hugging Face writes it and recorded by path",
+          "[zero]") {
+  Config c = MustParse(R"({"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+      "optimizer": {"params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                               "weight_decay": "auto"}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                    "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+      "zero_optimization": {"reduce_bucket_size": "auto", "prefetch_bucket_size": "auto"},
+      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+      "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})");
+  const std::vector<std::string> expected = {
+      "bf16.enabled", "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+      "optimizer.params.eps", "optimizer.params.weight_decay",
+      "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+      "scheduler.params.warmup_num_steps", "gradient_clipping", "gradient_accumulation_steps"};
+  CHECK(c.auto_keys == expected);
+  // Until filled, each value is its default.
+  CHECK(c.compute_dtype == DType::kF32);
+  CHECK(c.optimizer.lr == 1e-3);
+  CHECK(c.zero.stage3_prefetch_bucket_size == kAutoSize);
+  CHECK(c.train_batch_size == 0);
+  // The dump writes "auto" back, and parses to the same Config.
+  const std::string dump = ResolvedConfigJson(c);
+  const Json j = Json::parse(dump);
+  CHECK(j["optimizer"]["params"]["betas"] == "auto");
+  CHECK(j["bf16"]["enabled"] == "auto");
+  CHECK(j["scheduler"]["params"]["warmup_num_steps"] == "auto");
+  absl::StatusOr<Config> again = ParseConfig(dump);
+  REQUIRE(again.ok());
+  CHECK(*again == c);
+  // A hand-built list naming no setting is written nowhere (and never throws).
+  Config odd;
+  odd.auto_keys = {"gradient_clipping.x", "cpu_threads"};
+  CHECK(Json::parse(ResolvedConfigJson(odd))["gradient_clipping"] == 0);
+  CHECK(ValidateConfig(odd).code() == absl::StatusCode::kInvalidArgument);  // cpu_threads: "auto"
+  // "auto" only where it is meaningful.
+  for (const char* json : {R"({"cpu_threads": "auto"})",
+                           R"({"zero_optimization": {"stage3_max_live_parameters": "many"}})",
+                           R"({"fp16": {"loss_scale": "auto"}})"}) {
+    INFO(json);
+    CHECK(ParseError(json).code() == absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_CASE("Config: the test configs in each user's style all parse", "[zero]") {
+  for (const char* file :
+       {"hf_trainer_zero3.json", "accelerate_zero2.json", "llama_factory_zero3_offload.json",
+        "axolotl_zero1.json", "deepspeedexamples_bert_zero1.json", "megatron_deepspeed_bf16.json",
+        "infinity_nvme_cosine.json", "openrlhf_zero3.json"}) {
+    absl::StatusOr<Config> c = LoadConfigFile(std::string("zero/testdata/") + file);
+    INFO(file);
+    INFO(c.status().ToString());
+    CHECK(c.ok());
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
 #include "zero/model_spec.h"
 
 namespace zerort {
@@ -246,6 +247,158 @@ TEST_CASE("Planner: with default sizes stage-3 bytes per rank fall with the worl
     // 1,557,611,200 parameters at 18 bytes (bf16 param + grad, fp32 master, m, v, per rank
     // share of each) plus at most a few units of buffers: under 1 GiB from 64 ranks on.
     if (world >= 64) CHECK(bytes < (int64_t{1} << 30));
+  }
+}
+
+// A config in the style Hugging Face's Trainer writes: every value it knows at run time "auto".
+constexpr char kHfAutoConfig[] = R"({
+  "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+  "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                            "weight_decay": "auto"}},
+  "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto",
+      "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+  "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+      "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+  "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"
+})";
+
+bool HasNote(const Config& c, const std::string& text) {
+  return std::any_of(c.notes.begin(), c.notes.end(),
+                     [&](const std::string& n) { return n.rfind(text, 0) == 0; });
+}
+
+TEST_CASE("ResolveAuto: the trainer's fill replaces every auto, each with a note", "[zero]") {
+  absl::StatusOr<Config> parsed = ParseConfig(kHfAutoConfig);
+  REQUIRE(parsed.ok());
+  Config c = *parsed;
+  // Not listed: batch sizes (not settings) and unit sizes (kAutoSize, the planner's default).
+  CHECK(c.auto_keys.size() == 12);
+  absl::StatusOr<AutoFill> fill = ParseAutoFill(R"({"hidden_size": 1024, "world_size": 8,
+      "compute_dtype": "bf16", "lr": 3e-5, "beta1": 0.9, "beta2": 0.95, "eps": 1e-6,
+      "weight_decay": 0.1, "gradient_clipping": 1.0, "warmup_num_steps": 100,
+      "total_num_steps": 5000, "train_batch_size": 256, "train_micro_batch_size_per_gpu": 4})");
+  REQUIRE(fill.ok());
+  REQUIRE(ResolveAuto(*fill, {}, &c).ok());
+  CHECK(c.auto_keys.empty());
+  CHECK(c.compute_dtype == DType::kBF16);
+  CHECK(c.optimizer.lr == 3e-5);
+  CHECK(c.optimizer.beta2 == 0.95);
+  CHECK(c.optimizer.eps == 1e-6);
+  CHECK(c.optimizer.weight_decay == 0.1);
+  CHECK(c.gradient_clipping == 1.0);
+  CHECK(c.scheduler.warmup_min_lr == 0);
+  CHECK(c.scheduler.warmup_max_lr == 3e-5);  // the optimizer's lr
+  CHECK(c.scheduler.warmup_num_steps == 100);
+  CHECK(c.scheduler.total_num_steps == 5000);
+  CHECK(c.gradient_accumulation_steps == 8);  // 256 / (4 * 8)
+  // Hugging Face's rule for the unit sizes, h = 1024 (no parameters: no module bound).
+  CHECK(c.zero.reduce_bucket_size == 1024 * 1024);
+  CHECK(c.zero.stage3_prefetch_bucket_size == 943718);  // floor(0.9 * 1048576)
+  CHECK(c.zero.stage3_param_persistence_threshold == 10240);
+  CHECK(HasNote(c, "zero_optimization.reduce_bucket_size: auto -> 1048576 (max(h*h, largest "
+                   "module), h = 1024 from the trainer)"));
+  CHECK(HasNote(c, "bf16.enabled: auto -> true (the trainer computes in bf16)"));
+  CHECK(HasNote(c, "fp16.enabled: auto -> false (the trainer computes in bf16)"));
+  CHECK(HasNote(c, "scheduler.params.warmup_max_lr: auto -> 3e-05 (optimizer.params.lr)"));
+  CHECK(HasNote(c, "gradient_accumulation_steps: auto -> 8 (train_batch_size / "));
+  CHECK(ValidateConfig(c).ok());
+}
+
+TEST_CASE("ResolveAuto: without a fill the documented rules apply, and gaps are all reported",
+          "[zero]") {
+  Config c = *ParseConfig(kHfAutoConfig);
+  absl::Status s = ResolveAuto(AutoFill{}, {}, &c);
+  INFO(s.ToString());
+  // Only total_num_steps has no rule; every other auto took its documented fallback.
+  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(s.message() ==
+        "scheduler.params.total_num_steps: \"auto\", but the trainer gave no total_num_steps; a "
+        "decaying schedule needs it");
+  CHECK(c.compute_dtype == DType::kF32);
+  CHECK(c.optimizer.lr == 1e-3);
+  CHECK(c.gradient_accumulation_steps == 1);
+  CHECK(HasNote(c, "optimizer.params.lr: auto -> 0.001 (zerort's default"));
+  CHECK(HasNote(c, "bf16.enabled: auto -> false (the trainer gave no compute dtype)"));
+  // Without h or parameters the unit sizes stay for the planner.
+  CHECK(c.zero.reduce_bucket_size == kAutoSize);
+
+  // Batch sizes that disagree, and several problems in one error.
+  Config d = *ParseConfig(R"({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2, "scheduler": {"type": "WarmupCosineLR",
+      "params": {"total_num_steps": "auto", "cos_min_ratio": "auto"}}})");
+  auto gpt2 = ModelPreset("gpt2-124m");
+  REQUIRE(gpt2.ok());
+  AutoFill fill;
+  fill.world_size = 8;
+  s = ResolveAuto(fill, *gpt2, &d);
+  INFO(s.ToString());
+  CHECK(absl::StrContains(s.message(), "3 problems:\n"));
+  CHECK(absl::StrContains(s.message(), "train_batch_size 100 != train_micro_batch_size_per_gpu 4 "
+                                       "* gradient_accumulation_steps 2 * world size 8 = 64"));
+  CHECK(absl::StrContains(s.message(), "scheduler.params.total_num_steps"));
+  CHECK(absl::StrContains(s.message(), "scheduler.params.cos_min_ratio: \"auto\", and neither"));
+  // Without the trainer's h the unit sizes stay for the planner, which reads h off the
+  // parameters and says so in its reason.
+  CHECK(d.zero.stage3_param_persistence_threshold == kAutoSize);
+
+  // Sizes whose product passes 2^63 are compared exactly, never wrapped.
+  Config big = *ParseConfig(R"({"train_batch_size": 9223372036854775807,
+      "train_micro_batch_size_per_gpu": 4611686018427387904, "gradient_accumulation_steps": "auto"})");
+  fill.hidden_size = int64_t{1} << 40;
+  s = ResolveAuto(fill, {}, &big);
+  CHECK(absl::StrContains(s.message(), "* world size 8 (more than 2^63-1)"));
+  CHECK(absl::StrContains(s.message(), "hidden_size 1099511627776 from the trainer: expected"));
+  CHECK(big.gradient_accumulation_steps == 1);
+
+  CHECK(!ParseAutoFill(R"({"hiden_size": 4})").ok());
+  CHECK(!ParseAutoFill(R"({"compute_dtype": "fp64"})").ok());
+  CHECK(!ParseAutoFill(R"({"lr": "high"})").ok());
+}
+
+TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse and resolve",
+          "[zero]") {
+  // Written for these tests in the manner of each project's templates (not copies).
+  struct Case {
+    const char* file;
+    int64_t world;
+    DType dtype;  // what the config ends up computing in
+  };
+  const Case cases[] = {
+      {"hf_trainer_zero3.json", 8, DType::kBF16},
+      {"accelerate_zero2.json", 8, DType::kF16},
+      {"llama_factory_zero3_offload.json", 8, DType::kBF16},
+      {"axolotl_zero1.json", 8, DType::kBF16},
+      {"deepspeedexamples_bert_zero1.json", 64, DType::kF16},  // 4096 = 64 * 1 * 64
+      {"megatron_deepspeed_bf16.json", 256, DType::kBF16},     // 512 = 2 * 1 * 256
+      {"infinity_nvme_cosine.json", 4, DType::kBF16},
+      {"openrlhf_zero3.json", 8, DType::kBF16},  // 128 = 1 * 16 * 8 (auto accumulation)
+      {"deepspeed_full.json", 8, DType::kF16},                 // 512 = 4 * 16 * 8
+  };
+  auto llama = ModelPreset("llama2-7b");
+  REQUIRE(llama.ok());
+  for (const Case& c : cases) {
+    INFO(c.file);
+    absl::StatusOr<Config> config = LoadConfigFile(std::string("zero/testdata/") + c.file);
+    INFO(config.status().ToString());
+    REQUIRE(config.ok());
+    AutoFill fill;
+    fill.world_size = c.world;
+    fill.compute_dtype = DType::kBF16;
+    fill.lr = 2e-5;
+    fill.total_num_steps = 1000;
+    fill.warmup_num_steps = 30;
+    fill.hidden_size = 4096;
+    absl::Status s = ResolveAuto(fill, *llama, &*config);
+    INFO(s.ToString());
+    REQUIRE(s.ok());
+    CHECK(config->auto_keys.empty());
+    CHECK(config->compute_dtype == c.dtype);
+    CHECK(config->zero.reduce_bucket_size != kAutoSize);
+    CHECK(ValidateConfig(*config).ok());
+    absl::StatusOr<PlanChoice> plan = ChoosePlan(*llama, *config, static_cast<int>(c.world), 0);
+    INFO(plan.status().ToString());
+    CHECK(plan.ok());
   }
 }
 
