@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -54,39 +55,46 @@ absl::Status PieceStatus(const Piece& p, int res) {
 // Everything submitted under one ticket.
 struct Job {
   absl::Mutex mu;
-  int pending ABSL_GUARDED_BY(mu) = 0;  // tasks not finished
-  absl::Status status ABSL_GUARDED_BY(mu);
+  int64_t pending ABSL_GUARDED_BY(mu) = 0;  // pieces not completed
+  absl::Status status ABSL_GUARDED_BY(mu);   // the first error
+  std::atomic<bool> failed{false};           // later pieces are skipped, not submitted
 
-  void Finish(const absl::Status& s) {
+  void Complete(const absl::Status& s) {
     absl::MutexLock lock(&mu);
-    if (status.ok()) status = s;
+    if (!s.ok() && status.ok()) {
+      status = s;
+      failed = true;
+    }
     --pending;
   }
 };
 
-// A contiguous share of a job's pieces, for one I/O thread.
-struct Task {
+// A piece queued on an I/O thread, with the job it completes.
+struct Queued {
+  Piece piece;
   std::shared_ptr<Job> job;
-  std::vector<Piece> pieces;
 };
 
-void Prep(io_uring_sqe* sqe, const Piece& p, uint64_t index) {
+void Prep(io_uring_sqe* sqe, const Piece& p, uint64_t slot) {
   if (p.op == IoOp::kRead) {
     io_uring_prep_read(sqe, p.file->fd(), p.buffer, static_cast<unsigned>(p.bytes), p.offset);
   } else {
     io_uring_prep_write(sqe, p.file->fd(), p.buffer, static_cast<unsigned>(p.bytes), p.offset);
   }
-  io_uring_sqe_set_data64(sqe, index);
+  io_uring_sqe_set_data64(sqe, slot);
 }
 
 }  // namespace
 
-// One I/O thread with its own ring and queue of tasks.
+// One I/O thread with its own ring. Pieces of every ticket share one queue, so the ring stays
+// queue_depth deep across ticket boundaries (a read of chunk k+1 fills the slots the write of
+// chunk k-1 frees): the step pattern measured 0.82 of fio's bandwidth with one ticket at a time.
 class IoThread {
  public:
   // Sets *rc to io_uring_queue_init's result; the thread runs only if it is 0.
-  IoThread(const AioOptions& o, int* rc) : o_(o) {
+  IoThread(const AioOptions& o, int* rc) : o_(o), slots_(static_cast<size_t>(o.queue_depth)) {
     *rc = io_uring_queue_init(static_cast<unsigned>(o.queue_depth), &ring_, 0);
+    for (int i = o.queue_depth - 1; i >= 0; --i) free_.push_back(i);
     if (*rc == 0) thread_ = std::thread([this] { Loop(); });
   }
   ~IoThread() {
@@ -98,87 +106,105 @@ class IoThread {
     thread_.join();
     io_uring_queue_exit(&ring_);
   }
-  void Push(Task t) {
+  void Push(std::vector<Queued> pieces) {
     absl::MutexLock lock(&mu_);
-    tasks_.push_back(std::move(t));
+    for (Queued& q : pieces) queue_.push_back(std::move(q));
   }
 
  private:
-  void Loop() {
-    for (;;) {
-      Task t;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](IoThread* self) { return self->stop_ || !self->tasks_.empty(); }, this));
-        if (tasks_.empty()) return;  // stop_ and nothing left
-        t = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      t.job->Finish(Run(t.pieces));
-    }
-  }
-  absl::Status Run(const std::vector<Piece>& pieces);
+  void Loop();
+  // Takes queued pieces into free slots; returns false when stopping with nothing left.
+  bool Fill(std::vector<Queued>* taken);
+  void Submit(std::vector<Queued>* taken);
   // Reaps at least `wait` completions (and whatever else has arrived).
-  void Reap(const std::vector<Piece>& pieces, unsigned wait, int* inflight, absl::Status* err);
+  void Reap(unsigned wait);
 
   const AioOptions& o_;
   io_uring ring_;
+  std::vector<Queued> slots_;  // in flight, by slot (user_data); I/O thread only
+  std::vector<int> free_;      // free slots; I/O thread only
   absl::Mutex mu_;
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
-// Keeps up to queue_depth pieces in flight; after the first error submits nothing more and
-// drains what is in flight (the buffers must not be touched after return).
-absl::Status IoThread::Run(const std::vector<Piece>& pieces) {
-  absl::Status err;
-  size_t next = 0;
-  int inflight = 0;
-  while ((err.ok() && next < pieces.size()) || inflight > 0) {
-    int queued = 0;
-    while (err.ok() && next < pieces.size() && inflight < o_.queue_depth) {
-      const Piece& p = pieces[next];
-      std::optional<int> fault;
-      if (o_.fault) fault = o_.fault(p.op, p.file->path(), p.offset, p.bytes);
-      if (fault.has_value()) {
-        err.Update(PieceStatus(p, *fault));
-        ++next;
-        continue;
-      }
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // never null: inflight < ring entries
-      Prep(sqe, p, next++);
-      ++inflight;
-      ++queued;
-      if (o_.single_submit) io_uring_submit(&ring_);
-    }
-    if (queued > 0 && !o_.single_submit) io_uring_submit(&ring_);
-    if (inflight == 0) continue;
-    Reap(pieces, o_.overlap_events ? 1u : static_cast<unsigned>(inflight), &inflight, &err);
+void IoThread::Loop() {
+  std::vector<Queued> taken;
+  while (Fill(&taken)) {
+    Submit(&taken);
+    const int inflight = o_.queue_depth - static_cast<int>(free_.size());
+    if (inflight > 0) Reap(o_.overlap_events ? 1u : static_cast<unsigned>(inflight));
   }
-  return err;
 }
 
-void IoThread::Reap(const std::vector<Piece>& pieces, unsigned wait, int* inflight,
-                    absl::Status* err) {
+bool IoThread::Fill(std::vector<Queued>* taken) {
+  taken->clear();
+  absl::MutexLock lock(&mu_);
+  if (free_.size() == slots_.size()) {  // idle: sleep until work or stop
+    mu_.Await(absl::Condition(
+        +[](IoThread* t) { return t->stop_ || !t->queue_.empty(); }, this));
+    if (queue_.empty()) return false;
+  }
+  // Without overlap_events, a batch is submitted only once the previous one has completed.
+  if (!o_.overlap_events && free_.size() != slots_.size()) return true;
+  while (!queue_.empty() && taken->size() < free_.size()) {
+    taken->push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  return true;
+}
+
+// Submits the taken pieces; a piece of a failed job, or one the fault seam fails, completes at
+// once without I/O.
+void IoThread::Submit(std::vector<Queued>* taken) {
+  int queued = 0;
+  for (Queued& q : *taken) {
+    const Piece& p = q.piece;
+    std::optional<int> fault;
+    if (q.job->failed) fault = static_cast<int>(p.bytes);  // skipped: the job already failed
+    if (!fault && o_.fault) fault = o_.fault(p.op, p.file->path(), p.offset, p.bytes);
+    if (fault.has_value()) {
+      q.job->Complete(PieceStatus(p, *fault));
+      continue;
+    }
+    const int slot = free_.back();
+    free_.pop_back();
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // never null: one sqe per free slot
+    Prep(sqe, p, static_cast<uint64_t>(slot));
+    slots_[slot] = std::move(q);
+    ++queued;
+    if (o_.single_submit) io_uring_submit(&ring_);
+  }
+  if (queued > 0 && !o_.single_submit) io_uring_submit(&ring_);
+}
+
+void IoThread::Reap(unsigned wait) {
   io_uring_cqe* cqe = nullptr;
   int rc;
   do {
     rc = io_uring_wait_cqe_nr(&ring_, &cqe, wait);
   } while (rc == -EINTR);
-  if (rc < 0) {  // the ring itself failed: nothing more can be reaped
-    err->Update(absl::InternalError(absl::StrCat("io_uring_wait_cqe: ", ErrnoText(-rc))));
-    *inflight = 0;
+  if (rc < 0) {  // the ring itself failed: fail every piece in flight
+    const absl::Status s = absl::InternalError(absl::StrCat("io_uring_wait_cqe: ", ErrnoText(-rc)));
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i].job == nullptr) continue;
+      slots_[i].job->Complete(s);
+      slots_[i] = Queued();
+      free_.push_back(static_cast<int>(i));
+    }
     return;
   }
   unsigned head, count = 0;
   io_uring_for_each_cqe(&ring_, head, cqe) {
-    err->Update(PieceStatus(pieces[io_uring_cqe_get_data64(cqe)], cqe->res));
+    const int slot = static_cast<int>(io_uring_cqe_get_data64(cqe));
+    Queued done = std::move(slots_[slot]);
+    slots_[slot] = Queued();
+    free_.push_back(slot);
+    done.job->Complete(PieceStatus(done.piece, cqe->res));
     ++count;
   }
   io_uring_cq_advance(&ring_, count);
-  *inflight -= static_cast<int>(count);
 }
 
 struct AioEngine::Impl {
@@ -229,16 +255,9 @@ AioEngine::Ticket AioEngine::Submit(std::vector<Request> requests) {
     }
   }
   auto job = std::make_shared<Job>();
-  const size_t nt = std::min(impl_->threads.size(), pieces.size());
-  std::vector<Task> tasks(nt);
-  for (size_t t = 0; t < nt; ++t) {  // thread t: pieces [t*n/nt, (t+1)*n/nt)
-    tasks[t].job = job;
-    tasks[t].pieces.assign(pieces.begin() + t * pieces.size() / nt,
-                           pieces.begin() + (t + 1) * pieces.size() / nt);
-  }
   {
     absl::MutexLock lock(&job->mu);
-    job->pending = static_cast<int>(nt);
+    job->pending = static_cast<int64_t>(pieces.size());
   }
   Ticket ticket;
   {
@@ -246,7 +265,13 @@ AioEngine::Ticket AioEngine::Submit(std::vector<Request> requests) {
     ticket = impl_->next_ticket++;
     impl_->jobs[ticket] = job;
   }
-  for (size_t t = 0; t < nt; ++t) impl_->threads[t]->Push(std::move(tasks[t]));
+  // Thread t takes the contiguous pieces [t*n/nt, (t+1)*n/nt): each thread streams its range.
+  const size_t n = pieces.size(), nt = impl_->threads.size();
+  for (size_t t = 0; t < nt; ++t) {
+    std::vector<Queued> share;
+    for (size_t i = t * n / nt; i < (t + 1) * n / nt; ++i) share.push_back({pieces[i], job});
+    if (!share.empty()) impl_->threads[t]->Push(std::move(share));
+  }
   return ticket;
 }
 
@@ -262,7 +287,7 @@ absl::Status AioEngine::Wait(Ticket ticket) {
     impl_->jobs.erase(it);
   }
   absl::MutexLock lock(&job->mu);
-  job->mu.Await(absl::Condition(+[](int* p) { return *p == 0; }, &job->pending));
+  job->mu.Await(absl::Condition(+[](int64_t* p) { return *p == 0; }, &job->pending));
   return job->status;
 }
 
