@@ -67,6 +67,10 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "offload_optimizer requires stage 1, 2 or 3 (zero_optimization.stage is 0): offload "
         "moves the sharded optimizer state");
   }
+  if (o.offload_optimizer_nvme && !o.offload_optimizer) {
+    return absl::InvalidArgumentError(
+        "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
+  }
   if (o.offload_buffer_count < 1) return bad("offload_buffer_count", o.offload_buffer_count, ">= 1");
   if (o.gradient_accumulation_steps < 1) {
     return bad("gradient_accumulation_steps", o.gradient_accumulation_steps, ">= 1");
@@ -276,7 +280,9 @@ void AddModelState(Plan* plan, Checked* math) {
   const int64_t S = plan->shard_elements;
   const DType c = o.compute_dtype;
   const bool mixed = c != DType::kF32;
-  const MemoryKind optim_kind = o.offload_optimizer ? HostKind(o) : MemoryKind::kDevice;
+  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme
+                                : o.offload_optimizer   ? HostKind(o)
+                                                        : MemoryKind::kDevice;
   const bool sharded_optim = o.stage >= 1;
   const int64_t optim_elements = sharded_optim ? S : E;
   if (o.stage <= 2) {
@@ -297,6 +303,26 @@ void AddModelState(Plan* plan, Checked* math) {
   }
   AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
   AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
+}
+
+// NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
+// and writes the other, so a failed step leaves the first intact), each array padded to 4 KiB;
+// master, exp_avg and exp_avg_sq count S elements each, nvme_second_copy the rest of the file.
+// Three pinned slots of the largest unit's master|m|v: read ahead, update, write behind.
+void AddNvmeBuffers(Plan* plan, Checked* math) {
+  constexpr absl::string_view kWhat = "nvme bytes";
+  int64_t copy = 0, largest = 0;
+  for (const Unit& u : plan->units) {
+    const int64_t stride = math->Mul(3, NvmeUnitStride(u.shard), kWhat);
+    copy = math->Add(copy, stride, kWhat);
+    largest = std::max(largest, stride);
+  }
+  const int64_t rest = math->Add(math->Mul(2, copy, kWhat),
+                                 -math->Mul(12, plan->shard_elements, kWhat), kWhat);
+  AddBuffer(plan, math, "nvme_second_copy", BufferClass::kNvmeSecondCopy, MemoryKind::kNvme,
+            DType::kF32, rest / 4);
+  AddBuffer(plan, math, "nvme_staging", BufferClass::kNvmeStaging, MemoryKind::kPinnedHost,
+            DType::kF32, math->Mul(3, largest / 4, kWhat), 3);
 }
 
 // The working buffers: accumulator, buckets, gather slots, staging, the norm table.
@@ -336,6 +362,7 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
               math->Mul(o.offload_buffer_count, chunk, "offload_staging size"),
               o.offload_buffer_count);
   }
+  if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
@@ -401,6 +428,8 @@ const char* MemoryKindName(MemoryKind kind) {
       return "device";
     case MemoryKind::kPinnedHost:
       return "pinned_host";
+    case MemoryKind::kNvme:
+      return "nvme";
     case MemoryKind::kPageableHost:
       return "host";
   }
@@ -429,6 +458,10 @@ const char* BufferClassName(BufferClass c) {
       return "persistent_params";
     case BufferClass::kOffloadStaging:
       return "offload_staging";
+    case BufferClass::kNvmeStaging:
+      return "nvme_staging";
+    case BufferClass::kNvmeSecondCopy:
+      return "nvme_second_copy";
     case BufferClass::kNormTable:
       return "norm_table";
   }

@@ -387,6 +387,47 @@ TEST_CASE("Planner: a world of 2^31-1 ranks plans exactly; huge alignments are r
   ExpectTooLarge(MakePlan({{"a", {3}, "m"}, {"b", {3}, "m"}}, o), "unit size");
 }
 
+TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", "[memory]") {
+  std::mt19937 rng(11);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
+  PlanOptions o;
+  o.stage = 2;
+  o.world_size = 3;
+  o.rank = 1;
+  o.unit_target_elements = 200000;
+  o.offload_optimizer = true;
+  o.offload_optimizer_nvme = true;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->units.size() > 2);
+  int64_t copy = 0, largest = 0;  // an independent sum over units, each array padded to 4 KiB
+  for (const Unit& u : plan->units) {
+    const int64_t array = (u.shard * 4 + 4095) / 4096 * 4096;
+    copy += 3 * array;
+    largest = std::max(largest, 3 * array);
+  }
+  for (BufferClass c : {BufferClass::kMaster, BufferClass::kExpAvg, BufferClass::kExpAvgSq}) {
+    CHECK(plan->Find(c)->kind == MemoryKind::kNvme);
+    CHECK(plan->Find(c)->bytes == 4 * plan->shard_elements);
+  }
+  CHECK(plan->nvme_bytes() == 2 * copy);
+  CHECK(plan->nvme_bytes() % 4096 == 0);
+  CHECK(plan->Find(BufferClass::kNvmeStaging)->bytes == 3 * largest);
+  CHECK(plan->Find(BufferClass::kNvmeStaging)->count == 3);
+  CHECK(plan->pinned_host_bytes() == plan->Find(BufferClass::kOffloadStaging)->bytes +
+                                         plan->Find(BufferClass::kNvmeStaging)->bytes);
+  CHECK(std::string(MemoryKindName(MemoryKind::kNvme)) == "nvme");
+  // The model state is the same as with CPU offload: only its place differs.
+  o.offload_optimizer_nvme = false;
+  auto cpu = MakePlan(specs, o);
+  REQUIRE(cpu.ok());
+  CHECK(cpu->model_state_bytes == plan->model_state_bytes);
+  CHECK(cpu->nvme_bytes() == 0);
+  o.offload_optimizer = false;
+  o.offload_optimizer_nvme = true;
+  CHECK(MakePlan(specs, o).status().message().find("offload_optimizer_nvme") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace memory
 }  // namespace zerort

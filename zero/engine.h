@@ -83,8 +83,8 @@ struct StepStats {
 
 // Bytes the engine allocated for each memory kind, beside what the plan listed.
 struct MemoryReport {
-  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
-  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
 };
 
 // The engine's scalar training state: what a checkpoint stores besides tensors. The loss

@@ -52,7 +52,8 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.world_size = world_size;
   o.rank = rank;
   o.compute_dtype = c.compute_dtype;
-  o.offload_optimizer = c.zero.offload_optimizer.device == OffloadDevice::kCpu;
+  o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
+  o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
   o.offload_param = c.zero.offload_param.device == OffloadDevice::kCpu;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;

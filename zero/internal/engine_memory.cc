@@ -8,11 +8,14 @@ namespace zero_internal {
 using memory::BufferClass;
 using memory::MemoryKind;
 
+// Memory kinds with an arena: all but kNvme (the last).
+constexpr int kNumArenas = memory::kNumMemoryKinds - 1;
+
 absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memory::Plan& plan,
                                                                       Device* device,
                                                                       Device::Stream stream) {
   std::unique_ptr<EngineMemory> mem(new EngineMemory());
-  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0, 0};
   for (const memory::Buffer& b : plan.buffers) {
     // Each buffer may skip up to kStaggerSlack bytes so that no two start at the same offset
     // modulo 4 KiB (see memory/arena.h: 4 KiB aliasing halves the host AdamW's bandwidth).
@@ -22,13 +25,14 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     mem->bytes_.planned[static_cast<int>(b.kind)] += b.bytes;
   }
   static const char* kArenaNames[] = {"device", "pinned_host", "host"};
-  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+  for (int k = 0; k < kNumArenas; ++k) {
     ASSIGN_OR_RETURN(mem->arenas_[k],
                      memory::Arena::Create(kArenaNames[k], need[k],
                                            device->allocator(static_cast<MemoryKind>(k))));
   }
   size_t index = 0;
   for (const memory::Buffer& b : plan.buffers) {
+    if (b.kind == MemoryKind::kNvme) continue;  // in the swap file, not in memory
     memory::Arena& arena = *mem->arenas_[static_cast<int>(b.kind)];
     // 1280 = 5 x 256: coprime with 16, so up to 16 buffers get distinct 256-byte residues.
     const size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
@@ -36,7 +40,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
     mem->Assign(b, static_cast<char*>(p));
   }
-  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+  for (int k = 0; k < kNumArenas; ++k) {
     mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
   }
   return mem;
@@ -56,6 +60,8 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kPersistentParams: persistent_ = p; break;
     case BufferClass::kOffloadStaging: staging_ = slotted; break;
     case BufferClass::kNormTable: norm_table_ = reinterpret_cast<float*>(p); break;
+    case BufferClass::kNvmeStaging: nvme_staging_ = slotted; break;
+    case BufferClass::kNvmeSecondCopy: break;  // a file region
   }
 }
 

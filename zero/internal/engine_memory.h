@@ -20,8 +20,8 @@ namespace zero_internal {
 
 // Bytes per memory kind (memory::MemoryKind order).
 struct ByteCounts {
-  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
-  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
 };
 
 // A buffer split into `count` equal slots of `elements` each (buckets, gather slots, chunks).
@@ -42,6 +42,7 @@ class EngineMemory {
   const SlottedBuffer& grad_buckets() const { return grad_buckets_; }    // stages 2-3
   const SlottedBuffer& gather_slots() const { return gather_slots_; }    // stage 3
   const SlottedBuffer& staging() const { return staging_; }              // offload
+  const SlottedBuffer& nvme_staging() const { return nvme_staging_; }    // NVMe offload
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
   const ByteCounts& bytes() const { return bytes_; }
@@ -50,9 +51,9 @@ class EngineMemory {
   EngineMemory() = default;
   void Assign(const memory::Buffer& b, char* p);
 
-  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds];
+  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds - 1];  // kNvme has none
   ModelStateBuffers model_state_;
-  SlottedBuffer grad_buckets_, gather_slots_, staging_;
+  SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_;
   char* persistent_ = nullptr;
   float* norm_table_ = nullptr;
   ByteCounts bytes_;
