@@ -85,18 +85,33 @@ absl::Status OffloadPipeline::Download(int u) {
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
                                                                float grad_scale,
                                                                const Hooks& hooks) {
+  Times times;
+  NvmeState* nvme = options_.nvme;
+  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Begin());
+  absl::Status s = UpdateAll(params, grad_scale, hooks, &times);
+  if (nvme != nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (s.ok()) s = nvme->Finish();
+    if (!s.ok()) nvme->Abandon();  // the slots stay busy until every request has returned
+    times.nvme_wait_ms += MsSince(t0);
+  }
+  if (!s.ok()) return s;
+  return times;
+}
+
+absl::Status OffloadPipeline::UpdateAll(const AdamWStepParams& params, float grad_scale,
+                                        const Hooks& hooks, Times* times) {
   const int nu = static_cast<int>(regions_.size());
   const int chunks = options_.chunks;
-  Times times;
   // The first downloads may have started during backward (GradFinal).
   for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(Download(u));
   downloads_issued_ = 0;
   for (int u = 0; u < nu; ++u) {
-    RETURN_IF_ERROR(UpdateUnit(u, params, grad_scale, &times));
-    if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, &times));
+    RETURN_IF_ERROR(UpdateUnit(u, params, grad_scale, times));
+    if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, times));
   }
-  if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, &times));
-  return times;
+  if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, times));
+  return absl::OkStatus();
 }
 
 absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, float grad_scale,
@@ -110,9 +125,16 @@ absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, f
   if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
   times->wait_ms += MsSince(tw);
   void* out = on_host ? r.param : ParamChunk(u);
-  AdamWArrays a{r.master, r.m, r.v, GradChunk(u), options_.dtype, out, options_.dtype,
-                static_cast<size_t>(r.n)};
+  NvmeState::Arrays state{r.master, r.m, r.v};
+  if (options_.nvme != nullptr) {  // reads unit u + 1 ahead, then waits for unit u's read
+    const auto tn = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(state, options_.nvme->Acquire(u));
+    times->nvme_wait_ms += MsSince(tn);
+  }
+  AdamWArrays a{state.master, state.m, state.v, GradChunk(u), options_.dtype, out,
+                options_.dtype, static_cast<size_t>(r.n)};
   RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
+  if (options_.nvme != nullptr) RETURN_IF_ERROR(options_.nvme->Release(u));
   if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));

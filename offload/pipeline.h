@@ -14,6 +14,12 @@
 // AdamW writes it in place. The first downloads may start during backward (GradFinal), as each
 // unit's gradient becomes final.
 //
+// With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
+// file, and AdamW of unit k runs on a pinned slot that NvmeState filled while unit k-1 was
+// updated, while unit k-1's new state is written back (offload/nvme_state.h). A failed read
+// or write fails Update with the file and offset; the file's current copy is then the state
+// before the step, and an Update with the same gradients gives what a fault-free one would.
+//
 //   ASSIGN_OR_RETURN(auto pipeline, OffloadPipeline::Create(device, regions, options, stream));
 //   // backward, last micro-step: pipeline->GradFinal(u) after unit u's reduction
 //   ASSIGN_OR_RETURN(OffloadPipeline::Times t, pipeline->Update(params, grad_scale, hooks));
@@ -33,6 +39,7 @@
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
+#include "offload/nvme_state.h"
 
 namespace zerort {
 namespace offload {
@@ -40,9 +47,9 @@ namespace offload {
 // One unit's owned region.
 struct PipelineRegion {
   const void* grad = nullptr;  // (n) compute dtype, device: the reduced gradient
-  float* master = nullptr;     // (n) fp32, host
-  float* m = nullptr;          // (n) fp32, host
-  float* v = nullptr;          // (n) fp32, host
+  float* master = nullptr;     // (n) fp32, host (null with PipelineOptions::nvme)
+  float* m = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
+  float* v = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
   void* param = nullptr;       // (n) compute dtype: device, or host with param_on_host
   int64_t n = 0;
 };
@@ -54,6 +61,7 @@ struct PipelineOptions {
   int64_t chunk_elements = 0;    // >= 2 * the largest region
   bool param_on_host = false;
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
+  NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
 };
 
 class OffloadPipeline {
@@ -81,6 +89,7 @@ class OffloadPipeline {
   struct Times {
     double wait_ms = 0;    // host time waiting for gradient downloads and chunk reuse
     double gather_ms = 0;  // in hooks.gather
+    double nvme_wait_ms = 0;  // NVMe offload: host time waiting for state reads and writes
   };
   // AdamW over every region (see above), then hooks.gather of every unit in order.
   absl::StatusOr<Times> Update(const AdamWStepParams& params, float grad_scale,
@@ -97,6 +106,8 @@ class OffloadPipeline {
   char* GradChunk(int u) const;
   char* ParamChunk(int u) const;
   absl::Status Download(int u);
+  absl::Status UpdateAll(const AdamWStepParams& params, float grad_scale, const Hooks& hooks,
+                         Times* times);
   absl::Status UpdateUnit(int u, const AdamWStepParams& params, float grad_scale, Times* times);
   absl::Status Gather(int u, const Hooks& hooks, Times* times);
 
