@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <liburing.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -293,6 +295,28 @@ absl::Status AioEngine::Wait(Ticket ticket) {
 
 // ---- swap files ----
 
+// Directories zerort-<pid>-...-rank<rank> under `nvme_path` whose process no longer exists:
+// the swap files of a run that crashed.
+std::vector<std::string> DeadRunDirs(const std::string& nvme_path, int rank) {
+  std::vector<std::string> dead;
+  DIR* d = opendir(nvme_path.c_str());
+  if (d == nullptr) return dead;
+  const std::string suffix = absl::StrCat("-rank", rank);
+  while (dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind("zerort-", 0) != 0 || name.size() < suffix.size() ||
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const std::string pid_text = name.substr(7, name.find('-', 7) - 7);
+    int pid = 0;
+    if (!absl::SimpleAtoi(pid_text, &pid) || pid <= 0) continue;
+    if (kill(pid, 0) != 0 && errno == ESRCH) dead.push_back(nvme_path + "/" + name);
+  }
+  closedir(d);
+  return dead;
+}
+
 absl::StatusOr<std::unique_ptr<SwapDir>> SwapDir::Create(const std::string& nvme_path,
                                                          const std::string& job, int rank) {
   struct stat st;
@@ -305,6 +329,11 @@ absl::StatusOr<std::unique_ptr<SwapDir>> SwapDir::Create(const std::string& nvme
     return absl::InvalidArgumentError(absl::StrCat(
         "nvme_path \"", nvme_path, "\" is on tmpfs: the offloaded state would stay in RAM; "
         "name a directory on a local disk"));
+  }
+  if (std::vector<std::string> dead = DeadRunDirs(nvme_path, rank); !dead.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "swap directories of a run that did not shut down cleanly (its process is gone): ",
+        absl::StrJoin(dead, ", "), "; they are never reused: remove them"));
   }
   const std::string dir = absl::StrCat(nvme_path, "/zerort-", job, "-rank", rank);
   if (mkdir(dir.c_str(), 0700) != 0) {

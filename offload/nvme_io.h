@@ -18,7 +18,10 @@
 // Swap files are created with O_EXCL in a directory of their own,
 // <nvme_path>/zerort-<job>-rank<r>/, which is removed (with its files) when the SwapDir is
 // destroyed. A directory left by a process that did not shut down cleanly is never reused:
-// Create fails naming it and its files. A file system that refuses O_DIRECT, or tmpfs (which
+// Create fails naming it and its files if the job name repeats, and, for job names that start
+// with a pid ("<pid>-..." as the engine's do), names every zerort-<pid>-...-rank<r> directory
+// whose process is gone (a recycled pid hides a leftover; processes in another pid namespace
+// sharing nvme_path look gone). A file system that refuses O_DIRECT, or tmpfs (which
 // would keep the "offloaded" state in RAM), is refused with an error naming the path: there is
 // no buffered fallback.
 //

@@ -122,10 +122,11 @@ TEST_CASE("SwapDir: owned, exclusive, removed on shutdown, leftovers reported", 
     CHECK(other.status().code() == absl::StatusCode::kFailedPrecondition);
   }
   CHECK_FALSE(Exists(path));  // clean shutdown removes files and directory
-  // A process that dies without shutting down leaves its files: they are reported, not reused.
+  // A process that dies without shutting down leaves its files: they are reported, not reused,
+  // by the next run under the same name, and by any run of the same rank once the pid is gone.
   const pid_t pid = fork();
   if (pid == 0) {
-    auto dir = SwapDir::Create(base, "crash", 0);
+    auto dir = SwapDir::Create(base, std::to_string(getpid()) + "-0", 0);
     if (!dir.ok()) _exit(1);
     auto f = (*dir)->CreateFile("exp_avg", 4096);
     _exit(f.ok() ? 0 : 2);  // no destructors run
@@ -133,12 +134,17 @@ TEST_CASE("SwapDir: owned, exclusive, removed on shutdown, leftovers reported", 
   int status = 0;
   REQUIRE(waitpid(pid, &status, 0) == pid);
   REQUIRE(WEXITSTATUS(status) == 0);
-  auto after = SwapDir::Create(base, "crash", 0);
-  CHECK(after.status().code() == absl::StatusCode::kFailedPrecondition);
-  CHECK(after.status().message().find(base + "/zerort-crash-rank0") != absl::string_view::npos);
-  CHECK(after.status().message().find("[exp_avg]") != absl::string_view::npos);
-  unlink((base + "/zerort-crash-rank0/exp_avg").c_str());
-  rmdir((base + "/zerort-crash-rank0").c_str());
+  const std::string left = base + "/zerort-" + std::to_string(pid) + "-0-rank0";
+  auto again = SwapDir::Create(base, std::to_string(pid) + "-0", 0);
+  CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(again.status().message().find(left) != absl::string_view::npos);
+  auto other = SwapDir::Create(base, "next-run", 0);
+  CHECK(other.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(other.status().message().find(left) != absl::string_view::npos);
+  CHECK(SwapDir::Create(base, "rank1-unaffected", 1).ok());  // another rank's leftovers only
+  unlink((left + "/exp_avg").c_str());
+  rmdir(left.c_str());
+  CHECK(SwapDir::Create(base, "after-cleanup", 0).ok());
 }
 
 TEST_CASE("SwapDir: tmpfs and missing directories are refused by name", "[nvme]") {

@@ -112,7 +112,8 @@ class Engine::Impl {
 };
 
 absl::Status Engine::Impl::Build(Device::Stream compute) {
-  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute));
+  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute,
+                                                                  zero_internal::NvmeSetupOf(config_)));
   const zero_internal::EngineMemory& mem = *memory_;
   layout_ = std::make_unique<zero_internal::ShardLayout>(plan_, mem.model_state());
   ASSIGN_OR_RETURN(streams_, zero_internal::StreamOrder::Create(
@@ -140,6 +141,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   o.chunk_elements = mem.staging().elements;
   o.param_on_host = plan_.options.offload_param;
   o.cpu_threads = config_.cpu_threads;
+  o.nvme = mem.nvme_state();
   // The reduced gradients are written where the collectives run.
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
@@ -402,11 +404,15 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     offload::Cast(values.data(), DType::kF32, compute_values.data(), m.cdt_, unit.padded);
     const Region& reg = m.region(u);
     const int64_t n = reg.n;
-    if (m.memory_->model_state().master != nullptr) {
-      RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + reg.unit_begin, n * 4, compute));
+    if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+      RETURN_IF_ERROR(nvme->Store(u, values.data() + reg.unit_begin, nullptr, nullptr));
+    } else {
+      if (m.memory_->model_state().master != nullptr) {
+        RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + reg.unit_begin, n * 4, compute));
+      }
+      RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, compute));
+      RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, compute));
     }
-    RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, compute));
-    RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, compute));
     if (m.stage_ <= 2) {  // every rank holds the whole unit
       RETURN_IF_ERROR(m.dev_->Copy(m.At(m.memory_->model_state().params, unit.flat_offset),
                                    compute_values.data(), unit.padded * m.c_, compute));
@@ -476,7 +482,11 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
       RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, compute));
     } else {
       std::vector<float> shard(unit.shard);
-      RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));
+      if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+        RETURN_IF_ERROR(nvme->Load(u, shard.data(), nullptr, nullptr));
+      } else {
+        RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));
+      }
       RETURN_IF_ERROR(m.dev_->Synchronize(compute));
       RETURN_IF_ERROR(m.host_->AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
     }
@@ -510,6 +520,7 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
   if (master == nullptr || m == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
   }
+  RETURN_IF_ERROR(e.memory_->LoadNvmeState(e.plan_, master, m, v));  // the copies skip them
   return e.snapshot_->Begin(master, m, v, param);
 }
 
@@ -528,7 +539,9 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   const memory::Unit& u = plan_.units[ui];
   const Region& reg = region(ui);
   const Device::Stream compute = streams_->compute();
-  const bool has_master = memory_->model_state().master != nullptr;
+  offload::NvmeState* nvme = memory_->nvme_state();
+  const bool has_master = memory_->model_state().master != nullptr || nvme != nullptr;
+  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Store(ui, src[0], src[1], src[2]));
   float* dst[3] = {reg.master, reg.m, reg.v};
   std::vector<float> full;  // (padded) fp32, host: stage 0's whole unit
   for (int k = 0; k < 3; ++k) {
@@ -538,7 +551,7 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
       RETURN_IF_ERROR(host_->AllGatherHost(src[k], full.data(), u.shard, DType::kF32));
       RETURN_IF_ERROR(dev_->Copy(dst[k], full.data(), u.padded * 4, compute));
       RETURN_IF_ERROR(dev_->Synchronize(compute));  // `full` is reused
-    } else {
+    } else if (nvme == nullptr) {
       RETURN_IF_ERROR(dev_->Copy(dst[k], src[k], u.shard * 4, compute));
     }
     if (k == 0 && has_master) {

@@ -44,7 +44,7 @@ struct Region {
   int64_t owned_begin = 0;   // where this rank's shard starts inside the region
   bool whole_unit = false;   // the region is the whole unit (stage 0)
   const char* grad = nullptr;  // (n) compute dtype: the reduced gradient
-  float* master = nullptr;     // (n) fp32
+  float* master = nullptr;     // (n) fp32; master, m, v null with NVMe offload
   float* m = nullptr;          // (n) fp32
   float* v = nullptr;          // (n) fp32
   char* param = nullptr;       // (n) compute dtype
