@@ -10,7 +10,7 @@
 // Goal: ours >= 0.9 of fio's bandwidth for each pattern.
 //
 //   nvme_bench [--quick] [--dir=/tmp] [--mib=1024] [--chunk_mib=12] [--block_kib=1024]
-//              [--queue_depth=8] [--threads=1] [--steps=5]
+//              [--queue_depth=8] [--threads=1] [--steps=5] [--params=33554432]
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,7 +28,10 @@
 #include "base/status.h"
 #include "benchmarks/bench_util.h"
 #include "nlohmann/json.hpp"
+#include "device/cpu_device.h"
 #include "offload/nvme_io.h"
+#include "offload/nvme_state.h"
+#include "offload/pipeline.h"
 
 namespace zerort {
 namespace {
@@ -47,6 +50,7 @@ struct Flags {
   int queue_depth = 8;
   int threads = 1;
   int steps = 5;
+  int64_t params = int64_t{1} << 25;  // the step's model: this many parameters in 16 units
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -63,10 +67,11 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       f->dir = a.substr(6);
     } else if (!(value("mib", &f->mib) || value("chunk_mib", &f->chunk_mib) ||
                  value("block_kib", &f->block_kib) || value("queue_depth", &f->queue_depth) ||
-                 value("threads", &f->threads) || value("steps", &f->steps))) {
+                 value("threads", &f->threads) || value("steps", &f->steps) ||
+                 value("params", &f->params))) {
       std::fprintf(stderr,
                    "usage: nvme_bench [--quick] [--dir=D] [--mib=N] [--chunk_mib=N] "
-                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N]\n");
+                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N]\n");
       return false;
     }
   }
@@ -75,6 +80,7 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     f->mib = 32;
     f->chunk_mib = 4;
     f->steps = 2;
+    f->params = int64_t{1} << 18;
   }
   return true;
 }
@@ -144,6 +150,80 @@ double FioBandwidth(const Flags& f, const std::string& pattern, int64_t bytes) {
   return job["read"]["bw_bytes"].get<double>() + job["write"]["bw_bytes"].get<double>();
 }
 
+// The optimizer step of OffloadPipeline over `f.params` bf16 parameters in 16 equal units on
+// the CPU device, with master/m/v in host memory (CPU offload) and in a swap file (NVMe
+// offload), and the pure I/O of the NVMe step: NvmeState's reads and writes of the same units
+// through the same slots with no AdamW between them. Median milliseconds per step.
+absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::AioOptions& aio) {
+  constexpr int kUnits = 16;
+  const int64_t n = f.params / kUnits / 1024 * 1024;
+  auto dev = CreateCpuDevice(CpuDeviceOptions());
+  ASSIGN_OR_RETURN(Device::Stream stream, dev->CreateStream());
+  std::vector<uint16_t> grads(n * kUnits, 0x3c00), params(n * kUnits);  // bf16
+  std::vector<float> host(3 * n * kUnits, 0.0f);                         // master | m | v
+  std::vector<int64_t> sizes(kUnits, n);
+  std::vector<uint16_t> staging(2 * 2 * n);
+  ASSIGN_OR_RETURN(auto io, AioEngine::Create(aio));
+  ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat(getpid(), "-step"), 0));
+  ASSIGN_OR_RETURN(auto file, dir->CreateFile("optimizer_state",
+                                              offload::NvmeState::FileBytes(sizes)));
+  const int64_t slot = 3 * memory::NvmeUnitStride(n);
+  ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(offload::NvmeState::kSlots * slot));
+  ASSIGN_OR_RETURN(auto nvme, offload::NvmeState::Create(io.get(), file.get(), sizes,
+                                                         slots.data(), slot));
+  for (int u = 0; u < kUnits; ++u) RETURN_IF_ERROR(nvme->Store(u, nullptr, nullptr, nullptr));
+  std::unique_ptr<offload::OffloadPipeline> pipes[2];
+  for (int on_disk = 0; on_disk < 2; ++on_disk) {
+    std::vector<offload::PipelineRegion> regions;
+    for (int u = 0; u < kUnits; ++u) {
+      float* h = host.data() + 3 * n * u;
+      regions.push_back({grads.data() + n * u, on_disk ? nullptr : h, on_disk ? nullptr : h + n,
+                         on_disk ? nullptr : h + 2 * n, params.data() + n * u, n});
+    }
+    offload::PipelineOptions o;
+    o.staging = reinterpret_cast<char*>(staging.data());
+    o.chunks = 2;
+    o.chunk_elements = 2 * n;
+    o.cpu_threads = 1;
+    o.nvme = on_disk ? nvme.get() : nullptr;
+    ASSIGN_OR_RETURN(pipes[on_disk], offload::OffloadPipeline::Create(dev.get(), regions, o,
+                                                                       stream));
+  }
+  offload::OffloadPipeline::Hooks hooks;
+  hooks.before_gather = [&](Device::Event e) { return dev->WaitHost(e); };
+  hooks.gather = [](int) { return absl::OkStatus(); };
+  std::vector<double> ms[3];  // cpu offload, nvme offload, pure I/O
+  for (int t = 1; t <= f.steps + 1; ++t) {  // interleaved; the first round is a warm-up
+    ASSIGN_OR_RETURN(offload::AdamWStepParams p,
+                     offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, t));
+    for (int k = 0; k < 3; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (k < 2) {
+        RETURN_IF_ERROR(pipes[k]->Update(p, 1.0f, hooks).status());
+        RETURN_IF_ERROR(pipes[k]->JoinUploads(stream));
+        RETURN_IF_ERROR(dev->Synchronize(stream));
+      } else {
+        RETURN_IF_ERROR(nvme->Begin());
+        for (int u = 0; u < kUnits; ++u) {
+          RETURN_IF_ERROR(nvme->Acquire(u).status());
+          RETURN_IF_ERROR(nvme->Release(u));
+        }
+        RETURN_IF_ERROR(nvme->Finish());
+      }
+      if (t > 1) ms[k].push_back(1e3 * Seconds(t0));
+    }
+  }
+  for (auto& p : pipes) p.reset();
+  dev->DestroyStream(stream);
+  const double cpu = bench::Median(ms[0]), disk = bench::Median(ms[1]), pure = bench::Median(ms[2]);
+  const double state_bytes = 2.0 * offload::NvmeState::FileBytes(sizes) / 2;  // read + write
+  return nlohmann::ordered_json{
+      {"params", n * kUnits}, {"units", kUnits}, {"state_bytes_moved", state_bytes},
+      {"cpu_offload_ms", cpu}, {"nvme_offload_ms", disk}, {"pure_io_ms", pure},
+      {"nvme_over_pure_io", disk / pure}, {"nvme_over_cpu", disk / cpu},
+      {"pure_io_mb_s", state_bytes / pure / 1e3}};
+}
+
 absl::Status Run(const Flags& f) {
   const int64_t chunk = f.chunk_mib << 20;
   const int64_t bytes = (f.mib << 20) / chunk * chunk;
@@ -181,6 +261,7 @@ absl::Status Run(const Flags& f) {
       {"block_size", o.block_size}, {"queue_depth", f.queue_depth}, {"threads", f.threads},
       {"goal", "ours >= 0.9 of fio per pattern; step time <= 1.1 x pure I/O time"},
       {"io", rows}};
+  ASSIGN_OR_RETURN(head["step"], StepRows(f, o));
   std::printf("%s\n", head.dump(2).c_str());
   return absl::OkStatus();
 }
