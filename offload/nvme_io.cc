@@ -216,7 +216,27 @@ struct AioEngine::Impl {
   std::map<Ticket, std::shared_ptr<Job>> jobs ABSL_GUARDED_BY(mu);
 };
 
-AioEngine::AioEngine(const AioOptions& options) : options_(options), impl_(new Impl) {}
+namespace {
+
+absl::Mutex fault_mu(absl::kConstInit);
+IoFaultHook* global_fault ABSL_GUARDED_BY(fault_mu) = nullptr;
+
+AioOptions WithGlobalFault(AioOptions o) {
+  absl::MutexLock lock(&fault_mu);
+  if (!o.fault && global_fault != nullptr) o.fault = *global_fault;
+  return o;
+}
+
+}  // namespace
+
+void SetIoFaultForTesting(IoFaultHook hook) {
+  absl::MutexLock lock(&fault_mu);
+  delete global_fault;
+  global_fault = hook ? new IoFaultHook(std::move(hook)) : nullptr;
+}
+
+AioEngine::AioEngine(const AioOptions& options)
+    : options_(WithGlobalFault(options)), impl_(new Impl) {}
 
 AioEngine::~AioEngine() { impl_->threads.clear(); }  // each thread finishes its queue first
 

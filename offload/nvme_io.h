@@ -59,6 +59,10 @@ enum class IoOp { kRead, kWrite };
 using IoFaultHook = std::function<std::optional<int>(IoOp op, const std::string& path,
                                                      int64_t offset, int64_t bytes)>;
 
+// Tests only: the hook every AioEngine created from now on uses when its options name none
+// (reaches engines built by code under test, e.g. the zerort Engine). Null clears it.
+void SetIoFaultForTesting(IoFaultHook hook);
+
 // DeepSpeed's `aio` block (zero/config.h AioConfig) and the fault seam.
 struct AioOptions {
   int64_t block_size = 1048576;  // > 0, a multiple of kIoAlignment: bytes per request piece

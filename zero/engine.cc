@@ -239,8 +239,11 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     offload::OffloadPipeline::Hooks hooks;
     hooks.before_gather = [this](Device::Event e) { return streams_->BeforeCommAfter(e); };
     hooks.gather = [this](int u) { return gatherer_->AllGatherUpdated(u); };
-    ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t,
-                     pipeline_->Update(params, grad_scale, hooks));
+    absl::StatusOr<offload::OffloadPipeline::Times> update =
+        pipeline_->Update(params, grad_scale, hooks);
+    // NVMe: a failed step leaves the previous state in the file; the count follows it.
+    if (!update.ok() && memory_->nvme_state() != nullptr) --step_;
+    ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
     // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
     RETURN_IF_ERROR(streams_->JoinComm());

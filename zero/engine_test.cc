@@ -1,6 +1,9 @@
 #include "zero/engine.h"
 
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <optional>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -14,6 +17,7 @@
 #include "base/status.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
+#include "offload/nvme_io.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -257,6 +261,88 @@ TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host sta
         [&, r] { errors[r] = SnapshotAndResume(cpu, nvme, comms[r].get(), device.get()); });
   }
   for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
+// Armed per rank: the second state write after arming fails with EIO (unit 0 of the step is
+// written, unit 1 is not: the failure lands mid-step on every rank alike).
+struct WriteFault {
+  std::atomic<int> armed[2] = {{0}, {0}};  // writes left before the failing one, + 1
+};
+
+absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, 0.0f);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
+  return e.WaitSnapshot();
+}
+
+absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communicator* comm,
+                          Device* dev, WriteFault* fault) {
+  auto init = [](int i, const memory::ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  };
+  ASSIGN_OR_RETURN(auto a, Engine::Create(cpu, SmallModel(), comm, dev));
+  ASSIGN_OR_RETURN(auto b, Engine::Create(nvme, SmallModel(), comm, dev));
+  RETURN_IF_ERROR(a->InitParams(init));
+  RETURN_IF_ERROR(b->InitParams(init));
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 0, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*b, 0, 2));
+  const int r = comm->rank();
+  fault->armed[r] = 2;
+  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
+  fault->armed[r] = 0;
+  if (failed.ok() || failed.message().find("/optimizer_state at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected an EIO naming file and offset, got ",
+                                            failed.ToString()));
+  }
+  if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
+  std::vector<float> sa[3], sb[3];  // the NVMe state is the one before the failed step
+  RETURN_IF_ERROR(SnapshotOf(*a, sa));
+  RETURN_IF_ERROR(SnapshotOf(*b, sb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat("half-updated array ", k));
+  }
+  // The next attempt (the same micro-step again) continues as if nothing had failed.
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
+  ASSIGN_OR_RETURN(std::vector<float> ma, a->GatherMasterWeights());
+  ASSIGN_OR_RETURN(std::vector<float> mb, b->GatherMasterWeights());
+  if (!BitEqual(ma, mb)) return absl::InternalError("masters differ after the retried step");
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the previous state",
+          "[zero][nvme]") {
+  const int world = 2;
+  Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
+  Config nvme = cpu;
+  if (!NvmeConfig(&nvme, 2)) return;
+  WriteFault fault;
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
+    if (op != offload::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
+    if (--fault.armed[r] == 0) return -EIO;
+    return std::nullopt;
+  });
+  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      errors[r] = FaultMidStep(cpu, nvme, comms[r].get(), device.get(), &fault);
+    });
+  }
+  for (auto& t : threads) t.join();
+  offload::SetIoFaultForTesting(nullptr);
   for (int r = 0; r < world; ++r) {
     INFO("rank " << r << ": " << errors[r].ToString());
     CHECK(errors[r].ok());
