@@ -11,6 +11,7 @@
 //
 //   nvme_bench [--quick] [--dir=/tmp] [--mib=1024] [--chunk_mib=12] [--block_kib=1024]
 //              [--queue_depth=8] [--threads=1] [--steps=5] [--params=33554432]
+//              [--piece_elements=0]
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -51,6 +52,7 @@ struct Flags {
   int threads = 1;
   int steps = 5;
   int64_t params = int64_t{1} << 25;  // the step's model: this many parameters in 16 units
+  int64_t piece_elements = 0;         // NVMe pieces (memory::NvmePieces); 0: whole units
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -68,10 +70,10 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     } else if (!(value("mib", &f->mib) || value("chunk_mib", &f->chunk_mib) ||
                  value("block_kib", &f->block_kib) || value("queue_depth", &f->queue_depth) ||
                  value("threads", &f->threads) || value("steps", &f->steps) ||
-                 value("params", &f->params))) {
+                 value("params", &f->params) || value("piece_elements", &f->piece_elements))) {
       std::fprintf(stderr,
                    "usage: nvme_bench [--quick] [--dir=D] [--mib=N] [--chunk_mib=N] "
-                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N]\n");
+                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N] [--piece_elements=N]\n");
       return false;
     }
   }
@@ -166,11 +168,11 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   ASSIGN_OR_RETURN(auto io, AioEngine::Create(aio));
   ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat(getpid(), "-step"), 0));
   ASSIGN_OR_RETURN(auto file, dir->CreateFile("optimizer_state",
-                                              offload::NvmeState::FileBytes(sizes)));
-  const int64_t slot = 3 * memory::NvmeUnitStride(n);
+                                              offload::NvmeState::FileBytes(sizes, f.piece_elements)));
+  const int64_t slot = offload::NvmeState::SlotBytes(sizes, f.piece_elements);
   ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(offload::NvmeState::kSlots * slot));
   ASSIGN_OR_RETURN(auto nvme, offload::NvmeState::Create(io.get(), file.get(), sizes,
-                                                         slots.data(), slot));
+                                                         f.piece_elements, slots.data(), slot));
   for (int u = 0; u < kUnits; ++u) RETURN_IF_ERROR(nvme->Store(u, nullptr, nullptr, nullptr));
   std::unique_ptr<offload::OffloadPipeline> pipes[2];
   for (int on_disk = 0; on_disk < 2; ++on_disk) {
@@ -204,9 +206,9 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
         RETURN_IF_ERROR(dev->Synchronize(stream));
       } else {
         RETURN_IF_ERROR(nvme->Begin());
-        for (int u = 0; u < kUnits; ++u) {
-          RETURN_IF_ERROR(nvme->Acquire(u).status());
-          RETURN_IF_ERROR(nvme->Release(u));
+        for (int k = 0; k < static_cast<int>(nvme->pieces().size()); ++k) {
+          RETURN_IF_ERROR(nvme->Acquire(k).status());
+          RETURN_IF_ERROR(nvme->Release(k));
         }
         RETURN_IF_ERROR(nvme->Finish());
       }
@@ -216,9 +218,10 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   for (auto& p : pipes) p.reset();
   dev->DestroyStream(stream);
   const double cpu = bench::Median(ms[0]), disk = bench::Median(ms[1]), pure = bench::Median(ms[2]);
-  const double state_bytes = 2.0 * offload::NvmeState::FileBytes(sizes) / 2;  // read + write
+  const double state_bytes = offload::NvmeState::FileBytes(sizes, f.piece_elements);  // read + write
   return nlohmann::ordered_json{
-      {"params", n * kUnits}, {"units", kUnits}, {"state_bytes_moved", state_bytes},
+      {"params", n * kUnits}, {"units", kUnits}, {"pieces", nvme->pieces().size()},
+      {"state_bytes_moved", state_bytes},
       {"cpu_offload_ms", cpu}, {"nvme_offload_ms", disk}, {"pure_io_ms", pure},
       {"nvme_over_pure_io", disk / pure}, {"nvme_over_cpu", disk / cpu},
       {"pure_io_mb_s", state_bytes / pure / 1e3}};

@@ -308,14 +308,17 @@ void AddModelState(Plan* plan, Checked* math) {
 // NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
 // and writes the other, so a failed step leaves the first intact), each array padded to 4 KiB;
 // master, exp_avg and exp_avg_sq count S elements each, nvme_second_copy the rest of the file.
-// Three pinned slots of the largest unit's master|m|v: read ahead, update, write behind.
+// Units are streamed in pieces (NvmePieces), each array of a piece padded to 4 KiB. Three
+// pinned slots of the largest piece's master|m|v: read ahead, update, write behind.
 void AddNvmeBuffers(Plan* plan, Checked* math) {
   constexpr absl::string_view kWhat = "nvme bytes";
   int64_t copy = 0, largest = 0;
   for (const Unit& u : plan->units) {
-    const int64_t stride = math->Mul(3, NvmeUnitStride(u.shard), kWhat);
-    copy = math->Add(copy, stride, kWhat);
-    largest = std::max(largest, stride);
+    for (int64_t piece : NvmePieces(u.shard, plan->options.nvme_piece_elements)) {
+      const int64_t stride = math->Mul(3, NvmeUnitStride(piece), kWhat);
+      copy = math->Add(copy, stride, kWhat);
+      largest = std::max(largest, stride);
+    }
   }
   const int64_t rest = math->Add(math->Mul(2, copy, kWhat),
                                  -math->Mul(12, plan->shard_elements, kWhat), kWhat);
@@ -421,6 +424,14 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
+
+std::vector<int64_t> NvmePieces(int64_t shard, int64_t piece_elements) {
+  const int64_t piece =
+      piece_elements <= 0 ? shard : std::max<int64_t>(1024, piece_elements / 1024 * 1024);
+  std::vector<int64_t> out;
+  for (int64_t begin = 0; begin < shard; begin += piece) out.push_back(std::min(piece, shard - begin));
+  return out;
+}
 
 const char* MemoryKindName(MemoryKind kind) {
   switch (kind) {

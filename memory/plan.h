@@ -90,6 +90,9 @@ struct PlanOptions {
   // With offload_optimizer: master, m and v live in a swap file (MemoryKind::kNvme), two copies
   // of each unit's master|m|v, each array padded to kNvmeAlignment bytes (NvmeUnitStride).
   bool offload_optimizer_nvme = false;
+  // NVMe offload: unit shards are streamed in pieces of at most this many elements (rounded
+  // down to a multiple of 1024, at least 1024; 0: whole shards), bounding the pinned slots.
+  int64_t nvme_piece_elements = 0;
   bool pin_memory = true;              // offloaded state in pinned (true) or pageable host memory
   int offload_buffer_count = 4;        // pinned staging chunks for the offload pipeline
   int gradient_accumulation_steps = 1;
@@ -157,6 +160,9 @@ constexpr int64_t kNvmeAlignment = 4096;
 inline int64_t NvmeUnitStride(int64_t shard_elements) {
   return (shard_elements * 4 + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
 }
+
+// The piece sizes a shard of `shard_elements` is streamed in (see nvme_piece_elements).
+std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
 // an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside

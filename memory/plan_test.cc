@@ -417,6 +417,22 @@ TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", 
   CHECK(plan->pinned_host_bytes() == plan->Find(BufferClass::kOffloadStaging)->bytes +
                                          plan->Find(BufferClass::kNvmeStaging)->bytes);
   CHECK(std::string(MemoryKindName(MemoryKind::kNvme)) == "nvme");
+  // Pieces of at most 1024 elements: the slots shrink to one piece, the file pads each piece.
+  CHECK(NvmePieces(2500, 1024) == std::vector<int64_t>({1024, 1024, 452}));
+  CHECK(NvmePieces(2500, 3000) == std::vector<int64_t>({2048, 452}));  // down to a multiple of 1024
+  CHECK(NvmePieces(2500, 0) == std::vector<int64_t>({2500}));
+  PlanOptions pieces = o;
+  pieces.nvme_piece_elements = 1024;
+  auto small = MakePlan(specs, pieces);
+  REQUIRE(small.ok());
+  int64_t piece_copy = 0;
+  for (const Unit& u : small->units) {
+    for (int64_t left = u.shard; left > 0; left -= 1024) {
+      piece_copy += 3 * ((std::min<int64_t>(left, 1024) * 4 + 4095) / 4096 * 4096);
+    }
+  }
+  CHECK(small->nvme_bytes() == 2 * piece_copy);
+  CHECK(small->Find(BufferClass::kNvmeStaging)->bytes == 3 * 3 * 4096);
   // The model state is the same as with CPU offload: only its place differs.
   o.offload_optimizer_nvme = false;
   auto cpu = MakePlan(specs, o);

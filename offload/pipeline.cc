@@ -125,20 +125,37 @@ absl::Status OffloadPipeline::UpdateUnit(int u, const AdamWStepParams& params, f
   if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
   times->wait_ms += MsSince(tw);
   void* out = on_host ? r.param : ParamChunk(u);
-  NvmeState::Arrays state{r.master, r.m, r.v};
-  if (options_.nvme != nullptr) {  // reads unit u + 1 ahead, then waits for unit u's read
-    const auto tn = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(state, options_.nvme->Acquire(u));
-    times->nvme_wait_ms += MsSince(tn);
+  if (options_.nvme != nullptr) {
+    RETURN_IF_ERROR(UpdateNvmePieces(u, out, params, grad_scale, times));
+  } else {
+    AdamWArrays a{r.master, r.m, r.v, GradChunk(u), options_.dtype, out, options_.dtype,
+                  static_cast<size_t>(r.n)};
+    RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
   }
-  AdamWArrays a{state.master, state.m, state.v, GradChunk(u), options_.dtype, out,
-                options_.dtype, static_cast<size_t>(r.n)};
-  RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
-  if (options_.nvme != nullptr) RETURN_IF_ERROR(options_.nvme->Release(u));
   if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));
   return dev_->Record(chunk_out_[u % chunks], h2d_);
+}
+
+// AdamW piece by piece on the pinned slots NvmeState fills: each Acquire reads the next piece
+// ahead, then waits for this one; each Release writes it back. Elementwise, so the bits equal
+// one AdamW over the unit.
+absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out, const AdamWStepParams& params,
+                                               float grad_scale, Times* times) {
+  NvmeState* nvme = options_.nvme;
+  for (int k = nvme->first_piece(u); k < nvme->first_piece(u + 1); ++k) {
+    const NvmeState::Piece& p = nvme->pieces()[k];
+    const auto tn = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(const NvmeState::Arrays s, nvme->Acquire(k));
+    times->nvme_wait_ms += MsSince(tn);
+    AdamWArrays a{s.master, s.m, s.v, GradChunk(u) + p.begin * static_cast<int64_t>(c_),
+                  options_.dtype, static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
+                  options_.dtype, static_cast<size_t>(p.n)};
+    RETURN_IF_ERROR(CpuAdamW(a, params, grad_scale, options_.cpu_threads));
+    RETURN_IF_ERROR(nvme->Release(k));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status OffloadPipeline::Gather(int u, const Hooks& hooks, Times* times) {

@@ -15,8 +15,9 @@
 // unit's gradient becomes final.
 //
 // With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
-// file, and AdamW of unit k runs on a pinned slot that NvmeState filled while unit k-1 was
-// updated, while unit k-1's new state is written back (offload/nvme_state.h). A failed read
+// file, and AdamW runs piece by piece (a unit is one piece or several) on pinned slots that
+// NvmeState filled while the previous piece was updated, while the piece before that is
+// written back (offload/nvme_state.h). A failed read
 // or write fails Update with the file and offset; the file's current copy is then the state
 // before the step, and an Update with the same gradients gives what a fault-free one would.
 //
@@ -109,6 +110,8 @@ class OffloadPipeline {
   absl::Status UpdateAll(const AdamWStepParams& params, float grad_scale, const Hooks& hooks,
                          Times* times);
   absl::Status UpdateUnit(int u, const AdamWStepParams& params, float grad_scale, Times* times);
+  absl::Status UpdateNvmePieces(int u, void* out, const AdamWStepParams& params,
+                                float grad_scale, Times* times);
   absl::Status Gather(int u, const Hooks& hooks, Times* times);
 
   Device* const dev_;

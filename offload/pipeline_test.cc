@@ -161,6 +161,9 @@ void RequireSameState(const std::vector<Unit>& a, const std::vector<Unit>& b, bo
 
 TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faults leave the "
           "previous step's state", "[offload][nvme]") {
+  // Whole units, and pieces of 1024 elements (unit 2 then streams in two pieces).
+  const int64_t piece = GENERATE(0, 1024);
+  INFO("piece_elements " << piece);
   CpuDeviceOptions options;
   options.threads = 1;
   options.async_streams = true;
@@ -171,7 +174,7 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
   const std::vector<int64_t> sizes = {40, 17, 1500, 33, 8};
   const char* tmp = std::getenv("TEST_TMPDIR");
   auto dir = SwapDir::Create(tmp != nullptr ? tmp : "/tmp", "pipeline", 0).value();
-  auto file = dir->CreateFile("optimizer_state", NvmeState::FileBytes(sizes)).value();
+  auto file = dir->CreateFile("optimizer_state", NvmeState::FileBytes(sizes, piece)).value();
   int armed = 0;  // 1: fail unit 2's write (EIO); 2: a short read of the first 4 KiB block
   std::string faulted;
   AioOptions aio;
@@ -180,8 +183,9 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
   aio.thread_count = 2;
   aio.fault = [&](IoOp op, const std::string& path, int64_t offset,
                   int64_t bytes) -> std::optional<int> {
-    // Unit 2 starts at 3 * (4096 + 4096) bytes into a copy (units 0 and 1: one block each).
-    const int64_t copy = NvmeState::FileBytes(sizes) / 2;
+    // Unit 2 starts 6 blocks into a copy (units 0 and 1: one block per array); this is its m
+    // (whole unit) or its first piece's v.
+    const int64_t copy = NvmeState::FileBytes(sizes, piece) / 2;
     if (armed == 1 && op == IoOp::kWrite && offset % copy == 6 * 4096 + 8192) {
       faulted = path + " at offset " + std::to_string(offset);
       return -EIO;
@@ -194,8 +198,11 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
     return std::nullopt;
   };
   auto io = AioEngine::Create(aio).value();
-  auto slots = IoBuffer::Allocate(NvmeState::kSlots * 3 * 8192).value();
-  auto nvme = NvmeState::Create(io.get(), file.get(), sizes, slots.data(), 3 * 8192).value();
+  const int64_t slot = NvmeState::SlotBytes(sizes, piece);
+  CHECK(slot == (piece == 0 ? 3 * 8192 : 3 * 4096));
+  auto slots = IoBuffer::Allocate(NvmeState::kSlots * slot).value();
+  auto nvme = NvmeState::Create(io.get(), file.get(), sizes, piece, slots.data(), slot).value();
+  CHECK(nvme->pieces().size() == (piece == 0 ? 5u : 6u));
 
   Rig cpu = MakeRig(dev.get(), s, sizes, nullptr);
   Rig disk = MakeRig(dev.get(), s, sizes, nvme.get());

@@ -93,8 +93,10 @@ absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup&
   std::vector<int64_t> shards;
   for (const memory::Unit& u : plan.units) shards.push_back(u.shard);
   const int64_t slot_bytes = nvme_staging_.elements * 4;
-  ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(aio_.get(), swap_file_.get(), shards,
-                                                           nvme_staging_.base, slot_bytes));
+  ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(
+                                    aio_.get(), swap_file_.get(), shards,
+                                    plan.options.nvme_piece_elements, nvme_staging_.base,
+                                    slot_bytes));
   // m and v start at zero, the master at whatever InitParams stores.
   for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
     RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
