@@ -205,41 +205,60 @@ TEST_CASE("Engine: NVMe offload matches stage 0 and CPU offload bit for bit", "[
   }
 }
 
+// An engine on SmallModel with InitValue parameters, trained `steps` optimizer steps.
+absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
+                                                      comm::Communicator* comm, Device* dev,
+                                                      int steps) {
+  ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
+  RETURN_IF_ERROR(e->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  }));
+  RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));
+  return e;
+}
+
+// This rank's owned master, m, v through BeginSnapshot.
+absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
+  return e.WaitSnapshot();
+}
+
+absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
+  std::vector<float> sa[3], sb[3];
+  RETURN_IF_ERROR(SnapshotOf(a, sa));
+  RETURN_IF_ERROR(SnapshotOf(b, sb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat(what, ": array ", k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
+  ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
+  ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
+  return BitEqual(ma, mb) ? absl::OkStatus() : absl::InternalError(what);
+}
+
 // One rank's check: NVMe-resident state is saved (BeginSnapshot) and restored
 // (RestoreOwnedState) like host state, and training resumes bit-identically.
 absl::Status SnapshotAndResume(const Config& cpu, const Config& nvme, comm::Communicator* comm,
                                Device* dev) {
-  auto init = [](int i, const memory::ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  };
-  ASSIGN_OR_RETURN(auto a, Engine::Create(cpu, SmallModel(), comm, dev));
-  ASSIGN_OR_RETURN(auto b, Engine::Create(nvme, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(a->InitParams(init));
-  RETURN_IF_ERROR(b->InitParams(init));
-  RETURN_IF_ERROR(testing::TrainSteps(*a, 0, 3));
-  RETURN_IF_ERROR(testing::TrainSteps(*b, 0, 3));
-  const size_t n = static_cast<size_t>(a->plan().shard_elements);
-  std::vector<float> sa[3], sb[3];
-  for (int k = 0; k < 3; ++k) sa[k].assign(n, -1.0f), sb[k].assign(n, -2.0f);
-  RETURN_IF_ERROR(a->BeginSnapshot(sa[0].data(), sa[1].data(), sa[2].data(), nullptr));
-  RETURN_IF_ERROR(b->BeginSnapshot(sb[0].data(), sb[1].data(), sb[2].data(), nullptr));
-  RETURN_IF_ERROR(a->WaitSnapshot());
-  RETURN_IF_ERROR(b->WaitSnapshot());
-  for (int k = 0; k < 3; ++k) {
-    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat("snapshot array ", k));
-  }
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 3));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 3));
+  RETURN_IF_ERROR(SameSnapshots(*a, *b, "snapshot"));
   // A fresh NVMe engine restored from the CPU engine's snapshot continues as that engine does.
-  ASSIGN_OR_RETURN(auto c, Engine::Create(nvme, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(c->InitParams(init));
+  std::vector<float> sa[3];
+  RETURN_IF_ERROR(SnapshotOf(*a, sa));
+  ASSIGN_OR_RETURN(auto c, TrainedEngine(nvme, comm, dev, 0));
   RETURN_IF_ERROR(c->RestoreOwnedState(sa[0], sa[1], sa[2], a->state()));
   b.reset();
   RETURN_IF_ERROR(testing::TrainSteps(*a, 3, 3));
   RETURN_IF_ERROR(testing::TrainSteps(*c, 3, 3));
-  ASSIGN_OR_RETURN(std::vector<float> ma, a->GatherMasterWeights());
-  ASSIGN_OR_RETURN(std::vector<float> mc, c->GatherMasterWeights());
-  if (!BitEqual(ma, mc)) return absl::InternalError("masters differ after resume");
+  RETURN_IF_ERROR(SameMasters(*a, *c, "masters differ after resume"));
   if (c->step() != 6) return absl::InternalError("step count not restored");
   return absl::OkStatus();
 }
@@ -273,26 +292,10 @@ struct WriteFault {
   std::atomic<int> armed[2] = {{0}, {0}};  // writes left before the failing one, + 1
 };
 
-absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
-  const size_t n = static_cast<size_t>(e.plan().shard_elements);
-  for (int k = 0; k < 3; ++k) out[k].assign(n, 0.0f);
-  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
-  return e.WaitSnapshot();
-}
-
 absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communicator* comm,
                           Device* dev, WriteFault* fault) {
-  auto init = [](int i, const memory::ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  };
-  ASSIGN_OR_RETURN(auto a, Engine::Create(cpu, SmallModel(), comm, dev));
-  ASSIGN_OR_RETURN(auto b, Engine::Create(nvme, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(a->InitParams(init));
-  RETURN_IF_ERROR(b->InitParams(init));
-  RETURN_IF_ERROR(testing::TrainSteps(*a, 0, 2));
-  RETURN_IF_ERROR(testing::TrainSteps(*b, 0, 2));
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
   const int r = comm->rank();
   fault->armed[r] = 2;
   const absl::Status failed = testing::TrainSteps(*b, 2, 1);
@@ -303,19 +306,12 @@ absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communica
                                             failed.ToString()));
   }
   if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
-  std::vector<float> sa[3], sb[3];  // the NVMe state is the one before the failed step
-  RETURN_IF_ERROR(SnapshotOf(*a, sa));
-  RETURN_IF_ERROR(SnapshotOf(*b, sb));
-  for (int k = 0; k < 3; ++k) {
-    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat("half-updated array ", k));
-  }
+  // The NVMe state is the one before the failed step, not half-updated.
+  RETURN_IF_ERROR(SameSnapshots(*a, *b, "half-updated"));
   // The next attempt (the same micro-step again) continues as if nothing had failed.
   RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
   RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
-  ASSIGN_OR_RETURN(std::vector<float> ma, a->GatherMasterWeights());
-  ASSIGN_OR_RETURN(std::vector<float> mb, b->GatherMasterWeights());
-  if (!BitEqual(ma, mb)) return absl::InternalError("masters differ after the retried step");
-  return absl::OkStatus();
+  return SameMasters(*a, *b, "masters differ after the retried step");
 }
 
 TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the previous state",
