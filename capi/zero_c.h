@@ -99,7 +99,8 @@ typedef enum zr_memory_kind {
   ZR_MEMORY_DEVICE = 0,
   ZR_MEMORY_PINNED_HOST = 1,
   ZR_MEMORY_HOST = 2,
-  ZR_NUM_MEMORY_KINDS = 3
+  ZR_MEMORY_NVME = 3, /* swap files of NVMe offload */
+  ZR_NUM_MEMORY_KINDS = 4
 } zr_memory_kind;
 
 typedef struct zr_comm zr_comm;     /* one rank's communicator */

@@ -502,8 +502,8 @@ static void AutoFill(void) {
   MUST(zr_cpu_device_create(1, &device));
   const char* config = "{\"optimizer\": {\"params\": {\"lr\": \"auto\"}}, "
                        "\"bf16\": {\"enabled\": \"auto\"}}";
-  zr_engine_options options = {sizeof options, NULL,
-                               "{\"lr\": 0.25, \"compute_dtype\": \"bf16\"}"};
+  zr_engine_options options = {.struct_size = sizeof options,
+                               .auto_fill_json = "{\"lr\": 0.25, \"compute_dtype\": \"bf16\"}"};
   zr_engine* engine = NULL;
   zr_status st = zr_engine_create(config, params, 2, comm, device, &options, &engine);
   CHECK(st == ZR_OK, "%s", zr_last_error());
@@ -518,7 +518,7 @@ static void AutoFill(void) {
     engine = NULL;
   }
   /* A caller built against 0.1.0 passes the smaller struct: no fill, the documented rules. */
-  options.struct_size = offsetof(zr_engine_options, auto_fill_json);
+  options.struct_size = offsetof(zr_engine_options, no_decay_1d);
   st = zr_engine_create(config, params, 2, comm, device, &options, &engine);
   CHECK(st == ZR_OK, "0.1.0 options: %s", zr_last_error());
   zr_engine_destroy(engine);

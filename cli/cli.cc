@@ -62,15 +62,17 @@ absl::Status ApplyStage(const std::string& s, ZeroConfig* zero) {
   return absl::OkStatus();
 }
 
-// --offload none|optimizer|all (also "cpu" for optimizer).
+// --offload none|optimizer|all|nvme (also "cpu" for optimizer; nvme: the optimizer's).
 absl::Status ApplyOffload(const std::string& o, ZeroConfig* zero) {
-  const bool optimizer = o == "optimizer" || o == "cpu" || o == "all";
+  const bool optimizer = o == "optimizer" || o == "cpu" || o == "all" || o == "nvme";
   const bool param = o == "all";
   if (!optimizer && o != "none") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--offload '", o, "': expected none, optimizer or all"));
+        absl::StrCat("--offload '", o, "': expected none, optimizer, all or nvme"));
   }
-  zero->offload_optimizer.device = optimizer ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  zero->offload_optimizer.device = o == "nvme" ? OffloadDevice::kNvme
+                                   : optimizer ? OffloadDevice::kCpu
+                                               : OffloadDevice::kNone;
   zero->offload_param.device = param ? OffloadDevice::kCpu : OffloadDevice::kNone;
   return absl::OkStatus();
 }
@@ -138,6 +140,7 @@ constexpr const char* kPlanUsage =
          --world N           data-parallel world size (1)        --rank R   rank to plan (0)
          --stage 0-3|auto    ZeRO stage (config's, else 0)
          --offload none|optimizer|all   CPU offload of optimizer state (and parameters)
+         --offload nvme                 optimizer state in files (NVMe offload)
          --precision bf16|fp16|fp32     compute dtype (config's, else bf16)
          --config FILE       a JSON config (DeepSpeed keys); flags above override it
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto);

@@ -69,8 +69,13 @@ absl::StatusOr<Config> DemoConfig(const Flags& flags, bool gpt) {
 
 // Every rank's planned and allocated bytes per memory kind, and whether they agree.
 void PrintMemoryTable(const std::vector<MemoryReport>& memory, std::ostream& out) {
+  // The nvme column (swap files, the last kind) only when some rank has them.
+  const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
+  bool any_nvme = false;
+  for (const MemoryReport& m : memory) any_nvme = any_nvme || m.planned[nvme] > 0;
+  const int kinds = any_nvme ? memory::kNumMemoryKinds : nvme;
   out << "\nmemory per rank in bytes, planned / allocated:\n" << absl::StrFormat("%6s", "rank");
-  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+  for (int k = 0; k < kinds; ++k) {
     out << absl::StrFormat(" %27s", memory::MemoryKindName(static_cast<memory::MemoryKind>(k)));
   }
   out << "\n";
@@ -78,7 +83,7 @@ void PrintMemoryTable(const std::vector<MemoryReport>& memory, std::ostream& out
   for (size_t r = 0; r < memory.size(); ++r) {
     const MemoryReport& m = memory[r];
     out << absl::StrFormat("%6d", r);
-    for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    for (int k = 0; k < kinds; ++k) {
       out << absl::StrFormat(" %13s / %11s", GroupedBytes(m.planned[k]),
                              GroupedBytes(m.allocated[k]));
       all_match = all_match && m.planned[k] == m.allocated[k];

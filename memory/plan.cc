@@ -67,10 +67,9 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "offload_optimizer requires stage 1, 2 or 3 (zero_optimization.stage is 0): offload "
         "moves the sharded optimizer state");
   }
-  if (o.fp32_grad_accum && o.offload_optimizer && o.compute_dtype != DType::kF32) {
+  if (o.offload_optimizer_nvme && !o.offload_optimizer) {
     return absl::InvalidArgumentError(
-        "data_types.grad_accum_dtype \"fp32\" cannot be combined with offload_optimizer yet: "
-        "the offload pipeline moves compute-dtype gradients to the host; drop one of them");
+        "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
   }
   if (o.offload_buffer_count < 1) return bad("offload_buffer_count", o.offload_buffer_count, ">= 1");
   if (o.gradient_accumulation_steps < 1) {
@@ -281,7 +280,9 @@ void AddModelState(Plan* plan, Checked* math) {
   const int64_t S = plan->shard_elements;
   const DType c = o.compute_dtype;
   const bool mixed = c != DType::kF32;
-  const MemoryKind optim_kind = o.offload_optimizer ? HostKind(o) : MemoryKind::kDevice;
+  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme
+                                : o.offload_optimizer   ? HostKind(o)
+                                                        : MemoryKind::kDevice;
   const bool sharded_optim = o.stage >= 1;
   const int64_t optim_elements = sharded_optim ? S : E;
   if (o.stage <= 2) {
@@ -304,6 +305,29 @@ void AddModelState(Plan* plan, Checked* math) {
   }
   AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
   AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
+}
+
+// NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
+// and writes the other, so a failed step leaves the first intact), each array padded to 4 KiB;
+// master, exp_avg and exp_avg_sq count S elements each, nvme_second_copy the rest of the file.
+// Units are streamed in pieces (NvmePieces), each array of a piece padded to 4 KiB. Three
+// pinned slots of the largest piece's master|m|v: read ahead, update, write behind.
+void AddNvmeBuffers(Plan* plan, Checked* math) {
+  constexpr absl::string_view kWhat = "nvme bytes";
+  int64_t copy = 0, largest = 0;
+  for (const Unit& u : plan->units) {
+    for (int64_t piece : NvmePieces(u.shard, plan->options.nvme_piece_elements)) {
+      const int64_t stride = math->Mul(3, NvmeUnitStride(piece), kWhat);
+      copy = math->Add(copy, stride, kWhat);
+      largest = std::max(largest, stride);
+    }
+  }
+  const int64_t rest = math->Add(math->Mul(2, copy, kWhat),
+                                 -math->Mul(12, plan->shard_elements, kWhat), kWhat);
+  AddBuffer(plan, math, "nvme_second_copy", BufferClass::kNvmeSecondCopy, MemoryKind::kNvme,
+            DType::kF32, rest / 4);
+  AddBuffer(plan, math, "nvme_staging", BufferClass::kNvmeStaging, MemoryKind::kPinnedHost,
+            DType::kF32, math->Mul(3, largest / 4, kWhat), 3);
 }
 
 // The working buffers: accumulator, buckets, gather slots, staging, the norm table.
@@ -346,12 +370,18 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
               totals.persistent_elements);
   }
   if (o.offload_optimizer) {
-    // Each chunk carries one unit's gradient shard in and its new parameter shard out.
-    const int64_t chunk = math->Mul(2, plan->max_unit_elements / world, "offload_staging size");
+    // Each chunk carries one unit's gradient shard in and its new parameter shard out: in
+    // elements of the compute dtype, 2 per shard element, 3 with fp32 gradients beside 2-byte
+    // parameters.
+    const int64_t per_element =
+        1 + static_cast<int64_t>(DTypeSize(ReducedGradDType(o)) / DTypeSize(c));
+    const int64_t chunk =
+        math->Mul(per_element, plan->max_unit_elements / world, "offload_staging size");
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
               math->Mul(o.offload_buffer_count, chunk, "offload_staging size"),
               o.offload_buffer_count);
   }
+  if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
@@ -422,12 +452,22 @@ DType GradWireDType(const PlanOptions& o) {
   return o.fp32_grad_comm ? DType::kF32 : o.compute_dtype;
 }
 
+std::vector<int64_t> NvmePieces(int64_t shard, int64_t piece_elements) {
+  const int64_t piece =
+      piece_elements <= 0 ? shard : std::max<int64_t>(1024, piece_elements / 1024 * 1024);
+  std::vector<int64_t> out;
+  for (int64_t begin = 0; begin < shard; begin += piece) out.push_back(std::min(piece, shard - begin));
+  return out;
+}
+
 const char* MemoryKindName(MemoryKind kind) {
   switch (kind) {
     case MemoryKind::kDevice:
       return "device";
     case MemoryKind::kPinnedHost:
       return "pinned_host";
+    case MemoryKind::kNvme:
+      return "nvme";
     case MemoryKind::kPageableHost:
       return "host";
   }
@@ -458,6 +498,10 @@ const char* BufferClassName(BufferClass c) {
       return "persistent_params";
     case BufferClass::kOffloadStaging:
       return "offload_staging";
+    case BufferClass::kNvmeStaging:
+      return "nvme_staging";
+    case BufferClass::kNvmeSecondCopy:
+      return "nvme_second_copy";
     case BufferClass::kNormTable:
       return "norm_table";
   }

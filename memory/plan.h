@@ -43,9 +43,10 @@ struct ParamSpec {
 };
 
 // Where a buffer lives. On the CPU device, kDevice is ordinary host memory owned by the engine.
-enum class MemoryKind { kDevice = 0, kPinnedHost = 1, kPageableHost = 2 };
-constexpr int kNumMemoryKinds = 3;
-const char* MemoryKindName(MemoryKind kind);  // "device", "pinned_host", "host"
+// kNvme: a swap file under nvme_path (NVMe offload, offload/nvme_io.h), not memory at all.
+enum class MemoryKind { kDevice = 0, kPinnedHost = 1, kPageableHost = 2, kNvme = 3 };
+constexpr int kNumMemoryKinds = 4;
+const char* MemoryKindName(MemoryKind kind);  // "device", "pinned_host", "host", "nvme"
 
 // What a buffer holds. Model state is params + grads + master + m + v (what the ZeRO paper
 // counts); the other classes are the working buffers that estimators usually forget.
@@ -62,6 +63,8 @@ enum class BufferClass {
   kPersistentParams, // whole small units kept gathered on every rank (stage 3)
   kOffloadStaging,   // pinned chunks that gradients and new parameters pass through (offload)
   kNormTable,        // (world, units + 1) fp32: per-shard norm partials and finite flags
+  kNvmeStaging,      // pinned: master|m|v of one unit per slot, read ahead / written behind
+  kNvmeSecondCopy,   // nvme: the copy of master|m|v a step writes into, and 4 KiB padding
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);
@@ -85,6 +88,12 @@ struct PlanOptions {
   DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy
   bool offload_optimizer = false;      // master + m + v in host memory (stages 1-3)
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
+  // With offload_optimizer: master, m and v live in a swap file (MemoryKind::kNvme), two copies
+  // of each unit's master|m|v, each array padded to kNvmeAlignment bytes (NvmeUnitStride).
+  bool offload_optimizer_nvme = false;
+  // NVMe offload: unit shards are streamed in pieces of at most this many elements (rounded
+  // down to a multiple of 1024, at least 1024; 0: whole shards), bounding the pinned slots.
+  int64_t nvme_piece_elements = 0;
   bool pin_memory = true;              // offloaded state in pinned (true) or pageable host memory
   int offload_buffer_count = 4;        // pinned staging chunks for the offload pipeline
   int gradient_accumulation_steps = 1;
@@ -138,7 +147,7 @@ struct Plan {
   int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot
   int64_t gather_slots = 0;      // stage 3
 
-  int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0};
+  int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
   int64_t comm_bytes_per_step = 0; // bytes this rank sends per optimizer step (nccl-tests'
                                    // convention: (n-1)/n of each reduce-scatter/all-gather)
@@ -147,6 +156,7 @@ struct Plan {
   int64_t device_bytes() const { return bytes_by_kind[0]; }
   int64_t pinned_host_bytes() const { return bytes_by_kind[1]; }
   int64_t host_bytes() const { return bytes_by_kind[2]; }
+  int64_t nvme_bytes() const { return bytes_by_kind[3]; }
   // First buffer of this class, or nullptr.
   const Buffer* Find(BufferClass cls) const;
 };
@@ -156,11 +166,23 @@ struct Plan {
 DType ReducedGradDType(const PlanOptions& o);
 DType GradWireDType(const PlanOptions& o);
 
+// NVMe offload: direct I/O needs offsets and sizes in multiples of 4 KiB.
+constexpr int64_t kNvmeAlignment = 4096;
+// Bytes of one fp32 array of an `shard_elements` unit shard in the swap file: rounded up to
+// kNvmeAlignment. A unit's master|m|v take 3 strides; a copy of the state the sum over units.
+inline int64_t NvmeUnitStride(int64_t shard_elements) {
+  return (shard_elements * 4 + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
+}
+
+// The piece sizes a shard of `shard_elements` is streamed in (see nvme_piece_elements).
+std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
+
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
 // an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
-// 0..3, rank outside the world, offload_param below stage 3, a non-positive alignment, and a
+// 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
+// offload_optimizer, a non-positive alignment, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
-// 2^63-1: ..."); fp32_grad_accum with offload_optimizer; every size is computed with overflow checks, so none is ever wrapped.
+// 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
 
 }  // namespace memory

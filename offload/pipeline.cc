@@ -16,6 +16,19 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+
+// The ranges that cover [begin, begin + n) of a region, clipped to it and shifted to start at
+// 0: the constants of one NVMe piece of the unit.
+std::vector<AdamWRange> SliceRanges(absl::Span<const AdamWRange> ranges, size_t begin,
+                                    size_t n) {
+  std::vector<AdamWRange> out;
+  for (const AdamWRange& r : ranges) {
+    const size_t lo = std::max(r.begin, begin), hi = std::min(r.end, begin + n);
+    if (lo < hi) out.push_back(AdamWRange{lo - begin, hi - begin, r.params});
+  }
+  return out;
+}
+
 }  // namespace
 
 OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
@@ -24,6 +37,7 @@ OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> reg
       regions_(std::move(regions)),
       options_(options),
       c_(DTypeSize(options.dtype)),
+      gc_(DTypeSize(options.grad_dtype.value_or(options.dtype))),
       grads_stream_(grads_stream) {}
 
 absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
@@ -64,8 +78,10 @@ char* OffloadPipeline::GradChunk(int u) const {
   return options_.staging + chunk * options_.chunk_elements * static_cast<int64_t>(c_);
 }
 
+// The gradient takes gc_ / (gc_ + c_) of the chunk, the parameter the rest.
 char* OffloadPipeline::ParamChunk(int u) const {
-  return GradChunk(u) + options_.chunk_elements / 2 * static_cast<int64_t>(c_);
+  const int64_t chunk_bytes = options_.chunk_elements * static_cast<int64_t>(c_);
+  return GradChunk(u) + chunk_bytes / static_cast<int64_t>(gc_ + c_) * static_cast<int64_t>(gc_);
 }
 
 absl::Status OffloadPipeline::GradFinal(int u) {
@@ -80,7 +96,7 @@ absl::Status OffloadPipeline::Download(int u) {
   const PipelineRegion& r = regions_[u];
   RETURN_IF_ERROR(dev_->Record(grads_ready_, grads_stream_));
   RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
-  RETURN_IF_ERROR(dev_->Copy(GradChunk(u), r.grad, r.n * c_, d2h_));
+  RETURN_IF_ERROR(dev_->Copy(GradChunk(u), r.grad, r.n * gc_, d2h_));
   return dev_->Record(chunk_in_[u % options_.chunks], d2h_);
 }
 
@@ -101,18 +117,33 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
                                                    " range lists for ", regions_.size(),
                                                    " regions"));
   }
+  Times times;
+  NvmeState* nvme = options_.nvme;
+  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Begin());
+  absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
+  if (nvme != nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (s.ok()) s = nvme->Finish();
+    if (!s.ok()) nvme->Abandon();  // the slots stay busy until every request has returned
+    times.nvme_wait_ms += MsSince(t0);
+  }
+  if (!s.ok()) return s;
+  return times;
+}
+
+absl::Status OffloadPipeline::UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges,
+                                        float grad_scale, const Hooks& hooks, Times* times) {
   const int nu = static_cast<int>(regions_.size());
   const int chunks = options_.chunks;
-  Times times;
   // The first downloads may have started during backward (GradFinal).
   for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(Download(u));
   downloads_issued_ = 0;
   for (int u = 0; u < nu; ++u) {
-    RETURN_IF_ERROR(UpdateUnit(u, ranges[u], grad_scale, &times));
-    if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, &times));
+    RETURN_IF_ERROR(UpdateUnit(u, ranges[u], grad_scale, times));
+    if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, times));
   }
-  if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, &times));
-  return times;
+  if (nu > 0) RETURN_IF_ERROR(Gather(nu - 1, hooks, times));
+  return absl::OkStatus();
 }
 
 absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ranges,
@@ -126,13 +157,40 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
   times->wait_ms += MsSince(tw);
   void* out = on_host ? r.param : ParamChunk(u);
-  AdamWArrays a{r.master, r.m, r.v, GradChunk(u), options_.dtype, out, options_.dtype,
-                static_cast<size_t>(r.n)};
-  RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
+  if (options_.nvme != nullptr) {
+    RETURN_IF_ERROR(UpdateNvmePieces(u, out, ranges, grad_scale, times));
+  } else {
+    AdamWArrays a{r.master, r.m, r.v, GradChunk(u), GradDType(), out, options_.dtype,
+                  static_cast<size_t>(r.n)};
+    RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
+  }
   if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));
   return dev_->Record(chunk_out_[u % chunks], h2d_);
+}
+
+// AdamW piece by piece on the pinned slots NvmeState fills: each Acquire reads the next piece
+// ahead, then waits for this one; each Release writes it back. Elementwise, so the bits equal
+// one AdamW over the unit.
+absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
+                                               absl::Span<const AdamWRange> ranges,
+                                               float grad_scale, Times* times) {
+  NvmeState* nvme = options_.nvme;
+  for (int k = nvme->first_piece(u); k < nvme->first_piece(u + 1); ++k) {
+    const NvmeState::Piece& p = nvme->pieces()[k];
+    const auto tn = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(const NvmeState::Arrays s, nvme->Acquire(k));
+    times->nvme_wait_ms += MsSince(tn);
+    AdamWArrays a{s.master, s.m, s.v, GradChunk(u) + p.begin * static_cast<int64_t>(gc_),
+                  GradDType(), static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
+                  options_.dtype, static_cast<size_t>(p.n)};
+    const std::vector<AdamWRange> piece_ranges =
+        SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n));
+    RETURN_IF_ERROR(CpuAdamW(a, piece_ranges, grad_scale, options_.cpu_threads));
+    RETURN_IF_ERROR(nvme->Release(k));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status OffloadPipeline::Gather(int u, const Hooks& hooks, Times* times) {

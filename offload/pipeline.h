@@ -14,6 +14,13 @@
 // AdamW writes it in place. The first downloads may start during backward (GradFinal), as each
 // unit's gradient becomes final.
 //
+// With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
+// file, and AdamW runs piece by piece (a unit is one piece or several) on pinned slots that
+// NvmeState filled while the previous piece was updated, while the piece before that is
+// written back (offload/nvme_state.h). A failed read
+// or write fails Update with the file and offset; the file's current copy is then the state
+// before the step, and an Update with the same gradients gives what a fault-free one would.
+//
 //   ASSIGN_OR_RETURN(auto pipeline, OffloadPipeline::Create(device, regions, options, stream));
 //   // backward, last micro-step: pipeline->GradFinal(u) after unit u's reduction
 //   ASSIGN_OR_RETURN(OffloadPipeline::Times t, pipeline->Update(params, grad_scale, hooks));
@@ -26,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -34,27 +42,32 @@
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
+#include "offload/nvme_state.h"
 
 namespace zerort {
 namespace offload {
 
 // One unit's owned region.
 struct PipelineRegion {
-  const void* grad = nullptr;  // (n) compute dtype, device: the reduced gradient
-  float* master = nullptr;     // (n) fp32, host
-  float* m = nullptr;          // (n) fp32, host
-  float* v = nullptr;          // (n) fp32, host
+  const void* grad = nullptr;  // (n) grad dtype, device: the reduced gradient
+  float* master = nullptr;     // (n) fp32, host (null with PipelineOptions::nvme)
+  float* m = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
+  float* v = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
   void* param = nullptr;       // (n) compute dtype: device, or host with param_on_host
   int64_t n = 0;
 };
 
 struct PipelineOptions {
-  DType dtype = DType::kBF16;    // of gradients and parameters
+  DType dtype = DType::kBF16;    // of parameters, and of gradients unless grad_dtype is set
+  std::optional<DType> grad_dtype;  // fp32 gradients (grad_accum_dtype) beside 2-byte params
   char* staging = nullptr;       // (chunks, chunk_elements) dtype, pinned host
   int chunks = 0;                // >= 1
-  int64_t chunk_elements = 0;    // >= 2 * the largest region
+  // >= the largest region's gradient and parameter bytes, in elements of `dtype`: 2 x its
+  // elements, 3 x with fp32 gradients and 2-byte parameters
+  int64_t chunk_elements = 0;
   bool param_on_host = false;
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
+  NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
 };
 
 class OffloadPipeline {
@@ -82,6 +95,7 @@ class OffloadPipeline {
   struct Times {
     double wait_ms = 0;    // host time waiting for gradient downloads and chunk reuse
     double gather_ms = 0;  // in hooks.gather
+    double nvme_wait_ms = 0;  // NVMe offload: host time waiting for state reads and writes
   };
   // AdamW over every region (see above), then hooks.gather of every unit in order.
   absl::StatusOr<Times> Update(const AdamWStepParams& params, float grad_scale,
@@ -100,16 +114,22 @@ class OffloadPipeline {
   OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
                   const PipelineOptions& options, Device::Stream grads_stream);
   char* GradChunk(int u) const;
+  DType GradDType() const { return options_.grad_dtype.value_or(options_.dtype); }
   char* ParamChunk(int u) const;
   absl::Status Download(int u);
+  absl::Status UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale,
+                         const Hooks& hooks, Times* times);
   absl::Status UpdateUnit(int u, absl::Span<const AdamWRange> ranges, float grad_scale,
                           Times* times);
+  absl::Status UpdateNvmePieces(int u, void* out, absl::Span<const AdamWRange> ranges,
+                                float grad_scale, Times* times);
   absl::Status Gather(int u, const Hooks& hooks, Times* times);
 
   Device* const dev_;
   const std::vector<PipelineRegion> regions_;
   const PipelineOptions options_;
-  const size_t c_;
+  const size_t c_;   // bytes of a parameter element
+  const size_t gc_;  // bytes of a gradient element
   const Device::Stream grads_stream_;
   Device::Stream d2h_ = nullptr;           // gradient shards down into staging chunks
   Device::Stream h2d_ = nullptr;           // new parameter shards back up

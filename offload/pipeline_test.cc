@@ -1,11 +1,16 @@
 #include "offload/pipeline.h"
 
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "device/cpu_device.h"
+#include "offload/nvme_io.h"
+#include "offload/nvme_state.h"
 
 namespace zerort {
 namespace offload {
@@ -93,6 +98,141 @@ TEST_CASE("OffloadPipeline: equals a plain host AdamW per unit, gathering each a
       dev->DestroyStream(grads_stream);
     }
   }
+}
+
+// The host arrays of one pipeline (CPU offload), or the same with master, m, v in a swap file.
+struct Rig {
+  std::vector<Unit> units;
+  std::vector<uint16_t> staging;
+  std::unique_ptr<OffloadPipeline> pipeline;
+};
+
+Rig MakeRig(Device* dev, Device::Stream grads_stream, const std::vector<int64_t>& sizes,
+            NvmeState* nvme) {
+  Rig rig;
+  std::vector<PipelineRegion> regions;
+  for (size_t u = 0; u < sizes.size(); ++u) rig.units.push_back(MakeUnit(static_cast<int>(u), sizes[u]));
+  for (Unit& x : rig.units) {
+    const bool host = nvme == nullptr;
+    regions.push_back({x.grad.data(), host ? x.master.data() : nullptr, host ? x.m.data() : nullptr,
+                       host ? x.v.data() : nullptr, x.param.data(),
+                       static_cast<int64_t>(x.grad.size())});
+  }
+  PipelineOptions o;
+  o.dtype = DType::kBF16;
+  o.chunks = 2;
+  o.chunk_elements = 2 * 1500;
+  rig.staging.resize(o.chunks * o.chunk_elements);
+  o.staging = reinterpret_cast<char*>(rig.staging.data());
+  o.nvme = nvme;
+  rig.pipeline = OffloadPipeline::Create(dev, regions, o, grads_stream).value();
+  return rig;
+}
+
+absl::Status Step(Rig* rig, Device* dev, Device::Stream s, int t) {
+  const AdamWStepParams params = MakeAdamWStepParams(1e-2, 0.9, 0.95, 1e-8, 0.1, t).value();
+  OffloadPipeline::Hooks hooks;
+  hooks.before_gather = [&](Device::Event e) { return dev->WaitHost(e); };
+  hooks.gather = [](int) { return absl::OkStatus(); };
+  absl::Status st = rig->pipeline->Update(params, 0.5f, hooks).status();
+  if (!st.ok()) return st;
+  if (absl::Status j = rig->pipeline->JoinUploads(s); !j.ok()) return j;
+  return dev->Synchronize(s);
+}
+
+// Master, m, v of every unit as NvmeState holds them (its current copy).
+std::vector<Unit> LoadAll(NvmeState* nvme, const std::vector<Unit>& like) {
+  std::vector<Unit> out = like;
+  for (size_t u = 0; u < out.size(); ++u) {
+    REQUIRE(nvme->Load(static_cast<int>(u), out[u].master.data(), out[u].m.data(),
+                       out[u].v.data()).ok());
+  }
+  return out;
+}
+
+void RequireSameState(const std::vector<Unit>& a, const std::vector<Unit>& b, bool params) {
+  for (size_t u = 0; u < a.size(); ++u) {
+    REQUIRE(a[u].master == b[u].master);
+    REQUIRE(a[u].m == b[u].m);
+    REQUIRE(a[u].v == b[u].v);
+    if (params) REQUIRE(a[u].param == b[u].param);
+  }
+}
+
+TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faults leave the "
+          "previous step's state", "[offload][nvme]") {
+  // Whole units, and pieces of 1024 elements (unit 2 then streams in two pieces).
+  const int64_t piece = GENERATE(0, 1024);
+  INFO("piece_elements " << piece);
+  CpuDeviceOptions options;
+  options.threads = 1;
+  options.async_streams = true;
+  options.stream_delay_us = 100;
+  auto dev = CreateCpuDevice(options);
+  Device::Stream s = dev->CreateStream().value();
+  // 1500 elements: 6000 bytes, two 4 KiB blocks per array (one padded).
+  const std::vector<int64_t> sizes = {40, 17, 1500, 33, 8};
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  auto dir = SwapDir::Create(tmp != nullptr ? tmp : "/tmp", "pipeline", 0).value();
+  auto file = dir->CreateFile("optimizer_state", NvmeState::FileBytes(sizes, piece)).value();
+  int armed = 0;  // 1: fail unit 2's write (EIO); 2: a short read of the first 4 KiB block
+  std::string faulted;
+  AioOptions aio;
+  aio.block_size = 4096;
+  aio.queue_depth = 2;
+  aio.thread_count = 2;
+  aio.fault = [&](IoOp op, const std::string& path, int64_t offset,
+                  int64_t bytes) -> std::optional<int> {
+    // Unit 2 starts 6 blocks into a copy (units 0 and 1: one block per array); this is its m
+    // (whole unit) or its first piece's v.
+    const int64_t copy = NvmeState::FileBytes(sizes, piece) / 2;
+    if (armed == 1 && op == IoOp::kWrite && offset % copy == 6 * 4096 + 8192) {
+      faulted = path + " at offset " + std::to_string(offset);
+      return -EIO;
+    }
+    if (armed == 2 && op == IoOp::kRead) {
+      faulted = path + " at offset " + std::to_string(offset);
+      armed = 0;
+      return static_cast<int>(bytes / 2);
+    }
+    return std::nullopt;
+  };
+  auto io = AioEngine::Create(aio).value();
+  const int64_t slot = NvmeState::SlotBytes(sizes, piece);
+  CHECK(slot == (piece == 0 ? 3 * 8192 : 3 * 4096));
+  auto slots = IoBuffer::Allocate(NvmeState::kSlots * slot).value();
+  auto nvme = NvmeState::Create(io.get(), file.get(), sizes, piece, slots.data(), slot).value();
+  CHECK(nvme->pieces().size() == (piece == 0 ? 5u : 6u));
+
+  Rig cpu = MakeRig(dev.get(), s, sizes, nullptr);
+  Rig disk = MakeRig(dev.get(), s, sizes, nvme.get());
+  for (size_t u = 0; u < sizes.size(); ++u) {  // the initial state, as the engine stores it
+    const Unit& x = cpu.units[u];
+    REQUIRE(nvme->Store(static_cast<int>(u), x.master.data(), x.m.data(), x.v.data()).ok());
+  }
+  RequireSameState(LoadAll(nvme.get(), cpu.units), cpu.units, false);
+  for (int t = 1; t <= 4; ++t) {
+    const std::vector<Unit> before = cpu.units;
+    REQUIRE(Step(&cpu, dev.get(), s, t).ok());
+    if (t == 2 || t == 3) {  // the first attempt fails, names the file and the offset
+      armed = t == 2 ? 1 : 2;
+      const absl::Status st = Step(&disk, dev.get(), s, t);
+      armed = 0;
+      INFO(st.ToString());
+      REQUIRE_FALSE(st.ok());
+      CHECK(st.message().find(faulted) != absl::string_view::npos);
+      CHECK(st.message().find(t == 2 ? "Input/output error" : "short nvme read") !=
+            absl::string_view::npos);
+      RequireSameState(LoadAll(nvme.get(), before), before, false);  // not half-updated
+    }
+    REQUIRE(Step(&disk, dev.get(), s, t).ok());  // the retry equals a fault-free step
+    std::vector<Unit> got = LoadAll(nvme.get(), cpu.units);
+    for (size_t u = 0; u < got.size(); ++u) got[u].param = disk.units[u].param;
+    RequireSameState(got, cpu.units, true);
+  }
+  disk.pipeline.reset();
+  cpu.pipeline.reset();
+  dev->DestroyStream(s);
 }
 
 }  // namespace

@@ -132,7 +132,8 @@ class Engine::Impl {
 };
 
 absl::Status Engine::Impl::Build(Device::Stream compute) {
-  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute));
+  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute,
+                                                                  zero_internal::NvmeSetupOf(config_)));
   const zero_internal::EngineMemory& mem = *memory_;
   layout_ = std::make_unique<zero_internal::ShardLayout>(plan_, mem.model_state());
   ASSIGN_OR_RETURN(streams_, zero_internal::StreamOrder::Create(
@@ -155,11 +156,13 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   }
   offload::PipelineOptions o;
   o.dtype = cdt_;
+  o.grad_dtype = memory::ReducedGradDType(plan_.options);
   o.staging = mem.staging().base;
   o.chunks = mem.staging().count;
   o.chunk_elements = mem.staging().elements;
   o.param_on_host = plan_.options.offload_param;
   o.cpu_threads = config_.cpu_threads;
+  o.nvme = mem.nvme_state();
   // The reduced gradients are written where the collectives run.
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
@@ -261,6 +264,10 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
   ASSIGN_OR_RETURN(const AdamWScalars scalars, hyper_->ForStep(step_ + 1));
   using RangeLists = std::vector<std::vector<offload::AdamWRange>>;
   ASSIGN_OR_RETURN(const RangeLists* ranges, groups_->Prepare(scalars, step_ + 1));
+  // From here the window is consumed, even if the update fails: with NVMe offload the state
+  // is then still the previous step's (the step count follows it) and the trainer redoes the
+  // window's micro-steps. A bad scalar above leaves it pending for another ApplyStep.
+  pending_.active = false;
   ++step_;
   stats->lr = scalars.lr;
   stats->weight_decay = scalars.weight_decay;
@@ -269,8 +276,11 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     offload::OffloadPipeline::Hooks hooks;
     hooks.before_gather = [this](Device::Event e) { return streams_->BeforeCommAfter(e); };
     hooks.gather = [this](int u) { return gatherer_->AllGatherUpdated(u); };
-    ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t,
-                     pipeline_->Update(*ranges, grad_scale, hooks));
+    absl::StatusOr<offload::OffloadPipeline::Times> update =
+        pipeline_->Update(*ranges, grad_scale, hooks);
+    // NVMe: a failed step leaves the previous state in the file; the count follows it.
+    if (!update.ok() && memory_->nvme_state() != nullptr) --step_;
+    ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
     // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
     RETURN_IF_ERROR(streams_->JoinComm());
@@ -436,7 +446,6 @@ absl::StatusOr<StepStats> Engine::Impl::Apply(std::optional<double> clip) {
   const float grad_scale = static_cast<float>(stats.clip_coef / pending_.g.scale);
   ASSIGN_OR_RETURN(const double pipeline_gather_ms, UpdateOwnedShards(grad_scale, &stats));
   stats.optimizer_ms = pending_.norm_ms + optimizer.ElapsedMs() - pipeline_gather_ms;
-  pending_.active = false;
   const Stopwatch gather;
   RETURN_IF_ERROR(GatherUpdatedParams());
   stats.gather_ms += pipeline_gather_ms + gather.ElapsedMs();
@@ -556,11 +565,15 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     offload::Cast(values.data(), DType::kF32, compute_values.data(), m.cdt_, unit.padded);
     const Region& reg = m.region(u);
     const int64_t n = reg.n;
-    if (m.memory_->model_state().master != nullptr) {
-      RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + reg.unit_begin, n * 4, compute));
+    if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+      RETURN_IF_ERROR(nvme->Store(u, values.data() + reg.unit_begin, nullptr, nullptr));
+    } else {
+      if (m.memory_->model_state().master != nullptr) {
+        RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + reg.unit_begin, n * 4, compute));
+      }
+      RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, compute));
+      RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, compute));
     }
-    RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, compute));
-    RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, compute));
     if (m.stage_ <= 2) {  // every rank holds the whole unit
       RETURN_IF_ERROR(m.dev_->Copy(m.At(m.memory_->model_state().params, unit.flat_offset),
                                    compute_values.data(), unit.padded * m.c_, compute));
@@ -658,7 +671,11 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
       RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, compute));
     } else {
       std::vector<float> shard(unit.shard);
-      RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));
+      if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+        RETURN_IF_ERROR(nvme->Load(u, shard.data(), nullptr, nullptr));
+      } else {
+        RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));
+      }
       RETURN_IF_ERROR(m.dev_->Synchronize(compute));
       RETURN_IF_ERROR(m.host_->AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
     }
@@ -694,6 +711,7 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
   if (master == nullptr || m == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
   }
+  RETURN_IF_ERROR(e.memory_->LoadNvmeState(e.plan_, master, m, v));  // the copies skip them
   return e.snapshot_->Begin(master, m, v, param);
 }
 
@@ -712,7 +730,9 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   const memory::Unit& u = plan_.units[ui];
   const Region& reg = region(ui);
   const Device::Stream compute = streams_->compute();
-  const bool has_master = memory_->model_state().master != nullptr;
+  offload::NvmeState* nvme = memory_->nvme_state();
+  const bool has_master = memory_->model_state().master != nullptr || nvme != nullptr;
+  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Store(ui, src[0], src[1], src[2]));
   float* dst[3] = {reg.master, reg.m, reg.v};
   std::vector<float> full;  // (padded) fp32, host: stage 0's whole unit
   for (int k = 0; k < 3; ++k) {
@@ -722,7 +742,7 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
       RETURN_IF_ERROR(host_->AllGatherHost(src[k], full.data(), u.shard, DType::kF32));
       RETURN_IF_ERROR(dev_->Copy(dst[k], full.data(), u.padded * 4, compute));
       RETURN_IF_ERROR(dev_->Synchronize(compute));  // `full` is reused
-    } else {
+    } else if (nvme == nullptr) {
       RETURN_IF_ERROR(dev_->Copy(dst[k], src[k], u.shard * 4, compute));
     }
     if (k == 0 && has_master) {

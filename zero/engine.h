@@ -99,8 +99,8 @@ struct StepStats {
 
 // Bytes the engine allocated for each memory kind, beside what the plan listed.
 struct MemoryReport {
-  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
-  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
 };
 
 // The engine's scalar training state: what a checkpoint stores besides tensors. The loss
@@ -250,6 +250,10 @@ class Engine {
   // one of ApplyStep / SkipStep with the same options: they check it (one small all-gather)
   // and fail alike with FailedPrecondition otherwise, leaving the decision pending.
   // FailedPrecondition on overflow (only SkipStep then) or without ComputeGradNorm. Collective.
+  // A bad learning rate (a schedule's, say) fails before anything changes and leaves the
+  // window pending. If the update itself fails (e.g. an NVMe I/O error naming file and
+  // offset), the window ends: with NVMe offload the state and step() are still the previous
+  // step's, and the trainer may redo the window's micro-steps.
   absl::StatusOr<StepStats> ApplyStep(const ApplyOptions& options = {});
   // Drops the measured gradients: parameters, m, v, the step count and, unless the window
   // overflowed (which the fp16 scaler counts as Step() does), the loss scaler stay as they

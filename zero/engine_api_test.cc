@@ -560,9 +560,9 @@ TEST_CASE("EngineApi: bad groups are InvalidArgument naming the pattern or param
   c.param_groups = {{"l*", -0.1, 1.0}};
   auto bad = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
   REQUIRE_FALSE(bad.ok());
+  // Engine::Create validates the config first: the message names the key and the value.
   CHECK_THAT(std::string(bad.status().message()),
-             Catch::Contains("zerort.param_groups[0] ('l*')") &&
-                 Catch::Contains("weight_decay=-0.1"));
+             Catch::Contains("zerort.param_groups[0].weight_decay") && Catch::Contains("-0.1"));
   c.param_groups.clear();
   EngineOptions o;
   o.param_groups.assign(7, std::nullopt);

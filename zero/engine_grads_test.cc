@@ -2,6 +2,7 @@
 // communication_dtype), reference-counted gathers, and gradient hand-off without a copy.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <limits>
@@ -119,6 +120,25 @@ TEST_CASE("Engine: fp32 accumulation and reduction close the gap to fp32 roundin
       CAPTURE(bf16_gap, fp32_gap, bound);
       CHECK(bf16_gap > 10 * bound);  // the default (2-byte) path really rounds
       CHECK(fp32_gap <= bound);
+    }
+  }
+}
+
+// Optimizer offload moves the fp32 gradients to the host AdamW as they are: the masters equal
+// the on-device fp32 path's bit for bit (DeepSpeed configs pair grad_accum_dtype fp32 with
+// offload_optimizer).
+TEST_CASE("Engine: fp32 gradients through optimizer offload equal the on-device path",
+          "[engine]") {
+  for (int stage : {1, 2, 3}) {
+    for (int gas : {1, 3}) {
+      CAPTURE(stage, gas);
+      Config c = testing::TestConfig(stage, DType::kBF16, gas, 0.0, false);
+      c.grad_accum_dtype = c.communication_dtype = DType::kF32;
+      const std::vector<float> on_device = TrainMasters(c, 2, 4);
+      c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+      const std::vector<float> offloaded = TrainMasters(c, 2, 4);
+      REQUIRE(offloaded.size() == on_device.size());
+      CHECK(std::memcmp(offloaded.data(), on_device.data(), on_device.size() * 4) == 0);
     }
   }
 }

@@ -1,6 +1,10 @@
 #include "zero/engine.h"
 
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <optional>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -9,8 +13,11 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
+#include "offload/nvme_io.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -152,6 +159,189 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
         }
       }
     }
+  }
+}
+
+// NVMe offload on the test's temporary directory (the machine's disk); null when the config
+// layer does not accept "nvme" yet.
+bool NvmeConfig(Config* c, int chunks) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  c->zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c->zero.offload_optimizer.nvme_path = tmp != nullptr ? tmp : "/tmp";
+  c->zero.offload_optimizer.buffer_count = chunks;
+  c->aio.block_size = 8192;  // several requests per unit, queue depth 2: every slot rotates
+  c->aio.queue_depth = 2;
+  c->aio.thread_count = 2;
+  const absl::Status valid = ValidateConfig(*c);
+  if (valid.code() == absl::StatusCode::kUnimplemented) {
+    WARN("NVMe offload not checked: the config layer refuses it: " << valid.ToString());
+    return false;
+  }
+  REQUIRE(valid.ok());
+  return true;
+}
+
+TEST_CASE("Engine: NVMe offload matches stage 0 and CPU offload bit for bit", "[zero][nvme]") {
+  const int steps = 8;
+  for (int world : {1, 3}) {
+    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    RequireOk(reference);
+    for (int stage = 1; stage <= 3; ++stage) {
+      for (int chunks : {1, 3}) {
+        Config c = MakeConfig(stage, DType::kBF16, 1, 0.05, true);
+        if (!NvmeConfig(&c, chunks)) return;
+        INFO("world=" << world << " stage=" << stage << " chunks=" << chunks);
+        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
+        }
+        const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
+        CHECK(run.report.planned[nvme] > 0);
+        CHECK(run.report.allocated[nvme] == run.report.planned[nvme]);
+      }
+    }
+  }
+}
+
+// An engine on SmallModel with InitValue parameters, trained `steps` optimizer steps.
+absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
+                                                      comm::Communicator* comm, Device* dev,
+                                                      int steps) {
+  ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
+  RETURN_IF_ERROR(e->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
+    int64_t n = 1;
+    for (int64_t d : spec.shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  }));
+  RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));
+  return e;
+}
+
+// This rank's owned master, m, v through BeginSnapshot.
+absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
+  return e.WaitSnapshot();
+}
+
+absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
+  std::vector<float> sa[3], sb[3];
+  RETURN_IF_ERROR(SnapshotOf(a, sa));
+  RETURN_IF_ERROR(SnapshotOf(b, sb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat(what, ": array ", k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
+  ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
+  ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
+  return BitEqual(ma, mb) ? absl::OkStatus() : absl::InternalError(what);
+}
+
+// One rank's check: NVMe-resident state is saved (BeginSnapshot) and restored
+// (RestoreOwnedState) like host state, and training resumes bit-identically.
+absl::Status SnapshotAndResume(const Config& cpu, const Config& nvme, comm::Communicator* comm,
+                               Device* dev) {
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 3));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 3));
+  RETURN_IF_ERROR(SameSnapshots(*a, *b, "snapshot"));
+  // A fresh NVMe engine restored from the CPU engine's snapshot continues as that engine does.
+  std::vector<float> sa[3];
+  RETURN_IF_ERROR(SnapshotOf(*a, sa));
+  ASSIGN_OR_RETURN(auto c, TrainedEngine(nvme, comm, dev, 0));
+  RETURN_IF_ERROR(c->RestoreOwnedState(sa[0], sa[1], sa[2], a->state()));
+  b.reset();
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 3, 3));
+  RETURN_IF_ERROR(testing::TrainSteps(*c, 3, 3));
+  RETURN_IF_ERROR(SameMasters(*a, *c, "masters differ after resume"));
+  if (c->step() != 6) return absl::InternalError("step count not restored");
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host state",
+          "[zero][nvme]") {
+  const int world = 2;
+  Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
+  Config nvme = cpu;
+  if (!NvmeConfig(&nvme, 2)) return;
+  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
+  CpuDeviceOptions device_options;
+  device_options.threads = 1;
+  auto device = CreateCpuDevice(device_options);
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back(
+        [&, r] { errors[r] = SnapshotAndResume(cpu, nvme, comms[r].get(), device.get()); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
+// Armed per rank: the second state write after arming fails with EIO (unit 0 of the step is
+// written, unit 1 is not: the failure lands mid-step on every rank alike).
+struct WriteFault {
+  std::atomic<int> armed[2] = {{0}, {0}};  // writes left before the failing one, + 1
+};
+
+absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communicator* comm,
+                          Device* dev, WriteFault* fault) {
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
+  const int r = comm->rank();
+  fault->armed[r] = 2;
+  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
+  fault->armed[r] = 0;
+  if (failed.ok() || failed.message().find("/optimizer_state at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected an EIO naming file and offset, got ",
+                                            failed.ToString()));
+  }
+  if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
+  // The NVMe state is the one before the failed step, not half-updated.
+  RETURN_IF_ERROR(SameSnapshots(*a, *b, "half-updated"));
+  // The next attempt (the same micro-step again) continues as if nothing had failed.
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
+  return SameMasters(*a, *b, "masters differ after the retried step");
+}
+
+TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the previous state",
+          "[zero][nvme]") {
+  const int world = 2;
+  Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
+  Config nvme = cpu;
+  if (!NvmeConfig(&nvme, 2)) return;
+  WriteFault fault;
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
+    if (op != offload::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
+    if (--fault.armed[r] == 0) return -EIO;
+    return std::nullopt;
+  });
+  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      errors[r] = FaultMidStep(cpu, nvme, comms[r].get(), device.get(), &fault);
+    });
+  }
+  for (auto& t : threads) t.join();
+  offload::SetIoFaultForTesting(nullptr);
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
   }
 }
 

@@ -53,7 +53,9 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.world_size = world_size;
   o.rank = rank;
   o.compute_dtype = c.compute_dtype;
-  o.offload_optimizer = c.zero.offload_optimizer.device == OffloadDevice::kCpu;
+  o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
+  o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
+  o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
   o.offload_param = c.zero.offload_param.device == OffloadDevice::kCpu;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;
@@ -114,8 +116,6 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base) {
     o.offload_optimizer = o.offload_param = false;
     out.push_back(o);
   }
-  // fp32 gradient accumulation has no offload path (memory::MakePlan refuses the pair).
-  if (base.fp32_grad_accum && base.compute_dtype != DType::kF32) return out;
   for (int stage = 1; stage <= 3; ++stage) {
     memory::PlanOptions o = base;
     o.stage = stage;

@@ -1,5 +1,11 @@
 #include "zero/internal/engine_memory.h"
 
+#include <unistd.h>
+
+#include <atomic>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace zerort {
@@ -8,11 +14,15 @@ namespace zero_internal {
 using memory::BufferClass;
 using memory::MemoryKind;
 
+// Memory kinds with an arena: all but kNvme (the last).
+constexpr int kNumArenas = memory::kNumMemoryKinds - 1;
+
 absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memory::Plan& plan,
                                                                       Device* device,
-                                                                      Device::Stream stream) {
+                                                                      Device::Stream stream,
+                                                                      const NvmeSetup& nvme) {
   std::unique_ptr<EngineMemory> mem(new EngineMemory());
-  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t need[memory::kNumMemoryKinds] = {0, 0, 0, 0};
   for (const memory::Buffer& b : plan.buffers) {
     // Each buffer may skip up to kStaggerSlack bytes so that no two start at the same offset
     // modulo 4 KiB (see memory/arena.h: 4 KiB aliasing halves the host AdamW's bandwidth).
@@ -22,24 +32,76 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     mem->bytes_.planned[static_cast<int>(b.kind)] += b.bytes;
   }
   static const char* kArenaNames[] = {"device", "pinned_host", "host"};
-  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+  for (int k = 0; k < kNumArenas; ++k) {
     ASSIGN_OR_RETURN(mem->arenas_[k],
                      memory::Arena::Create(kArenaNames[k], need[k],
                                            device->allocator(static_cast<MemoryKind>(k))));
   }
   size_t index = 0;
   for (const memory::Buffer& b : plan.buffers) {
+    if (b.kind == MemoryKind::kNvme) continue;  // in the swap file, not in memory
     memory::Arena& arena = *mem->arenas_[static_cast<int>(b.kind)];
     // 1280 = 5 x 256: coprime with 16, so up to 16 buffers get distinct 256-byte residues.
-    const size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
+    // The NVMe slots take residue 0: direct I/O needs them aligned to 4 KiB.
+    size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
+    if (b.cls == BufferClass::kNvmeStaging) residue = 0;
     ASSIGN_OR_RETURN(void* p, arena.AllocateStaggered(b.name, b.bytes, residue));
     RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
     mem->Assign(b, static_cast<char*>(p));
   }
-  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+  for (int k = 0; k < kNumArenas; ++k) {
     mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
   }
+  if (plan.options.offload_optimizer_nvme) RETURN_IF_ERROR(mem->CreateNvme(plan, nvme));
   return mem;
+}
+
+NvmeSetup NvmeSetupOf(const Config& c) {
+  NvmeSetup s;
+  s.path = c.zero.offload_optimizer.nvme_path;
+  s.aio = {c.aio.block_size, c.aio.queue_depth, c.aio.single_submit, c.aio.overlap_events,
+           c.aio.thread_count, nullptr};
+  return s;
+}
+
+absl::Status EngineMemory::LoadNvmeState(const memory::Plan& plan, float* master, float* m,
+                                         float* v) const {
+  if (nvme_state_ == nullptr) return absl::OkStatus();
+  for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {
+    const int64_t off = plan.units[u].shard_offset;
+    RETURN_IF_ERROR(nvme_state_->Load(u, master + off, m + off, v + off));
+  }
+  return absl::OkStatus();
+}
+
+EngineMemory::~EngineMemory() {
+  nvme_state_.reset();
+  aio_.reset();
+  swap_file_.reset();
+  swap_dir_.reset();
+}
+
+absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup& setup) {
+  // pid and a per-process count: two engines of one process (a reshard, an evaluation copy)
+  // never share a directory, and a dead pid marks a crashed run's leftovers.
+  static std::atomic<int> engines{0};
+  const std::string job = absl::StrCat(getpid(), "-", engines++);
+  ASSIGN_OR_RETURN(swap_dir_, offload::SwapDir::Create(setup.path, job, plan.options.rank));
+  ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile("optimizer_state", plan.nvme_bytes()));
+  bytes_.allocated[static_cast<int>(MemoryKind::kNvme)] = swap_file_->bytes();
+  ASSIGN_OR_RETURN(aio_, offload::AioEngine::Create(setup.aio));
+  std::vector<int64_t> shards;
+  for (const memory::Unit& u : plan.units) shards.push_back(u.shard);
+  const int64_t slot_bytes = nvme_staging_.elements * 4;
+  ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(
+                                    aio_.get(), swap_file_.get(), shards,
+                                    plan.options.nvme_piece_elements, nvme_staging_.base,
+                                    slot_bytes));
+  // m and v start at zero, the master at whatever InitParams stores.
+  for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
+    RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
+  }
+  return absl::OkStatus();
 }
 
 void EngineMemory::Assign(const memory::Buffer& b, char* p) {
@@ -57,6 +119,8 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kPersistentParams: persistent_ = p; break;
     case BufferClass::kOffloadStaging: staging_ = slotted; break;
     case BufferClass::kNormTable: norm_table_ = reinterpret_cast<float*>(p); break;
+    case BufferClass::kNvmeStaging: nvme_staging_ = slotted; break;
+    case BufferClass::kNvmeSecondCopy: break;  // a file region
   }
 }
 

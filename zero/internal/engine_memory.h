@@ -1,6 +1,11 @@
 // EngineMemory: exactly the buffers memory::Plan lists, carved from one arena per memory kind,
 // zero-filled, with the count of every byte planned and allocated (ByteCounts).
 //
+// With NVMe offload (plan.options.offload_optimizer_nvme) master, m and v are not in memory:
+// EngineMemory creates the rank's swap directory and file (offload/nvme_io.h) of exactly the
+// plan's nvme bytes, the AioEngine, and the NvmeState over the plan's nvme_staging slots, with
+// the initial state zero; model_state().master/m/v are then null.
+//
 // Thread safety: immutable after Allocate (the buffers' contents are the engine's to guard).
 // The arenas are freed with this object: destroy it only after every copy into them is done.
 #ifndef ZERORT_ZERO_INTERNAL_ENGINE_MEMORY_H_
@@ -8,11 +13,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "device/device.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
+#include "zero/config.h"
+#include "offload/nvme_io.h"
+#include "offload/nvme_state.h"
 #include "zero/internal/shard_layout.h"
 
 namespace zerort {
@@ -20,8 +29,8 @@ namespace zero_internal {
 
 // Bytes per memory kind (memory::MemoryKind order).
 struct ByteCounts {
-  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0};
-  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0};
+  int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+  int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
 };
 
 // A buffer split into `count` equal slots of `elements` each (buckets, gather slots, chunks).
@@ -31,33 +40,57 @@ struct SlottedBuffer {
   int64_t elements = 0;  // per slot
 };
 
+// Where NVMe offload puts its files: <path>/zerort-<pid>-<n>-rank<rank>/optimizer_state.
+struct NvmeSetup {
+  std::string path;          // zero_optimization.offload_optimizer.nvme_path
+  offload::AioOptions aio;   // the config's aio block
+};
+
+NvmeSetup NvmeSetupOf(const Config& config);
+
 class EngineMemory {
  public:
-  // Allocates and zero-fills (on `stream`) every buffer of `plan`.
+  // Allocates and zero-fills (on `stream`) every buffer of `plan`; the swap file with NVMe
+  // offload (errors of offload/nvme_io.h: tmpfs, leftovers of a crashed run, a full disk).
   static absl::StatusOr<std::unique_ptr<EngineMemory>> Allocate(const memory::Plan& plan,
                                                                 Device* device,
-                                                                Device::Stream stream);
+                                                                Device::Stream stream,
+                                                                const NvmeSetup& nvme = {});
+  ~EngineMemory();
 
   const ModelStateBuffers& model_state() const { return model_state_; }
   const SlottedBuffer& grad_buckets() const { return grad_buckets_; }    // stages 2-3
   const SlottedBuffer& gather_slots() const { return gather_slots_; }    // stage 3
   const SlottedBuffer& staging() const { return staging_; }              // offload
+  const SlottedBuffer& nvme_staging() const { return nvme_staging_; }    // NVMe offload
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   const ByteCounts& bytes() const { return bytes_; }
+  // NVMe offload: master|m|v of every owned unit shard; null otherwise.
+  offload::NvmeState* nvme_state() const { return nvme_state_.get(); }
+  // NVMe offload: reads every unit's master, m, v (plan.shard_elements each, unit u at
+  // units[u].shard_offset) from the file, synchronously; OK at once without NVMe offload.
+  absl::Status LoadNvmeState(const memory::Plan& plan, float* master, float* m, float* v) const;
 
  private:
   EngineMemory() = default;
   void Assign(const memory::Buffer& b, char* p);
+  absl::Status CreateNvme(const memory::Plan& plan, const NvmeSetup& setup);
 
-  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds];
+  std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds - 1];  // kNvme has none
   ModelStateBuffers model_state_;
-  SlottedBuffer grad_buckets_, gather_slots_, staging_;
+  SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_;
   char* persistent_ = nullptr;
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
   ByteCounts bytes_;
+  // Destroyed first (by ~EngineMemory): the state waits for its I/O, then the file goes, then
+  // the directory.
+  std::unique_ptr<offload::SwapDir> swap_dir_;
+  std::unique_ptr<offload::SwapFile> swap_file_;
+  std::unique_ptr<offload::AioEngine> aio_;
+  std::unique_ptr<offload::NvmeState> nvme_state_;
 };
 
 }  // namespace zero_internal

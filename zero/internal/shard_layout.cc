@@ -34,6 +34,7 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
                          : at(b.params, unit.flat_offset + r.unit_begin);
   // Optimizer state is the concatenation of the owned regions.
   const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
+  if (b.m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
   r.master = b.master != nullptr ? b.master + optim : reinterpret_cast<float*>(r.param);
   r.m = b.m + optim;
   r.v = b.v + optim;

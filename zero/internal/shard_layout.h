@@ -50,7 +50,7 @@ struct Region {
   bool whole_unit = false;   // the region is the whole unit (stage 0)
   const char* grad = nullptr;  // (n) grad_dtype: the reduced gradient
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
-  float* master = nullptr;     // (n) fp32
+  float* master = nullptr;     // (n) fp32; master, m, v null with NVMe offload
   float* m = nullptr;          // (n) fp32
   float* v = nullptr;          // (n) fp32
   char* param = nullptr;       // (n) compute dtype

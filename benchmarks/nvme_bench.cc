@@ -1,0 +1,284 @@
+// nvme_bench: NVMe offload I/O (offload/nvme_io.h) on the optimizer step's access pattern,
+// against fio run in the same process on the same directory with the same block size, queue
+// depth, thread count and O_DIRECT; then the optimizer step over NVMe-resident state against
+// the same step over host-resident state and against the pure I/O time of the state.
+//
+// Patterns (the state file is read and written in chunks of one unit's master|m|v):
+//   write: chunks written in order, three chunks in flight         fio rw=write
+//   read:  chunks read in order, three chunks in flight             fio rw=read
+//   step:  read chunk k+1 while chunk k-1 is written back           fio rw=rw, rwmixread=50
+// Goal: ours >= 0.9 of fio's bandwidth for each pattern.
+//
+//   nvme_bench [--quick] [--dir=/tmp] [--mib=1024] [--chunk_mib=12] [--block_kib=1024]
+//              [--queue_depth=8] [--threads=1] [--steps=5] [--params=33554432]
+//              [--piece_elements=0]
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/status.h"
+#include "benchmarks/bench_util.h"
+#include "nlohmann/json.hpp"
+#include "device/cpu_device.h"
+#include "offload/nvme_io.h"
+#include "offload/nvme_state.h"
+#include "offload/pipeline.h"
+
+namespace zerort {
+namespace {
+
+using offload::AioEngine;
+using offload::IoBuffer;
+using offload::IoOp;
+using offload::SwapFile;
+
+struct Flags {
+  bool quick = false;
+  std::string dir = "/tmp";
+  int64_t mib = 1024;
+  int64_t chunk_mib = 12;
+  int64_t block_kib = 1024;
+  int queue_depth = 8;
+  int threads = 1;
+  int steps = 5;
+  int64_t params = int64_t{1} << 25;  // the step's model: this many parameters in 16 units
+  int64_t piece_elements = 0;         // NVMe pieces (memory::NvmePieces); 0: whole units
+};
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name, auto* out) {
+      const std::string prefix = absl::StrCat("--", name, "=");
+      if (a.rfind(prefix, 0) != 0) return false;
+      return absl::SimpleAtoi(a.substr(prefix.size()), out);
+    };
+    if (a == "--quick") {
+      f->quick = true;
+    } else if (a.rfind("--dir=", 0) == 0) {
+      f->dir = a.substr(6);
+    } else if (!(value("mib", &f->mib) || value("chunk_mib", &f->chunk_mib) ||
+                 value("block_kib", &f->block_kib) || value("queue_depth", &f->queue_depth) ||
+                 value("threads", &f->threads) || value("steps", &f->steps) ||
+                 value("params", &f->params) || value("piece_elements", &f->piece_elements))) {
+      std::fprintf(stderr,
+                   "usage: nvme_bench [--quick] [--dir=D] [--mib=N] [--chunk_mib=N] "
+                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N] [--piece_elements=N]\n");
+      return false;
+    }
+  }
+  if (f->quick) {
+    if (const char* t = std::getenv("TEST_TMPDIR")) f->dir = t;
+    f->mib = 32;
+    f->chunk_mib = 4;
+    f->steps = 2;
+    f->params = int64_t{1} << 18;
+  }
+  return true;
+}
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Our bandwidth (bytes moved / s) for `pattern` over the whole file, chunk by chunk.
+absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t chunk,
+                                    const std::string& pattern, std::vector<IoBuffer>* bufs) {
+  const int64_t chunks = file->bytes() / chunk;
+  std::vector<AioEngine::Ticket> pending(bufs->size(), 0);
+  auto wait = [&](size_t slot) {
+    absl::Status s = pending[slot] ? io->Wait(pending[slot]) : absl::OkStatus();
+    pending[slot] = 0;
+    return s;
+  };
+  auto submit = [&](IoOp op, int64_t k) {
+    const size_t slot = static_cast<size_t>(k) % bufs->size();
+    pending[slot] = io->Submit({{op, file, k * chunk, (*bufs)[slot].data(), chunk}});
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  if (pattern == "step") {  // 3 buffers: read k+1 | (update k) | write k-1
+    submit(IoOp::kRead, 0);
+    for (int64_t k = 0; k < chunks; ++k) {
+      if (k + 1 < chunks) {
+        RETURN_IF_ERROR(wait((k + 1) % bufs->size()));  // the write of chunk k-2
+        submit(IoOp::kRead, k + 1);
+      }
+      RETURN_IF_ERROR(wait(k % bufs->size()));  // the read of chunk k
+      submit(IoOp::kWrite, k);
+    }
+  } else {  // three chunks in flight
+    const IoOp op = pattern == "read" ? IoOp::kRead : IoOp::kWrite;
+    for (int64_t k = 0; k < chunks; ++k) {
+      RETURN_IF_ERROR(wait(k % bufs->size()));
+      submit(op, k);
+    }
+  }
+  for (size_t s = 0; s < bufs->size(); ++s) RETURN_IF_ERROR(wait(s));
+  const double bytes = static_cast<double>(chunks * chunk) * (pattern == "step" ? 2 : 1);
+  return bytes / Seconds(t0);
+}
+
+// fio's bandwidth (bytes / s, read + write) for the same pattern, or a negative value.
+double FioBandwidth(const Flags& f, const std::string& pattern, int64_t bytes) {
+  const std::string rw = pattern == "step" ? "rw --rwmixread=50" : pattern;
+  const std::string file = f.dir + "/nvme_bench.fio";
+  const int64_t per_job = bytes / f.threads / 4096 * 4096;
+  const std::string cmd = absl::StrFormat(
+      "fio --name=nvme_bench --filename=%s --ioengine=io_uring --direct=1 --rw=%s --bs=%dk "
+      "--iodepth=%d --numjobs=%d --size=%d --offset_increment=%d --group_reporting "
+      "--output-format=json 2>/dev/null",
+      file, rw, f.block_kib, f.queue_depth, f.threads, per_job, per_job);
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return -1;
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  pclose(p);
+  const size_t brace = out.find('{');
+  if (brace == std::string::npos) return -1;
+  auto j = nlohmann::json::parse(out.substr(brace), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return -1;
+  const auto& job = j["jobs"][0];
+  return job["read"]["bw_bytes"].get<double>() + job["write"]["bw_bytes"].get<double>();
+}
+
+// The optimizer step of OffloadPipeline over `f.params` bf16 parameters in 16 equal units on
+// the CPU device, with master/m/v in host memory (CPU offload) and in a swap file (NVMe
+// offload), and the pure I/O of the NVMe step: NvmeState's reads and writes of the same units
+// through the same slots with no AdamW between them. Median milliseconds per step.
+absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::AioOptions& aio) {
+  constexpr int kUnits = 16;
+  const int64_t n = f.params / kUnits / 1024 * 1024;
+  auto dev = CreateCpuDevice(CpuDeviceOptions());
+  ASSIGN_OR_RETURN(Device::Stream stream, dev->CreateStream());
+  std::vector<uint16_t> grads(n * kUnits, 0x3c00), params(n * kUnits);  // bf16
+  std::vector<float> host(3 * n * kUnits, 0.0f);                         // master | m | v
+  std::vector<int64_t> sizes(kUnits, n);
+  std::vector<uint16_t> staging(2 * 2 * n);
+  ASSIGN_OR_RETURN(auto io, AioEngine::Create(aio));
+  ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat(getpid(), "-step"), 0));
+  ASSIGN_OR_RETURN(auto file, dir->CreateFile("optimizer_state",
+                                              offload::NvmeState::FileBytes(sizes, f.piece_elements)));
+  const int64_t slot = offload::NvmeState::SlotBytes(sizes, f.piece_elements);
+  ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(offload::NvmeState::kSlots * slot));
+  ASSIGN_OR_RETURN(auto nvme, offload::NvmeState::Create(io.get(), file.get(), sizes,
+                                                         f.piece_elements, slots.data(), slot));
+  for (int u = 0; u < kUnits; ++u) RETURN_IF_ERROR(nvme->Store(u, nullptr, nullptr, nullptr));
+  std::unique_ptr<offload::OffloadPipeline> pipes[2];
+  for (int on_disk = 0; on_disk < 2; ++on_disk) {
+    std::vector<offload::PipelineRegion> regions;
+    for (int u = 0; u < kUnits; ++u) {
+      float* h = host.data() + 3 * n * u;
+      regions.push_back({grads.data() + n * u, on_disk ? nullptr : h, on_disk ? nullptr : h + n,
+                         on_disk ? nullptr : h + 2 * n, params.data() + n * u, n});
+    }
+    offload::PipelineOptions o;
+    o.staging = reinterpret_cast<char*>(staging.data());
+    o.chunks = 2;
+    o.chunk_elements = 2 * n;
+    o.cpu_threads = 1;
+    o.nvme = on_disk ? nvme.get() : nullptr;
+    ASSIGN_OR_RETURN(pipes[on_disk], offload::OffloadPipeline::Create(dev.get(), regions, o,
+                                                                       stream));
+  }
+  offload::OffloadPipeline::Hooks hooks;
+  hooks.before_gather = [&](Device::Event e) { return dev->WaitHost(e); };
+  hooks.gather = [](int) { return absl::OkStatus(); };
+  std::vector<double> ms[3];  // cpu offload, nvme offload, pure I/O
+  for (int t = 1; t <= f.steps + 1; ++t) {  // interleaved; the first round is a warm-up
+    ASSIGN_OR_RETURN(offload::AdamWStepParams p,
+                     offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, t));
+    for (int k = 0; k < 3; ++k) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (k < 2) {
+        RETURN_IF_ERROR(pipes[k]->Update(p, 1.0f, hooks).status());
+        RETURN_IF_ERROR(pipes[k]->JoinUploads(stream));
+        RETURN_IF_ERROR(dev->Synchronize(stream));
+      } else {
+        RETURN_IF_ERROR(nvme->Begin());
+        for (int k = 0; k < static_cast<int>(nvme->pieces().size()); ++k) {
+          RETURN_IF_ERROR(nvme->Acquire(k).status());
+          RETURN_IF_ERROR(nvme->Release(k));
+        }
+        RETURN_IF_ERROR(nvme->Finish());
+      }
+      if (t > 1) ms[k].push_back(1e3 * Seconds(t0));
+    }
+  }
+  for (auto& p : pipes) p.reset();
+  dev->DestroyStream(stream);
+  const double cpu = bench::Median(ms[0]), disk = bench::Median(ms[1]), pure = bench::Median(ms[2]);
+  const double state_bytes = offload::NvmeState::FileBytes(sizes, f.piece_elements);  // read + write
+  return nlohmann::ordered_json{
+      {"params", n * kUnits}, {"units", kUnits}, {"pieces", nvme->pieces().size()},
+      {"state_bytes_moved", state_bytes},
+      {"cpu_offload_ms", cpu}, {"nvme_offload_ms", disk}, {"pure_io_ms", pure},
+      {"nvme_over_pure_io", disk / pure}, {"nvme_over_cpu", disk / cpu},
+      {"pure_io_mb_s", state_bytes / pure / 1e3}};
+}
+
+absl::Status Run(const Flags& f) {
+  const int64_t chunk = f.chunk_mib << 20;
+  const int64_t bytes = (f.mib << 20) / chunk * chunk;
+  offload::AioOptions o;
+  o.block_size = f.block_kib * 1024;
+  o.queue_depth = f.queue_depth;
+  o.thread_count = f.threads;
+  ASSIGN_OR_RETURN(auto io, AioEngine::Create(o));
+  ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat("bench", getpid()), 0));
+  ASSIGN_OR_RETURN(auto file, dir->CreateFile("state", bytes));
+  std::vector<IoBuffer> bufs;
+  for (int i = 0; i < 3; ++i) {
+    ASSIGN_OR_RETURN(IoBuffer b, IoBuffer::Allocate(chunk));
+    std::memset(b.data(), i + 1, chunk);
+    bufs.push_back(std::move(b));
+  }
+  nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+  // Writes first: reads of never-written (fallocated) extents return zeros without touching
+  // the device.
+  for (const char* pattern : {"write", "read", "step"}) {
+    std::vector<double> ours, fio;
+    for (int rep = 0; rep < (f.quick ? 1 : 3); ++rep) {  // interleaved: the disk's state drifts
+      ASSIGN_OR_RETURN(double bw, OurBandwidth(io.get(), file.get(), chunk, pattern, &bufs));
+      ours.push_back(bw);
+      fio.push_back(FioBandwidth(f, pattern, bytes));
+    }
+    const double a = bench::Median(ours), b = bench::Median(fio);
+    rows.push_back({{"pattern", pattern}, {"ours_mb_s", a / 1e6},
+                    {"fio_mb_s", b > 0 ? nlohmann::ordered_json(b / 1e6) : nullptr},
+                    {"ratio", b > 0 ? nlohmann::ordered_json(a / b) : nullptr}});
+  }
+  unlink((f.dir + "/nvme_bench.fio").c_str());
+  nlohmann::ordered_json head = {
+      {"benchmark", "nvme_bench"}, {"dir", f.dir}, {"bytes", bytes}, {"chunk_bytes", chunk},
+      {"block_size", o.block_size}, {"queue_depth", f.queue_depth}, {"threads", f.threads},
+      {"goal", "ours >= 0.9 of fio per pattern; step time <= 1.1 x pure I/O time"},
+      {"io", rows}};
+  ASSIGN_OR_RETURN(head["step"], StepRows(f, o));
+  std::printf("%s\n", head.dump(2).c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace zerort
+
+int main(int argc, char** argv) {
+  zerort::Flags f;
+  if (!zerort::ParseFlags(argc, argv, &f)) return 2;
+  const absl::Status s = zerort::Run(f);
+  if (!s.ok()) {
+    std::fprintf(stderr, "nvme_bench: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,178 @@
+#include "offload/nvme_io.h"
+
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+namespace zerort {
+namespace offload {
+namespace {
+
+// A directory on the machine's disk (Bazel's test tmpdir), never tmpfs.
+std::string DiskDir() {
+  const char* t = std::getenv("TEST_TMPDIR");
+  return t != nullptr ? t : "/tmp";
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+void Fill(char* p, int64_t n, int seed) {
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<char>((i * 131 + seed * 7 + (i >> 12)) & 0xff);
+}
+
+TEST_CASE("AioEngine: what is written reads back, for every aio option", "[nvme]") {
+  auto dir = SwapDir::Create(DiskDir(), "io", 0);
+  REQUIRE(dir.ok());
+  constexpr int64_t kBytes = 5 * 65536 + 3 * 4096;  // not a multiple of the block size
+  auto file = (*dir)->CreateFile("state", 2 * kBytes);
+  REQUIRE(file.ok());
+  struct Case { int64_t block; int depth; bool single; bool overlap; int threads; };
+  const std::vector<Case> cases = {{65536, 8, false, true, 1}, {8192, 1, true, true, 1},
+                                   {16384, 4, false, false, 3}, {4096, 3, true, false, 2}};
+  int seed = 0;
+  for (const Case& c : cases) {
+    AioOptions o;
+    o.block_size = c.block;
+    o.queue_depth = c.depth;
+    o.single_submit = c.single;
+    o.overlap_events = c.overlap;
+    o.thread_count = c.threads;
+    auto io = AioEngine::Create(o);
+    REQUIRE(io.ok());
+    auto a = IoBuffer::Allocate(kBytes), b = IoBuffer::Allocate(kBytes);
+    auto back = IoBuffer::Allocate(2 * kBytes);
+    REQUIRE((a.ok() && b.ok() && back.ok()));
+    Fill(a->data(), kBytes, ++seed);
+    Fill(b->data(), kBytes, ++seed);
+    // Two tickets in flight at once, to the two halves of the file.
+    auto t1 = (*io)->Submit({{IoOp::kWrite, file->get(), 0, a->data(), kBytes}});
+    auto t2 = (*io)->Submit({{IoOp::kWrite, file->get(), kBytes, b->data(), kBytes}});
+    REQUIRE((*io)->Wait(t2).ok());
+    REQUIRE((*io)->Wait(t1).ok());
+    std::memset(back->data(), 0, 2 * kBytes);
+    REQUIRE((*io)->Run({{IoOp::kRead, file->get(), kBytes, back->data() + kBytes, kBytes},
+                        {IoOp::kRead, file->get(), 0, back->data(), kBytes}}).ok());
+    CHECK(std::memcmp(back->data(), a->data(), kBytes) == 0);
+    CHECK(std::memcmp(back->data() + kBytes, b->data(), kBytes) == 0);
+  }
+}
+
+TEST_CASE("AioEngine: faults name the file and the offset", "[nvme]") {
+  auto dir = SwapDir::Create(DiskDir(), "faults", 0);
+  REQUIRE(dir.ok());
+  auto file = (*dir)->CreateFile("state", 1 << 20);
+  REQUIRE(file.ok());
+  auto buf = IoBuffer::Allocate(1 << 20);
+  REQUIRE(buf.ok());
+  struct Case { IoOp op; int result; absl::StatusCode code; const char* text; };
+  const std::vector<Case> cases = {
+      {IoOp::kWrite, -EIO, absl::StatusCode::kInternal, "Input/output error"},
+      {IoOp::kWrite, -ENOSPC, absl::StatusCode::kResourceExhausted, "No space left"},
+      {IoOp::kWrite, 4096, absl::StatusCode::kDataLoss, "short nvme write"},
+      {IoOp::kRead, 100, absl::StatusCode::kDataLoss, "short nvme read"},
+      {IoOp::kRead, -EIO, absl::StatusCode::kInternal, "nvme read"}};
+  for (const Case& c : cases) {
+    AioOptions o;
+    o.block_size = 65536;
+    o.thread_count = 2;
+    const int64_t bad_offset = 7 * 65536;
+    o.fault = [&](IoOp op, const std::string&, int64_t offset, int64_t) -> std::optional<int> {
+      if (op == c.op && offset == bad_offset) return c.result;
+      return std::nullopt;
+    };
+    auto io = AioEngine::Create(o);
+    REQUIRE(io.ok());
+    const absl::Status s = (*io)->Run({{c.op, file->get(), 0, buf->data(), 1 << 20}});
+    INFO(s.ToString());
+    CHECK(s.code() == c.code);
+    CHECK(s.message().find((*file)->path()) != absl::string_view::npos);
+    CHECK(s.message().find("offset 458752") != absl::string_view::npos);
+    CHECK(s.message().find(c.text) != absl::string_view::npos);
+  }
+}
+
+TEST_CASE("SwapDir: owned, exclusive, removed on shutdown, leftovers reported", "[nvme]") {
+  const std::string base = DiskDir();
+  const std::string path = base + "/zerort-own-rank3";
+  {
+    auto dir = SwapDir::Create(base, "own", 3);
+    REQUIRE(dir.ok());
+    CHECK((*dir)->path() == path);
+    auto f = (*dir)->CreateFile("master", 10000);
+    REQUIRE(f.ok());
+    CHECK((*f)->bytes() == 12288);
+    CHECK(Exists(path + "/master"));
+    // O_EXCL: the same name twice is refused.
+    auto again = (*dir)->CreateFile("master", 4096);
+    CHECK(again.status().code() == absl::StatusCode::kInvalidArgument);
+    // Another engine with the same job and rank does not share the directory.
+    auto other = SwapDir::Create(base, "own", 3);
+    CHECK(other.status().code() == absl::StatusCode::kFailedPrecondition);
+  }
+  CHECK_FALSE(Exists(path));  // clean shutdown removes files and directory
+  // A process that dies without shutting down leaves its files: they are reported, not reused,
+  // by the next run under the same name, and by any run of the same rank once the pid is gone.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    auto dir = SwapDir::Create(base, std::to_string(getpid()) + "-0", 0);
+    if (!dir.ok()) _exit(1);
+    auto f = (*dir)->CreateFile("exp_avg", 4096);
+    _exit(f.ok() ? 0 : 2);  // no destructors run
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  REQUIRE(WEXITSTATUS(status) == 0);
+  const std::string left = base + "/zerort-" + std::to_string(pid) + "-0-rank0";
+  auto again = SwapDir::Create(base, std::to_string(pid) + "-0", 0);
+  CHECK(again.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(again.status().message().find(left) != absl::string_view::npos);
+  auto other = SwapDir::Create(base, "next-run", 0);
+  CHECK(other.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(other.status().message().find(left) != absl::string_view::npos);
+  CHECK(SwapDir::Create(base, "rank1-unaffected", 1).ok());  // another rank's leftovers only
+  unlink((left + "/exp_avg").c_str());
+  rmdir(left.c_str());
+  CHECK(SwapDir::Create(base, "after-cleanup", 0).ok());
+}
+
+TEST_CASE("SwapDir: tmpfs and missing directories are refused by name", "[nvme]") {
+  auto missing = SwapDir::Create("/nonexistent/nvme", "j", 0);
+  CHECK(missing.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(missing.status().message().find("/nonexistent/nvme") != absl::string_view::npos);
+  struct statfs fs;
+  if (statfs("/dev/shm", &fs) != 0 || fs.f_type != 0x01021994) {
+    WARN("no tmpfs at /dev/shm: tmpfs refusal not checked");
+    return;
+  }
+  auto shm = SwapDir::Create("/dev/shm", "j", 0);
+  CHECK(shm.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(shm.status().message().find("\"/dev/shm\" is on tmpfs") != absl::string_view::npos);
+}
+
+TEST_CASE("AioEngine: options are checked", "[nvme]") {
+  AioOptions o;
+  o.block_size = 1000;
+  CHECK(AioEngine::Create(o).status().code() == absl::StatusCode::kInvalidArgument);
+  o = AioOptions();
+  o.queue_depth = 0;
+  CHECK(AioEngine::Create(o).status().code() == absl::StatusCode::kInvalidArgument);
+  o = AioOptions();
+  o.thread_count = 0;
+  CHECK(AioEngine::Create(o).status().message().find("thread_count") != absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace offload
+}  // namespace zerort
