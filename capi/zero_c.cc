@@ -59,7 +59,8 @@ static_assert(static_cast<int>(ZR_UNAUTHENTICATED) ==
 static_assert(static_cast<int>(ZR_BF16) == static_cast<int>(zerort::DType::kBF16) &&
                   static_cast<int>(ZR_F16) == static_cast<int>(zerort::DType::kF16),
               "zr_dtype must mirror zerort::DType");
-static_assert(ZR_NUM_MEMORY_KINDS == zerort::memory::kNumMemoryKinds,
+static_assert(ZR_NUM_MEMORY_KINDS + 1 == zerort::memory::kNumMemoryKinds &&
+                  ZR_MEMORY_NVME == static_cast<int>(zerort::memory::MemoryKind::kNvme),
               "zr_memory_kind must mirror memory::MemoryKind");
 
 std::string& LastError() {
@@ -119,6 +120,14 @@ constexpr size_t FirstPublishedSize<zr_engine_options>() {
 template <>
 constexpr size_t FirstPublishedSize<zr_step_stats>() {
   return offsetof(zr_step_stats, lr);
+}
+template <>
+constexpr size_t FirstPublishedSize<zr_plan_summary>() {
+  return offsetof(zr_plan_summary, planned_nvme_bytes);
+}
+template <>
+constexpr size_t FirstPublishedSize<zr_memory_report>() {
+  return offsetof(zr_memory_report, planned_nvme_bytes);
 }
 
 template <typename T>
@@ -697,6 +706,8 @@ zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) 
       summary.planned_bytes[k] = report.planned[k];
       summary.allocated_bytes[k] = report.allocated[k];
     }
+    summary.planned_nvme_bytes = report.planned[ZR_MEMORY_NVME];
+    summary.allocated_nvme_bytes = report.allocated[ZR_MEMORY_NVME];
     return WriteSized(summary, out, "zr_engine_plan_summary", "zr_plan_summary");
   });
 }
@@ -710,6 +721,8 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
       r.planned_bytes[k] = report.planned[k];
       r.allocated_bytes[k] = report.allocated[k];
     }
+    r.planned_nvme_bytes = report.planned[ZR_MEMORY_NVME];
+    r.allocated_nvme_bytes = report.allocated[ZR_MEMORY_NVME];
     return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
   });
 }

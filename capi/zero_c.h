@@ -56,7 +56,7 @@
 /* The version of this header. The library's soname carries the major version
  * (libzerort.so.0); within a major version the ABI only grows (new calls, appended fields). */
 #define ZR_VERSION_MAJOR 0
-#define ZR_VERSION_MINOR 1
+#define ZR_VERSION_MINOR 2
 #define ZR_VERSION_PATCH 0
 #define ZR_VERSION (ZR_VERSION_MAJOR * 10000 + ZR_VERSION_MINOR * 100 + ZR_VERSION_PATCH)
 
@@ -67,7 +67,7 @@ extern "C" {
 /* The version of the loaded library, as ZR_VERSION computes it; compare with ZR_VERSION to
  * detect a library older than the header a program was built with. */
 int zr_version(void);
-/* "0.1.0": the same version as a string. Static storage, never NULL. */
+/* "0.2.0": the same version as a string. Static storage, never NULL. */
 const char* zr_version_string(void);
 
 /* Mirrors absl::StatusCode, value for value. */
@@ -99,8 +99,11 @@ typedef enum zr_memory_kind {
   ZR_MEMORY_DEVICE = 0,
   ZR_MEMORY_PINNED_HOST = 1,
   ZR_MEMORY_HOST = 2,
-  ZR_MEMORY_NVME = 3, /* swap files of NVMe offload */
-  ZR_NUM_MEMORY_KINDS = 4
+  /* The kinds in the planned_bytes / allocated_bytes arrays, as published in 0.1. */
+  ZR_NUM_MEMORY_KINDS = 3,
+  /* 0.2: swap files of NVMe offload, reported in the *_nvme_bytes fields appended to the
+   * structs (the arrays keep their 0.1 size, so 0.1 callers read the same layout). */
+  ZR_MEMORY_NVME = 3
 } zr_memory_kind;
 
 typedef struct zr_comm zr_comm;     /* one rank's communicator */
@@ -367,6 +370,9 @@ typedef struct zr_plan_summary {
   int64_t comm_bytes_per_step;
   int64_t planned_bytes[ZR_NUM_MEMORY_KINDS];    /* per zr_memory_kind */
   int64_t allocated_bytes[ZR_NUM_MEMORY_KINDS];  /* what the engine really allocated */
+  /* Appended in 0.2: ZR_MEMORY_NVME. */
+  int64_t planned_nvme_bytes;
+  int64_t allocated_nvme_bytes;
 } zr_plan_summary;
 
 zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out);
@@ -376,6 +382,9 @@ typedef struct zr_memory_report {
   size_t struct_size;                            /* sizeof(zr_memory_report) */
   int64_t planned_bytes[ZR_NUM_MEMORY_KINDS];    /* per zr_memory_kind */
   int64_t allocated_bytes[ZR_NUM_MEMORY_KINDS];
+  /* Appended in 0.2: ZR_MEMORY_NVME. */
+  int64_t planned_nvme_bytes;
+  int64_t allocated_nvme_bytes;
 } zr_memory_report;
 zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out);
 

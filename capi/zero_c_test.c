@@ -459,6 +459,20 @@ static void VersionAndIntrospection(void) {
           (long long)plan.allocated_bytes[k]);
   }
   CHECK(report.planned_bytes[ZR_MEMORY_DEVICE] > 0, "no device bytes planned");
+  CHECK(report.planned_nvme_bytes == 0 && plan.allocated_nvme_bytes == 0, "nvme bytes without nvme");
+  /* A 0.1 caller's smaller structs (no nvme fields): the same arrays at the same offsets, and
+   * nothing written past its struct_size. */
+  zr_memory_report old_report;
+  memset(&old_report, 0x5a, sizeof old_report);
+  old_report.struct_size = offsetof(zr_memory_report, planned_nvme_bytes);
+  CHECK(zr_engine_memory_report(s.engine, &old_report) == ZR_OK, "%s", zr_last_error());
+  CHECK(memcmp(old_report.planned_bytes, report.planned_bytes, sizeof report.planned_bytes) == 0 &&
+            memcmp(old_report.allocated_bytes, report.allocated_bytes,
+                   sizeof report.allocated_bytes) == 0,
+        "0.1-sized zr_memory_report differs");
+  int64_t untouched;
+  memset(&untouched, 0x5a, sizeof untouched);
+  CHECK(old_report.planned_nvme_bytes == untouched, "wrote past a 0.1 struct_size");
   /* struct_size unset (0) or larger than this library knows: rejected, naming the struct, and
    * the step is not taken. */
   zr_step_stats stats;
