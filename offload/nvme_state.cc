@@ -122,11 +122,18 @@ absl::Status NvmeState::Release(int u) {
 }
 
 absl::Status NvmeState::Finish() {
+  RETURN_IF_ERROR(Drain());
+  Commit();
+  return absl::OkStatus();
+}
+
+absl::Status NvmeState::Drain() {
   absl::Status s;
   for (int k = 0; k < kSlots; ++k) s.Update(WaitSlot(k));
-  if (s.ok()) current_ = 1 - current_;  // every unit of the other copy is written
   return s;
 }
+
+void NvmeState::Commit() { current_ = 1 - current_; }  // every unit of the other copy is written
 
 void NvmeState::Abandon() {
   for (int k = 0; k < kSlots; ++k) WaitSlot(k).IgnoreError();

@@ -72,7 +72,12 @@ class NvmeState {
   absl::Status Begin();
   absl::StatusOr<Arrays> Acquire(int piece);
   absl::Status Release(int piece);
-  absl::Status Finish();
+  absl::Status Finish();  // Drain(), then Commit() if it succeeded
+  // Waits for every request of the step (first error, naming file and offset); Commit then
+  // makes the copy just written the current one. Split so that ranks can agree on the
+  // verdict in between: either every rank switches copies or none does.
+  absl::Status Drain();
+  void Commit();
   // After an error between Begin and Finish: waits for every request in flight (errors
   // ignored: the first was reported) and keeps the current copy.
   void Abandon();

@@ -119,15 +119,21 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
   }
   Times times;
   NvmeState* nvme = options_.nvme;
-  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Begin());
-  absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
-  if (nvme != nullptr) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (s.ok()) s = nvme->Finish();
-    if (!s.ok()) nvme->Abandon();  // the slots stay busy until every request has returned
-    times.nvme_wait_ms += MsSince(t0);
+  if (nvme == nullptr) {
+    RETURN_IF_ERROR(UpdateAll(ranges, grad_scale, hooks, &times));
+    return times;
   }
+  // An I/O error stops the AdamW work but not the transfers and gathers, so that every rank
+  // makes the same collectives; the ranks then agree, and switch copies all or none.
+  nvme_error_ = nvme->Begin();
+  absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
+  const auto t0 = std::chrono::steady_clock::now();
+  s.Update(nvme_error_);
+  s.Update(nvme->Drain());  // also after an error: the slots stay busy until requests return
+  times.nvme_wait_ms += MsSince(t0);
+  if (hooks.agree) s = hooks.agree(s);
   if (!s.ok()) return s;
+  nvme->Commit();
   return times;
 }
 
@@ -158,7 +164,9 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   times->wait_ms += MsSince(tw);
   void* out = on_host ? r.param : ParamChunk(u);
   if (options_.nvme != nullptr) {
-    RETURN_IF_ERROR(UpdateNvmePieces(u, out, ranges, grad_scale, times));
+    // After an I/O error the remaining units keep their old parameters in `out`'s place only
+    // nominally (the chunk holds stale bytes); the engine re-derives them from the state.
+    if (nvme_error_.ok()) nvme_error_ = UpdateNvmePieces(u, out, ranges, grad_scale, times);
   } else {
     AdamWArrays a{r.master, r.m, r.v, GradChunk(u), GradDType(), out, options_.dtype,
                   static_cast<size_t>(r.n)};

@@ -91,6 +91,9 @@ class OffloadPipeline {
     std::function<absl::Status(Device::Event uploaded)> before_gather;
     // All-gathers the unit's new parameters.
     std::function<absl::Status(int unit)> gather;
+    // NVMe offload: this rank's verdict on the step's I/O in, the group's out (every rank
+    // calls it once per step, before the written copy becomes current). Null: the local one.
+    std::function<absl::Status(const absl::Status& local)> agree;
   };
   struct Times {
     double wait_ms = 0;    // host time waiting for gradient downloads and chunk reuse
@@ -128,6 +131,7 @@ class OffloadPipeline {
   Device* const dev_;
   const std::vector<PipelineRegion> regions_;
   const PipelineOptions options_;
+  absl::Status nvme_error_;  // the step's first NVMe I/O error; the step goes on without AdamW
   const size_t c_;   // bytes of a parameter element
   const size_t gc_;  // bytes of a gradient element
   const Device::Stream grads_stream_;

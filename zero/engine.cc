@@ -28,6 +28,7 @@
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
 #include "zero/loss_scaler.h"
+#include "zero/lr_schedule.h"
 #include "zero/planner.h"
 
 namespace zerort {
@@ -85,6 +86,7 @@ class Engine::Impl {
 
   absl::Status ReduceUnit(int unit);
   absl::Status RestoreUnit(int unit, const float* const src[3]);
+  absl::Status RecoverFromNvme();
   absl::Status CheckRange(const char* call, int index, bool unit) const;
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   const Region& region(int u) const { return layout_->region(u); }
@@ -276,10 +278,17 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     offload::OffloadPipeline::Hooks hooks;
     hooks.before_gather = [this](Device::Event e) { return streams_->BeforeCommAfter(e); };
     hooks.gather = [this](int u) { return gatherer_->AllGatherUpdated(u); };
+    hooks.agree = [this](const absl::Status& local) { return comm::AgreeOnStatus(*host_, local); };
     absl::StatusOr<offload::OffloadPipeline::Times> update =
         pipeline_->Update(*ranges, grad_scale, hooks);
-    // NVMe: a failed step leaves the previous state in the file; the count follows it.
-    if (!update.ok() && memory_->nvme_state() != nullptr) --step_;
+    // NVMe: a failed step (on any rank: they agreed) leaves the previous state in the file on
+    // every rank; the count and the parameters follow it.
+    if (!update.ok() && memory_->nvme_state() != nullptr) {
+      --step_;
+      return Annotate(update.status(), RecoverFromNvme().ok()
+                                           ? "the previous step's state and parameters stay"
+                                           : "the parameters could not be re-derived either");
+    }
     ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
     // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
@@ -476,6 +485,38 @@ Engine::~Engine() {
   impl_->snapshot_->Detach();
 }
 
+namespace {
+
+// The config as the engine runs it: every "auto" filled (by the documented rules, the world
+// size being the communicator's; a trainer that knows better calls ResolveAuto first), with
+// one note per resolution.
+absl::StatusOr<Config> ResolvedForEngine(const Config& config,
+                                         absl::Span<const memory::ParamSpec> params,
+                                         int world_size) {
+  Config resolved = config;
+  AutoFill fill;
+  fill.world_size = world_size;
+  RETURN_IF_ERROR(ResolveAuto(fill, params, &resolved));
+  return resolved;
+}
+
+// The learning rate of step t (1-based) without a SetLearningRate: the config's scheduler
+// block when it has one (as in DeepSpeed, the configured scheduler wins over the trainer's
+// hook, with a note), else the trainer's EngineOptions::lr_schedule, else none.
+std::function<double(int64_t)> LrScheduleFor(Config* config, const EngineOptions& options) {
+  if (config->scheduler.type == SchedulerType::kNone) return options.lr_schedule;
+  if (options.lr_schedule) {
+    config->notes.push_back(
+        "scheduler: EngineOptions::lr_schedule is ignored; the config's scheduler block sets "
+        "the learning rate (SetLearningRate still overrides both)");
+  }
+  return [schedule = LrSchedule(config->scheduler, config->optimizer.lr)](int64_t t) {
+    return schedule.LrAt(t - 1);
+  };
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
                                                        std::vector<memory::ParamSpec> params,
                                                        comm::Communicator* comm, Device* device) {
@@ -504,16 +545,18 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
         " memory: use the CPU device with the in-process or MPI communicators, and a CUDA "
         "device with NCCL or an in-process group made with CudaInProcessBufferOps"));
   }
-  ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(params, config, comm->size(), comm->rank()));
+  ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  ASSIGN_OR_RETURN(PlanChoice choice,
+                   ChoosePlan(params, with_notes, comm->size(), comm->rank()));
   if (!choice.fits) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the plan does not fit zero_optimization.memory_budget: ", choice.reason));
   }
   // Groups are resolved before the engine exists: a pattern that matches nothing is a note of
   // the engine's config.
-  Config with_notes = config;
+  std::function<double(int64_t)> lr_schedule = LrScheduleFor(&with_notes, options);
   ASSIGN_OR_RETURN(zero_internal::GroupChoice groups,
-                   zero_internal::ResolveParamGroups(params, config.param_groups,
+                   zero_internal::ResolveParamGroups(params, with_notes.param_groups,
                                                      options.param_groups, options.no_decay_1d,
                                                      &with_notes.notes));
   auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
@@ -522,7 +565,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,
                                                                std::move(groups));
   impl->hyper_ = std::make_unique<zero_internal::Hyperparams>(
-      ScalarsOf(impl->config_.optimizer), options.lr_schedule);
+      ScalarsOf(impl->config_.optimizer), std::move(lr_schedule));
   RETURN_IF_ERROR(impl->CheckPeersAgree());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -760,6 +803,22 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   RETURN_IF_ERROR(streams_->BeforeComm());
   RETURN_IF_ERROR(gatherer_->AllGatherUpdated(ui));
   return streams_->JoinComm();
+}
+
+// After a failed NVMe step: the file's current copy is the previous step's state, but the
+// compute-dtype parameters were partly overwritten; re-derive them unit by unit (collective,
+// as every rank failed alike).
+absl::Status Engine::Impl::RecoverFromNvme() {
+  offload::NvmeState* nvme = memory_->nvme_state();
+  for (int u = 0; u < num_units(); ++u) {
+    const int64_t n = plan_.units[u].shard;
+    std::vector<float> master(n), m(n), v(n);
+    RETURN_IF_ERROR(nvme->Load(u, master.data(), m.data(), v.data()));
+    const float* const src[3] = {master.data(), m.data(), v.data()};
+    RETURN_IF_ERROR(RestoreUnit(u, src));
+  }
+  gatherer_->Invalidate();  // gathered stage-3 copies hold the half-updated parameters
+  return absl::OkStatus();
 }
 
 absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,

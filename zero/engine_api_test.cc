@@ -18,6 +18,7 @@
 #include "checkpoint/checkpoint.h"
 #include "device/cpu_device.h"
 #include "zero/engine.h"
+#include "zero/lr_schedule.h"
 #include "zero/internal/test_util.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -333,6 +334,58 @@ TEST_CASE("EngineApi: a checkpoint keeps the trainer's scalars; a resumed run is
     return absl::OkStatus();
   }));
   std::filesystem::remove_all(root);
+}
+
+// The config's scheduler block drives the step's learning rate: StepStats.lr is LrSchedule's
+// value (written independently in zero/lr_schedule_test), the masters equal the same schedule
+// given through EngineOptions::lr_schedule, and a checkpoint resumed mid-warmup continues the
+// schedule bit for bit (its state is the step count).
+TEST_CASE("EngineApi: the config's scheduler sets each step's lr and survives a resume",
+          "[zero]") {
+  const int world = 2, steps = 8;
+  Config c = testing::TestConfig(2, DType::kBF16, 1, 0.05, false);
+  c.scheduler.type = SchedulerType::kWarmupCosineLR;
+  c.scheduler.warmup_num_steps = 4;
+  c.scheduler.total_num_steps = steps;
+  c.scheduler.warmup_min_ratio = 0.1;
+  const LrSchedule schedule(c.scheduler, c.optimizer.lr);
+  Trained from_config = Train(c, world, steps, {}, nullptr);
+  REQUIRE(from_config.stats.size() == steps);
+  for (int k = 0; k < steps; ++k) CHECK(from_config.stats[k].lr == schedule.LrAt(k));
+  CHECK(from_config.stats[1].lr != from_config.stats[2].lr);
+  Config plain = c;
+  plain.scheduler = SchedulerConfig{};
+  EngineOptions hook;
+  hook.lr_schedule = [&](int64_t t) { return schedule.LrAt(t - 1); };
+  Trained from_hook = Train(plain, world, steps, hook, nullptr);
+  CHECK(BitEqual(from_config.master[0], from_hook.master[0]));
+
+  char tmpl[] = "/tmp/zerort_sched_ckpt_XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  const std::string root = tmpl;
+  auto device = HostDevice();
+  std::vector<std::vector<float>> resumed(world);
+  RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
+    ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
+    for (int step = 0; step < 3; ++step) {
+      RETURN_IF_ERROR(Backward(*a, step, 0));
+      RETURN_IF_ERROR(a->Step().status());
+    }
+    RETURN_IF_ERROR(SaveCheckpoint(*a, root).status());
+    ASSIGN_OR_RETURN(auto b, MakeEngine(c, comm, device.get()));
+    RETURN_IF_ERROR(LoadCheckpoint(*b, root));
+    for (int step = 3; step < steps; ++step) {
+      RETURN_IF_ERROR(Backward(*b, step, 0));
+      ASSIGN_OR_RETURN(StepStats st, b->Step());
+      if (st.lr != schedule.LrAt(step)) {
+        return absl::InternalError(absl::StrCat("resumed step ", step, " lr ", st.lr));
+      }
+    }
+    ASSIGN_OR_RETURN(resumed[r], b->GatherMasterWeights());
+    return absl::OkStatus();
+  }));
+  std::filesystem::remove_all(root);
+  CHECK(BitEqual(resumed[0], from_config.master[0]));
 }
 
 // This rank's owned master, m and v, through a snapshot (at a step boundary).

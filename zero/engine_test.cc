@@ -237,6 +237,19 @@ absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
   return absl::OkStatus();
 }
 
+// The compute-dtype parameters (stages 0-2: every rank holds all of them), byte for byte.
+absl::Status SameParams(Engine& a, Engine& b, const char* what) {
+  for (int i = 0; i < a.num_params(); ++i) {
+    const size_t bytes = a.plan().params[i].numel * DTypeSize(a.config().compute_dtype);
+    ASSIGN_OR_RETURN(void* pa, a.param(i));
+    ASSIGN_OR_RETURN(void* pb, b.param(i));
+    if (std::memcmp(pa, pb, bytes) != 0) {
+      return absl::InternalError(absl::StrCat(what, ": parameter ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
   ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
   ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
@@ -308,6 +321,8 @@ absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communica
   if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
   // The NVMe state is the one before the failed step, not half-updated.
   RETURN_IF_ERROR(SameSnapshots(*a, *b, "half-updated"));
+  // ... and so are the parameters the next forward reads (re-derived after the failure).
+  RETURN_IF_ERROR(SameParams(*a, *b, "parameters half-updated"));
   // The next attempt (the same micro-step again) continues as if nothing had failed.
   RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
   RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
