@@ -411,6 +411,11 @@ void ReadOffloadParam(Reader* r, const Json& obj, const std::string& path,
   r->Check(ReadInt(obj, path, "buffer_count", 1, kIntMax, &out->buffer_count));
   r->Check(ReadInt64(obj, path, "buffer_size", 1, kInt64Max, &out->buffer_size));
   RequireNvmePath(r, path, out->device, out->nvme_path);
+  if (out->device == OffloadDevice::kNvme) {
+    r->Note(absl::StrCat(path, ".device: \"nvme\": parameter offload to NVMe is not "
+                         "implemented; the stage-3 parameter shard is offloaded to host memory "
+                         "instead (the plan counts it there)"));
+  }
 }
 
 void ReadMemoryBudget(Reader* r, const Json& obj, const std::string& path, MemoryBudget* out) {
@@ -519,6 +524,9 @@ void CheckZeroKeys(Reader* r, const Json& obj, const std::string& path) {
        {"use_multi_rank_bucket_allreduce", nullptr,
         "the reduction collective follows from the stage"},
        {"round_robin_gradients", nullptr, "host gradient copies follow unit order"},
+       {"ignore_unused_parameters", nullptr,
+        "every parameter needs GradReady each micro-step (Step names a missing one); hand an "
+        "unused parameter's gradient over as zeros"},
        {"sub_group_size", nullptr, "the host optimizer already steps one unit shard at a time"},
        {"stage3_max_reuse_distance", nullptr,
         "stage-3 release is driven by the trainer's Release calls"},

@@ -56,7 +56,8 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
   o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
-  o.offload_param = c.zero.offload_param.device == OffloadDevice::kCpu;
+  // NVMe parameter offload is not implemented: the shard goes to host memory (a config note).
+  o.offload_param = c.zero.offload_param.device != OffloadDevice::kNone;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;
   o.offload_buffer_count = c.zero.offload_optimizer.buffer_count;

@@ -189,6 +189,26 @@ TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradie
   CHECK(offload->plan.options.fp32_grad_accum);
 }
 
+TEST_CASE("Planner: offload_param \"nvme\" plans the parameter shard in host memory",
+          "[zero]") {
+  auto specs = SyntheticModel(1000000, 10);
+  REQUIRE(specs.ok());
+  Config c = AutoConfig(0);
+  c.zero.stage_auto = false;
+  c.zero.stage = 3;
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = "/nvme";
+  auto nvme = ChoosePlan(*specs, c, 4, 0);
+  REQUIRE(nvme.ok());
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  auto cpu = ChoosePlan(*specs, c, 4, 0);
+  REQUIRE(cpu.ok());
+  CHECK(nvme->plan.options.offload_param);
+  CHECK(nvme->plan.nvme_bytes() == 0);
+  CHECK(nvme->plan.host_bytes() + nvme->plan.pinned_host_bytes() ==
+        cpu->plan.host_bytes() + cpu->plan.pinned_host_bytes());
+}
+
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
   // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
   // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.
