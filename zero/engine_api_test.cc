@@ -79,17 +79,8 @@ struct Reference {
   std::set<int> skip;
 
   std::vector<double> Run(const Config& c, int steps) const {
-    const auto specs = SmallModel();
-    std::vector<double> w, m, v;
-    std::vector<std::pair<int, int64_t>> at;
-    for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
-      int64_t n = 1;
-      for (int64_t d : specs[i].shape) n *= d;
-      for (int64_t k = 0; k < n; ++k) {
-        w.push_back(InitValue(i, k));
-        at.push_back({i, k});
-      }
-    }
+    auto [w, at] = testing::SmallModelFlatInit();
+    std::vector<double> m, v;
     m.assign(w.size(), 0);
     v.assign(w.size(), 0);
     const double b1 = c.optimizer.beta1, b2 = c.optimizer.beta2, eps = c.optimizer.eps;

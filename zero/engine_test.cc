@@ -450,17 +450,8 @@ TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[z
 // An AdamW written from the paper's formulas, in double, with no sharding: the gradient is the
 // mean over ranks of what each rank wrote (summed over micro-steps, divided by their count).
 std::vector<double> SerialAdamW(int world, int steps, int gas, double clip, const Config& c) {
-  const auto specs = SmallModel();
-  std::vector<double> w, m, v;
-  std::vector<std::pair<int, int64_t>> index;  // (param, element)
-  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
-    int64_t n = 1;
-    for (int64_t d : specs[i].shape) n *= d;
-    for (int64_t k = 0; k < n; ++k) {
-      w.push_back(InitValue(i, k));
-      index.push_back({i, k});
-    }
-  }
+  auto [w, index] = testing::SmallModelFlatInit();  // index: (param, element)
+  std::vector<double> m, v;
   m.assign(w.size(), 0);
   v.assign(w.size(), 0);
   const auto& o = c.optimizer;

@@ -40,6 +40,20 @@ std::vector<memory::ParamSpec> SmallModel() {
 
 float InitValue(int param, int64_t e) { return Noise(999, param, e, 3); }
 
+FlatInit SmallModelFlatInit() {
+  FlatInit out;
+  const std::vector<memory::ParamSpec> specs = SmallModel();
+  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
+    int64_t n = 1;
+    for (int64_t d : specs[i].shape) n *= d;
+    for (int64_t k = 0; k < n; ++k) {
+      out.w.push_back(InitValue(i, k));
+      out.at.push_back({i, k});
+    }
+  }
+  return out;
+}
+
 float GradValue(int rank, int step, int micro, int param, int64_t e) {
   return 0.5f * Noise(rank, step * 16 + micro, param, static_cast<uint64_t>(e));
 }

@@ -7,6 +7,7 @@
 #define ZERORT_ZERO_TESTING_SYNTHETIC_TRAINER_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -25,6 +26,14 @@ std::vector<memory::ParamSpec> SmallModel();
 // Deterministic values in [-1, 1).
 float InitValue(int param, int64_t element);
 float GradValue(int rank, int step, int micro, int param, int64_t element);
+
+// SmallModel()'s initial values flattened in registration order, with each element's
+// (parameter, element index): where the tests' serial AdamW references start.
+struct FlatInit {
+  std::vector<double> w;
+  std::vector<std::pair<int, int64_t>> at;
+};
+FlatInit SmallModelFlatInit();
 
 // A config for tests: several units (reduce_bucket_size 200), small persistent units, lr 1e-2,
 // weight decay 0.1, one host thread.
