@@ -229,25 +229,22 @@ int Main(int argc, char** argv) {
                  "  --mpi (under mpirun, one rank per process) needs --model gpt\n");
     return 2;
   }
-  std::unique_ptr<comm::MpiSession> session;
-  std::unique_ptr<comm::Communicator> mpi;
+  comm::MpiJob job;
   std::vector<int> worlds = {1, 2, 4};
   if (flags.mpi) {
-    absl::StatusOr<std::unique_ptr<comm::MpiSession>> s = comm::MpiSession::Init(&argc, &argv);
-    absl::StatusOr<std::unique_ptr<comm::Communicator>> c =
-        s.ok() ? comm::CreateMpiCommunicator(MPI_COMM_WORLD) : s.status();
-    if (!c.ok()) {
-      std::fprintf(stderr, "step_bench --mpi: %s\n", c.status().ToString().c_str());
+    absl::StatusOr<comm::MpiJob> started = comm::StartMpiJob(&argc, &argv);
+    if (!started.ok()) {
+      std::fprintf(stderr, "step_bench --mpi: %s\n", started.status().ToString().c_str());
       return 1;
     }
-    session = std::move(*s);
-    mpi = std::move(*c);
-    worlds = {mpi->size()};
+    job = std::move(*started);
+    worlds = {job.comm->size()};
   }
+  comm::Communicator* const mpi = job.comm.get();
   const Setup setup = MakeSetup(flags.gpt, flags.quick);
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
   for (int world : worlds) {
-    const absl::Status st = MeasureWorld(setup, world, flags.repeat, mpi.get(), &results);
+    const absl::Status st = MeasureWorld(setup, world, flags.repeat, mpi, &results);
     if (!st.ok()) {
       std::fprintf(stderr, "step_bench: %s\n", st.ToString().c_str());
       return 1;

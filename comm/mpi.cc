@@ -630,5 +630,12 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm com
   return std::unique_ptr<Communicator>(new MpiCommunicator(dup, rank, size, options));
 }
 
+absl::StatusOr<MpiJob> StartMpiJob(int* argc, char*** argv, CommOptions options) {
+  MpiJob job;
+  ASSIGN_OR_RETURN(job.session, MpiSession::Init(argc, argv));
+  ASSIGN_OR_RETURN(job.comm, CreateMpiCommunicator(MPI_COMM_WORLD, options));
+  return job;
+}
+
 }  // namespace comm
 }  // namespace zerort

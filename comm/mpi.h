@@ -85,6 +85,16 @@ absl::Status MpiStatus(int code, absl::string_view call, int rank);
 absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
                                                                     CommOptions options = {});
 
+// What a program's main() holds under mpirun: the session and a communicator over
+// MPI_COMM_WORLD (destroyed first, as members go in reverse order).
+struct MpiJob {
+  std::unique_ptr<MpiSession> session;
+  std::unique_ptr<Communicator> comm;
+};
+
+// MpiSession::Init, then CreateMpiCommunicator(MPI_COMM_WORLD, options); the first error.
+absl::StatusOr<MpiJob> StartMpiJob(int* argc, char*** argv, CommOptions options = {});
+
 }  // namespace comm
 }  // namespace zerort
 

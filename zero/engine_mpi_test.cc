@@ -18,17 +18,13 @@ namespace zerort {
 namespace {
 
 int Main(int argc, char** argv) {
-  auto session = comm::MpiSession::Init(&argc, &argv);
-  if (!session.ok()) {
-    std::fprintf(stderr, "MPI init: %s\n", session.status().ToString().c_str());
+  absl::StatusOr<comm::MpiJob> job = comm::StartMpiJob(&argc, &argv);
+  if (!job.ok()) {
+    std::fprintf(stderr, "MPI: %s\n", job.status().ToString().c_str());
     return 1;
   }
-  const int rank = (*session)->world_rank(), world = (*session)->world_size();
-  auto mpi = comm::CreateMpiCommunicator(MPI_COMM_WORLD);
-  if (!mpi.ok()) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, mpi.status().ToString().c_str());
-    return 1;
-  }
+  comm::Communicator* const mpi = job->comm.get();
+  const int rank = mpi->rank(), world = mpi->size();
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
@@ -53,7 +49,7 @@ int Main(int argc, char** argv) {
         for (bool offload : {false, true}) {
           if (stage == 0 && offload) continue;
           const Config config = testing::TestConfig(stage, precision, gas, 0.05, offload);
-          auto run = testing::TrainRank(config, specs, mpi->get(), device.get(), steps);
+          auto run = testing::TrainRank(config, specs, mpi, device.get(), steps);
           ++checks;
           const bool same = run.ok() && !ref[0].empty() && run->master.size() == ref[0].size() &&
                             std::memcmp(run->master.data(), ref[0].data(),

@@ -50,17 +50,13 @@ Config TrainConfig(int stage, bool offload, DType precision) {
 }
 
 int Main(int argc, char** argv) {
-  auto session = comm::MpiSession::Init(&argc, &argv);
-  if (!session.ok()) {
-    std::fprintf(stderr, "MPI init: %s\n", session.status().ToString().c_str());
+  absl::StatusOr<comm::MpiJob> job = comm::StartMpiJob(&argc, &argv);
+  if (!job.ok()) {
+    std::fprintf(stderr, "MPI: %s\n", job.status().ToString().c_str());
     return 1;
   }
-  const int rank = (*session)->world_rank(), world = (*session)->world_size();
-  auto mpi = comm::CreateMpiCommunicator(MPI_COMM_WORLD);
-  if (!mpi.ok()) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, mpi.status().ToString().c_str());
-    return 1;
-  }
+  comm::Communicator* const mpi = job->comm.get();
+  const int rank = mpi->rank(), world = mpi->size();
   const RunOptions options = Options(world);
   int failures = 0, checks = 0;
   for (DType precision : {DType::kBF16, DType::kF32}) {
@@ -74,7 +70,7 @@ int Main(int argc, char** argv) {
       for (bool offload : {false, true}) {
         if (stage == 0 && offload) continue;
         absl::StatusOr<RunResult> run =
-            RunOnCommunicator(TrainConfig(stage, offload, precision), options, mpi->get());
+            RunOnCommunicator(TrainConfig(stage, offload, precision), options, mpi);
         ++checks;
         std::string why;
         if (!run.ok()) {
