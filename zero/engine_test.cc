@@ -18,6 +18,7 @@
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "offload/nvme_io.h"
+#include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -351,6 +352,107 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
     threads.emplace_back([&, r] {
       errors[r] = FaultMidStep(cpu, nvme, comms[r].get(), device.get(), &fault);
     });
+  }
+  for (auto& t : threads) t.join();
+  offload::SetIoFaultForTesting(nullptr);
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
+// Stage 3 with the parameter shard on NVMe (the test's temporary directory), optimizer state
+// in host memory (`optimizer_nvme` false) or on NVMe too.
+Config NvmeParamConfig(bool optimizer_nvme, int buffers) {
+  Config c = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+  if (optimizer_nvme) REQUIRE(NvmeConfig(&c, 2));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = tmp != nullptr ? tmp : "/tmp";
+  c.zero.offload_param.buffer_count = buffers;
+  c.aio.block_size = 8192;
+  c.aio.queue_depth = 2;
+  REQUIRE(ValidateConfig(c).ok());
+  return c;
+}
+
+TEST_CASE("Engine: NVMe parameter offload matches stage 0 and CPU parameter offload bit for bit",
+          "[zero][nvme]") {
+  const int steps = 8;
+  for (int world : {1, 3}) {
+    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    RequireOk(reference);
+    Config cpu_param = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+    cpu_param.zero.offload_param.device = OffloadDevice::kCpu;
+    RunResult host = Train(cpu_param, world, steps, -1, -1, SmallModel(), true);
+    RequireOk(host);
+    for (bool optimizer_nvme : {false, true}) {
+      for (int buffers : {1, 3}) {
+        INFO("world=" << world << " optimizer_nvme=" << optimizer_nvme << " buffers=" << buffers);
+        const Config c = NvmeParamConfig(optimizer_nvme, buffers);
+        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
+          CHECK(BitEqual(run.master[r], host.master[r]));
+          CHECK(run.params[r] == host.params[r]);
+        }
+        // The shards are planned and allocated as nvme bytes, not host bytes.
+        const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
+        const int pinned = static_cast<int>(memory::MemoryKind::kPinnedHost);
+        CHECK(run.report.planned[nvme] > 0);
+        CHECK(run.report.allocated[nvme] == run.report.planned[nvme]);
+        CHECK(run.report.allocated[pinned] == run.report.planned[pinned]);
+        auto plan = ChoosePlan(SmallModel(), c, world, 0);
+        REQUIRE(plan.ok());
+        const memory::Buffer* shard = plan->plan.Find(memory::BufferClass::kParams);
+        REQUIRE(shard != nullptr);
+        CHECK(shard->kind == memory::MemoryKind::kNvme);
+        const memory::Buffer* pieces = plan->plan.Find(memory::BufferClass::kNvmeParamBuffers);
+        REQUIRE(pieces != nullptr);
+        CHECK(pieces->kind == memory::MemoryKind::kPinnedHost);
+        CHECK(pieces->count == buffers);
+        CHECK(pieces->bytes == buffers * 4096);  // every shard of this model fits one page
+      }
+    }
+  }
+}
+
+// Rank 0's parameter reads fail with EIO while armed (every one: a read started before arming
+// may still serve the next gather, but not the ones after it).
+absl::Status ParamReadFault(const Config& config, comm::Communicator* comm, Device* dev,
+                            std::atomic<bool>* armed) {
+  ASSIGN_OR_RETURN(auto e, TrainedEngine(config, comm, dev, 1));
+  if (comm->rank() == 0) *armed = true;
+  const absl::Status failed = testing::TrainSteps(*e, 1, 1);
+  if (comm->rank() == 0) *armed = false;
+  if (failed.ok() || failed.message().find("-rank0/param_shard at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected rank 0's EIO naming file and offset, got ",
+                                            failed.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank alike",
+          "[zero][nvme]") {
+  const int world = 2;
+  const Config config = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
+  std::atomic<bool> armed{false};
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const bool rank0 = path.find("-rank0/param_shard") != std::string::npos;
+    if (op == offload::IoOp::kRead && rank0 && armed) return -EIO;
+    return std::nullopt;
+  });
+  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back(
+        [&, r] { errors[r] = ParamReadFault(config, comms[r].get(), device.get(), &armed); });
   }
   for (auto& t : threads) t.join();
   offload::SetIoFaultForTesting(nullptr);

@@ -56,8 +56,11 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
   o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
-  // NVMe parameter offload is not implemented: the shard goes to host memory (a config note).
   o.offload_param = c.zero.offload_param.device != OffloadDevice::kNone;
+  // The host optimizer step writes the shards back: without it they stay in host memory (a
+  // config note says so).
+  o.offload_param_nvme = c.zero.offload_param.device == OffloadDevice::kNvme && o.offload_optimizer;
+  o.offload_param_buffer_count = c.zero.offload_param.buffer_count;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;
   o.offload_buffer_count = c.zero.offload_optimizer.buffer_count;
@@ -120,6 +123,7 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, boo
     o.offload_optimizer = optimizer;
     o.offload_param = param;
     o.offload_optimizer_nvme = on_nvme;
+    o.offload_param_nvme = false;
     out.push_back(o);
   };
   for (int stage = 0; stage <= 3; ++stage) add(stage, false, false, false);
