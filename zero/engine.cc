@@ -88,6 +88,7 @@ class Engine::Impl {
   absl::Status RestoreUnit(int unit, const float* const src[3]);
   absl::Status RecoverFromNvme();
   absl::Status StoreParamShard(int u, const char* values, Device::Stream stream);
+  absl::Status RederiveNvmeParams();
   absl::Status CheckRange(const char* call, int index, bool unit) const;
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   const Region& region(int u) const { return layout_->region(u); }
@@ -291,6 +292,14 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
       return Annotate(update.status(), RecoverFromNvme().ok()
                                            ? "the previous step's state and parameters stay"
                                            : "the parameters could not be re-derived either");
+    }
+    // NVMe parameters with host state: the state's update stands (so does the count), but the
+    // shards from the failed write on are old; every rank failed alike (they agreed).
+    if (!update.ok() && memory_->nvme_params() != nullptr) {
+      return Annotate(update.status(),
+                      RederiveNvmeParams().ok()
+                          ? "the step's update stands; the parameters were re-derived from it"
+                          : "the parameters could not be re-derived either");
     }
     ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
@@ -821,6 +830,23 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
 absl::Status Engine::Impl::StoreParamShard(int u, const char* values, Device::Stream stream) {
   if (offload::NvmeParams* file = memory_->nvme_params()) return file->Write(u, values);
   return dev_->Copy(region(u).param, values, region(u).n * c_, stream);
+}
+
+// After a failed parameter write with host state: writes every shard again as round(master)
+// and refreshes the persistent units (collective, as every rank failed alike).
+absl::Status Engine::Impl::RederiveNvmeParams() {
+  const Device::Stream compute = streams_->compute();
+  for (int u = 0; u < num_units(); ++u) {
+    const Region& reg = region(u);
+    std::vector<char> values(reg.n * c_);
+    offload::Cast(reg.master, DType::kF32, values.data(), cdt_, reg.n);
+    RETURN_IF_ERROR(StoreParamShard(u, values.data(), compute));
+    RETURN_IF_ERROR(streams_->BeforeComm());
+    RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    RETURN_IF_ERROR(streams_->JoinComm());
+  }
+  gatherer_->Invalidate();  // gathered copies hold the old parameters of the failed units
+  return absl::OkStatus();
 }
 
 // After a failed NVMe step: the file's current copy is the previous step's state, but the

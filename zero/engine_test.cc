@@ -462,6 +462,74 @@ TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank a
   }
 }
 
+// This rank's owned master, m, v and compute-dtype parameter shard through BeginSnapshot.
+absl::Status SnapshotWithParams(Engine& e, std::vector<float> out[3], std::vector<char>* param) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
+  param->assign(n * DTypeSize(e.config().compute_dtype), 0x5a);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), param->data()));
+  return e.WaitSnapshot();
+}
+
+// Rank 1's second parameter write of step 3 fails: both ranks fail the step naming the file;
+// the host state's update stands and the parameters are re-derived from it.
+absl::Status ParamWriteFault(const Config& cpu, const Config& nvme, comm::Communicator* comm,
+                             Device* dev, std::atomic<int>* armed) {
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
+  if (comm->rank() == 1) *armed = 2;
+  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
+  if (comm->rank() == 1) *armed = 0;
+  if (failed.ok() || failed.message().find("-rank1/param_shard at offset ") == absl::string_view::npos ||
+      failed.message().find("re-derived from it") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected rank 1's EIO, got ", failed.ToString()));
+  }
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 1));
+  if (b->step() != 3) return absl::InternalError(absl::StrCat("step count ", b->step()));
+  std::vector<float> sa[3], sb[3];
+  std::vector<char> pa, pb;
+  RETURN_IF_ERROR(SnapshotWithParams(*a, sa, &pa));
+  RETURN_IF_ERROR(SnapshotWithParams(*b, sb, &pb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat("state array ", k));
+  }
+  if (pa != pb) return absl::InternalError("parameter shards differ");
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 3, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*b, 3, 2));
+  return SameMasters(*a, *b, "masters differ after the failed write");
+}
+
+TEST_CASE("Engine: an NVMe parameter write error re-derives the parameters on every rank",
+          "[zero][nvme]") {
+  const int world = 2;
+  Config cpu = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+  cpu.zero.offload_param.device = OffloadDevice::kCpu;
+  const Config nvme = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
+  std::atomic<int> armed{0};
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const bool rank1 = path.find("-rank1/param_shard") != std::string::npos;
+    if (op != offload::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
+    if (--armed == 0) return -EIO;
+    return std::nullopt;
+  });
+  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      errors[r] = ParamWriteFault(cpu, nvme, comms[r].get(), device.get(), &armed);
+    });
+  }
+  for (auto& t : threads) t.join();
+  offload::SetIoFaultForTesting(nullptr);
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
 TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0 bit for bit",
           "[zero][streams]") {
   // The trainer's gradient copies are only enqueued when GradReady is called: the engine must
