@@ -6,6 +6,7 @@
 #include <optional>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -361,6 +362,24 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
   }
 }
 
+// Runs `body` on `world` in-process ranks (one thread each, one CPU device) and checks that
+// every rank returned OK.
+void CheckOnRanks(int world,
+                  const std::function<absl::Status(comm::Communicator*, Device*)>& body) {
+  auto comms = comm::CreateInProcessGroup(world, {20000}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { errors[r] = body(comms[r].get(), device.get()); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
 // Stage 3 with the parameter shard on NVMe (the test's temporary directory), optimizer state
 // in host memory (`optimizer_nvme` false) or on NVMe too.
 Config NvmeParamConfig(bool optimizer_nvme, int buffers) {
@@ -446,20 +465,10 @@ TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank a
     if (op == offload::IoOp::kRead && rank0 && armed) return -EIO;
     return std::nullopt;
   });
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
-  auto device = CreateCpuDevice(CpuDeviceOptions());
-  std::vector<absl::Status> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back(
-        [&, r] { errors[r] = ParamReadFault(config, comms[r].get(), device.get(), &armed); });
-  }
-  for (auto& t : threads) t.join();
+  CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
+    return ParamReadFault(config, comm, dev, &armed);
+  });
   offload::SetIoFaultForTesting(nullptr);
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
 }
 
 // This rank's owned master, m, v and compute-dtype parameter shard through BeginSnapshot.
@@ -513,21 +522,10 @@ TEST_CASE("Engine: an NVMe parameter write error re-derives the parameters on ev
     if (--armed == 0) return -EIO;
     return std::nullopt;
   });
-  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
-  auto device = CreateCpuDevice(CpuDeviceOptions());
-  std::vector<absl::Status> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      errors[r] = ParamWriteFault(cpu, nvme, comms[r].get(), device.get(), &armed);
-    });
-  }
-  for (auto& t : threads) t.join();
+  CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
+    return ParamWriteFault(cpu, nvme, comm, dev, &armed);
+  });
   offload::SetIoFaultForTesting(nullptr);
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
 }
 
 TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0 bit for bit",
