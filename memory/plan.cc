@@ -67,6 +67,14 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "offload_optimizer requires stage 1, 2 or 3 (zero_optimization.stage is 0): offload "
         "moves the sharded optimizer state");
   }
+  if (o.offload_param_nvme && !(o.offload_param && o.offload_optimizer)) {
+    return absl::InvalidArgumentError(
+        "offload_param_nvme requires offload_param and offload_optimizer (the optimizer step on "
+        "the host writes the new shards back to the file)");
+  }
+  if (o.offload_param_nvme && o.offload_param_buffer_count < 1) {
+    return bad("offload_param_buffer_count", o.offload_param_buffer_count, ">= 1");
+  }
   if (o.offload_optimizer_nvme && !o.offload_optimizer) {
     return absl::InvalidArgumentError(
         "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
@@ -289,7 +297,10 @@ void AddModelState(Plan* plan, Checked* math) {
     AddBuffer(plan, math, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
   } else {
     AddBuffer(plan, math, "param_shard", BufferClass::kParams,
-              o.offload_param ? HostKind(o) : MemoryKind::kDevice, c, S);
+              o.offload_param_nvme ? MemoryKind::kNvme
+              : o.offload_param    ? HostKind(o)
+                                   : MemoryKind::kDevice,
+              c, S);
   }
   if (o.stage <= 1) {
     AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
@@ -328,6 +339,26 @@ void AddNvmeBuffers(Plan* plan, Checked* math) {
             DType::kF32, rest / 4);
   AddBuffer(plan, math, "nvme_staging", BufferClass::kNvmeStaging, MemoryKind::kPinnedHost,
             DType::kF32, math->Mul(3, largest / 4, kWhat), 3);
+}
+
+// NVMe parameter offload: param_shard counts the shards' bytes, nvme_param_padding the rest of
+// their region (each unit's shard padded to 4 KiB), nvme_param_buffers the pinned pieces.
+void AddNvmeParamBuffers(Plan* plan, Checked* math) {
+  constexpr absl::string_view kWhat = "nvme parameter bytes";
+  const DType c = plan->options.compute_dtype;
+  const int64_t cb = static_cast<int64_t>(DTypeSize(c));
+  int64_t padded = 0, largest = 0;
+  for (const Unit& u : plan->units) {
+    const int64_t bytes = NvmeParamBytes(math->Mul(u.shard, cb, kWhat));
+    padded = math->Add(padded, bytes, kWhat);
+    largest = std::max(largest, bytes);
+  }
+  const int64_t piece = NvmeParamPieceBytes(plan->options, largest);
+  AddBuffer(plan, math, "nvme_param_padding", BufferClass::kNvmeParamPadding, MemoryKind::kNvme,
+            c, (padded - math->Mul(plan->shard_elements, cb, kWhat)) / cb);
+  const int64_t count = plan->options.offload_param_buffer_count;
+  AddBuffer(plan, math, "nvme_param_buffers", BufferClass::kNvmeParamBuffers,
+            MemoryKind::kPinnedHost, c, math->Mul(count, piece / cb, kWhat), count);
 }
 
 // The working buffers: accumulator, buckets, gather slots, staging, the norm table.
@@ -382,6 +413,7 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
               o.offload_buffer_count);
   }
   if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
+  if (o.offload_param_nvme) AddNvmeParamBuffers(plan, math);
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
@@ -452,6 +484,18 @@ DType GradWireDType(const PlanOptions& o) {
   return o.fp32_grad_comm ? DType::kF32 : o.compute_dtype;
 }
 
+int64_t NvmeParamPieceBytes(const PlanOptions& o, int64_t largest_padded_shard) {
+  int64_t piece = std::max<int64_t>(largest_padded_shard, kNvmeAlignment);
+  if (o.nvme_piece_elements > 0) {
+    const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
+    const int64_t limit = o.nvme_piece_elements > INT64_MAX / cb
+                              ? INT64_MAX
+                              : o.nvme_piece_elements * cb / kNvmeAlignment * kNvmeAlignment;
+    piece = std::min(piece, std::max(limit, kNvmeAlignment));
+  }
+  return piece;
+}
+
 std::vector<int64_t> NvmePieces(int64_t shard, int64_t piece_elements) {
   const int64_t piece =
       piece_elements <= 0 ? shard : std::max<int64_t>(1024, piece_elements / 1024 * 1024);
@@ -502,6 +546,10 @@ const char* BufferClassName(BufferClass c) {
       return "nvme_staging";
     case BufferClass::kNvmeSecondCopy:
       return "nvme_second_copy";
+    case BufferClass::kNvmeParamPadding:
+      return "nvme_param_padding";
+    case BufferClass::kNvmeParamBuffers:
+      return "nvme_param_buffers";
     case BufferClass::kNormTable:
       return "norm_table";
   }

@@ -65,6 +65,8 @@ enum class BufferClass {
   kNormTable,        // (world, units + 1) fp32: per-shard norm partials and finite flags
   kNvmeStaging,      // pinned: master|m|v of one unit per slot, read ahead / written behind
   kNvmeSecondCopy,   // nvme: the copy of master|m|v a step writes into, and 4 KiB padding
+  kNvmeParamPadding, // nvme: the 4 KiB padding of each unit's parameter shard in the file
+  kNvmeParamBuffers, // pinned: offload_param.buffer_count pieces of parameter shards in flight
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);
@@ -88,6 +90,12 @@ struct PlanOptions {
   DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy
   bool offload_optimizer = false;      // master + m + v in host memory (stages 1-3)
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
+  // With offload_param and offload_optimizer: the parameter shard lives in the swap file
+  // (MemoryKind::kNvme), each unit's padded to kNvmeAlignment, after the optimizer state if
+  // that is on NVMe too; it moves through offload_param_buffer_count pinned buffers of one
+  // piece each (nvme_piece_elements, at most the largest padded shard).
+  bool offload_param_nvme = false;
+  int offload_param_buffer_count = 5;
   // With offload_optimizer: master, m and v live in a swap file (MemoryKind::kNvme), two copies
   // of each unit's master|m|v, each array padded to kNvmeAlignment bytes (NvmeUnitStride).
   bool offload_optimizer_nvme = false;
@@ -173,6 +181,14 @@ constexpr int64_t kNvmeAlignment = 4096;
 inline int64_t NvmeUnitStride(int64_t shard_elements) {
   return (shard_elements * 4 + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
 }
+
+// NVMe parameter offload: a shard of `bytes` in the file, padded to kNvmeAlignment; and the
+// bytes of one pinned buffer: nvme_piece_elements in the compute dtype rounded down to
+// kNvmeAlignment (at least that), at most the largest padded shard.
+inline int64_t NvmeParamBytes(int64_t bytes) {
+  return (bytes + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
+}
+int64_t NvmeParamPieceBytes(const PlanOptions& o, int64_t largest_padded_shard);
 
 // The piece sizes a shard of `shard_elements` is streamed in (see nvme_piece_elements).
 std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);

@@ -120,7 +120,16 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
   Times times;
   NvmeState* nvme = options_.nvme;
   if (nvme == nullptr) {
-    RETURN_IF_ERROR(UpdateAll(ranges, grad_scale, hooks, &times));
+    nvme_error_ = absl::OkStatus();
+    absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
+    if (options_.nvme_params == nullptr) {
+      RETURN_IF_ERROR(s);
+      return times;
+    }
+    // A failed parameter write: every rank made the same transfers and gathers; they agree.
+    s.Update(nvme_error_);
+    if (hooks.agree) s = hooks.agree(s);
+    if (!s.ok()) return s;
     return times;
   }
   // An I/O error stops the AdamW work but not the transfers and gathers, so that every rank
@@ -162,7 +171,8 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   RETURN_IF_ERROR(dev_->WaitHost(chunk_in_[u % chunks]));
   if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
   times->wait_ms += MsSince(tw);
-  void* out = on_host ? r.param : ParamChunk(u);
+  NvmeParams* params_file = options_.nvme_params;
+  void* out = on_host && params_file == nullptr ? r.param : ParamChunk(u);
   if (options_.nvme != nullptr) {
     // After an I/O error the remaining units keep their old parameters in `out`'s place only
     // nominally (the chunk holds stale bytes); the engine re-derives them from the state.
@@ -171,6 +181,13 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
     AdamWArrays a{r.master, r.m, r.v, GradChunk(u), GradDType(), out, options_.dtype,
                   static_cast<size_t>(r.n)};
     RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
+  }
+  // Written synchronously, so the chunk is free again at once; after an error the chunk holds
+  // stale bytes and the file keeps the shard (the engine re-derives the parameters).
+  if (params_file != nullptr && nvme_error_.ok()) {
+    const auto tp = std::chrono::steady_clock::now();
+    nvme_error_ = params_file->Write(u, static_cast<const char*>(out));
+    times->nvme_wait_ms += MsSince(tp);
   }
   if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();

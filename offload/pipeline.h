@@ -42,6 +42,7 @@
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
+#include "offload/nvme_params.h"
 #include "offload/nvme_state.h"
 
 namespace zerort {
@@ -68,6 +69,9 @@ struct PipelineOptions {
   bool param_on_host = false;
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
   NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
+  // NVMe parameter offload (with param_on_host; regions' param null): AdamW writes each new
+  // shard into its chunk's parameter half, which is then written to the file. Outlives us.
+  NvmeParams* nvme_params = nullptr;
 };
 
 class OffloadPipeline {
@@ -131,7 +135,9 @@ class OffloadPipeline {
   Device* const dev_;
   const std::vector<PipelineRegion> regions_;
   const PipelineOptions options_;
-  absl::Status nvme_error_;  // the step's first NVMe I/O error; the step goes on without AdamW
+  // The step's first NVMe I/O error (state or parameter write); with NVMe state the step goes
+  // on without AdamW, and no later parameter shard is written.
+  absl::Status nvme_error_;
   const size_t c_;   // bytes of a parameter element
   const size_t gc_;  // bytes of a gradient element
   const Device::Stream grads_stream_;

@@ -411,11 +411,6 @@ void ReadOffloadParam(Reader* r, const Json& obj, const std::string& path,
   r->Check(ReadInt(obj, path, "buffer_count", 1, kIntMax, &out->buffer_count));
   r->Check(ReadInt64(obj, path, "buffer_size", 1, kInt64Max, &out->buffer_size));
   RequireNvmePath(r, path, out->device, out->nvme_path);
-  if (out->device == OffloadDevice::kNvme) {
-    r->Note(absl::StrCat(path, ".device: \"nvme\": parameter offload to NVMe is not "
-                         "implemented; the stage-3 parameter shard is offloaded to host memory "
-                         "instead (the plan counts it there)"));
-  }
 }
 
 void ReadMemoryBudget(Reader* r, const Json& obj, const std::string& path, MemoryBudget* out) {
@@ -992,6 +987,16 @@ void CheckAcrossKeys(Reader* r, const Config& c) {
         "\" but zero_optimization.stage is ",
         z.stage_auto ? std::string("\"auto\"") : absl::StrCat(z.stage),
         "; parameter offload requires stage 3 (set it explicitly)"));
+  }
+  // The shards on NVMe are written back by the host optimizer step, which needs optimizer offload.
+  if (!r->Failed("zero_optimization.offload_param") &&
+      !r->Failed("zero_optimization.offload_optimizer") &&
+      z.offload_param.device == OffloadDevice::kNvme &&
+      z.offload_optimizer.device == OffloadDevice::kNone) {
+    r->Note(
+        "zero_optimization.offload_param.device: \"nvme\" without offload_optimizer: the "
+        "stage-3 parameter shard is offloaded to host memory instead (the plan counts it there); "
+        "NVMe parameter offload needs offload_optimizer \"cpu\" or \"nvme\"");
   }
   if (stage_ok && !r->Failed("zero_optimization.memory_budget") && z.stage_auto &&
       z.memory_budget.device_bytes == 0) {

@@ -87,6 +87,8 @@ class Engine::Impl {
   absl::Status ReduceUnit(int unit);
   absl::Status RestoreUnit(int unit, const float* const src[3]);
   absl::Status RecoverFromNvme();
+  absl::Status StoreParamShard(int u, const char* values, Device::Stream stream);
+  absl::Status RederiveNvmeParams();
   absl::Status CheckRange(const char* call, int index, bool unit) const;
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   const Region& region(int u) const { return layout_->region(u); }
@@ -146,7 +148,8 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
                                                          mem.grad_buckets(), mem.grad_wire());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
-      units, mem.model_state().params, mem.gather_slots(), mem.persistent());
+      units, mem.model_state().params, mem.gather_slots(), mem.persistent(), mem.nvme_params(),
+      host_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
@@ -165,6 +168,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   o.param_on_host = plan_.options.offload_param;
   o.cpu_threads = config_.cpu_threads;
   o.nvme = mem.nvme_state();
+  o.nvme_params = mem.nvme_params();
   // The reduced gradients are written where the collectives run.
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
@@ -288,6 +292,14 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
       return Annotate(update.status(), RecoverFromNvme().ok()
                                            ? "the previous step's state and parameters stay"
                                            : "the parameters could not be re-derived either");
+    }
+    // NVMe parameters with host state: the state's update stands (so does the count), but the
+    // shards from the failed write on are old; every rank failed alike (they agreed).
+    if (!update.ok() && memory_->nvme_params() != nullptr) {
+      return Annotate(update.status(),
+                      RederiveNvmeParams().ok()
+                          ? "the step's update stands; the parameters were re-derived from it"
+                          : "the parameters could not be re-derived either");
     }
     ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
@@ -621,8 +633,7 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
       RETURN_IF_ERROR(m.dev_->Copy(m.At(m.memory_->model_state().params, unit.flat_offset),
                                    compute_values.data(), unit.padded * m.c_, compute));
     } else {
-      RETURN_IF_ERROR(m.dev_->Copy(reg.param, m.At(compute_values.data(), reg.unit_begin),
-                                   n * m.c_, compute));
+      RETURN_IF_ERROR(m.StoreParamShard(u, m.At(compute_values.data(), reg.unit_begin), compute));
       if (char* whole = m.gatherer_->persistent_copy(u); whole != nullptr) {
         RETURN_IF_ERROR(
             m.dev_->Copy(whole, compute_values.data(), unit.padded * m.c_, compute));
@@ -755,6 +766,16 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
     return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
   }
   RETURN_IF_ERROR(e.memory_->LoadNvmeState(e.plan_, master, m, v));  // the copies skip them
+  if (offload::NvmeParams* file = e.memory_->nvme_params(); file != nullptr && param != nullptr) {
+    for (int u = 0; u < num_units(); ++u) {  // the shards from the file, before Begin returns
+      char* dst = static_cast<char*>(param) + e.plan_.units[u].shard_offset * e.c_;
+      RETURN_IF_ERROR(file->Read(u, [dst](int64_t offset, const char* data, int64_t bytes) {
+        std::memcpy(dst + offset, data, static_cast<size_t>(bytes));
+        return absl::OkStatus();
+      }));
+    }
+    param = nullptr;
+  }
   return e.snapshot_->Begin(master, m, v, param);
 }
 
@@ -794,8 +815,7 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
       const float* new_master = reg.whole_unit ? full.data() : src[0];
       std::vector<char> compute_values(reg.n * c_);
       offload::Cast(new_master, DType::kF32, compute_values.data(), cdt_, reg.n);
-      RETURN_IF_ERROR(dev_->Copy(reg.param, compute_values.data(), compute_values.size(),
-                                 compute));
+      RETURN_IF_ERROR(StoreParamShard(ui, compute_values.data(), compute));
       RETURN_IF_ERROR(dev_->Synchronize(compute));  // before `compute_values` goes
     }
   }
@@ -803,6 +823,30 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   RETURN_IF_ERROR(streams_->BeforeComm());
   RETURN_IF_ERROR(gatherer_->AllGatherUpdated(ui));
   return streams_->JoinComm();
+}
+
+// Unit u's compute-dtype parameters (its region's n elements) from host `values`: into the
+// region, or with NVMe parameter offload (stage 3) into the swap file, synchronously.
+absl::Status Engine::Impl::StoreParamShard(int u, const char* values, Device::Stream stream) {
+  if (offload::NvmeParams* file = memory_->nvme_params()) return file->Write(u, values);
+  return dev_->Copy(region(u).param, values, region(u).n * c_, stream);
+}
+
+// After a failed parameter write with host state: writes every shard again as round(master)
+// and refreshes the persistent units (collective, as every rank failed alike).
+absl::Status Engine::Impl::RederiveNvmeParams() {
+  const Device::Stream compute = streams_->compute();
+  for (int u = 0; u < num_units(); ++u) {
+    const Region& reg = region(u);
+    std::vector<char> values(reg.n * c_);
+    offload::Cast(reg.master, DType::kF32, values.data(), cdt_, reg.n);
+    RETURN_IF_ERROR(StoreParamShard(u, values.data(), compute));
+    RETURN_IF_ERROR(streams_->BeforeComm());
+    RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    RETURN_IF_ERROR(streams_->JoinComm());
+  }
+  gatherer_->Invalidate();  // gathered copies hold the old parameters of the failed units
+  return absl::OkStatus();
 }
 
 // After a failed NVMe step: the file's current copy is the previous step's state, but the

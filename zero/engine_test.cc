@@ -6,6 +6,7 @@
 #include <optional>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "offload/nvme_io.h"
+#include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -358,6 +360,172 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
     INFO("rank " << r << ": " << errors[r].ToString());
     CHECK(errors[r].ok());
   }
+}
+
+// Runs `body` on `world` in-process ranks (one thread each, one CPU device) and checks that
+// every rank returned OK.
+void CheckOnRanks(int world,
+                  const std::function<absl::Status(comm::Communicator*, Device*)>& body) {
+  auto comms = comm::CreateInProcessGroup(world, {20000}).value();
+  auto device = CreateCpuDevice(CpuDeviceOptions());
+  std::vector<absl::Status> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { errors[r] = body(comms[r].get(), device.get()); });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
+// Stage 3 with the parameter shard on NVMe (the test's temporary directory), optimizer state
+// in host memory (`optimizer_nvme` false) or on NVMe too.
+Config NvmeParamConfig(bool optimizer_nvme, int buffers) {
+  Config c = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+  if (optimizer_nvme) REQUIRE(NvmeConfig(&c, 2));
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  c.zero.offload_param.device = OffloadDevice::kNvme;
+  c.zero.offload_param.nvme_path = tmp != nullptr ? tmp : "/tmp";
+  c.zero.offload_param.buffer_count = buffers;
+  c.aio.block_size = 8192;
+  c.aio.queue_depth = 2;
+  REQUIRE(ValidateConfig(c).ok());
+  return c;
+}
+
+TEST_CASE("Engine: NVMe parameter offload matches stage 0 and CPU parameter offload bit for bit",
+          "[zero][nvme]") {
+  const int steps = 8;
+  for (int world : {1, 3}) {
+    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    RequireOk(reference);
+    Config cpu_param = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+    cpu_param.zero.offload_param.device = OffloadDevice::kCpu;
+    RunResult host = Train(cpu_param, world, steps, -1, -1, SmallModel(), true);
+    RequireOk(host);
+    for (bool optimizer_nvme : {false, true}) {
+      for (int buffers : {1, 3}) {
+        INFO("world=" << world << " optimizer_nvme=" << optimizer_nvme << " buffers=" << buffers);
+        const Config c = NvmeParamConfig(optimizer_nvme, buffers);
+        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
+          CHECK(BitEqual(run.master[r], host.master[r]));
+          CHECK(run.params[r] == host.params[r]);
+        }
+        // The shards are planned and allocated as nvme bytes, not host bytes.
+        const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
+        const int pinned = static_cast<int>(memory::MemoryKind::kPinnedHost);
+        CHECK(run.report.planned[nvme] > 0);
+        CHECK(run.report.allocated[nvme] == run.report.planned[nvme]);
+        CHECK(run.report.allocated[pinned] == run.report.planned[pinned]);
+        auto plan = ChoosePlan(SmallModel(), c, world, 0);
+        REQUIRE(plan.ok());
+        const memory::Buffer* shard = plan->plan.Find(memory::BufferClass::kParams);
+        REQUIRE(shard != nullptr);
+        CHECK(shard->kind == memory::MemoryKind::kNvme);
+        const memory::Buffer* pieces = plan->plan.Find(memory::BufferClass::kNvmeParamBuffers);
+        REQUIRE(pieces != nullptr);
+        CHECK(pieces->kind == memory::MemoryKind::kPinnedHost);
+        CHECK(pieces->count == buffers);
+        CHECK(pieces->bytes == buffers * 4096);  // every shard of this model fits one page
+      }
+    }
+  }
+}
+
+// Rank 0's parameter reads fail with EIO while armed (every one: a read started before arming
+// may still serve the next gather, but not the ones after it).
+absl::Status ParamReadFault(const Config& config, comm::Communicator* comm, Device* dev,
+                            std::atomic<bool>* armed) {
+  ASSIGN_OR_RETURN(auto e, TrainedEngine(config, comm, dev, 1));
+  if (comm->rank() == 0) *armed = true;
+  const absl::Status failed = testing::TrainSteps(*e, 1, 1);
+  if (comm->rank() == 0) *armed = false;
+  if (failed.ok() || failed.message().find("-rank0/param_shard at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected rank 0's EIO naming file and offset, got ",
+                                            failed.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank alike",
+          "[zero][nvme]") {
+  const int world = 2;
+  const Config config = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
+  std::atomic<bool> armed{false};
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const bool rank0 = path.find("-rank0/param_shard") != std::string::npos;
+    if (op == offload::IoOp::kRead && rank0 && armed) return -EIO;
+    return std::nullopt;
+  });
+  CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
+    return ParamReadFault(config, comm, dev, &armed);
+  });
+  offload::SetIoFaultForTesting(nullptr);
+}
+
+// This rank's owned master, m, v and compute-dtype parameter shard through BeginSnapshot.
+absl::Status SnapshotWithParams(Engine& e, std::vector<float> out[3], std::vector<char>* param) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
+  param->assign(n * DTypeSize(e.config().compute_dtype), 0x5a);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), param->data()));
+  return e.WaitSnapshot();
+}
+
+// Rank 1's second parameter write of step 3 fails: both ranks fail the step naming the file;
+// the host state's update stands and the parameters are re-derived from it.
+absl::Status ParamWriteFault(const Config& cpu, const Config& nvme, comm::Communicator* comm,
+                             Device* dev, std::atomic<int>* armed) {
+  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
+  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
+  if (comm->rank() == 1) *armed = 2;
+  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
+  if (comm->rank() == 1) *armed = 0;
+  if (failed.ok() || failed.message().find("-rank1/param_shard at offset ") == absl::string_view::npos ||
+      failed.message().find("re-derived from it") == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected rank 1's EIO, got ", failed.ToString()));
+  }
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 1));
+  if (b->step() != 3) return absl::InternalError(absl::StrCat("step count ", b->step()));
+  std::vector<float> sa[3], sb[3];
+  std::vector<char> pa, pb;
+  RETURN_IF_ERROR(SnapshotWithParams(*a, sa, &pa));
+  RETURN_IF_ERROR(SnapshotWithParams(*b, sb, &pb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat("state array ", k));
+  }
+  if (pa != pb) return absl::InternalError("parameter shards differ");
+  RETURN_IF_ERROR(testing::TrainSteps(*a, 3, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*b, 3, 2));
+  return SameMasters(*a, *b, "masters differ after the failed write");
+}
+
+TEST_CASE("Engine: an NVMe parameter write error re-derives the parameters on every rank",
+          "[zero][nvme]") {
+  const int world = 2;
+  Config cpu = MakeConfig(3, DType::kBF16, 1, 0.05, true);
+  cpu.zero.offload_param.device = OffloadDevice::kCpu;
+  const Config nvme = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
+  std::atomic<int> armed{0};
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    const bool rank1 = path.find("-rank1/param_shard") != std::string::npos;
+    if (op != offload::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
+    if (--armed == 0) return -EIO;
+    return std::nullopt;
+  });
+  CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
+    return ParamWriteFault(cpu, nvme, comm, dev, &armed);
+  });
+  offload::SetIoFaultForTesting(nullptr);
 }
 
 TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0 bit for bit",

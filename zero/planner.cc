@@ -56,8 +56,11 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
   o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
-  // NVMe parameter offload is not implemented: the shard goes to host memory (a config note).
   o.offload_param = c.zero.offload_param.device != OffloadDevice::kNone;
+  // The host optimizer step writes the shards back: without it they stay in host memory (a
+  // config note says so).
+  o.offload_param_nvme = c.zero.offload_param.device == OffloadDevice::kNvme && o.offload_optimizer;
+  o.offload_param_buffer_count = c.zero.offload_param.buffer_count;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;
   o.offload_buffer_count = c.zero.offload_optimizer.buffer_count;
@@ -90,10 +93,11 @@ bool Fits(const memory::Plan& plan, const MemoryBudget& budget) {
 
 std::string Describe(const memory::PlanOptions& o) {
   std::string s = absl::StrCat("stage ", o.stage);
+  const char* where = o.offload_optimizer_nvme ? " (optimizer state on NVMe)" : "";
   if (o.offload_optimizer && o.offload_param) {
-    absl::StrAppend(&s, " + optimizer and parameter offload");
+    absl::StrAppend(&s, " + optimizer and parameter offload", where);
   } else if (o.offload_optimizer) {
-    absl::StrAppend(&s, " + optimizer offload");
+    absl::StrAppend(&s, " + optimizer offload", where);
   }
   return s;
 }
@@ -108,26 +112,27 @@ std::string BudgetText(const MemoryBudget& b) {
                       b.host_bytes ? HumanBytes(b.host_bytes) : "unlimited", " host");
 }
 
-// Auto candidates in order of preference.
-std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base) {
+// Auto candidates in order of preference: no offload, optimizer offload to host memory, then
+// (with `nvme`: offload_optimizer.nvme_path names a directory) the optimizer state on NVMe,
+// which needs only its pinned slots of host memory.
+std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, bool nvme) {
   std::vector<memory::PlanOptions> out;
-  for (int stage = 0; stage <= 3; ++stage) {
+  auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
     memory::PlanOptions o = base;
     o.stage = stage;
-    o.offload_optimizer = o.offload_param = false;
+    o.offload_optimizer = optimizer;
+    o.offload_param = param;
+    o.offload_optimizer_nvme = on_nvme;
+    o.offload_param_nvme = false;
     out.push_back(o);
+  };
+  for (int stage = 0; stage <= 3; ++stage) add(stage, false, false, false);
+  for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, false);
+  add(3, true, true, false);
+  if (nvme) {
+    for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, true);
+    add(3, true, true, true);
   }
-  for (int stage = 1; stage <= 3; ++stage) {
-    memory::PlanOptions o = base;
-    o.stage = stage;
-    o.offload_optimizer = true;
-    o.offload_param = false;
-    out.push_back(o);
-  }
-  memory::PlanOptions o = base;
-  o.stage = 3;
-  o.offload_optimizer = o.offload_param = true;
-  out.push_back(o);
   return out;
 }
 
@@ -202,9 +207,10 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
         "zero_optimization.stage is \"auto\" but zero_optimization.memory_budget.device_bytes is "
         "not set: auto needs a device budget to choose against");
   }
+  const bool nvme = !config.zero.offload_optimizer.nvme_path.empty();
   std::string rejected;
   memory::Plan smallest;  // the candidate needing the least device memory
-  for (const memory::PlanOptions& o : Candidates(base)) {
+  for (const memory::PlanOptions& o : Candidates(base, nvme)) {
     ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));
     if (Fits(plan, budget)) {
       PlanChoice choice;
@@ -223,7 +229,7 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
   std::string would_fit;
   // int64: world_size * 2 overflows an int for worlds from 2^30 up.
   for (int64_t world = int64_t{world_size} * 2; world <= 65536 && would_fit.empty(); world *= 2) {
-    for (memory::PlanOptions o : Candidates(base)) {
+    for (memory::PlanOptions o : Candidates(base, nvme)) {
       o.world_size = static_cast<int>(world);
       o.rank = 0;
       ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));

@@ -2,7 +2,8 @@
 //
 // `"stage": "auto"` picks the cheapest configuration whose plan fits the memory budget: the
 // lowest stage first (fewer bytes on the wire), then optimizer offload, then parameter offload,
-// and says which it chose and why. When nothing fits, the error names the smallest requirement
+// then (when offload_optimizer.nvme_path is set) the optimizer state on NVMe, which needs little
+// host memory, and says which it chose and why. When nothing fits, the error names the smallest requirement
 // found and the world size at which the model would fit.
 //
 //   ASSIGN_OR_RETURN(zerort::PlanChoice choice, zerort::ChoosePlan(specs, config, world, rank));

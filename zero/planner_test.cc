@@ -209,6 +209,55 @@ TEST_CASE("Planner: offload_param \"nvme\" plans the parameter shard in host mem
         cpu->plan.host_bytes() + cpu->plan.pinned_host_bytes());
 }
 
+TEST_CASE("Planner: auto puts the optimizer state on NVMe when host memory is too small",
+          "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  // Explicit plans: stage 3 with the optimizer state in host memory, and on NVMe.
+  Config explicit_cpu = AutoConfig(0);
+  explicit_cpu.zero.stage_auto = false;
+  explicit_cpu.zero.stage = 3;
+  explicit_cpu.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  auto cpu = ChoosePlan(*specs, explicit_cpu, 8, 0);
+  REQUIRE(cpu.ok());
+  Config explicit_nvme = explicit_cpu;
+  explicit_nvme.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  explicit_nvme.zero.offload_optimizer.nvme_path = "/nvme";
+  auto nvme = ChoosePlan(*specs, explicit_nvme, 8, 0);
+  REQUIRE(nvme.ok());
+  const int64_t nvme_host = nvme->plan.host_bytes() + nvme->plan.pinned_host_bytes();
+  REQUIRE(nvme_host < cpu->plan.host_bytes() + cpu->plan.pinned_host_bytes());
+  REQUIRE(nvme->plan.nvme_bytes() > 0);
+  // Device memory only for stage 3 with offload, host memory only for the NVMe plan's.
+  Config c = AutoConfig(cpu->plan.device_bytes(), nvme_host);
+  auto without_path = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE_FALSE(without_path.ok());  // no nvme_path: NVMe is never a candidate
+  CHECK(without_path.status().code() == absl::StatusCode::kResourceExhausted);
+  c.zero.offload_optimizer.nvme_path = "/nvme";
+  auto chosen = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(chosen.ok());
+  CHECK(chosen->plan.options.stage == 3);
+  CHECK(chosen->plan.options.offload_optimizer);
+  CHECK_FALSE(chosen->plan.options.offload_param);
+  CHECK(chosen->plan.options.offload_optimizer_nvme);
+  CHECK(chosen->plan.nvme_bytes() == nvme->plan.nvme_bytes());
+  CHECK_THAT(chosen->reason, Catch::Contains("optimizer offload (optimizer state on NVMe)"));
+  CHECK_THAT(chosen->reason, Catch::Contains("rejected: stage 0"));
+  // A host budget that CPU offload fits keeps the state in host memory.
+  c.zero.memory_budget.host_bytes = 0;
+  auto unlimited = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(unlimited.ok());
+  CHECK(unlimited->plan.options.offload_optimizer);
+  CHECK_FALSE(unlimited->plan.options.offload_optimizer_nvme);
+  // An explicit NVMe config with stage "auto" plans no NVMe for the candidates without offload.
+  c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+  c.zero.memory_budget.device_bytes = 1LL << 40;
+  auto big = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(big.ok());
+  CHECK(big->plan.options.stage == 0);
+  CHECK(big->plan.nvme_bytes() == 0);
+}
+
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
   // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
   // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.

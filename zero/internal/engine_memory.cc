@@ -44,7 +44,9 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     // 1280 = 5 x 256: coprime with 16, so up to 16 buffers get distinct 256-byte residues.
     // The NVMe slots take residue 0: direct I/O needs them aligned to 4 KiB.
     size_t residue = (index++ * 1280) % memory::Arena::kStaggerSlack;
-    if (b.cls == BufferClass::kNvmeStaging) residue = 0;
+    if (b.cls == BufferClass::kNvmeStaging || b.cls == BufferClass::kNvmeParamBuffers) {
+      residue = 0;
+    }
     ASSIGN_OR_RETURN(void* p, arena.AllocateStaggered(b.name, b.bytes, residue));
     RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
     mem->Assign(b, static_cast<char*>(p));
@@ -52,13 +54,16 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
   for (int k = 0; k < kNumArenas; ++k) {
     mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
   }
-  if (plan.options.offload_optimizer_nvme) RETURN_IF_ERROR(mem->CreateNvme(plan, nvme));
+  if (plan.options.offload_optimizer_nvme || plan.options.offload_param_nvme) {
+    RETURN_IF_ERROR(mem->CreateNvme(plan, nvme));
+  }
   return mem;
 }
 
 NvmeSetup NvmeSetupOf(const Config& c) {
   NvmeSetup s;
   s.path = c.zero.offload_optimizer.nvme_path;
+  s.param_path = c.zero.offload_param.nvme_path;
   s.aio = {c.aio.block_size, c.aio.queue_depth, c.aio.single_submit, c.aio.overlap_events,
            c.aio.thread_count, nullptr};
   return s;
@@ -75,6 +80,7 @@ absl::Status EngineMemory::LoadNvmeState(const memory::Plan& plan, float* master
 }
 
 EngineMemory::~EngineMemory() {
+  nvme_params_.reset();
   nvme_state_.reset();
   aio_.reset();
   swap_file_.reset();
@@ -86,21 +92,42 @@ absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup&
   // never share a directory, and a dead pid marks a crashed run's leftovers.
   static std::atomic<int> engines{0};
   const std::string job = absl::StrCat(getpid(), "-", engines++);
-  ASSIGN_OR_RETURN(swap_dir_, offload::SwapDir::Create(setup.path, job, plan.options.rank));
-  ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile("optimizer_state", plan.nvme_bytes()));
+  const bool state = plan.options.offload_optimizer_nvme;
+  ASSIGN_OR_RETURN(swap_dir_, offload::SwapDir::Create(state ? setup.path : setup.param_path,
+                                                       job, plan.options.rank));
+  ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile(state ? "optimizer_state" : "param_shard",
+                                                     plan.nvme_bytes()));
   bytes_.allocated[static_cast<int>(MemoryKind::kNvme)] = swap_file_->bytes();
   ASSIGN_OR_RETURN(aio_, offload::AioEngine::Create(setup.aio));
   std::vector<int64_t> shards;
   for (const memory::Unit& u : plan.units) shards.push_back(u.shard);
-  const int64_t slot_bytes = nvme_staging_.elements * 4;
-  ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(
-                                    aio_.get(), swap_file_.get(), shards,
-                                    plan.options.nvme_piece_elements, nvme_staging_.base,
-                                    slot_bytes));
-  // m and v start at zero, the master at whatever InitParams stores.
-  for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
-    RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
+  int64_t params_base = 0;
+  if (state) {
+    const int64_t slot_bytes = nvme_staging_.elements * 4;
+    ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(
+                                      aio_.get(), swap_file_.get(), shards,
+                                      plan.options.nvme_piece_elements, nvme_staging_.base,
+                                      slot_bytes));
+    // m and v start at zero, the master at whatever InitParams stores.
+    for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
+      RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
+    }
+    params_base = offload::NvmeState::FileBytes(shards, plan.options.nvme_piece_elements);
   }
+  if (plan.options.offload_param_nvme) RETURN_IF_ERROR(CreateNvmeParams(plan, params_base));
+  return absl::OkStatus();
+}
+
+// The shards start zero-filled (the file is preallocated); InitParams writes them.
+absl::Status EngineMemory::CreateNvmeParams(const memory::Plan& plan, int64_t base) {
+  const int64_t c = static_cast<int64_t>(DTypeSize(plan.options.compute_dtype));
+  std::vector<int64_t> bytes;
+  for (const memory::Unit& u : plan.units) bytes.push_back(u.shard * c);
+  ASSIGN_OR_RETURN(nvme_params_,
+                   offload::NvmeParams::Create(aio_.get(), swap_file_.get(), base,
+                                               std::move(bytes), nvme_param_buffers_.base,
+                                               nvme_param_buffers_.count,
+                                               nvme_param_buffers_.elements * c));
   return absl::OkStatus();
 }
 
@@ -121,6 +148,8 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kNormTable: norm_table_ = reinterpret_cast<float*>(p); break;
     case BufferClass::kNvmeStaging: nvme_staging_ = slotted; break;
     case BufferClass::kNvmeSecondCopy: break;  // a file region
+    case BufferClass::kNvmeParamPadding: break;  // a file region
+    case BufferClass::kNvmeParamBuffers: nvme_param_buffers_ = slotted; break;
   }
 }
 

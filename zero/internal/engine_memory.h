@@ -21,6 +21,7 @@
 #include "memory/plan.h"
 #include "zero/config.h"
 #include "offload/nvme_io.h"
+#include "offload/nvme_params.h"
 #include "offload/nvme_state.h"
 #include "zero/internal/shard_layout.h"
 
@@ -40,9 +41,13 @@ struct SlottedBuffer {
   int64_t elements = 0;  // per slot
 };
 
-// Where NVMe offload puts its files: <path>/zerort-<pid>-<n>-rank<rank>/optimizer_state.
+// Where NVMe offload puts its files: <path>/zerort-<pid>-<n>-rank<rank>/optimizer_state (or
+// param_shard when only the parameters are on NVMe).
 struct NvmeSetup {
   std::string path;          // zero_optimization.offload_optimizer.nvme_path
+  // zero_optimization.offload_param.nvme_path: used when only the parameters are on NVMe;
+  // with both, the shards take a region of the optimizer state's file after the state.
+  std::string param_path;
   offload::AioOptions aio;   // the config's aio block
 };
 
@@ -69,6 +74,10 @@ class EngineMemory {
   const ByteCounts& bytes() const { return bytes_; }
   // NVMe offload: master|m|v of every owned unit shard; null otherwise.
   offload::NvmeState* nvme_state() const { return nvme_state_.get(); }
+  // NVMe parameter offload (plan.options.offload_param_nvme): the stage-3 parameter shards in
+  // the swap file, read through the plan's nvme_param_buffers; null otherwise (and then
+  // model_state().params holds the shards).
+  offload::NvmeParams* nvme_params() const { return nvme_params_.get(); }
   // NVMe offload: reads every unit's master, m, v (plan.shard_elements each, unit u at
   // units[u].shard_offset) from the file, synchronously; OK at once without NVMe offload.
   absl::Status LoadNvmeState(const memory::Plan& plan, float* master, float* m, float* v) const;
@@ -77,10 +86,11 @@ class EngineMemory {
   EngineMemory() = default;
   void Assign(const memory::Buffer& b, char* p);
   absl::Status CreateNvme(const memory::Plan& plan, const NvmeSetup& setup);
+  absl::Status CreateNvmeParams(const memory::Plan& plan, int64_t base);
 
   std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds - 1];  // kNvme has none
   ModelStateBuffers model_state_;
-  SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_;
+  SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_, nvme_param_buffers_;
   char* persistent_ = nullptr;
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
@@ -91,6 +101,7 @@ class EngineMemory {
   std::unique_ptr<offload::SwapFile> swap_file_;
   std::unique_ptr<offload::AioEngine> aio_;
   std::unique_ptr<offload::NvmeState> nvme_state_;
+  std::unique_ptr<offload::NvmeParams> nvme_params_;
 };
 
 }  // namespace zero_internal

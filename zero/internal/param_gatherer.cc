@@ -9,13 +9,16 @@
 namespace zerort {
 namespace zero_internal {
 
-ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params,
-                             const SlottedBuffer& slots, char* persistent)
+ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
+                             char* persistent, offload::NvmeParams* nvme,
+                             comm::HostExchange* agree)
     : ctx_(ctx),
       offload_param_(ctx.plan.options.offload_param),
       params_(params),
       gather_(slots),
       persistent_(persistent),
+      nvme_(nvme),
+      agree_(agree),
       slots_(slots.count) {
   const size_t nu = ctx.plan.units.size();
   refs_.assign(nu, 0);
@@ -200,19 +203,40 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   return absl::OkStatus();
 }
 
-// With offload_param the shard lives in host memory: it is staged into this rank's block of
-// `full` first and gathered in place, so collectives only ever see device buffers.
+// With offload_param the shard lives in host memory (or, with NVMe, in the swap file): it is
+// staged into this rank's block of `full` first and gathered in place, so collectives only ever
+// see device buffers. A failed NVMe read still takes part in the all-gather (its block holds
+// stale bytes), then every rank fails alike.
 absl::Status ParamGatherer::GatherShard(int u, char* full) {
   const memory::Unit& unit = ctx_.plan.units[u];
-  const char* shard = ctx_.At(params_, unit.shard_offset);
+  const char* shard = nvme_ != nullptr ? nullptr : ctx_.At(params_, unit.shard_offset);
+  absl::Status read;
   if (offload_param_) {
     char* mine = ctx_.At(full, ctx_.rank * unit.shard);
-    RETURN_IF_ERROR(ctx_.device->Copy(mine, shard, unit.shard * ctx_.c, ctx_.streams->side()));
+    if (nvme_ != nullptr) {
+      read = ReadShard(u, mine);
+    } else {
+      RETURN_IF_ERROR(ctx_.device->Copy(mine, shard, unit.shard * ctx_.c, ctx_.streams->side()));
+    }
     shard = mine;
   }
   RETURN_IF_ERROR(ctx_.comm->AllGather(shard, full, unit.shard, ctx_.cdt, ctx_.streams->side()));
   ctx_.timer->Sent(unit.shard, 1);
-  return absl::OkStatus();
+  if (nvme_ == nullptr) return absl::OkStatus();
+  return agree_ != nullptr ? comm::AgreeOnStatus(*agree_, read) : read;
+}
+
+absl::Status ParamGatherer::ReadShard(int u, char* mine) {
+  const Device::Stream side = ctx_.streams->side();
+  absl::Status s = nvme_->Read(u, [&](int64_t offset, const char* data, int64_t bytes) {
+    RETURN_IF_ERROR(ctx_.device->Copy(mine + offset, data, bytes, side));
+    return ctx_.device->Synchronize(side);  // the next piece reuses the buffer
+  });
+  const int direction = u >= last_read_ ? 1 : -1;
+  last_read_ = u;
+  const int next = u + direction;
+  if (next >= 0 && next < static_cast<int>(ctx_.plan.units.size())) nvme_->ReadAhead(next);
+  return s;
 }
 
 // Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.

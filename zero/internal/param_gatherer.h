@@ -23,9 +23,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "comm/agree.h"
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "memory/plan.h"
+#include "offload/nvme_params.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
@@ -37,9 +39,13 @@ namespace zero_internal {
 class ParamGatherer {
  public:
   // Every pointer must outlive this object. `params`: the compute-dtype parameters (full in
-  // stages 0-2, the shard in stage 3; in host memory with offload_param).
-  ParamGatherer(const UnitContext& ctx, char* params,
-                const SlottedBuffer& slots, char* persistent);
+  // stages 0-2, the shard in stage 3; in host memory with offload_param). With NVMe parameter
+  // offload `params` is null and `nvme` holds the shards: each gather reads this rank's shard
+  // (reading the next unit's ahead), and the ranks then agree on the read's status through
+  // `agree`, so a failed read fails the gather on every rank after the same collectives.
+  ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
+                char* persistent, offload::NvmeParams* nvme = nullptr,
+                comm::HostExchange* agree = nullptr);
 
   // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
   // persistent units; in stage 3 FailedPrecondition unless its unit is gathered.
@@ -81,6 +87,7 @@ class ParamGatherer {
   absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
+  absl::Status ReadShard(int unit, char* mine);  // NVMe: the shard from the file into `mine`
   absl::Status Prefetch(int from, int direction);
   void Evict(int slot);
 
@@ -89,6 +96,9 @@ class ParamGatherer {
   char* const params_;
   const SlottedBuffer gather_;
   char* const persistent_;
+  offload::NvmeParams* const nvme_;
+  comm::HostExchange* const agree_;
+  int last_read_ = -1;  // NVMe: the unit read last, for the read-ahead's direction
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
   std::vector<Slot> slots_;
   std::vector<int> unit_slot_;  // per unit, or -1

@@ -1,0 +1,186 @@
+#include "offload/nvme_params.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+
+namespace zerort {
+namespace offload {
+namespace {
+
+int64_t RoundUp(int64_t n) { return (n + kIoAlignment - 1) / kIoAlignment * kIoAlignment; }
+
+}  // namespace
+
+int64_t NvmeParams::FileBytes(const std::vector<int64_t>& shard_bytes) {
+  int64_t total = 0;
+  for (int64_t b : shard_bytes) total += RoundUp(b);
+  return total;
+}
+
+absl::StatusOr<std::unique_ptr<NvmeParams>> NvmeParams::Create(
+    AioEngine* io, const SwapFile* file, int64_t base, std::vector<int64_t> shard_bytes,
+    char* buffers, int buffer_count, int64_t buffer_bytes) {
+  if (buffer_count < 1 || buffer_bytes < kIoAlignment) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVMe parameter offload needs buffer_count >= 1 (got ", buffer_count,
+                     ") and buffers of at least ", kIoAlignment, " bytes (got ", buffer_bytes,
+                     ")"));
+  }
+  if (base % kIoAlignment != 0 || base + FileBytes(shard_bytes) > file->bytes()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("NVMe parameter shards (", FileBytes(shard_bytes), " bytes at offset ",
+                     base, ") do not fit ", file->path(), " (", file->bytes(), " bytes)"));
+  }
+  return std::unique_ptr<NvmeParams>(new NvmeParams(io, file, base, std::move(shard_bytes),
+                                                    buffers, buffer_count, buffer_bytes));
+}
+
+NvmeParams::NvmeParams(AioEngine* io, const SwapFile* file, int64_t base,
+                       std::vector<int64_t> shard_bytes, char* buffers, int buffer_count,
+                       int64_t buffer_bytes)
+    : io_(io), file_(file), shard_bytes_(std::move(shard_bytes)),
+      piece_bytes_(buffer_bytes / kIoAlignment * kIoAlignment), buffers_(buffer_count) {
+  int64_t at = base;
+  for (int64_t b : shard_bytes_) {
+    offset_.push_back(at);
+    at += RoundUp(b);
+  }
+  for (int i = 0; i < buffer_count; ++i) buffers_[i].data = buffers + i * piece_bytes_;
+}
+
+NvmeParams::~NvmeParams() { Invalidate(); }
+
+int64_t NvmeParams::Pieces(int unit) const {
+  return (shard_bytes_[unit] + piece_bytes_ - 1) / piece_bytes_;
+}
+
+int64_t NvmeParams::PieceSize(int unit, int64_t piece) const {
+  return std::min(piece_bytes_, shard_bytes_[unit] - piece * piece_bytes_);
+}
+
+AioEngine::Request NvmeParams::Request(IoOp op, int unit, int64_t piece, char* data) const {
+  return {op, file_, offset_[unit] + piece * piece_bytes_, data, RoundUp(PieceSize(unit, piece))};
+}
+
+int NvmeParams::Find(int unit, int64_t piece) const {
+  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
+    if (buffers_[b].unit == unit && buffers_[b].piece == piece) return b;
+  }
+  return -1;
+}
+
+int NvmeParams::Take(int keep_unit) {
+  int oldest = -1;
+  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
+    if (buffers_[b].unit < 0) return b;
+    if (buffers_[b].unit != keep_unit &&
+        (oldest < 0 || buffers_[b].age < buffers_[oldest].age)) {
+      oldest = b;
+    }
+  }
+  // Another unit's read-ahead: its error, if any, shows again when that unit is read.
+  if (oldest >= 0) Drop(oldest).IgnoreError();
+  return oldest;
+}
+
+absl::Status NvmeParams::Drop(int b) {
+  Buffer& buf = buffers_[b];
+  absl::Status s;
+  if (buf.ticket != 0) s = io_->Wait(buf.ticket);
+  buf.ticket = 0;
+  buf.unit = -1;
+  return s;
+}
+
+void NvmeParams::ReadAhead(int unit) { ReadFrom(unit, 0); }
+
+void NvmeParams::ReadFrom(int unit, int64_t first) {
+  for (int64_t p = first; p < Pieces(unit); ++p) {
+    if (Find(unit, p) >= 0) continue;
+    int b = -1;
+    for (int i = 0; i < static_cast<int>(buffers_.size()) && b < 0; ++i) {
+      if (buffers_[i].unit < 0) b = i;
+    }
+    if (b < 0) return;
+    Buffer& buf = buffers_[b];
+    buf.unit = unit;
+    buf.piece = p;
+    buf.age = ++clock_;
+    buf.ticket = io_->Submit({Request(IoOp::kRead, unit, p, buf.data)});
+  }
+}
+
+absl::Status NvmeParams::Read(int unit, const Sink& sink) {
+  for (int64_t p = 0; p < Pieces(unit); ++p) {
+    int b = Find(unit, p);
+    if (b >= 0) {
+      ++reads_ahead_used_;
+    } else {
+      b = Take(unit);
+      if (b < 0) {  // every buffer holds a later piece of this unit: give up the last one
+        b = 0;
+        for (int i = 1; i < static_cast<int>(buffers_.size()); ++i) {
+          if (buffers_[i].piece > buffers_[b].piece) b = i;
+        }
+        Drop(b).IgnoreError();
+      }
+      buffers_[b].ticket = io_->Submit({Request(IoOp::kRead, unit, p, buffers_[b].data)});
+    }
+    const char* data = buffers_[b].data;
+    RETURN_IF_ERROR(Drop(b));  // waits for the read: the bytes are valid until the next Submit
+    RETURN_IF_ERROR(sink(p * piece_bytes_, data, PieceSize(unit, p)));
+    ReadFrom(unit, p + 1);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NvmeParams::Write(int unit, const char* data) {
+  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
+    if (buffers_[b].unit == unit) Drop(b).IgnoreError();  // stale: older than this write
+  }
+  absl::Status s;
+  for (int64_t p = 0; p < Pieces(unit) && s.ok(); ++p) {
+    int b = Take(unit);
+    if (b < 0) {  // every buffer carries a write of this unit: wait for the oldest
+      b = 0;
+      for (int i = 1; i < static_cast<int>(buffers_.size()); ++i) {
+        if (buffers_[i].age < buffers_[b].age) b = i;
+      }
+      s = Drop(b);
+      if (!s.ok()) break;
+    }
+    Buffer& buf = buffers_[b];
+    const int64_t n = PieceSize(unit, p);
+    std::memcpy(buf.data, data + p * piece_bytes_, n);
+    std::memset(buf.data + n, 0, RoundUp(n) - n);
+    buf.unit = unit;
+    buf.piece = p;
+    buf.age = ++clock_;
+    buf.ticket = io_->Submit({Request(IoOp::kWrite, unit, p, buf.data)});
+  }
+  // Completed writes stay as read-aheads (the buffer holds what the file holds); a failed
+  // write leaves none of this unit's.
+  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
+    Buffer& buf = buffers_[b];
+    if (buf.unit != unit || buf.ticket == 0) continue;
+    s.Update(io_->Wait(buf.ticket));
+    buf.ticket = 0;
+  }
+  if (!s.ok()) {
+    for (Buffer& buf : buffers_) {
+      if (buf.unit == unit) buf.unit = -1;
+    }
+  }
+  return s;
+}
+
+void NvmeParams::Invalidate() {
+  for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) Drop(b).IgnoreError();
+}
+
+}  // namespace offload
+}  // namespace zerort

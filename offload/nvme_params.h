@@ -1,0 +1,99 @@
+// NvmeParams: stage-3 parameter shards (offload_param.device = "nvme") in a swap file, read
+// ahead of their gather into a few pinned buffers and written back after the optimizer step.
+//
+// Each unit's shard (compute dtype, `shard_bytes[u]`; 0 for units that have none) occupies its
+// own 4 KiB-aligned range of the file, starting at `base`; it moves in pieces of at most one
+// buffer (`buffer_bytes`, rounded down to kIoAlignment). The buffers are the only host memory
+// the shards use: `buffer_count` x `buffer_bytes`, bounded by the config's
+// offload_param.buffer_count x buffer_size.
+//
+//   ASSIGN_OR_RETURN(auto p, NvmeParams::Create(io, file, 0, shard_bytes, buffers, 4, bytes));
+//   RETURN_IF_ERROR(p->Write(u, host_shard));     // initial values, after every update
+//   p->ReadAhead(u + 1);                          // starts reads into free buffers
+//   RETURN_IF_ERROR(p->Read(u, sink));            // sink(offset, data, bytes) per piece
+//
+// A read-ahead is dropped by Write(u) of its unit and by Invalidate(), so a read never returns
+// bytes older than the last write. Errors (EIO, a short transfer) name the file and offset;
+// after an error no request of the failing call is still in flight on the caller's bytes.
+//
+// Thread safety: not thread-safe; one per engine. The AioEngine, file and buffers must outlive
+// it. REQUIRES: `buffers` aligned to kIoAlignment.
+#ifndef ZERORT_OFFLOAD_NVME_PARAMS_H_
+#define ZERORT_OFFLOAD_NVME_PARAMS_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "offload/nvme_io.h"
+
+namespace zerort {
+namespace offload {
+
+class NvmeParams {
+ public:
+  // Receives one piece of a unit's shard: `bytes` bytes at byte `offset` of the shard.
+  using Sink = std::function<absl::Status(int64_t offset, const char* data, int64_t bytes)>;
+
+  // The file bytes the shards need (each padded to kIoAlignment).
+  static int64_t FileBytes(const std::vector<int64_t>& shard_bytes);
+
+  // Errors: InvalidArgument if buffer_count < 1, buffer_bytes < kIoAlignment, or the shards do
+  // not fit the file after `base` (a multiple of kIoAlignment).
+  static absl::StatusOr<std::unique_ptr<NvmeParams>> Create(AioEngine* io, const SwapFile* file,
+                                                            int64_t base,
+                                                            std::vector<int64_t> shard_bytes,
+                                                            char* buffers, int buffer_count,
+                                                            int64_t buffer_bytes);
+  ~NvmeParams();  // waits for reads in flight (the buffers are the caller's)
+  NvmeParams(const NvmeParams&) = delete;
+  NvmeParams& operator=(const NvmeParams&) = delete;
+
+  // Starts reading unit u's pieces into free buffers (as many as are free); never waits.
+  void ReadAhead(int unit);
+  // Hands unit u's shard to `sink` piece by piece, in order, from read-aheads where present.
+  absl::Status Read(int unit, const Sink& sink);
+  // Writes unit u's shard from `data` (shard_bytes[u] bytes, any host memory); returns when
+  // every piece is on the file.
+  absl::Status Write(int unit, const char* data);
+  // Drops every read-ahead (waits for those in flight).
+  void Invalidate();
+
+  int64_t piece_bytes() const { return piece_bytes_; }
+  int64_t reads_ahead_used() const { return reads_ahead_used_; }  // pieces Read found ready
+
+ private:
+  struct Buffer {
+    char* data = nullptr;
+    int unit = -1;  // -1: free
+    int64_t piece = 0;
+    AioEngine::Ticket ticket = 0;  // 0: nothing in flight
+    uint64_t age = 0;
+  };
+  NvmeParams(AioEngine* io, const SwapFile* file, int64_t base, std::vector<int64_t> shard_bytes,
+             char* buffers, int buffer_count, int64_t buffer_bytes);
+  int64_t Pieces(int unit) const;
+  int64_t PieceSize(int unit, int64_t piece) const;  // payload bytes
+  AioEngine::Request Request(IoOp op, int unit, int64_t piece, char* data) const;
+  void ReadFrom(int unit, int64_t first);  // ReadAhead of pieces [first, end)
+  int Find(int unit, int64_t piece) const;
+  int Take(int keep_unit);  // a free buffer, else frees the oldest not of `keep_unit`, else -1
+  absl::Status Drop(int b);  // waits for its request and frees it
+
+  AioEngine* const io_;
+  const SwapFile* const file_;
+  const std::vector<int64_t> shard_bytes_;
+  std::vector<int64_t> offset_;  // per unit, in the file
+  const int64_t piece_bytes_;
+  std::vector<Buffer> buffers_;
+  uint64_t clock_ = 0;
+  int64_t reads_ahead_used_ = 0;
+};
+
+}  // namespace offload
+}  // namespace zerort
+
+#endif  // ZERORT_OFFLOAD_NVME_PARAMS_H_
