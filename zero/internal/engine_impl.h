@@ -1,0 +1,145 @@
+// Engine::Impl, shared by the engine's translation units: engine.cc (creation, parameters,
+// gradients, gathers), engine_step.cc (Step and the split step) and engine_state.cc (snapshots,
+// restore, NVMe recovery). Internal: include only from those.
+#ifndef ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
+#define ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/crc32c.h"
+#include "base/status.h"
+#include "comm/agree.h"
+#include "offload/cpu_adamw.h"
+#include "offload/cpu_kernels.h"
+#include "offload/pipeline.h"
+#include "zero/internal/adamw_groups.h"
+#include "zero/internal/step_control.h"
+#include "zero/internal/engine_memory.h"
+#include "zero/internal/grad_buckets.h"
+#include "zero/internal/grad_norm.h"
+#include "zero/internal/host_collectives.h"
+#include "zero/internal/param_gatherer.h"
+#include "zero/internal/shard_layout.h"
+#include "zero/internal/snapshot.h"
+#include "zero/internal/step_timer.h"
+#include "zero/internal/stream_order.h"
+#include "zero/loss_scaler.h"
+#include "zero/lr_schedule.h"
+#include "zero/planner.h"
+#include "zero/engine.h"
+
+namespace zerort {
+
+using zero_internal::Region;
+using zero_internal::Stopwatch;
+
+// The engine's parts, each a class of its own (zero/internal/, offload/pipeline.h), and the
+// phases of Step() that tie them together.
+class Engine::Impl {
+ public:
+  Impl(Config config, std::vector<memory::ParamSpec> specs, memory::Plan plan,
+       comm::Communicator* comm, Device* device)
+      : config_(std::move(config)),
+        specs_(std::move(specs)),
+        plan_(std::move(plan)),
+        comm_(comm),
+        dev_(device),
+        rank_(comm->rank()),
+        world_(comm->size()),
+        stage_(plan_.options.stage),
+        cdt_(plan_.options.compute_dtype),
+        c_(DTypeSize(cdt_)),
+        gas_(plan_.options.gradient_accumulation_steps),
+        offload_(plan_.options.offload_optimizer),
+        scaler_(config_),
+        timer_(world_, c_) {}
+
+  // Allocates the plan and builds the parts over it.
+  absl::Status Build(Device::Stream compute);
+  // Every rank must have registered the same parameters with the same config: a mismatch would
+  // otherwise surface as a hang or a silent corruption inside the first collective.
+  absl::Status CheckPeersAgree();
+
+  // --- the phases of Step() ------------------------------------------------------------------
+  struct GradMeasure {
+    double scale = 1;       // gradients hold the sum over micro-steps times the loss scale
+    double norm = 0;        // global L2 norm of the unscaled, averaged gradients
+    bool overflow = false;  // an Inf/NaN on some rank, or an infinite norm
+  };
+  absl::Status CheckGradsReady() const;
+  StepStats MicroStepStats() const;
+  StepStats BoundaryStats() const;
+  absl::StatusOr<GradMeasure> MeasureGradients();
+  double ClipCoefficient(double norm) const;
+  absl::Status EndMicroStep();
+  absl::Status CheckPending(const char* call, bool want) const;
+  absl::StatusOr<StepStats> Apply(std::optional<double> clip);
+  absl::StatusOr<StepStats> Skip();
+  // AdamW on every owned region (device, or the offload pipeline); returns the time the
+  // pipeline spent in all-gathers.
+  absl::StatusOr<double> UpdateOwnedShards(float grad_scale, StepStats* stats);
+  absl::Status GatherUpdatedParams();
+  absl::Status FinishStep(bool overflow, bool update_scaler, StepStats* stats);
+
+  absl::Status ReduceUnit(int unit);
+  absl::Status RestoreUnit(int unit, const float* const src[3]);
+  absl::Status RecoverFromNvme();
+  absl::Status StoreParamShard(int u, const char* values, Device::Stream stream);
+  absl::Status RederiveNvmeParams();
+  absl::Status CheckRange(const char* call, int index, bool unit) const;
+  char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
+  const Region& region(int u) const { return layout_->region(u); }
+  int num_units() const { return static_cast<int>(plan_.units.size()); }
+
+  const Config config_;
+  const std::vector<memory::ParamSpec> specs_;
+  const memory::Plan plan_;
+  comm::Communicator* const comm_;
+  Device* const dev_;
+  const int rank_, world_, stage_;
+  const DType cdt_;
+  const size_t c_;
+  const int gas_;
+  const bool offload_;
+  LossScaler scaler_;
+  int64_t step_ = 0;
+  int micro_ = 0;  // completed micro-steps in this accumulation window
+  zero_internal::StepTimer timer_;
+
+  std::unique_ptr<zero_internal::Hyperparams> hyper_;  // the AdamW scalars in force
+  // A window measured by ComputeGradNorm and not yet applied or skipped.
+  struct Pending {
+    bool active = false;
+    GradMeasure g;
+    StepStats stats;     // BoundaryStats() at the measurement
+    double clip_coef = 1;
+    double norm_ms = 0;  // time ComputeGradNorm took (part of optimizer_ms)
+  };
+  Pending pending_;
+
+  // Declared first, destroyed last: every stream below that may still write into the arenas
+  // is synchronized by its owner's destructor before they go.
+  std::unique_ptr<zero_internal::EngineMemory> memory_;
+  std::unique_ptr<zero_internal::ShardLayout> layout_;
+  std::unique_ptr<zero_internal::StreamOrder> streams_;
+  std::unique_ptr<zero_internal::HostCollectives> host_;
+  std::unique_ptr<zero_internal::GradBuckets> grads_;
+  std::unique_ptr<zero_internal::ParamGatherer> gatherer_;
+  std::unique_ptr<offload::OffloadPipeline> pipeline_;  // with offload_optimizer only
+
+  std::unique_ptr<zero_internal::GradNorm> norm_;
+  std::unique_ptr<zero_internal::AdamWGroups> groups_;
+  std::unique_ptr<zero_internal::OwnedSnapshot> snapshot_;
+};
+
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
