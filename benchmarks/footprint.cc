@@ -60,12 +60,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-int64_t Numel(const memory::ParamSpec& s) {
-  int64_t n = 1;
-  for (int64_t d : s.shape) n *= d;
-  return n;
-}
-
 Config MakeConfig(int stage, bool offload) {
   Config c;
   c.zero.stage = stage;
@@ -137,7 +131,7 @@ absl::StatusOr<Json> PlannedRows(bool quick) {
     auto specs = ModelPreset(name);
     if (!specs.ok()) return specs.status();
     int64_t P = 0, L = 0;
-    for (const memory::ParamSpec& s : *specs) P += Numel(s), L = std::max(L, Numel(s));
+    for (const memory::ParamSpec& s : *specs) P += s.numel(), L = std::max(L, s.numel());
     for (int world = 1; world <= (quick ? 8 : 1024); world *= 2) {
       for (int stage = 0; stage <= 3; ++stage) {
         for (bool offload : {false, true}) {

@@ -486,8 +486,7 @@ zr_status zr_engine_init_params(zr_engine* engine, zr_init_fn init, void* user, 
     }
     auto adapter = [init, user](int index, const zerort::memory::ParamSpec& spec,
                                 float* values) {
-      int64_t numel = 1;
-      for (int64_t d : spec.shape) numel *= d;
+      const int64_t numel = spec.numel();
       init(user, index, spec.name.c_str(), static_cast<int>(spec.shape.size()),
            spec.shape.data(), numel, values);
     };

@@ -91,8 +91,7 @@ absl::StatusOr<std::unique_ptr<Engine>> NewEngine(const Config& config, comm::Co
                                                   Device* device, float init_offset = 0) {
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(config, SmallModel(), comm, device));
   RETURN_IF_ERROR(e->InitParams([init_offset](int i, const ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
+    const int64_t n = spec.numel();
     for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k) + init_offset;
   }));
   return e;
@@ -852,8 +851,7 @@ std::vector<absl::Status> SaveModel(const std::string& root,
     if (rename) rename(&specs);
     ASSIGN_OR_RETURN(auto e, Engine::Create(config, specs, comm, device.get()));
     RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
-      int64_t n = 1;
-      for (int64_t d : spec.shape) n *= d;
+      const int64_t n = spec.numel();
       for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
     }));
     RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));

@@ -40,8 +40,7 @@ std::string MakeCheckpoint() {
         auto e = Engine::Create(config, testing::SmallModel(), comms[r].get(), device.get());
         if (!e.ok()) return e.status();
         absl::Status s = (*e)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-          int64_t n = 1;
-          for (int64_t d : spec.shape) n *= d;
+          const int64_t n = spec.numel();
           for (int64_t k = 0; k < n; ++k) v[k] = testing::InitValue(i, k);
         });
         if (!s.ok()) return s;

@@ -40,6 +40,17 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;  // every dimension >= 1; a scalar is {1}
   std::string module;          // the layer it belongs to; parameters of one module stay together
+
+  // The product of the dimensions, saturating at INT64_MAX instead of overflowing, so that code
+  // running before MakePlan (which refuses such shapes, naming them) never has undefined
+  // behaviour on a hostile shape.
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d : shape) {
+      if (__builtin_mul_overflow(n, d, &n)) return INT64_MAX;
+    }
+    return n;
+  }
 };
 
 // Where a buffer lives. On the CPU device, kDevice is ordinary host memory owned by the engine.

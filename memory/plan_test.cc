@@ -34,8 +34,7 @@ std::vector<ParamSpec> RandomModel(std::mt19937& rng, int modules, int max_dim) 
 int64_t TotalElements(const std::vector<ParamSpec>& specs) {
   int64_t total = 0;
   for (const ParamSpec& s : specs) {
-    int64_t n = 1;
-    for (int64_t d : s.shape) n *= d;
+    const int64_t n = s.numel();
     total += n;
   }
   return total;

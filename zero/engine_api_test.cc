@@ -55,8 +55,7 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const Config& c, comm::Commun
                                                        SmallModel()) {
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(c, specs, comm, device, options));
   RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
+    const int64_t n = spec.numel();
     for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
   }));
   return e;

@@ -52,8 +52,7 @@ std::vector<float> ReferenceMasters(const Config& config, int world, int steps,
   std::vector<float> master, m, v;
   std::vector<int64_t> sizes;
   for (const memory::ParamSpec& s : SmallModel()) {
-    int64_t n = 1;
-    for (int64_t d : s.shape) n *= d;
+    const int64_t n = s.numel();
     sizes.push_back(n);
     for (int64_t k = 0; k < n; ++k) master.push_back(InitValue(static_cast<int>(sizes.size()) - 1, k));
   }
@@ -212,8 +211,7 @@ std::vector<absl::Status> OnEngines(const Config& config, int world,
         return;
       }
       out[r] = (*engine)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-        int64_t n = 1;
-        for (int64_t d : spec.shape) n *= d;
+        const int64_t n = spec.numel();
         for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
       });
       if (out[r].ok()) out[r] = fn(**engine);

@@ -213,8 +213,7 @@ absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
                                                       int steps) {
   ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
   RETURN_IF_ERROR(e->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
+    const int64_t n = spec.numel();
     for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
   }));
   RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));

@@ -22,8 +22,7 @@ int64_t HiddenSize(absl::Span<const memory::ParamSpec> specs) {
   const memory::ParamSpec* largest = nullptr;
   int64_t largest_numel = 0;
   for (const memory::ParamSpec& p : specs) {
-    int64_t n = 1;
-    for (int64_t d : p.shape) n *= d;
+    const int64_t n = p.numel();
     if (n > largest_numel) largest = &p, largest_numel = n;
   }
   if (largest == nullptr) return 1;
@@ -38,8 +37,7 @@ int64_t LargestModule(absl::Span<const memory::ParamSpec> specs) {
   int64_t largest = 0, current = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (i > 0 && specs[i].module != specs[i - 1].module) current = 0;
-    int64_t n = 1;
-    for (int64_t d : specs[i].shape) n *= d;
+    const int64_t n = specs[i].numel();
     current += n;
     largest = std::max(largest, current);
   }

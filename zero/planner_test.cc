@@ -17,8 +17,7 @@ namespace {
 int64_t Count(const std::vector<memory::ParamSpec>& specs) {
   int64_t n = 0;
   for (const auto& s : specs) {
-    int64_t e = 1;
-    for (int64_t d : s.shape) e *= d;
+    const int64_t e = s.numel();
     n += e;
   }
   return n;

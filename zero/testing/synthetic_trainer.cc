@@ -44,8 +44,7 @@ FlatInit SmallModelFlatInit() {
   FlatInit out;
   const std::vector<memory::ParamSpec> specs = SmallModel();
   for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
-    int64_t n = 1;
-    for (int64_t d : specs[i].shape) n *= d;
+    const int64_t n = specs[i].numel();
     for (int64_t k = 0; k < n; ++k) {
       out.w.push_back(InitValue(i, k));
       out.at.push_back({i, k});
@@ -136,8 +135,7 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                    Engine::Create(config, specs, comm, device, options));
   RETURN_IF_ERROR(engine->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-    int64_t n = 1;
-    for (int64_t d : spec.shape) n *= d;
+    const int64_t n = spec.numel();
     for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
   }));
   TrainResult result;
