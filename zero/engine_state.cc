@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "offload/cpu_kernels.h"
 #include "zero/internal/engine_impl.h"
 
 namespace zerort {

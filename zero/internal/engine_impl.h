@@ -4,21 +4,13 @@
 #ifndef ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
 #define ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
 #include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
-#include "base/crc32c.h"
 #include "base/status.h"
 #include "comm/agree.h"
 #include "offload/cpu_adamw.h"
-#include "offload/cpu_kernels.h"
 #include "offload/pipeline.h"
 #include "zero/internal/adamw_groups.h"
 #include "zero/internal/step_control.h"
@@ -32,8 +24,6 @@
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
 #include "zero/loss_scaler.h"
-#include "zero/lr_schedule.h"
-#include "zero/planner.h"
 #include "zero/engine.h"
 
 namespace zerort {
