@@ -262,10 +262,10 @@ int zr_engine_reduced_units(const zr_engine* engine);
  * Collective. */
 zr_status zr_engine_gather(zr_engine* engine, int unit);
 zr_status zr_engine_release(zr_engine* engine, int unit);
-/* Reference-counted gathers by parameter (zerort::Engine::Acquire/Release): hold / drop one
- * hold of every distinct unit of params[0..count-1]; a unit is gathered on its first hold and
- * released on its last, so a tied or shared parameter may be acquired by each of its users.
- * Counted in every stage. ZR_FAILED_PRECONDITION when the gather slots are all held (the
+/* Reference-counted gathers by parameter (zerort::Engine::AcquireParams/ReleaseParams): hold /
+ * drop one hold of every distinct unit of params[0..count-1]; a unit is gathered on its first
+ * hold and released on its last, so a tied or shared parameter may be acquired by each of its
+ * users. Counted in every stage. ZR_FAILED_PRECONDITION when the gather slots are all held (the
  * message names stage3_prefetch_bucket_size) or for a release of a parameter not held (the
  * message names it); a failed call changes no count. Collective in stage 3. */
 zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count);

@@ -41,7 +41,8 @@ struct OffloadOptimizerConfig {
 };
 
 // zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory or under
-// nvme_path. Stage 3 only.
+// nvme_path. Stage 3 only. "nvme" needs offload_optimizer too (its host step writes the shard
+// back); without it the shard goes to host memory and Config::notes says so.
 struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;
