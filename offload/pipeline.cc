@@ -16,17 +16,15 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-
-// The ranges that cover [begin, begin + n) of a region, clipped to it and shifted to start at
-// 0: the constants of one NVMe piece of the unit.
-std::vector<AdamWRange> SliceRanges(absl::Span<const AdamWRange> ranges, size_t begin,
-                                    size_t n) {
-  std::vector<AdamWRange> out;
+// Into *out: the ranges that cover [begin, begin + n) of a region, clipped to it and shifted
+// to start at 0: the constants of one NVMe piece of the unit.
+void SliceRanges(absl::Span<const AdamWRange> ranges, size_t begin, size_t n,
+                 std::vector<AdamWRange>* out) {
+  out->clear();
   for (const AdamWRange& r : ranges) {
     const size_t lo = std::max(r.begin, begin), hi = std::min(r.end, begin + n);
-    if (lo < hi) out.push_back(AdamWRange{lo - begin, hi - begin, r.params});
+    if (lo < hi) out->push_back(AdamWRange{lo - begin, hi - begin, r.params});
   }
-  return out;
 }
 
 }  // namespace
@@ -38,7 +36,11 @@ OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> reg
       options_(options),
       c_(DTypeSize(options.dtype)),
       gc_(DTypeSize(options.grad_dtype.value_or(options.dtype))),
-      grads_stream_(grads_stream) {}
+      grads_stream_(grads_stream) {
+  for (const PipelineRegion& r : regions_) {
+    whole_ranges_.push_back({AdamWRange{0, static_cast<size_t>(r.n), {}}});
+  }
+}
 
 absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
     Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
@@ -103,11 +105,8 @@ absl::Status OffloadPipeline::Download(int u) {
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
                                                                float grad_scale,
                                                                const Hooks& hooks) {
-  std::vector<std::vector<AdamWRange>> ranges;
-  for (const PipelineRegion& r : regions_) {
-    ranges.push_back({AdamWRange{0, static_cast<size_t>(r.n), params}});
-  }
-  return Update(ranges, grad_scale, hooks);
+  for (std::vector<AdamWRange>& unit : whole_ranges_) unit[0].params = params;
+  return Update(whole_ranges_, grad_scale, hooks);
 }
 
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
@@ -210,9 +209,8 @@ absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
     AdamWArrays a{s.master, s.m, s.v, GradChunk(u) + p.begin * static_cast<int64_t>(gc_),
                   GradDType(), static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
                   options_.dtype, static_cast<size_t>(p.n)};
-    const std::vector<AdamWRange> piece_ranges =
-        SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n));
-    RETURN_IF_ERROR(CpuAdamW(a, piece_ranges, grad_scale, options_.cpu_threads));
+    SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n), &piece_ranges_);
+    RETURN_IF_ERROR(CpuAdamW(a, piece_ranges_, grad_scale, options_.cpu_threads));
     RETURN_IF_ERROR(nvme->Release(k));
   }
   return absl::OkStatus();

@@ -147,6 +147,11 @@ class OffloadPipeline {
   std::vector<Device::Event> chunk_in_;    // per chunk: its gradient has arrived
   std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
   int downloads_issued_ = 0;  // units 0..n-1 already downloading for this boundary
+  // Kept across steps so that a step builds no range list. Per unit, the one range {0, n} that
+  // Update(params) fills with the step's constants.
+  std::vector<std::vector<AdamWRange>> whole_ranges_;
+  // UpdateNvmePieces' ranges of the current piece; reaches its largest size in the first step.
+  std::vector<AdamWRange> piece_ranges_;
 };
 
 }  // namespace offload
