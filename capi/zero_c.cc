@@ -108,27 +108,18 @@ template <typename T>
 constexpr size_t FirstPublishedSize() {
   return sizeof(T);
 }
-// Appended to in 0.2: the sizes before.
-template <>
-constexpr size_t FirstPublishedSize<zr_param_spec>() {
-  return offsetof(zr_param_spec, has_group);
-}
-template <>
-constexpr size_t FirstPublishedSize<zr_engine_options>() {
-  return offsetof(zr_engine_options, no_decay_1d);
-}
-template <>
-constexpr size_t FirstPublishedSize<zr_step_stats>() {
-  return offsetof(zr_step_stats, lr);
-}
-template <>
-constexpr size_t FirstPublishedSize<zr_plan_summary>() {
-  return offsetof(zr_plan_summary, planned_nvme_bytes);
-}
-template <>
-constexpr size_t FirstPublishedSize<zr_memory_report>() {
-  return offsetof(zr_memory_report, planned_nvme_bytes);
-}
+// Appended to in 0.2: the sizes before, up to the first appended field.
+#define ZR_FIRST_PUBLISHED_UP_TO(T, first_appended)  \
+  template <>                                         \
+  constexpr size_t FirstPublishedSize<T>() {          \
+    return offsetof(T, first_appended);               \
+  }
+ZR_FIRST_PUBLISHED_UP_TO(zr_param_spec, has_group)
+ZR_FIRST_PUBLISHED_UP_TO(zr_engine_options, no_decay_1d)
+ZR_FIRST_PUBLISHED_UP_TO(zr_step_stats, lr)
+ZR_FIRST_PUBLISHED_UP_TO(zr_plan_summary, planned_nvme_bytes)
+ZR_FIRST_PUBLISHED_UP_TO(zr_memory_report, planned_nvme_bytes)
+#undef ZR_FIRST_PUBLISHED_UP_TO
 
 template <typename T>
 absl::Status CheckStructSize(size_t size, const char* function, const char* type) {

@@ -27,9 +27,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/status.h"
-#include "comm/inprocess.h"
+#include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/internal/ckpt_manifest.h"
@@ -39,7 +40,6 @@ namespace zerort {
 namespace {
 
 using memory::ParamSpec;
-using testing::InitValue;
 using testing::SmallModel;
 
 // --- helpers ---------------------------------------------------------------------------------
@@ -70,14 +70,14 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
 // Runs fn(rank, comm) on `world` in-process ranks, one thread each; returns each rank's status.
 std::vector<absl::Status> OnRanks(int world,
                                   const std::function<absl::Status(int, comm::Communicator*)>& fn) {
-  auto comms = comm::CreateInProcessGroup(world, {20000}).value();
-  std::vector<absl::Status> st(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { st[r] = fn(r, comms[r].get()); });
-  }
-  for (auto& t : threads) t.join();
-  return st;
+  return comm::testing::OnRanks(world, {20000}, fn);
+}
+
+// REQUIREs that `s` failed with `code` and a message that contains `text`.
+void RequireError(const absl::Status& s, absl::StatusCode code, absl::string_view text) {
+  INFO(s.ToString());
+  REQUIRE(s.code() == code);
+  REQUIRE(absl::StrContains(s.message(), text));
 }
 
 void RequireAllOk(const std::vector<absl::Status>& st) {
@@ -90,10 +90,7 @@ void RequireAllOk(const std::vector<absl::Status>& st) {
 absl::StatusOr<std::unique_ptr<Engine>> NewEngine(const Config& config, comm::Communicator* comm,
                                                   Device* device, float init_offset = 0) {
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(config, SmallModel(), comm, device));
-  RETURN_IF_ERROR(e->InitParams([init_offset](int i, const ParamSpec& spec, float* v) {
-    const int64_t n = spec.numel();
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k) + init_offset;
-  }));
+  RETURN_IF_ERROR(testing::SetInitValues(*e, init_offset));
   return e;
 }
 
@@ -433,9 +430,8 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
         return testing::TrainSteps(*e, 1, 1);
       }));
       for (int r = 0; r < 2; ++r) {
-        INFO("rank " << r << ": " << errors[r].ToString());
-        REQUIRE(errors[r].code() == c.code);
-        REQUIRE(absl::StrContains(errors[r].message(), c.expect));
+        INFO("rank " << r);
+        RequireError(errors[r], c.code, c.expect);
       }
     }
   }
@@ -460,8 +456,7 @@ TEST_CASE("Checkpoint: another world size without allow_reshard, or another mode
     return absl::OkStatus();
   }));
   for (const absl::Status& s : errors) {
-    REQUIRE(s.code() == absl::StatusCode::kFailedPrecondition);
-    REQUIRE(absl::StrContains(s.message(), "saved by 2 ranks; this engine has 3"));
+    RequireError(s, absl::StatusCode::kFailedPrecondition, "saved by 2 ranks; this engine has 3");
   }
   std::vector<ParamSpec> other = SmallModel();
   other[3].shape = {64, 10};
@@ -609,8 +604,7 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
     failed_ops.push_back(fs.failed_op());
     INFO("failed " << fs.failed_op() << ": " << saves[0].ToString());
     for (int r = 0; r < 2; ++r) {
-      REQUIRE(saves[r].code() == absl::StatusCode::kUnavailable);
-      REQUIRE(absl::StrContains(saves[r].message(), "injected failure"));
+      RequireError(saves[r], absl::StatusCode::kUnavailable, "injected failure");
     }
     // `latest` still names step 1, which loads. Only a failed fsync of the directory after
     // `latest` was renamed may leave the new name (complete, but its durability unknown).
@@ -850,10 +844,7 @@ std::vector<absl::Status> SaveModel(const std::string& root,
     std::vector<ParamSpec> specs = SmallModel();
     if (rename) rename(&specs);
     ASSIGN_OR_RETURN(auto e, Engine::Create(config, specs, comm, device.get()));
-    RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
-      const int64_t n = spec.numel();
-      for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-    }));
+    RETURN_IF_ERROR(testing::SetInitValues(*e));
     RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 2));
     return SaveCheckpoint(*e, root).status();
   });
@@ -898,9 +889,7 @@ TEST_CASE("Hardening: a small manifest claiming 2^36 elements is refused before 
   const absl::Status verify = VerifyCheckpoint(dir).status();
   const absl::Status cons = ConsolidateCheckpoint(dir, out);
   for (const absl::Status& s : {read, verify, cons}) {
-    INFO(s.ToString());
-    REQUIRE(s.code() == absl::StatusCode::kDataLoss);
-    REQUIRE(absl::StrContains(s.message(), "rank_00000.bin' is truncated: 1024 bytes"));
+    RequireError(s, absl::StatusCode::kDataLoss, "rank_00000.bin' is truncated: 1024 bytes");
   }
   REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
 }
@@ -920,9 +909,7 @@ TEST_CASE("Hardening: a shape whose product wraps int64 is refused by every read
   WriteFile(dir + "/rank_00000.bin", std::string(m.ShardFileBytes(), '\0'));
   const std::string out = TempDir("wrap_out") + "/x.safetensors";
   const absl::Status s = ConsolidateCheckpoint(dir, out);
-  INFO(s.ToString());
-  REQUIRE(s.code() == absl::StatusCode::kDataLoss);
-  REQUIRE(absl::StrContains(s.message(), "params[0].shape: too many elements"));
+  RequireError(s, absl::StatusCode::kDataLoss, "params[0].shape: too many elements");
   REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
 }
 
@@ -931,10 +918,9 @@ TEST_CASE("Hardening: a parameter name that is not UTF-8 fails the save on every
   const std::string root = TempDir("utf8");
   const auto st = SaveModel(root, [](std::vector<ParamSpec>* specs) { (*specs)[1].name = "w\xff"; });
   for (const absl::Status& s : st) {
-    INFO(s.ToString());
     // Not rank 0's internal error with the others timing out in the next collective.
-    REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
-    REQUIRE(absl::StrContains(s.message(), "parameter 1 name: not valid UTF-8 at byte 1"));
+    RequireError(s, absl::StatusCode::kInvalidArgument,
+                 "parameter 1 name: not valid UTF-8 at byte 1");
     REQUIRE(s.message() == st[0].message());
   }
   // Nothing was created: the check precedes the first write.
@@ -947,8 +933,7 @@ TEST_CASE("Hardening: a parameter named __metadata__ is refused by consolidate",
   RequireAllOk(SaveModel(root, [](std::vector<ParamSpec>* s) { (*s)[0].name = "__metadata__"; }));
   const std::string out = TempDir("meta_out") + "/x.safetensors";
   const absl::Status s = ConsolidateCheckpoint(root, out);
-  REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
-  REQUIRE(absl::StrContains(s.message(), "'__metadata__'"));
+  RequireError(s, absl::StatusCode::kInvalidArgument, "'__metadata__'");
   REQUIRE(ListDir(ckpt_internal::Dirname(out)).empty());
 }
 
@@ -976,8 +961,7 @@ TEST_CASE("Hardening: consolidate never overwrites without overwrite, never writ
           REQUIRE(std::remove(out.c_str()) == 0);
           continue;
         }
-        REQUIRE(s.code() == absl::StatusCode::kInvalidArgument);
-        REQUIRE(absl::StrContains(s.message(), "refusing to write"));
+        RequireError(s, absl::StatusCode::kInvalidArgument, "refusing to write");
       }
     }
   }
@@ -1225,9 +1209,7 @@ TEST_CASE("Hardening: a second writer is refused by the root's lock, and a save 
     WriteFile(root + "/step_2.tmp/rank_00000.bin", "in progress");
     const auto st = SaveModel(root);
     for (const absl::Status& s : st) {
-      INFO(s.ToString());
-      REQUIRE(s.code() == absl::StatusCode::kFailedPrecondition);
-      REQUIRE(absl::StrContains(s.message(), "another writer is saving into"));
+      RequireError(s, absl::StatusCode::kFailedPrecondition, "another writer is saving into");
     }
     REQUIRE(ReadFile(root + "/step_2.tmp/rank_00000.bin") == "in progress");
   }

@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -14,7 +14,8 @@
 #include "absl/strings/match.h"
 #include "nlohmann/json.hpp"
 #include "absl/strings/str_cat.h"
-#include "comm/inprocess.h"
+#include "base/status.h"
+#include "comm/testing/on_ranks.h"
 #include "checkpoint/checkpoint.h"
 #include "device/cpu_device.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -28,27 +29,16 @@ std::string MakeCheckpoint() {
   std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_cmd_XXXXXX");
   REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  auto comms = comm::CreateInProcessGroup(2, {20000}).value();
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  std::vector<absl::Status> st(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      st[r] = [&]() -> absl::Status {
-        auto e = Engine::Create(config, testing::SmallModel(), comms[r].get(), device.get());
-        if (!e.ok()) return e.status();
-        absl::Status s = (*e)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-          const int64_t n = spec.numel();
-          for (int64_t k = 0; k < n; ++k) v[k] = testing::InitValue(i, k);
-        });
-        if (!s.ok()) return s;
-        return SaveCheckpoint(**e, tmpl).status();
-      }();
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<absl::Status> st =
+      comm::testing::OnRanks(2, {20000}, [&](int, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
+                         Engine::Create(config, testing::SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*e));
+        return SaveCheckpoint(*e, tmpl).status();
+      });
   REQUIRE(st[0].ok());
   REQUIRE(st[1].ok());
   return tmpl;

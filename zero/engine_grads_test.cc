@@ -6,14 +6,14 @@
 #include <functional>
 #include <string>
 #include <limits>
-#include <thread>
+#include <memory>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "base/half.h"
 #include "base/status.h"
-#include "comm/inprocess.h"
+#include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "offload/cpu_adamw.h"
 #include "zero/engine.h"
@@ -26,20 +26,19 @@ using testing::GradValue;
 using testing::InitValue;
 using testing::SmallModel;
 
-// Runs testing::TrainRank on `world` in-process ranks; returns rank 0's master weights.
-std::vector<float> TrainMasters(const Config& config, int world, int steps) {
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
+// testing::TrainRanks of the small model, REQUIREd to succeed.
+std::vector<testing::TrainResult> TrainRanks(const Config& config, int world, int steps,
+                                             int inject_step = -1, int inject_rank = -1) {
   auto device = CreateCpuDevice(CpuDeviceOptions{});
-  std::vector<absl::StatusOr<testing::TrainResult>> runs(world, absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      runs[r] = testing::TrainRank(config, SmallModel(), comms[r].get(), device.get(), steps);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (int r = 0; r < world; ++r) REQUIRE(runs[r].status().ok());
-  return runs[0]->master;
+  auto runs = testing::TrainRanks(config, SmallModel(), world, device.get(), steps, inject_step,
+                                  inject_rank);
+  REQUIRE(runs.status().ToString() == "OK");
+  return *std::move(runs);
+}
+
+// Rank 0's master weights after TrainRanks.
+std::vector<float> TrainMasters(const Config& config, int world, int steps) {
+  return TrainRanks(config, world, steps)[0].master;
 }
 
 // The masters after `steps` AdamW steps on the same bf16 gradients, averaged over ranks and
@@ -147,19 +146,8 @@ TEST_CASE("Engine: an fp16 overflow is still seen through fp32 gradients", "[eng
     CAPTURE(stage);
     Config c = testing::TestConfig(stage, DType::kF16, /*gas=*/2, 0.0, false);
     c.grad_accum_dtype = c.communication_dtype = DType::kF32;
-    auto comms = comm::CreateInProcessGroup(2, {c.comm_timeout_ms}).value();
-    auto device = CreateCpuDevice(CpuDeviceOptions{});
-    std::vector<absl::StatusOr<testing::TrainResult>> runs(2, absl::UnknownError("not run"));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        runs[r] = testing::TrainRank(c, SmallModel(), comms[r].get(), device.get(), 3,
-                                     /*inject_step=*/1, /*inject_rank=*/1);
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (int r = 0; r < 2; ++r) REQUIRE(runs[r].status().ToString() == "OK");
-    const std::vector<StepStats>& stats = runs[0]->stats;
+    const std::vector<StepStats> stats =
+        TrainRanks(c, 2, 3, /*inject_step=*/1, /*inject_rank=*/1)[0].stats;
     REQUIRE(stats.size() == 3);
     CHECK_FALSE(stats[0].skipped);
     CHECK(stats[1].skipped);
@@ -199,26 +187,14 @@ TEST_CASE("Engine: an fp32 wire alone rounds each micro-step's average to bf16 o
 // small model with InitValue parameters; returns each rank's status.
 std::vector<absl::Status> OnEngines(const Config& config, int world,
                                     const std::function<absl::Status(Engine&)>& fn) {
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
   auto device = CreateCpuDevice(CpuDeviceOptions{});
-  std::vector<absl::Status> out(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      auto engine = Engine::Create(config, SmallModel(), comms[r].get(), device.get());
-      if (!engine.ok()) {
-        out[r] = engine.status();
-        return;
-      }
-      out[r] = (*engine)->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-        const int64_t n = spec.numel();
-        for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
+  return comm::testing::OnRanks(
+      world, {config.comm_timeout_ms}, [&](int, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         Engine::Create(config, SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*engine));
+        return fn(*engine);
       });
-      if (out[r].ok()) out[r] = fn(**engine);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return out;
 }
 
 absl::Status Expect(bool cond, const std::string& what) {
@@ -367,27 +343,21 @@ TEST_CASE("Engine: gradients handed over in the trainer's buffers, stacked slice
         if (fp32) c.grad_accum_dtype = c.communication_dtype = DType::kF32;
         std::vector<StackedRun> runs[2];
         for (bool handoff : {false, true}) {
-          auto comms = comm::CreateInProcessGroup(2, {c.comm_timeout_ms}).value();
           auto device = CreateCpuDevice(CpuDeviceOptions{});
-          std::vector<absl::StatusOr<StackedRun>> out(2, absl::UnknownError("not run"));
-          std::vector<std::thread> threads;
-          for (int r = 0; r < 2; ++r) {
-            threads.emplace_back([&, r] {
-              auto e = Engine::Create(c, StackedModel(), comms[r].get(), device.get());
-              if (!e.ok()) {
-                out[r] = e.status();
-                return;
-              }
-              absl::Status st = (*e)->InitParams([](int i, const memory::ParamSpec&, float* v) {
-                for (int64_t k = 0; k < (i == 0 ? 40 : 256); ++k) v[k] = InitValue(i, k);
+          std::vector<StackedRun> out(2);
+          const std::vector<absl::Status> st = comm::testing::OnRanks(
+              2, {c.comm_timeout_ms}, [&](int r, comm::Communicator* comm) -> absl::Status {
+                ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
+                                 Engine::Create(c, StackedModel(), comm, device.get()));
+                RETURN_IF_ERROR(e->InitParams([](int i, const memory::ParamSpec&, float* v) {
+                  for (int64_t k = 0; k < (i == 0 ? 40 : 256); ++k) v[k] = InitValue(i, k);
+                }));
+                ASSIGN_OR_RETURN(out[r], TrainStacked(*e, handoff, 3));
+                return absl::OkStatus();
               });
-              out[r] = st.ok() ? TrainStacked(**e, handoff, 3) : st;
-            });
-          }
-          for (std::thread& t : threads) t.join();
-          for (auto& o : out) {
-            REQUIRE(o.status().ToString() == "OK");
-            runs[handoff].push_back(*o);
+          for (int r = 0; r < 2; ++r) {
+            REQUIRE(st[r].ToString() == "OK");
+            runs[handoff].push_back(out[r]);
           }
         }
         for (int r = 0; r < 2; ++r) {

@@ -6,10 +6,8 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "comm/inprocess.h"
 #include "comm/mpi.h"
 #include "device/cpu_device.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -35,25 +33,18 @@ int Main(int argc, char** argv) {
     for (int gas : {1, 3}) {
       // The reference: stage 0 on `world` in-process ranks (threads of this process).
       const Config ref_config = testing::TestConfig(0, precision, gas, 0.05, false);
-      auto group = comm::CreateInProcessGroup(world).value();
-      std::vector<std::vector<float>> ref(world);
-      std::vector<std::thread> threads;
-      for (int r = 0; r < world; ++r) {
-        threads.emplace_back([&, r] {
-          auto run = testing::TrainRank(ref_config, specs, group[r].get(), device.get(), steps);
-          if (run.ok()) ref[r] = std::move(run->master);
-        });
-      }
-      for (auto& t : threads) t.join();
+      auto ref_runs = testing::TrainRanks(ref_config, specs, world, device.get(), steps);
+      const std::vector<float> ref =
+          ref_runs.ok() ? std::move((*ref_runs)[0].master) : std::vector<float>();
       for (int stage = 0; stage <= 3; ++stage) {
         for (bool offload : {false, true}) {
           if (stage == 0 && offload) continue;
           const Config config = testing::TestConfig(stage, precision, gas, 0.05, offload);
           auto run = testing::TrainRank(config, specs, mpi, device.get(), steps);
           ++checks;
-          const bool same = run.ok() && !ref[0].empty() && run->master.size() == ref[0].size() &&
-                            std::memcmp(run->master.data(), ref[0].data(),
-                                        ref[0].size() * sizeof(float)) == 0;
+          const bool same = run.ok() && !ref.empty() && run->master.size() == ref.size() &&
+                            std::memcmp(run->master.data(), ref.data(),
+                                        ref.size() * sizeof(float)) == 0;
           if (!same) {
             ++failures;
             std::fprintf(stderr,

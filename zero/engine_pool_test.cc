@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -40,19 +39,10 @@ std::unique_ptr<Device> OneThreadDevice() {
 // Trains `steps` steps on `world` in-process ranks; returns rank 0's final fp32 masters.
 std::vector<float> TrainWorld(const Config& config, Device* device, int world, int steps,
                               MemoryReport* report) {
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
-  std::vector<absl::StatusOr<testing::TrainResult>> results(world, absl::UnknownError(""));
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.emplace_back([&, r] {
-      results[r] =
-          testing::TrainRank(config, testing::SmallModel(), comms[r].get(), device, steps);
-    });
-  }
-  for (auto& t : ranks) t.join();
-  for (const auto& result : results) REQUIRE(result.ok());
-  *report = results[0]->report;
-  return results[0]->master;
+  auto results = testing::TrainRanks(config, testing::SmallModel(), world, device, steps);
+  REQUIRE(results.ok());
+  *report = (*results)[0].report;
+  return (*results)[0].master;
 }
 
 std::string TempDir(const std::string& tag) {

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
+#include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "offload/nvme_io.h"
 #include "zero/planner.h"
@@ -277,27 +278,25 @@ absl::Status SnapshotAndResume(const Config& cpu, const Config& nvme, comm::Comm
   return absl::OkStatus();
 }
 
+void CheckAllOk(const std::vector<absl::Status>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    INFO("rank " << r << ": " << errors[r].ToString());
+    CHECK(errors[r].ok());
+  }
+}
+
 TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host state",
           "[zero][nvme]") {
   const int world = 2;
   Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
   Config nvme = cpu;
   if (!NvmeConfig(&nvme, 2)) return;
-  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  std::vector<absl::Status> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back(
-        [&, r] { errors[r] = SnapshotAndResume(cpu, nvme, comms[r].get(), device.get()); });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
+  CheckAllOk(comm::testing::OnRanks(world, {cpu.comm_timeout_ms}, [&](int, comm::Communicator* c) {
+    return SnapshotAndResume(cpu, nvme, c, device.get());
+  }));
 }
 
 // Armed per rank: the second state write after arming fails with EIO (unit 0 of the step is
@@ -344,39 +343,21 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
     if (--fault.armed[r] == 0) return -EIO;
     return std::nullopt;
   });
-  auto comms = comm::CreateInProcessGroup(world, {cpu.comm_timeout_ms}).value();
   auto device = CreateCpuDevice(CpuDeviceOptions());
-  std::vector<absl::Status> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      errors[r] = FaultMidStep(cpu, nvme, comms[r].get(), device.get(), &fault);
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<absl::Status> errors = comm::testing::OnRanks(
+      world, {cpu.comm_timeout_ms},
+      [&](int, comm::Communicator* c) { return FaultMidStep(cpu, nvme, c, device.get(), &fault); });
   offload::SetIoFaultForTesting(nullptr);
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
+  CheckAllOk(errors);
 }
 
 // Runs `body` on `world` in-process ranks (one thread each, one CPU device) and checks that
 // every rank returned OK.
 void CheckOnRanks(int world,
                   const std::function<absl::Status(comm::Communicator*, Device*)>& body) {
-  auto comms = comm::CreateInProcessGroup(world, {20000}).value();
   auto device = CreateCpuDevice(CpuDeviceOptions());
-  std::vector<absl::Status> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { errors[r] = body(comms[r].get(), device.get()); });
-  }
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
+  CheckAllOk(comm::testing::OnRanks(
+      world, {20000}, [&](int, comm::Communicator* c) { return body(c, device.get()); }));
 }
 
 // Stage 3 with the parameter shard on NVMe (the test's temporary directory), optimizer state
@@ -785,22 +766,16 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
 }
 
 TEST_CASE("Engine: ranks that registered different models are told so", "[zero]") {
-  auto comms = comm::CreateInProcessGroup(2, {5000}).value();
   CpuDeviceOptions device_options;
   device_options.threads = 1;
   auto device = CreateCpuDevice(device_options);
-  std::vector<absl::Status> errors(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      auto specs = SmallModel();
-      if (r == 1) specs[3].shape = {63, 9};
-      errors[r] = Engine::Create(MakeConfig(0, DType::kBF16, 1, 0, false), specs,
-                                 comms[r].get(), device.get())
-                      .status();
-    });
-  }
-  for (auto& t : threads) t.join();
+  const std::vector<absl::Status> errors =
+      comm::testing::OnRanks(2, {5000}, [&](int r, comm::Communicator* c) {
+        auto specs = SmallModel();
+        if (r == 1) specs[3].shape = {63, 9};
+        return Engine::Create(MakeConfig(0, DType::kBF16, 1, 0, false), specs, c, device.get())
+            .status();
+      });
   for (const absl::Status& s : errors) {
     REQUIRE_FALSE(s.ok());
     CHECK_THAT(std::string(s.message()), Catch::Contains("disagree on the model"));

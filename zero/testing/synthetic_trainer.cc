@@ -4,8 +4,10 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "comm/testing/on_ranks.h"
 
 namespace zerort {
 namespace testing {
@@ -125,6 +127,13 @@ absl::Status TrainSteps(Engine& e, int first, int steps, const std::vector<int>&
   return absl::OkStatus();
 }
 
+absl::Status SetInitValues(Engine& engine, float offset) {
+  return engine.InitParams([offset](int i, const memory::ParamSpec& spec, float* v) {
+    const int64_t n = spec.numel();
+    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k) + offset;
+  });
+}
+
 absl::StatusOr<TrainResult> TrainRank(const Config& config,
                                       const std::vector<memory::ParamSpec>& specs,
                                       comm::Communicator* comm, Device* device, int steps,
@@ -134,10 +143,7 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
   options.compute_stream = compute_stream;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                    Engine::Create(config, specs, comm, device, options));
-  RETURN_IF_ERROR(engine->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-    const int64_t n = spec.numel();
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  }));
+  RETURN_IF_ERROR(SetInitValues(*engine));
   TrainResult result;
   result.report = engine->memory_report();
   std::vector<int> overflow_steps;
@@ -160,6 +166,23 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
     RETURN_IF_ERROR(engine->Release(u));
   }
   return result;
+}
+
+absl::StatusOr<std::vector<TrainResult>> TrainRanks(const Config& config,
+                                                    const std::vector<memory::ParamSpec>& specs,
+                                                    int world, Device* device, int steps,
+                                                    int inject_step, int inject_rank) {
+  std::vector<TrainResult> runs(world);
+  const std::vector<absl::Status> st = comm::testing::OnRanks(
+      world, {config.comm_timeout_ms}, [&](int r, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(runs[r], TrainRank(config, specs, comm, device, steps, inject_step,
+                                            inject_rank));
+        return absl::OkStatus();
+      });
+  for (int r = 0; r < world; ++r) {
+    if (!st[r].ok()) return Annotate(st[r], absl::StrCat("rank ", r));
+  }
+  return runs;
 }
 
 }  // namespace testing

@@ -27,6 +27,9 @@ std::vector<memory::ParamSpec> SmallModel();
 float InitValue(int param, int64_t element);
 float GradValue(int rank, int step, int micro, int param, int64_t element);
 
+// Sets every parameter element k of parameter i to InitValue(i, k) + offset.
+absl::Status SetInitValues(Engine& engine, float offset = 0);
+
 // SmallModel()'s initial values flattened in registration order, with each element's
 // (parameter, element index): where the tests' serial AdamW references start.
 struct FlatInit {
@@ -69,6 +72,14 @@ absl::StatusOr<TrainResult> TrainRank(const Config& config,
                                       comm::Communicator* comm, Device* device, int steps,
                                       int inject_step = -1, int inject_rank = -1,
                                       Device::Stream compute_stream = nullptr);
+
+// TrainRank (InitValue parameters, `steps` steps, the overflow injection) on `world`
+// in-process ranks, one thread each, sharing `device` and the default compute stream: every
+// rank's result in rank order, or the first failed rank's status.
+absl::StatusOr<std::vector<TrainResult>> TrainRanks(const Config& config,
+                                                    const std::vector<memory::ParamSpec>& specs,
+                                                    int world, Device* device, int steps,
+                                                    int inject_step = -1, int inject_rank = -1);
 
 }  // namespace testing
 }  // namespace zerort
