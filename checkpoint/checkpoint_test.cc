@@ -32,6 +32,7 @@
 #include "base/status.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/internal/ckpt_manifest.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -151,9 +152,7 @@ TEST_CASE("Checkpoint: save at step k, load, run to k+m equals an uninterrupted 
           c.precision == DType::kF16 ? std::vector<int>{1, k + 1} : std::vector<int>{};
       const std::string dir = TempDir("resume");
       const std::string ref_dir = TempDir("resume_ref");
-      CpuDeviceOptions device_options;
-      device_options.threads = 1;
-      auto device = CreateCpuDevice(device_options);
+      auto device = testing::OneThreadCpuDevice();
       std::vector<std::vector<float>> ref(c.world), resumed(c.world);
       std::vector<EngineState> ref_state(c.world), resumed_state(c.world);
       std::vector<int64_t> saved_step(c.world);  // below k when an overflow skipped a step
@@ -247,9 +246,7 @@ absl::Status CheckOwnedState(Engine& e, const CheckpointState& want) {
 
 TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same master, m and v",
           "[zero][ckpt][reshard]") {
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   for (DType precision : {DType::kBF16, DType::kF32}) {
     for (int stage = 0; stage <= 3; ++stage) {
       const Config config = testing::TestConfig(stage, precision, 1, 0, false);
@@ -298,9 +295,7 @@ TEST_CASE("Checkpoint: saved at world N loads at world M (1..8) with the same ma
 
 TEST_CASE("Checkpoint: a checkpoint loads into another stage and another world, and the "
           "compute-dtype parameters follow the masters", "[zero][ckpt]") {
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::string dir = TempDir("cross");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, NewEngine(testing::TestConfig(1, DType::kBF16, 1, 0, false),
@@ -346,9 +341,7 @@ struct Corruption {
 TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves the engine "
           "unchanged", "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::string root = TempDir("corrupt");
   // Two checkpoints (steps 1 and 2) to mix shards from.
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -439,9 +432,7 @@ TEST_CASE("Checkpoint: each corruption is a clear error on every rank and leaves
 
 TEST_CASE("Checkpoint: another world size without allow_reshard, or another model, is refused",
           "[zero][ckpt]") {
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const Config config = testing::TestConfig(1, DType::kBF16, 1, 0, false);
   const std::string dir = TempDir("refuse");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -574,9 +565,7 @@ std::string Latest(const std::string& root) { return ReadFile(root + "/latest");
 TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error and keeps the "
           "previous checkpoint", "[zero][ckpt]") {
   const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   std::vector<std::string> failed_ops;
   for (int at = 1;; ++at) {
     INFO("failing operation " << at);
@@ -630,9 +619,7 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
 TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` naming a "
           "complete checkpoint that loads", "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   // References: the masters after 1 and 2 steps.
   std::vector<float> after[3];
   const std::string root0 = TempDir("kill_ref");
@@ -657,9 +644,7 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
       FaultyFs fs(at, /*kill=*/true);
       SaveOptions so;
       so.fs = &fs;
-      CpuDeviceOptions dev_options;
-      dev_options.threads = 1;
-      auto dev = CreateCpuDevice(dev_options);
+      auto dev = testing::OneThreadCpuDevice();
       const auto st = OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, dev.get()));
         RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
@@ -709,9 +694,7 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
 TEST_CASE("Checkpoint: an async save lets training go on, moves `latest` only at Finish, and "
           "equals a synchronous save", "[zero][ckpt]") {
   const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::string sync_root = TempDir("sync");
   const std::string async_root = TempDir("async");
   std::vector<std::string> latest_during(2);
@@ -787,9 +770,7 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
 TEST_CASE("Checkpoint: consolidate writes one safetensors file of the full fp32 state",
           "[zero][ckpt]") {
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::string root = TempDir("consolidate");
   std::vector<float> master;
   RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -837,9 +818,7 @@ std::vector<absl::Status> SaveModel(const std::string& root,
                                     const std::function<void(std::vector<ParamSpec>*)>& rename =
                                         nullptr) {
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   return OnRanks(2, [&](int, comm::Communicator* comm) -> absl::Status {
     std::vector<ParamSpec> specs = SmallModel();
     if (rename) rename(&specs);

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -93,9 +93,7 @@ TEST_CASE("Consolidate's memory stays at one read buffer, not the checkpoint's s
   const int64_t elements = 2048 * 1024 + 1024 * 2047 + 1024;
   const std::string root = TempDir("root");
   {
-    CpuDeviceOptions device_options;
-    device_options.threads = 1;
-    auto device = CreateCpuDevice(device_options);
+    auto device = testing::OneThreadCpuDevice();
     auto comms = comm::CreateInProcessGroup(1).value();
     const Config config = testing::TestConfig(0, DType::kBF16, 1, 0, false);
     auto engine = Engine::Create(config, model, comms[0].get(), device.get());

@@ -17,7 +17,7 @@
 #include "base/status.h"
 #include "comm/testing/on_ranks.h"
 #include "checkpoint/checkpoint.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -29,9 +29,7 @@ std::string MakeCheckpoint() {
   std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_cmd_XXXXXX");
   REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::vector<absl::Status> st =
       comm::testing::OnRanks(2, {20000}, [&](int, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,

@@ -1,4 +1,5 @@
 #include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 
 #include <atomic>
 #include <chrono>
@@ -94,9 +95,7 @@ TEST_CASE("CpuDevice streams: a failure is reported by Synchronize and by depend
 }
 
 TEST_CASE("CpuDevice without async streams runs everything inline", "[zero][streams]") {
-  CpuDeviceOptions dev_options;
-  dev_options.threads = 1;
-  auto dev = CreateCpuDevice(dev_options);
+  auto dev = testing::OneThreadCpuDevice();
   Device::Stream s = dev->CreateStream().value();
   std::vector<float> a(8, 2.0f), b(8, 0.0f);
   REQUIRE(dev->Copy(b.data(), a.data(), 32, s).ok());

@@ -26,7 +26,7 @@
 #include "memory/arena.h"
 #include "offload/cpu_adamw.h"
 #include "offload/cpu_kernels.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "device/internal/cuda_math.h"
 
 namespace zerort {
@@ -297,9 +297,7 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
           "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  CpuDeviceOptions cpu_options;
-  cpu_options.threads = 1;
-  auto cpu = CreateCpuDevice(cpu_options);
+  auto cpu = testing::OneThreadCpuDevice();
   for (DType s : kDTypes) {
     for (DType d : kDTypes) {
       for (size_t n : kSizes) {
@@ -319,9 +317,7 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
 TEST_CASE("CudaDevice: Accumulate equals the CPU device bitwise", "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  CpuDeviceOptions cpu_options;
-  cpu_options.threads = 1;
-  auto cpu = CreateCpuDevice(cpu_options);
+  auto cpu = testing::OneThreadCpuDevice();
   for (DType d : kDTypes) {
     for (size_t n : kSizes) {
       INFO(DTypeName(d) << " n=" << n);

@@ -16,7 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
-#include "device/cpu_device.h"
+#include "comm/inprocess.h"
+#include "device/testing/one_thread.h"
 #include "zero/engine.h"
 #include "zero/lr_schedule.h"
 #include "zero/internal/test_util.h"
@@ -27,7 +28,6 @@ namespace {
 
 using memory::ParamSpec;
 using testing::GradValue;
-using testing::InitValue;
 using testing::SmallModel;
 using zero_internal::OnRanks;
 
@@ -54,17 +54,8 @@ absl::StatusOr<std::unique_ptr<Engine>> MakeEngine(const Config& c, comm::Commun
                                                    const std::vector<ParamSpec>& specs =
                                                        SmallModel()) {
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(c, specs, comm, device, options));
-  RETURN_IF_ERROR(e->InitParams([](int i, const ParamSpec& spec, float* v) {
-    const int64_t n = spec.numel();
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  }));
+  RETURN_IF_ERROR(testing::SetInitValues(*e));
   return e;
-}
-
-std::unique_ptr<Device> HostDevice() {
-  CpuDeviceOptions o;
-  o.threads = 1;
-  return CreateCpuDevice(o);
 }
 
 // The textbook AdamW in double, unsharded, with a learning rate per step and a weight decay and
@@ -147,7 +138,7 @@ struct Trained {
 };
 Trained Train(const Config& c, int world, int steps, const EngineOptions& options,
               const std::function<absl::Status(Engine&, int64_t)>& before) {
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   Trained out;
   out.master.resize(world);
   RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -204,7 +195,7 @@ TEST_CASE("EngineApi: a warmup+cosine schedule through SetLearningRate matches a
 
 TEST_CASE("EngineApi: bad hyperparameters are InvalidArgument naming the value", "[zero]") {
   auto comms = comm::CreateInProcessGroup(1).value();
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   const Config c = testing::TestConfig(1, DType::kF32, 1, 0, false);
   EngineOptions o;
   o.lr_schedule = [](int64_t t) { return t == 2 ? -0.5 : 1e-3; };
@@ -248,7 +239,7 @@ TEST_CASE("EngineApi: a restored state brings back the trainer's scalars, bit fo
     INFO("stage=" << v.stage << " offload=" << v.offload);
     const Config c = testing::TestConfig(v.stage, DType::kBF16, 1, 0, v.offload);
     AdamWScalars custom{3e-3, 0.8, 0.99, 1e-6, 0.2};
-    auto device = HostDevice();
+    auto device = testing::OneThreadCpuDevice();
     RequireAllOk(OnRanks(world, [&](int, comm::Communicator* comm) -> absl::Status {
       ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
       RETURN_IF_ERROR(a->SetHyperparams(custom));
@@ -297,7 +288,7 @@ TEST_CASE("EngineApi: a checkpoint keeps the trainer's scalars; a resumed run is
   char tmpl[] = "/tmp/zerort_api_ckpt_XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   const std::string root = tmpl;
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   RequireAllOk(OnRanks(world, [&](int, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
     for (int step = 0; step < 4; ++step) {
@@ -353,7 +344,7 @@ TEST_CASE("EngineApi: the config's scheduler sets each step's lr and survives a 
   char tmpl[] = "/tmp/zerort_sched_ckpt_XXXXXX";
   REQUIRE(mkdtemp(tmpl) != nullptr);
   const std::string root = tmpl;
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   std::vector<std::vector<float>> resumed(world);
   RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
@@ -404,7 +395,7 @@ TEST_CASE("EngineApi: a trainer skips an outlier step on every rank; SkipStep ch
     for (const Variant& v : {Variant{1, false}, Variant{3, true}}) {
       INFO("world=" << world << " stage=" << v.stage << " offload=" << v.offload);
       const Config c = testing::TestConfig(v.stage, DType::kF32, gas, 0, v.offload);
-      auto device = HostDevice();
+      auto device = testing::OneThreadCpuDevice();
       std::vector<std::vector<float>> master(world);
       std::vector<std::vector<bool>> skipped(world);
       RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -464,7 +455,7 @@ TEST_CASE("EngineApi: the split step with fp16 overflow, a trainer's skip, and d
   c.fp16.initial_scale_power = 4;
   c.fp16.hysteresis = 1;
   c.fp16.loss_scale_window = 2;
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
     RETURN_IF_ERROR(Expect(e->ApplyStep().status().code() ==
@@ -514,7 +505,7 @@ TEST_CASE("EngineApi: the split step with fp16 overflow, a trainer's skip, and d
 TEST_CASE("EngineApi: ApplyStep with the measured clip factor is Step(), bit for bit", "[zero]") {
   const Config c = testing::TestConfig(3, DType::kBF16, 1, 0.05, false);
   Trained plain = Train(c, 2, 5, {}, nullptr);
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   std::vector<std::vector<float>> master(2);
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
@@ -558,7 +549,7 @@ TEST_CASE("EngineApi: parameter groups match a per-parameter AdamW reference, bi
     // l0.w's own pattern comes first (the config's decay, spelled out), so "l?.w" takes l2.w
     // only; l1.w is explicit. The pattern that matches nothing is [3] after the insertion.
     c.param_groups.insert(c.param_groups.begin() + 1, {"l0.w", c.optimizer.weight_decay, 1.0});
-    auto device = HostDevice();
+    auto device = testing::OneThreadCpuDevice();
     std::vector<std::vector<float>> master(world);
     RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {
       ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get(), o));
@@ -598,7 +589,7 @@ TEST_CASE("EngineApi: parameter groups match a per-parameter AdamW reference, bi
 
 TEST_CASE("EngineApi: bad groups are InvalidArgument naming the pattern or parameter", "[zero]") {
   auto comms = comm::CreateInProcessGroup(1).value();
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   Config c = testing::TestConfig(2, DType::kF32, 1, 0, false);
   c.param_groups = {{"l*", -0.1, 1.0}};
   auto bad = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
@@ -620,7 +611,7 @@ TEST_CASE("EngineApi: bad groups are InvalidArgument naming the pattern or param
 
 TEST_CASE("EngineApi: ranks with different parameter groups are refused at Create", "[zero]") {
   const Config c = testing::TestConfig(2, DType::kF32, 1, 0, false);
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   const std::vector<absl::Status> s = OnRanks(2, [&](int r, comm::Communicator* comm) {
     EngineOptions o;
     o.no_decay_1d = r == 1;
@@ -646,7 +637,7 @@ TEST_CASE("GlobMatch: '*' and '?' against names", "[zero]") {
 TEST_CASE("EngineApi: scalar all-reduce and barrier through the engine's communicator, world 3",
           "[zero]") {
   const Config c = testing::TestConfig(1, DType::kF32, 1, 0, false);
-  auto device = HostDevice();
+  auto device = testing::OneThreadCpuDevice();
   RequireAllOk(OnRanks(3, [&](int r, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto e, MakeEngine(c, comm, device.get()));
     // Values whose double sum depends on the order: rank order gives exactly this.

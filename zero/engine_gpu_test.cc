@@ -16,7 +16,7 @@
 #include "absl/strings/match.h"
 #include "comm/inprocess.h"
 #include "comm/nccl.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "device/cuda_device.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -42,9 +42,7 @@ Device* GpuOrSkip() {
 
 TrainResult CpuReference(const Config& c, int steps) {
   auto comms = comm::CreateInProcessGroup(1).value();
-  CpuDeviceOptions cpu_options;
-  cpu_options.threads = 1;
-  auto cpu = CreateCpuDevice(cpu_options);
+  auto cpu = testing::OneThreadCpuDevice();
   auto run = TrainRank(c, SmallModel(), comms[0].get(), cpu.get(), steps);
   REQUIRE(run.ok());
   return *std::move(run);
@@ -108,9 +106,7 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
           for (auto& t : threads) t.join();
           return out;
         };
-        CpuDeviceOptions cpu_options;
-        cpu_options.threads = 1;
-        auto cpu = CreateCpuDevice(cpu_options);
+        auto cpu = testing::OneThreadCpuDevice();
         auto want = run(cpu.get(), {});
         auto got = run(gpu, CudaInProcessBufferOps(0));
         for (int r = 0; r < world; ++r) {

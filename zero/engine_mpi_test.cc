@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "comm/mpi.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -23,9 +23,7 @@ int Main(int argc, char** argv) {
   }
   comm::Communicator* const mpi = job->comm.get();
   const int rank = mpi->rank(), world = mpi->size();
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const auto specs = testing::SmallModel();
   const int steps = 12;
   int failures = 0, checks = 0;

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "memory/pinned_pool.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -28,12 +28,6 @@ Config OffloadConfig() {
   Config config = testing::TestConfig(2, DType::kBF16, 1, 0, /*offload=*/true);
   config.zero.offload_optimizer.pin_memory = true;  // master, m, v and staging: pinned arena
   return config;
-}
-
-std::unique_ptr<Device> OneThreadDevice() {
-  CpuDeviceOptions options;
-  options.threads = 1;
-  return CreateCpuDevice(options);
 }
 
 // Trains `steps` steps on `world` in-process ranks; returns rank 0's final fp32 masters.
@@ -56,7 +50,7 @@ std::string TempDir(const std::string& tag) {
 
 TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new locking "
           "allocation", "[zero][memory]") {
-  auto device = OneThreadDevice();
+  auto device = testing::OneThreadCpuDevice();
   memory::PinnedSlabCache* pool = memory::SharedPinnedSlabs();
   REQUIRE(device->allocator(MemoryKind::kPinnedHost) == pool);
   const Config config = OffloadConfig();
@@ -89,7 +83,7 @@ TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new l
 
 TEST_CASE("Engine pinned pool: a checkpoint snapshot buffer comes from the pool too",
           "[zero][memory][checkpoint]") {
-  auto device = OneThreadDevice();
+  auto device = testing::OneThreadCpuDevice();
   memory::PinnedSlabCache* pool = memory::SharedPinnedSlabs();
   auto comms = comm::CreateInProcessGroup(1).value();
   auto engine = Engine::Create(OffloadConfig(), testing::SmallModel(), comms[0].get(),

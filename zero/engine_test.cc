@@ -19,6 +19,7 @@
 #include "comm/inprocess.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "offload/nvme_io.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -291,9 +292,7 @@ TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host sta
   Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
   Config nvme = cpu;
   if (!NvmeConfig(&nvme, 2)) return;
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   CheckAllOk(comm::testing::OnRanks(world, {cpu.comm_timeout_ms}, [&](int, comm::Communicator* c) {
     return SnapshotAndResume(cpu, nvme, c, device.get());
   }));
@@ -585,9 +584,7 @@ class DeviceMemoryComm final : public comm::Communicator {
 
 TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[zero]") {
   DeviceMemoryComm comm;
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   auto engine = Engine::Create(MakeConfig(2, DType::kBF16, 1, 0, false), SmallModel(), &comm,
                                device.get());
   REQUIRE(engine.status().code() == absl::StatusCode::kInvalidArgument);
@@ -707,9 +704,7 @@ TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless s
 
 TEST_CASE("Engine: misuse is an error naming the call", "[zero]") {
   auto comms = comm::CreateInProcessGroup(1).value();
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   Config c = MakeConfig(3, DType::kBF16, 1, 0, false);
   auto engine = Engine::Create(c, SmallModel(), comms[0].get(), device.get());
   REQUIRE(engine.ok());
@@ -766,9 +761,7 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
 }
 
 TEST_CASE("Engine: ranks that registered different models are told so", "[zero]") {
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::OneThreadCpuDevice();
   const std::vector<absl::Status> errors =
       comm::testing::OnRanks(2, {5000}, [&](int r, comm::Communicator* c) {
         auto specs = SmallModel();

@@ -4,11 +4,11 @@
 
 #include <functional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "comm/inprocess.h"
+#include "comm/communicator.h"
+#include "comm/testing/on_ranks.h"
 #include "memory/plan.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -30,18 +30,11 @@ inline memory::Plan SmallPlan(int stage, int world, int rank, int gas = 1,
   return memory::MakePlan(testing::SmallModel(), o).value();
 }
 
-// Runs fn(rank, comm) on `world` in-process ranks, one thread each; returns each rank's status
-// (checked on the caller's thread: Catch2 assertions are not thread-safe).
+// Runs fn(rank, comm) on `world` in-process ranks (default options), one thread each; returns
+// each rank's status (checked on the caller's thread: Catch2 assertions are not thread-safe).
 inline std::vector<absl::Status> OnRanks(
     int world, const std::function<absl::Status(int, comm::Communicator*)>& fn) {
-  auto comms = comm::CreateInProcessGroup(world).value();
-  std::vector<absl::Status> out(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { out[r] = fn(r, comms[r].get()); });
-  }
-  for (std::thread& t : threads) t.join();
-  return out;
+  return comm::testing::OnRanks(world, {}, fn);
 }
 
 }  // namespace zero_internal
