@@ -736,11 +736,7 @@ TEST_CASE("Checkpoint: an async save's snapshot copies overlap the next steps an
   if (offload && stage == 0) return;  // offload needs a partitioned optimizer state
   CAPTURE(stage, offload);
   const Config config = testing::TestConfig(stage, DType::kBF16, 1, 0, offload);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  device_options.async_streams = true;
-  device_options.stream_delay_us = 2000;
-  auto device = CreateCpuDevice(device_options);
+  auto device = testing::AsyncOneThreadCpuDevice(2000);
   const std::string sync_root = TempDir("snap_sync");
   const std::string async_root = TempDir("snap_async");
   RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
@@ -1213,11 +1209,8 @@ TEST_CASE("Hardening: a second writer is refused by the root's lock, and a save 
 TEST_CASE("Hardening: destroying the engine with an async save in flight is safe, and the save "
           "still commits", "[ckpt][hardening]") {
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  device_options.async_streams = true;
-  device_options.stream_delay_us = 2000;  // the copies are still running when the engine goes
-  auto device = CreateCpuDevice(device_options);
+  // Delayed streams: the copies are still running when the engine goes.
+  auto device = testing::AsyncOneThreadCpuDevice(2000);
   const std::string root = TempDir("lifetime");
   const std::string ref = TempDir("lifetime_ref");
   RequireAllOk(OnRanks(2, [&](int, comm::Communicator* comm) -> absl::Status {

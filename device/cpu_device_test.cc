@@ -14,11 +14,7 @@ namespace {
 TEST_CASE("CpuDevice streams: work runs in order and events order streams and the host",
           "[zero][streams]") {
   // A large delay per operation: without the event, the host would read before the copy lands.
-  CpuDeviceOptions dev_options;
-  dev_options.threads = 1;
-  dev_options.async_streams = true;
-  dev_options.stream_delay_us = 2000;
-  auto dev = CreateCpuDevice(dev_options);
+  auto dev = testing::AsyncOneThreadCpuDevice(2000);
   Device::Stream a = dev->CreateStream().value();
   Device::Stream b = dev->CreateStream().value();
   Device::Event e = dev->CreateEvent().value();
@@ -49,10 +45,7 @@ TEST_CASE("CpuDevice streams: work runs in order and events order streams and th
 
 TEST_CASE("CpuDevice streams: waiting on an event never recorded returns at once",
           "[zero][streams]") {
-  CpuDeviceOptions dev_options;
-  dev_options.threads = 1;
-  dev_options.async_streams = true;
-  auto dev = CreateCpuDevice(dev_options);
+  auto dev = testing::AsyncOneThreadCpuDevice();
   Device::Event e = dev->CreateEvent().value();
   Device::Stream s = dev->CreateStream().value();
   CHECK(dev->WaitHost(e).ok());
@@ -67,10 +60,7 @@ TEST_CASE("CpuDevice streams: waiting on an event never recorded returns at once
 
 TEST_CASE("CpuDevice streams: a failure is reported by Synchronize and by dependent events, "
           "and later work on the stream is skipped", "[zero][streams]") {
-  CpuDeviceOptions dev_options;
-  dev_options.threads = 1;
-  dev_options.async_streams = true;
-  auto dev = CreateCpuDevice(dev_options);
+  auto dev = testing::AsyncOneThreadCpuDevice();
   Device::Stream s = dev->CreateStream().value();
   Device::Event e = dev->CreateEvent().value();
   std::vector<float> w(16, 1.0f), m(16, 0.0f), v(16, 0.0f);

@@ -8,7 +8,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 #include "offload/nvme_io.h"
 #include "offload/nvme_state.h"
 
@@ -38,11 +38,7 @@ TEST_CASE("OffloadPipeline: equals a plain host AdamW per unit, gathering each a
   for (bool on_host : {false, true}) {
     DYNAMIC_SECTION((on_host ? "param on host" : "param on device")) {
       // Asynchronous streams with a 200 us delay: a missing wait gives wrong values.
-      CpuDeviceOptions options;
-      options.threads = 1;
-      options.async_streams = true;
-      options.stream_delay_us = 200;
-      auto dev = CreateCpuDevice(options);
+      auto dev = testing::AsyncOneThreadCpuDevice(200);
       const std::vector<int64_t> sizes = {40, 17, 64, 33, 8};
       std::vector<Unit> units, ref;
       std::vector<PipelineRegion> regions;
@@ -164,11 +160,7 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
   // Whole units, and pieces of 1024 elements (unit 2 then streams in two pieces).
   const int64_t piece = GENERATE(0, 1024);
   INFO("piece_elements " << piece);
-  CpuDeviceOptions options;
-  options.threads = 1;
-  options.async_streams = true;
-  options.stream_delay_us = 100;
-  auto dev = CreateCpuDevice(options);
+  auto dev = testing::AsyncOneThreadCpuDevice(100);
   Device::Stream s = dev->CreateStream().value();
   // 1500 elements: 6000 bytes, two 4 KiB blocks per array (one padded).
   const std::vector<int64_t> sizes = {40, 17, 1500, 33, 8};

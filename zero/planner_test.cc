@@ -100,6 +100,14 @@ Config AutoConfig(int64_t device_bytes, int64_t host_bytes = 0) {
   return c;
 }
 
+// AutoConfig's settings with an explicit `stage`.
+Config StageConfig(int stage) {
+  Config c = AutoConfig(0);
+  c.zero.stage_auto = false;
+  c.zero.stage = stage;
+  return c;
+}
+
 TEST_CASE("Planner: auto picks the lowest stage that fits, at the byte boundary", "[zero]") {
   auto specs = SyntheticModel(10000000, 10);
   REQUIRE(specs.ok());
@@ -107,9 +115,7 @@ TEST_CASE("Planner: auto picks the lowest stage that fits, at the byte boundary"
   // The device bytes each explicit stage needs, computed through the explicit path.
   int64_t need[4];
   for (int stage = 0; stage < 4; ++stage) {
-    Config c = AutoConfig(0);
-    c.zero.stage_auto = false;
-    c.zero.stage = stage;
+    Config c = StageConfig(stage);
     auto choice = ChoosePlan(*specs, c, world, 0);
     REQUIRE(choice.ok());
     need[stage] = choice->plan.device_bytes();
@@ -157,9 +163,7 @@ TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradie
   REQUIRE(specs.ok());
   for (bool fp32 : {false, true}) {
     CAPTURE(fp32);
-    Config c = AutoConfig(0);
-    c.zero.stage_auto = false;
-    c.zero.stage = 2;
+    Config c = StageConfig(2);
     c.zero.offload_optimizer.device = OffloadDevice::kCpu;
     if (fp32) c.grad_accum_dtype = DType::kF32;
     auto choice = ChoosePlan(*specs, c, 8, 0);
@@ -173,9 +177,7 @@ TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradie
   }
   // "auto" may pick offload with fp32 accumulation too: a device budget that only stage 3
   // with the optimizer state on the host fits.
-  Config s3 = AutoConfig(0);
-  s3.zero.stage_auto = false;
-  s3.zero.stage = 3;
+  Config s3 = StageConfig(3);
   s3.zero.offload_optimizer.device = OffloadDevice::kCpu;
   s3.grad_accum_dtype = DType::kF32;
   auto s3_plan = ChoosePlan(*specs, s3, 8, 0);
@@ -192,9 +194,7 @@ TEST_CASE("Planner: offload_param \"nvme\" plans the parameter shard in host mem
           "[zero]") {
   auto specs = SyntheticModel(1000000, 10);
   REQUIRE(specs.ok());
-  Config c = AutoConfig(0);
-  c.zero.stage_auto = false;
-  c.zero.stage = 3;
+  Config c = StageConfig(3);
   c.zero.offload_param.device = OffloadDevice::kNvme;
   c.zero.offload_param.nvme_path = "/nvme";
   auto nvme = ChoosePlan(*specs, c, 4, 0);
@@ -213,9 +213,7 @@ TEST_CASE("Planner: auto puts the optimizer state on NVMe when host memory is to
   auto specs = SyntheticModel(10000000, 10);
   REQUIRE(specs.ok());
   // Explicit plans: stage 3 with the optimizer state in host memory, and on NVMe.
-  Config explicit_cpu = AutoConfig(0);
-  explicit_cpu.zero.stage_auto = false;
-  explicit_cpu.zero.stage = 3;
+  Config explicit_cpu = StageConfig(3);
   explicit_cpu.zero.offload_optimizer.device = OffloadDevice::kCpu;
   auto cpu = ChoosePlan(*specs, explicit_cpu, 8, 0);
   REQUIRE(cpu.ok());

@@ -4,7 +4,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "device/cpu_device.h"
+#include "device/testing/one_thread.h"
 
 namespace zerort {
 namespace zero_internal {
@@ -12,13 +12,7 @@ namespace {
 
 // Asynchronous CPU streams whose every operation starts 2 ms late: a missing wait shows up as
 // a wrong value.
-std::unique_ptr<Device> SlowStreams() {
-  CpuDeviceOptions options;
-  options.threads = 1;
-  options.async_streams = true;
-  options.stream_delay_us = 2000;
-  return CreateCpuDevice(options);
-}
+std::unique_ptr<Device> SlowStreams() { return testing::AsyncOneThreadCpuDevice(2000); }
 
 TEST_CASE("StreamOrder: compute's writes reach the comm stream and come back in order",
           "[zero]") {
