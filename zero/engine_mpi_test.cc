@@ -8,20 +8,14 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi.h"
+#include "comm/testing/mpi_main.h"
 #include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
 namespace {
 
-int Main(int argc, char** argv) {
-  absl::StatusOr<comm::MpiJob> job = comm::StartMpiJob(&argc, &argv);
-  if (!job.ok()) {
-    std::fprintf(stderr, "MPI: %s\n", job.status().ToString().c_str());
-    return 1;
-  }
-  comm::Communicator* const mpi = job->comm.get();
+int Main(comm::Communicator* mpi) {
   const int rank = mpi->rank(), world = mpi->size();
   auto device = testing::OneThreadCpuDevice();
   const auto specs = testing::SmallModel();
@@ -63,4 +57,6 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace zerort
 
-int main(int argc, char** argv) { return zerort::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return zerort::comm::testing::MpiTestMain(argc, argv, zerort::Main);
+}

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "comm/mpi.h"
+#include "comm/testing/mpi_main.h"
 #include "examples/gpt/gpt.h"
 #include "zero/config.h"
 
@@ -49,13 +49,7 @@ Config TrainConfig(int stage, bool offload, DType precision) {
   return c;
 }
 
-int Main(int argc, char** argv) {
-  absl::StatusOr<comm::MpiJob> job = comm::StartMpiJob(&argc, &argv);
-  if (!job.ok()) {
-    std::fprintf(stderr, "MPI: %s\n", job.status().ToString().c_str());
-    return 1;
-  }
-  comm::Communicator* const mpi = job->comm.get();
+int Main(comm::Communicator* mpi) {
   const int rank = mpi->rank(), world = mpi->size();
   const RunOptions options = Options(world);
   int failures = 0, checks = 0;
@@ -104,4 +98,6 @@ int Main(int argc, char** argv) {
 }  // namespace examples
 }  // namespace zerort
 
-int main(int argc, char** argv) { return zerort::examples::gpt::Main(argc, argv); }
+int main(int argc, char** argv) {
+  return zerort::comm::testing::MpiTestMain(argc, argv, zerort::examples::gpt::Main);
+}
