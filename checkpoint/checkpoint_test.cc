@@ -30,6 +30,7 @@
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "device/testing/one_thread.h"
@@ -46,12 +47,7 @@ using testing::SmallModel;
 // --- helpers ---------------------------------------------------------------------------------
 
 std::string TempDir(const std::string& tag) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_", tag, "_XXXXXX");
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  REQUIRE(mkdtemp(buf.data()) != nullptr);
-  return buf.data();
+  return testing::TempDir(absl::StrCat("ckpt_", tag, "_"));
 }
 
 std::string ReadFile(const std::string& path) {

@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "device/testing/one_thread.h"
@@ -78,10 +79,7 @@ int64_t PeakDuring(Fn fn) {
 }
 
 std::string TempDir(const std::string& tag) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/cmem_", tag, "_XXXXXX");
-  REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
-  return tmpl;
+  return testing::TempDir(absl::StrCat("cmem_", tag, "_"));
 }
 
 TEST_CASE("Consolidate's memory stays at one read buffer, not the checkpoint's size",

@@ -15,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
 #include "comm/testing/on_ranks.h"
 #include "checkpoint/checkpoint.h"
 #include "device/testing/one_thread.h"
@@ -25,9 +26,7 @@ namespace {
 
 // A checkpoint of the synthetic model after two steps on two ranks, stage 2.
 std::string MakeCheckpoint() {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/ckpt_cmd_XXXXXX");
-  REQUIRE(mkdtemp(&tmpl[0]) != nullptr);
+  const std::string tmpl = testing::TempDir("ckpt_cmd_");
   const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
   auto device = testing::OneThreadCpuDevice();
   const std::vector<absl::Status> st =

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "device/testing/one_thread.h"
@@ -285,9 +286,7 @@ TEST_CASE("EngineApi: a checkpoint keeps the trainer's scalars; a resumed run is
           "[zero]") {
   const int world = 2;
   const Config c = testing::TestConfig(2, DType::kBF16, 1, 0, false);
-  char tmpl[] = "/tmp/zerort_api_ckpt_XXXXXX";
-  REQUIRE(mkdtemp(tmpl) != nullptr);
-  const std::string root = tmpl;
+  const std::string root = testing::TempDir("zerort_api_ckpt_");
   auto device = testing::OneThreadCpuDevice();
   RequireAllOk(OnRanks(world, [&](int, comm::Communicator* comm) -> absl::Status {
     ASSIGN_OR_RETURN(auto a, MakeEngine(c, comm, device.get()));
@@ -341,9 +340,7 @@ TEST_CASE("EngineApi: the config's scheduler sets each step's lr and survives a 
   Trained from_hook = Train(plain, world, steps, hook, nullptr);
   CHECK(BitEqual(from_config.master[0], from_hook.master[0]));
 
-  char tmpl[] = "/tmp/zerort_sched_ckpt_XXXXXX";
-  REQUIRE(mkdtemp(tmpl) != nullptr);
-  const std::string root = tmpl;
+  const std::string root = testing::TempDir("zerort_sched_ckpt_");
   auto device = testing::OneThreadCpuDevice();
   std::vector<std::vector<float>> resumed(world);
   RequireAllOk(OnRanks(world, [&](int r, comm::Communicator* comm) -> absl::Status {

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "device/testing/one_thread.h"
@@ -40,12 +41,7 @@ std::vector<float> TrainWorld(const Config& config, Device* device, int world, i
 }
 
 std::string TempDir(const std::string& tag) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string tmpl = absl::StrCat(base != nullptr ? base : "/tmp", "/pool_", tag, "_XXXXXX");
-  std::vector<char> buf(tmpl.begin(), tmpl.end());
-  buf.push_back('\0');
-  REQUIRE(mkdtemp(buf.data()) != nullptr);
-  return buf.data();
+  return testing::TempDir(absl::StrCat("pool_", tag, "_"));
 }
 
 TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new locking "
