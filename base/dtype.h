@@ -54,6 +54,23 @@ ZERORT_HOST_DEVICE inline void StoreAs(void* p, size_t i, float x) {
   }
 }
 
+// The same with the dtype known only at run time: for references, tests and examples, not for
+// inner loops.
+inline float LoadAs(DType d, const void* p, size_t i) {
+  if (d == DType::kF32) return LoadAs<DType::kF32>(p, i);
+  return d == DType::kBF16 ? LoadAs<DType::kBF16>(p, i) : LoadAs<DType::kF16>(p, i);
+}
+
+inline void StoreAs(DType d, void* p, size_t i, float x) {
+  if (d == DType::kF32) {
+    StoreAs<DType::kF32>(p, i, x);
+  } else if (d == DType::kBF16) {
+    StoreAs<DType::kBF16>(p, i, x);
+  } else {
+    StoreAs<DType::kF16>(p, i, x);
+  }
+}
+
 }  // namespace zerort
 
 #endif  // ZERORT_BASE_DTYPE_H_

@@ -29,23 +29,11 @@ std::vector<SimdLevel> AvailableLevels() {
 }
 
 float ToFloat(const std::vector<uint8_t>& buf, DType d, size_t i) {
-  if (d == DType::kF32) {
-    float f;
-    std::memcpy(&f, &buf[4 * i], 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, &buf[2 * i], 2);
-  return d == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
+  return LoadAs(d, buf.data(), i);
 }
 
 void FromFloat(std::vector<uint8_t>& buf, DType d, size_t i, float f) {
-  if (d == DType::kF32) {
-    std::memcpy(&buf[4 * i], &f, 4);
-    return;
-  }
-  const uint16_t h = d == DType::kBF16 ? FloatToBf16(f) : FloatToHalf(f);
-  std::memcpy(&buf[2 * i], &h, 2);
+  StoreAs(d, buf.data(), i, f);
 }
 
 std::vector<uint8_t> RandomArray(size_t n, DType d, uint32_t seed) {

@@ -23,12 +23,6 @@ constexpr size_t kChunk = 1024;
 
 inline float MaxOp(float acc, float x) { return (acc > x || acc != acc) ? acc : x; }
 
-template <DType D>
-inline float Load(const void* p, size_t i) {
-  if (D == DType::kF32) return static_cast<const float*>(p)[i];
-  if (D == DType::kBF16) return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
-}
 
 // Any NaN result is stored as the positive quiet NaN: which input's payload an IEEE add
 // propagates depends on operand order, which compilers treat as commutative, so keeping payloads
@@ -38,13 +32,7 @@ constexpr uint32_t kCanonicalNan = 0x7fc00000u;
 template <DType D>
 inline void Store(void* p, size_t i, float v) {
   if (v != v) v = BitsToFloat(kCanonicalNan);
-  if (D == DType::kF32) {
-    static_cast<float*>(p)[i] = v;
-  } else if (D == DType::kBF16) {
-    static_cast<uint16_t*>(p)[i] = FloatToBf16(v);
-  } else {
-    static_cast<uint16_t*>(p)[i] = FloatToHalf(v);
-  }
+  StoreAs<D>(p, i, v);
 }
 
 template <DType D>
@@ -53,12 +41,12 @@ void ScalarImpl(const void* const* srcs, int n, void* dst, size_t count, ReduceO
   float acc[kChunk];
   for (size_t base = 0; base < count; base += kChunk) {
     const size_t len = count - base < kChunk ? count - base : kChunk;
-    for (size_t j = 0; j < len; ++j) acc[j] = Load<D>(srcs[0], base + j);
+    for (size_t j = 0; j < len; ++j) acc[j] = LoadAs<D>(srcs[0], base + j);
     for (int k = 1; k < n; ++k) {
       if (op == ReduceOp::kMax) {
-        for (size_t j = 0; j < len; ++j) acc[j] = MaxOp(acc[j], Load<D>(srcs[k], base + j));
+        for (size_t j = 0; j < len; ++j) acc[j] = MaxOp(acc[j], LoadAs<D>(srcs[k], base + j));
       } else {
-        for (size_t j = 0; j < len; ++j) acc[j] += Load<D>(srcs[k], base + j);
+        for (size_t j = 0; j < len; ++j) acc[j] += LoadAs<D>(srcs[k], base + j);
       }
     }
     if (op == ReduceOp::kAvg) {

@@ -5,7 +5,6 @@
 #define ZERORT_COMM_TESTING_TYPED_BUFFER_H_
 
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "base/dtype.h"
@@ -19,24 +18,8 @@ struct Buf {
   std::vector<char> bytes;
   Buf(DType type, size_t count) : t(type), bytes(count * DTypeSize(type)) {}
   size_t count() const { return bytes.size() / DTypeSize(t); }
-  float get(size_t i) const {
-    if (t == DType::kF32) {
-      float f;
-      std::memcpy(&f, &bytes[4 * i], 4);
-      return f;
-    }
-    uint16_t h;
-    std::memcpy(&h, &bytes[2 * i], 2);
-    return t == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
-  }
-  void set(size_t i, float v) {
-    if (t == DType::kF32) {
-      std::memcpy(&bytes[4 * i], &v, 4);
-      return;
-    }
-    const uint16_t h = t == DType::kBF16 ? FloatToBf16(v) : FloatToHalf(v);
-    std::memcpy(&bytes[2 * i], &h, 2);
-  }
+  float get(size_t i) const { return LoadAs(t, bytes.data(), i); }
+  void set(size_t i, float v) { StoreAs(t, bytes.data(), i, v); }
   void* data() { return bytes.data(); }
   char* at(size_t elem) { return bytes.data() + elem * DTypeSize(t); }
   const char* at(size_t elem) const { return bytes.data() + elem * DTypeSize(t); }

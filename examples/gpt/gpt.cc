@@ -63,14 +63,7 @@ class EngineAccess : public internal::ParamAccess {
 
   absl::Status Put(int i, const std::vector<float>& grad) override {
     ASSIGN_OR_RETURN(void* dst, engine_.grad(i));
-    for (size_t k = 0; k < grad.size(); ++k) {
-      if (dtype_ == DType::kF32) {
-        static_cast<float*>(dst)[k] = grad[k];
-      } else {
-        static_cast<uint16_t*>(dst)[k] =
-            dtype_ == DType::kBF16 ? FloatToBf16(grad[k]) : FloatToHalf(grad[k]);
-      }
-    }
+    for (size_t k = 0; k < grad.size(); ++k) StoreAs(dtype_, dst, k, grad[k]);
     return engine_.GradReady(i);
   }
 
@@ -79,14 +72,7 @@ class EngineAccess : public internal::ParamAccess {
     ASSIGN_OR_RETURN(void* src, engine_.param(i));
     std::vector<float>& v = values_[i];
     v.resize(engine_.plan().params[i].numel);
-    for (size_t k = 0; k < v.size(); ++k) {
-      if (dtype_ == DType::kF32) {
-        v[k] = static_cast<const float*>(src)[k];
-      } else {
-        const uint16_t h = static_cast<const uint16_t*>(src)[k];
-        v[k] = dtype_ == DType::kBF16 ? Bf16ToFloat(h) : HalfToFloat(h);
-      }
-    }
+    for (size_t k = 0; k < v.size(); ++k) v[k] = LoadAs(dtype_, src, k);
     return absl::OkStatus();
   }
 

@@ -22,16 +22,6 @@ float Noise(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
   return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
-void Store(void* dst, DType dtype, int64_t k, float v) {
-  if (dtype == DType::kF32) {
-    static_cast<float*>(dst)[k] = v;
-  } else if (dtype == DType::kBF16) {
-    static_cast<uint16_t*>(dst)[k] = FloatToBf16(v);
-  } else {
-    static_cast<uint16_t*>(dst)[k] = FloatToHalf(v);
-  }
-}
-
 }  // namespace
 
 std::vector<memory::ParamSpec> SmallModel() {
@@ -97,7 +87,7 @@ absl::Status Backward(Engine& e, int step, int micro, std::vector<std::vector<ch
       for (int64_t k = 0; k < n; ++k) {
         float v = static_cast<float>(GradValue(r, step, micro, i, k) * factor * e.loss_scale());
         if (overflow && k == 0) v = INFINITY;
-        Store(host->back().data(), dtype, k, v);
+        StoreAs(dtype, host->back().data(), k, v);
       }
       RETURN_IF_ERROR(
           e.device()->Copy(g, host->back().data(), host->back().size(), e.compute_stream()));
