@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
@@ -119,38 +120,20 @@ __global__ void AllFiniteKernel(const void* __restrict__ x, size_t n, unsigned c
 
 // ------------------------------------------------------------------ dispatch
 
-template <DType S>
-void CastFrom(const void* src, void* dst, DType d, size_t n, cudaStream_t s) {
+// Calls f(std::integral_constant<DType, D>{}) for the run-time dtype d = D: the one switch
+// from a launcher's dtype argument to the kernel instance (decltype(tag)::value).
+template <typename F>
+void WithDType(DType d, F&& f) {
   switch (d) {
     case DType::kF32:
-      CastKernel<S, DType::kF32><<<GridFor(n), kThreads, 0, s>>>(src, dst, n);
+      f(std::integral_constant<DType, DType::kF32>{});
       break;
     case DType::kBF16:
-      CastKernel<S, DType::kBF16><<<GridFor(n), kThreads, 0, s>>>(src, dst, n);
+      f(std::integral_constant<DType, DType::kBF16>{});
       break;
     case DType::kF16:
-      CastKernel<S, DType::kF16><<<GridFor(n), kThreads, 0, s>>>(src, dst, n);
+      f(std::integral_constant<DType, DType::kF16>{});
       break;
-  }
-}
-
-template <DType G, DType P, bool kOut>
-void AdamWFor(const AdamWConstants& c, float* master, float* m, float* v, const void* grad,
-              void* out, size_t n, cudaStream_t s) {
-  AdamWKernel<G, P, kOut><<<GridFor(n), kThreads, 0, s>>>(c, master, m, v, grad, out, n);
-}
-
-template <DType G>
-void AdamWForGrad(const AdamWConstants& c, float* master, float* m, float* v, const void* grad,
-                  void* out, DType p, size_t n, cudaStream_t s) {
-  if (out == nullptr) return AdamWFor<G, DType::kF32, false>(c, master, m, v, grad, out, n, s);
-  switch (p) {
-    case DType::kF32:
-      return AdamWFor<G, DType::kF32, true>(c, master, m, v, grad, out, n, s);
-    case DType::kBF16:
-      return AdamWFor<G, DType::kBF16, true>(c, master, m, v, grad, out, n, s);
-    case DType::kF16:
-      return AdamWFor<G, DType::kF16, true>(c, master, m, v, grad, out, n, s);
   }
 }
 
@@ -218,50 +201,29 @@ int LaunchReduceRankOrder(const void* const* srcs, int n, void* dst, size_t coun
   if (count == 0) return static_cast<int>(cudaSuccess);
   ReduceSources s{};
   for (int k = 0; k < n; ++k) s.p[k] = srcs[k];
-  switch (dtype) {
-    case DType::kF32:
-      LaunchReduceFor<DType::kF32>(s, n, dst, count, op, AsStream(stream));
-      break;
-    case DType::kBF16:
-      LaunchReduceFor<DType::kBF16>(s, n, dst, count, op, AsStream(stream));
-      break;
-    case DType::kF16:
-      LaunchReduceFor<DType::kF16>(s, n, dst, count, op, AsStream(stream));
-      break;
-  }
+  WithDType(dtype, [&](auto d) {
+    LaunchReduceFor<decltype(d)::value>(s, n, dst, count, op, AsStream(stream));
+  });
   return static_cast<int>(cudaGetLastError());
 }
 
 int LaunchCast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
                void* stream) {
   const cudaStream_t s = AsStream(stream);
-  switch (src_dtype) {
-    case DType::kF32:
-      CastFrom<DType::kF32>(src, dst, dst_dtype, n, s);
-      break;
-    case DType::kBF16:
-      CastFrom<DType::kBF16>(src, dst, dst_dtype, n, s);
-      break;
-    case DType::kF16:
-      CastFrom<DType::kF16>(src, dst, dst_dtype, n, s);
-      break;
-  }
+  WithDType(src_dtype, [&](auto from) {
+    WithDType(dst_dtype, [&](auto to) {
+      CastKernel<decltype(from)::value, decltype(to)::value>
+          <<<GridFor(n), kThreads, 0, s>>>(src, dst, n);
+    });
+  });
   return static_cast<int>(cudaGetLastError());
 }
 
 int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stream) {
   const cudaStream_t s = AsStream(stream);
-  switch (dtype) {
-    case DType::kF32:
-      AccumulateKernel<DType::kF32><<<GridFor(n), kThreads, 0, s>>>(acc, x, n);
-      break;
-    case DType::kBF16:
-      AccumulateKernel<DType::kBF16><<<GridFor(n), kThreads, 0, s>>>(acc, x, n);
-      break;
-    case DType::kF16:
-      AccumulateKernel<DType::kF16><<<GridFor(n), kThreads, 0, s>>>(acc, x, n);
-      break;
-  }
+  WithDType(dtype, [&](auto d) {
+    AccumulateKernel<decltype(d)::value><<<GridFor(n), kThreads, 0, s>>>(acc, x, n);
+  });
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -273,17 +235,9 @@ int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, flo
   const size_t nblocks = NormBlocks(n);
   const size_t threads = nblocks * kNormLanes;
   const unsigned grid = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
-  switch (dtype) {
-    case DType::kF32:
-      NormBlocksKernel<DType::kF32><<<grid, kThreads, 0, s>>>(x, n, nblocks, partials);
-      break;
-    case DType::kBF16:
-      NormBlocksKernel<DType::kBF16><<<grid, kThreads, 0, s>>>(x, n, nblocks, partials);
-      break;
-    case DType::kF16:
-      NormBlocksKernel<DType::kF16><<<grid, kThreads, 0, s>>>(x, n, nblocks, partials);
-      break;
-  }
+  WithDType(dtype, [&](auto d) {
+    NormBlocksKernel<decltype(d)::value><<<grid, kThreads, 0, s>>>(x, n, nblocks, partials);
+  });
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return static_cast<int>(e);
   SumInOrderKernel<<<1, kSumThreads, 0, s>>>(partials, nblocks, out);
@@ -292,34 +246,27 @@ int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, flo
 
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream) {
   const cudaStream_t s = AsStream(stream);
-  switch (dtype) {
-    case DType::kF32:
-      AllFiniteKernel<DType::kF32><<<GridFor(n), kThreads, 0, s>>>(x, n, finite);
-      break;
-    case DType::kBF16:
-      AllFiniteKernel<DType::kBF16><<<GridFor(n), kThreads, 0, s>>>(x, n, finite);
-      break;
-    case DType::kF16:
-      AllFiniteKernel<DType::kF16><<<GridFor(n), kThreads, 0, s>>>(x, n, finite);
-      break;
-  }
+  WithDType(dtype, [&](auto d) {
+    AllFiniteKernel<decltype(d)::value><<<GridFor(n), kThreads, 0, s>>>(x, n, finite);
+  });
   return static_cast<int>(cudaGetLastError());
 }
 
 int LaunchAdamW(const AdamWConstants& c, float* master, float* m, float* v, const void* grad,
                 DType grad_dtype, void* param_out, DType param_dtype, size_t n, void* stream) {
   const cudaStream_t s = AsStream(stream);
-  switch (grad_dtype) {
-    case DType::kF32:
-      AdamWForGrad<DType::kF32>(c, master, m, v, grad, param_out, param_dtype, n, s);
-      break;
-    case DType::kBF16:
-      AdamWForGrad<DType::kBF16>(c, master, m, v, grad, param_out, param_dtype, n, s);
-      break;
-    case DType::kF16:
-      AdamWForGrad<DType::kF16>(c, master, m, v, grad, param_out, param_dtype, n, s);
-      break;
-  }
+  WithDType(grad_dtype, [&](auto g) {
+    constexpr DType G = decltype(g)::value;
+    if (param_out == nullptr) {  // no parameter copy: the P argument is unused
+      AdamWKernel<G, DType::kF32, false>
+          <<<GridFor(n), kThreads, 0, s>>>(c, master, m, v, grad, param_out, n);
+      return;
+    }
+    WithDType(param_dtype, [&](auto p) {
+      AdamWKernel<G, decltype(p)::value, true>
+          <<<GridFor(n), kThreads, 0, s>>>(c, master, m, v, grad, param_out, n);
+    });
+  });
   return static_cast<int>(cudaGetLastError());
 }
 
