@@ -96,6 +96,16 @@ absl::Status NotNull(const void* p, const char* function, const char* argument) 
   return absl::InvalidArgumentError(absl::StrCat(function, ": ", argument, " is NULL"));
 }
 
+// An entry point that only forwards to one Engine method: a NULL engine is InvalidArgument
+// naming `function`, and exceptions become statuses (Guard).
+template <typename Call>
+zr_status ForwardToEngine(zr_engine* engine, const char* function, Call&& call) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, function, "engine"));
+    return call(*engine->engine);
+  });
+}
+
 #define ZR_STR2(x) #x
 #define ZR_STR(x) ZR_STR2(x)
 constexpr char kVersionString[] =
@@ -504,17 +514,13 @@ zr_status zr_engine_grad(zr_engine* engine, int i, void** out) {
 }
 
 zr_status zr_engine_grad_ready(zr_engine* engine, int i) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad_ready", "engine"));
-    return engine->engine->GradReady(i);
-  });
+  return ForwardToEngine(engine, "zr_engine_grad_ready",
+                         [&](zerort::Engine& e) { return e.GradReady(i); });
 }
 
 zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad_ready_unit", "engine"));
-    return engine->engine->GradReadyUnit(unit);
-  });
+  return ForwardToEngine(engine, "zr_engine_grad_ready_unit",
+                         [&](zerort::Engine& e) { return e.GradReadyUnit(unit); });
 }
 
 zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct) {
@@ -531,17 +537,13 @@ int zr_engine_reduced_units(const zr_engine* engine) {
 }
 
 zr_status zr_engine_gather(zr_engine* engine, int unit) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather", "engine"));
-    return engine->engine->Gather(unit);
-  });
+  return ForwardToEngine(engine, "zr_engine_gather",
+                         [&](zerort::Engine& e) { return e.Gather(unit); });
 }
 
 zr_status zr_engine_release(zr_engine* engine, int unit) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_release", "engine"));
-    return engine->engine->Release(unit);
-  });
+  return ForwardToEngine(engine, "zr_engine_release",
+                         [&](zerort::Engine& e) { return e.Release(unit); });
 }
 
 zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count) {
@@ -576,10 +578,8 @@ zr_status zr_engine_set_hyperparams(zr_engine* engine, const zr_adamw_scalars* s
 }
 
 zr_status zr_engine_set_learning_rate(zr_engine* engine, double lr) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_learning_rate", "engine"));
-    return engine->engine->SetLearningRate(lr);
-  });
+  return ForwardToEngine(engine, "zr_engine_set_learning_rate",
+                         [&](zerort::Engine& e) { return e.SetLearningRate(lr); });
 }
 
 zr_status zr_engine_hyperparams(const zr_engine* engine, zr_adamw_scalars* out) {
@@ -653,10 +653,8 @@ zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n,
 }
 
 zr_status zr_engine_barrier(zr_engine* engine) {
-  return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_barrier", "engine"));
-    return engine->engine->Barrier();
-  });
+  return ForwardToEngine(engine, "zr_engine_barrier",
+                         [&](zerort::Engine& e) { return e.Barrier(); });
 }
 
 zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t capacity) {
