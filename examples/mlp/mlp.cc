@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
@@ -311,28 +312,27 @@ float Mlp::Loss(const std::vector<float>& flat_params, const Batch& batch) const
   return Mse(a, batch.y);
 }
 
+namespace {
+
+absl::Status ValidateOptions(const RunOptions& o) {
+  auto bad = [](absl::string_view field, int64_t value, absl::string_view want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RunOptions.", field, " ", value, " must be ", want));
+  };
+  if (o.world_size < 1) return bad("world_size", o.world_size, ">= 1");
+  if (o.steps < 1) return bad("steps", o.steps, ">= 1");
+  if (o.batch < 1) return bad("batch", o.batch, ">= 1");
+  if (o.device_threads < 0) return bad("device_threads", o.device_threads, ">= 0");
+  if (o.shape.dims.size() < 2 || *std::min_element(o.shape.dims.begin(), o.shape.dims.end()) < 1) {
+    return absl::InvalidArgumentError("RunOptions.shape.dims needs at least 2 entries, each >= 1");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
-  if (options.world_size < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RunOptions.world_size ", options.world_size, " must be >= 1"));
-  }
-  if (options.steps < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RunOptions.steps ", options.steps, " must be >= 1"));
-  }
-  if (options.batch < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RunOptions.batch ", options.batch, " must be >= 1"));
-  }
-  if (options.device_threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("RunOptions.device_threads ", options.device_threads, " must be >= 0"));
-  }
-  if (options.shape.dims.size() < 2 ||
-      *std::min_element(options.shape.dims.begin(), options.shape.dims.end()) < 1) {
-    return absl::InvalidArgumentError(
-        "RunOptions.shape.dims needs at least 2 entries, each >= 1");
-  }
+  RETURN_IF_ERROR(ValidateOptions(options));
   const int world = options.world_size;
   comm::CommOptions comm_options;
   comm_options.timeout_ms = config.comm_timeout_ms;
