@@ -30,7 +30,6 @@ namespace {
 using memory::ParamSpec;
 
 using testing::GradValue;
-using testing::InitValue;
 using testing::SmallModel;
 
 struct RunResult {
@@ -214,10 +213,7 @@ absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
                                                       comm::Communicator* comm, Device* dev,
                                                       int steps) {
   ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(e->InitParams([](int i, const memory::ParamSpec& spec, float* v) {
-    const int64_t n = spec.numel();
-    for (int64_t k = 0; k < n; ++k) v[k] = InitValue(i, k);
-  }));
+  RETURN_IF_ERROR(testing::SetInitValues(*e));
   RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));
   return e;
 }
