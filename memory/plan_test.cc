@@ -432,14 +432,20 @@ TEST_CASE("Planner: a world of 2^31-1 ranks plans exactly; huge alignments are r
   ExpectTooLarge(MakePlan({{"a", {3}, "m"}, {"b", {3}, "m"}}, o), "unit size");
 }
 
+// World 3, units of up to 200000 elements: several units for RandomModel(rng, 9, 700).
+PlanOptions ThreeRanks(int stage, int rank) {
+  PlanOptions o;
+  o.stage = stage;
+  o.world_size = 3;
+  o.rank = rank;
+  o.unit_target_elements = 200000;
+  return o;
+}
+
 TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", "[memory]") {
   std::mt19937 rng(11);
   const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
-  PlanOptions o;
-  o.stage = 2;
-  o.world_size = 3;
-  o.rank = 1;
-  o.unit_target_elements = 200000;
+  PlanOptions o = ThreeRanks(2, 1);
   o.offload_optimizer = true;
   o.offload_optimizer_nvme = true;
   auto plan = MakePlan(specs, o);
@@ -493,11 +499,7 @@ TEST_CASE("Plan: NVMe parameter offload without optimizer offload counts the fil
           "[memory]") {
   std::mt19937 rng(17);
   const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
-  PlanOptions o;
-  o.stage = 3;
-  o.world_size = 3;
-  o.rank = 2;
-  o.unit_target_elements = 200000;
+  PlanOptions o = ThreeRanks(3, 2);
   o.offload_param = true;
   o.offload_param_nvme = true;  // the optimizer step on the device
   o.offload_param_buffer_count = 3;

@@ -892,15 +892,24 @@ TEST_CASE("Engine: NVMe parameter offload with the optimizer on the device match
       });
     }
     // Asynchronous streams: the device's rounding into the pinned buffers is ordered after
-    // the AdamW, and the write after the rounding.
-    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, 4);
-    RequireOk(reference);
-    RunResult run = Train(DeviceStepNvmeParamConfig(2), world, 4, -1, -1, SmallModel(),
-                          /*async_streams=*/true, /*on_compute_stream=*/true);
-    RequireOk(run);
-    for (int r = 0; r < world; ++r) {
-      CHECK(BitEqual(run.master[r], reference.master[0]));
-      CHECK(run.params[r] == reference.params[0]);
+    // the AdamW, and the write after the rounding. fp32 (a device master only in this mode)
+    // and gradient accumulation too.
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      for (int gas : {1, 2}) {
+        INFO("world=" << world << " dtype=" << DTypeName(dtype) << " gas=" << gas);
+        RunResult reference = Train(MakeConfig(0, dtype, gas, 0.05, false), world, 4);
+        RequireOk(reference);
+        Config c = DeviceStepNvmeParamConfig(2);
+        c.compute_dtype = dtype;
+        c.gradient_accumulation_steps = gas;
+        RunResult run = Train(c, world, 4, -1, -1, SmallModel(), /*async_streams=*/true,
+                              /*on_compute_stream=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
+        }
+      }
     }
   }
 }
