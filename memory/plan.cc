@@ -67,10 +67,9 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "offload_optimizer requires stage 1, 2 or 3 (zero_optimization.stage is 0): offload "
         "moves the sharded optimizer state");
   }
-  if (o.offload_param_nvme && !(o.offload_param && o.offload_optimizer)) {
+  if (o.offload_param_nvme && !o.offload_param) {
     return absl::InvalidArgumentError(
-        "offload_param_nvme requires offload_param and offload_optimizer (the optimizer step on "
-        "the host writes the new shards back to the file)");
+        "offload_param_nvme requires offload_param (the shard on NVMe is an offloaded shard)");
   }
   if (o.offload_param_nvme && o.offload_param_buffer_count < 1) {
     return bad("offload_param_buffer_count", o.offload_param_buffer_count, ">= 1");
@@ -309,9 +308,10 @@ void AddModelState(Plan* plan, Checked* math) {
     AddBuffer(plan, math, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice,
               ReducedGradDType(o), S);
   }
-  // fp32 training updates the parameters in place, unless they are offloaded: the host then
-  // needs its own fp32 copy to run AdamW on.
-  if (mixed || o.offload_optimizer) {
+  // fp32 training updates the parameters in place, unless the optimizer state is offloaded
+  // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
+  // (AdamW then runs on the master and the new shard is written to the file after it).
+  if (mixed || o.offload_optimizer || o.offload_param_nvme) {
     AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
   }
   AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);

@@ -98,13 +98,16 @@ struct PlanOptions {
   int stage = 0;                  // 0..3
   int world_size = 1;             // >= 1
   int rank = 0;                   // 0..world_size-1
-  DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy
+  DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy (unless
+                                       // offloaded or offload_param_nvme)
   bool offload_optimizer = false;      // master + m + v in host memory (stages 1-3)
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
-  // With offload_param and offload_optimizer: the parameter shard lives in the swap file
-  // (MemoryKind::kNvme), each unit's padded to kNvmeAlignment, after the optimizer state if
-  // that is on NVMe too; it moves through offload_param_buffer_count pinned buffers of one
-  // piece each (nvme_piece_elements, at most the largest padded shard).
+  // With offload_param: the parameter shard lives in the swap file (MemoryKind::kNvme), each
+  // unit's padded to kNvmeAlignment, after the optimizer state if that is on NVMe too; it moves
+  // through offload_param_buffer_count pinned buffers of one piece each (nvme_piece_elements,
+  // at most the largest padded shard). The optimizer step runs on the host (offload_optimizer)
+  // or on the device; either way there is an fp32 master (also in fp32 training), from which
+  // the new shard is written to the file.
   bool offload_param_nvme = false;
   int offload_param_buffer_count = 5;
   // With offload_optimizer: master, m and v live in a swap file (MemoryKind::kNvme), two copies
@@ -207,7 +210,7 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
 // an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
-// offload_optimizer, a non-positive alignment, and a
+// offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
 // 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);

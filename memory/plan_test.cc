@@ -432,14 +432,20 @@ TEST_CASE("Planner: a world of 2^31-1 ranks plans exactly; huge alignments are r
   ExpectTooLarge(MakePlan({{"a", {3}, "m"}, {"b", {3}, "m"}}, o), "unit size");
 }
 
+// World 3, units of up to 200000 elements: several units for RandomModel(rng, 9, 700).
+PlanOptions ThreeRanks(int stage, int rank) {
+  PlanOptions o;
+  o.stage = stage;
+  o.world_size = 3;
+  o.rank = rank;
+  o.unit_target_elements = 200000;
+  return o;
+}
+
 TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", "[memory]") {
   std::mt19937 rng(11);
   const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
-  PlanOptions o;
-  o.stage = 2;
-  o.world_size = 3;
-  o.rank = 1;
-  o.unit_target_elements = 200000;
+  PlanOptions o = ThreeRanks(2, 1);
   o.offload_optimizer = true;
   o.offload_optimizer_nvme = true;
   auto plan = MakePlan(specs, o);
@@ -487,6 +493,47 @@ TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", 
   o.offload_optimizer = false;
   o.offload_optimizer_nvme = true;
   CHECK(MakePlan(specs, o).status().message().find("offload_optimizer_nvme") != std::string::npos);
+}
+
+TEST_CASE("Plan: NVMe parameter offload without optimizer offload counts the file and buffers",
+          "[memory]") {
+  std::mt19937 rng(17);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
+  PlanOptions o = ThreeRanks(3, 2);
+  o.offload_param = true;
+  o.offload_param_nvme = true;  // the optimizer step on the device
+  o.offload_param_buffer_count = 3;
+  o.nvme_piece_elements = 2048;  // bf16: one 4 KiB page per buffer
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->units.size() > 2);
+  int64_t file = 0;  // an independent sum: each unit's bf16 shard padded to 4 KiB
+  for (const Unit& u : plan->units) file += (u.shard * 2 + 4095) / 4096 * 4096;
+  CHECK(plan->Find(BufferClass::kParams)->kind == MemoryKind::kNvme);
+  CHECK(plan->Find(BufferClass::kParams)->bytes == 2 * plan->shard_elements);
+  CHECK(plan->nvme_bytes() == file);
+  CHECK(plan->Find(BufferClass::kNvmeParamBuffers)->count == 3);
+  CHECK(plan->pinned_host_bytes() == 3 * 4096);  // the buffers are all the host memory
+  CHECK(plan->host_bytes() == 0);
+  for (BufferClass c : {BufferClass::kMaster, BufferClass::kExpAvg, BufferClass::kExpAvgSq}) {
+    CHECK(plan->Find(c)->kind == MemoryKind::kDevice);
+  }
+  CHECK(plan->Find(BufferClass::kOffloadStaging) == nullptr);
+  // The device holds the same as with the shard in host memory, minus nothing else.
+  PlanOptions host = o;
+  host.offload_param_nvme = false;
+  auto in_host = MakePlan(specs, host);
+  REQUIRE(in_host.ok());
+  CHECK(in_host->device_bytes() == plan->device_bytes());
+  CHECK(in_host->nvme_bytes() == 0);
+  // fp32: AdamW cannot update a shard in a file in place, so there is a device master.
+  o.compute_dtype = DType::kF32;
+  auto fp32 = MakePlan(specs, o);
+  REQUIRE(fp32.ok());
+  REQUIRE(fp32->Find(BufferClass::kMaster) != nullptr);
+  CHECK(fp32->Find(BufferClass::kMaster)->kind == MemoryKind::kDevice);
+  o.offload_param = false;
+  CHECK(MakePlan(specs, o).status().message().find("offload_param_nvme") != std::string::npos);
 }
 
 }  // namespace

@@ -139,6 +139,13 @@ absl::Status NvmeParams::Read(int unit, const Sink& sink) {
 }
 
 absl::Status NvmeParams::Write(int unit, const char* data) {
+  return WriteFrom(unit, [data](int64_t offset, char* buffer, int64_t bytes) {
+    std::memcpy(buffer, data + offset, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status NvmeParams::WriteFrom(int unit, const Fill& fill) {
   for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
     if (buffers_[b].unit == unit) Drop(b).IgnoreError();  // stale: older than this write
   }
@@ -155,7 +162,8 @@ absl::Status NvmeParams::Write(int unit, const char* data) {
     }
     Buffer& buf = buffers_[b];
     const int64_t n = PieceSize(unit, p);
-    std::memcpy(buf.data, data + p * piece_bytes_, n);
+    s = fill(p * piece_bytes_, buf.data, n);
+    if (!s.ok()) break;  // the buffer is still free (unit -1): nothing to wait for
     std::memset(buf.data + n, 0, RoundUp(n) - n);
     buf.unit = unit;
     buf.piece = p;

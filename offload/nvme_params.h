@@ -59,6 +59,14 @@ class NvmeParams {
   // Writes unit u's shard from `data` (shard_bytes[u] bytes, any host memory); returns when
   // every piece is on the file.
   absl::Status Write(int unit, const char* data);
+  // Fills `buffer` (pinned, one piece) with the `bytes` bytes at byte `offset` of a unit's
+  // shard; the bytes must be in place when it returns (synchronize any device copy).
+  using Fill = std::function<absl::Status(int64_t offset, char* buffer, int64_t bytes)>;
+  // Write with the pieces produced by `fill` straight into the pinned buffers: a shard that
+  // lives elsewhere (device memory, or an fp32 master to round) reaches the file through at
+  // most `buffer_count` pieces of host memory. A fill error stops the write (returned as is);
+  // the pieces already submitted are waited for.
+  absl::Status WriteFrom(int unit, const Fill& fill);
   // Drops every read-ahead (waits for those in flight).
   void Invalidate();
 

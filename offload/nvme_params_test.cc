@@ -1,6 +1,8 @@
 #include "offload/nvme_params.h"
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -120,6 +122,44 @@ TEST_CASE("NvmeParams: an I/O error names the file and offset", "[nvme]") {
   auto ok = ReadBack(f.params.get(), 3, 50000);
   REQUIRE(ok.ok());
   CHECK(*ok == d);
+}
+
+TEST_CASE("NvmeParams: WriteFrom fills the pieces in order in aligned buffers; a fill error "
+          "stops the write there",
+          "[nvme]") {
+  Fixture f(2);
+  const std::vector<char> a = Pattern(50000, 5), b = Pattern(50000, 6);
+  std::vector<int64_t> offsets, sizes;
+  auto fill_from = [&](const std::vector<char>& src, int64_t fail_at) {
+    return [&src, fail_at, &offsets, &sizes](int64_t offset, char* buffer, int64_t bytes) {
+      if (offset == fail_at) return absl::DataLossError("device copy failed");
+      offsets.push_back(offset);
+      sizes.push_back(bytes);
+      if (reinterpret_cast<uintptr_t>(buffer) % kIoAlignment != 0) {
+        return absl::InternalError("unaligned buffer");
+      }
+      std::memcpy(buffer, src.data() + offset, static_cast<size_t>(bytes));
+      return absl::OkStatus();
+    };
+  };
+  REQUIRE(f.params->WriteFrom(3, fill_from(a, -1)).ok());
+  CHECK(offsets == std::vector<int64_t>({0, 8192, 16384, 24576, 32768, 40960, 49152}));
+  CHECK(sizes == std::vector<int64_t>({8192, 8192, 8192, 8192, 8192, 8192, 848}));
+  f.params->Invalidate();
+  auto back = ReadBack(f.params.get(), 3, 50000);
+  REQUIRE(back.ok());
+  CHECK(*back == a);
+  // The fill of the third piece fails: its error comes back as is, nothing after it is filled,
+  // the two pieces before it are on the file and no buffer claims the unit.
+  offsets.clear();
+  const absl::Status failed = f.params->WriteFrom(3, fill_from(b, 16384));
+  CHECK(failed.code() == absl::StatusCode::kDataLoss);
+  CHECK(failed.message() == "device copy failed");
+  CHECK(offsets == std::vector<int64_t>({0, 8192}));
+  back = ReadBack(f.params.get(), 3, 50000);
+  REQUIRE(back.ok());
+  CHECK(std::equal(back->begin(), back->begin() + 16384, b.begin()));
+  CHECK(std::equal(back->begin() + 16384, back->end(), a.begin() + 16384));
 }
 
 }  // namespace

@@ -988,16 +988,6 @@ void CheckAcrossKeys(Reader* r, const Config& c) {
         z.stage_auto ? std::string("\"auto\"") : absl::StrCat(z.stage),
         "; parameter offload requires stage 3 (set it explicitly)"));
   }
-  // The shards on NVMe are written back by the host optimizer step, which needs optimizer offload.
-  if (!r->Failed("zero_optimization.offload_param") &&
-      !r->Failed("zero_optimization.offload_optimizer") &&
-      z.offload_param.device == OffloadDevice::kNvme &&
-      z.offload_optimizer.device == OffloadDevice::kNone) {
-    r->Note(
-        "zero_optimization.offload_param.device: \"nvme\" without offload_optimizer: the "
-        "stage-3 parameter shard is offloaded to host memory instead (the plan counts it there); "
-        "NVMe parameter offload needs offload_optimizer \"cpu\" or \"nvme\"");
-  }
   if (stage_ok && !r->Failed("zero_optimization.memory_budget") && z.stage_auto &&
       z.memory_budget.device_bytes == 0) {
     r->Error(

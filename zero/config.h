@@ -41,8 +41,8 @@ struct OffloadOptimizerConfig {
 };
 
 // zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory or under
-// nvme_path. Stage 3 only. "nvme" needs offload_optimizer too (its host step writes the shard
-// back); without it the shard goes to host memory and Config::notes says so.
+// nvme_path. Stage 3 only. With "nvme" the optimizer step (on the host with offload_optimizer,
+// else on the device) writes each new shard to the file through the pinned buffers.
 struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;

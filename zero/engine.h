@@ -253,7 +253,10 @@ class Engine {
   // A bad learning rate (a schedule's, say) fails before anything changes and leaves the
   // window pending. If the update itself fails (e.g. an NVMe I/O error naming file and
   // offset), the window ends: with NVMe offload the state and step() are still the previous
-  // step's, and the trainer may redo the window's micro-steps.
+  // step's, and the trainer may redo the window's micro-steps. With only the parameter shards
+  // on NVMe (a failed shard write) the update stands and step() counts it; the shards are
+  // re-derived from the master, or, if that fails too (the error says so), rewritten by
+  // RestoreOwnedState.
   absl::StatusOr<StepStats> ApplyStep(const ApplyOptions& options = {});
   // Drops the measured gradients: parameters, m, v, the step count and, unless the window
   // overflowed (which the fp16 scaler counts as Step() does), the loss scaler stay as they

@@ -105,21 +105,59 @@ absl::Status Engine::Impl::StoreParamShard(int u, const char* values, Device::St
   return dev_->Copy(region(u).param, values, region(u).n * c_, stream);
 }
 
-// After a failed parameter write with host state: writes every shard again as round(master)
-// and refreshes the persistent units (collective, as every rank failed alike).
-absl::Status Engine::Impl::RederiveNvmeParams() {
+// NVMe parameter offload: unit u's shard as round(master) (what the optimizer step writes)
+// into the file, a pinned buffer at a time, so no host copy of the whole shard exists. Without
+// optimizer offload the master is device memory: the device rounds it into the buffer. With
+// host state (optimizer offload to "cpu") the host does, as the pipeline would.
+absl::Status Engine::Impl::WriteShardFromMaster(int u) {
+  const float* master = region(u).master;
   const Device::Stream compute = streams_->compute();
+  return memory_->nvme_params()->WriteFrom(u, [&](int64_t offset, char* buffer, int64_t bytes) {
+    const float* src = master + offset / static_cast<int64_t>(c_);
+    const size_t n = static_cast<size_t>(bytes) / c_;
+    if (offload_) {
+      offload::Cast(src, DType::kF32, buffer, cdt_, n);
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(dev_->Cast(src, DType::kF32, buffer, cdt_, n, compute));
+    return dev_->Synchronize(compute);  // the write reads the buffer next
+  });
+}
+
+// After a step of the device optimizer with NVMe parameter offload: every unit's new shard
+// into the file (the all-gathers after the step read it back). The first failed write stops
+// the rest; the ranks then agree, so every rank fails alike (or none does).
+absl::Status Engine::Impl::WriteBackNvmeParams() {
+  absl::Status written;
+  for (int u = 0; u < num_units() && written.ok(); ++u) written = WriteShardFromMaster(u);
+  return comm::AgreeOnStatus(*host_, written);
+}
+
+// A failed parameter write with the optimizer state in memory (device or host): the step's
+// update of master, m and v stands (so does the count), but the shards from the failed write
+// on are old: re-derive them all. Every rank failed alike, so all re-derive (collective).
+absl::Status Engine::Impl::FailedParamWrite(const absl::Status& failed) {
+  return Annotate(failed, RederiveNvmeParams().ok()
+                              ? "the step's update stands; the parameters were re-derived from it"
+                              : "the step's update stands, but the parameters could not be "
+                                "re-derived from it either: restore a checkpoint "
+                                "(RestoreOwnedState rewrites them)");
+}
+
+// After a failed parameter write with the state in memory: writes every shard again as
+// round(master) and refreshes the persistent units (collective, as every rank failed alike).
+// A rank whose write fails again still runs every all-gather, so no rank is left in one; the
+// ranks then agree on the writes' verdict.
+absl::Status Engine::Impl::RederiveNvmeParams() {
+  absl::Status written;
   for (int u = 0; u < num_units(); ++u) {
-    const Region& reg = region(u);
-    std::vector<char> values(reg.n * c_);
-    offload::Cast(reg.master, DType::kF32, values.data(), cdt_, reg.n);
-    RETURN_IF_ERROR(StoreParamShard(u, values.data(), compute));
+    written.Update(WriteShardFromMaster(u));
     RETURN_IF_ERROR(streams_->BeforeComm());
-    RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));  // a failed read: every rank fails alike
     RETURN_IF_ERROR(streams_->JoinComm());
   }
   gatherer_->Invalidate();  // gathered copies hold the old parameters of the failed units
-  return absl::OkStatus();
+  return comm::AgreeOnStatus(*host_, written);
 }
 
 // After a failed NVMe step: the file's current copy is the previous step's state, but the

@@ -87,10 +87,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     // NVMe parameters with host state: the state's update stands (so does the count), but the
     // shards from the failed write on are old; every rank failed alike (they agreed).
     if (!update.ok() && memory_->nvme_params() != nullptr) {
-      return Annotate(update.status(),
-                      RederiveNvmeParams().ok()
-                          ? "the step's update stands; the parameters were re-derived from it"
-                          : "the parameters could not be re-derived either");
+      return FailedParamWrite(update.status());
     }
     ASSIGN_OR_RETURN(offload::OffloadPipeline::Times t, std::move(update));
     stats->offload_wait_ms += t.wait_ms;
@@ -99,12 +96,19 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
     RETURN_IF_ERROR(pipeline_->JoinUploads(streams_->compute()));
     return t.gather_ms;
   }
-  const bool write_param = memory_->model_state().master != nullptr;
+  // With NVMe parameter offload the shards are in the file: AdamW updates the device master
+  // alone, and the new shards go to the file after it.
+  offload::NvmeParams* nvme_params = memory_->nvme_params();
+  const bool write_param = memory_->model_state().master != nullptr && nvme_params == nullptr;
   for (int u = 0; u < num_units(); ++u) {
     const Region& reg = region(u);
     offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, reg.grad_dtype,
                            write_param ? reg.param : nullptr, cdt_, static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(dev_->AdamWRanges(a, (*ranges)[u], grad_scale, streams_->compute()));
+  }
+  if (nvme_params != nullptr) {
+    const absl::Status written = WriteBackNvmeParams();
+    if (!written.ok()) return FailedParamWrite(written);
   }
   return 0.0;
 }

@@ -771,5 +771,190 @@ TEST_CASE("Engine: ranks that registered different models are told so", "[zero]"
   }
 }
 
+// --- NVMe parameter offload with the optimizer step on the device (no optimizer offload) ---
+
+// Stage 3, bf16, the parameter shard on NVMe, master, m and v in device memory.
+Config DeviceStepNvmeParamConfig(int buffers) {
+  Config c = NvmeParamConfig(/*optimizer_nvme=*/false, buffers);
+  c.zero.offload_optimizer.device = OffloadDevice::kNone;
+  REQUIRE(ValidateConfig(c).ok());
+  for (const std::string& note : c.notes) CHECK(note.find("offload_param") == std::string::npos);
+  return c;
+}
+
+// The same without NVMe: the shard in host memory, the step on the device.
+Config DeviceStepHostParamConfig() {
+  Config c = MakeConfig(3, DType::kBF16, 1, 0.05, false);
+  c.zero.offload_param.device = OffloadDevice::kCpu;
+  return c;
+}
+
+// Every parameter as the trainer reads it (stage 3: acquired one at a time), in parameter order.
+absl::StatusOr<std::vector<char>> ReadParams(Engine& e) {
+  std::vector<char> out;
+  const size_t c = DTypeSize(e.config().compute_dtype);
+  for (int i = 0; i < e.num_params(); ++i) {
+    const int one[1] = {i};
+    RETURN_IF_ERROR(e.AcquireParams(one));
+    ASSIGN_OR_RETURN(void* v, e.param(i));
+    const size_t at = out.size();
+    out.resize(at + static_cast<size_t>(e.plan().params[i].numel) * c);
+    RETURN_IF_ERROR(e.device()->Copy(out.data() + at, v, out.size() - at, e.compute_stream()));
+    RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
+    RETURN_IF_ERROR(e.ReleaseParams(one));
+  }
+  return out;
+}
+
+absl::Status SameReadParams(Engine& a, Engine& b, const std::string& what) {
+  ASSIGN_OR_RETURN(std::vector<char> pa, ReadParams(a));
+  ASSIGN_OR_RETURN(std::vector<char> pb, ReadParams(b));
+  return pa == pb ? absl::OkStatus() : absl::InternalError(what + ": parameters differ");
+}
+
+// One rank: stage 0, the host-shard engine and the NVMe-shard engine take the same steps; the
+// parameters every forward reads are equal after each step, and so are the masters at the end.
+absl::Status DeviceStepMatches(const Config& nvme, int steps, comm::Communicator* comm,
+                               Device* dev) {
+  ASSIGN_OR_RETURN(auto stage0,
+                   TrainedEngine(MakeConfig(0, DType::kBF16, 1, 0.05, false), comm, dev, 0));
+  ASSIGN_OR_RETURN(auto host, TrainedEngine(DeviceStepHostParamConfig(), comm, dev, 0));
+  ASSIGN_OR_RETURN(auto file, TrainedEngine(nvme, comm, dev, 0));
+  for (int step = 0; step < steps; ++step) {
+    for (Engine* e : {stage0.get(), host.get(), file.get()}) {
+      RETURN_IF_ERROR(testing::TrainSteps(*e, step, 1));
+    }
+    RETURN_IF_ERROR(SameReadParams(*stage0, *file, absl::StrCat("stage 0, step ", step)));
+    RETURN_IF_ERROR(SameReadParams(*host, *file, absl::StrCat("host shard, step ", step)));
+  }
+  RETURN_IF_ERROR(SameMasters(*stage0, *file, "masters differ from stage 0's"));
+  const MemoryReport report = file->memory_report();
+  for (memory::MemoryKind k : {memory::MemoryKind::kNvme, memory::MemoryKind::kPinnedHost}) {
+    const int i = static_cast<int>(k);
+    if (report.planned[i] <= 0 || report.allocated[i] != report.planned[i]) {
+      return absl::InternalError(absl::StrCat(memory::MemoryKindName(k), ": planned ",
+                                              report.planned[i], ", allocated ",
+                                              report.allocated[i]));
+    }
+  }
+  const memory::Buffer* shard = file->plan().Find(memory::BufferClass::kParams);
+  if (shard == nullptr || shard->kind != memory::MemoryKind::kNvme) {
+    return absl::InternalError("the plan does not put param_shard in nvme");
+  }
+  return absl::OkStatus();
+}
+
+TEST_CASE("Engine: NVMe parameter offload with the optimizer on the device matches stage 0 "
+          "and host parameter offload bit for bit",
+          "[zero][nvme]") {
+  for (int world : {1, 3}) {
+    for (int buffers : {1, 3}) {
+      INFO("world=" << world << " buffers=" << buffers);
+      const Config c = DeviceStepNvmeParamConfig(buffers);
+      CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
+        return DeviceStepMatches(c, 4, comm, dev);
+      });
+    }
+    // Asynchronous streams: the device's rounding into the pinned buffers is ordered after
+    // the AdamW, and the write after the rounding. fp32 (a device master only in this mode)
+    // and gradient accumulation too.
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      for (int gas : {1, 2}) {
+        INFO("world=" << world << " dtype=" << DTypeName(dtype) << " gas=" << gas);
+        RunResult reference = Train(MakeConfig(0, dtype, gas, 0.05, false), world, 4);
+        RequireOk(reference);
+        Config c = DeviceStepNvmeParamConfig(2);
+        c.compute_dtype = dtype;
+        c.gradient_accumulation_steps = gas;
+        RunResult run = Train(c, world, 4, -1, -1, SmallModel(), /*async_streams=*/true,
+                              /*on_compute_stream=*/true);
+        RequireOk(run);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(run.master[r], reference.master[0]));
+          CHECK(run.params[r] == reference.params[0]);
+        }
+      }
+    }
+  }
+}
+
+// Rank 1's parameter writes: `once` counts down to one EIO (the second write after arming);
+// `always` fails every one while set.
+struct ParamWriteFaults {
+  std::atomic<int> once{0};
+  std::atomic<bool> always{false};
+};
+
+absl::Status ExpectParamWriteError(const absl::Status& failed, const char* outcome) {
+  if (failed.ok() ||
+      failed.message().find("-rank1/param_shard at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos ||
+      failed.message().find(outcome) == absl::string_view::npos) {
+    return absl::InternalError(absl::StrCat("expected rank 1's EIO naming the file and offset, ",
+                                            "and \"", outcome, "\"; got ", failed.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+// One rank. `want` never faults and takes the same steps. A single failed write in step 2:
+// the update stands, the shards are re-derived, and training goes on as if nothing had failed.
+// Then a persistent fault in step 5 (re-deriving fails too); with the fault cleared, a restore
+// from the snapshot taken before step 5 trains on as `want` does.
+absl::Status DeviceStepWriteFaults(const Config& nvme, comm::Communicator* comm, Device* dev,
+                                   ParamWriteFaults* faults) {
+  const bool rank1 = comm->rank() == 1;
+  ASSIGN_OR_RETURN(auto want, TrainedEngine(DeviceStepHostParamConfig(), comm, dev, 2));
+  ASSIGN_OR_RETURN(auto e, TrainedEngine(nvme, comm, dev, 2));
+  if (rank1) faults->once = 2;
+  RETURN_IF_ERROR(ExpectParamWriteError(testing::TrainSteps(*e, 2, 1), "re-derived from it"));
+  if (rank1) faults->once = 0;
+  if (e->step() != 3) return absl::InternalError(absl::StrCat("step count ", e->step()));
+  RETURN_IF_ERROR(testing::TrainSteps(*want, 2, 1));
+  std::vector<float> sw[3], se[3];
+  std::vector<char> pw, pe;
+  RETURN_IF_ERROR(SnapshotWithParams(*want, sw, &pw));
+  RETURN_IF_ERROR(SnapshotWithParams(*e, se, &pe));  // the shard read back from the file
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sw[k], se[k])) return absl::InternalError(absl::StrCat("state array ", k));
+  }
+  if (pw != pe) return absl::InternalError("parameter shards differ after the failed write");
+  RETURN_IF_ERROR(testing::TrainSteps(*want, 3, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*e, 3, 2));
+  RETURN_IF_ERROR(SameReadParams(*want, *e, "after the failed write and two more steps"));
+  // The snapshot before step 5, then a step whose writes (and re-derivation) all fail.
+  const EngineState before = e->state();
+  RETURN_IF_ERROR(SnapshotOf(*e, se));
+  if (rank1) faults->always = true;
+  const absl::Status failed = testing::TrainSteps(*e, 5, 1);
+  if (rank1) faults->always = false;
+  RETURN_IF_ERROR(ExpectParamWriteError(failed, "could not be re-derived"));
+  RETURN_IF_ERROR(e->RestoreOwnedState(se[0], se[1], se[2], before));
+  RETURN_IF_ERROR(testing::TrainSteps(*want, 5, 2));
+  RETURN_IF_ERROR(testing::TrainSteps(*e, 5, 2));
+  if (e->step() != 7) return absl::InternalError(absl::StrCat("step count ", e->step()));
+  RETURN_IF_ERROR(SameMasters(*want, *e, "masters differ after the restore"));
+  return SameReadParams(*want, *e, "after the restore and two steps");
+}
+
+TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step names the file; "
+          "training goes on, or restores, bit-identically",
+          "[zero][nvme]") {
+  const Config nvme = DeviceStepNvmeParamConfig(2);
+  ParamWriteFaults faults;
+  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+                                    int64_t) -> std::optional<int> {
+    if (op != offload::IoOp::kWrite || path.find("-rank1/param_shard") == std::string::npos) {
+      return std::nullopt;
+    }
+    if (faults.always) return -EIO;
+    if (faults.once > 0 && --faults.once == 0) return -EIO;
+    return std::nullopt;
+  });
+  CheckOnRanks(2, [&](comm::Communicator* comm, Device* dev) {
+    return DeviceStepWriteFaults(nvme, comm, dev, &faults);
+  });
+  offload::SetIoFaultForTesting(nullptr);
+}
+
 }  // namespace
 }  // namespace zerort

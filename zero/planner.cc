@@ -55,9 +55,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
   o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
   o.offload_param = c.zero.offload_param.device != OffloadDevice::kNone;
-  // The host optimizer step writes the shards back: without it they stay in host memory (a
-  // config note says so).
-  o.offload_param_nvme = c.zero.offload_param.device == OffloadDevice::kNvme && o.offload_optimizer;
+  o.offload_param_nvme = c.zero.offload_param.device == OffloadDevice::kNvme;
   o.offload_param_buffer_count = c.zero.offload_param.buffer_count;
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;

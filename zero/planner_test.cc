@@ -190,7 +190,7 @@ TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradie
   CHECK(offload->plan.options.fp32_grad_accum);
 }
 
-TEST_CASE("Planner: offload_param \"nvme\" plans the parameter shard in host memory",
+TEST_CASE("Planner: offload_param \"nvme\" without optimizer offload plans the shard in a file",
           "[zero]") {
   auto specs = SyntheticModel(1000000, 10);
   REQUIRE(specs.ok());
@@ -203,9 +203,19 @@ TEST_CASE("Planner: offload_param \"nvme\" plans the parameter shard in host mem
   auto cpu = ChoosePlan(*specs, c, 4, 0);
   REQUIRE(cpu.ok());
   CHECK(nvme->plan.options.offload_param);
-  CHECK(nvme->plan.nvme_bytes() == 0);
-  CHECK(nvme->plan.host_bytes() + nvme->plan.pinned_host_bytes() ==
-        cpu->plan.host_bytes() + cpu->plan.pinned_host_bytes());
+  CHECK(nvme->plan.options.offload_param_nvme);
+  CHECK_FALSE(nvme->plan.options.offload_optimizer);
+  const memory::Buffer* shard = nvme->plan.Find(memory::BufferClass::kParams);
+  REQUIRE(shard != nullptr);
+  CHECK(shard->kind == memory::MemoryKind::kNvme);
+  CHECK(nvme->plan.nvme_bytes() >= shard->bytes);
+  // Host memory: only the pinned buffers the shards move through.
+  const memory::Buffer* buffers = nvme->plan.Find(memory::BufferClass::kNvmeParamBuffers);
+  REQUIRE(buffers != nullptr);
+  CHECK(nvme->plan.host_bytes() == 0);
+  CHECK(nvme->plan.pinned_host_bytes() == buffers->bytes);
+  CHECK(nvme->plan.device_bytes() == cpu->plan.device_bytes());
+  CHECK(cpu->plan.pinned_host_bytes() + cpu->plan.host_bytes() >= shard->bytes);
 }
 
 TEST_CASE("Planner: auto puts the optimizer state on NVMe when host memory is too small",

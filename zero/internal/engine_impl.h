@@ -84,6 +84,9 @@ class Engine::Impl {
   absl::Status RecoverFromNvme();
   absl::Status StoreParamShard(int u, const char* values, Device::Stream stream);
   absl::Status RederiveNvmeParams();
+  absl::Status WriteShardFromMaster(int u);
+  absl::Status WriteBackNvmeParams();
+  absl::Status FailedParamWrite(const absl::Status& failed);
   absl::Status CheckRange(const char* call, int index, bool unit) const;
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   const Region& region(int u) const { return layout_->region(u); }
