@@ -4,9 +4,12 @@
 // step over host-resident state and against the pure I/O time of the state.
 //
 // A virtual disk's bandwidth drifts by tens of percent from one second to the next, so each
-// repetition measures ours and fio's back to back (alternating which goes first) on the very
-// same file (same extents, same host-cache history), and the ratio reported is the median of
-// the per-pair ratios, with their range.
+// round measures every contender back to back (rotating which goes first) on the very same file
+// (same extents, same host-cache history); a ratio is the median of the per-round ratios, with
+// their range. Contenders: ours from the engine's pinned slabs (huge pages, memory/arena.cc);
+// ours from 4 KiB pages (the control that shows what the huge pages are worth); fio with its
+// default buffers (4 KiB pages); fio with hugetlb buffers (--mem=shmhuge) where reserved huge
+// pages exist (`sysctl vm.nr_hugepages=32`), else null.
 //
 // Patterns (the state file is read and written in chunks of one unit's master|m|v):
 //   write: chunks written in order, three chunks in flight         fio rw=write
@@ -27,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <utility>
@@ -145,9 +149,12 @@ absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t
 }
 
 // fio's bandwidth (bytes / s, read + write) for the same pattern on `file`, or a negative value.
+// With `huge`, fio's buffers are hugetlb pages (--mem=shmhuge), which exist only where the
+// administrator reserved them (vm.nr_hugepages).
 double FioBandwidth(const Flags& f, const std::string& pattern, const std::string& file,
-                    int64_t bytes) {
-  const std::string rw = pattern == "step" ? "rw --rwmixread=50" : pattern;
+                    int64_t bytes, bool huge) {
+  const std::string rw = absl::StrCat(pattern == "step" ? "rw --rwmixread=50" : pattern,
+                                      huge ? " --mem=shmhuge" : "");
   const int64_t per_job = bytes / f.threads / 4096 * 4096;
   const std::string cmd = absl::StrFormat(
       "fio --name=nvme_bench --filename=%s --ioengine=io_uring --direct=1 --rw=%s --bs=%dk "
@@ -311,29 +318,45 @@ nlohmann::ordered_json DiskFacts(const std::string& dir) {
   return facts;
 }
 
-// Side by side on one file: `f.reps` rounds of ours (pinned slabs), ours from 4 KiB pages, and
-// fio, rotating which goes first. Ratios are per round.
+// Whether fio can get hugetlb buffers for `f`'s queue: enough free reserved huge pages.
+bool HugetlbFree(const Flags& f) {
+  std::ifstream meminfo("/proc/meminfo");
+  int64_t free_pages = 0, page_kib = 0;
+  for (std::string line; std::getline(meminfo, line);) {
+    std::sscanf(line.c_str(), "HugePages_Free: %ld", &free_pages);
+    std::sscanf(line.c_str(), "Hugepagesize: %ld kB", &page_kib);
+  }
+  return free_pages * page_kib >= (f.block_kib * f.queue_depth + 2048) * f.threads;
+}
+
+// Side by side on one file, `f.reps` rounds rotating which goes first: ours (pinned slabs), ours
+// from 4 KiB pages, fio (its default malloc buffers) and, where hugetlb pages are reserved, fio
+// with huge-page buffers. Ratios are per round.
 absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::string& pattern,
                                                   AioEngine* io, const SwapFile* file,
                                                   int64_t chunk, const std::vector<char*>* bufs,
                                                   const std::vector<char*>* small_pages) {
-  std::vector<double> ours, small, fio, ratios, small_ratios;
+  constexpr int kOurs = 0, kSmall = 1, kFio = 2, kFioHuge = 3;
+  const int contenders = HugetlbFree(f) ? 4 : 3;
+  std::vector<double> mb_s[4], ratios[3];  // ours/fio, small/fio, ours/fio_huge
   for (int rep = 0; rep < f.reps; ++rep) {
-    double bw[3] = {0, 0, 0};  // ours, 4 KiB pages, fio
-    for (int turn = 0; turn < 3; ++turn) {
-      const int k = (turn + rep) % 3;
-      if (k == 2) {
-        bw[2] = FioBandwidth(f, pattern, file->path(), file->bytes());
+    double bw[4] = {0, 0, -1, -1};
+    for (int turn = 0; turn < contenders; ++turn) {
+      const int k = (turn + rep) % contenders;
+      if (k >= kFio) {
+        bw[k] = FioBandwidth(f, pattern, file->path(), file->bytes(), k == kFioHuge);
       } else {
-        ASSIGN_OR_RETURN(bw[k], OurBandwidth(io, file, chunk, pattern, k == 0 ? bufs : small_pages));
+        ASSIGN_OR_RETURN(bw[k], OurBandwidth(io, file, chunk, pattern, k == kOurs ? bufs : small_pages));
       }
     }
-    ours.push_back(bw[0] / 1e6);
-    small.push_back(bw[1] / 1e6);
-    if (bw[2] <= 0) continue;  // fio missing or failed: our figures alone
-    fio.push_back(bw[2] / 1e6);
-    ratios.push_back(bw[0] / bw[2]);
-    small_ratios.push_back(bw[1] / bw[2]);
+    for (int k = 0; k < 4; ++k) {
+      if (bw[k] > 0) mb_s[k].push_back(bw[k] / 1e6);
+    }
+    if (bw[kFio] > 0) {  // fio missing or failed: our figures alone
+      ratios[0].push_back(bw[kOurs] / bw[kFio]);
+      ratios[1].push_back(bw[kSmall] / bw[kFio]);
+    }
+    if (bw[kFioHuge] > 0) ratios[2].push_back(bw[kOurs] / bw[kFioHuge]);
   }
   auto median_or_null = [](const std::vector<double>& v) {
     return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(bench::Median(v));
@@ -344,11 +367,15 @@ absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::str
                                   *std::max_element(v.begin(), v.end())};
   };
   return nlohmann::ordered_json{
-      {"pattern", pattern}, {"ours_mb_s", bench::Median(ours)}, {"fio_mb_s", median_or_null(fio)},
-      {"ratio", median_or_null(ratios)}, {"ratio_range", range_or_null(ratios)},
-      {"small_pages_mb_s", bench::Median(small)},
-      {"small_pages_ratio", median_or_null(small_ratios)},
-      {"small_pages_ratio_range", range_or_null(small_ratios)}, {"rounds", ratios.size()}};
+      {"pattern", pattern}, {"ours_mb_s", median_or_null(mb_s[kOurs])},
+      {"fio_mb_s", median_or_null(mb_s[kFio])}, {"ratio", median_or_null(ratios[0])},
+      {"ratio_range", range_or_null(ratios[0])},
+      {"small_pages_mb_s", median_or_null(mb_s[kSmall])},
+      {"small_pages_ratio", median_or_null(ratios[1])},
+      {"small_pages_ratio_range", range_or_null(ratios[1])},
+      {"fio_hugetlb_mb_s", median_or_null(mb_s[kFioHuge])},
+      {"hugetlb_ratio", median_or_null(ratios[2])},
+      {"hugetlb_ratio_range", range_or_null(ratios[2])}, {"rounds", f.reps}};
 }
 
 absl::Status Run(const Flags& f) {
