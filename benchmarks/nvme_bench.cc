@@ -1,7 +1,15 @@
 // nvme_bench: NVMe offload I/O (offload/nvme_io.h) on the optimizer step's access pattern,
-// against fio run in the same process on the same directory with the same block size, queue
-// depth, thread count and O_DIRECT; then the optimizer step over NVMe-resident state against
-// the same step over host-resident state and against the pure I/O time of the state.
+// against fio run by the benchmark on the same file with the same block size, queue depth,
+// thread count and O_DIRECT; then the optimizer step over NVMe-resident state against the same
+// step over host-resident state and against the pure I/O time of the state.
+//
+// A virtual disk's bandwidth drifts by tens of percent from one second to the next, so each
+// round measures every contender back to back (rotating which goes first) on the very same file
+// (same extents, same host-cache history); a ratio is the median of the per-round ratios, with
+// their range. Contenders: ours from the engine's pinned slabs (huge pages, memory/arena.cc);
+// ours from 4 KiB pages (the control that shows what the huge pages are worth); fio with its
+// default buffers (4 KiB pages); fio with hugetlb buffers (--mem=shmhuge) where reserved huge
+// pages exist (`sysctl vm.nr_hugepages=32`), else null.
 //
 // Patterns (the state file is read and written in chunks of one unit's master|m|v):
 //   write: chunks written in order, three chunks in flight         fio rw=write
@@ -10,17 +18,22 @@
 // Goal: ours >= 0.9 of fio's bandwidth for each pattern.
 //
 //   nvme_bench [--quick] [--dir=/tmp] [--mib=1024] [--chunk_mib=12] [--block_kib=1024]
-//              [--queue_depth=8] [--threads=1] [--steps=5] [--params=33554432]
-//              [--piece_elements=0]
+//              [--queue_depth=8] [--threads=1] [--steps=9] [--params=33554432]
+//              [--piece_elements=0] [--reps=7]
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -50,9 +63,10 @@ struct Flags {
   int64_t block_kib = 1024;
   int queue_depth = 8;
   int threads = 1;
-  int steps = 5;
+  int steps = 9;
   int64_t params = int64_t{1} << 25;  // the step's model: this many parameters in 16 units
   int64_t piece_elements = 0;         // NVMe pieces (memory::NvmePieces); 0: whole units
+  int reps = 7;                       // (ours, fio) pairs per pattern
 };
 
 bool ParseFlags(int argc, char** argv, Flags* f) {
@@ -70,10 +84,11 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     } else if (!(value("mib", &f->mib) || value("chunk_mib", &f->chunk_mib) ||
                  value("block_kib", &f->block_kib) || value("queue_depth", &f->queue_depth) ||
                  value("threads", &f->threads) || value("steps", &f->steps) ||
-                 value("params", &f->params) || value("piece_elements", &f->piece_elements))) {
+                 value("params", &f->params) || value("piece_elements", &f->piece_elements) ||
+                 value("reps", &f->reps))) {
       std::fprintf(stderr,
                    "usage: nvme_bench [--quick] [--dir=D] [--mib=N] [--chunk_mib=N] "
-                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N] [--piece_elements=N]\n");
+                   "[--block_kib=N] [--queue_depth=N] [--threads=N] [--steps=N] [--params=N] [--piece_elements=N] [--reps=N]\n");
       return false;
     }
   }
@@ -83,6 +98,11 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
     f->chunk_mib = 4;
     f->steps = 2;
     f->params = int64_t{1} << 18;
+    f->reps = 1;
+  }
+  if (f->reps < 1 || f->steps < 1) {
+    std::fprintf(stderr, "nvme_bench: --reps and --steps must be >= 1\n");
+    return false;
   }
   return true;
 }
@@ -93,7 +113,7 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 
 // Our bandwidth (bytes moved / s) for `pattern` over the whole file, chunk by chunk.
 absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t chunk,
-                                    const std::string& pattern, std::vector<IoBuffer>* bufs) {
+                                    const std::string& pattern, const std::vector<char*>* bufs) {
   const int64_t chunks = file->bytes() / chunk;
   std::vector<AioEngine::Ticket> pending(bufs->size(), 0);
   auto wait = [&](size_t slot) {
@@ -103,7 +123,7 @@ absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t
   };
   auto submit = [&](IoOp op, int64_t k) {
     const size_t slot = static_cast<size_t>(k) % bufs->size();
-    pending[slot] = io->Submit({{op, file, k * chunk, (*bufs)[slot].data(), chunk}});
+    pending[slot] = io->Submit({{op, file, k * chunk, (*bufs)[slot], chunk}});
   };
   const auto t0 = std::chrono::steady_clock::now();
   if (pattern == "step") {  // 3 buffers: read k+1 | (update k) | write k-1
@@ -128,10 +148,13 @@ absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t
   return bytes / Seconds(t0);
 }
 
-// fio's bandwidth (bytes / s, read + write) for the same pattern, or a negative value.
-double FioBandwidth(const Flags& f, const std::string& pattern, int64_t bytes) {
-  const std::string rw = pattern == "step" ? "rw --rwmixread=50" : pattern;
-  const std::string file = f.dir + "/nvme_bench.fio";
+// fio's bandwidth (bytes / s, read + write) for the same pattern on `file`, or a negative value.
+// With `huge`, fio's buffers are hugetlb pages (--mem=shmhuge), which exist only where the
+// administrator reserved them (vm.nr_hugepages).
+double FioBandwidth(const Flags& f, const std::string& pattern, const std::string& file,
+                    int64_t bytes, bool huge) {
+  const std::string rw = absl::StrCat(pattern == "step" ? "rw --rwmixread=50" : pattern,
+                                      huge ? " --mem=shmhuge" : "");
   const int64_t per_job = bytes / f.threads / 4096 * 4096;
   const std::string cmd = absl::StrFormat(
       "fio --name=nvme_bench --filename=%s --ioengine=io_uring --direct=1 --rw=%s --bs=%dk "
@@ -198,7 +221,8 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   for (int t = 1; t <= f.steps + 1; ++t) {  // interleaved; the first round is a warm-up
     ASSIGN_OR_RETURN(offload::AdamWStepParams p,
                      offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, t));
-    for (int k = 0; k < 3; ++k) {
+    for (int turn = 0; turn < 3; ++turn) {  // NVMe and pure I/O alternate which goes first
+      const int k = turn == 0 ? 0 : (t % 2 == 0 ? turn : 3 - turn);
       const auto t0 = std::chrono::steady_clock::now();
       if (k < 2) {
         RETURN_IF_ERROR(pipes[k]->Update(p, 1.0f, hooks).status());
@@ -206,9 +230,9 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
         RETURN_IF_ERROR(dev->Synchronize(stream));
       } else {
         RETURN_IF_ERROR(nvme->Begin());
-        for (int k = 0; k < static_cast<int>(nvme->pieces().size()); ++k) {
-          RETURN_IF_ERROR(nvme->Acquire(k).status());
-          RETURN_IF_ERROR(nvme->Release(k));
+        for (int i = 0; i < static_cast<int>(nvme->pieces().size()); ++i) {
+          RETURN_IF_ERROR(nvme->Acquire(i).status());
+          RETURN_IF_ERROR(nvme->Release(i));
         }
         RETURN_IF_ERROR(nvme->Finish());
       }
@@ -219,12 +243,139 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   dev->DestroyStream(stream);
   const double cpu = bench::Median(ms[0]), disk = bench::Median(ms[1]), pure = bench::Median(ms[2]);
   const double state_bytes = offload::NvmeState::FileBytes(sizes, f.piece_elements);  // read + write
+  std::vector<double> over_pure;  // per round: the three ran back to back
+  for (size_t i = 0; i < ms[1].size(); ++i) over_pure.push_back(ms[1][i] / ms[2][i]);
   return nlohmann::ordered_json{
       {"params", n * kUnits}, {"units", kUnits}, {"pieces", nvme->pieces().size()},
       {"state_bytes_moved", state_bytes},
       {"cpu_offload_ms", cpu}, {"nvme_offload_ms", disk}, {"pure_io_ms", pure},
-      {"nvme_over_pure_io", disk / pure}, {"nvme_over_cpu", disk / cpu},
-      {"pure_io_mb_s", state_bytes / pure / 1e3}};
+      {"nvme_over_pure_io", bench::Median(over_pure)},
+      {"nvme_over_pure_io_range",
+       {*std::min_element(over_pure.begin(), over_pure.end()),
+        *std::max_element(over_pure.begin(), over_pure.end())}},
+      {"nvme_over_cpu", disk / cpu}, {"pure_io_mb_s", state_bytes / pure / 1e3}};
+}
+
+// Three buffers of 4 KiB pages (mmap + MADV_NOHUGEPAGE + mlock), as fio's malloc gives it: the
+// control that shows what the huge pages of our pinned slabs are worth (memory/arena.cc).
+class SmallPageBuffers {
+ public:
+  static absl::StatusOr<SmallPageBuffers> Create(int64_t chunk) {
+    SmallPageBuffers b;
+    b.bytes_ = static_cast<size_t>(3 * chunk);
+    void* p = mmap(nullptr, b.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the 4 KiB-page buffers");
+    b.base_ = static_cast<char*>(p);
+    madvise(p, b.bytes_, MADV_NOHUGEPAGE);
+    b.locked_ = mlock(p, b.bytes_) == 0;  // the pinned slabs fall back alike under RLIMIT_MEMLOCK
+    std::memset(p, 7, b.bytes_);
+    for (int i = 0; i < 3; ++i) b.ptrs_.push_back(b.base_ + i * chunk);
+    return b;
+  }
+  SmallPageBuffers() = default;
+  SmallPageBuffers(SmallPageBuffers&& o) noexcept
+      : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_), locked_(o.locked_),
+        ptrs_(std::move(o.ptrs_)) {}
+  ~SmallPageBuffers() {
+    if (base_ != nullptr) munmap(base_, bytes_);
+  }
+  const std::vector<char*>* ptrs() const { return &ptrs_; }
+  bool locked() const { return locked_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+  bool locked_ = false;
+  std::vector<char*> ptrs_;
+};
+
+// The first line of a sysfs file, or null.
+nlohmann::ordered_json SysfsLine(const std::string& path) {
+  FILE* fp = std::fopen(path.c_str(), "r");
+  if (fp == nullptr) return nullptr;
+  char line[256] = {0};
+  const bool ok = std::fgets(line, sizeof line, fp) != nullptr;
+  std::fclose(fp);
+  if (!ok) return nullptr;
+  std::string text = line;
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  return text;
+}
+
+// What decides whether a request is split (max_segments of 4 KiB pages, max_sectors_kb) for the
+// block device under `dir`, and whether huge pages are available: the context of the ratios.
+nlohmann::ordered_json DiskFacts(const std::string& dir) {
+  struct stat st;
+  nlohmann::ordered_json facts = {{"transparent_hugepage",
+                                   SysfsLine("/sys/kernel/mm/transparent_hugepage/enabled")}};
+  if (stat(dir.c_str(), &st) != 0) return facts;
+  const std::string dev = absl::StrCat("/sys/dev/block/", major(st.st_dev), ":", minor(st.st_dev));
+  for (const char* key : {"max_segments", "max_sectors_kb"}) {
+    nlohmann::ordered_json v = SysfsLine(dev + "/queue/" + key);
+    if (v.is_null()) v = SysfsLine(dev + "/../queue/" + key);  // a partition: its disk's queue
+    facts[key] = v;
+  }
+  return facts;
+}
+
+// Whether fio can get hugetlb buffers for `f`'s queue: enough free reserved huge pages.
+bool HugetlbFree(const Flags& f) {
+  std::ifstream meminfo("/proc/meminfo");
+  int64_t free_pages = 0, page_kib = 0;
+  for (std::string line; std::getline(meminfo, line);) {
+    std::sscanf(line.c_str(), "HugePages_Free: %ld", &free_pages);
+    std::sscanf(line.c_str(), "Hugepagesize: %ld kB", &page_kib);
+  }
+  return free_pages * page_kib >= (f.block_kib * f.queue_depth + 2048) * f.threads;
+}
+
+// Side by side on one file, `f.reps` rounds rotating which goes first: ours (pinned slabs), ours
+// from 4 KiB pages, fio (its default malloc buffers) and, where hugetlb pages are reserved, fio
+// with huge-page buffers. Ratios are per round.
+absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::string& pattern,
+                                                  AioEngine* io, const SwapFile* file,
+                                                  int64_t chunk, const std::vector<char*>* bufs,
+                                                  const std::vector<char*>* small_pages) {
+  constexpr int kOurs = 0, kSmall = 1, kFio = 2, kFioHuge = 3;
+  const int contenders = HugetlbFree(f) ? 4 : 3;
+  std::vector<double> mb_s[4], ratios[3];  // ours/fio, small/fio, ours/fio_huge
+  for (int rep = 0; rep < f.reps; ++rep) {
+    double bw[4] = {0, 0, -1, -1};
+    for (int turn = 0; turn < contenders; ++turn) {
+      const int k = (turn + rep) % contenders;
+      if (k >= kFio) {
+        bw[k] = FioBandwidth(f, pattern, file->path(), file->bytes(), k == kFioHuge);
+      } else {
+        ASSIGN_OR_RETURN(bw[k], OurBandwidth(io, file, chunk, pattern, k == kOurs ? bufs : small_pages));
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      if (bw[k] > 0) mb_s[k].push_back(bw[k] / 1e6);
+    }
+    if (bw[kFio] > 0) {  // fio missing or failed: our figures alone
+      ratios[0].push_back(bw[kOurs] / bw[kFio]);
+      ratios[1].push_back(bw[kSmall] / bw[kFio]);
+    }
+    if (bw[kFioHuge] > 0) ratios[2].push_back(bw[kOurs] / bw[kFioHuge]);
+  }
+  auto median_or_null = [](const std::vector<double>& v) {
+    return v.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(bench::Median(v));
+  };
+  auto range_or_null = [](const std::vector<double>& v) {
+    if (v.empty()) return nlohmann::ordered_json(nullptr);
+    return nlohmann::ordered_json{*std::min_element(v.begin(), v.end()),
+                                  *std::max_element(v.begin(), v.end())};
+  };
+  return nlohmann::ordered_json{
+      {"pattern", pattern}, {"ours_mb_s", median_or_null(mb_s[kOurs])},
+      {"fio_mb_s", median_or_null(mb_s[kFio])}, {"ratio", median_or_null(ratios[0])},
+      {"ratio_range", range_or_null(ratios[0])},
+      {"small_pages_mb_s", median_or_null(mb_s[kSmall])},
+      {"small_pages_ratio", median_or_null(ratios[1])},
+      {"small_pages_ratio_range", range_or_null(ratios[1])},
+      {"fio_hugetlb_mb_s", median_or_null(mb_s[kFioHuge])},
+      {"hugetlb_ratio", median_or_null(ratios[2])},
+      {"hugetlb_ratio_range", range_or_null(ratios[2])}, {"rounds", f.reps}};
 }
 
 absl::Status Run(const Flags& f) {
@@ -238,32 +389,28 @@ absl::Status Run(const Flags& f) {
   ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat("bench", getpid()), 0));
   ASSIGN_OR_RETURN(auto file, dir->CreateFile("state", bytes));
   std::vector<IoBuffer> bufs;
+  std::vector<char*> ptrs;
   for (int i = 0; i < 3; ++i) {
     ASSIGN_OR_RETURN(IoBuffer b, IoBuffer::Allocate(chunk));
     std::memset(b.data(), i + 1, chunk);
+    ptrs.push_back(b.data());
     bufs.push_back(std::move(b));
   }
+  ASSIGN_OR_RETURN(SmallPageBuffers small_pages, SmallPageBuffers::Create(chunk));
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   // Writes first: reads of never-written (fallocated) extents return zeros without touching
   // the device.
   for (const char* pattern : {"write", "read", "step"}) {
-    std::vector<double> ours, fio;
-    for (int rep = 0; rep < (f.quick ? 1 : 3); ++rep) {  // interleaved: the disk's state drifts
-      ASSIGN_OR_RETURN(double bw, OurBandwidth(io.get(), file.get(), chunk, pattern, &bufs));
-      ours.push_back(bw);
-      fio.push_back(FioBandwidth(f, pattern, bytes));
-    }
-    const double a = bench::Median(ours), b = bench::Median(fio);
-    rows.push_back({{"pattern", pattern}, {"ours_mb_s", a / 1e6},
-                    {"fio_mb_s", b > 0 ? nlohmann::ordered_json(b / 1e6) : nullptr},
-                    {"ratio", b > 0 ? nlohmann::ordered_json(a / b) : nullptr}});
+    ASSIGN_OR_RETURN(nlohmann::ordered_json row,
+                     PatternRow(f, pattern, io.get(), file.get(), chunk, &ptrs,
+                                small_pages.ptrs()));
+    rows.push_back(std::move(row));
   }
-  unlink((f.dir + "/nvme_bench.fio").c_str());
   nlohmann::ordered_json head = {
       {"benchmark", "nvme_bench"}, {"dir", f.dir}, {"bytes", bytes}, {"chunk_bytes", chunk},
       {"block_size", o.block_size}, {"queue_depth", f.queue_depth}, {"threads", f.threads},
       {"goal", "ours >= 0.9 of fio per pattern; step time <= 1.1 x pure I/O time"},
-      {"io", rows}};
+      {"disk", DiskFacts(f.dir)}, {"small_pages_locked", small_pages.locked()}, {"io", rows}};
   ASSIGN_OR_RETURN(head["step"], StepRows(f, o));
   std::printf("%s\n", head.dump(2).c_str());
   return absl::OkStatus();

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -181,6 +183,72 @@ TEST_CASE("Arena: staggered buffers start at the requested offset modulo 4 KiB",
   // No slack left for another staggered buffer that needs a skip.
   auto full = (*arena)->AllocateStaggered("extra", (*arena)->remaining(), 2048);
   CHECK_FALSE(full.ok());
+}
+
+namespace {
+
+// The VmSize line of /proc/self/status in KiB: the process's mapped address space.
+int64_t MappedKib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoll(line.substr(7));
+  }
+  return -1;
+}
+
+// The THPeligible flag of the mapping holding `p` in /proc/self/smaps, or -1.
+int ThpEligible(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long lo = 0, hi = 0;  // NOLINT: sscanf's %lx
+    if (line.find(':') > 8 && std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {
+      inside = lo <= addr && addr < hi;
+    } else if (inside && line.rfind("THPeligible:", 0) == 0) {
+      return std::stoi(line.substr(12));
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+TEST_CASE("HostAllocator: buffers of 2 MiB or more sit on huge-page boundaries, slack returned",
+          "[memory]") {
+  const size_t kHuge = size_t{2} << 20;
+  std::ifstream thp_file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string thp;
+  std::getline(thp_file, thp);
+  const bool thp_offered = !thp.empty() && thp.find("[never]") == std::string::npos;
+  for (size_t bytes : {kHuge, kHuge + 4096 + 17, 12 * kHuge + 4096}) {
+    auto p = HostAllocator()->Allocate(bytes);
+    REQUIRE(p.ok());
+    CHECK(reinterpret_cast<uintptr_t>(*p) % kHuge == 0);
+    std::memset(*p, 0x5a, bytes);  // every byte is mapped and writable
+    if (thp_offered) CHECK(ThpEligible(*p) == 1);
+    HostAllocator()->Free(*p, bytes);
+  }
+  // Below a huge page nothing is rounded or aligned beyond the page.
+  auto small = HostAllocator()->Allocate(kHuge - 4096);
+  REQUIRE(small.ok());
+  CHECK(reinterpret_cast<uintptr_t>(*small) % 4096 == 0);
+  HostAllocator()->Free(*small, kHuge - 4096);
+  // Sizes whose slack or page round-up would wrap are refused, not mapped small.
+  for (size_t absurd : {SIZE_MAX, SIZE_MAX - kHuge + 1, SIZE_MAX / 2 + 1}) {
+    CHECK(HostAllocator()->Allocate(absurd).status().code() ==
+          absl::StatusCode::kResourceExhausted);
+  }
+  // The alignment slack is unmapped: 64 rounds of 6 MiB + 1 byte do not grow the address space
+  // by the 2 MiB a round a leak would cost.
+  const int64_t before = MappedKib();
+  REQUIRE(before > 0);
+  for (int i = 0; i < 64; ++i) {
+    auto q = HostAllocator()->Allocate(3 * kHuge + 1);
+    REQUIRE(q.ok());
+    HostAllocator()->Free(*q, 3 * kHuge + 1);
+  }
+  CHECK(MappedKib() - before < 16 * 1024);
 }
 
 }  // namespace memory
