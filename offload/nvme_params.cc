@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@ namespace offload {
 namespace {
 
 int64_t RoundUp(int64_t n) { return (n + kIoAlignment - 1) / kIoAlignment * kIoAlignment; }
+constexpr int64_t kBehind = std::numeric_limits<int64_t>::max();
 
 }  // namespace
 
@@ -73,18 +75,36 @@ int NvmeParams::Find(int unit, int64_t piece) const {
   return -1;
 }
 
-int NvmeParams::Take(int keep_unit) {
-  int oldest = -1;
+// Units behind `pos_` (already passed in `dir_`), or any other than `pos_` without a direction,
+// rank last: they are the first to give up their buffers.
+NvmeParams::Rank NvmeParams::RankOf(int unit, int64_t piece) const {
+  const int64_t ahead = static_cast<int64_t>(unit - pos_) * dir_;
+  if (unit != pos_ && (dir_ == 0 || ahead < 0)) return {kBehind, 0};
+  return {ahead, piece};
+}
+
+int NvmeParams::Victim(Rank below, int keep_unit) const {
+  int v = -1;
+  Rank worst;
   for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) {
-    if (buffers_[b].unit < 0) return b;
-    if (buffers_[b].unit != keep_unit &&
-        (oldest < 0 || buffers_[b].age < buffers_[oldest].age)) {
-      oldest = b;
+    const Buffer& buf = buffers_[b];
+    if (buf.unit < 0) return b;
+    if (buf.unit == keep_unit) continue;
+    const Rank r = RankOf(buf.unit, buf.piece);
+    if (!(below < r)) continue;  // as near as the piece that wants the buffer, or nearer
+    if (v < 0 || worst < r || (r == worst && buf.age < buffers_[v].age)) {
+      v = b;
+      worst = r;
     }
   }
+  return v;
+}
+
+int NvmeParams::Take(int keep_unit) {
+  const int b = Victim({-1, -1}, keep_unit);
   // Another unit's read-ahead: its error, if any, shows again when that unit is read.
-  if (oldest >= 0) Drop(oldest).IgnoreError();
-  return oldest;
+  if (b >= 0) Drop(b).IgnoreError();
+  return b;
 }
 
 absl::Status NvmeParams::Drop(int b) {
@@ -96,38 +116,44 @@ absl::Status NvmeParams::Drop(int b) {
   return s;
 }
 
-void NvmeParams::ReadAhead(int unit) { ReadFrom(unit, 0); }
+void NvmeParams::ReadAhead(int unit, int direction) {
+  pos_ = unit;
+  dir_ = direction;
+  ReadFrom(unit, 0);
+}
 
+// Each piece takes a free buffer, else the one whose piece ranks last if that ranks after it;
+// the walk stops at the first piece no buffer can be given to, since every later piece ranks
+// after it too.
 void NvmeParams::ReadFrom(int unit, int64_t first) {
-  for (int64_t p = first; p < Pieces(unit); ++p) {
-    if (Find(unit, p) >= 0) continue;
-    int b = -1;
-    for (int i = 0; i < static_cast<int>(buffers_.size()) && b < 0; ++i) {
-      if (buffers_[i].unit < 0) b = i;
+  const int units = static_cast<int>(shard_bytes_.size());
+  for (int u = unit; u >= 0 && u < units; u += dir_) {
+    for (int64_t p = u == unit ? first : 0; p < Pieces(u); ++p) {
+      if (Find(u, p) >= 0) continue;
+      const int b = Victim(RankOf(u, p), -1);
+      if (b < 0) return;
+      Drop(b).IgnoreError();  // a read-ahead's error shows again when its unit is read
+      Buffer& buf = buffers_[b];
+      buf.unit = u;
+      buf.piece = p;
+      buf.age = ++clock_;
+      buf.ticket = io_->Submit({Request(IoOp::kRead, u, p, buf.data)});
     }
-    if (b < 0) return;
-    Buffer& buf = buffers_[b];
-    buf.unit = unit;
-    buf.piece = p;
-    buf.age = ++clock_;
-    buf.ticket = io_->Submit({Request(IoOp::kRead, unit, p, buf.data)});
+    if (dir_ == 0) return;
   }
 }
 
 absl::Status NvmeParams::Read(int unit, const Sink& sink) {
+  pos_ = unit;
   for (int64_t p = 0; p < Pieces(unit); ++p) {
     int b = Find(unit, p);
     if (b >= 0) {
       ++reads_ahead_used_;
     } else {
-      b = Take(unit);
-      if (b < 0) {  // every buffer holds a later piece of this unit: give up the last one
-        b = 0;
-        for (int i = 1; i < static_cast<int>(buffers_.size()); ++i) {
-          if (buffers_[i].piece > buffers_[b].piece) b = i;
-        }
-        Drop(b).IgnoreError();
-      }
+      // Every other buffer ranks after this piece (this unit's earlier pieces are consumed).
+      b = Victim(RankOf(unit, p), -1);
+      if (b < 0) return absl::InternalError("NvmeParams::Read: no buffer to give up");
+      Drop(b).IgnoreError();
       buffers_[b].ticket = io_->Submit({Request(IoOp::kRead, unit, p, buffers_[b].data)});
     }
     const char* data = buffers_[b].data;

@@ -9,8 +9,16 @@
 //
 //   ASSIGN_OR_RETURN(auto p, NvmeParams::Create(io, file, 0, shard_bytes, buffers, 4, bytes));
 //   RETURN_IF_ERROR(p->Write(u, host_shard));     // initial values, after every update
-//   p->ReadAhead(u + 1);                          // starts reads into free buffers
 //   RETURN_IF_ERROR(p->Read(u, sink));            // sink(offset, data, bytes) per piece
+//   p->ReadAhead(u + 1, +1);                      // reads u+1, u+2, ... into the buffers
+//
+// Read-ahead goes as deep as the buffers allow: ReadAhead(u, d) starts reads of u's pieces,
+// then u+d's, u+2d's, ..., until the units run out or no buffer can be had. Pieces rank by
+// how soon the gather order from u in direction d reaches them (units behind u rank last); a
+// read-ahead takes a free buffer, else gives up the buffer of the piece that ranks last if it
+// ranks after the piece being started, so it never evicts a piece nearer than its own. Read(u)
+// moves the position to u and, as each piece is consumed, refills the freed buffer in the same
+// order (u's later pieces first, then the units after u in the last direction).
 //
 // A read-ahead is dropped by Write(u) of its unit and by Invalidate(), so a read never returns
 // bytes older than the last write. Errors (EIO, a short transfer) name the file and offset;
@@ -24,6 +32,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -52,8 +61,10 @@ class NvmeParams {
   NvmeParams(const NvmeParams&) = delete;
   NvmeParams& operator=(const NvmeParams&) = delete;
 
-  // Starts reading unit u's pieces into free buffers (as many as are free); never waits.
-  void ReadAhead(int unit);
+  // Starts reads of unit's pieces, then, with direction +1 or -1, of the units after it in that
+  // direction (0: this unit only), as the ranking above allows. Waits only for reads in flight
+  // in the buffers it gives up.
+  void ReadAhead(int unit, int direction = 0);
   // Hands unit u's shard to `sink` piece by piece, in order, from read-aheads where present.
   absl::Status Read(int unit, const Sink& sink);
   // Writes unit u's shard from `data` (shard_bytes[u] bytes, any host memory); returns when
@@ -86,9 +97,15 @@ class NvmeParams {
   int64_t Pieces(int unit) const;
   int64_t PieceSize(int unit, int64_t piece) const;  // payload bytes
   AioEngine::Request Request(IoOp op, int unit, int64_t piece, char* data) const;
-  void ReadFrom(int unit, int64_t first);  // ReadAhead of pieces [first, end)
+  // (units ahead of pos_ in dir_, piece); behind: (max, 0). Smaller is needed sooner.
+  using Rank = std::pair<int64_t, int64_t>;
+  Rank RankOf(int unit, int64_t piece) const;
+  void ReadFrom(int unit, int64_t first);  // read-ahead from piece `first` of `unit` on
   int Find(int unit, int64_t piece) const;
-  int Take(int keep_unit);  // a free buffer, else frees the oldest not of `keep_unit`, else -1
+  // A free buffer, else the one not of `keep_unit` ranking last (oldest first among equals)
+  // if it ranks after `below`, else -1. Frees nothing.
+  int Victim(Rank below, int keep_unit) const;
+  int Take(int keep_unit);  // Victim of any rank, freed, or -1
   absl::Status Drop(int b);  // waits for its request and frees it
 
   AioEngine* const io_;
@@ -98,6 +115,8 @@ class NvmeParams {
   const int64_t piece_bytes_;
   std::vector<Buffer> buffers_;
   uint64_t clock_ = 0;
+  int pos_ = -1;  // the unit read or read ahead from last
+  int dir_ = 0;   // the last read-ahead's direction
   int64_t reads_ahead_used_ = 0;
 };
 

@@ -235,7 +235,7 @@ absl::Status ParamGatherer::ReadShard(int u, char* mine) {
   const int direction = u >= last_read_ ? 1 : -1;
   last_read_ = u;
   const int next = u + direction;
-  if (next >= 0 && next < static_cast<int>(ctx_.plan.units.size())) nvme_->ReadAhead(next);
+  if (next >= 0 && next < static_cast<int>(ctx_.plan.units.size())) nvme_->ReadAhead(next, direction);
   return s;
 }
 
