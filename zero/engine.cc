@@ -207,6 +207,10 @@ const Config& Engine::config() const { return impl_->config_; }
 int Engine::num_params() const { return static_cast<int>(impl_->specs_.size()); }
 int Engine::num_units() const { return impl_->num_units(); }
 int Engine::unit_of(int param) const { return impl_->plan_.params.at(param).unit; }
+int64_t Engine::nvme_param_reads_ahead_used() const {
+  const offload::NvmeParams* p = impl_->memory_->nvme_params();
+  return p != nullptr ? p->reads_ahead_used() : 0;
+}
 MemoryReport Engine::memory_report() const {
   MemoryReport r;
   const zero_internal::ByteCounts& b = impl_->memory_->bytes();

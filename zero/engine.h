@@ -182,6 +182,9 @@ class Engine {
   int num_units() const;
   int unit_of(int param) const;
   MemoryReport memory_report() const;
+  // offload_param "nvme": pieces of parameter shards the gathers found read ahead, since
+  // creation (0 without it). What benchmarks/nvme_param_bench reports as its hit rate.
+  int64_t nvme_param_reads_ahead_used() const;
   // Current loss scale (1 unless fp16).
   double loss_scale() const;
   // Optimizer steps applied so far.

@@ -232,10 +232,12 @@ absl::Status ParamGatherer::ReadShard(int u, char* mine) {
     RETURN_IF_ERROR(ctx_.device->Copy(mine + offset, data, bytes, side));
     return ctx_.device->Synchronize(side);  // the next piece reuses the buffer
   });
-  const int direction = u >= last_read_ ? 1 : -1;
+  // At either end of the units the gathers can only turn round (backward follows forward).
+  const int nu = static_cast<int>(ctx_.plan.units.size());
+  int direction = u >= last_read_ ? 1 : -1;
+  if (u + direction < 0 || u + direction >= nu) direction = -direction;
   last_read_ = u;
-  const int next = u + direction;
-  if (next >= 0 && next < static_cast<int>(ctx_.plan.units.size())) nvme_->ReadAhead(next, direction);
+  if (u + direction >= 0 && u + direction < nu) nvme_->ReadAhead(u + direction, direction);
   return s;
 }
 

@@ -1,0 +1,342 @@
+// nvme_param_bench: the stage-3 forward pass with the parameter shards on NVMe
+// (offload_param "nvme", read ahead into offload_param.buffer_count pinned buffers) against the
+// same pass with them in host memory (offload_param "cpu"), and the two things it cannot beat:
+// the compute plus the gather overhead (the host-parameter pass) and the pure read of every
+// shard. Limit: NVMe forward / max(host-parameter forward, pure read) = 1 when the reads hide
+// completely behind the compute (or the compute behind the reads).
+//
+//   nvme_param_bench [--quick] [--dir=/tmp] [--units=32] [--min_params=1048576]
+//                    [--max_params=4194304] [--compute_passes=4] [--reps=5]
+//                    [--buffer_elements=100000000]
+//
+// The model: `units` layers of one bf16 parameter each, layer k of min + (max - min) * (k % 4)
+// / 3 elements, each its own unit (stage 3, world 1, in-process communicator, CPU device, one
+// thread, optimizer offload "cpu", no persistent units, stage3_prefetch_bucket_size 0: the
+// only gathers are the ones the pass asks for, one slot). A forward pass: for each layer in
+// order AcquireParams, `compute_passes` sweeps of multiply-adds over its gathered parameters
+// (the layer's compute), ReleaseParams. Rows, medians of `reps` repetitions taken in turn:
+// host-parameter forward; NVMe forward at buffer_count 1, 2 and 5 (the hit rate is the share
+// of pieces a gather found read ahead); compute only (the same sweeps over a host buffer); pure
+// read (NvmeParams reads of every shard with read-ahead through 5 buffers, no compute, no copy).
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "benchmarks/bench_util.h"
+#include "comm/inprocess.h"
+#include "device/cpu_device.h"
+#include "nlohmann/json.hpp"
+#include "offload/nvme_io.h"
+#include "offload/nvme_params.h"
+#include "zero/engine.h"
+
+namespace zerort {
+namespace {
+
+struct Flags {
+  bool quick = false;
+  std::string dir = "/tmp";
+  int units = 32;
+  int64_t min_params = int64_t{1} << 20;
+  int64_t max_params = int64_t{4} << 20;
+  int compute_passes = 4;
+  int reps = 5;
+  int64_t buffer_elements = 100000000;  // offload_param.buffer_size (DeepSpeed's default)
+};
+
+bool ParseFlags(int argc, char** argv, Flags* f) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* name, auto* out) {
+      const std::string prefix = absl::StrCat("--", name, "=");
+      return a.rfind(prefix, 0) == 0 && absl::SimpleAtoi(a.substr(prefix.size()), out);
+    };
+    if (a == "--quick") {
+      f->quick = true;
+    } else if (a.rfind("--dir=", 0) == 0) {
+      f->dir = a.substr(6);
+    } else if (!(value("units", &f->units) || value("min_params", &f->min_params) ||
+                 value("max_params", &f->max_params) ||
+                 value("compute_passes", &f->compute_passes) || value("reps", &f->reps) ||
+                 value("buffer_elements", &f->buffer_elements))) {
+      std::fprintf(stderr,
+                   "usage: nvme_param_bench [--quick] [--dir=D] [--units=N] [--min_params=N] "
+                   "[--max_params=N] [--compute_passes=N] [--reps=N] [--buffer_elements=N]\n");
+      return false;
+    }
+  }
+  if (f->quick) {
+    if (const char* t = std::getenv("TEST_TMPDIR")) f->dir = t;
+    f->units = 6;
+    f->min_params = 16384;
+    f->max_params = 65536;
+    f->reps = 2;
+  }
+  if (f->units < 1 || f->min_params < 1 || f->max_params < f->min_params || f->reps < 1 ||
+      f->compute_passes < 0) {
+    std::fprintf(stderr, "nvme_param_bench: need units, reps >= 1, 1 <= min_params <= "
+                         "max_params, compute_passes >= 0\n");
+    return false;
+  }
+  return true;
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::vector<memory::ParamSpec> Model(const Flags& f) {
+  std::vector<memory::ParamSpec> specs;
+  for (int k = 0; k < f.units; ++k) {
+    const int64_t n = f.min_params + (f.max_params - f.min_params) * (k % 4) / 3;
+    specs.push_back({absl::StrCat("layer", k, ".w"), {n}, absl::StrCat("layer", k)});
+  }
+  return specs;
+}
+
+// The layer's compute: `passes` sweeps of multiply-adds over n bf16 values (8 independent
+// sums, so the sweep runs at the core's speed rather than one add's latency).
+float Compute(const uint16_t* x, int64_t n, int passes) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int p = 0; p < passes; ++p) {
+    const float w = 1.0f + 1e-3f * static_cast<float>(p);
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits = static_cast<uint32_t>(x[i + j]) << 16;
+        float v;
+        std::memcpy(&v, &bits, 4);
+        acc[j] += v * w;
+      }
+    }
+  }
+  float s = 0;
+  for (float a : acc) s += a;
+  return s;
+}
+
+volatile float g_sink = 0;  // keeps the compute from being optimised away
+
+struct EngineRun {
+  std::string name;
+  std::unique_ptr<comm::Communicator> comm;
+  std::unique_ptr<Engine> engine;
+  int64_t pieces_per_pass = 0;  // NVMe: parameter pieces one pass reads
+};
+
+Config BenchConfig(const Flags& f, OffloadDevice param_device, int buffer_count) {
+  Config c;
+  c.zero.stage = 3;
+  c.compute_dtype = DType::kBF16;
+  c.zero.reduce_bucket_size = f.min_params;  // every layer a unit of its own
+  c.zero.stage3_param_persistence_threshold = 0;
+  c.zero.stage3_prefetch_bucket_size = 0;
+  c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  c.zero.offload_param.device = param_device;
+  c.zero.offload_param.nvme_path = f.dir;
+  c.zero.offload_param.buffer_count = buffer_count;
+  c.zero.offload_param.buffer_size = f.buffer_elements;
+  c.cpu_threads = 1;
+  return c;
+}
+
+absl::StatusOr<EngineRun> MakeEngine(const Flags& f, Device* dev, OffloadDevice param_device,
+                                     int buffer_count) {
+  EngineRun r;
+  r.name = param_device == OffloadDevice::kCpu ? "host_params"
+                                               : absl::StrCat("nvme_buffers_", buffer_count);
+  ASSIGN_OR_RETURN(auto comms, comm::CreateInProcessGroup(1));
+  r.comm = std::move(comms[0]);
+  ASSIGN_OR_RETURN(r.engine, Engine::Create(BenchConfig(f, param_device, buffer_count), Model(f),
+                                            r.comm.get(), dev));
+  const memory::Plan& plan = r.engine->plan();
+  if (static_cast<int>(plan.units.size()) != f.units) {
+    return absl::InternalError(absl::StrCat("the plan made ", plan.units.size(), " units of ",
+                                            f.units, " layers"));
+  }
+  for (const memory::Buffer& b : plan.buffers) {
+    if (b.cls != memory::BufferClass::kNvmeParamBuffers) continue;
+    const int64_t piece = b.elements / b.count * 2 / offload::kIoAlignment * offload::kIoAlignment;
+    for (const memory::Unit& u : plan.units) r.pieces_per_pass += (u.shard * 2 + piece - 1) / piece;
+  }
+  RETURN_IF_ERROR(r.engine->InitParams([](int index, const memory::ParamSpec& spec, float* v) {
+    for (int64_t k = 0; k < spec.numel(); ++k) v[k] = 0.001f * static_cast<float>((k + index) % 97);
+  }));
+  return r;
+}
+
+absl::StatusOr<double> Forward(Engine* e, int passes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < e->num_params(); ++i) {
+    const int ids[1] = {i};
+    RETURN_IF_ERROR(e->AcquireParams(ids));
+    ASSIGN_OR_RETURN(void* p, e->param(i));
+    g_sink = g_sink + Compute(static_cast<const uint16_t*>(p), e->plan().params[i].numel, passes);
+    RETURN_IF_ERROR(e->ReleaseParams(ids));
+  }
+  return MsSince(t0);
+}
+
+double ComputeOnly(const Flags& f, const std::vector<uint16_t>& host) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const memory::ParamSpec& s : Model(f)) {
+    g_sink = g_sink + Compute(host.data(), s.numel(), f.compute_passes);
+  }
+  return MsSince(t0);
+}
+
+// NvmeParams alone over a file of its own: the shards' bytes read in the forward order, with
+// read-ahead through 5 buffers, handed to a sink that does nothing.
+struct PureRead {
+  std::unique_ptr<offload::SwapDir> dir;
+  std::unique_ptr<offload::SwapFile> file;
+  std::unique_ptr<offload::AioEngine> io;
+  offload::IoBuffer buffers;
+  std::unique_ptr<offload::NvmeParams> params;
+
+  absl::Status Init(const Flags& f, const memory::Plan& plan) {
+    std::vector<int64_t> bytes;
+    int64_t largest = 0;
+    units = static_cast<int>(plan.units.size());
+    for (const memory::Unit& u : plan.units) {
+      bytes.push_back(u.shard * 2);
+      largest = std::max(largest, u.shard * 2);
+    }
+    const int64_t piece = std::min(largest, f.buffer_elements * 2) / offload::kIoAlignment *
+                          offload::kIoAlignment;
+    ASSIGN_OR_RETURN(dir, offload::SwapDir::Create(f.dir, "pure_read", 0));
+    ASSIGN_OR_RETURN(file, dir->CreateFile("param_shard", offload::NvmeParams::FileBytes(bytes)));
+    ASSIGN_OR_RETURN(io, offload::AioEngine::Create(offload::AioOptions()));
+    ASSIGN_OR_RETURN(buffers, offload::IoBuffer::Allocate(5 * piece));
+    ASSIGN_OR_RETURN(params, offload::NvmeParams::Create(io.get(), file.get(), 0, bytes,
+                                                         buffers.data(), 5, piece));
+    std::vector<char> data(largest, 1);
+    for (int u = 0; u < static_cast<int>(bytes.size()); ++u) {
+      RETURN_IF_ERROR(params->Write(u, data.data()));
+    }
+    params->Invalidate();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<double> Pass() {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto none = [](int64_t, const char*, int64_t) { return absl::OkStatus(); };
+    for (int u = units - 1; u >= 0; --u) {  // forward: the last unit first
+      RETURN_IF_ERROR(params->Read(u, none));
+      if (u > 0) params->ReadAhead(u - 1, -1);
+    }
+    const double ms = MsSince(t0);
+    params->Invalidate();  // the next pass starts cold, as a forward pass after a step does
+    return ms;
+  }
+  int units = 0;
+};
+
+struct Samples {
+  std::vector<double> ms;
+  std::vector<double> hit_rate;
+};
+
+// One repetition of every row, starting at row `first` so that no row always runs right after
+// the same neighbour.
+absl::Status Repetition(const Flags& f, int first, std::vector<EngineRun>* engines,
+                        PureRead* pure, const std::vector<uint16_t>& host,
+                        std::vector<Samples>* out) {
+  const int rows = static_cast<int>(engines->size()) + 2;
+  for (int k = 0; k < rows; ++k) {
+    const int row = (first + k) % rows;
+    Samples& s = (*out)[row];
+    if (row < static_cast<int>(engines->size())) {
+      EngineRun& r = (*engines)[row];
+      const int64_t hits = r.engine->nvme_param_reads_ahead_used();
+      ASSIGN_OR_RETURN(double ms, Forward(r.engine.get(), f.compute_passes));
+      s.ms.push_back(ms);
+      if (r.pieces_per_pass > 0) {
+        s.hit_rate.push_back(static_cast<double>(r.engine->nvme_param_reads_ahead_used() - hits) /
+                             static_cast<double>(r.pieces_per_pass));
+      }
+    } else if (row == rows - 2) {
+      s.ms.push_back(ComputeOnly(f, host));
+    } else {
+      ASSIGN_OR_RETURN(double ms, pure->Pass());
+      s.ms.push_back(ms);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::ordered_json> Run(const Flags& f) {
+  CpuDeviceOptions o;
+  o.threads = 1;
+  std::unique_ptr<Device> dev = CreateCpuDevice(o);
+  std::vector<EngineRun> engines;
+  ASSIGN_OR_RETURN(EngineRun host_run, MakeEngine(f, dev.get(), OffloadDevice::kCpu, 1));
+  engines.push_back(std::move(host_run));
+  for (int buffers : {1, 2, 5}) {
+    ASSIGN_OR_RETURN(EngineRun r, MakeEngine(f, dev.get(), OffloadDevice::kNvme, buffers));
+    engines.push_back(std::move(r));
+  }
+  PureRead pure;
+  RETURN_IF_ERROR(pure.Init(f, engines[0].engine->plan()));
+  std::vector<uint16_t> host(f.max_params, 0x3f80);  // bf16 1.0
+  const int rows = static_cast<int>(engines.size()) + 2;
+  std::vector<Samples> warm(rows), samples(rows);
+  RETURN_IF_ERROR(Repetition(f, 0, &engines, &pure, host, &warm));
+  for (int rep = 0; rep < f.reps; ++rep) {
+    RETURN_IF_ERROR(Repetition(f, rep % rows, &engines, &pure, host, &samples));
+  }
+  const double host_ms = bench::Median(samples[0].ms);
+  const double compute_ms = bench::Median(samples[rows - 2].ms);
+  const double read_ms = bench::Median(samples[rows - 1].ms);
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (size_t i = 0; i < engines.size(); ++i) {
+    nlohmann::ordered_json row = {{"name", engines[i].name},
+                                  {"forward_ms", bench::Median(samples[i].ms)},
+                                  {"samples_ms", samples[i].ms}};
+    if (!samples[i].hit_rate.empty()) {
+      row["read_ahead_hit_rate"] = bench::Median(samples[i].hit_rate);
+      row["ratio_to_bound"] = bench::Median(samples[i].ms) / std::max(host_ms, read_ms);
+    }
+    results.push_back(row);
+  }
+  results.push_back(
+      {{"name", "compute_only"}, {"forward_ms", compute_ms}, {"samples_ms", samples[rows - 2].ms}});
+  results.push_back(
+      {{"name", "pure_read"}, {"forward_ms", read_ms}, {"samples_ms", samples[rows - 1].ms}});
+  int64_t params = 0;
+  for (const memory::ParamSpec& s : Model(f)) params += s.numel();
+  double load[1] = {0};
+  getloadavg(load, 1);
+  return nlohmann::ordered_json{
+      {"benchmark", "nvme_param_bench"}, {"dir", f.dir}, {"units", f.units},
+      {"params", params}, {"compute_dtype", "bf16"}, {"compute_passes", f.compute_passes},
+      {"buffer_elements", f.buffer_elements}, {"reps", f.reps},
+      {"gather_overhead_ms", host_ms - compute_ms},
+      {"bound", "max(host_params forward = compute + gather overhead, pure_read)"},
+      {"load_average_1m", load[0]}, {"results", results}};
+}
+
+}  // namespace
+}  // namespace zerort
+
+int main(int argc, char** argv) {
+  zerort::Flags f;
+  if (!zerort::ParseFlags(argc, argv, &f)) return 2;
+  absl::StatusOr<nlohmann::ordered_json> out = zerort::Run(f);
+  if (!out.ok()) {
+    std::fprintf(stderr, "nvme_param_bench: %s\n", out.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%s\n", out->dump(2).c_str());
+  return 0;
+}
