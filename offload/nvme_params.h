@@ -20,9 +20,10 @@
 // moves the position to u and, as each piece is consumed, refills the freed buffer in the same
 // order (u's later pieces first, then the units after u in the last direction).
 //
-// A read-ahead is dropped by Write(u) of its unit and by Invalidate(), so a read never returns
-// bytes older than the last write. Errors (EIO, a short transfer) name the file and offset;
-// after an error no request of the failing call is still in flight on the caller's bytes.
+// A read-ahead is dropped by Write(u) or WriteFrom(u) of its unit and by Invalidate(), so a read
+// never returns bytes older than the last write. Errors (EIO, a short transfer) name the file
+// and offset; after an error no request of the failing call is still in flight on the caller's
+// bytes.
 //
 // Thread safety: not thread-safe; one per engine. The AioEngine, file and buffers must outlive
 // it. REQUIRES: `buffers` aligned to kIoAlignment.
