@@ -11,11 +11,15 @@
 // default buffers (4 KiB pages); fio with hugetlb buffers (--mem=shmhuge) where reserved huge
 // pages exist (`sysctl vm.nr_hugepages=32`), else null.
 //
-// Patterns (the state file is read and written in chunks of one unit's master|m|v):
-//   write: chunks written in order, three chunks in flight         fio rw=write
-//   read:  chunks read in order, three chunks in flight             fio rw=read
-//   step:  read chunk k+1 while chunk k-1 is written back           fio rw=rw, rwmixread=50
-// Goal: ours >= 0.9 of fio's bandwidth for each pattern.
+// Patterns, each in fio's layout (queue_depth x threads buffers of one block, one request per
+// block, all in flight), which is also fio's buffer footprint: on a virtual disk the host copies
+// each block into guest memory, and that copy is measurably faster into a few MiB that stay in
+// cache than into tens of MiB (docs/offload.md), so a larger footprint is a different pattern.
+//   write: blocks written in order                                      fio rw=write
+//   read:  blocks read in order                                         fio rw=read
+//   step:  reads and writes alternating, each sequential                fio rw=rw, rwmixread=50
+// and the read in the step's own layout (three slots of chunk_mib, as NvmeState reads a unit's
+// master|m|v into), against the same fio read. Goal: ours >= 0.9 of fio's for each pattern.
 //
 //   nvme_bench [--quick] [--dir=/tmp] [--mib=1024] [--chunk_mib=12] [--block_kib=1024]
 //              [--queue_depth=8] [--threads=1] [--steps=9] [--params=33554432]
@@ -111,41 +115,30 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Our bandwidth (bytes moved / s) for `pattern` over the whole file, chunk by chunk.
-absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t chunk,
-                                    const std::string& pattern, const std::vector<char*>* bufs) {
-  const int64_t chunks = file->bytes() / chunk;
-  std::vector<AioEngine::Ticket> pending(bufs->size(), 0);
-  auto wait = [&](size_t slot) {
-    absl::Status s = pending[slot] ? io->Wait(pending[slot]) : absl::OkStatus();
-    pending[slot] = 0;
-    return s;
-  };
-  auto submit = [&](IoOp op, int64_t k) {
-    const size_t slot = static_cast<size_t>(k) % bufs->size();
-    pending[slot] = io->Submit({{op, file, k * chunk, (*bufs)[slot], chunk}});
-  };
+// Our bandwidth (bytes moved / s) for `pattern` over the whole file: requests of `request`
+// bytes, request k into buffer k mod N of the N `bufs`, all N in flight (a buffer is reused once
+// its request has completed). "step" alternates reads and writes, each direction sequential
+// from the start of the file, as fio's rw=rw with rwmixread=50 does, moving the file's size.
+absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t request,
+                                    const std::string& pattern, const std::vector<char*>& bufs) {
+  const int64_t n = file->bytes() / request;
+  std::vector<AioEngine::Ticket> pending(bufs.size(), 0);
+  int64_t next[2] = {0, 0};  // the next offset of reads, of writes
   const auto t0 = std::chrono::steady_clock::now();
-  if (pattern == "step") {  // 3 buffers: read k+1 | (update k) | write k-1
-    submit(IoOp::kRead, 0);
-    for (int64_t k = 0; k < chunks; ++k) {
-      if (k + 1 < chunks) {
-        RETURN_IF_ERROR(wait((k + 1) % bufs->size()));  // the write of chunk k-2
-        submit(IoOp::kRead, k + 1);
-      }
-      RETURN_IF_ERROR(wait(k % bufs->size()));  // the read of chunk k
-      submit(IoOp::kWrite, k);
-    }
-  } else {  // three chunks in flight
-    const IoOp op = pattern == "read" ? IoOp::kRead : IoOp::kWrite;
-    for (int64_t k = 0; k < chunks; ++k) {
-      RETURN_IF_ERROR(wait(k % bufs->size()));
-      submit(op, k);
-    }
+  for (int64_t k = 0; k < n; ++k) {
+    const size_t slot = static_cast<size_t>(k) % bufs.size();
+    if (pending[slot] != 0) RETURN_IF_ERROR(io->Wait(pending[slot]));
+    const IoOp op = pattern == "read"    ? IoOp::kRead
+                    : pattern == "write" ? IoOp::kWrite
+                                         : (k % 2 == 0 ? IoOp::kRead : IoOp::kWrite);
+    int64_t& offset = next[op == IoOp::kWrite ? 1 : 0];
+    pending[slot] = io->Submit({{op, file, offset, bufs[slot], request}});
+    offset += request;
   }
-  for (size_t s = 0; s < bufs->size(); ++s) RETURN_IF_ERROR(wait(s));
-  const double bytes = static_cast<double>(chunks * chunk) * (pattern == "step" ? 2 : 1);
-  return bytes / Seconds(t0);
+  for (AioEngine::Ticket t : pending) {
+    if (t != 0) RETURN_IF_ERROR(io->Wait(t));
+  }
+  return static_cast<double>(n * request) / Seconds(t0);
 }
 
 // fio's bandwidth (bytes / s, read + write) for the same pattern on `file`, or a negative value.
@@ -256,20 +249,20 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
       {"nvme_over_cpu", disk / cpu}, {"pure_io_mb_s", state_bytes / pure / 1e3}};
 }
 
-// Three buffers of 4 KiB pages (mmap + MADV_NOHUGEPAGE + mlock), as fio's malloc gives it: the
+// Buffers of 4 KiB pages (mmap + MADV_NOHUGEPAGE + mlock), as fio's malloc gives them: the
 // control that shows what the huge pages of our pinned slabs are worth (memory/arena.cc).
 class SmallPageBuffers {
  public:
-  static absl::StatusOr<SmallPageBuffers> Create(int64_t chunk) {
+  static absl::StatusOr<SmallPageBuffers> Create(int count, int64_t each) {
     SmallPageBuffers b;
-    b.bytes_ = static_cast<size_t>(3 * chunk);
+    b.bytes_ = static_cast<size_t>(count * each);
     void* p = mmap(nullptr, b.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the 4 KiB-page buffers");
     b.base_ = static_cast<char*>(p);
     madvise(p, b.bytes_, MADV_NOHUGEPAGE);
     b.locked_ = mlock(p, b.bytes_) == 0;  // the pinned slabs fall back alike under RLIMIT_MEMLOCK
     std::memset(p, 7, b.bytes_);
-    for (int i = 0; i < 3; ++i) b.ptrs_.push_back(b.base_ + i * chunk);
+    for (int i = 0; i < count; ++i) b.ptrs_.push_back(b.base_ + i * each);
     return b;
   }
   SmallPageBuffers() = default;
@@ -279,7 +272,7 @@ class SmallPageBuffers {
   ~SmallPageBuffers() {
     if (base_ != nullptr) munmap(base_, bytes_);
   }
-  const std::vector<char*>* ptrs() const { return &ptrs_; }
+  const std::vector<char*>& ptrs() const { return ptrs_; }
   bool locked() const { return locked_; }
 
  private:
@@ -329,33 +322,41 @@ bool HugetlbFree(const Flags& f) {
   return free_pages * page_kib >= (f.block_kib * f.queue_depth + 2048) * f.threads;
 }
 
-// Side by side on one file, `f.reps` rounds rotating which goes first: ours (pinned slabs), ours
-// from 4 KiB pages, fio (its default malloc buffers) and, where hugetlb pages are reserved, fio
-// with huge-page buffers. Ratios are per round.
+// Where our requests land: `ours` (slabs of the pinned cache) and, for the control, `small`
+// (4 KiB pages; empty: no control), `request` bytes each.
+struct Layout {
+  std::string name;
+  int64_t request = 0;
+  std::vector<char*> ours, small;
+};
+
+// Side by side on one file, `f.reps` rounds rotating which goes first: ours, ours from 4 KiB
+// pages, fio (its default malloc buffers) and, where hugetlb pages are reserved, fio with
+// huge-page buffers. Ratios are per round.
 absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::string& pattern,
                                                   AioEngine* io, const SwapFile* file,
-                                                  int64_t chunk, const std::vector<char*>* bufs,
-                                                  const std::vector<char*>* small_pages) {
+                                                  const Layout& l) {
   constexpr int kOurs = 0, kSmall = 1, kFio = 2, kFioHuge = 3;
-  const int contenders = HugetlbFree(f) ? 4 : 3;
+  std::vector<int> order = {kOurs, kFio};
+  if (!l.small.empty()) order.push_back(kSmall);
+  if (HugetlbFree(f)) order.push_back(kFioHuge);
   std::vector<double> mb_s[4], ratios[3];  // ours/fio, small/fio, ours/fio_huge
   for (int rep = 0; rep < f.reps; ++rep) {
-    double bw[4] = {0, 0, -1, -1};
-    for (int turn = 0; turn < contenders; ++turn) {
-      const int k = (turn + rep) % contenders;
+    double bw[4] = {-1, -1, -1, -1};
+    for (size_t turn = 0; turn < order.size(); ++turn) {
+      const int k = order[(turn + rep) % order.size()];
       if (k >= kFio) {
         bw[k] = FioBandwidth(f, pattern, file->path(), file->bytes(), k == kFioHuge);
       } else {
-        ASSIGN_OR_RETURN(bw[k], OurBandwidth(io, file, chunk, pattern, k == kOurs ? bufs : small_pages));
+        ASSIGN_OR_RETURN(bw[k], OurBandwidth(io, file, l.request, pattern,
+                                             k == kOurs ? l.ours : l.small));
       }
     }
     for (int k = 0; k < 4; ++k) {
       if (bw[k] > 0) mb_s[k].push_back(bw[k] / 1e6);
     }
-    if (bw[kFio] > 0) {  // fio missing or failed: our figures alone
-      ratios[0].push_back(bw[kOurs] / bw[kFio]);
-      ratios[1].push_back(bw[kSmall] / bw[kFio]);
-    }
+    if (bw[kFio] > 0) ratios[0].push_back(bw[kOurs] / bw[kFio]);
+    if (bw[kFio] > 0 && bw[kSmall] > 0) ratios[1].push_back(bw[kSmall] / bw[kFio]);
     if (bw[kFioHuge] > 0) ratios[2].push_back(bw[kOurs] / bw[kFioHuge]);
   }
   auto median_or_null = [](const std::vector<double>& v) {
@@ -367,7 +368,7 @@ absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::str
                                   *std::max_element(v.begin(), v.end())};
   };
   return nlohmann::ordered_json{
-      {"pattern", pattern}, {"ours_mb_s", median_or_null(mb_s[kOurs])},
+      {"pattern", pattern}, {"buffers", l.name}, {"ours_mb_s", median_or_null(mb_s[kOurs])},
       {"fio_mb_s", median_or_null(mb_s[kFio])}, {"ratio", median_or_null(ratios[0])},
       {"ratio_range", range_or_null(ratios[0])},
       {"small_pages_mb_s", median_or_null(mb_s[kSmall])},
@@ -380,32 +381,38 @@ absl::StatusOr<nlohmann::ordered_json> PatternRow(const Flags& f, const std::str
 
 absl::Status Run(const Flags& f) {
   const int64_t chunk = f.chunk_mib << 20;
+  const int64_t block = f.block_kib * 1024;
   const int64_t bytes = (f.mib << 20) / chunk * chunk;
   offload::AioOptions o;
-  o.block_size = f.block_kib * 1024;
+  o.block_size = block;
   o.queue_depth = f.queue_depth;
   o.thread_count = f.threads;
   ASSIGN_OR_RETURN(auto io, AioEngine::Create(o));
   ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat("bench", getpid()), 0));
   ASSIGN_OR_RETURN(auto file, dir->CreateFile("state", bytes));
-  std::vector<IoBuffer> bufs;
-  std::vector<char*> ptrs;
-  for (int i = 0; i < 3; ++i) {
-    ASSIGN_OR_RETURN(IoBuffer b, IoBuffer::Allocate(chunk));
-    std::memset(b.data(), i + 1, chunk);
-    ptrs.push_back(b.data());
-    bufs.push_back(std::move(b));
-  }
-  ASSIGN_OR_RETURN(SmallPageBuffers small_pages, SmallPageBuffers::Create(chunk));
+  // fio's layout: queue_depth x threads buffers of one block, one request each. The step's
+  // layout: three unit-sized slots (NvmeState's), one request of `chunk` bytes each.
+  const int fio_buffers = f.queue_depth * f.threads;
+  ASSIGN_OR_RETURN(IoBuffer fio_like, IoBuffer::Allocate(fio_buffers * block));
+  ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(3 * chunk));
+  ASSIGN_OR_RETURN(SmallPageBuffers small_pages, SmallPageBuffers::Create(fio_buffers, block));
+  std::memset(fio_like.data(), 1, fio_like.bytes());
+  std::memset(slots.data(), 2, slots.bytes());
+  Layout fio_layout{"fio's: queue_depth x threads blocks", block, {}, small_pages.ptrs()};
+  for (int i = 0; i < fio_buffers; ++i) fio_layout.ours.push_back(fio_like.data() + i * block);
+  Layout slot_layout{"three unit slots of chunk_bytes", chunk, {}, {}};
+  for (int i = 0; i < 3; ++i) slot_layout.ours.push_back(slots.data() + i * chunk);
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
   // Writes first: reads of never-written (fallocated) extents return zeros without touching
   // the device.
   for (const char* pattern : {"write", "read", "step"}) {
     ASSIGN_OR_RETURN(nlohmann::ordered_json row,
-                     PatternRow(f, pattern, io.get(), file.get(), chunk, &ptrs,
-                                small_pages.ptrs()));
+                     PatternRow(f, pattern, io.get(), file.get(), fio_layout));
     rows.push_back(std::move(row));
   }
+  ASSIGN_OR_RETURN(nlohmann::ordered_json slot_row,
+                   PatternRow(f, "read", io.get(), file.get(), slot_layout));
+  rows.push_back(std::move(slot_row));
   nlohmann::ordered_json head = {
       {"benchmark", "nvme_bench"}, {"dir", f.dir}, {"bytes", bytes}, {"chunk_bytes", chunk},
       {"block_size", o.block_size}, {"queue_depth", f.queue_depth}, {"threads", f.threads},

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <signal.h>
+#include <sys/eventfd.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -13,6 +14,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <map>
 #include <thread>
 #include <utility>
@@ -93,11 +95,20 @@ void Prep(io_uring_sqe* sqe, const Piece& p, uint64_t slot) {
 // chunk k-1 frees): the step pattern measured 0.82 of fio's bandwidth with one ticket at a time.
 class IoThread {
  public:
-  // Sets *rc to io_uring_queue_init's result; the thread runs only if it is 0.
+  // Sets *rc to the ring's set-up result; the thread keeps running only if it is 0.
   IoThread(const AioOptions& o, int* rc) : o_(o), slots_(static_cast<size_t>(o.queue_depth)) {
-    *rc = io_uring_queue_init(static_cast<unsigned>(o.queue_depth), &ring_, 0);
     for (int i = o.queue_depth - 1; i >= 0; --i) free_.push_back(i);
-    if (*rc == 0) thread_ = std::thread([this] { Loop(); });
+    std::promise<int> ready;
+    std::future<int> result = ready.get_future();
+    thread_ = std::thread([this, &ready] {
+      const int init = InitRing();
+      ready.set_value(init);
+      if (init != 0) return;
+      Loop();
+      Close();
+    });
+    *rc = result.get();
+    if (*rc != 0) thread_.join();
   }
   ~IoThread() {
     if (!thread_.joinable()) return;  // the ring never initialised
@@ -106,37 +117,96 @@ class IoThread {
       stop_ = true;
     }
     thread_.join();
-    io_uring_queue_exit(&ring_);
   }
   void Push(std::vector<Queued> pieces) {
-    absl::MutexLock lock(&mu_);
-    for (Queued& q : pieces) queue_.push_back(std::move(q));
+    bool wake;
+    {
+      absl::MutexLock lock(&mu_);
+      for (Queued& q : pieces) queue_.push_back(std::move(q));
+      wake = std::exchange(waiting_, false);
+    }
+    if (wake) eventfd_write(wake_fd_, 1);
   }
 
  private:
+  // Called on the I/O thread, which alone submits and reaps: the ring is its single issuer, so
+  // completions need no interrupt of it (COOP_TASKRUN) and their task work runs when it waits
+  // (DEFER_TASKRUN), as fio sets its rings up. Kernels before 6.1 lack these: plain ring.
+  int InitRing();
+  void Close();  // the wake read completed, the ring and the eventfd closed
   void Loop();
+  // Keeps a read of the eventfd in flight, so that Push can end the thread's wait for
+  // completions when new pieces arrive and slots are free. Without it a piece queued while
+  // the ring waits starts only at the next completion: with one-piece requests (parameter
+  // pieces, a fio-like loop) the ring ran one short of queue_depth most of the time.
+  void ArmWake();
   // Takes queued pieces into free slots; returns false when stopping with nothing left.
   bool Fill(std::vector<Queued>* taken);
   void Submit(std::vector<Queued>* taken);
   // Reaps at least `wait` completions (and whatever else has arrived).
   void Reap(unsigned wait);
 
+  static constexpr uint64_t kWakeTag = ~uint64_t{0};  // user_data of the eventfd read
+
   const AioOptions& o_;
   io_uring ring_;
+  int wake_fd_ = -1;         // -1: no eventfd, no wake (a piece waits for a completion)
+  uint64_t wake_value_ = 0;  // the eventfd read's target
+  bool wake_armed_ = false;  // I/O thread only
   std::vector<Queued> slots_;  // in flight, by slot (user_data); I/O thread only
   std::vector<int> free_;      // free slots; I/O thread only
   absl::Mutex mu_;
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // waiting for completions with free slots
   std::thread thread_;
 };
+
+int IoThread::InitRing() {
+  const unsigned depth = static_cast<unsigned>(o_.queue_depth) + 1;  // + the wake read
+  unsigned flags = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN;
+  int rc;
+  for (;;) {
+    io_uring_params p;
+    std::memset(&p, 0, sizeof p);
+    p.flags = flags;
+    rc = io_uring_queue_init_params(depth, &ring_, &p);
+    if (rc != -EINVAL || flags == 0) break;
+    flags = (flags & IORING_SETUP_DEFER_TASKRUN) ? IORING_SETUP_COOP_TASKRUN : 0;
+  }
+  if (rc == 0 && o_.overlap_events) wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  return rc;
+}
+
+void IoThread::ArmWake() {
+  if (wake_fd_ < 0 || wake_armed_) return;
+  io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // the ring has one entry beyond the slots
+  io_uring_prep_read(sqe, wake_fd_, &wake_value_, sizeof wake_value_, 0);
+  io_uring_sqe_set_data64(sqe, kWakeTag);
+  io_uring_submit(&ring_);
+  wake_armed_ = true;
+}
+
+void IoThread::Close() {
+  if (wake_armed_) {  // complete the read rather than leave the kernel a target to write
+    eventfd_write(wake_fd_, 1);
+    while (wake_armed_) Reap(1);
+  }
+  io_uring_queue_exit(&ring_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
 
 void IoThread::Loop() {
   std::vector<Queued> taken;
   while (Fill(&taken)) {
     Submit(&taken);
     const int inflight = o_.queue_depth - static_cast<int>(free_.size());
-    if (inflight > 0) Reap(o_.overlap_events ? 1u : static_cast<unsigned>(inflight));
+    if (inflight > 0 && o_.overlap_events) {
+      ArmWake();
+      Reap(1);
+    } else if (inflight > 0) {
+      Reap(static_cast<unsigned>(inflight));
+    }
   }
 }
 
@@ -154,6 +224,8 @@ bool IoThread::Fill(std::vector<Queued>* taken) {
     taken->push_back(std::move(queue_.front()));
     queue_.pop_front();
   }
+  // The thread is about to wait for completions; a Push before then must wake it.
+  waiting_ = taken->size() < free_.size();
   return true;
 }
 
@@ -199,12 +271,16 @@ void IoThread::Reap(unsigned wait) {
   }
   unsigned head, count = 0;
   io_uring_for_each_cqe(&ring_, head, cqe) {
+    ++count;
+    if (io_uring_cqe_get_data64(cqe) == kWakeTag) {  // Push woke the thread: re-armed on waiting
+      wake_armed_ = false;
+      continue;
+    }
     const int slot = static_cast<int>(io_uring_cqe_get_data64(cqe));
     Queued done = std::move(slots_[slot]);
     slots_[slot] = Queued();
     free_.push_back(slot);
     done.job->Complete(PieceStatus(done.piece, cqe->res));
-    ++count;
   }
   io_uring_cq_advance(&ring_, count);
 }
