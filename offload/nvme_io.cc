@@ -267,6 +267,7 @@ void IoThread::Reap(unsigned wait) {
       slots_[i] = Queued();
       free_.push_back(static_cast<int>(i));
     }
+    wake_armed_ = false;  // so Close does not wait on a broken ring; queue exit cancels the read
     return;
   }
   unsigned head, count = 0;
