@@ -62,18 +62,25 @@ absl::Status ApplyStage(const std::string& s, ZeroConfig* zero) {
   return absl::OkStatus();
 }
 
-// --offload none|optimizer|all|nvme (also "cpu" for optimizer; nvme: the optimizer's).
+// --offload none|optimizer|all|nvme|nvme-all ("cpu" = optimizer; nvme: the optimizer state in
+// files; nvme-all: the stage-3 parameter shard too). Planning creates no files, so an NVMe
+// offload the flag asks for needs no nvme_path; a config's own NVMe offload still does.
 absl::Status ApplyOffload(const std::string& o, ZeroConfig* zero) {
-  const bool optimizer = o == "optimizer" || o == "cpu" || o == "all" || o == "nvme";
-  const bool param = o == "all";
+  const bool nvme = o == "nvme" || o == "nvme-all";
+  const bool optimizer = o == "optimizer" || o == "cpu" || o == "all" || nvme;
+  const bool param = o == "all" || o == "nvme-all";
   if (!optimizer && o != "none") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--offload '", o, "': expected none, optimizer, all or nvme"));
+        absl::StrCat("--offload '", o, "': expected none, optimizer, all, nvme or nvme-all"));
   }
-  zero->offload_optimizer.device = o == "nvme" ? OffloadDevice::kNvme
-                                   : optimizer ? OffloadDevice::kCpu
-                                               : OffloadDevice::kNone;
-  zero->offload_param.device = param ? OffloadDevice::kCpu : OffloadDevice::kNone;
+  const OffloadDevice host_or_nvme = nvme ? OffloadDevice::kNvme : OffloadDevice::kCpu;
+  zero->offload_optimizer.device = optimizer ? host_or_nvme : OffloadDevice::kNone;
+  zero->offload_param.device = param ? host_or_nvme : OffloadDevice::kNone;
+  auto placeholder = [](OffloadDevice device, std::string* path) {
+    if (device == OffloadDevice::kNvme && path->empty()) *path = "(not needed to plan)";
+  };
+  placeholder(zero->offload_optimizer.device, &zero->offload_optimizer.nvme_path);
+  placeholder(zero->offload_param.device, &zero->offload_param.nvme_path);
   return absl::OkStatus();
 }
 
@@ -140,7 +147,8 @@ constexpr const char* kPlanUsage =
          --world N           data-parallel world size (1)        --rank R   rank to plan (0)
          --stage 0-3|auto    ZeRO stage (config's, else 0)
          --offload none|optimizer|all   CPU offload of optimizer state (and parameters)
-         --offload nvme                 optimizer state in files (NVMe offload)
+         --offload nvme|nvme-all        optimizer state (nvme-all: and the stage-3 parameter
+                                        shard) in files: NVMe offload
          --precision bf16|fp16|fp32     compute dtype (config's, else bf16)
          --config FILE       a JSON config (DeepSpeed keys); flags above override it
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto);

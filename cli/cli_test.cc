@@ -38,6 +38,53 @@ TEST_CASE("CLI: zerort plan prints the plan as JSON with the documented fields",
   CHECK_THAT(std::string(bad_stage.message()), Catch::Contains("--stage '5'"));
 }
 
+TEST_CASE("CLI: zerort plan --offload nvme and nvme-all plan files without a path", "[zero]") {
+  // Planning creates no files, so the flags need no nvme_path; the JSON names the nvme bytes.
+  auto plan = [](const std::string& stage, const std::string& offload) {
+    std::ostringstream out;
+    const absl::Status s = RunPlanCommand({"--model", "gpt2-124m", "--world", "4", "--stage",
+                                           stage, "--offload", offload, "--json"},
+                                          out);
+    REQUIRE(s.ok());
+    return nlohmann::json::parse(out.str());
+  };
+  auto nvme_sum = [](const nlohmann::json& j, const std::string& name) {
+    int64_t sum = 0;
+    for (const auto& b : j["buffers"]) {
+      if (b["kind"] == "nvme" && (name.empty() || b["name"] == name)) {
+        sum += b["bytes"].get<int64_t>();
+      }
+    }
+    return sum;
+  };
+  const nlohmann::json state = plan("3", "nvme"), all = plan("3", "nvme-all");
+  const int64_t s = state["per_rank"]["shard_elements"].get<int64_t>();
+  const int64_t units = state["units"].get<int64_t>();
+  const int64_t state_bytes = state["per_rank"]["nvme_bytes"].get<int64_t>();
+  // Two copies of master, m and v (fp32), each array padded to 4 KiB per unit.
+  CHECK(state_bytes == nvme_sum(state, ""));
+  CHECK(state_bytes >= 2 * 12 * s);
+  CHECK(state_bytes < 2 * 12 * s + 2 * 3 * 4096 * units);
+  CHECK(nvme_sum(state, "param_shard") == 0);
+  // nvme-all adds the bf16 parameter shard (and its padding) and nothing else on disk.
+  const int64_t all_bytes = all["per_rank"]["nvme_bytes"].get<int64_t>();
+  CHECK(nvme_sum(all, "param_shard") == 2 * s);
+  CHECK(all_bytes ==
+        state_bytes + nvme_sum(all, "param_shard") + nvme_sum(all, "nvme_param_padding"));
+  CHECK(plan("2", "optimizer")["per_rank"]["nvme_bytes"] == 0);
+
+  std::ostringstream err;
+  auto stage2 =
+      RunPlanCommand({"--model", "gpt2-124m", "--stage", "2", "--offload", "nvme-all"}, err);
+  REQUIRE_FALSE(stage2.ok());
+  CHECK_THAT(std::string(stage2.message()), Catch::Contains("offload_param"));
+  CHECK_THAT(std::string(stage2.message()), Catch::Contains("stage 3"));
+  auto bogus = RunPlanCommand({"--model", "gpt2-124m", "--offload", "disk"}, err);
+  REQUIRE_FALSE(bogus.ok());
+  CHECK_THAT(std::string(bogus.message()), Catch::Contains("--offload 'disk'"));
+  CHECK_THAT(std::string(bogus.message()), Catch::Contains("nvme-all"));
+}
+
 TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON array", "[zero]") {
   const char* dir = std::getenv("TEST_TMPDIR");
   const std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/notes.json";

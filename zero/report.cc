@@ -56,6 +56,7 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
                    {"device_bytes", plan.device_bytes()},
                    {"pinned_host_bytes", plan.pinned_host_bytes()},
                    {"host_bytes", plan.host_bytes()},
+                   {"nvme_bytes", plan.nvme_bytes()},
                    {"shard_elements", plan.shard_elements}};
   j["comm_bytes_per_step"] = plan.comm_bytes_per_step;
   j["host_transfer_bytes_per_step"] = plan.host_transfer_bytes_per_step;

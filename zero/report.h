@@ -15,7 +15,7 @@ namespace zerort {
 std::string PlanTable(const memory::Plan& plan);
 
 // params, world_size, stage, per_rank.{model_state_bytes, device_bytes, pinned_host_bytes,
-// host_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[].
+// host_bytes, nvme_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[].
 nlohmann::ordered_json PlanJson(const memory::Plan& plan);
 
 }  // namespace zerort
