@@ -125,11 +125,13 @@ absl::Status Engine::Impl::WriteShardFromMaster(int u) {
 }
 
 // After a step of the device optimizer with NVMe parameter offload: every unit's new shard
-// into the file (the all-gathers after the step read it back). The first failed write stops
-// the rest; the ranks then agree, so every rank fails alike (or none does).
+// into the file (the all-gathers after the step read it back). Last unit first: completed
+// writes stay in the buffers as read-aheads, so the first units, which the next forward
+// gathers first, are the ones left there. The first failed write stops the rest; the ranks
+// then agree, so every rank fails alike (or none does).
 absl::Status Engine::Impl::WriteBackNvmeParams() {
   absl::Status written;
-  for (int u = 0; u < num_units() && written.ok(); ++u) written = WriteShardFromMaster(u);
+  for (int u = num_units() - 1; u >= 0 && written.ok(); --u) written = WriteShardFromMaster(u);
   return comm::AgreeOnStatus(*host_, written);
 }
 

@@ -936,6 +936,30 @@ absl::Status DeviceStepWriteFaults(const Config& nvme, comm::Communicator* comm,
   return SameReadParams(*want, *e, "after the restore and two steps");
 }
 
+TEST_CASE("Engine: after a device optimizer step the first units' new shards wait in the "
+          "NVMe buffers for the next forward",
+          "[zero][nvme]") {
+  // The write-back runs from the last unit to the first, and completed writes stay in the
+  // buffers as read-aheads: the next forward's first gathers read nothing from the file.
+  CheckOnRanks(1, [&](comm::Communicator* comm, Device* dev) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, TrainedEngine(DeviceStepNvmeParamConfig(2), comm, dev, 0));
+    if (e->plan().units.size() < 4) return absl::InternalError("the test needs 4 or more units");
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
+    for (int i = 0; i < e->num_params(); ++i) {  // the forward's first parameter in unit 0
+      if (e->plan().params[i].unit != 0 || e->plan().units[0].persistent) continue;
+      const int64_t before = e->nvme_param_reads_ahead_used();
+      const int one[1] = {i};
+      RETURN_IF_ERROR(e->AcquireParams(one));
+      RETURN_IF_ERROR(e->ReleaseParams(one));
+      if (e->nvme_param_reads_ahead_used() <= before) {
+        return absl::InternalError("unit 0 was read from the file after the step");
+      }
+      return absl::OkStatus();
+    }
+    return absl::InternalError("no parameter in a non-persistent unit 0");
+  });
+}
+
 TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step names the file; "
           "training goes on, or restores, bit-identically",
           "[zero][nvme]") {
