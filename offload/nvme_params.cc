@@ -111,8 +111,10 @@ absl::Status NvmeParams::Drop(int b) {
   Buffer& buf = buffers_[b];
   absl::Status s;
   if (buf.ticket != 0) s = io_->Wait(buf.ticket);
+  if (buf.unit >= 0 && buf.unread) ++reads_ahead_wasted_;
   buf.ticket = 0;
   buf.unit = -1;
+  buf.unread = false;
   return s;
 }
 
@@ -137,6 +139,7 @@ void NvmeParams::ReadFrom(int unit, int64_t first) {
       buf.unit = u;
       buf.piece = p;
       buf.age = ++clock_;
+      buf.unread = true;
       buf.ticket = io_->Submit({Request(IoOp::kRead, u, p, buf.data)});
     }
     if (dir_ == 0) return;
@@ -157,6 +160,7 @@ absl::Status NvmeParams::Read(int unit, const Sink& sink) {
       buffers_[b].ticket = io_->Submit({Request(IoOp::kRead, unit, p, buffers_[b].data)});
     }
     const char* data = buffers_[b].data;
+    buffers_[b].unread = false;
     RETURN_IF_ERROR(Drop(b));  // waits for the read: the bytes are valid until the next Submit
     RETURN_IF_ERROR(sink(p * piece_bytes_, data, PieceSize(unit, p)));
     ReadFrom(unit, p + 1);

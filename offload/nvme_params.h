@@ -84,6 +84,9 @@ class NvmeParams {
 
   int64_t piece_bytes() const { return piece_bytes_; }
   int64_t reads_ahead_used() const { return reads_ahead_used_; }  // pieces Read found ready
+  // Pieces read ahead and dropped unread (by a Write of their unit, Invalidate, or eviction):
+  // disk reads for nothing.
+  int64_t reads_ahead_wasted() const { return reads_ahead_wasted_; }
 
  private:
   struct Buffer {
@@ -92,6 +95,7 @@ class NvmeParams {
     int64_t piece = 0;
     AioEngine::Ticket ticket = 0;  // 0: nothing in flight
     uint64_t age = 0;
+    bool unread = false;  // a read-ahead Read has not consumed
   };
   NvmeParams(AioEngine* io, const SwapFile* file, int64_t base, std::vector<int64_t> shard_bytes,
              char* buffers, int buffer_count, int64_t buffer_bytes);
@@ -119,6 +123,7 @@ class NvmeParams {
   int pos_ = -1;  // the unit read or read ahead from last
   int dir_ = 0;   // the last read-ahead's direction
   int64_t reads_ahead_used_ = 0;
+  int64_t reads_ahead_wasted_ = 0;
 };
 
 }  // namespace offload

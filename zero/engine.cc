@@ -35,6 +35,9 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), mem.nvme_params(),
       host_.get());
+  // A pass that has made gradients is a backward one; on the window's last micro-step the
+  // optimizer step follows it.
+  gatherer_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
@@ -210,6 +213,10 @@ int Engine::unit_of(int param) const { return impl_->plan_.params.at(param).unit
 int64_t Engine::nvme_param_reads_ahead_used() const {
   const offload::NvmeParams* p = impl_->memory_->nvme_params();
   return p != nullptr ? p->reads_ahead_used() : 0;
+}
+int64_t Engine::nvme_param_reads_ahead_wasted() const {
+  const offload::NvmeParams* p = impl_->memory_->nvme_params();
+  return p != nullptr ? p->reads_ahead_wasted() : 0;
 }
 MemoryReport Engine::memory_report() const {
   MemoryReport r;

@@ -185,6 +185,8 @@ class Engine {
   // offload_param "nvme": pieces of parameter shards the gathers found read ahead, since
   // creation (0 without it). What benchmarks/nvme_param_bench reports as its hit rate.
   int64_t nvme_param_reads_ahead_used() const;
+  // offload_param "nvme": pieces read ahead but dropped unread, since creation (0 without it).
+  int64_t nvme_param_reads_ahead_wasted() const;
   // Current loss scale (1 unless fp16).
   double loss_scale() const;
   // Optimizer steps applied so far.

@@ -960,6 +960,27 @@ TEST_CASE("Engine: after a device optimizer step the first units' new shards wai
   });
 }
 
+TEST_CASE("Engine: the parameter read-ahead does not turn round into the optimizer step",
+          "[zero][nvme]") {
+  // A backward pass that reaches the first unit before the step stops reading ahead: the step
+  // rewrites every shard, so reads of the next forward's units would be dropped unread. Inside
+  // an accumulation window the next forward does read them, so the turn stays.
+  for (bool device_step : {false, true}) {
+    INFO("optimizer on the device: " << device_step);
+    CheckOnRanks(1, [&](comm::Communicator* comm, Device* dev) -> absl::Status {
+      const Config c = device_step ? DeviceStepNvmeParamConfig(3) : NvmeParamConfig(false, 3);
+      ASSIGN_OR_RETURN(auto e, TrainedEngine(c, comm, dev, 0));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 3));
+      if (e->nvme_param_reads_ahead_used() == 0) return absl::InternalError("no read-ahead used");
+      if (e->nvme_param_reads_ahead_wasted() != 0) {
+        return absl::InternalError(absl::StrCat(e->nvme_param_reads_ahead_wasted(),
+                                                " pieces read ahead and dropped unread"));
+      }
+      return absl::OkStatus();
+    });
+  }
+}
+
 TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step names the file; "
           "training goes on, or restores, bit-identically",
           "[zero][nvme]") {

@@ -232,12 +232,18 @@ absl::Status ParamGatherer::ReadShard(int u, char* mine) {
     RETURN_IF_ERROR(ctx_.device->Copy(mine + offset, data, bytes, side));
     return ctx_.device->Synchronize(side);  // the next piece reuses the buffer
   });
-  // At either end of the units the gathers can only turn round (backward follows forward).
+  // At either end of the units the gathers can only turn round (backward follows forward,
+  // and forward backward), unless the optimizer step is next.
   const int nu = static_cast<int>(ctx_.plan.units.size());
   int direction = u >= last_read_ ? 1 : -1;
-  if (u + direction < 0 || u + direction >= nu) direction = -direction;
+  const bool at_end = u + direction < 0 || u + direction >= nu;
   last_read_ = u;
-  if (u + direction >= 0 && u + direction < nu) nvme_->ReadAhead(u + direction, direction);
+  if (at_end && step_next_ && step_next_()) return s;
+  if (at_end) direction = -direction;
+  // Units still gathered in a slot (the last ones of the pass before a turn) need no read.
+  int next = u + direction;
+  while (next >= 0 && next < nu && unit_slot_[next] >= 0) next += direction;
+  if (next >= 0 && next < nu) nvme_->ReadAhead(next, direction);
   return s;
 }
 

@@ -18,6 +18,7 @@
 #define ZERORT_ZERO_INTERNAL_PARAM_GATHERER_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -68,6 +69,10 @@ class ParamGatherer {
   absl::Status AllGatherUpdated(int unit);
   // Forgets every gathered copy that the trainer does not hold (they hold old parameters).
   void Invalidate();
+  // NVMe: at either end of the units the read-ahead turns round (backward follows forward,
+  // forward backward) unless `step_next` says the optimizer step comes next: it rewrites every
+  // shard, which would drop those reads unread. Unset: always turn.
+  void set_step_next(std::function<bool()> step_next) { step_next_ = std::move(step_next); }
   // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
   char* persistent_copy(int unit) const;
 
@@ -99,6 +104,7 @@ class ParamGatherer {
   offload::NvmeParams* const nvme_;
   comm::HostExchange* const agree_;
   int last_read_ = -1;  // NVMe: the unit read last, for the read-ahead's direction
+  std::function<bool()> step_next_;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
   std::vector<Slot> slots_;
   std::vector<int> unit_slot_;  // per unit, or -1
