@@ -1,5 +1,6 @@
 #include "offload/pipeline.h"
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -8,6 +9,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/synchronization/mutex.h"
 #include "device/testing/one_thread.h"
 #include "offload/nvme_io.h"
 #include "offload/nvme_state.h"
@@ -167,7 +169,11 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
   const char* tmp = std::getenv("TEST_TMPDIR");
   auto dir = SwapDir::Create(tmp != nullptr ? tmp : "/tmp", "pipeline", 0).value();
   auto file = dir->CreateFile("optimizer_state", NvmeState::FileBytes(sizes, piece)).value();
-  int armed = 0;  // 1: fail unit 2's write (EIO); 2: a short read of the first 4 KiB block
+  // 1: fail unit 2's write (EIO); 2: a short read of one 4 KiB block. The hook runs on both
+  // I/O threads at once: exactly one read may take the short-read fault, and the offset it
+  // names is written under a lock.
+  std::atomic<int> armed{0};
+  absl::Mutex faulted_mu;
   std::string faulted;
   AioOptions aio;
   aio.block_size = 4096;
@@ -179,12 +185,14 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
     // (whole unit) or its first piece's v.
     const int64_t copy = NvmeState::FileBytes(sizes, piece) / 2;
     if (armed == 1 && op == IoOp::kWrite && offset % copy == 6 * 4096 + 8192) {
+      absl::MutexLock lock(&faulted_mu);
       faulted = path + " at offset " + std::to_string(offset);
       return -EIO;
     }
-    if (armed == 2 && op == IoOp::kRead) {
+    int short_read = 2;
+    if (op == IoOp::kRead && armed.compare_exchange_strong(short_read, 0)) {
+      absl::MutexLock lock(&faulted_mu);
       faulted = path + " at offset " + std::to_string(offset);
-      armed = 0;
       return static_cast<int>(bytes / 2);
     }
     return std::nullopt;
@@ -212,7 +220,12 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
       armed = 0;
       INFO(st.ToString());
       REQUIRE_FALSE(st.ok());
-      CHECK(st.message().find(faulted) != absl::string_view::npos);
+      std::string want;
+      {
+        absl::MutexLock lock(&faulted_mu);
+        want = faulted;
+      }
+      CHECK(st.message().find(want) != absl::string_view::npos);
       CHECK(st.message().find(t == 2 ? "Input/output error" : "short nvme read") !=
             absl::string_view::npos);
       RequireSameState(LoadAll(nvme.get(), before), before, false);  // not half-updated
