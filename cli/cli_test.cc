@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/status/status.h"
+#include "base/testing/temp_dir.h"
 #include "nlohmann/json.hpp"
 
 namespace zerort {
@@ -86,8 +87,7 @@ TEST_CASE("CLI: zerort plan --offload nvme and nvme-all plan files without a pat
 }
 
 TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON array", "[zero]") {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  const std::string path = std::string(dir != nullptr ? dir : "/tmp") + "/notes.json";
+  const std::string path = testing::TestTmpDir() + "/notes.json";
   std::ofstream(path) << R"({"zero_optimization": {"stage": 2, "overlap_comm": false,
       "allgather_bucket_size": 2e8}, "train_batch_size": 32})";
 
@@ -117,8 +117,7 @@ TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON arr
 }
 
 std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return std::string(dir != nullptr ? dir : "/tmp") + "/" + name;
+  return testing::TestTmpDir() + "/" + name;
 }
 
 // RunPlanCommand's refusal; the test fails if the command succeeds or the message lacks `needle`.

@@ -11,6 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
+#include "base/testing/temp_dir.h"
 #include "catch2/catch.hpp"
 #include "checkpoint/checkpoint.h"
 
@@ -53,8 +54,7 @@ TEST_CASE("Demo: --model mlp prints one line per step, a falling loss and planne
 }
 
 TEST_CASE("Demo: --config is honoured and --stage / --precision override it", "[zero]") {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/demo_offload.json";
+  const std::string path = testing::TestTmpDir() + "/demo_offload.json";
   {
     std::ofstream f(path);
     f << R"({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
@@ -92,8 +92,7 @@ std::pair<std::string, std::string> ValLoss(const std::string& text) {
 }
 
 std::string TempDir(const std::string& name) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  return std::string(tmp != nullptr ? tmp : "/tmp") + "/" + name;
+  return testing::TestTmpDir() + "/" + name;
 }
 
 TEST_CASE("Demo: the GPT by default: falling losses, a sample, planned == allocated", "[zero]") {

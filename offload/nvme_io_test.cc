@@ -14,15 +14,11 @@
 
 #include <catch2/catch.hpp>
 
+#include "base/testing/temp_dir.h"
+
 namespace zerort {
 namespace offload {
 namespace {
-
-// A directory on the machine's disk (Bazel's test tmpdir), never tmpfs.
-std::string DiskDir() {
-  const char* t = std::getenv("TEST_TMPDIR");
-  return t != nullptr ? t : "/tmp";
-}
 
 bool Exists(const std::string& path) {
   struct stat st;
@@ -34,7 +30,7 @@ void Fill(char* p, int64_t n, int seed) {
 }
 
 TEST_CASE("AioEngine: what is written reads back, for every aio option", "[nvme]") {
-  auto dir = SwapDir::Create(DiskDir(), "io", 0);
+  auto dir = SwapDir::Create(testing::TestTmpDir(), "io", 0);
   REQUIRE(dir.ok());
   constexpr int64_t kBytes = 5 * 65536 + 3 * 4096;  // not a multiple of the block size
   auto file = (*dir)->CreateFile("state", 2 * kBytes);
@@ -75,7 +71,7 @@ TEST_CASE("AioEngine: one-block tickets from several threads while others are in
   // Each thread keeps two one-block tickets in flight, so new pieces keep arriving while the
   // I/O thread waits for completions with free slots: they must start (the eventfd wake) and
   // land where they belong; the engine is destroyed with its wake read armed.
-  auto dir = SwapDir::Create(DiskDir(), "tickets", 0);
+  auto dir = SwapDir::Create(testing::TestTmpDir(), "tickets", 0);
   REQUIRE(dir.ok());
   constexpr int kThreads = 4, kBlocks = 64;
   constexpr int64_t kBlock = 4096;
@@ -115,7 +111,7 @@ TEST_CASE("AioEngine: one-block tickets from several threads while others are in
 }
 
 TEST_CASE("AioEngine: faults name the file and the offset", "[nvme]") {
-  auto dir = SwapDir::Create(DiskDir(), "faults", 0);
+  auto dir = SwapDir::Create(testing::TestTmpDir(), "faults", 0);
   REQUIRE(dir.ok());
   auto file = (*dir)->CreateFile("state", 1 << 20);
   REQUIRE(file.ok());
@@ -149,7 +145,7 @@ TEST_CASE("AioEngine: faults name the file and the offset", "[nvme]") {
 }
 
 TEST_CASE("SwapDir: owned, exclusive, removed on shutdown, leftovers reported", "[nvme]") {
-  const std::string base = DiskDir();
+  const std::string base = testing::TestTmpDir();
   const std::string path = base + "/zerort-own-rank3";
   {
     auto dir = SwapDir::Create(base, "own", 3);

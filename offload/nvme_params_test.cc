@@ -12,15 +12,11 @@
 #include <catch2/catch.hpp>
 
 #include "absl/synchronization/mutex.h"
+#include "base/testing/temp_dir.h"
 
 namespace zerort {
 namespace offload {
 namespace {
-
-std::string DiskDir() {
-  const char* t = std::getenv("TEST_TMPDIR");
-  return t != nullptr ? t : "/tmp";
-}
 
 std::vector<char> Pattern(int64_t n, int seed) {
   std::vector<char> v(n);
@@ -52,7 +48,7 @@ struct Fixture {
   explicit Fixture(int buffer_count, int64_t base = 8192, int rank = 0,
                    std::vector<int64_t> shard_sizes = {}, IoFaultHook fault = nullptr) {
     if (!shard_sizes.empty()) shards = std::move(shard_sizes);
-    dir = *SwapDir::Create(DiskDir(), "params", rank);
+    dir = *SwapDir::Create(testing::TestTmpDir(), "params", rank);
     file = *dir->CreateFile("params", base + NvmeParams::FileBytes(shards));
     AioOptions o;
     o.block_size = 4096;

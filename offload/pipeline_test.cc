@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/synchronization/mutex.h"
+#include "base/testing/temp_dir.h"
 #include "device/testing/one_thread.h"
 #include "offload/nvme_io.h"
 #include "offload/nvme_state.h"
@@ -166,8 +167,7 @@ TEST_CASE("OffloadPipeline: NVMe-resident state equals CPU offload bitwise, faul
   Device::Stream s = dev->CreateStream().value();
   // 1500 elements: 6000 bytes, two 4 KiB blocks per array (one padded).
   const std::vector<int64_t> sizes = {40, 17, 1500, 33, 8};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  auto dir = SwapDir::Create(tmp != nullptr ? tmp : "/tmp", "pipeline", 0).value();
+  auto dir = SwapDir::Create(testing::TestTmpDir(), "pipeline", 0).value();
   auto file = dir->CreateFile("optimizer_state", NvmeState::FileBytes(sizes, piece)).value();
   // 1: fail unit 2's write (EIO); 2: a short read of one 4 KiB block. The hook runs on both
   // I/O threads at once: exactly one read may take the short-read fault, and the offset it

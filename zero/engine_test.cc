@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
 #include "comm/inprocess.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
@@ -168,9 +169,8 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
 // NVMe offload on the test's temporary directory (the machine's disk); null when the config
 // layer does not accept "nvme" yet.
 bool NvmeConfig(Config* c, int chunks) {
-  const char* tmp = std::getenv("TEST_TMPDIR");
   c->zero.offload_optimizer.device = OffloadDevice::kNvme;
-  c->zero.offload_optimizer.nvme_path = tmp != nullptr ? tmp : "/tmp";
+  c->zero.offload_optimizer.nvme_path = testing::TestTmpDir();
   c->zero.offload_optimizer.buffer_count = chunks;
   c->aio.block_size = 8192;  // several requests per unit, queue depth 2: every slot rotates
   c->aio.queue_depth = 2;
@@ -360,9 +360,8 @@ void CheckOnRanks(int world,
 Config NvmeParamConfig(bool optimizer_nvme, int buffers) {
   Config c = MakeConfig(3, DType::kBF16, 1, 0.05, true);
   if (optimizer_nvme) REQUIRE(NvmeConfig(&c, 2));
-  const char* tmp = std::getenv("TEST_TMPDIR");
   c.zero.offload_param.device = OffloadDevice::kNvme;
-  c.zero.offload_param.nvme_path = tmp != nullptr ? tmp : "/tmp";
+  c.zero.offload_param.nvme_path = testing::TestTmpDir();
   c.zero.offload_param.buffer_count = buffers;
   c.aio.block_size = 8192;
   c.aio.queue_depth = 2;

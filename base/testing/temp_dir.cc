@@ -11,9 +11,13 @@
 namespace zerort {
 namespace testing {
 
-std::string TempDir(absl::string_view prefix) {
+std::string TestTmpDir() {
   const char* base = std::getenv("TEST_TMPDIR");
-  std::string path = absl::StrCat(base != nullptr ? base : "/tmp", "/", prefix, "XXXXXX");
+  return base != nullptr ? base : "/tmp";
+}
+
+std::string TempDir(absl::string_view prefix) {
+  std::string path = absl::StrCat(TestTmpDir(), "/", prefix, "XXXXXX");
   if (mkdtemp(&path[0]) == nullptr) {
     ABSL_RAW_LOG(FATAL, "TempDir: mkdtemp(%s): %s", path.c_str(), std::strerror(errno));
   }

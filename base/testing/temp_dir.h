@@ -1,7 +1,6 @@
-// TempDir makes a new, empty directory for one test: under $TEST_TMPDIR (Bazel's per-test
-// directory, removed after the test), else under /tmp, named <prefix>XXXXXX with a unique
-// suffix. A failure to create it is a broken test environment: the process stops with the
-// path and errno.
+// TempDir makes a new, empty directory for one test: under TestTmpDir(), named
+// <prefix>XXXXXX with a unique suffix. A failure to create it is a broken test environment:
+// the process stops with the path and errno.
 //
 //   const std::string dir = testing::TempDir("ckpt_async_");
 //
@@ -15,6 +14,10 @@
 
 namespace zerort {
 namespace testing {
+
+// $TEST_TMPDIR (Bazel's per-test directory on the machine's disk, removed after the test),
+// else /tmp.
+std::string TestTmpDir();
 
 std::string TempDir(absl::string_view prefix);
 
