@@ -47,6 +47,7 @@
 #include "benchmarks/bench_util.h"
 #include "nlohmann/json.hpp"
 #include "device/cpu_device.h"
+#include "memory/arena.h"
 #include "offload/nvme_io.h"
 #include "offload/nvme_state.h"
 #include "offload/pipeline.h"
@@ -249,38 +250,17 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
       {"nvme_over_cpu", disk / cpu}, {"pure_io_mb_s", state_bytes / pure / 1e3}};
 }
 
-// Buffers of 4 KiB pages (mmap + MADV_NOHUGEPAGE + mlock), as fio's malloc gives them: the
-// control that shows what the huge pages of our pinned slabs are worth (memory/arena.cc).
-class SmallPageBuffers {
- public:
-  static absl::StatusOr<SmallPageBuffers> Create(int count, int64_t each) {
-    SmallPageBuffers b;
-    b.bytes_ = static_cast<size_t>(count * each);
-    void* p = mmap(nullptr, b.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return absl::ResourceExhaustedError("mmap of the 4 KiB-page buffers");
-    b.base_ = static_cast<char*>(p);
-    madvise(p, b.bytes_, MADV_NOHUGEPAGE);
-    b.locked_ = mlock(p, b.bytes_) == 0;  // the pinned slabs fall back alike under RLIMIT_MEMLOCK
-    std::memset(p, 7, b.bytes_);
-    for (int i = 0; i < count; ++i) b.ptrs_.push_back(b.base_ + i * each);
-    return b;
-  }
-  SmallPageBuffers() = default;
-  SmallPageBuffers(SmallPageBuffers&& o) noexcept
-      : base_(std::exchange(o.base_, nullptr)), bytes_(o.bytes_), locked_(o.locked_),
-        ptrs_(std::move(o.ptrs_)) {}
-  ~SmallPageBuffers() {
-    if (base_ != nullptr) munmap(base_, bytes_);
-  }
-  const std::vector<char*>& ptrs() const { return ptrs_; }
-  bool locked() const { return locked_; }
-
- private:
-  char* base_ = nullptr;
-  size_t bytes_ = 0;
-  bool locked_ = false;
-  std::vector<char*> ptrs_;
-};
+// The control's buffers: 4 KiB pages, as fio's malloc gives them (MADV_NOHUGEPAGE before the
+// first touch overrides HostAllocator's huge pages), locked like the pinned slabs where
+// RLIMIT_MEMLOCK allows. Shows what the huge pages of our slabs are worth (memory/arena.cc).
+absl::StatusOr<memory::Allocation> SmallPages(int64_t bytes, bool* locked) {
+  ASSIGN_OR_RETURN(memory::Allocation a,
+                   memory::Allocation::Create(memory::HostAllocator(), static_cast<size_t>(bytes)));
+  madvise(a.get(), static_cast<size_t>(bytes), MADV_NOHUGEPAGE);
+  *locked = mlock(a.get(), static_cast<size_t>(bytes)) == 0;
+  std::memset(a.get(), 7, static_cast<size_t>(bytes));
+  return a;
+}
 
 // The first line of a sysfs file, or null.
 nlohmann::ordered_json SysfsLine(const std::string& path) {
@@ -395,11 +375,15 @@ absl::Status Run(const Flags& f) {
   const int fio_buffers = f.queue_depth * f.threads;
   ASSIGN_OR_RETURN(IoBuffer fio_like, IoBuffer::Allocate(fio_buffers * block));
   ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(3 * chunk));
-  ASSIGN_OR_RETURN(SmallPageBuffers small_pages, SmallPageBuffers::Create(fio_buffers, block));
+  bool small_locked = false;
+  ASSIGN_OR_RETURN(memory::Allocation small_pages, SmallPages(fio_buffers * block, &small_locked));
   std::memset(fio_like.data(), 1, fio_like.bytes());
   std::memset(slots.data(), 2, slots.bytes());
-  Layout fio_layout{"fio's: queue_depth x threads blocks", block, {}, small_pages.ptrs()};
-  for (int i = 0; i < fio_buffers; ++i) fio_layout.ours.push_back(fio_like.data() + i * block);
+  Layout fio_layout{"fio's: queue_depth x threads blocks", block, {}, {}};
+  for (int i = 0; i < fio_buffers; ++i) {
+    fio_layout.ours.push_back(fio_like.data() + i * block);
+    fio_layout.small.push_back(small_pages.as<char>() + i * block);
+  }
   Layout slot_layout{"three unit slots of chunk_bytes", chunk, {}, {}};
   for (int i = 0; i < 3; ++i) slot_layout.ours.push_back(slots.data() + i * chunk);
   nlohmann::ordered_json rows = nlohmann::ordered_json::array();
@@ -417,7 +401,7 @@ absl::Status Run(const Flags& f) {
       {"benchmark", "nvme_bench"}, {"dir", f.dir}, {"bytes", bytes}, {"chunk_bytes", chunk},
       {"block_size", o.block_size}, {"queue_depth", f.queue_depth}, {"threads", f.threads},
       {"goal", "ours >= 0.9 of fio per pattern; step time <= 1.1 x pure I/O time"},
-      {"disk", DiskFacts(f.dir)}, {"small_pages_locked", small_pages.locked()}, {"io", rows}};
+      {"disk", DiskFacts(f.dir)}, {"small_pages_locked", small_locked}, {"io", rows}};
   ASSIGN_OR_RETURN(head["step"], StepRows(f, o));
   std::printf("%s\n", head.dump(2).c_str());
   return absl::OkStatus();

@@ -43,8 +43,9 @@ class RawAllocator {
   virtual absl::string_view name() const = 0;
 };
 
-// Page-aligned anonymous mmap (zero-filled, never touched until used). A process-wide instance
-// that is never destroyed.
+// Anonymous mmap (zero-filled, never touched until used): page-aligned, and for 2 MiB or more
+// 2 MiB-aligned with transparent huge pages asked for (why: memory/arena.cc). A process-wide
+// instance that is never destroyed.
 RawAllocator* HostAllocator();
 
 // One allocation from a RawAllocator, freed when the owner goes: for transient buffers outside
