@@ -19,12 +19,6 @@ namespace {
 using internal::BlockParamIndex;
 using internal::LnFIndex;
 
-int64_t Numel(const memory::ParamSpec& spec) {
-  int64_t n = 1;
-  for (int64_t d : spec.shape) n *= d;
-  return n;
-}
-
 // Stage 3 keeps exactly the units of the parameters in use gathered. A small module may share a
 // unit with its neighbours and a large one may be split, so the set comes from unit_of(); a
 // unit already held stays gathered (Gather of a gathered unit is an error). Parameters are
@@ -91,7 +85,7 @@ class FlatAccess : public internal::ParamAccess {
     int64_t offset = 0;
     for (const memory::ParamSpec& spec : specs) {
       offsets_.push_back(offset);
-      offset += Numel(spec);
+      offset += spec.numel();
     }
     if (grads_ != nullptr) grads_->assign(offset, 0.0f);
   }
@@ -170,7 +164,7 @@ std::vector<memory::ParamSpec> Gpt::ParamSpecs() const {
 
 int64_t Gpt::num_elements() const {
   int64_t n = 0;
-  for (const memory::ParamSpec& spec : ParamSpecs()) n += Numel(spec);
+  for (const memory::ParamSpec& spec : ParamSpecs()) n += spec.numel();
   return n;
 }
 
@@ -227,7 +221,7 @@ float Mean(const std::vector<float>& v) {
 Engine::Initializer Gpt::Initializer() const {
   const GptShape shape = shape_;
   return [shape](int index, const memory::ParamSpec& spec, float* values) {
-    InitParam(shape, index, Numel(spec), values);
+    InitParam(shape, index, spec.numel(), values);
   };
 }
 
@@ -236,8 +230,8 @@ std::vector<float> Gpt::InitialParams() const {
   std::vector<float> flat(num_elements());
   int64_t offset = 0;
   for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
-    InitParam(shape_, i, Numel(specs[i]), flat.data() + offset);
-    offset += Numel(specs[i]);
+    InitParam(shape_, i, specs[i].numel(), flat.data() + offset);
+    offset += specs[i].numel();
   }
   return flat;
 }
