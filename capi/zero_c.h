@@ -332,6 +332,7 @@ typedef struct zr_grad_norm {
  * the step count and (unless the window overflowed) the loss scaler unchanged. */
 int zr_engine_last_micro_step(const zr_engine* engine); /* REQUIRES: engine != NULL */
 zr_status zr_engine_compute_grad_norm(zr_engine* engine, zr_grad_norm* out);
+/* Per-step overrides for zr_engine_apply_step (NULL: none). */
 typedef struct zr_apply_options {
   size_t struct_size; /* sizeof(zr_apply_options) */
   int has_clip_coef;  /* != 0: clip_coef replaces the config's clipping for this step */

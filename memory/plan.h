@@ -121,7 +121,7 @@ struct PlanOptions {
   int gradient_accumulation_steps = 1;
   // data_types.grad_accum_dtype == fp32 (mixed precision only): the reduced gradients of the
   // owned shard are kept and accumulated across micro-steps in fp32; the optimizer reads them
-  // in fp32. Not with offload_optimizer (the offload pipeline moves compute-dtype gradients).
+  // in fp32 (with offload_optimizer, the pipeline's staging carries them as fp32).
   bool fp32_grad_accum = false;
   // communication_data_type == fp32 (mixed precision only): gradients are converted to fp32
   // before their reduction and reduced in fp32 (twice the bytes on the wire).

@@ -52,6 +52,7 @@ namespace offload {
 // 4 KiB); 4 KiB satisfies both, and pinned slabs are page-aligned.
 inline constexpr int64_t kIoAlignment = 4096;
 
+// The direction of a request (and of a fault the test seam injects).
 enum class IoOp { kRead, kWrite };
 
 // Test seam: called for every piece before it is submitted. A value replaces the piece's

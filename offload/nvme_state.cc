@@ -104,20 +104,20 @@ absl::Status NvmeState::Begin() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<NvmeState::Arrays> NvmeState::Acquire(int u) {
-  if (u + 1 < static_cast<int>(pieces_.size())) {
-    RETURN_IF_ERROR(WaitSlot((u + 1) % kSlots));  // unit u-2's write from that slot
-    Start(IoOp::kRead, current_, u + 1);
+absl::StatusOr<NvmeState::Arrays> NvmeState::Acquire(int k) {
+  if (k + 1 < static_cast<int>(pieces_.size())) {
+    RETURN_IF_ERROR(WaitSlot((k + 1) % kSlots));  // piece k-2's write from that slot
+    Start(IoOp::kRead, current_, k + 1);
   }
-  RETURN_IF_ERROR(WaitSlot(u % kSlots));
-  const int64_t stride = memory::NvmeUnitStride(pieces_[u].n);
-  char* s = Slot(u);
+  RETURN_IF_ERROR(WaitSlot(k % kSlots));
+  const int64_t stride = memory::NvmeUnitStride(pieces_[k].n);
+  char* s = Slot(k);
   return Arrays{reinterpret_cast<float*>(s), reinterpret_cast<float*>(s + stride),
                 reinterpret_cast<float*>(s + 2 * stride)};
 }
 
-absl::Status NvmeState::Release(int u) {
-  Start(IoOp::kWrite, 1 - current_, u);
+absl::Status NvmeState::Release(int k) {
+  Start(IoOp::kWrite, 1 - current_, k);
   return absl::OkStatus();
 }
 

@@ -39,6 +39,7 @@ namespace offload {
 class NvmeState {
  public:
   static constexpr int kSlots = 3;
+  // Where an acquired piece's state sits in its pinned slot, for AdamW to update in place.
   struct Arrays {
     float* master = nullptr;  // (n) fp32, pinned slot
     float* m = nullptr;

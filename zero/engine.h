@@ -18,7 +18,8 @@
 //   ASSIGN_OR_RETURN(StepStats stats, engine->Step());   // applies AdamW every GAS micro-steps
 //
 // Hyperparameters: SetLearningRate / SetHyperparams before a step set what it uses; without
-// them the step takes EngineOptions::lr_schedule(t), else the config's optimizer block.
+// them the step takes the config's scheduler block, else EngineOptions::lr_schedule(t), else
+// the config's optimizer.lr.
 // Parameter groups (weight decay and lr multiplier per parameter) come from
 // EngineOptions::param_groups, Config::param_groups patterns, or EngineOptions::no_decay_1d.
 //
@@ -123,6 +124,7 @@ struct GradNormInfo {
   double loss_scale = 1;   // scale of this window's gradients (1 unless fp16)
 };
 
+// ApplyStep's per-step overrides of the config.
 struct ApplyOptions {
   // Replaces the config's clipping factor for this step (the gradients are multiplied by it
   // before AdamW): finite, >= 0, the same on every rank.
@@ -143,8 +145,8 @@ struct EngineOptions {
   // (biases, norm gains): the usual recipe, only when asked.
   bool no_decay_1d = false;
   // The learning rate of optimizer step t (1-based) while the trainer has not called
-  // SetLearningRate / SetHyperparams; null = the config's optimizer.lr. Must give the same value
-  // on every rank. Called once per applied step.
+  // SetLearningRate / SetHyperparams and the config has no scheduler block; null = the config's
+  // optimizer.lr. Must give the same value on every rank. Called once per applied step.
   std::function<double(int64_t step)> lr_schedule;
 };
 
