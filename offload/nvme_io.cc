@@ -470,7 +470,7 @@ absl::StatusOr<std::unique_ptr<SwapFile>> SwapDir::CreateFile(const std::string&
     }
     return absl::InvalidArgumentError(absl::StrCat("open ", path, ": ", ErrnoText(err)));
   }
-  const int64_t size = (bytes + kIoAlignment - 1) / kIoAlignment * kIoAlignment;
+  const int64_t size = RoundUpToIo(bytes);
   // Preallocated, so that a full disk fails here rather than halfway through a step.
   if (size > 0 && fallocate(fd, 0, 0, size) != 0) {
     const int err = errno;
@@ -491,7 +491,7 @@ SwapFile::~SwapFile() {
 // ---- buffers ----
 
 absl::StatusOr<IoBuffer> IoBuffer::Allocate(int64_t bytes) {
-  const int64_t size = (bytes + kIoAlignment - 1) / kIoAlignment * kIoAlignment;
+  const int64_t size = RoundUpToIo(bytes);
   IoBuffer b;
   if (size == 0) return b;
   auto p = memory::SharedPinnedSlabs()->Allocate(static_cast<size_t>(size));

@@ -51,6 +51,9 @@ namespace offload {
 // O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block (512 B or
 // 4 KiB); 4 KiB satisfies both, and pinned slabs are page-aligned.
 inline constexpr int64_t kIoAlignment = 4096;
+inline int64_t RoundUpToIo(int64_t bytes) {
+  return (bytes + kIoAlignment - 1) / kIoAlignment * kIoAlignment;
+}
 
 // The direction of a request (and of a fault the test seam injects).
 enum class IoOp { kRead, kWrite };

@@ -12,14 +12,13 @@ namespace zerort {
 namespace offload {
 namespace {
 
-int64_t RoundUp(int64_t n) { return (n + kIoAlignment - 1) / kIoAlignment * kIoAlignment; }
 constexpr int64_t kBehind = std::numeric_limits<int64_t>::max();
 
 }  // namespace
 
 int64_t NvmeParams::FileBytes(const std::vector<int64_t>& shard_bytes) {
   int64_t total = 0;
-  for (int64_t b : shard_bytes) total += RoundUp(b);
+  for (int64_t b : shard_bytes) total += RoundUpToIo(b);
   return total;
 }
 
@@ -49,7 +48,7 @@ NvmeParams::NvmeParams(AioEngine* io, const SwapFile* file, int64_t base,
   int64_t at = base;
   for (int64_t b : shard_bytes_) {
     offset_.push_back(at);
-    at += RoundUp(b);
+    at += RoundUpToIo(b);
   }
   for (int i = 0; i < buffer_count; ++i) buffers_[i].data = buffers + i * piece_bytes_;
 }
@@ -65,7 +64,7 @@ int64_t NvmeParams::PieceSize(int unit, int64_t piece) const {
 }
 
 AioEngine::Request NvmeParams::Request(IoOp op, int unit, int64_t piece, char* data) const {
-  return {op, file_, offset_[unit] + piece * piece_bytes_, data, RoundUp(PieceSize(unit, piece))};
+  return {op, file_, offset_[unit] + piece * piece_bytes_, data, RoundUpToIo(PieceSize(unit, piece))};
 }
 
 int NvmeParams::Find(int unit, int64_t piece) const {
@@ -194,7 +193,7 @@ absl::Status NvmeParams::WriteFrom(int unit, const Fill& fill) {
     const int64_t n = PieceSize(unit, p);
     s = fill(p * piece_bytes_, buf.data, n);
     if (!s.ok()) break;  // the buffer is still free (unit -1): nothing to wait for
-    std::memset(buf.data + n, 0, RoundUp(n) - n);
+    std::memset(buf.data + n, 0, RoundUpToIo(n) - n);
     buf.unit = unit;
     buf.piece = p;
     buf.age = ++clock_;

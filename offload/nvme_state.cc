@@ -11,6 +11,9 @@
 namespace zerort {
 namespace offload {
 
+// The plan pads the file's arrays (memory::NvmeUnitStride) to what direct I/O needs.
+static_assert(memory::kNvmeAlignment == kIoAlignment, "plan and I/O alignments differ");
+
 NvmeState::NvmeState(AioEngine* io, const SwapFile* file, std::vector<Piece> pieces,
                      std::vector<int> first, char* slots, int64_t slot_bytes)
     : io_(io),
