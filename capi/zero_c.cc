@@ -254,6 +254,18 @@ zr_step_stats StatsOut(const zerort::StepStats& s) {
   return out;
 }
 
+// The planned and allocated bytes per memory kind of zr_plan_summary and zr_memory_report:
+// the first ZR_NUM_MEMORY_KINDS in the arrays, NVMe in the fields appended in 0.2.0.
+template <typename Out>
+void FillBytes(const zerort::MemoryReport& report, Out* out) {
+  for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
+    out->planned_bytes[k] = report.planned[k];
+    out->allocated_bytes[k] = report.allocated[k];
+  }
+  out->planned_nvme_bytes = report.planned[ZR_MEMORY_NVME];
+  out->allocated_nvme_bytes = report.allocated[ZR_MEMORY_NVME];
+}
+
 // Runs one of the step calls and reports its stats into `stats` (may be NULL).
 template <typename Fn>
 zr_status RunStep(zr_engine* engine, zr_step_stats* stats, const char* function, Fn step) {
@@ -690,12 +702,7 @@ zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) 
     summary.shard_elements = plan.shard_elements;
     summary.model_state_bytes = plan.model_state_bytes;
     summary.comm_bytes_per_step = plan.comm_bytes_per_step;
-    for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
-      summary.planned_bytes[k] = report.planned[k];
-      summary.allocated_bytes[k] = report.allocated[k];
-    }
-    summary.planned_nvme_bytes = report.planned[ZR_MEMORY_NVME];
-    summary.allocated_nvme_bytes = report.allocated[ZR_MEMORY_NVME];
+    FillBytes(report, &summary);
     return WriteSized(summary, out, "zr_engine_plan_summary", "zr_plan_summary");
   });
 }
@@ -705,12 +712,7 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_memory_report", "engine"));
     const zerort::MemoryReport report = engine->engine->memory_report();
     zr_memory_report r{};
-    for (int k = 0; k < ZR_NUM_MEMORY_KINDS; ++k) {
-      r.planned_bytes[k] = report.planned[k];
-      r.allocated_bytes[k] = report.allocated[k];
-    }
-    r.planned_nvme_bytes = report.planned[ZR_MEMORY_NVME];
-    r.allocated_nvme_bytes = report.allocated[ZR_MEMORY_NVME];
+    FillBytes(report, &r);
     return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
   });
 }

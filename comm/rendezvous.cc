@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <mutex>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 
@@ -563,10 +563,12 @@ namespace {
 
 // How many store rendezvous this rank made before in this process: the key's last part. Counted
 // per key and rank, so that ranks run as threads of one process (tests) count alike.
+ABSL_CONST_INIT absl::Mutex store_calls_mu(absl::kConstInit);
+
 uint64_t NextStoreCall(const LaunchInfo& info) {
-  static std::mutex mu;
-  static auto* calls = new std::map<std::pair<std::string, int>, uint64_t>();
-  std::lock_guard<std::mutex> lock(mu);
+  static auto* calls ABSL_GUARDED_BY(store_calls_mu) =
+      new std::map<std::pair<std::string, int>, uint64_t>();
+  absl::MutexLock lock(&store_calls_mu);
   return (*calls)[{info.store_key, info.rank}]++;
 }
 
