@@ -26,7 +26,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   const zero_internal::EngineMemory& mem = *memory_;
   layout_ = std::make_unique<zero_internal::ShardLayout>(plan_, mem.model_state());
   ASSIGN_OR_RETURN(streams_, zero_internal::StreamOrder::Create(
-                                 dev_, compute, comm_->stream_ordered(),
+                                 dev_, compute, comm_,
                                  mem.grad_buckets().count, mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);

@@ -139,12 +139,12 @@ absl::StatusOr<GradBuckets::Reduced> GradBuckets::Collective(char* full, const m
   char* buf = r.data;
   if (all) {
     if (out != nullptr) r.data = out;
-    RETURN_IF_ERROR(ctx_.comm->AllReduce(buf, r.data, unit.padded, r.dtype, avg, side));
+    RETURN_IF_ERROR(ctx_.streams->AllReduce(buf, r.data, unit.padded, r.dtype, avg));
     ctx_.timer->Sent(unit.shard, 2, es);
     return r;
   }
   r.data = out != nullptr ? out : buf + ctx_.rank * unit.shard * static_cast<int64_t>(es);
-  RETURN_IF_ERROR(ctx_.comm->ReduceScatter(buf, r.data, unit.shard, r.dtype, avg, side));
+  RETURN_IF_ERROR(ctx_.streams->ReduceScatter(buf, r.data, unit.shard, r.dtype, avg));
   ctx_.timer->Sent(unit.shard, 1, es);
   return r;
 }

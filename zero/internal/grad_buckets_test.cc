@@ -24,7 +24,7 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
   const memory::Plan plan = SmallPlan(stage, world, r, 1, DType::kF32);
   ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
   ASSIGN_OR_RETURN(auto streams,
-                   StreamOrder::Create(dev, nullptr, false, mem->grad_buckets().count, 0));
+                   StreamOrder::Create(dev, nullptr, comm, mem->grad_buckets().count, 0));
   StepTimer timer(world, 4);
   GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state(),
                     mem->grad_buckets(), mem->grad_wire());

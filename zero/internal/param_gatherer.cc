@@ -146,8 +146,8 @@ absl::Status ParamGatherer::AllGatherUpdated(int u) {
   const memory::Unit& unit = ctx_.plan.units[u];
   if (ctx_.stage == 1 || ctx_.stage == 2) {
     char* full = ctx_.At(params_, unit.flat_offset);
-    RETURN_IF_ERROR(ctx_.comm->AllGather(ctx_.At(full, ctx_.rank * unit.shard), full, unit.shard, ctx_.cdt,
-                                     ctx_.streams->side()));
+    RETURN_IF_ERROR(
+        ctx_.streams->AllGather(ctx_.At(full, ctx_.rank * unit.shard), full, unit.shard, ctx_.cdt));
     ctx_.timer->Sent(unit.shard, 1);
   } else if (ctx_.stage == 3 && unit.persistent) {
     RETURN_IF_ERROR(GatherShard(u, persistent_copy(u)));
@@ -220,7 +220,7 @@ absl::Status ParamGatherer::GatherShard(int u, char* full) {
     }
     shard = mine;
   }
-  RETURN_IF_ERROR(ctx_.comm->AllGather(shard, full, unit.shard, ctx_.cdt, ctx_.streams->side()));
+  RETURN_IF_ERROR(ctx_.streams->AllGather(shard, full, unit.shard, ctx_.cdt));
   ctx_.timer->Sent(unit.shard, 1);
   if (nvme_ == nullptr) return absl::OkStatus();
   return agree_ != nullptr ? comm::AgreeOnStatus(*agree_, read) : read;

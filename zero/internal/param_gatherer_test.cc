@@ -44,7 +44,7 @@ absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
   o.prefetch_elements = 0;  // one gather slot: 1 + ceil(0 / largest unit)
   const memory::Plan plan = memory::MakePlan(testing::SmallModel(), o).value();
   ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
-  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, false, 0, 1));
+  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, comm, 0, 1));
   StepTimer timer(comm->size(), 4);
   float* shard = reinterpret_cast<float*>(mem->model_state().params);
   auto write_shards = [&](float gen) {

@@ -18,10 +18,10 @@ absl::Status CreateEvents(Device* dev, int n, std::vector<Device::Event>* out) {
 
 absl::StatusOr<std::unique_ptr<StreamOrder>> StreamOrder::Create(Device* device,
                                                                  Device::Stream compute,
-                                                                 bool stream_ordered,
+                                                                 comm::Communicator* comm,
                                                                  int buckets, int slots) {
-  std::unique_ptr<StreamOrder> o(new StreamOrder(device, compute));
-  if (!stream_ordered) return o;
+  std::unique_ptr<StreamOrder> o(new StreamOrder(device, compute, comm));
+  if (!comm->stream_ordered()) return o;
   ASSIGN_OR_RETURN(o->comm_, device->CreateStream());
   o->side_ = o->comm_;
   ASSIGN_OR_RETURN(o->compute_mark_, device->CreateEvent());
@@ -83,6 +83,27 @@ absl::Status StreamOrder::BeforeSlotUse(int slot) {
 
 absl::Status StreamOrder::BeforeCommAfter(Device::Event event) {
   return comm_ == nullptr ? dev_->WaitHost(event) : dev_->Wait(comm_, event);
+}
+
+absl::Status StreamOrder::BeforeCall() {
+  return comm_ == nullptr ? dev_->Synchronize(side_) : absl::OkStatus();
+}
+
+absl::Status StreamOrder::AllGather(const void* send, void* recv, size_t count, DType dtype) {
+  RETURN_IF_ERROR(BeforeCall());
+  return comm_group_->AllGather(send, recv, count, dtype, side_);
+}
+
+absl::Status StreamOrder::ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
+                                        comm::ReduceOp op) {
+  RETURN_IF_ERROR(BeforeCall());
+  return comm_group_->ReduceScatter(send, recv, count, dtype, op, side_);
+}
+
+absl::Status StreamOrder::AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                                    comm::ReduceOp op) {
+  RETURN_IF_ERROR(BeforeCall());
+  return comm_group_->AllReduce(send, recv, count, dtype, op, side_);
 }
 
 }  // namespace zero_internal

@@ -28,6 +28,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/dtype.h"
+#include "comm/communicator.h"
 #include "device/device.h"
 
 namespace zerort {
@@ -38,10 +40,11 @@ class StreamOrder {
   // `stream_ordered`: the communicator only enqueues its collectives (Communicator::
   // stream_ordered()). `buckets` and `slots`: how many gradient buckets and gather slots the
   // plan has.
+  // `comm` must outlive this object; its stream_ordered() picks the ordering.
   static absl::StatusOr<std::unique_ptr<StreamOrder>> Create(Device* device,
                                                              Device::Stream compute,
-                                                             bool stream_ordered, int buckets,
-                                                             int slots);
+                                                             comm::Communicator* comm,
+                                                             int buckets, int slots);
   ~StreamOrder();
   StreamOrder(const StreamOrder&) = delete;
   StreamOrder& operator=(const StreamOrder&) = delete;
@@ -63,11 +66,22 @@ class StreamOrder {
   // waits for it, or, for communicators that read memory when called, the host does.
   absl::Status BeforeCommAfter(Device::Event event);
 
+  // The communicator's collectives on side(), with the buffer contracts of comm/
+  // communicator.h; see above for what they wait for first. Collective.
+  absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype);
+  absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
+                             comm::ReduceOp op);
+  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
+                         comm::ReduceOp op);
+
  private:
-  StreamOrder(Device* device, Device::Stream compute) : dev_(device), compute_(compute),
-                                                        side_(compute) {}
+  StreamOrder(Device* device, Device::Stream compute, comm::Communicator* comm)
+      : dev_(device), comm_group_(comm), compute_(compute), side_(compute) {}
+  // Complete-on-return communicators: the device work on side() that feeds the next call.
+  absl::Status BeforeCall();
 
   Device* const dev_;
+  comm::Communicator* const comm_group_;
   const Device::Stream compute_;
   Device::Stream comm_ = nullptr;          // null unless the communicator is stream-ordered
   Device::Stream side_;
