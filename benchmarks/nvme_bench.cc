@@ -1,4 +1,4 @@
-// nvme_bench: NVMe offload I/O (offload/nvme_io.h) on the optimizer step's access pattern,
+// nvme_bench: NVMe offload I/O (nvme/io.h) on the optimizer step's access pattern,
 // against fio run by the benchmark on the same file with the same block size, queue depth,
 // thread count and O_DIRECT; then the optimizer step over NVMe-resident state against the same
 // step over host-resident state and against the pure I/O time of the state.
@@ -48,17 +48,17 @@
 #include "nlohmann/json.hpp"
 #include "device/cpu_device.h"
 #include "memory/arena.h"
-#include "offload/nvme_io.h"
-#include "offload/nvme_state.h"
+#include "nvme/io.h"
+#include "nvme/state.h"
 #include "offload/pipeline.h"
 
 namespace zerort {
 namespace {
 
-using offload::AioEngine;
-using offload::IoBuffer;
-using offload::IoOp;
-using offload::SwapFile;
+using nvme::AioEngine;
+using nvme::IoBuffer;
+using nvme::IoOp;
+using nvme::SwapFile;
 
 struct Flags {
   bool quick = false;
@@ -173,7 +173,7 @@ double FioBandwidth(const Flags& f, const std::string& pattern, const std::strin
 // the CPU device, with master/m/v in host memory (CPU offload) and in a swap file (NVMe
 // offload), and the pure I/O of the NVMe step: NvmeState's reads and writes of the same units
 // through the same slots with no AdamW between them. Median milliseconds per step.
-absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::AioOptions& aio) {
+absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const nvme::AioOptions& aio) {
   constexpr int kUnits = 16;
   const int64_t n = f.params / kUnits / 1024 * 1024;
   auto dev = CreateCpuDevice(CpuDeviceOptions());
@@ -183,12 +183,12 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   std::vector<int64_t> sizes(kUnits, n);
   std::vector<uint16_t> staging(2 * 2 * n);
   ASSIGN_OR_RETURN(auto io, AioEngine::Create(aio));
-  ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat(getpid(), "-step"), 0));
+  ASSIGN_OR_RETURN(auto dir, nvme::SwapDir::Create(f.dir, absl::StrCat(getpid(), "-step"), 0));
   ASSIGN_OR_RETURN(auto file, dir->CreateFile("optimizer_state",
-                                              offload::NvmeState::FileBytes(sizes, f.piece_elements)));
-  const int64_t slot = offload::NvmeState::SlotBytes(sizes, f.piece_elements);
-  ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(offload::NvmeState::kSlots * slot));
-  ASSIGN_OR_RETURN(auto nvme, offload::NvmeState::Create(io.get(), file.get(), sizes,
+                                              nvme::NvmeState::FileBytes(sizes, f.piece_elements)));
+  const int64_t slot = nvme::NvmeState::SlotBytes(sizes, f.piece_elements);
+  ASSIGN_OR_RETURN(IoBuffer slots, IoBuffer::Allocate(nvme::NvmeState::kSlots * slot));
+  ASSIGN_OR_RETURN(auto nvme, nvme::NvmeState::Create(io.get(), file.get(), sizes,
                                                          f.piece_elements, slots.data(), slot));
   for (int u = 0; u < kUnits; ++u) RETURN_IF_ERROR(nvme->Store(u, nullptr, nullptr, nullptr));
   std::unique_ptr<offload::OffloadPipeline> pipes[2];
@@ -236,7 +236,7 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const offload::A
   for (auto& p : pipes) p.reset();
   dev->DestroyStream(stream);
   const double cpu = bench::Median(ms[0]), disk = bench::Median(ms[1]), pure = bench::Median(ms[2]);
-  const double state_bytes = offload::NvmeState::FileBytes(sizes, f.piece_elements);  // read + write
+  const double state_bytes = nvme::NvmeState::FileBytes(sizes, f.piece_elements);  // read + write
   std::vector<double> over_pure;  // per round: the three ran back to back
   for (size_t i = 0; i < ms[1].size(); ++i) over_pure.push_back(ms[1][i] / ms[2][i]);
   return nlohmann::ordered_json{
@@ -363,12 +363,12 @@ absl::Status Run(const Flags& f) {
   const int64_t chunk = f.chunk_mib << 20;
   const int64_t block = f.block_kib * 1024;
   const int64_t bytes = (f.mib << 20) / chunk * chunk;
-  offload::AioOptions o;
+  nvme::AioOptions o;
   o.block_size = block;
   o.queue_depth = f.queue_depth;
   o.thread_count = f.threads;
   ASSIGN_OR_RETURN(auto io, AioEngine::Create(o));
-  ASSIGN_OR_RETURN(auto dir, offload::SwapDir::Create(f.dir, absl::StrCat("bench", getpid()), 0));
+  ASSIGN_OR_RETURN(auto dir, nvme::SwapDir::Create(f.dir, absl::StrCat("bench", getpid()), 0));
   ASSIGN_OR_RETURN(auto file, dir->CreateFile("state", bytes));
   // fio's layout: queue_depth x threads buffers of one block, one request each. The step's
   // layout: three unit-sized slots (NvmeState's), one request of `chunk` bytes each.

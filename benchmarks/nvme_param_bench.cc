@@ -42,8 +42,8 @@
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "nlohmann/json.hpp"
-#include "offload/nvme_io.h"
-#include "offload/nvme_params.h"
+#include "nvme/io.h"
+#include "nvme/params.h"
 #include "zero/engine.h"
 
 namespace zerort {
@@ -168,7 +168,7 @@ absl::StatusOr<EngineRun> MakeEngine(const Flags& f, Device* dev, OffloadDevice 
   }
   for (const memory::Buffer& b : plan.buffers) {
     if (b.cls != memory::BufferClass::kNvmeParamBuffers) continue;
-    const int64_t piece = b.elements / b.count * 2 / offload::kIoAlignment * offload::kIoAlignment;
+    const int64_t piece = b.elements / b.count * 2 / nvme::kIoAlignment * nvme::kIoAlignment;
     for (const memory::Unit& u : plan.units) r.pieces_per_pass += (u.shard * 2 + piece - 1) / piece;
   }
   RETURN_IF_ERROR(r.engine->InitParams([](int index, const memory::ParamSpec& spec, float* v) {
@@ -202,11 +202,11 @@ double ComputeOnly(const Flags& f, const std::vector<uint16_t>& host) {
 // does nothing. Both depths read the same file, so the file's place on the disk cancels out.
 struct PureRead {
   static constexpr int kCount = 5;
-  std::unique_ptr<offload::SwapDir> dir;
-  std::unique_ptr<offload::SwapFile> file;
-  std::unique_ptr<offload::AioEngine> io;
-  offload::IoBuffer buffers;
-  std::unique_ptr<offload::NvmeParams> params;
+  std::unique_ptr<nvme::SwapDir> dir;
+  std::unique_ptr<nvme::SwapFile> file;
+  std::unique_ptr<nvme::AioEngine> io;
+  nvme::IoBuffer buffers;
+  std::unique_ptr<nvme::NvmeParams> params;
 
   absl::Status Init(const Flags& f, const memory::Plan& plan) {
     std::vector<int64_t> bytes;
@@ -216,13 +216,13 @@ struct PureRead {
       bytes.push_back(u.shard * 2);
       largest = std::max(largest, u.shard * 2);
     }
-    const int64_t piece = std::min(largest, f.buffer_elements * 2) / offload::kIoAlignment *
-                          offload::kIoAlignment;
-    ASSIGN_OR_RETURN(dir, offload::SwapDir::Create(f.dir, "pure_read", 0));
-    ASSIGN_OR_RETURN(file, dir->CreateFile("param_shard", offload::NvmeParams::FileBytes(bytes)));
-    ASSIGN_OR_RETURN(io, offload::AioEngine::Create(offload::AioOptions()));
-    ASSIGN_OR_RETURN(buffers, offload::IoBuffer::Allocate(kCount * piece));
-    ASSIGN_OR_RETURN(params, offload::NvmeParams::Create(io.get(), file.get(), 0, bytes,
+    const int64_t piece = std::min(largest, f.buffer_elements * 2) / nvme::kIoAlignment *
+                          nvme::kIoAlignment;
+    ASSIGN_OR_RETURN(dir, nvme::SwapDir::Create(f.dir, "pure_read", 0));
+    ASSIGN_OR_RETURN(file, dir->CreateFile("param_shard", nvme::NvmeParams::FileBytes(bytes)));
+    ASSIGN_OR_RETURN(io, nvme::AioEngine::Create(nvme::AioOptions()));
+    ASSIGN_OR_RETURN(buffers, nvme::IoBuffer::Allocate(kCount * piece));
+    ASSIGN_OR_RETURN(params, nvme::NvmeParams::Create(io.get(), file.get(), 0, bytes,
                                                          buffers.data(), kCount, piece));
     std::vector<char> data(largest, 1);
     for (int u = 0; u < static_cast<int>(bytes.size()); ++u) {

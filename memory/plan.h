@@ -54,7 +54,7 @@ struct ParamSpec {
 };
 
 // Where a buffer lives. On the CPU device, kDevice is ordinary host memory owned by the engine.
-// kNvme: a swap file under nvme_path (NVMe offload, offload/nvme_io.h), not memory at all.
+// kNvme: a swap file under nvme_path (NVMe offload, nvme/io.h), not memory at all.
 enum class MemoryKind { kDevice = 0, kPinnedHost = 1, kPageableHost = 2, kNvme = 3 };
 constexpr int kNumMemoryKinds = 4;
 const char* MemoryKindName(MemoryKind kind);  // "device", "pinned_host", "host", "nvme"

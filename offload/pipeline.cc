@@ -117,8 +117,8 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
                                                    " regions"));
   }
   Times times;
-  NvmeState* nvme = options_.nvme;
-  if (nvme == nullptr) {
+  nvme::NvmeState* state = options_.nvme;
+  if (state == nullptr) {
     nvme_error_ = absl::OkStatus();
     absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
     if (options_.nvme_params == nullptr) {
@@ -133,15 +133,15 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
   }
   // An I/O error stops the AdamW work but not the transfers and gathers, so that every rank
   // makes the same collectives; the ranks then agree, and switch copies all or none.
-  nvme_error_ = nvme->Begin();
+  nvme_error_ = state->Begin();
   absl::Status s = UpdateAll(ranges, grad_scale, hooks, &times);
   const auto t0 = std::chrono::steady_clock::now();
   s.Update(nvme_error_);
-  s.Update(nvme->Drain());  // also after an error: the slots stay busy until requests return
+  s.Update(state->Drain());  // also after an error: the slots stay busy until requests return
   times.nvme_wait_ms += MsSince(t0);
   if (hooks.agree) s = hooks.agree(s);
   if (!s.ok()) return s;
-  nvme->Commit();
+  state->Commit();
   return times;
 }
 
@@ -170,7 +170,7 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   RETURN_IF_ERROR(dev_->WaitHost(chunk_in_[u % chunks]));
   if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
   times->wait_ms += MsSince(tw);
-  NvmeParams* params_file = options_.nvme_params;
+  nvme::NvmeParams* params_file = options_.nvme_params;
   void* out = on_host && params_file == nullptr ? r.param : ParamChunk(u);
   if (options_.nvme != nullptr) {
     // After an I/O error the remaining units keep their old parameters in `out`'s place only
@@ -194,24 +194,24 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   return dev_->Record(chunk_out_[u % chunks], h2d_);
 }
 
-// AdamW piece by piece on the pinned slots NvmeState fills: each Acquire reads the next piece
+// AdamW piece by piece on the pinned slots nvme::NvmeState fills: each Acquire reads the next piece
 // ahead, then waits for this one; each Release writes it back. Elementwise, so the bits equal
 // one AdamW over the unit.
 absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
                                                absl::Span<const AdamWRange> ranges,
                                                float grad_scale, Times* times) {
-  NvmeState* nvme = options_.nvme;
-  for (int k = nvme->first_piece(u); k < nvme->first_piece(u + 1); ++k) {
-    const NvmeState::Piece& p = nvme->pieces()[k];
+  nvme::NvmeState* state = options_.nvme;
+  for (int k = state->first_piece(u); k < state->first_piece(u + 1); ++k) {
+    const nvme::NvmeState::Piece& p = state->pieces()[k];
     const auto tn = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(const NvmeState::Arrays s, nvme->Acquire(k));
+    ASSIGN_OR_RETURN(const nvme::NvmeState::Arrays s, state->Acquire(k));
     times->nvme_wait_ms += MsSince(tn);
     AdamWArrays a{s.master, s.m, s.v, GradChunk(u) + p.begin * static_cast<int64_t>(gc_),
                   GradDType(), static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
                   options_.dtype, static_cast<size_t>(p.n)};
     SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n), &piece_ranges_);
     RETURN_IF_ERROR(CpuAdamW(a, piece_ranges_, grad_scale, options_.cpu_threads));
-    RETURN_IF_ERROR(nvme->Release(k));
+    RETURN_IF_ERROR(state->Release(k));
   }
   return absl::OkStatus();
 }

@@ -16,8 +16,8 @@
 //
 // With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
 // file, and AdamW runs piece by piece (a unit is one piece or several) on pinned slots that
-// NvmeState filled while the previous piece was updated, while the piece before that is
-// written back (offload/nvme_state.h). A failed read
+// nvme::NvmeState filled while the previous piece was updated, while the piece before that is
+// written back (nvme/state.h). A failed read
 // or write fails Update with the file and offset; the file's current copy is then the state
 // before the step, and an Update with the same gradients gives what a fault-free one would.
 //
@@ -42,8 +42,8 @@
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
-#include "offload/nvme_params.h"
-#include "offload/nvme_state.h"
+#include "nvme/params.h"
+#include "nvme/state.h"
 
 namespace zerort {
 namespace offload {
@@ -68,10 +68,10 @@ struct PipelineOptions {
   int64_t chunk_elements = 0;
   bool param_on_host = false;
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
-  NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
+  nvme::NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
   // NVMe parameter offload (with param_on_host; regions' param null): AdamW writes each new
   // shard into its chunk's parameter half, which is then written to the file. Outlives us.
-  NvmeParams* nvme_params = nullptr;
+  nvme::NvmeParams* nvme_params = nullptr;
 };
 
 class OffloadPipeline {

@@ -12,12 +12,19 @@
 #include "absl/synchronization/mutex.h"
 #include "base/testing/temp_dir.h"
 #include "device/testing/one_thread.h"
-#include "offload/nvme_io.h"
-#include "offload/nvme_state.h"
+#include "nvme/io.h"
+#include "nvme/state.h"
 
 namespace zerort {
 namespace offload {
 namespace {
+
+using nvme::AioEngine;
+using nvme::AioOptions;
+using nvme::IoBuffer;
+using nvme::IoOp;
+using nvme::NvmeState;
+using nvme::SwapDir;
 
 struct Unit {
   std::vector<uint16_t> grad, param;  // bf16 bits

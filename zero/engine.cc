@@ -211,11 +211,11 @@ int Engine::num_params() const { return static_cast<int>(impl_->specs_.size()); 
 int Engine::num_units() const { return impl_->num_units(); }
 int Engine::unit_of(int param) const { return impl_->plan_.params.at(param).unit; }
 int64_t Engine::nvme_param_reads_ahead_used() const {
-  const offload::NvmeParams* p = impl_->memory_->nvme_params();
+  const nvme::NvmeParams* p = impl_->memory_->nvme_params();
   return p != nullptr ? p->reads_ahead_used() : 0;
 }
 int64_t Engine::nvme_param_reads_ahead_wasted() const {
-  const offload::NvmeParams* p = impl_->memory_->nvme_params();
+  const nvme::NvmeParams* p = impl_->memory_->nvme_params();
   return p != nullptr ? p->reads_ahead_wasted() : 0;
 }
 MemoryReport Engine::memory_report() const {
@@ -251,7 +251,7 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     offload::Cast(values.data(), DType::kF32, compute_values.data(), m.cdt_, unit.padded);
     const Region& reg = m.region(u);
     const int64_t n = reg.n;
-    if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+    if (nvme::NvmeState* nvme = m.memory_->nvme_state()) {
       RETURN_IF_ERROR(nvme->Store(u, values.data() + reg.unit_begin, nullptr, nullptr));
     } else {
       if (m.memory_->model_state().master != nullptr) {
@@ -356,7 +356,7 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
       RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, compute));
     } else {
       std::vector<float> shard(unit.shard);
-      if (offload::NvmeState* nvme = m.memory_->nvme_state()) {
+      if (nvme::NvmeState* nvme = m.memory_->nvme_state()) {
         RETURN_IF_ERROR(nvme->Load(u, shard.data(), nullptr, nullptr));
       } else {
         RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));

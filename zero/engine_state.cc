@@ -39,7 +39,7 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
     return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
   }
   RETURN_IF_ERROR(e.memory_->LoadNvmeState(e.plan_, master, m, v));  // the copies skip them
-  if (offload::NvmeParams* file = e.memory_->nvme_params(); file != nullptr && param != nullptr) {
+  if (nvme::NvmeParams* file = e.memory_->nvme_params(); file != nullptr && param != nullptr) {
     for (int u = 0; u < num_units(); ++u) {  // the shards from the file, before Begin returns
       char* dst = static_cast<char*>(param) + e.plan_.units[u].shard_offset * e.c_;
       RETURN_IF_ERROR(file->Read(u, [dst](int64_t offset, const char* data, int64_t bytes) {
@@ -67,7 +67,7 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   const memory::Unit& u = plan_.units[ui];
   const Region& reg = region(ui);
   const Device::Stream compute = streams_->compute();
-  offload::NvmeState* nvme = memory_->nvme_state();
+  nvme::NvmeState* nvme = memory_->nvme_state();
   const bool has_master = memory_->model_state().master != nullptr || nvme != nullptr;
   if (nvme != nullptr) RETURN_IF_ERROR(nvme->Store(ui, src[0], src[1], src[2]));
   float* dst[3] = {reg.master, reg.m, reg.v};
@@ -101,7 +101,7 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
 // Unit u's compute-dtype parameters (its region's n elements) from host `values`: into the
 // region, or with NVMe parameter offload (stage 3) into the swap file, synchronously.
 absl::Status Engine::Impl::StoreParamShard(int u, const char* values, Device::Stream stream) {
-  if (offload::NvmeParams* file = memory_->nvme_params()) return file->Write(u, values);
+  if (nvme::NvmeParams* file = memory_->nvme_params()) return file->Write(u, values);
   return dev_->Copy(region(u).param, values, region(u).n * c_, stream);
 }
 
@@ -166,7 +166,7 @@ absl::Status Engine::Impl::RederiveNvmeParams() {
 // compute-dtype parameters were partly overwritten; re-derive them unit by unit (collective,
 // as every rank failed alike).
 absl::Status Engine::Impl::RecoverFromNvme() {
-  offload::NvmeState* nvme = memory_->nvme_state();
+  nvme::NvmeState* nvme = memory_->nvme_state();
   for (int u = 0; u < num_units(); ++u) {
     const int64_t n = plan_.units[u].shard;
     std::vector<float> master(n), m(n), v(n);

@@ -98,7 +98,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(float grad_scale, StepSta
   }
   // With NVMe parameter offload the shards are in the file: AdamW updates the device master
   // alone, and the new shards go to the file after it.
-  offload::NvmeParams* nvme_params = memory_->nvme_params();
+  nvme::NvmeParams* nvme_params = memory_->nvme_params();
   const bool write_param = memory_->model_state().master != nullptr && nvme_params == nullptr;
   for (int u = 0; u < num_units(); ++u) {
     const Region& reg = region(u);

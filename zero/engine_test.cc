@@ -21,7 +21,7 @@
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "device/testing/one_thread.h"
-#include "offload/nvme_io.h"
+#include "nvme/io.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -331,10 +331,10 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
   Config nvme = cpu;
   if (!NvmeConfig(&nvme, 2)) return;
   WriteFault fault;
-  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
                                     int64_t) -> std::optional<int> {
     const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
-    if (op != offload::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
+    if (op != nvme::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
     if (--fault.armed[r] == 0) return -EIO;
     return std::nullopt;
   });
@@ -342,7 +342,7 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
   const std::vector<absl::Status> errors = comm::testing::OnRanks(
       world, {cpu.comm_timeout_ms},
       [&](int, comm::Communicator* c) { return FaultMidStep(cpu, nvme, c, device.get(), &fault); });
-  offload::SetIoFaultForTesting(nullptr);
+  nvme::SetIoFaultForTesting(nullptr);
   CheckAllOk(errors);
 }
 
@@ -433,16 +433,16 @@ TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank a
   const int world = 2;
   const Config config = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
   std::atomic<bool> armed{false};
-  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
                                     int64_t) -> std::optional<int> {
     const bool rank0 = path.find("-rank0/param_shard") != std::string::npos;
-    if (op == offload::IoOp::kRead && rank0 && armed) return -EIO;
+    if (op == nvme::IoOp::kRead && rank0 && armed) return -EIO;
     return std::nullopt;
   });
   CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
     return ParamReadFault(config, comm, dev, &armed);
   });
-  offload::SetIoFaultForTesting(nullptr);
+  nvme::SetIoFaultForTesting(nullptr);
 }
 
 // This rank's owned master, m, v and compute-dtype parameter shard through BeginSnapshot.
@@ -489,17 +489,17 @@ TEST_CASE("Engine: an NVMe parameter write error re-derives the parameters on ev
   cpu.zero.offload_param.device = OffloadDevice::kCpu;
   const Config nvme = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
   std::atomic<int> armed{0};
-  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
                                     int64_t) -> std::optional<int> {
     const bool rank1 = path.find("-rank1/param_shard") != std::string::npos;
-    if (op != offload::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
+    if (op != nvme::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
     if (--armed == 0) return -EIO;
     return std::nullopt;
   });
   CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
     return ParamWriteFault(cpu, nvme, comm, dev, &armed);
   });
-  offload::SetIoFaultForTesting(nullptr);
+  nvme::SetIoFaultForTesting(nullptr);
 }
 
 TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0 bit for bit",
@@ -1031,9 +1031,9 @@ TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step name
           "[zero][nvme]") {
   const Config nvme = DeviceStepNvmeParamConfig(2);
   ParamWriteFaults faults;
-  offload::SetIoFaultForTesting([&](offload::IoOp op, const std::string& path, int64_t,
+  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
                                     int64_t) -> std::optional<int> {
-    if (op != offload::IoOp::kWrite || path.find("-rank1/param_shard") == std::string::npos) {
+    if (op != nvme::IoOp::kWrite || path.find("-rank1/param_shard") == std::string::npos) {
       return std::nullopt;
     }
     if (faults.always) return -EIO;
@@ -1043,7 +1043,7 @@ TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step name
   CheckOnRanks(2, [&](comm::Communicator* comm, Device* dev) {
     return DeviceStepWriteFaults(nvme, comm, dev, &faults);
   });
-  offload::SetIoFaultForTesting(nullptr);
+  nvme::SetIoFaultForTesting(nullptr);
 }
 
 }  // namespace

@@ -93,18 +93,18 @@ absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup&
   static std::atomic<int> engines{0};
   const std::string job = absl::StrCat(getpid(), "-", engines++);
   const bool state = plan.options.offload_optimizer_nvme;
-  ASSIGN_OR_RETURN(swap_dir_, offload::SwapDir::Create(state ? setup.path : setup.param_path,
+  ASSIGN_OR_RETURN(swap_dir_, nvme::SwapDir::Create(state ? setup.path : setup.param_path,
                                                        job, plan.options.rank));
   ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile(state ? "optimizer_state" : "param_shard",
                                                      plan.nvme_bytes()));
   bytes_.allocated[static_cast<int>(MemoryKind::kNvme)] = swap_file_->bytes();
-  ASSIGN_OR_RETURN(aio_, offload::AioEngine::Create(setup.aio));
+  ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create(setup.aio));
   std::vector<int64_t> shards;
   for (const memory::Unit& u : plan.units) shards.push_back(u.shard);
   int64_t params_base = 0;
   if (state) {
     const int64_t slot_bytes = nvme_staging_.elements * 4;
-    ASSIGN_OR_RETURN(nvme_state_, offload::NvmeState::Create(
+    ASSIGN_OR_RETURN(nvme_state_, nvme::NvmeState::Create(
                                       aio_.get(), swap_file_.get(), shards,
                                       plan.options.nvme_piece_elements, nvme_staging_.base,
                                       slot_bytes));
@@ -112,7 +112,7 @@ absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup&
     for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
       RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
     }
-    params_base = offload::NvmeState::FileBytes(shards, plan.options.nvme_piece_elements);
+    params_base = nvme::NvmeState::FileBytes(shards, plan.options.nvme_piece_elements);
   }
   if (plan.options.offload_param_nvme) RETURN_IF_ERROR(CreateNvmeParams(plan, params_base));
   return absl::OkStatus();
@@ -124,7 +124,7 @@ absl::Status EngineMemory::CreateNvmeParams(const memory::Plan& plan, int64_t ba
   std::vector<int64_t> bytes;
   for (const memory::Unit& u : plan.units) bytes.push_back(u.shard * c);
   ASSIGN_OR_RETURN(nvme_params_,
-                   offload::NvmeParams::Create(aio_.get(), swap_file_.get(), base,
+                   nvme::NvmeParams::Create(aio_.get(), swap_file_.get(), base,
                                                std::move(bytes), nvme_param_buffers_.base,
                                                nvme_param_buffers_.count,
                                                nvme_param_buffers_.elements * c));

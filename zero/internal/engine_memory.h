@@ -2,7 +2,7 @@
 // zero-filled, with the count of every byte planned and allocated (ByteCounts).
 //
 // With NVMe offload (plan.options.offload_optimizer_nvme) master, m and v are not in memory:
-// EngineMemory creates the rank's swap directory and file (offload/nvme_io.h) of exactly the
+// EngineMemory creates the rank's swap directory and file (nvme/io.h) of exactly the
 // plan's nvme bytes, the AioEngine, and the NvmeState over the plan's nvme_staging slots, with
 // the initial state zero; model_state().master/m/v are then null.
 //
@@ -20,9 +20,9 @@
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "zero/config.h"
-#include "offload/nvme_io.h"
-#include "offload/nvme_params.h"
-#include "offload/nvme_state.h"
+#include "nvme/io.h"
+#include "nvme/params.h"
+#include "nvme/state.h"
 #include "zero/internal/shard_layout.h"
 
 namespace zerort {
@@ -48,7 +48,7 @@ struct NvmeSetup {
   // zero_optimization.offload_param.nvme_path: used when only the parameters are on NVMe;
   // with both, the shards take a region of the optimizer state's file after the state.
   std::string param_path;
-  offload::AioOptions aio;   // the config's aio block
+  nvme::AioOptions aio;   // the config's aio block
 };
 
 NvmeSetup NvmeSetupOf(const Config& config);
@@ -56,7 +56,7 @@ NvmeSetup NvmeSetupOf(const Config& config);
 class EngineMemory {
  public:
   // Allocates and zero-fills (on `stream`) every buffer of `plan`; the swap file with NVMe
-  // offload (errors of offload/nvme_io.h: tmpfs, leftovers of a crashed run, a full disk).
+  // offload (errors of nvme/io.h: tmpfs, leftovers of a crashed run, a full disk).
   static absl::StatusOr<std::unique_ptr<EngineMemory>> Allocate(const memory::Plan& plan,
                                                                 Device* device,
                                                                 Device::Stream stream,
@@ -73,11 +73,11 @@ class EngineMemory {
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   const ByteCounts& bytes() const { return bytes_; }
   // NVMe offload: master|m|v of every owned unit shard; null otherwise.
-  offload::NvmeState* nvme_state() const { return nvme_state_.get(); }
+  nvme::NvmeState* nvme_state() const { return nvme_state_.get(); }
   // NVMe parameter offload (plan.options.offload_param_nvme): the stage-3 parameter shards in
   // the swap file, read through the plan's nvme_param_buffers; null otherwise (and then
   // model_state().params holds the shards).
-  offload::NvmeParams* nvme_params() const { return nvme_params_.get(); }
+  nvme::NvmeParams* nvme_params() const { return nvme_params_.get(); }
   // NVMe offload: reads every unit's master, m, v (plan.shard_elements each, unit u at
   // units[u].shard_offset) from the file, synchronously; OK at once without NVMe offload.
   absl::Status LoadNvmeState(const memory::Plan& plan, float* master, float* m, float* v) const;
@@ -97,11 +97,11 @@ class EngineMemory {
   ByteCounts bytes_;
   // Destroyed first (by ~EngineMemory): the state waits for its I/O, then the file goes, then
   // the directory.
-  std::unique_ptr<offload::SwapDir> swap_dir_;
-  std::unique_ptr<offload::SwapFile> swap_file_;
-  std::unique_ptr<offload::AioEngine> aio_;
-  std::unique_ptr<offload::NvmeState> nvme_state_;
-  std::unique_ptr<offload::NvmeParams> nvme_params_;
+  std::unique_ptr<nvme::SwapDir> swap_dir_;
+  std::unique_ptr<nvme::SwapFile> swap_file_;
+  std::unique_ptr<nvme::AioEngine> aio_;
+  std::unique_ptr<nvme::NvmeState> nvme_state_;
+  std::unique_ptr<nvme::NvmeParams> nvme_params_;
 };
 
 }  // namespace zero_internal

@@ -10,7 +10,7 @@ namespace zerort {
 namespace zero_internal {
 
 ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                             char* persistent, offload::NvmeParams* nvme,
+                             char* persistent, nvme::NvmeParams* nvme,
                              comm::HostExchange* agree)
     : ctx_(ctx),
       offload_param_(ctx.plan.options.offload_param),

@@ -28,7 +28,7 @@
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "memory/plan.h"
-#include "offload/nvme_params.h"
+#include "nvme/params.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
@@ -45,7 +45,7 @@ class ParamGatherer {
   // (reading the next unit's ahead), and the ranks then agree on the read's status through
   // `agree`, so a failed read fails the gather on every rank after the same collectives.
   ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                char* persistent, offload::NvmeParams* nvme = nullptr,
+                char* persistent, nvme::NvmeParams* nvme = nullptr,
                 comm::HostExchange* agree = nullptr);
 
   // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
@@ -101,7 +101,7 @@ class ParamGatherer {
   char* const params_;
   const SlottedBuffer gather_;
   char* const persistent_;
-  offload::NvmeParams* const nvme_;
+  nvme::NvmeParams* const nvme_;
   comm::HostExchange* const agree_;
   int last_read_ = -1;  // NVMe: the unit read last, for the read-ahead's direction
   std::function<bool()> step_next_;

@@ -1,4 +1,4 @@
-#include "offload/nvme_io.h"
+#include "nvme/io.h"
 
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -17,7 +17,7 @@
 #include "base/testing/temp_dir.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 namespace {
 
 bool Exists(const std::string& path) {
@@ -215,5 +215,5 @@ TEST_CASE("AioEngine: options are checked", "[nvme]") {
 }
 
 }  // namespace
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort

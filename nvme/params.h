@@ -27,8 +27,8 @@
 //
 // Thread safety: not thread-safe; one per engine. The AioEngine, file and buffers must outlive
 // it. REQUIRES: `buffers` aligned to kIoAlignment.
-#ifndef ZERORT_OFFLOAD_NVME_PARAMS_H_
-#define ZERORT_OFFLOAD_NVME_PARAMS_H_
+#ifndef ZERORT_NVME_PARAMS_H_
+#define ZERORT_NVME_PARAMS_H_
 
 #include <cstdint>
 #include <functional>
@@ -38,10 +38,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "offload/nvme_io.h"
+#include "nvme/io.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 
 class NvmeParams {
  public:
@@ -126,7 +126,7 @@ class NvmeParams {
   int64_t reads_ahead_wasted_ = 0;
 };
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort
 
-#endif  // ZERORT_OFFLOAD_NVME_PARAMS_H_
+#endif  // ZERORT_NVME_PARAMS_H_

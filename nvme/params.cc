@@ -1,4 +1,4 @@
-#include "offload/nvme_params.h"
+#include "nvme/params.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "base/status.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 namespace {
 
 constexpr int64_t kBehind = std::numeric_limits<int64_t>::max();
@@ -219,5 +219,5 @@ void NvmeParams::Invalidate() {
   for (int b = 0; b < static_cast<int>(buffers_.size()); ++b) Drop(b).IgnoreError();
 }
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort

@@ -32,8 +32,8 @@
 // Thread safety: AioEngine is thread-safe; Submit/Wait may be called from any thread. SwapDir
 // and SwapFile are immutable after creation. REQUIRES: buffers, offsets and sizes are multiples
 // of kIoAlignment; a buffer stays untouched until its request's Wait returns.
-#ifndef ZERORT_OFFLOAD_NVME_IO_H_
-#define ZERORT_OFFLOAD_NVME_IO_H_
+#ifndef ZERORT_NVME_IO_H_
+#define ZERORT_NVME_IO_H_
 
 #include <cstdint>
 #include <functional>
@@ -46,7 +46,7 @@
 #include "absl/status/statusor.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 
 // O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block (512 B or
 // 4 KiB); 4 KiB satisfies both, and pinned slabs are page-aligned.
@@ -171,7 +171,7 @@ class IoBuffer {
   int64_t bytes_ = 0;
 };
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort
 
-#endif  // ZERORT_OFFLOAD_NVME_IO_H_
+#endif  // ZERORT_NVME_IO_H_

@@ -1,4 +1,4 @@
-#include "offload/nvme_params.h"
+#include "nvme/params.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -15,7 +15,7 @@
 #include "base/testing/temp_dir.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 namespace {
 
 std::vector<char> Pattern(int64_t n, int seed) {
@@ -269,5 +269,5 @@ TEST_CASE("NvmeParams: WriteFrom fills the pieces in order in aligned buffers; a
 }
 
 }  // namespace
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort

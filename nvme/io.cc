@@ -1,4 +1,4 @@
-#include "offload/nvme_io.h"
+#include "nvme/io.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -26,7 +26,7 @@
 #include "memory/pinned_pool.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 namespace {
 
 constexpr long kTmpfsMagic = 0x01021994;  // linux/magic.h TMPFS_MAGIC
@@ -515,5 +515,5 @@ IoBuffer::~IoBuffer() {
   data_ = nullptr;
 }
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort

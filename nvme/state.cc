@@ -1,4 +1,4 @@
-#include "offload/nvme_state.h"
+#include "nvme/state.h"
 
 #include <algorithm>
 #include <cstring>
@@ -9,7 +9,7 @@
 #include "memory/plan.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 
 // The plan pads the file's arrays (memory::NvmeUnitStride) to what direct I/O needs.
 static_assert(memory::kNvmeAlignment == kIoAlignment, "plan and I/O alignments differ");
@@ -171,5 +171,5 @@ absl::Status NvmeState::Store(int u, const float* master, const float* m, const 
   return absl::OkStatus();
 }
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort

@@ -22,8 +22,8 @@
 //   RETURN_IF_ERROR(state->Finish());                      // on any error: state->Abandon()
 //
 // Thread safety: not thread-safe; one per engine. The AioEngine, file and slots must outlive it.
-#ifndef ZERORT_OFFLOAD_NVME_STATE_H_
-#define ZERORT_OFFLOAD_NVME_STATE_H_
+#ifndef ZERORT_NVME_STATE_H_
+#define ZERORT_NVME_STATE_H_
 
 #include <cstdint>
 #include <memory>
@@ -31,10 +31,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "offload/nvme_io.h"
+#include "nvme/io.h"
 
 namespace zerort {
-namespace offload {
+namespace nvme {
 
 class NvmeState {
  public:
@@ -114,7 +114,7 @@ class NvmeState {
   AioEngine::Ticket pending_[kSlots] = {0, 0, 0};    // per slot: its request in flight
 };
 
-}  // namespace offload
+}  // namespace nvme
 }  // namespace zerort
 
-#endif  // ZERORT_OFFLOAD_NVME_STATE_H_
+#endif  // ZERORT_NVME_STATE_H_
