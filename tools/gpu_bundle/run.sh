@@ -29,6 +29,8 @@ fi
 quick=0
 [ "${2:-}" = --quick ] && quick=1
 bundle=$(cd "$(dirname "$0")" && pwd)
+# A copy that lost the executable bits (run as `bash DIR/run.sh`) still runs.
+chmod u+x "$bundle"/bin/* 2>/dev/null
 mkdir -p "$1" || exit 2
 out=$(cd "$1" && pwd)
 summary=$out/summary.txt
@@ -173,7 +175,8 @@ why_failed() {
     127) echo "did not start: $(grep -m1 -E 'error while loading|not found' "$step_log" | oneline)" ;;
     *)
       local detail
-      detail=$(grep -m3 -E 'FAILED|failed|ERROR|error|Error' "$step_log" | oneline)
+      # Catch2's first failure: "file:line: FAILED:", the expression and its expansion.
+      detail=$(grep -m1 -A4 -E 'FAILED|failed|ERROR|error|Error' "$step_log" | oneline)
       echo "exit $rc after ${secs}s${detail:+: $detail}"
       ;;
   esac
@@ -292,9 +295,9 @@ run_sanitizer() {  # run_sanitizer TOOL TIMEOUT LABEL FILE
   run_step "$name" "$limit" "" "$sanitizer" --tool "$tool" "${extra[@]}" --error-exitcode 86 \
     --print-limit 50 "$bundle/$file"
   if [ $rc -eq 0 ]; then
-    result PASSED "$name (ran on GPU: $(grep -m1 'ERROR SUMMARY' "$step_log" | oneline))"
+    result PASSED "$name (ran on GPU: $(grep -m1 'ERROR SUMMARY' "$step_log" | sed 's/^=* *//'))"
   elif [ $rc -eq 86 ]; then
-    result FAILED "$name: $(grep -m1 'ERROR SUMMARY' "$step_log" | oneline)"
+    result FAILED "$name: $(grep -m1 'ERROR SUMMARY' "$step_log" | sed 's/^=* *//')"
   else
     not_passed "$name"
   fi
@@ -324,12 +327,17 @@ else
   run_torch_ref 120 1e8 1e9
 fi
 
-if [ $quick -eq 1 ]; then tools=(memcheck); else tools=(memcheck racecheck synccheck); fi
-for tool in "${tools[@]}"; do
-  for kt in "${kernel_tests[@]}"; do
-    run_sanitizer "$tool" 150 ${kt}
-  done
+# memcheck on every engine/kernel test first (out-of-bounds and misaligned accesses are the
+# likeliest bugs), then the shared-memory race and barrier checks, test by test.
+for kt in "${kernel_tests[@]}"; do
+  run_sanitizer memcheck 150 ${kt}
 done
+if [ $quick -eq 0 ]; then
+  for kt in "${kernel_tests[@]}"; do
+    run_sanitizer racecheck 150 ${kt}
+    run_sanitizer synccheck 120 ${kt}
+  done
+fi
 
 total="TOTAL: $passed passed, $skipped skipped, $failed failed in $((SECONDS - start))s"
 if [ $gpu_seen -eq 0 ] && [ $gpu_ran -eq 0 ]; then total="$total (no GPU: nothing ran on one)"; fi
