@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test (the default optimised build, then the tests again under ASan + UBSan, then
-# the consumers of an installed tree, tests/consumers/run.sh, then each fuzz target for
-# ZERORT_FUZZ_SECONDS, default 45, through tools/fuzz.sh) and ends with one line:
+# the consumers of an installed tree, tests/consumers/run.sh, then the GPU bundle's dry run,
+# tools/gpu_bundle/dry_run.sh, then each fuzz target for ZERORT_FUZZ_SECONDS, default 45,
+# through tools/fuzz.sh) and ends with one line:
 # "tests: N passed, M failed". GPU tests skip with a message where no GPU exists.
 # Usage: tools/test.sh [--no-asan] [--no-fuzz]   (CI runs everything)
 set -uo pipefail
@@ -58,6 +59,25 @@ consumers() {
   rm -rf "$prefix"
 }
 consumers
+# The GPU bundle (tools/gpu_bundle.sh) as a lent GPU machine would meet it, without the GPU: it
+# builds, every binary finds its libraries and starts from an empty environment, and everything
+# skips cleanly. Each PASSED/FAILED line of dry_run.sh counts as one test.
+gpu_bundle() {
+  echo "== GPU bundle dry run (tools/gpu_bundle/dry_run.sh)"
+  local rc p f
+  tools/gpu_bundle/dry_run.sh >"$log" 2>&1
+  rc=$?
+  grep -E '^(PASSED|FAILED) ' "$log"
+  p=$(grep -c '^PASSED ' "$log")
+  f=$(grep -c '^FAILED ' "$log")
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    tail -20 "$log"
+    f=1
+  fi
+  passed=$((passed + p))
+  failed=$((failed + f))
+}
+gpu_bundle
 if [ "$fuzz" -eq 1 ]; then
   echo "== tools/fuzz.sh ${ZERORT_FUZZ_SECONDS:-45}"
   tools/fuzz.sh "${ZERORT_FUZZ_SECONDS:-45}" 2>&1 | tee "$log"
