@@ -21,23 +21,24 @@
 namespace zerort {
 
 absl::Status Engine::Impl::Build(Device::Stream compute) {
-  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute,
-                                                                  zero_internal::NvmeSetupOf(config_)));
+  ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute));
   const zero_internal::EngineMemory& mem = *memory_;
   layout_ = std::make_unique<zero_internal::ShardLayout>(plan_, mem.model_state());
-  ASSIGN_OR_RETURN(streams_, zero_internal::StreamOrder::Create(
-                                 dev_, compute, comm_,
-                                 mem.grad_buckets().count, mem.gather_slots().count));
+  ASSIGN_OR_RETURN(streams_, zero_internal::StreamOrder::Create(dev_, compute, comm_,
+                                                                mem.grad_buckets().count,
+                                                                mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
+  ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem,
+                                                            zero_internal::NvmeSetupOf(config_),
+                                                            dev_, compute, host_.get()));
+  // A pass that has made gradients is a backward one; on the window's last micro-step the
+  // optimizer step follows it.
+  store_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
                                                          mem.grad_buckets(), mem.grad_wire());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
-      units, mem.model_state().params, mem.gather_slots(), mem.persistent(), mem.nvme_params(),
-      host_.get());
-  // A pass that has made gradients is a backward one; on the window's last micro-step the
-  // optimizer step follows it.
-  gatherer_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
+      units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
@@ -55,8 +56,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   o.chunk_elements = mem.staging().elements;
   o.param_on_host = plan_.options.offload_param;
   o.cpu_threads = config_.cpu_threads;
-  o.nvme = mem.nvme_state();
-  o.nvme_params = mem.nvme_params();
+  store_->PipelineStorage(&o);
   // The reduced gradients are written where the collectives run.
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
@@ -211,18 +211,17 @@ int Engine::num_params() const { return static_cast<int>(impl_->specs_.size()); 
 int Engine::num_units() const { return impl_->num_units(); }
 int Engine::unit_of(int param) const { return impl_->plan_.params.at(param).unit; }
 int64_t Engine::nvme_param_reads_ahead_used() const {
-  const nvme::NvmeParams* p = impl_->memory_->nvme_params();
-  return p != nullptr ? p->reads_ahead_used() : 0;
+  return impl_->store_->reads_ahead_used();
 }
 int64_t Engine::nvme_param_reads_ahead_wasted() const {
-  const nvme::NvmeParams* p = impl_->memory_->nvme_params();
-  return p != nullptr ? p->reads_ahead_wasted() : 0;
+  return impl_->store_->reads_ahead_wasted();
 }
 MemoryReport Engine::memory_report() const {
   MemoryReport r;
   const zero_internal::ByteCounts& b = impl_->memory_->bytes();
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
+  r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
   return r;
 }
 double Engine::loss_scale() const { return impl_->scaler_.scale(); }
@@ -249,27 +248,11 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     // The compute-dtype copy is what forward sees: round the fp32 values once, on the host.
     std::vector<char> compute_values(unit.padded * m.c_);
     offload::Cast(values.data(), DType::kF32, compute_values.data(), m.cdt_, unit.padded);
-    const Region& reg = m.region(u);
-    const int64_t n = reg.n;
-    if (nvme::NvmeState* nvme = m.memory_->nvme_state()) {
-      RETURN_IF_ERROR(nvme->Store(u, values.data() + reg.unit_begin, nullptr, nullptr));
-    } else {
-      if (m.memory_->model_state().master != nullptr) {
-        RETURN_IF_ERROR(m.dev_->Copy(reg.master, values.data() + reg.unit_begin, n * 4, compute));
-      }
-      RETURN_IF_ERROR(m.dev_->Zero(reg.m, n * 4, compute));
-      RETURN_IF_ERROR(m.dev_->Zero(reg.v, n * 4, compute));
-    }
-    if (m.stage_ <= 2) {  // every rank holds the whole unit
-      RETURN_IF_ERROR(m.dev_->Copy(m.At(m.memory_->model_state().params, unit.flat_offset),
-                                   compute_values.data(), unit.padded * m.c_, compute));
-    } else {
-      RETURN_IF_ERROR(m.StoreParamShard(u, m.At(compute_values.data(), reg.unit_begin), compute));
-      if (char* whole = m.gatherer_->persistent_copy(u); whole != nullptr) {
-        RETURN_IF_ERROR(
-            m.dev_->Copy(whole, compute_values.data(), unit.padded * m.c_, compute));
-      }
-    }
+    // An initialisation is a restore with m and v at zero.
+    const int64_t begin = m.region(u).unit_begin;
+    RETURN_IF_ERROR(m.store_->StoreState(u, values.data() + begin, nullptr, nullptr));
+    RETURN_IF_ERROR(m.store_->StoreParams(u, m.At(compute_values.data(), begin)));
+    RETURN_IF_ERROR(m.gatherer_->StoreWhole(u, compute_values.data()));
     // `values` and `compute_values` are read by copies that may still be in flight.
     RETURN_IF_ERROR(m.dev_->Synchronize(compute));
   }
@@ -342,7 +325,6 @@ absl::Status Engine::ReleaseParams(absl::Span<const int> params) {
 
 absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
   Impl& m = *impl_;
-  const Device::Stream compute = m.streams_->compute();
   std::vector<int64_t> param_start(m.specs_.size() + 1, 0);  // in the output
   for (size_t i = 0; i < m.specs_.size(); ++i) {
     param_start[i + 1] = param_start[i] + m.plan_.params[i].numel;
@@ -351,20 +333,13 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
   for (int u = 0; u < num_units(); ++u) {
     const memory::Unit& unit = m.plan_.units[u];
     std::vector<float> full(unit.padded);  // (padded) fp32, host
-    const Region& reg = m.region(u);
-    if (reg.whole_unit) {
-      RETURN_IF_ERROR(m.dev_->Copy(full.data(), reg.master, unit.padded * 4, compute));
+    if (m.region(u).whole_unit) {
+      RETURN_IF_ERROR(m.store_->LoadState(u, full.data(), nullptr, nullptr));
     } else {
       std::vector<float> shard(unit.shard);
-      if (nvme::NvmeState* nvme = m.memory_->nvme_state()) {
-        RETURN_IF_ERROR(nvme->Load(u, shard.data(), nullptr, nullptr));
-      } else {
-        RETURN_IF_ERROR(m.dev_->Copy(shard.data(), reg.master, unit.shard * 4, compute));
-      }
-      RETURN_IF_ERROR(m.dev_->Synchronize(compute));
+      RETURN_IF_ERROR(m.store_->LoadState(u, shard.data(), nullptr, nullptr));
       RETURN_IF_ERROR(m.host_->AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
     }
-    RETURN_IF_ERROR(m.dev_->Synchronize(compute));
     for (int i : unit.params) {
       const memory::ParamLayout& p = m.plan_.params[i];
       std::copy(full.begin() + p.offset_in_unit, full.begin() + p.offset_in_unit + p.numel,

@@ -1,5 +1,5 @@
-// Engine state access: step boundaries, snapshots, RestoreOwnedState and the recovery after a
-// failed NVMe step.
+// Engine state access: step boundaries, snapshots and RestoreOwnedState. Where the owned state
+// lives is UnitStore's business (zero/internal/unit_store.h).
 #include "zero/engine.h"
 
 #include <algorithm>
@@ -38,17 +38,7 @@ absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* para
   if (master == nullptr || m == nullptr || v == nullptr) {
     return absl::InvalidArgumentError("BeginSnapshot: master, m and v must not be null");
   }
-  RETURN_IF_ERROR(e.memory_->LoadNvmeState(e.plan_, master, m, v));  // the copies skip them
-  if (nvme::NvmeParams* file = e.memory_->nvme_params(); file != nullptr && param != nullptr) {
-    for (int u = 0; u < num_units(); ++u) {  // the shards from the file, before Begin returns
-      char* dst = static_cast<char*>(param) + e.plan_.units[u].shard_offset * e.c_;
-      RETURN_IF_ERROR(file->Read(u, [dst](int64_t offset, const char* data, int64_t bytes) {
-        std::memcpy(dst + offset, data, static_cast<size_t>(bytes));
-        return absl::OkStatus();
-      }));
-    }
-    param = nullptr;
-  }
+  RETURN_IF_ERROR(e.store_->BeforeSnapshot(master, m, v, &param));
   return e.snapshot_->Begin(master, m, v, param);
 }
 
@@ -66,116 +56,32 @@ std::function<absl::Status()> Engine::SnapshotWaiter() const {
 absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
   const memory::Unit& u = plan_.units[ui];
   const Region& reg = region(ui);
-  const Device::Stream compute = streams_->compute();
-  nvme::NvmeState* nvme = memory_->nvme_state();
-  const bool has_master = memory_->model_state().master != nullptr || nvme != nullptr;
-  if (nvme != nullptr) RETURN_IF_ERROR(nvme->Store(ui, src[0], src[1], src[2]));
-  float* dst[3] = {reg.master, reg.m, reg.v};
-  std::vector<float> full;  // (padded) fp32, host: stage 0's whole unit
-  for (int k = 0; k < 3; ++k) {
-    if (reg.whole_unit) {
-      // Every rank holds the whole unit: assemble it from every rank's range.
-      full.assign(u.padded, 0.0f);
-      RETURN_IF_ERROR(host_->AllGatherHost(src[k], full.data(), u.shard, DType::kF32));
-      RETURN_IF_ERROR(dev_->Copy(dst[k], full.data(), u.padded * 4, compute));
-      RETURN_IF_ERROR(dev_->Synchronize(compute));  // `full` is reused
-    } else if (nvme == nullptr) {
-      RETURN_IF_ERROR(dev_->Copy(dst[k], src[k], u.shard * 4, compute));
-    }
-    if (k == 0 && has_master) {
-      // The compute copy is round(master), exactly what Step and InitParams write; rounded on
-      // the host (as InitParams does) because the master may live there (offload).
-      const float* new_master = reg.whole_unit ? full.data() : src[0];
-      std::vector<char> compute_values(reg.n * c_);
-      offload::Cast(new_master, DType::kF32, compute_values.data(), cdt_, reg.n);
-      RETURN_IF_ERROR(StoreParamShard(ui, compute_values.data(), compute));
-      RETURN_IF_ERROR(dev_->Synchronize(compute));  // before `compute_values` goes
-    }
+  // The region's arrays: this rank's ranges, or in stage 0 (every rank holds the whole unit)
+  // the whole unit assembled from every rank's.
+  const float* arrays[3] = {src[0], src[1], src[2]};
+  std::vector<float> full[3];  // (padded) fp32, host
+  for (int k = 0; k < 3 && reg.whole_unit; ++k) {
+    full[k].assign(u.padded, 0.0f);
+    RETURN_IF_ERROR(host_->AllGatherHost(src[k], full[k].data(), u.shard, DType::kF32));
+    arrays[k] = full[k].data();
   }
-  RETURN_IF_ERROR(dev_->Synchronize(compute));
+  RETURN_IF_ERROR(store_->StoreState(ui, arrays[0], arrays[1], arrays[2]));
+  std::vector<char> compute_values;  // (n) compute dtype, host
+  if (!reg.params_are_master) {
+    // The compute copy is round(master), exactly what Step and InitParams write; rounded on
+    // the host (as InitParams does) because the master may live there (offload).
+    compute_values.resize(reg.n * c_);
+    offload::Cast(arrays[0], DType::kF32, compute_values.data(), cdt_, reg.n);
+    RETURN_IF_ERROR(store_->StoreParams(ui, compute_values.data()));
+  }
+  RETURN_IF_ERROR(dev_->Synchronize(streams_->compute()));  // before the arrays go
+  return RegatherUnit(ui);
+}
+
+absl::Status Engine::Impl::RegatherUnit(int u) {
   RETURN_IF_ERROR(streams_->BeforeComm());
-  RETURN_IF_ERROR(gatherer_->AllGatherUpdated(ui));
+  RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
   return streams_->JoinComm();
-}
-
-// Unit u's compute-dtype parameters (its region's n elements) from host `values`: into the
-// region, or with NVMe parameter offload (stage 3) into the swap file, synchronously.
-absl::Status Engine::Impl::StoreParamShard(int u, const char* values, Device::Stream stream) {
-  if (nvme::NvmeParams* file = memory_->nvme_params()) return file->Write(u, values);
-  return dev_->Copy(region(u).param, values, region(u).n * c_, stream);
-}
-
-// NVMe parameter offload: unit u's shard as round(master) (what the optimizer step writes)
-// into the file, a pinned buffer at a time, so no host copy of the whole shard exists. Without
-// optimizer offload the master is device memory: the device rounds it into the buffer. With
-// host state (optimizer offload to "cpu") the host does, as the pipeline would.
-absl::Status Engine::Impl::WriteShardFromMaster(int u) {
-  const float* master = region(u).master;
-  const Device::Stream compute = streams_->compute();
-  return memory_->nvme_params()->WriteFrom(u, [&](int64_t offset, char* buffer, int64_t bytes) {
-    const float* src = master + offset / static_cast<int64_t>(c_);
-    const size_t n = static_cast<size_t>(bytes) / c_;
-    if (offload_) {
-      offload::Cast(src, DType::kF32, buffer, cdt_, n);
-      return absl::OkStatus();
-    }
-    RETURN_IF_ERROR(dev_->Cast(src, DType::kF32, buffer, cdt_, n, compute));
-    return dev_->Synchronize(compute);  // the write reads the buffer next
-  });
-}
-
-// After a step of the device optimizer with NVMe parameter offload: every unit's new shard
-// into the file (the all-gathers after the step read it back). Last unit first: completed
-// writes stay in the buffers as read-aheads, so the first units, which the next forward
-// gathers first, are the ones left there. The first failed write stops the rest; the ranks
-// then agree, so every rank fails alike (or none does).
-absl::Status Engine::Impl::WriteBackNvmeParams() {
-  absl::Status written;
-  for (int u = num_units() - 1; u >= 0 && written.ok(); --u) written = WriteShardFromMaster(u);
-  return comm::AgreeOnStatus(*host_, written);
-}
-
-// A failed parameter write with the optimizer state in memory (device or host): the step's
-// update of master, m and v stands (so does the count), but the shards from the failed write
-// on are old: re-derive them all. Every rank failed alike, so all re-derive (collective).
-absl::Status Engine::Impl::FailedParamWrite(const absl::Status& failed) {
-  return Annotate(failed, RederiveNvmeParams().ok()
-                              ? "the step's update stands; the parameters were re-derived from it"
-                              : "the step's update stands, but the parameters could not be "
-                                "re-derived from it either: restore a checkpoint "
-                                "(RestoreOwnedState rewrites them)");
-}
-
-// After a failed parameter write with the state in memory: writes every shard again as
-// round(master) and refreshes the persistent units (collective, as every rank failed alike).
-// A rank whose write fails again still runs every all-gather, so no rank is left in one; the
-// ranks then agree on the writes' verdict.
-absl::Status Engine::Impl::RederiveNvmeParams() {
-  absl::Status written;
-  for (int u = 0; u < num_units(); ++u) {
-    written.Update(WriteShardFromMaster(u));
-    RETURN_IF_ERROR(streams_->BeforeComm());
-    RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));  // a failed read: every rank fails alike
-    RETURN_IF_ERROR(streams_->JoinComm());
-  }
-  gatherer_->Invalidate();  // gathered copies hold the old parameters of the failed units
-  return comm::AgreeOnStatus(*host_, written);
-}
-
-// After a failed NVMe step: the file's current copy is the previous step's state, but the
-// compute-dtype parameters were partly overwritten; re-derive them unit by unit (collective,
-// as every rank failed alike).
-absl::Status Engine::Impl::RecoverFromNvme() {
-  nvme::NvmeState* nvme = memory_->nvme_state();
-  for (int u = 0; u < num_units(); ++u) {
-    const int64_t n = plan_.units[u].shard;
-    std::vector<float> master(n), m(n), v(n);
-    RETURN_IF_ERROR(nvme->Load(u, master.data(), m.data(), v.data()));
-    const float* const src[3] = {master.data(), m.data(), v.data()};
-    RETURN_IF_ERROR(RestoreUnit(u, src));
-  }
-  gatherer_->Invalidate();  // gathered stage-3 copies hold the half-updated parameters
-  return absl::OkStatus();
 }
 
 absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,

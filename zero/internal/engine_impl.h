@@ -5,6 +5,8 @@
 #define ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
 
 #include <memory>
+#include <optional>
+#include <vector>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -23,6 +25,7 @@
 #include "zero/internal/snapshot.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
+#include "zero/internal/unit_store.h"
 #include "zero/loss_scaler.h"
 #include "zero/engine.h"
 
@@ -58,35 +61,41 @@ class Engine::Impl {
   // otherwise surface as a hang or a silent corruption inside the first collective.
   absl::Status CheckPeersAgree();
 
-  // --- the phases of Step() ------------------------------------------------------------------
+  // --- the optimizer step (engine_step.cc) -----------------------------------------------------
   struct GradMeasure {
     double scale = 1;       // gradients hold the sum over micro-steps times the loss scale
     double norm = 0;        // global L2 norm of the unscaled, averaged gradients
     bool overflow = false;  // an Inf/NaN on some rank, or an infinite norm
   };
-  absl::Status CheckGradsReady() const;
-  StepStats MicroStepStats() const;
-  StepStats BoundaryStats() const;
-  absl::StatusOr<GradMeasure> MeasureGradients();
-  double ClipCoefficient(double norm) const;
+  // What the caller of RunStep wants of the window: all of the step (Step), only its
+  // measurement (ComputeGradNorm), or the rest of a measured window (ApplyStep, SkipStep).
+  struct StepRequest {
+    bool measure_only = false;
+    bool skip = false;                // the trainer's SkipStep
+    std::optional<double> clip;       // ApplyStep's clip coefficient, else the config's
+  };
+  absl::StatusOr<StepStats> RunStep(const StepRequest& request);
   absl::Status EndMicroStep();
-  absl::Status CheckPending(const char* call, bool want) const;
-  absl::StatusOr<StepStats> Apply(std::optional<double> clip);
-  absl::StatusOr<StepStats> Skip();
-  // AdamW on every owned region (device, or the offload pipeline); returns the time the
-  // pipeline spent in all-gathers.
-  absl::StatusOr<double> UpdateOwnedShards(float grad_scale, StepStats* stats);
+  StepStats MicroStepStats() const;
+  absl::Status MeasureWindow();
+  absl::StatusOr<StepStats> Skip(double elapsed_ms);
+  using RangeLists = std::vector<std::vector<offload::AdamWRange>>;
+  absl::StatusOr<const RangeLists*> StepConstants(StepStats* stats);
+  // AdamW on every owned region; returns the time the pipeline spent in all-gathers.
+  absl::StatusOr<double> UpdateOwnedShards(const RangeLists& ranges, float grad_scale,
+                                           StepStats* stats);
+  absl::StatusOr<double> UpdateOnDevice(const RangeLists& ranges, float grad_scale);
+  absl::StatusOr<double> UpdateOnHost(const RangeLists& ranges, float grad_scale,
+                                      StepStats* stats);
   absl::Status GatherUpdatedParams();
   absl::Status FinishStep(bool overflow, bool update_scaler, StepStats* stats);
+  absl::Status CheckGradsReady() const;
+  absl::Status CheckPending(const char* call, bool want) const;
 
   absl::Status ReduceUnit(int unit);
   absl::Status RestoreUnit(int unit, const float* const src[3]);
-  absl::Status RecoverFromNvme();
-  absl::Status StoreParamShard(int u, const char* values, Device::Stream stream);
-  absl::Status RederiveNvmeParams();
-  absl::Status WriteShardFromMaster(int u);
-  absl::Status WriteBackNvmeParams();
-  absl::Status FailedParamWrite(const absl::Status& failed);
+  // Unit u's parameters all-gathered again after its shard was rewritten. Collective.
+  absl::Status RegatherUnit(int unit);
   absl::Status CheckRange(const char* call, int index, bool unit) const;
   char* At(char* base, int64_t elems) const { return base + elems * static_cast<int64_t>(c_); }
   const Region& region(int u) const { return layout_->region(u); }
@@ -112,9 +121,9 @@ class Engine::Impl {
   struct Pending {
     bool active = false;
     GradMeasure g;
-    StepStats stats;     // BoundaryStats() at the measurement
+    StepStats stats;     // the window's reductions and gathers, marked as a boundary
     double clip_coef = 1;
-    double norm_ms = 0;  // time ComputeGradNorm took (part of optimizer_ms)
+    double norm_ms = 0;  // time the measurement took (part of optimizer_ms)
   };
   Pending pending_;
 
@@ -122,6 +131,7 @@ class Engine::Impl {
   // is synchronized by its owner's destructor before they go.
   std::unique_ptr<zero_internal::EngineMemory> memory_;
   std::unique_ptr<zero_internal::ShardLayout> layout_;
+  std::unique_ptr<zero_internal::UnitStore> store_;  // where owned state lives
   std::unique_ptr<zero_internal::StreamOrder> streams_;
   std::unique_ptr<zero_internal::HostCollectives> host_;
   std::unique_ptr<zero_internal::GradBuckets> grads_;

@@ -1,8 +1,5 @@
 #include "zero/internal/engine_memory.h"
 
-#include <unistd.h>
-
-#include <atomic>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -19,8 +16,7 @@ constexpr int kNumArenas = memory::kNumMemoryKinds - 1;
 
 absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memory::Plan& plan,
                                                                       Device* device,
-                                                                      Device::Stream stream,
-                                                                      const NvmeSetup& nvme) {
+                                                                      Device::Stream stream) {
   std::unique_ptr<EngineMemory> mem(new EngineMemory());
   int64_t need[memory::kNumMemoryKinds] = {0, 0, 0, 0};
   for (const memory::Buffer& b : plan.buffers) {
@@ -54,81 +50,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
   for (int k = 0; k < kNumArenas; ++k) {
     mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
   }
-  if (plan.options.offload_optimizer_nvme || plan.options.offload_param_nvme) {
-    RETURN_IF_ERROR(mem->CreateNvme(plan, nvme));
-  }
   return mem;
-}
-
-NvmeSetup NvmeSetupOf(const Config& c) {
-  NvmeSetup s;
-  s.path = c.zero.offload_optimizer.nvme_path;
-  s.param_path = c.zero.offload_param.nvme_path;
-  s.aio = {c.aio.block_size, c.aio.queue_depth, c.aio.single_submit, c.aio.overlap_events,
-           c.aio.thread_count, nullptr};
-  return s;
-}
-
-absl::Status EngineMemory::LoadNvmeState(const memory::Plan& plan, float* master, float* m,
-                                         float* v) const {
-  if (nvme_state_ == nullptr) return absl::OkStatus();
-  for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {
-    const int64_t off = plan.units[u].shard_offset;
-    RETURN_IF_ERROR(nvme_state_->Load(u, master + off, m + off, v + off));
-  }
-  return absl::OkStatus();
-}
-
-EngineMemory::~EngineMemory() {
-  nvme_params_.reset();
-  nvme_state_.reset();
-  aio_.reset();
-  swap_file_.reset();
-  swap_dir_.reset();
-}
-
-absl::Status EngineMemory::CreateNvme(const memory::Plan& plan, const NvmeSetup& setup) {
-  // pid and a per-process count: two engines of one process (a reshard, an evaluation copy)
-  // never share a directory, and a dead pid marks a crashed run's leftovers.
-  static std::atomic<int> engines{0};
-  const std::string job = absl::StrCat(getpid(), "-", engines++);
-  const bool state = plan.options.offload_optimizer_nvme;
-  ASSIGN_OR_RETURN(swap_dir_, nvme::SwapDir::Create(state ? setup.path : setup.param_path,
-                                                       job, plan.options.rank));
-  ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile(state ? "optimizer_state" : "param_shard",
-                                                     plan.nvme_bytes()));
-  bytes_.allocated[static_cast<int>(MemoryKind::kNvme)] = swap_file_->bytes();
-  ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create(setup.aio));
-  std::vector<int64_t> shards;
-  for (const memory::Unit& u : plan.units) shards.push_back(u.shard);
-  int64_t params_base = 0;
-  if (state) {
-    const int64_t slot_bytes = nvme_staging_.elements * 4;
-    ASSIGN_OR_RETURN(nvme_state_, nvme::NvmeState::Create(
-                                      aio_.get(), swap_file_.get(), shards,
-                                      plan.options.nvme_piece_elements, nvme_staging_.base,
-                                      slot_bytes));
-    // m and v start at zero, the master at whatever InitParams stores.
-    for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
-      RETURN_IF_ERROR(nvme_state_->Store(u, nullptr, nullptr, nullptr));
-    }
-    params_base = nvme::NvmeState::FileBytes(shards, plan.options.nvme_piece_elements);
-  }
-  if (plan.options.offload_param_nvme) RETURN_IF_ERROR(CreateNvmeParams(plan, params_base));
-  return absl::OkStatus();
-}
-
-// The shards start zero-filled (the file is preallocated); InitParams writes them.
-absl::Status EngineMemory::CreateNvmeParams(const memory::Plan& plan, int64_t base) {
-  const int64_t c = static_cast<int64_t>(DTypeSize(plan.options.compute_dtype));
-  std::vector<int64_t> bytes;
-  for (const memory::Unit& u : plan.units) bytes.push_back(u.shard * c);
-  ASSIGN_OR_RETURN(nvme_params_,
-                   nvme::NvmeParams::Create(aio_.get(), swap_file_.get(), base,
-                                               std::move(bytes), nvme_param_buffers_.base,
-                                               nvme_param_buffers_.count,
-                                               nvme_param_buffers_.elements * c));
-  return absl::OkStatus();
 }
 
 void EngineMemory::Assign(const memory::Buffer& b, char* p) {

@@ -10,15 +10,12 @@ namespace zerort {
 namespace zero_internal {
 
 ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                             char* persistent, nvme::NvmeParams* nvme,
-                             comm::HostExchange* agree)
+                             char* persistent, UnitStore* store)
     : ctx_(ctx),
-      offload_param_(ctx.plan.options.offload_param),
       params_(params),
       gather_(slots),
       persistent_(persistent),
-      nvme_(nvme),
-      agree_(agree),
+      store_(store),
       slots_(slots.count) {
   const size_t nu = ctx.plan.units.size();
   refs_.assign(nu, 0);
@@ -155,6 +152,13 @@ absl::Status ParamGatherer::AllGatherUpdated(int u) {
   return absl::OkStatus();
 }
 
+absl::Status ParamGatherer::StoreWhole(int u, const char* values) {
+  const memory::Unit& unit = ctx_.plan.units[u];
+  char* whole = ctx_.stage <= 2 ? ctx_.At(params_, unit.flat_offset) : persistent_copy(u);
+  if (whole == nullptr) return absl::OkStatus();
+  return ctx_.device->Copy(whole, values, unit.padded * ctx_.c, ctx_.streams->compute());
+}
+
 void ParamGatherer::Invalidate() {
   for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
     if (slots_[s].unit >= 0 && !slots_[s].held) Evict(s);
@@ -203,48 +207,18 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   return absl::OkStatus();
 }
 
-// With offload_param the shard lives in host memory (or, with NVMe, in the swap file): it is
-// staged into this rank's block of `full` first and gathered in place, so collectives only ever
-// see device buffers. A failed NVMe read still takes part in the all-gather (its block holds
-// stale bytes), then every rank fails alike.
+// The store stages a shard that lives in host memory or a file into this rank's block of `full`
+// (collectives only ever see device buffers); a failed read still takes part in the
+// all-gather, then every rank fails alike.
 absl::Status ParamGatherer::GatherShard(int u, char* full) {
   const memory::Unit& unit = ctx_.plan.units[u];
-  const char* shard = nvme_ != nullptr ? nullptr : ctx_.At(params_, unit.shard_offset);
   absl::Status read;
-  if (offload_param_) {
-    char* mine = ctx_.At(full, ctx_.rank * unit.shard);
-    if (nvme_ != nullptr) {
-      read = ReadShard(u, mine);
-    } else {
-      RETURN_IF_ERROR(ctx_.device->Copy(mine, shard, unit.shard * ctx_.c, ctx_.streams->side()));
-    }
-    shard = mine;
-  }
+  const char* shard = store_->ShardToSend(u, ctx_.At(full, ctx_.rank * unit.shard),
+                                          ctx_.streams->side(), &read,
+                                          [this](int v) { return unit_slot_[v] >= 0; });
   RETURN_IF_ERROR(ctx_.streams->AllGather(shard, full, unit.shard, ctx_.cdt));
   ctx_.timer->Sent(unit.shard, 1);
-  if (nvme_ == nullptr) return absl::OkStatus();
-  return agree_ != nullptr ? comm::AgreeOnStatus(*agree_, read) : read;
-}
-
-absl::Status ParamGatherer::ReadShard(int u, char* mine) {
-  const Device::Stream side = ctx_.streams->side();
-  absl::Status s = nvme_->Read(u, [&](int64_t offset, const char* data, int64_t bytes) {
-    RETURN_IF_ERROR(ctx_.device->Copy(mine + offset, data, bytes, side));
-    return ctx_.device->Synchronize(side);  // the next piece reuses the buffer
-  });
-  // At either end of the units the gathers can only turn round (backward follows forward,
-  // and forward backward), unless the optimizer step is next.
-  const int nu = static_cast<int>(ctx_.plan.units.size());
-  int direction = u >= last_read_ ? 1 : -1;
-  const bool at_end = u + direction < 0 || u + direction >= nu;
-  last_read_ = u;
-  if (at_end && step_next_ && step_next_()) return s;
-  if (at_end) direction = -direction;
-  // Units still gathered in a slot (the last ones of the pass before a turn) need no read.
-  int next = u + direction;
-  while (next >= 0 && next < nu && unit_slot_[next] >= 0) next += direction;
-  if (next >= 0 && next < nu) nvme_->ReadAhead(next, direction);
-  return s;
+  return store_->AgreeOnRead(read);
 }
 
 // Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.

@@ -24,29 +24,25 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "comm/agree.h"
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "memory/plan.h"
-#include "nvme/params.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
 #include "zero/internal/unit_context.h"
+#include "zero/internal/unit_store.h"
 
 namespace zerort {
 namespace zero_internal {
 
 class ParamGatherer {
  public:
-  // Every pointer must outlive this object. `params`: the compute-dtype parameters (full in
-  // stages 0-2, the shard in stage 3; in host memory with offload_param). With NVMe parameter
-  // offload `params` is null and `nvme` holds the shards: each gather reads this rank's shard
-  // (reading the next unit's ahead), and the ranks then agree on the read's status through
-  // `agree`, so a failed read fails the gather on every rank after the same collectives.
+  // Every pointer must outlive this object. `params`: the full compute-dtype parameters
+  // (stages 0-2). Stage 3 gathers this rank's shard from `store`, wherever it lives; a failed
+  // read (a shard in a file) fails the gather on every rank after the same collectives.
   ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                char* persistent, nvme::NvmeParams* nvme = nullptr,
-                comm::HostExchange* agree = nullptr);
+                char* persistent, UnitStore* store);
 
   // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
   // persistent units; in stage 3 FailedPrecondition unless its unit is gathered.
@@ -67,16 +63,16 @@ class ParamGatherer {
   // (stages 1-2) or its persistent copy (stage 3). REQUIRES: StreamOrder::BeforeComm since the
   // shard was written. Collective.
   absl::Status AllGatherUpdated(int unit);
+  // Unit `unit`'s whole compute-dtype parameters from host `values` (padded elements) where a
+  // whole copy is kept: stages 0-2's parameters, a stage-3 persistent copy; enqueued on the
+  // compute stream (synchronize before `values` goes).
+  absl::Status StoreWhole(int unit, const char* values);
   // Forgets every gathered copy that the trainer does not hold (they hold old parameters).
   void Invalidate();
-  // NVMe: at either end of the units the read-ahead turns round (backward follows forward,
-  // forward backward) unless `step_next` says the optimizer step comes next: it rewrites every
-  // shard, which would drop those reads unread. Unset: always turn.
-  void set_step_next(std::function<bool()> step_next) { step_next_ = std::move(step_next); }
-  // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
-  char* persistent_copy(int unit) const;
 
  private:
+  // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
+  char* persistent_copy(int unit) const;
   struct Slot {
     int unit = -1;
     bool held = false;
@@ -92,19 +88,14 @@ class ParamGatherer {
   absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
-  absl::Status ReadShard(int unit, char* mine);  // NVMe: the shard from the file into `mine`
   absl::Status Prefetch(int from, int direction);
   void Evict(int slot);
 
   const UnitContext ctx_;
-  const bool offload_param_;
   char* const params_;
   const SlottedBuffer gather_;
   char* const persistent_;
-  nvme::NvmeParams* const nvme_;
-  comm::HostExchange* const agree_;
-  int last_read_ = -1;  // NVMe: the unit read last, for the read-ahead's direction
-  std::function<bool()> step_next_;
+  UnitStore* const store_;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
   std::vector<Slot> slots_;
   std::vector<int> unit_slot_;  // per unit, or -1

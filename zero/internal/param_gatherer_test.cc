@@ -55,8 +55,10 @@ absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
     }
   };
   write_shards(1);
+  const ShardLayout layout(plan, mem->model_state());
+  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
   ParamGatherer g(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state().params,
-                  mem->gather_slots(), mem->persistent());
+                  mem->gather_slots(), mem->persistent(), store.get());
   if (mem->gather_slots().count != 1) return absl::InternalError("expected one slot");
   RETURN_IF_ERROR(g.Gather(0));
   RETURN_IF_ERROR(Expect(plan, g, 0, 1));

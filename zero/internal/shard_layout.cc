@@ -30,12 +30,15 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
       r.grad = at_grad(b.grads, unit.shard_offset);
       break;
   }
-  r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
-                         : at(b.params, unit.flat_offset + r.unit_begin);
+  if (b.params != nullptr) {
+    r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
+                           : at(b.params, unit.flat_offset + r.unit_begin);
+  }
   // Optimizer state is the concatenation of the owned regions.
   const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
   if (b.m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
-  r.master = b.master != nullptr ? b.master + optim : reinterpret_cast<float*>(r.param);
+  r.params_are_master = b.master == nullptr;
+  r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : b.master + optim;
   r.m = b.m + optim;
   r.v = b.v + optim;
   return r;

@@ -50,10 +50,12 @@ struct Region {
   bool whole_unit = false;   // the region is the whole unit (stage 0)
   const char* grad = nullptr;  // (n) grad_dtype: the reduced gradient
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
-  float* master = nullptr;     // (n) fp32; master, m, v null with NVMe offload
+  float* master = nullptr;     // (n) fp32; master, m, v null when they live in a file
   float* m = nullptr;          // (n) fp32
   float* v = nullptr;          // (n) fp32
-  char* param = nullptr;       // (n) compute dtype
+  char* param = nullptr;       // (n) compute dtype; null when the shards live in a file
+  // fp32 training without a master copy: `master` is `param`, updated in place.
+  bool params_are_master = false;
 };
 
 class ShardLayout {

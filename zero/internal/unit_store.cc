@@ -1,0 +1,281 @@
+#include "zero/internal/unit_store.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "offload/cpu_kernels.h"
+
+namespace zerort {
+namespace zero_internal {
+
+NvmeSetup NvmeSetupOf(const Config& c) {
+  NvmeSetup s;
+  s.path = c.zero.offload_optimizer.nvme_path;
+  s.param_path = c.zero.offload_param.nvme_path;
+  s.aio = {c.aio.block_size, c.aio.queue_depth, c.aio.single_submit, c.aio.overlap_events,
+           c.aio.thread_count, nullptr};
+  return s;
+}
+
+UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
+                     Device::Stream compute, comm::HostExchange* exchange)
+    : plan_(plan),
+      layout_(layout),
+      dev_(device),
+      compute_(compute),
+      exchange_(exchange),
+      c_(DTypeSize(plan.options.compute_dtype)),
+      params_on_host_(plan.options.offload_param),
+      host_optimizer_(plan.options.offload_optimizer) {}
+
+absl::StatusOr<std::unique_ptr<UnitStore>> UnitStore::Create(
+    const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
+    const NvmeSetup& nvme, Device* device, Device::Stream compute,
+    comm::HostExchange* exchange) {
+  std::unique_ptr<UnitStore> store(new UnitStore(plan, layout, device, compute, exchange));
+  if (plan.options.offload_optimizer_nvme || plan.options.offload_param_nvme) {
+    RETURN_IF_ERROR(store->CreateFiles(memory, nvme));
+  }
+  return store;
+}
+
+UnitStore::~UnitStore() {
+  param_file_.reset();
+  state_file_.reset();
+  aio_.reset();
+  swap_file_.reset();
+  swap_dir_.reset();
+}
+
+// The state file holds two copies of every unit's master|m|v; the parameter shards follow it
+// (or start the file when only they are on NVMe). Both start zero-filled (m and v at zero; the
+// master and the shards at whatever InitParams stores).
+absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const NvmeSetup& setup) {
+  // pid and a per-process count: two engines of one process (a reshard, an evaluation copy)
+  // never share a directory, and a dead pid marks a crashed run's leftovers.
+  static std::atomic<int> engines{0};
+  const std::string job = absl::StrCat(getpid(), "-", engines++);
+  const bool state = plan_.options.offload_optimizer_nvme;
+  ASSIGN_OR_RETURN(swap_dir_, nvme::SwapDir::Create(state ? setup.path : setup.param_path, job,
+                                                    plan_.options.rank));
+  ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile(state ? "optimizer_state" : "param_shard",
+                                                     plan_.nvme_bytes()));
+  ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create(setup.aio));
+  std::vector<int64_t> shards, shard_bytes;
+  for (const memory::Unit& u : plan_.units) {
+    shards.push_back(u.shard);
+    shard_bytes.push_back(u.shard * static_cast<int64_t>(c_));
+  }
+  int64_t params_base = 0;
+  if (state) {
+    const SlottedBuffer& slots = memory.nvme_staging();
+    ASSIGN_OR_RETURN(state_file_, nvme::NvmeState::Create(aio_.get(), swap_file_.get(), shards,
+                                                          plan_.options.nvme_piece_elements,
+                                                          slots.base, slots.elements * 4));
+    for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
+      RETURN_IF_ERROR(state_file_->Store(u, nullptr, nullptr, nullptr));
+    }
+    params_base = nvme::NvmeState::FileBytes(shards, plan_.options.nvme_piece_elements);
+  }
+  if (!plan_.options.offload_param_nvme) return absl::OkStatus();
+  const SlottedBuffer& buffers = memory.nvme_param_buffers();
+  ASSIGN_OR_RETURN(param_file_,
+                   nvme::NvmeParams::Create(aio_.get(), swap_file_.get(), params_base,
+                                            std::move(shard_bytes), buffers.base, buffers.count,
+                                            buffers.elements * static_cast<int64_t>(c_)));
+  return absl::OkStatus();
+}
+
+// --- optimizer state --------------------------------------------------------------------------
+
+absl::Status UnitStore::StoreState(int u, const float* master, const float* m, const float* v) {
+  if (state_file_ != nullptr) return state_file_->Store(u, master, m, v);
+  const Region& reg = layout_.region(u);
+  const size_t bytes = static_cast<size_t>(reg.n) * 4;
+  auto put = [&](float* dst, const float* src) {
+    return src != nullptr ? dev_->Copy(dst, src, bytes, compute_) : dev_->Zero(dst, bytes, compute_);
+  };
+  if (master != nullptr) RETURN_IF_ERROR(dev_->Copy(reg.master, master, bytes, compute_));
+  RETURN_IF_ERROR(put(reg.m, m));
+  return put(reg.v, v);
+}
+
+absl::Status UnitStore::LoadState(int u, float* master, float* m, float* v) {
+  if (state_file_ != nullptr) return state_file_->Load(u, master, m, v);
+  const Region& reg = layout_.region(u);
+  const size_t bytes = static_cast<size_t>(reg.n) * 4;
+  const float* src[3] = {reg.master, reg.m, reg.v};
+  float* dst[3] = {master, m, v};
+  for (int k = 0; k < 3; ++k) {
+    if (dst[k] != nullptr) RETURN_IF_ERROR(dev_->Copy(dst[k], src[k], bytes, compute_));
+  }
+  return dev_->Synchronize(compute_);
+}
+
+absl::Status UnitStore::BeforeSnapshot(float* master, float* m, float* v, void** param) {
+  for (int u = 0; state_file_ != nullptr && u < layout_.num_units(); ++u) {
+    const int64_t off = plan_.units[u].shard_offset;
+    RETURN_IF_ERROR(state_file_->Load(u, master + off, m + off, v + off));
+  }
+  if (param_file_ == nullptr || *param == nullptr) return absl::OkStatus();
+  for (int u = 0; u < layout_.num_units(); ++u) {  // the shards, before the snapshot begins
+    char* dst = static_cast<char*>(*param) + plan_.units[u].shard_offset * c_;
+    RETURN_IF_ERROR(param_file_->Read(u, [dst](int64_t offset, const char* data, int64_t bytes) {
+      std::memcpy(dst + offset, data, static_cast<size_t>(bytes));
+      return absl::OkStatus();
+    }));
+  }
+  *param = nullptr;
+  return absl::OkStatus();
+}
+
+// --- the parameter shard ----------------------------------------------------------------------
+
+absl::Status UnitStore::StoreParams(int u, const char* values) {
+  if (param_file_ != nullptr) return param_file_->Write(u, values);
+  const Region& reg = layout_.region(u);
+  return dev_->Copy(reg.param, values, reg.n * c_, compute_);
+}
+
+// Collectives only ever see device buffers: a shard in host memory or in the file is staged
+// into this rank's block of the destination and gathered in place.
+const char* UnitStore::ShardToSend(int u, char* block, Device::Stream side, absl::Status* read,
+                                   const std::function<bool(int)>& gathered) {
+  const Region& reg = layout_.region(u);
+  if (!params_on_host_) return reg.param;
+  if (param_file_ == nullptr) {
+    *read = dev_->Copy(block, reg.param, reg.n * c_, side);
+    return block;
+  }
+  *read = param_file_->Read(u, [&](int64_t offset, const char* data, int64_t bytes) {
+    RETURN_IF_ERROR(dev_->Copy(block + offset, data, bytes, side));
+    return dev_->Synchronize(side);  // the next piece reuses the buffer
+  });
+  read->Update(ReadAhead(u, gathered));
+  return block;
+}
+
+// At either end of the units the gathers can only turn round (backward follows forward, and
+// forward backward), unless the optimizer step is next.
+absl::Status UnitStore::ReadAhead(int u, const std::function<bool(int)>& gathered) {
+  const int nu = layout_.num_units();
+  int direction = u >= last_read_ ? 1 : -1;
+  const bool at_end = u + direction < 0 || u + direction >= nu;
+  last_read_ = u;
+  if (at_end && step_next_ && step_next_()) return absl::OkStatus();
+  if (at_end) direction = -direction;
+  // Units still gathered in a slot (the last ones of the pass before a turn) need no read.
+  int next = u + direction;
+  while (next >= 0 && next < nu && gathered(next)) next += direction;
+  if (next >= 0 && next < nu) param_file_->ReadAhead(next, direction);
+  return absl::OkStatus();
+}
+
+absl::Status UnitStore::AgreeOnRead(const absl::Status& read) {
+  return param_file_ != nullptr ? comm::AgreeOnStatus(*exchange_, read) : read;
+}
+
+// --- the optimizer step -----------------------------------------------------------------------
+
+void UnitStore::PipelineStorage(offload::PipelineOptions* options) const {
+  options->nvme = state_file_.get();
+  options->nvme_params = param_file_.get();
+}
+
+// Last unit first: completed writes stay in the buffers as read-aheads, so the first units,
+// which the next forward gathers first, are the ones left there. The first failed write stops
+// the rest; the ranks then agree, so every rank fails alike (or none does).
+absl::Status UnitStore::AfterDeviceUpdate() {
+  if (param_file_ == nullptr) return absl::OkStatus();
+  absl::Status written;
+  for (int u = layout_.num_units() - 1; u >= 0 && written.ok(); --u) {
+    written = WriteShardFromMaster(u);
+  }
+  return comm::AgreeOnStatus(*exchange_, written);
+}
+
+// Unit u's shard as round(master) (what the optimizer step writes) into the file, a pinned
+// buffer at a time, so no host copy of the whole shard exists. With the optimizer on the device
+// the master is device memory and the device rounds it into the buffer; with host state the
+// host does, as the pipeline would.
+absl::Status UnitStore::WriteShardFromMaster(int u) {
+  const float* master = layout_.region(u).master;
+  const DType cdt = plan_.options.compute_dtype;
+  return param_file_->WriteFrom(u, [&](int64_t offset, char* buffer, int64_t bytes) {
+    const float* src = master + offset / static_cast<int64_t>(c_);
+    const size_t n = static_cast<size_t>(bytes) / c_;
+    if (host_optimizer_) {
+      offload::Cast(src, DType::kF32, buffer, cdt, n);
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(dev_->Cast(src, DType::kF32, buffer, cdt, n, compute_));
+    return dev_->Synchronize(compute_);  // the write reads the buffer next
+  });
+}
+
+absl::Status UnitStore::AfterFailedUpdate(const absl::Status& failed, int64_t* step,
+                                          const std::function<absl::Status(int)>& regather) {
+  if (state_file_ != nullptr) {
+    --*step;
+    return Annotate(failed, RecoverFromFile(regather).ok()
+                                ? "the previous step's state and parameters stay"
+                                : "the parameters could not be re-derived either");
+  }
+  if (param_file_ != nullptr) {
+    return Annotate(failed, RederiveShards(regather).ok()
+                                ? "the step's update stands; the parameters were re-derived "
+                                  "from it"
+                                : "the step's update stands, but the parameters could not be "
+                                  "re-derived from it either: restore a checkpoint "
+                                  "(RestoreOwnedState rewrites them)");
+  }
+  return failed;
+}
+
+// The file's current copy is the previous step's state, but the parameters were partly
+// overwritten: each unit's are re-derived as round(master) and all-gathered again.
+absl::Status UnitStore::RecoverFromFile(const std::function<absl::Status(int)>& regather) {
+  const DType cdt = plan_.options.compute_dtype;
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    const int64_t n = layout_.region(u).n;
+    std::vector<float> master(n);
+    RETURN_IF_ERROR(state_file_->Load(u, master.data(), nullptr, nullptr));
+    std::vector<char> values(n * c_);
+    offload::Cast(master.data(), DType::kF32, values.data(), cdt, n);
+    RETURN_IF_ERROR(StoreParams(u, values.data()));
+    RETURN_IF_ERROR(dev_->Synchronize(compute_));  // before `values` goes
+    RETURN_IF_ERROR(regather(u));
+  }
+  return absl::OkStatus();
+}
+
+// Every shard written again as round(master), each unit all-gathered again. A rank whose write
+// fails again still runs every all-gather, so no rank is left in one; the ranks then agree on
+// the writes' verdict.
+absl::Status UnitStore::RederiveShards(const std::function<absl::Status(int)>& regather) {
+  absl::Status written;
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    written.Update(WriteShardFromMaster(u));
+    RETURN_IF_ERROR(regather(u));  // a failed read: every rank fails alike
+  }
+  return comm::AgreeOnStatus(*exchange_, written);
+}
+
+int64_t UnitStore::file_bytes() const {
+  return swap_file_ != nullptr ? swap_file_->bytes() : 0;
+}
+int64_t UnitStore::reads_ahead_used() const {
+  return param_file_ != nullptr ? param_file_->reads_ahead_used() : 0;
+}
+int64_t UnitStore::reads_ahead_wasted() const {
+  return param_file_ != nullptr ? param_file_->reads_ahead_wasted() : 0;
+}
+
+}  // namespace zero_internal
+}  // namespace zerort

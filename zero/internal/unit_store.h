@@ -1,0 +1,146 @@
+// UnitStore: the one owner of where this rank's owned state of every unit lives, the fp32
+// master, m and v and the compute-dtype parameter shard: in device memory, in host memory
+// (offload_optimizer / offload_param "cpu"), or in an NVMe swap file ("nvme").
+//
+// Every engine path that reads or writes owned state goes through it: InitParams and restores
+// (StoreState, StoreParams), snapshots (BeforeSnapshot), GatherMasterWeights (LoadState), the
+// stage-3 gathers (ShardToSend), the optimizer step (AfterDeviceUpdate, PipelineStorage) and
+// the one policy for a failed update (AfterFailedUpdate). The engine's files hold no branch on
+// where state lives: a new place for it (or a compact form of it) is a change here.
+//
+// Arrays handed in and out are a unit's region (ShardLayout): region(u).n elements, the whole
+// padded unit in stage 0 and this rank's shard otherwise.
+//
+//   ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, memory, setup, dev, compute,
+//                                                  &exchange));
+//   RETURN_IF_ERROR(store->StoreState(u, master, nullptr, nullptr));  // m, v start at zero
+//   RETURN_IF_ERROR(store->StoreParams(u, round_of_master));
+//
+// Thread safety: not thread-safe; one per engine (BeforeSnapshot, like every call, on the
+// engine's thread). The memory, layout, device and exchange must outlive it.
+#ifndef ZERORT_ZERO_INTERNAL_UNIT_STORE_H_
+#define ZERORT_ZERO_INTERNAL_UNIT_STORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "comm/agree.h"
+#include "device/device.h"
+#include "memory/plan.h"
+#include "nvme/io.h"
+#include "nvme/params.h"
+#include "nvme/state.h"
+#include "offload/pipeline.h"
+#include "zero/config.h"
+#include "zero/internal/engine_memory.h"
+#include "zero/internal/shard_layout.h"
+
+namespace zerort {
+namespace zero_internal {
+
+// Where NVMe offload puts its files: <path>/zerort-<pid>-<n>-rank<rank>/optimizer_state (or
+// param_shard when only the parameters are on NVMe).
+struct NvmeSetup {
+  std::string path;          // zero_optimization.offload_optimizer.nvme_path
+  // zero_optimization.offload_param.nvme_path: used when only the parameters are on NVMe;
+  // with both, the shards take a region of the optimizer state's file after the state.
+  std::string param_path;
+  nvme::AioOptions aio;      // the config's aio block
+};
+
+NvmeSetup NvmeSetupOf(const Config& config);
+
+class UnitStore {
+ public:
+  // With NVMe offload in the plan, creates the rank's swap directory and file (errors of
+  // nvme/io.h: tmpfs, leftovers of a crashed run, a full disk) over the plan's NVMe buffers of
+  // `memory`; m and v start at zero everywhere.
+  static absl::StatusOr<std::unique_ptr<UnitStore>> Create(
+      const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
+      const NvmeSetup& nvme, Device* device, Device::Stream compute,
+      comm::HostExchange* exchange);
+  ~UnitStore();  // waits for file I/O in flight; the file and its directory go
+
+  // --- optimizer state ------------------------------------------------------------------------
+  // Unit u's master, m and v from host fp32 arrays (null m or v: zeros). Enqueued on the compute
+  // stream or written on return: keep the arrays until the compute stream is synchronized.
+  absl::Status StoreState(int u, const float* master, const float* m, const float* v);
+  // Unit u's master, m, v into host arrays (null ones are skipped), complete on return.
+  absl::Status LoadState(int u, float* master, float* m, float* v);
+  // Before a snapshot's copies (OwnedSnapshot::Begin, which copies what is in memory): what
+  // lives in a file is read into the snapshot's arrays now (plan.shard_elements each, unit u at
+  // units[u].shard_offset), and `*param` is set to null when the parameter shards were read.
+  absl::Status BeforeSnapshot(float* master, float* m, float* v, void** param);
+
+  // --- the parameter shard --------------------------------------------------------------------
+  // Unit u's region of the compute-dtype parameters from host `values`; enqueued on the compute
+  // stream or written on return (synchronize before `values` goes).
+  absl::Status StoreParams(int u, const char* values);
+  // Stage 3: the send buffer of unit u's all-gather, in device memory: the shard itself, or the
+  // shard staged on `side` into `block` (this rank's block of the gather destination). A failed
+  // read sets `*read` and still returns `block` (stale bytes), so that every rank makes the
+  // same collectives; AgreeOnRead then fails them all alike. `gathered(v)`: unit v is still in
+  // a gather slot (no read ahead needed).
+  const char* ShardToSend(int u, char* block, Device::Stream side, absl::Status* read,
+                          const std::function<bool(int)>& gathered);
+  // After the all-gather of a ShardToSend: the group's verdict on the reads. Collective where a
+  // read can fail (shards in a file); else `read` itself.
+  absl::Status AgreeOnRead(const absl::Status& read);
+  // Shards in a file: at either end of the units the read-ahead turns round unless `step_next`
+  // says the optimizer step comes next (it rewrites every shard, dropping those reads unread).
+  void set_step_next(std::function<bool()> step_next) { step_next_ = std::move(step_next); }
+
+  // --- the optimizer step ---------------------------------------------------------------------
+  // Where the host AdamW (offload pipeline) finds state and shards that live in a file.
+  void PipelineStorage(offload::PipelineOptions* options) const;
+  // After AdamW on the device: shard copies kept outside the region (a file) are written from
+  // the new master. Collective (the ranks agree on the writes).
+  absl::Status AfterDeviceUpdate();
+  // The one policy for a failed update (every rank failed alike: the update agreed). State in
+  // a file: the file keeps the previous step's state, so the step is undone (--*step) and the
+  // parameters re-derived from it. Shards alone in a file: the update stands and the shards are
+  // rewritten from the new master. Otherwise the error stands. `regather(u)` all-gathers unit
+  // u's parameters after its shard was rewritten. Returns `failed`, annotated. Collective.
+  absl::Status AfterFailedUpdate(const absl::Status& failed, int64_t* step,
+                                 const std::function<absl::Status(int)>& regather);
+
+  int64_t file_bytes() const;  // of the swap file, or 0
+  int64_t reads_ahead_used() const;
+  int64_t reads_ahead_wasted() const;
+
+ private:
+  UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
+            Device::Stream compute, comm::HostExchange* exchange);
+  absl::Status CreateFiles(const EngineMemory& memory, const NvmeSetup& setup);
+  absl::Status WriteShardFromMaster(int u);
+  absl::Status ReadAhead(int u, const std::function<bool(int)>& gathered);
+  absl::Status RecoverFromFile(const std::function<absl::Status(int)>& regather);
+  absl::Status RederiveShards(const std::function<absl::Status(int)>& regather);
+
+  const memory::Plan& plan_;
+  const ShardLayout& layout_;
+  Device* const dev_;
+  const Device::Stream compute_;
+  comm::HostExchange* const exchange_;
+  const size_t c_;              // bytes of a compute-dtype element
+  const bool params_on_host_;   // offload_param: shards in host memory (or the file)
+  const bool host_optimizer_;   // offload_optimizer: AdamW runs on the host
+  int last_read_ = -1;          // shards in a file: the unit read last (read-ahead direction)
+  std::function<bool()> step_next_;
+  // Destroyed first (by ~UnitStore): the state waits for its I/O, then the file goes, then the
+  // directory.
+  std::unique_ptr<nvme::SwapDir> swap_dir_;
+  std::unique_ptr<nvme::SwapFile> swap_file_;
+  std::unique_ptr<nvme::AioEngine> aio_;
+  std::unique_ptr<nvme::NvmeState> state_file_;   // master|m|v of every unit, or null
+  std::unique_ptr<nvme::NvmeParams> param_file_;  // stage-3 shards, or null
+};
+
+}  // namespace zero_internal
+}  // namespace zerort
+
+#endif  // ZERORT_ZERO_INTERNAL_UNIT_STORE_H_
