@@ -1,6 +1,6 @@
 // Engine::Impl, shared by the engine's translation units: engine.cc (creation, parameters,
 // gradients, gathers), engine_step.cc (Step and the split step) and engine_state.cc (snapshots,
-// restore, NVMe recovery). Internal: include only from those.
+// restore). Internal: include only from those.
 #ifndef ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
 #define ZERORT_ZERO_INTERNAL_ENGINE_IMPL_H_
 
