@@ -369,7 +369,7 @@ int Main(int argc, char** argv) {
   doc["benchmark"] = "footprint";
   doc["limit"] = "planned vs DeepSpeed's estimator; measured / planned = 1.00 +- 0.01";
   doc["precision"] = "bf16";
-  doc["unit_sizes"] = "auto (zero/planner.h ResolveUnitSizes)";
+  doc["unit_sizes"] = "auto (zero/auto_fill.h ResolveUnitSizes)";
   doc["planned"] = *planned;
   doc["measured"] = measured;
   if (!out_dir.empty()) {

@@ -27,9 +27,9 @@
 #include "comm/rendezvous.h"
 #include "device/cpu_device.h"
 #include "device/cuda_device.h"
+#include "zero/auto_fill.h"
 #include "zero/config.h"
 #include "zero/engine.h"
-#include "zero/planner.h"
 #include "zero/report.h"
 
 struct zr_comm {

@@ -122,7 +122,7 @@ class AsyncCheckpointer {
   // REQUIRES: a save in flight (else FailedPrecondition).
   absl::StatusOr<std::string> Finish();
 
-  struct Pending;  // checkpoint/checkpoint.cc
+  struct Pending;  // checkpoint/save.cc
 
  private:
   SaveOptions options_;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "base/bytes.h"
 #include "base/status.h"
+#include "zero/auto_fill.h"
 #include "zero/config.h"
 #include "cli/flags.h"
 #include "zero/model_spec.h"

@@ -1,7 +1,6 @@
 #include "comm/mpi.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -14,7 +13,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
 #include "comm/internal/common.h"
@@ -44,90 +42,6 @@ absl::Status MpiStatus(int code, absl::string_view call, int rank) {
     default:
       return absl::UnavailableError(msg);
   }
-}
-
-namespace {
-
-// Set once an MPI_Init_thread has been started by MpiSession::Init: MPI may be initialized
-// only once, and a timed-out init is still running.
-std::atomic<bool> g_init_started{false};
-
-// The outcome of MPI_Init_thread, shared with the thread that runs it: on a timeout that
-// thread outlives Init, so it owns its own reference.
-struct InitCall {
-  absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  int rc ABSL_GUARDED_BY(mu) = MPI_SUCCESS;
-  int provided ABSL_GUARDED_BY(mu) = 0;
-};
-
-// MPI_Init_thread has no timeout of its own: it waits (OpenMPI: in the PMIx fence of its
-// modex) until every process of the job has started it, so a peer that never starts would
-// hang us forever. It runs on a helper thread, and the wait for it is bounded; on a timeout
-// that thread stays blocked in MPI (an init cannot be abandoned) and is detached.
-absl::Status InitThreadWithin(int* argc, char*** argv, int64_t timeout_ms, int* provided) {
-  auto call = std::make_shared<InitCall>();
-  std::thread t([call, argc, argv] {
-    int got = 0;
-    const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &got);
-    absl::MutexLock lock(&call->mu);
-    call->done = true;
-    call->rc = rc;
-    call->provided = got;
-  });
-  call->mu.Lock();
-  const bool done = call->mu.AwaitWithTimeout(absl::Condition(&call->done),
-                                              absl::Milliseconds(timeout_ms));
-  const int rc = call->rc;
-  *provided = call->provided;
-  call->mu.Unlock();
-  if (!done) {
-    t.detach();
-    return absl::DeadlineExceededError(absl::StrCat(
-        "MPI_Init_thread did not complete within ", timeout_ms, " ms (MpiSession::Init "
-        "timeout_ms): a process of the MPI job has not started or is stuck before MPI_Init; "
-        "MPI is unusable in this process"));
-  }
-  t.join();
-  return MpiStatus(rc, "MPI_Init_thread", -1);
-}
-
-}  // namespace
-
-absl::StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv,
-                                                             int64_t timeout_ms) {
-  if (timeout_ms <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("MpiSession::Init: timeout_ms must be > 0, got ", timeout_ms));
-  }
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  bool owns = false;
-  if (!initialized) {
-    if (g_init_started.exchange(true)) {
-      return absl::FailedPreconditionError(
-          "MpiSession::Init: an earlier MPI_Init_thread of this process failed or is still "
-          "waiting for its peers; MPI can be initialized only once");
-    }
-    int provided = 0;
-    RETURN_IF_ERROR(InitThreadWithin(argc, argv, timeout_ms, &provided));
-    owns = true;
-    if (provided < MPI_THREAD_SERIALIZED) {
-      MPI_Finalize();
-      return absl::FailedPreconditionError(absl::StrCat(
-          "MPI_Init_thread provided thread level ", provided, ", need MPI_THREAD_SERIALIZED"));
-    }
-  }
-  int rank = 0, size = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return std::unique_ptr<MpiSession>(new MpiSession(owns, rank, size));
-}
-
-MpiSession::~MpiSession() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (owns_ && !finalized) MPI_Finalize();
 }
 
 namespace {
@@ -628,13 +542,6 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateMpiCommunicator(MPI_Comm com
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_rank(dup, &rank), "MPI_Comm_rank", world_rank));
   RETURN_IF_ERROR(MpiStatus(MPI_Comm_size(dup, &size), "MPI_Comm_size", world_rank));
   return std::unique_ptr<Communicator>(new MpiCommunicator(dup, rank, size, options));
-}
-
-absl::StatusOr<MpiJob> StartMpiJob(int* argc, char*** argv, CommOptions options) {
-  MpiJob job;
-  ASSIGN_OR_RETURN(job.session, MpiSession::Init(argc, argv));
-  ASSIGN_OR_RETURN(job.comm, CreateMpiCommunicator(MPI_COMM_WORLD, options));
-  return job;
 }
 
 }  // namespace comm

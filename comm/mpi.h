@@ -1,5 +1,6 @@
 // MPI backend of Communicator: ranks are MPI processes (one node or many), buffers are host
-// memory. Also the MPI start-up helper for test programs and tools.
+// memory. Also the MPI start-up helpers for programs, MpiSession and StartMpiJob
+// (comm/mpi_session.cc).
 //
 //   ASSIGN_OR_RETURN(auto mpi, comm::MpiSession::Init(&argc, &argv));
 //   ASSIGN_OR_RETURN(auto comm, comm::CreateMpiCommunicator(MPI_COMM_WORLD));

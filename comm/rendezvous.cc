@@ -2,7 +2,6 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -23,47 +22,25 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "base/status.h"
+#include "comm/internal/socket.h"
+#include "comm/internal/torch_store.h"
 
 namespace zerort {
 namespace comm {
 namespace {
+
+using internal::ConnectBefore;
+using internal::Errno;
+using internal::RemainingMs;
+using internal::Resolve;
+using internal::TorchStore;
+using internal::Transfer;
 
 constexpr uint32_t kMagic = 0x5a525631;  // "ZRV1"
 constexpr size_t kHelloBytes = 16;
 constexpr uint32_t kRejectMagic = 0x5a52584a;  // "ZRXJ": rank 0 refused the hello
 constexpr size_t kHeaderBytes = 8;
 constexpr size_t kMaxSecretBytes = 256;
-
-int RemainingMs(absl::Time deadline) {
-  const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-  return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, 1 << 30)));
-}
-
-absl::Status Errno(absl::string_view what, const std::string& where) {
-  return absl::UnavailableError(absl::StrCat("rendezvous ", what, " ", where, ": ",
-                                             std::strerror(errno)));
-}
-
-// Resolves an IPv4 address or host name.
-absl::StatusOr<sockaddr_in> Resolve(const std::string& addr, int port) {
-  if (port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("rendezvous port ", port, " out of range"));
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = getaddrinfo(addr.c_str(), nullptr, &hints, &res);
-  if (rc != 0 || res == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rendezvous address '", addr, "' does not resolve: ", gai_strerror(rc)));
-  }
-  sockaddr_in sa;
-  std::memcpy(&sa, res->ai_addr, sizeof sa);
-  freeaddrinfo(res);
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  return sa;
-}
 
 void Put32(char* p, uint32_t v) {
   v = htonl(v);
@@ -73,36 +50,6 @@ uint32_t Get32(const char* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
   return ntohl(v);
-}
-
-// Sends or receives exactly n bytes before the deadline.
-absl::Status Transfer(int fd, char* buf, size_t n, bool send, absl::Time deadline,
-                      const std::string& peer) {
-  size_t done = 0;
-  while (done < n) {
-    pollfd p{fd, static_cast<short>(send ? POLLOUT : POLLIN), 0};
-    const int ready = poll(&p, 1, RemainingMs(deadline));
-    if (ready == 0) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("rendezvous with ", peer, " timed out ", send ? "sending" : "receiving"));
-    }
-    if (ready < 0) {
-      if (errno == EINTR) continue;
-      return Errno("poll", peer);
-    }
-    const ssize_t k = send ? ::send(fd, buf + done, n - done, MSG_NOSIGNAL)
-                           : ::recv(fd, buf + done, n - done, 0);
-    if (k == 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "rendezvous: ", peer, " closed the connection (hello rejected, or it failed)"));
-    }
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Errno(send ? "send to" : "recv from", peer);
-    }
-    done += static_cast<size_t>(k);
-  }
-  return absl::OkStatus();
 }
 
 // Why the server refused a well-formed hello; sent back as {kRejectMagic, reason} so that the
@@ -239,156 +186,6 @@ absl::Status SendPayload(const std::map<int, int>& peers, absl::string_view payl
   }
   return result;
 }
-
-// True for connect() failures that a later attempt may not see: nobody listening yet, or a
-// network path that is still coming up.
-bool Retryable(int err) {
-  return err == ECONNREFUSED || err == ECONNRESET || err == ETIMEDOUT || err == EINTR ||
-         err == ENETUNREACH || err == EHOSTUNREACH || err == ECONNABORTED;
-}
-
-// One non-blocking connect, waited for with poll until `deadline`: a peer that never answers
-// (SYNs dropped) cannot hold us past it, as a blocking connect() would for minutes. Returns the
-// connected (non-blocking) socket, or -1 with *err set; err == ETIMEDOUT at the deadline.
-int ConnectOnce(const sockaddr_in& sa, absl::Time deadline, int* err) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-  if (fd < 0) {
-    *err = errno;
-    return -1;
-  }
-  int rc = connect(fd, reinterpret_cast<const sockaddr*>(&sa), sizeof sa);
-  *err = rc == 0 ? 0 : errno;
-  while (*err == EINPROGRESS || *err == EINTR) {
-    pollfd p{fd, POLLOUT, 0};
-    rc = poll(&p, 1, RemainingMs(deadline));
-    if (rc == 0) {
-      *err = ETIMEDOUT;
-    } else if (rc < 0) {
-      *err = errno;
-    } else {
-      socklen_t len = sizeof *err;
-      if (getsockopt(fd, SOL_SOCKET, SO_ERROR, err, &len) != 0) *err = errno;
-    }
-  }
-  if (*err == 0) return fd;
-  close(fd);
-  return -1;
-}
-
-// Connects to `sa` before `deadline`, retrying refused and unreachable attempts (rank 0 may not
-// be listening yet) every 20 ms.
-absl::StatusOr<int> ConnectBefore(const sockaddr_in& sa, absl::Time deadline, int rank,
-                                  const std::string& where, int64_t timeout_ms) {
-  for (;;) {
-    int err = 0;
-    const int fd = ConnectOnce(sa, deadline, &err);
-    if (fd >= 0) return fd;
-    if (!Retryable(err)) {
-      errno = err;
-      return Errno("connect to", where);
-    }
-    const int left = RemainingMs(deadline);
-    if (left == 0) {
-      return absl::DeadlineExceededError(absl::StrCat("rendezvous: rank ", rank, " could not reach ",
-                                                      where, " within ", timeout_ms, " ms (",
-                                                      std::strerror(err), ")"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, left)));
-  }
-}
-
-// torchrun's TCPStore, spoken as a client (torch/csrc/distributed/c10d/TCPStoreBackend.hpp,
-// the same for its classic and libuv servers): a request is a one-byte query type and its
-// arguments; a string is a uint64 length and its bytes, in the host's byte order (torch sends
-// its integers raw). The connection must open with VALIDATE and the magic number.
-enum TorchQuery : uint8_t { kTorchValidate = 0, kTorchSet = 1, kTorchGet = 3, kTorchCheck = 5 };
-constexpr uint32_t kTorchValidateMagic = 0x3C85F7CE;
-constexpr uint8_t kTorchReady = 0;  // CheckResponseType::READY
-
-template <typename T>
-void AppendRaw(std::string& msg, T v) {
-  msg.append(reinterpret_cast<const char*>(&v), sizeof v);
-}
-void AppendStoreString(std::string& msg, absl::string_view s) {
-  AppendRaw<uint64_t>(msg, s.size());
-  msg.append(s.data(), s.size());
-}
-
-// A connection to torchrun's store; every call sends one request and reads its reply.
-class TorchStore {
- public:
-  static absl::StatusOr<std::unique_ptr<TorchStore>> Connect(const std::string& addr, int port,
-                                                             int rank, absl::Time deadline,
-                                                             int64_t timeout_ms) {
-    ASSIGN_OR_RETURN(sockaddr_in sa, Resolve(addr, port));
-    const std::string where = absl::StrCat("torchrun's store at ", addr, ":", port);
-    ASSIGN_OR_RETURN(int fd, ConnectBefore(sa, deadline, rank, where, timeout_ms));
-    std::unique_ptr<TorchStore> store(new TorchStore(fd, where, deadline));
-    std::string msg(1, static_cast<char>(kTorchValidate));
-    AppendRaw<uint32_t>(msg, kTorchValidateMagic);
-    RETURN_IF_ERROR(store->Send(msg));
-    return store;
-  }
-  ~TorchStore() { close(fd_); }
-
-  const std::string& where() const { return where_; }
-
-  // This end's IPv4 address: the interface through which the store's host reaches us.
-  absl::StatusOr<std::string> LocalAddress() const {
-    sockaddr_in sa{};
-    socklen_t len = sizeof sa;
-    char text[INET_ADDRSTRLEN] = {};
-    if (getsockname(fd_, reinterpret_cast<sockaddr*>(&sa), &len) != 0 ||
-        inet_ntop(AF_INET, &sa.sin_addr, text, sizeof text) == nullptr) {
-      return Errno("getsockname on the connection to", where_);
-    }
-    return std::string(text);
-  }
-
-  absl::Status Set(absl::string_view key, absl::string_view value) {
-    std::string msg(1, static_cast<char>(kTorchSet));
-    AppendStoreString(msg, key);
-    AppendStoreString(msg, value);
-    return Send(msg);
-  }
-
-  absl::StatusOr<bool> Check(absl::string_view key) {
-    std::string msg(1, static_cast<char>(kTorchCheck));
-    AppendRaw<uint64_t>(msg, 1);
-    AppendStoreString(msg, key);
-    RETURN_IF_ERROR(Send(msg));
-    char reply = 0;
-    RETURN_IF_ERROR(Transfer(fd_, &reply, 1, /*send=*/false, deadline_, where_));
-    return static_cast<uint8_t>(reply) == kTorchReady;
-  }
-
-  // REQUIRES: Check(key) returned true.
-  absl::StatusOr<std::string> Get(absl::string_view key, size_t max_bytes) {
-    std::string msg(1, static_cast<char>(kTorchGet));
-    AppendStoreString(msg, key);
-    RETURN_IF_ERROR(Send(msg));
-    uint64_t n = 0;
-    RETURN_IF_ERROR(Transfer(fd_, reinterpret_cast<char*>(&n), sizeof n, false, deadline_, where_));
-    if (n > max_bytes) {
-      return absl::DataLossError(absl::StrCat("rendezvous: ", where_, " returned ", n,
-                                              " bytes for key '", key, "', expected at most ",
-                                              max_bytes));
-    }
-    std::string value(n, '\0');
-    if (n > 0) RETURN_IF_ERROR(Transfer(fd_, &value[0], n, false, deadline_, where_));
-    return value;
-  }
-
- private:
-  TorchStore(int fd, std::string where, absl::Time deadline)
-      : fd_(fd), where_(std::move(where)), deadline_(deadline) {}
-  absl::Status Send(std::string& msg) {
-    return Transfer(fd_, &msg[0], msg.size(), /*send=*/true, deadline_, where_);
-  }
-  int fd_;
-  std::string where_;
-  absl::Time deadline_;
-};
 
 // Splits "a.b.c.d:port" as rank 0 published it.
 absl::Status ParseHostPort(const std::string& text, const std::string& key, std::string* host,

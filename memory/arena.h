@@ -30,7 +30,7 @@
 namespace zerort {
 namespace memory {
 
-// Where an arena's (or a pinned pool's) big allocations come from. Implementations must be
+// Where an arena's (or the pinned slab cache's) big allocations come from. Implementations must be
 // thread-safe. Allocate(0) is allowed to return nullptr.
 class RawAllocator {
  public:

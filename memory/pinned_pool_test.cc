@@ -5,21 +5,15 @@
 #include <cstring>
 #include <fstream>
 #include <random>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
-#include "absl/synchronization/notification.h"
-#include "absl/time/clock.h"
-
 namespace zerort {
 namespace memory {
 namespace {
-
-using Locking = PinnedPoolOptions::Locking;
 
 // Refuses every lock, as mlock does past RLIMIT_MEMLOCK for an unprivileged user.
 class RefusingLocker final : public Locker {
@@ -33,7 +27,7 @@ class RefusingLocker final : public Locker {
   int attempts = 0, unlocks = 0;
 };
 
-// Records what was locked so the test can check the pool unlocks exactly that.
+// Records what was locked so the test can check the cache unlocks exactly that.
 class RecordingLocker final : public Locker {
  public:
   absl::Status Lock(void*, size_t bytes) override {
@@ -45,15 +39,6 @@ class RecordingLocker final : public Locker {
   size_t locked_bytes = 0, unlocked_bytes = 0;
 };
 
-PinnedPoolOptions PlanLikeOptions(Locker* locker) {
-  PinnedPoolOptions o;
-  // Chunk sizes as a plan produces them: element counts times dtype sizes, not powers of two.
-  o.classes = {{12 * 1000003, 4}, {2 * 1000003, 8}, {4 * 77777, 16}};
-  o.slab_bytes = 32 << 20;
-  o.locker = locker;
-  return o;
-}
-
 // VmLck from /proc/self/status, in bytes (the kernel's own count of locked memory).
 size_t LockedBytesOfProcess() {
   std::ifstream status("/proc/self/status");
@@ -62,135 +47,6 @@ size_t LockedBytesOfProcess() {
     if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
   }
   return 0;
-}
-
-TEST_CASE("PinnedPool: plan-sized classes lose under 1% to rounding and buffers are disjoint",
-          "[memory]") {
-  RecordingLocker locker;
-  const PinnedPoolOptions options = PlanLikeOptions(&locker);
-  size_t usable = 0, buffers = 0;
-  for (const auto& c : options.classes) {
-    usable += c.bytes * c.count;
-    buffers += c.count;
-  }
-  auto pool = PinnedPool::Create(options);
-  REQUIRE(pool.ok());
-  PinnedPoolStats s = (*pool)->stats();
-  CHECK(s.buffers == buffers);
-  CHECK(s.reserved_bytes >= usable);
-  CHECK(s.rounding_loss_bytes == s.reserved_bytes - usable);
-  CHECK(static_cast<double>(s.rounding_loss_bytes) < 0.01 * s.reserved_bytes);
-  CHECK(s.locked);
-  CHECK(locker.locked_bytes == s.reserved_bytes);
-  // No slab exceeds slab_bytes unless a single buffer does; every slab is needed.
-  CHECK(s.os_allocations >= (usable + options.slab_bytes - 1) / options.slab_bytes);
-
-  // Take every buffer, fill each with its index, then verify: no overlap, right capacity.
-  std::vector<PinnedBuffer> held;
-  for (const auto& c : options.classes) {
-    for (size_t k = 0; k < c.count; ++k) {
-      auto b = (*pool)->TryAcquire(c.bytes);
-      REQUIRE(b.ok());
-      CHECK(b->capacity() == c.bytes);
-      CHECK(b->size() == c.bytes);
-      CHECK(reinterpret_cast<uintptr_t>(b->data()) % 256 == 0);
-      held.push_back(std::move(*b));
-    }
-  }
-  for (size_t i = 0; i < held.size(); ++i) std::memset(held[i].data(), int(i), held[i].size());
-  for (size_t i = 0; i < held.size(); ++i) {
-    const auto* p = static_cast<const uint8_t*>(held[i].data());
-    for (size_t b = 0; b < held[i].size(); b += 4093) REQUIRE(p[b] == uint8_t(i));
-    REQUIRE(p[held[i].size() - 1] == uint8_t(i));
-  }
-  s = (*pool)->stats();
-  CHECK(s.in_use_bytes == usable);
-  CHECK(s.high_water_bytes == usable);
-  CHECK(s.buffers_in_use == buffers);
-  held.clear();
-  s = (*pool)->stats();
-  CHECK(s.in_use_bytes == 0);
-  CHECK(s.high_water_bytes == usable);
-  pool->reset();
-  CHECK(locker.unlocked_bytes == locker.locked_bytes);
-}
-
-TEST_CASE("PinnedPool: best fit first, larger class when exhausted, then ResourceExhausted",
-          "[memory]") {
-  RecordingLocker locker;
-  PinnedPoolOptions o;
-  o.classes = {{3000, 1}, {1000, 1}, {1000, 1}};  // two equal classes merge
-  o.locker = &locker;
-  auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  CHECK((*pool)->class_bytes() == std::vector<size_t>{1000, 3000});
-  auto a = (*pool)->TryAcquire(900);
-  auto b = (*pool)->TryAcquire(1000);
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
-  CHECK(a->capacity() == 1000);
-  CHECK(b->capacity() == 1000);
-  auto c = (*pool)->TryAcquire(10);  // the 1000 class is empty: served by the 3000 one
-  REQUIRE(c.ok());
-  CHECK(c->capacity() == 3000);
-  CHECK(c->size() == 10);
-  auto d = (*pool)->TryAcquire(10);
-  CHECK(d.status().code() == absl::StatusCode::kResourceExhausted);
-  auto e = (*pool)->TryAcquire(3001);
-  CHECK(e.status().code() == absl::StatusCode::kInvalidArgument);
-  CHECK(std::string(e.status().message()).find("3001") != std::string::npos);
-  b->Release();
-  CHECK(!b->valid());
-  auto f = (*pool)->TryAcquire(10);
-  REQUIRE(f.ok());
-  CHECK(f->capacity() == 1000);
-  // Moving a handle transfers the loan exactly once.
-  PinnedBuffer moved = std::move(*f);
-  CHECK(!f->valid());
-  CHECK(moved.valid());
-  CHECK((*pool)->stats().buffers_in_use == 3);
-  moved = PinnedBuffer();
-  CHECK((*pool)->stats().buffers_in_use == 2);
-}
-
-TEST_CASE("PinnedPool: bad options are InvalidArgument naming the value", "[memory]") {
-  PinnedPoolOptions o;
-  CHECK(PinnedPool::Create(o).status().code() == absl::StatusCode::kInvalidArgument);
-  o.classes = {{100, 1}, {0, 3}};
-  auto s = PinnedPool::Create(o).status();
-  CHECK(s.code() == absl::StatusCode::kInvalidArgument);
-  CHECK(std::string(s.message()).find("class 1") != std::string::npos);
-  o.classes = {{100, 1}};
-  o.slab_bytes = 0;
-  CHECK(PinnedPool::Create(o).status().code() == absl::StatusCode::kInvalidArgument);
-}
-
-TEST_CASE("PinnedPool: refused locking falls back to unlocked memory, or fails under kRequire",
-          "[memory]") {
-  RefusingLocker locker;
-  PinnedPoolOptions o = PlanLikeOptions(&locker);
-  auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  CHECK(!(*pool)->stats().locked);
-  CHECK(locker.attempts == 1);  // stops trying after the first refusal
-  auto b = (*pool)->TryAcquire(1000);
-  REQUIRE(b.ok());
-  std::memset(b->data(), 1, b->size());
-  b->Release();
-  pool->reset();
-  CHECK(locker.unlocks == 0);
-
-  o.locking = Locking::kRequire;
-  auto required = PinnedPool::Create(o);
-  REQUIRE(required.status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK(std::string(required.status().message()).find("RLIMIT_MEMLOCK") != std::string::npos);
-
-  o.locking = Locking::kNone;
-  const int before = locker.attempts;
-  auto unlocked = PinnedPool::Create(o);
-  REQUIRE(unlocked.ok());
-  CHECK(!(*unlocked)->stats().locked);
-  CHECK(locker.attempts == before);
 }
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -205,93 +61,28 @@ constexpr bool kAsan = false;
 constexpr bool kAsan = false;
 #endif
 
-TEST_CASE("PinnedPool: mlock really locks the slabs (kernel VmLck) when permitted", "[memory]") {
+TEST_CASE("PinnedSlabCache: mlock really locks the slabs (kernel VmLck) when permitted",
+          "[memory]") {
   if (kAsan) {
     WARN("AddressSanitizer makes mlock a no-op: VmLck cannot be checked in this build");
     return;
   }
-  PinnedPoolOptions o;
-  o.classes = {{100003, 20}};  // ~2 MB: within the default 8 MiB RLIMIT_MEMLOCK
+  PinnedSlabCache cache;  // HostAllocator, MlockLocker, kPrefer: what SharedPinnedSlabs uses
+  const size_t bytes = 20 * 100003;  // ~2 MB: within the default 8 MiB RLIMIT_MEMLOCK
   const size_t before = LockedBytesOfProcess();
-  auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  const PinnedPoolStats s = (*pool)->stats();
-  if (s.locked) {
-    CHECK(LockedBytesOfProcess() >= before + s.reserved_bytes);
+  auto p = cache.Allocate(bytes);
+  REQUIRE(p.ok());
+  const PinnedSlabCacheStats s = cache.stats();
+  if (s.unlocked_slabs == 0) {
+    CHECK(LockedBytesOfProcess() >= before + s.in_use_bytes);
   } else {
     // Only an unprivileged user with a tiny limit gets here; then the limit must be the reason.
-    CHECK(MemlockLimitBytes() < s.reserved_bytes + before);
+    CHECK(MemlockLimitBytes() < s.in_use_bytes + before);
   }
-  pool->reset();
+  cache.Free(*p, bytes);
+  cache.Trim();
   CHECK(LockedBytesOfProcess() == before);
 }
-
-TEST_CASE("PinnedPool: Acquire waits for a Release and times out otherwise", "[memory]") {
-  PinnedPoolOptions o;
-  o.classes = {{4096, 1}};
-  o.locking = Locking::kNone;
-  auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  auto held = (*pool)->TryAcquire(4096);
-  REQUIRE(held.ok());
-
-  auto timed_out = (*pool)->Acquire(100, absl::Milliseconds(20));
-  CHECK(timed_out.status().code() == absl::StatusCode::kResourceExhausted);
-
-  absl::Notification waiting;
-  std::thread releaser([&] {
-    waiting.WaitForNotification();
-    absl::SleepFor(absl::Milliseconds(20));
-    held->Release();
-  });
-  waiting.Notify();
-  auto got = (*pool)->Acquire(100, absl::Seconds(20));
-  releaser.join();
-  REQUIRE(got.ok());
-  CHECK(got->size() == 100);
-  CHECK((*pool)->stats().waits == 2);
-}
-
-TEST_CASE("PinnedPool: concurrent acquire/release never shares a buffer nor calls the OS",
-          "[memory]") {
-  PinnedPoolOptions o;
-  o.classes = {{50000, 6}, {120000, 3}};
-  o.locking = Locking::kNone;
-  auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  const size_t os_before = (*pool)->stats().os_allocations;
-  std::atomic<int> failures{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&, t] {
-      std::mt19937 rng(t);
-      std::uniform_int_distribution<size_t> size_dist(1, 120000);
-      for (int i = 0; i < 500; ++i) {
-        auto b = (*pool)->Acquire(size_dist(rng), absl::Seconds(30));
-        if (!b.ok()) {
-          ++failures;
-          continue;
-        }
-        auto* p = static_cast<uint32_t*>(b->data());
-        const uint32_t tag = static_cast<uint32_t>(t * 100000 + i);
-        const size_t words = b->size() / 4;
-        for (size_t w = 0; w < words; w += 97) p[w] = tag;
-        std::this_thread::yield();
-        for (size_t w = 0; w < words; w += 97) {
-          if (p[w] != tag) ++failures;
-        }
-      }
-    });
-  }
-  for (auto& th : threads) th.join();
-  CHECK(failures == 0);
-  const PinnedPoolStats s = (*pool)->stats();
-  CHECK(s.buffers_in_use == 0);
-  CHECK(s.in_use_bytes == 0);
-  CHECK(s.acquires == 2000);
-  CHECK(s.os_allocations == os_before);
-}
-
 
 // Counts the backing allocator's calls: the OS work the cache exists to avoid.
 class CountingAllocator final : public RawAllocator {

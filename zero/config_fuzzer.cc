@@ -10,6 +10,7 @@
 
 #include "absl/strings/string_view.h"
 #include "memory/plan.h"
+#include "zero/auto_fill.h"
 #include "zero/config.h"
 #include "zero/planner.h"
 

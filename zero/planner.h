@@ -13,73 +13,17 @@
 #ifndef ZERORT_ZERO_PLANNER_H_
 #define ZERORT_ZERO_PLANNER_H_
 
-#include <cstdint>
-#include <optional>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "memory/plan.h"
+// The other "auto" values (unit sizes, the trainer's AutoFill): a caller of ChoosePlan resolves
+// them first, and the planner resolves the unit sizes left "auto".
+#include "zero/auto_fill.h"
 #include "zero/config.h"
 
 namespace zerort {
-
-// The unit sizes a plan uses. Each size the config leaves "auto" (kAutoSize, the default)
-// follows the model as in DeepSpeed's Hugging Face integration: stage3_prefetch_bucket_size =
-// 0.9 * h * h, stage3_param_persistence_threshold = 10 * h, and reduce_bucket_size = h * h but
-// never less than the largest module (a unit is also the stage-3 gather unit, and a trainer
-// gathers whole modules), where h, the hidden size, is the smaller of the largest parameter's
-// two largest dimensions (a vector's: its square root). So a small model gets small units, and
-// stage-3 buckets and gather slots shrink with the model instead of staying at DeepSpeed's fixed
-// 5e8-element default. Explicit values are kept as written.
-struct UnitSizes {
-  int64_t hidden = 0;                 // h (computed whether or not any size is auto)
-  int64_t largest_module = 0;         // elements of the largest module
-  int64_t reduce_bucket_size = 0;     // PlanOptions::unit_target_elements
-  int64_t prefetch_bucket_size = 0;   // PlanOptions::prefetch_elements
-  int64_t persistence_threshold = 0;  // PlanOptions::persistence_threshold
-  std::string reason;                 // what was derived and from what; "" when nothing was
-};
-// `hidden` > 0 replaces the h read off `specs` (a trainer that knows its model's hidden size).
-UnitSizes ResolveUnitSizes(absl::Span<const memory::ParamSpec> specs, const Config& config,
-                           int64_t hidden = 0);
-
-// What a trainer knows that a config may leave "auto" (Hugging Face's convention: "auto" means
-// the trainer fills the value in at run time). Every field is optional; an unset one falls back
-// to the rule ResolveAuto documents for its key.
-struct AutoFill {
-  std::optional<int64_t> hidden_size;  // h for the unit sizes; else read off the parameters
-  std::optional<int64_t> world_size;   // data-parallel ranks, for the batch-size check
-  std::optional<int64_t> train_batch_size;
-  std::optional<int64_t> train_micro_batch_size_per_gpu;
-  std::optional<int64_t> gradient_accumulation_steps;
-  std::optional<DType> compute_dtype;  // decides bf16.enabled / fp16.enabled "auto"
-  std::optional<double> lr, beta1, beta2, eps, weight_decay, gradient_clipping;
-  // scheduler.params
-  std::optional<int64_t> total_num_steps, warmup_num_steps;
-  std::optional<double> warmup_min_lr, warmup_max_lr;
-};
-
-// Reads an AutoFill from a JSON object whose keys are the field names above ("compute_dtype":
-// "bf16"); unknown keys and wrong types are InvalidArgument naming the key. For the C ABI and
-// `zerort plan --fill`.
-absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
-
-// Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with
-// a value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
-// docs/config.md: unit sizes from the fill's hidden_size (the largest module bound read off
-// `specs`; without a hidden_size they stay kAutoSize and the planner derives h from `specs`); bf16/fp16.enabled from fill.compute_dtype (false
-// without one); optimizer and gradient-clipping values from the fill, else zerort's defaults;
-// gradient_accumulation_steps from the fill, else train / (micro * world) when all are known,
-// else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else the
-// optimizer's lr; warmup_num_steps from the fill, else DeepSpeed's 1000; total_num_steps from the
-// fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when all
-// four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
-// "auto" no rule fills, inconsistent batch sizes, bf16 and fp16 both enabled.
-absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpec> specs,
-                         Config* config);
 
 // Plan options for an explicit stage, with the unit sizes resolved against `specs`.
 // REQUIRES: !config.zero.stage_auto (InvalidArgument).

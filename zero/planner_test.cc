@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "zero/auto_fill.h"
 #include "zero/model_spec.h"
 
 namespace zerort {

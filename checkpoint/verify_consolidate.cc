@@ -1,0 +1,223 @@
+// VerifyCheckpoint and ConsolidateCheckpoint: offline reads of a whole checkpoint, without an
+// engine, that stream every shard once through one read buffer (`zerort ckpt verify` and
+// `zerort ckpt consolidate`), so memory stays bounded whatever the checkpoint's size.
+#include "checkpoint/checkpoint.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/status.h"
+#include "checkpoint/internal/ckpt_common.h"
+#include "checkpoint/internal/ckpt_fs.h"
+#include "checkpoint/internal/ckpt_manifest.h"
+#include "nlohmann/json.hpp"
+
+namespace zerort {
+
+using ckpt_internal::AddParamRange;
+using ckpt_internal::CheckShardSizes;
+using ckpt_internal::FileSystem;
+using ckpt_internal::Fs;
+using ckpt_internal::InfoOf;
+using ckpt_internal::JoinPath;
+using ckpt_internal::kLatestName;
+using ckpt_internal::Manifest;
+using ckpt_internal::Piece;
+using ckpt_internal::PieceSink;
+using ckpt_internal::ReadManifest;
+using ckpt_internal::ReadShard;
+using ckpt_internal::ResolveDir;
+
+namespace {
+
+// Streams every shard once (bounded memory), handing each parameter's pieces to `sink`.
+absl::Status StreamShards(FileSystem* fs, const std::string& dir, const Manifest& man,
+                          const PieceSink& sink) {
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
+  std::vector<std::vector<Piece>> per_file(man.world_size);
+  float* const none[3] = {nullptr, nullptr, nullptr};
+  for (size_t i = 0; i < man.params.size(); ++i) {
+    AddParamRange(man, static_cast<int>(i), 0, man.params[i].numel, none, &per_file);
+  }
+  for (int q = 0; q < man.world_size; ++q) {
+    RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q]), sink));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path, FileSystem* fs) {
+  fs = Fs(fs);
+  ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
+  ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  CheckpointSummary out;
+  out.info = InfoOf(man, dir);
+  std::vector<double> sum_sq(man.params.size(), 0.0);
+  // Pieces of one parameter arrive in element order (shards in rank order, each sorted by
+  // offset), so the sum is the one a loop over the parameter's elements would give.
+  RETURN_IF_ERROR(StreamShards(fs, dir, man, [&](const Piece& p, int64_t, const char* data,
+                                                 int64_t n) {
+    if (p.section != 0) return absl::OkStatus();
+    for (int64_t k = 0; k < n; k += 4) {
+      float x;
+      std::memcpy(&x, data + k, 4);
+      sum_sq[p.param] += static_cast<double>(x) * x;
+    }
+    return absl::OkStatus();
+  }));
+  for (double s2 : sum_sq) out.master_norm.push_back(std::sqrt(s2));
+  return out;
+}
+
+namespace {
+
+// The real path of `path` (which may not exist yet): its parent's, joined with its name.
+absl::StatusOr<std::string> RealPath(const std::string& path) {
+  const std::string parent = ckpt_internal::Dirname(path);
+  char* real = ::realpath(parent.c_str(), nullptr);
+  if (real == nullptr) {
+    return absl::NotFoundError(absl::StrCat("output directory '", parent, "': ",
+                                            std::strerror(errno)));
+  }
+  std::string out = real;
+  std::free(real);
+  absl::string_view base = path;
+  while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
+  const size_t slash = base.rfind('/');
+  if (slash != absl::string_view::npos) base.remove_prefix(slash + 1);
+  return JoinPath(out, base);
+}
+
+// Consolidate never writes into the checkpoint it reads: not inside the directory given, nor
+// inside the step directory it resolved to, nor over the root's own `latest`, lock or steps.
+absl::Status CheckOutsideCheckpoint(const std::string& path, const std::string& dir,
+                                    const std::string& out) {
+  ASSIGN_OR_RETURN(const std::string real_out, RealPath(out));
+  auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to write '", out, "' ", why, " (the checkpoint being read): write the "
+        "consolidated file elsewhere"));
+  };
+  for (const std::string& d : {path, dir}) {
+    char* real = ::realpath(d.c_str(), nullptr);
+    if (real == nullptr) continue;
+    const std::string r = real;
+    std::free(real);
+    if (absl::StartsWith(real_out, JoinPath(r, ""))) return refuse(absl::StrCat("inside '", d, "'"));
+    const std::string root = ckpt_internal::Dirname(r);
+    const std::string name = real_out.substr(real_out.rfind('/') + 1);
+    if (ckpt_internal::Dirname(real_out) == root &&
+        (absl::StartsWith(name, kLatestName) || absl::StartsWith(name, "step_") ||
+         name == ckpt_internal::DirLock::kFileName)) {
+      return refuse(absl::StrCat("over a file of '", root, "'"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The tensor names consolidate writes, each unique, none the safetensors metadata key.
+absl::Status CheckTensorNames(const CheckpointInfo& info) {
+  std::vector<std::string> all;
+  for (const auto& p : info.params) {
+    if (p.name == "__metadata__") {
+      return absl::InvalidArgumentError(
+          "cannot consolidate: a parameter is named '__metadata__', the key safetensors "
+          "reserves for its metadata");
+    }
+    for (const char* prefix : {"", "exp_avg.", "exp_avg_sq."}) all.push_back(prefix + p.name);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t k = 1; k < all.size(); ++k) {
+    if (all[k] == all[k - 1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot consolidate: tensor name '", all[k], "' would appear twice (a parameter "
+          "is named like another's Adam moment)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// safetensors: u64 little-endian header length, JSON header, then the tensors back to back.
+// `offsets[k][i]` receives where tensor (section k, parameter i) starts in the file.
+std::string SafetensorsHeader(const CheckpointInfo& info,
+                              std::vector<std::vector<int64_t>>* offsets) {
+  nlohmann::ordered_json header;
+  header["__metadata__"] = {{"format", "pt"},
+                            {"producer", "zerort ckpt consolidate"},
+                            {"source", info.dir},
+                            {"step", absl::StrCat(info.step)},
+                            {"loss_scale", absl::StrCat(info.loss_scale)},
+                            {"config_hash", info.config_hash}};
+  // Bounded by ParseManifest: fewer than 2^57 elements in all, so no sum here overflows.
+  int64_t offset = 0;
+  const char* prefixes[3] = {"", "exp_avg.", "exp_avg_sq."};
+  offsets->assign(3, std::vector<int64_t>(info.params.size()));
+  for (int k = 0; k < 3; ++k) {
+    for (size_t i = 0; i < info.params.size(); ++i) {
+      const int64_t bytes = info.params[i].numel * 4;
+      header[absl::StrCat(prefixes[k], info.params[i].name)] = {
+          {"dtype", "F32"},
+          {"shape", info.params[i].shape},
+          {"data_offsets", {offset, offset + bytes}}};
+      (*offsets)[k][i] = offset;
+      offset += bytes;
+    }
+  }
+  // A source path that is not UTF-8 is written with U+FFFD in its place (JSON cannot hold it).
+  std::string h = header.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  h.resize((h.size() + 7) / 8 * 8, ' ');  // tensors start 8-byte aligned
+  std::string file(8, '\0');
+  for (int b = 0; b < 8; ++b) {
+    file[b] = static_cast<char>((static_cast<uint64_t>(h.size()) >> (8 * b)) & 0xff);
+  }
+  const int64_t data_start = static_cast<int64_t>(file.size() + h.size());
+  for (auto& section : *offsets) {
+    for (int64_t& o : section) o += data_start;
+  }
+  return file + h;
+}
+
+}  // namespace
+
+absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
+                                   const ConsolidateOptions& options) {
+  FileSystem* fs = Fs(options.fs);
+  ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
+  ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  const CheckpointInfo info = InfoOf(man, dir);
+  RETURN_IF_ERROR(CheckTensorNames(info));
+  RETURN_IF_ERROR(CheckOutsideCheckpoint(path, dir, out));
+  if (!options.overwrite && fs->Exists(out)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("'", out, "' exists: refusing to overwrite it (--force replaces it)"));
+  }
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
+  std::vector<std::vector<int64_t>> offsets;
+  const std::string header = SafetensorsHeader(info, &offsets);
+  // The tensors go straight from each shard's read buffer to their place in the output: memory
+  // stays at one read buffer whatever the checkpoint's size.
+  ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::PublishedFile> file,
+                   ckpt_internal::PublishedFile::Create(out, !options.named_temporary));
+  RETURN_IF_ERROR(file->WriteAt(0, header));
+  RETURN_IF_ERROR(StreamShards(fs, dir, man, [&](const Piece& p, int64_t skip, const char* data,
+                                                 int64_t n) {
+    return file->WriteAt(offsets[p.section][p.param] + p.elem * 4 + skip,
+                         absl::string_view(data, static_cast<size_t>(n)));
+  }));
+  return file->Commit(options.overwrite);
+}
+
+}  // namespace zerort
