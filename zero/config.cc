@@ -18,105 +18,23 @@
 #include "base/json.h"
 #include "base/status.h"
 #include "zero/internal/config_keys.h"
+#include "zero/internal/config_reader.h"
+#include "zero/internal/config_scheduler.h"
 
 namespace zerort {
+namespace config_internal {
 namespace {
 
 // Every key is a row of zero/internal/config_keys.cc; this file holds what the rows drive (key
-// checks, typed reads, the writer, operator==) and the rules no row can state. Parsing (strict
-// JSON, errors with line and column) is base/json's; base/json's Json keeps the document's key
-// order, so problems are listed in the file's order, and the resolved dump reads in the table's.
-using config_internal::AutoRule;
-using config_internal::ConfigKeys;
-using config_internal::Custom;
-using config_internal::DoubleRange;
-using config_internal::Foreign;
-using config_internal::KeyDef;
-using config_internal::kInt64Max;
-using config_internal::kIntMax;
-using config_internal::kNonNegative;
-using config_internal::LeafName;
-using config_internal::Member;
-using config_internal::Role;
-
-// Everything one parse collects: every problem (not only the first: a user fixing a pasted
-// config should see them all at once), the notes, and the keys written as "auto".
-class Reader {
- public:
-  explicit Reader(Config* config) : config_(config) {}
-
-  void Check(const absl::Status& s) {
-    if (!s.ok()) errors_.push_back(s);
-  }
-  void Error(std::string message) { errors_.push_back(absl::InvalidArgumentError(message)); }
-  void Note(std::string note) { config_->notes.push_back(std::move(note)); }
-  // A key that has no effect here: a note, or an error in strict mode.
-  void Ignored(std::string note) {
-    ignored_.push_back(config_->notes.size());
-    Note(std::move(note));
-  }
-  void Auto(std::string path) { config_->auto_keys.push_back(std::move(path)); }
-  // Whether a problem was reported at `path` or below it: rules across keys skip keys that
-  // did not parse, rather than report a second, misleading problem about them.
-  bool Failed(absl::string_view path) const {
-    for (const absl::Status& s : errors_) {
-      absl::string_view m = s.message();
-      // "path" itself or a key below it, not a sibling that merely starts the same
-      // ("zero_optimization.stage" is not "zero_optimization.stage3_...").
-      if (absl::ConsumePrefix(&m, path) && (m.empty() || m[0] == ':' || m[0] == '.' ||
-                                            m[0] == '[' || m[0] == ' ')) {
-        return true;
-      }
-    }
-    return false;
-  }
-  absl::Status Finish(absl::string_view source, bool strict);
-
- private:
-  Config* config_;
-  std::vector<absl::Status> errors_;
-  std::vector<size_t> ignored_;  // indices into config_->notes
-};
-
-absl::Status Reader::Finish(absl::string_view source, bool strict) {
-  if (strict && !ignored_.empty()) {
-    std::vector<std::string> kept;
-    size_t next = 0;
-    for (size_t i = 0; i < config_->notes.size(); ++i) {
-      if (next < ignored_.size() && ignored_[next] == i) {
-        ++next;
-        Error(absl::StrCat(config_->notes[i], " [refused: strict mode]"));
-      } else {
-        kept.push_back(config_->notes[i]);
-      }
-    }
-    config_->notes = std::move(kept);
-  }
-  if (errors_.empty()) return absl::OkStatus();
-  if (errors_.size() == 1) return Annotate(errors_[0], source);
-  absl::StatusCode code = errors_[0].code();
-  std::string message = absl::StrCat(source, ": ", errors_.size(), " problems:");
-  for (const absl::Status& s : errors_) {
-    if (s.code() != code) code = absl::StatusCode::kInvalidArgument;
-    absl::StrAppend(&message, "\n", source, ": ", s.message());
-  }
-  return absl::Status(code, message);
-}
-
-bool IsAuto(const Json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
-
-// obj[key] is "auto": recorded under `path` (the canonical spelling), nothing else read.
-bool TakeAuto(Reader* r, const Json& obj, const char* key, const std::string& path) {
-  auto it = obj.find(key);
-  if (it == obj.end() || !IsAuto(*it)) return false;
-  r->Auto(path);
-  return true;
-}
+// checks, typed reads, the writer, operator==) and the rules no row can state. The problem
+// collector and typed value readers are internal/config_reader's, the scheduler block
+// internal/config_scheduler's, JSON parsing base/json's (which keeps the document's key order, so
+// problems are listed in the file's order; the resolved dump reads in the table's).
 
 // Whether `path` lies in `block` ("" holds everything), and what follows the block's name.
 bool IsUnder(absl::string_view path, absl::string_view block) {
-  return block.empty() || (absl::StartsWith(path, block) && path.size() > block.size() &&
-                           path[block.size()] == '.');
+  return block.empty() ||
+         (absl::StartsWith(path, block) && path.size() > block.size() && path[block.size()] == '.');
 }
 absl::string_view Below(absl::string_view path, absl::string_view block) {
   return block.empty() ? path : path.substr(block.size() + 1);
@@ -124,107 +42,10 @@ absl::string_view Below(absl::string_view path, absl::string_view block) {
 
 // DeepSpeed's other name of a block ("bfloat16" for "bf16"), or null.
 const char* BlockAliasOf(absl::string_view block) {
-  for (const config_internal::BlockAlias& a : config_internal::ConfigBlockAliases()) {
+  for (const BlockAlias& a : ConfigBlockAliases()) {
     if (block == a.block) return a.alias;
   }
   return nullptr;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Key checking.
-
-void CollectPaths(const Json& obj, const std::string& prefix, std::vector<std::string>* out) {
-  for (const auto& item : obj.items()) {
-    std::string path = JsonPath(prefix, item.key());
-    out->push_back(path);
-    if (item.value().is_object()) CollectPaths(item.value(), path, out);
-  }
-}
-
-// Every setting's path, objects included ("zero_optimization.offload_optimizer"), read off the
-// resolved defaults so that it can never disagree with the parser.
-const std::vector<std::string>& AllSettingPaths() {
-  static const std::vector<std::string>* paths = [] {
-    auto* out = new std::vector<std::string>;
-    CollectPaths(Json::parse(ResolvedConfigJson(Config{})), "", out);
-    return out;
-  }();
-  return *paths;
-}
-
-// For a key that is valid elsewhere (a misplaced "stage" or "lr"): the full path it belongs at.
-absl::string_view SettingElsewhere(absl::string_view key, const std::string& here) {
-  for (const std::string& path : AllSettingPaths()) {
-    if (config_internal::ParentPath(path) != here &&
-        EditDistance(key, LeafName(path)) <= (key.size() > 4 ? 1 : 0)) {
-      return path;
-    }
-  }
-  return "";
-}
-
-void CheckForeign(Reader* r, const KeyDef& f, const Json& value, const std::string& key_path) {
-  if (f.only_value == nullptr) {
-    r->Ignored(absl::StrCat(key_path, ": DeepSpeed key accepted, no effect (", f.why, ")"));
-    return;
-  }
-  if (value == Json::parse(f.only_value)) {
-    r->Ignored(
-        absl::StrCat(key_path, ": DeepSpeed default ", f.only_value, " accepted, no effect"));
-    return;
-  }
-  r->Check(absl::UnimplementedError(absl::StrCat(key_path, ": not supported by zerort (", f.why,
-                                                 "); only ", f.only_value,
-                                                 ", DeepSpeed's default, is accepted")));
-}
-
-bool Names(const KeyDef& f, absl::string_view key) {
-  return key == LeafName(f.path) || (f.alias != nullptr && key == f.alias);
-}
-
-// An unknown key: suggest the nearest valid key, if any is plausibly what was meant. At the top
-// level, a key that is neither a setting nor a DeepSpeed key nor close to one is ignored with a
-// note, as DeepSpeed ignores foreign top-level keys; everywhere else it is an error.
-void UnknownKey(Reader* r, absl::string_view key, const std::string& path,
-                const std::vector<absl::string_view>& settings,
-                const std::vector<KeyDef>& foreign) {
-  const std::string key_path = JsonPath(path, key);
-  std::vector<absl::string_view> valid = settings;
-  for (const KeyDef& f : foreign) {
-    valid.push_back(LeafName(f.path));
-    if (f.alias != nullptr) valid.push_back(f.alias);
-  }
-  if (absl::string_view best = NearestKey(key, valid); !best.empty()) {
-    r->Error(absl::StrCat(key_path, ": unknown key; did you mean \"", best, "\"?"));
-  } else if (absl::string_view elsewhere = SettingElsewhere(key, path); !elsewhere.empty()) {
-    r->Error(absl::StrCat(key_path, ": unknown key ", path.empty() ? "at the top level" : "here",
-                          "; did you mean \"", elsewhere, "\"?"));
-  } else if (path.empty()) {
-    r->Ignored(absl::StrCat(key_path,
-                            ": not a zerort or DeepSpeed setting; ignored (as DeepSpeed ignores "
-                            "unknown top-level keys)"));
-  } else {
-    // The foreign keys are left out of the list: no help to someone looking for a setting.
-    r->Error(absl::StrCat(key_path, ": unknown key; the settings here are: ",
-                          absl::StrJoin(settings, ", ")));
-  }
-}
-
-// Checks every key of `obj` (at `path`) against what is valid there, in document order.
-void CheckKeys(Reader* r, const Json& obj, const std::string& path,
-               const std::vector<absl::string_view>& settings,
-               const std::vector<KeyDef>& foreign) {
-  for (const auto& item : obj.items()) {
-    const std::string& key = item.key();
-    if (std::find(settings.begin(), settings.end(), key) != settings.end()) continue;
-    auto f = std::find_if(foreign.begin(), foreign.end(),
-                          [&](const KeyDef& k) { return Names(k, key); });
-    if (f != foreign.end()) {
-      CheckForeign(r, *f, item.value(), JsonPath(path, key));
-    } else {
-      UnknownKey(r, key, path, settings, foreign);
-    }
-  }
 }
 
 // The keys of the table's `block`, written at `spelled`: its rows (and their other spellings)
@@ -247,107 +68,6 @@ void CheckBlockKeys(Reader* r, const Json& obj, absl::string_view block,
     }
   }
   CheckKeys(r, obj, spelled, settings, foreign);
-}
-
-// DeepSpeed spells several settings two ways; one of them, or an error naming both. Returns the
-// spelling present (or `canonical` when neither is).
-const char* Spelling(Reader* r, const Json& obj, const std::string& path, const char* canonical,
-                     const char* alias) {
-  const bool has_canonical = obj.contains(canonical), has_alias = obj.contains(alias);
-  if (has_canonical && has_alias) {
-    r->Error(absl::StrCat(JsonPath(path, canonical), " and ", JsonPath(path, alias),
-                          " are two spellings of one DeepSpeed setting; give only one"));
-  }
-  return has_alias && !has_canonical ? alias : canonical;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Typed values. Every error reads "<path>: expected <what>, got <value>".
-
-// An integer in [lo, hi]. DeepSpeed configs write sizes as 5e8, so integral floats count.
-absl::Status ToInt64(const Json& v, const std::string& path, int64_t lo, int64_t hi,
-                     absl::string_view what, int64_t* out) {
-  ASSIGN_OR_RETURN(*out, JsonToInt(v, path, lo, hi, IntegralFloats::kAccept, what));
-  return absl::OkStatus();
-}
-
-std::string IntRange(int64_t lo, int64_t hi) {
-  if (hi == kInt64Max) return absl::StrCat("an integer >= ", lo);
-  if (hi == kIntMax) return absl::StrCat("an integer >= ", lo, " and <= ", hi);
-  return absl::StrCat("an integer in ", lo, "..", hi);
-}
-
-std::string DescribeRange(const DoubleRange& r) {
-  if (std::isinf(r.hi)) return absl::StrCat("a number ", r.lo_open ? ">" : ">=", " ", r.lo);
-  return absl::StrCat("a number in ", r.lo_open ? "(" : "[", r.lo, ", ", r.hi,
-                      r.hi_open ? ")" : "]");
-}
-
-absl::Status ToDouble(const Json& v, const std::string& path, const DoubleRange& r, double* out) {
-  if (!v.is_number()) return JsonExpected(path, DescribeRange(r), v);
-  double d = v.get<double>();
-  bool above = r.lo_open ? d > r.lo : d >= r.lo;
-  bool below = std::isinf(r.hi) || (r.hi_open ? d < r.hi : d <= r.hi);
-  if (!std::isfinite(d) || !above || !below) return JsonExpected(path, DescribeRange(r), v);
-  *out = d;
-  return absl::OkStatus();
-}
-
-absl::Status ToBool(const Json& v, const std::string& path, bool* out) {
-  if (!v.is_boolean()) return JsonExpected(path, "true or false", v);
-  *out = v.get<bool>();
-  return absl::OkStatus();
-}
-
-// For the hand-written blocks: obj[key], when present, read into *out (absent keeps the default).
-absl::Status ReadInt64(const Json& obj, const std::string& path, const char* key, int64_t lo,
-                       int64_t* out) {
-  auto it = obj.find(key);
-  if (it == obj.end()) return absl::OkStatus();
-  return ToInt64(*it, JsonPath(path, key), lo, kInt64Max, IntRange(lo, kInt64Max), out);
-}
-
-absl::Status ReadDouble(const Json& obj, const std::string& path, const char* key,
-                        const DoubleRange& r, double* out) {
-  auto it = obj.find(key);
-  if (it == obj.end()) return absl::OkStatus();
-  return ToDouble(*it, JsonPath(path, key), r, out);
-}
-
-absl::Status ReadBool(const Json& obj, const std::string& path, const char* key, bool* out) {
-  auto it = obj.find(key);
-  if (it == obj.end()) return absl::OkStatus();
-  return ToBool(*it, JsonPath(path, key), out);
-}
-
-// obj[key] as an object, or null when absent.
-absl::StatusOr<const Json*> ReadObject(const Json& obj, const std::string& path, const char* key) {
-  auto it = obj.find(key);
-  if (it == obj.end()) return nullptr;
-  if (!it->is_object()) return JsonExpected(JsonPath(path, key), "an object", *it);
-  return &*it;
-}
-
-const Json* Object(Reader* r, const Json& obj, const std::string& path, const char* key) {
-  absl::StatusOr<const Json*> o = ReadObject(obj, path, key);
-  r->Check(o.status());
-  return o.ok() ? *o : nullptr;
-}
-
-// A typed value that may also be "auto" (recorded, default kept).
-absl::Status ReadDoubleOrAuto(Reader* r, const Json& obj, const std::string& path,
-                              const char* key, const DoubleRange& range, double* out) {
-  if (TakeAuto(r, obj, key, JsonPath(path, key))) return absl::OkStatus();
-  return ReadDouble(obj, path, key, range, out);
-}
-
-absl::Status ReadInt64OrAuto(Reader* r, const Json& obj, const std::string& path, const char* key,
-                             int64_t lo, int64_t* out) {
-  if (TakeAuto(r, obj, key, JsonPath(path, key))) return absl::OkStatus();
-  auto it = obj.find(key);
-  if (it == obj.end()) return absl::OkStatus();
-  return ToInt64(*it, JsonPath(path, key), lo, kInt64Max,
-                 absl::StrCat(IntRange(lo, kInt64Max), " or \"auto\""), out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -385,8 +105,8 @@ absl::Status ToMember(const Json& v, const std::string& path, const KeyDef& k, M
   return ToDouble(v, path, k.real, &m.at(*c));
 }
 
-absl::Status ToMember(const Json& v, const std::string& path, const KeyDef&,
-                      Member<std::string> m, Config* c) {
+absl::Status ToMember(const Json& v, const std::string& path, const KeyDef&, Member<std::string> m,
+                      Config* c) {
   if (v.is_null()) return absl::OkStatus();
   if (!v.is_string()) return JsonExpected(path, "a string or null", v);
   m.at(*c) = v.get<std::string>();
@@ -477,8 +197,8 @@ void ReadDeprecatedFlag(Reader* r, const Json& obj, const std::string& path, con
                        JsonPath(path, block), ".device \"", on ? "cpu" : "none", "\""));
 }
 
-void ReadDeprecatedPinMemory(Reader* r, const Json& obj, const std::string& path,
-                             const char* key, ZeroConfig* z) {
+void ReadDeprecatedPinMemory(Reader* r, const Json& obj, const std::string& path, const char* key,
+                             ZeroConfig* z) {
   bool pin = true;
   absl::Status s = ReadBool(obj, path, key, &pin);
   r->Check(s);
@@ -545,158 +265,9 @@ void ReadBatchSize(Reader* r, const Json& obj, const KeyDef& k, Config* c) {
     r->Check(ToInt64(*it, k.path, 1, kInt64Max, "an integer >= 1 or \"auto\"",
                      &std::get<Member<int64_t>>(k.member).at(*c)));
   }
-  r->Note(absl::StrCat(k.path, ": the trainer owns batch sizes; checked only for consistency "
-                               "(train = micro * gradient_accumulation_steps * world size)"));
-}
-
-// ---- scheduler
-
-struct SchedulerKind {
-  SchedulerType type;
-  const char* name;
-};
-constexpr SchedulerKind kSchedulers[] = {
-    {SchedulerType::kWarmupLR, "WarmupLR"},
-    {SchedulerType::kWarmupDecayLR, "WarmupDecayLR"},
-    {SchedulerType::kWarmupCosineLR, "WarmupCosineLR"},
-    {SchedulerType::kOneCycle, "OneCycle"},
-    {SchedulerType::kLRRangeTest, "LRRangeTest"},
-};
-
-constexpr char kResumeWhy[] = "on resume the schedule continues from the checkpoint's step count";
-constexpr char kMomentumWhy[] =
-    "zerort's OneCycle cycles the learning rate only; betas stay optimizer.params.betas";
-constexpr char kStairWhy[] = "DeepSpeed's OneCycle does not use it either";
-
-void ReadWarmupType(Reader* r, const Json& obj, const std::string& path, WarmupType* out) {
-  auto it = obj.find("warmup_type");
-  if (it == obj.end()) return;
-  if (it->is_string() && it->get_ref<const std::string&>() == "log") {
-    *out = WarmupType::kLog;
-  } else if (it->is_string() && it->get_ref<const std::string&>() == "linear") {
-    *out = WarmupType::kLinear;
-  } else {
-    r->Check(JsonExpected(JsonPath(path, "warmup_type"), "\"log\" or \"linear\"", *it));
-  }
-}
-
-void ReadWarmupParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  const bool cosine = s->type == SchedulerType::kWarmupCosineLR;
-  if (cosine) {
-    CheckKeys(r, p, path,
-              {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
-               "warmup_type"},
-              {Foreign("last_batch_iteration", kResumeWhy)});
-    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_ratio", kNonNegative, &s->warmup_min_ratio));
-    r->Check(ReadDoubleOrAuto(r, p, path, "cos_min_ratio", kNonNegative, &s->cos_min_ratio));
-  } else {
-    if (s->type == SchedulerType::kWarmupDecayLR) {
-      CheckKeys(r, p, path,
-                {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
-                 "warmup_type"},
-                {Foreign("last_batch_iteration", kResumeWhy)});
-    } else {
-      CheckKeys(r, p, path, {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-                {Foreign("last_batch_iteration", kResumeWhy)});
-    }
-    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_lr", kNonNegative, &s->warmup_min_lr));
-    r->Check(ReadDoubleOrAuto(r, p, path, "warmup_max_lr", kNonNegative, &s->warmup_max_lr));
-  }
-  r->Check(ReadInt64OrAuto(r, p, path, "warmup_num_steps", 0, &s->warmup_num_steps));
-  ReadWarmupType(r, p, path, &s->warmup_type);
-  if (s->type == SchedulerType::kWarmupLR) return;
-  // DeepSpeed makes total_num_steps a required argument of the decaying schedules.
-  if (!p.contains("total_num_steps")) {
-    r->Error(absl::StrCat(JsonPath(path, "total_num_steps"), ": missing; ",
-                          SchedulerTypeName(s->type), " needs it (a number, or \"auto\")"));
-  }
-  r->Check(ReadInt64OrAuto(r, p, path, "total_num_steps", 1, &s->total_num_steps));
-}
-
-void ReadOneCycleParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  CheckKeys(r, p, path,
-            {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
-             "cycle_second_step_size", "decay_step_size"},
-            {Foreign("last_batch_iteration", kResumeWhy),
-             Foreign("cycle_momentum", kMomentumWhy),
-             Foreign("cycle_min_mom", kMomentumWhy),
-             Foreign("cycle_max_mom", kMomentumWhy),
-             Foreign("decay_mom_rate", kMomentumWhy),
-             Foreign("cycle_first_stair_count", kStairWhy),
-             Foreign("cycle_second_stair_count", kStairWhy)});
-  for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
-    if (!p.contains(key)) {
-      r->Error(absl::StrCat(JsonPath(path, key), ": missing; OneCycle needs it"));
-    }
-  }
-  r->Check(ReadDoubleOrAuto(r, p, path, "cycle_min_lr", kNonNegative, &s->cycle_min_lr));
-  r->Check(ReadDoubleOrAuto(r, p, path, "cycle_max_lr", kNonNegative, &s->cycle_max_lr));
-  r->Check(ReadDoubleOrAuto(r, p, path, "decay_lr_rate", kNonNegative, &s->decay_lr_rate));
-  r->Check(ReadInt64(p, path, "cycle_first_step_size", 1, &s->cycle_first_step_size));
-  if (auto it = p.find("cycle_second_step_size"); it != p.end() && !it->is_null()) {
-    r->Check(ToInt64(*it, JsonPath(path, "cycle_second_step_size"), 1, kInt64Max,
-                     "an integer >= 1 or null", &s->cycle_second_step_size));
-  }
-  r->Check(ReadInt64(p, path, "decay_step_size", 0, &s->decay_step_size));
-}
-
-void ReadRangeTestParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  CheckKeys(r, p, path,
-            {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
-             "lr_range_test_staircase"},
-            {Foreign("last_batch_iteration", kResumeWhy)});
-  r->Check(ReadDoubleOrAuto(r, p, path, "lr_range_test_min_lr", kNonNegative,
-                            &s->lr_range_test_min_lr));
-  r->Check(
-      ReadInt64(p, path, "lr_range_test_step_size", 1, &s->lr_range_test_step_size));
-  r->Check(ReadDouble(p, path, "lr_range_test_step_rate", kNonNegative,
-                      &s->lr_range_test_step_rate));
-  r->Check(ReadBool(p, path, "lr_range_test_staircase", &s->lr_range_test_staircase));
-}
-
-void ReadSchedulerType(Reader* r, const Json& obj, const std::string& path, SchedulerConfig* s) {
-  auto it = obj.find("type");
-  std::string type_path = JsonPath(path, "type");
-  std::vector<absl::string_view> names;
-  for (const SchedulerKind& k : kSchedulers) names.push_back(k.name);
-  const std::string what = absl::StrCat("one of ", absl::StrJoin(names, ", "));
-  if (it == obj.end()) return r->Error(absl::StrCat(type_path, ": missing; expected ", what));
-  if (it->is_string()) {
-    for (const SchedulerKind& k : kSchedulers) {
-      if (it->get_ref<const std::string&>() == k.name) {
-        s->type = k.type;
-        return;
-      }
-    }
-    // DeepSpeed compares names exactly; a near miss gets the right spelling.
-    absl::string_view best = NearestKey(it->get_ref<const std::string&>(), names);
-    if (!best.empty()) {
-      return r->Error(absl::StrCat(type_path, ": unknown scheduler ", DescribeJson(*it),
-                                   "; did you mean \"", best, "\"?"));
-    }
-  }
-  r->Check(JsonExpected(type_path, what, *it));
-}
-
-void ReadScheduler(Reader* r, const Json& obj, const std::string& path, SchedulerConfig* s) {
-  CheckKeys(r, obj, path, {"type", "params"}, {});
-  ReadSchedulerType(r, obj, path, s);
-  const Json empty = Json::object();
-  const Json* params = Object(r, obj, path, "params");
-  if (params == nullptr) params = &empty;
-  const std::string params_path = JsonPath(path, "params");
-  switch (s->type) {
-    case SchedulerType::kNone:
-      return;
-    case SchedulerType::kWarmupLR:
-    case SchedulerType::kWarmupDecayLR:
-    case SchedulerType::kWarmupCosineLR:
-      return ReadWarmupParams(r, *params, params_path, s);
-    case SchedulerType::kOneCycle:
-      return ReadOneCycleParams(r, *params, params_path, s);
-    case SchedulerType::kLRRangeTest:
-      return ReadRangeTestParams(r, *params, params_path, s);
-  }
+  r->Note(absl::StrCat(k.path,
+                       ": the trainer owns batch sizes; checked only for consistency "
+                       "(train = micro * gradient_accumulation_steps * world size)"));
 }
 
 void ReadParamGroups(Reader* r, const Json& obj, const std::string& path,
@@ -715,7 +286,8 @@ void ReadParamGroups(Reader* r, const Json& obj, const std::string& path,
     CheckKeys(r, g, g_path, {"pattern", "weight_decay", "lr_scale"}, {});
     ParamGroupConfig group;
     auto pattern = g.find("pattern");
-    if (pattern == g.end() || !pattern->is_string() || pattern->get_ref<const std::string&>().empty()) {
+    if (pattern == g.end() || !pattern->is_string() ||
+        pattern->get_ref<const std::string&>().empty()) {
       r->Check(JsonExpected(JsonPath(g_path, "pattern"), "a non-empty glob string",
                             pattern == g.end() ? Json() : *pattern));
     } else {
@@ -852,11 +424,11 @@ void CheckZeroAcrossKeys(Reader* r, const ZeroConfig& z) {
   const bool stage_ok = !r->Failed("zero_optimization.stage");
   if (stage_ok && !r->Failed("zero_optimization.offload_param") &&
       z.offload_param.device != OffloadDevice::kNone && (z.stage_auto || z.stage != 3)) {
-    r->Error(absl::StrCat(
-        "zero_optimization.offload_param.device is \"", OffloadDeviceName(z.offload_param.device),
-        "\" but zero_optimization.stage is ",
-        z.stage_auto ? std::string("\"auto\"") : absl::StrCat(z.stage),
-        "; parameter offload requires stage 3 (set it explicitly)"));
+    r->Error(absl::StrCat("zero_optimization.offload_param.device is \"",
+                          OffloadDeviceName(z.offload_param.device),
+                          "\" but zero_optimization.stage is ",
+                          z.stage_auto ? std::string("\"auto\"") : absl::StrCat(z.stage),
+                          "; parameter offload requires stage 3 (set it explicitly)"));
   }
   if (stage_ok && !r->Failed("zero_optimization.memory_budget") && z.stage_auto &&
       z.memory_budget.device_bytes == 0) {
@@ -902,47 +474,6 @@ void ReadConfig(Reader* r, const Json& root, Config* config) {
 
 // ---------------------------------------------------------------------------------------------
 // Writing and comparing, driven by the table.
-
-Json SchedulerJson(const SchedulerConfig& s) {
-  if (s.type == SchedulerType::kNone) return nullptr;
-  const char* warmup_type = s.warmup_type == WarmupType::kLog ? "log" : "linear";
-  Json p;
-  switch (s.type) {
-    case SchedulerType::kNone:
-      break;
-    case SchedulerType::kWarmupLR:
-    case SchedulerType::kWarmupDecayLR:
-      p = {{"warmup_min_lr", s.warmup_min_lr},
-           {"warmup_max_lr", s.warmup_max_lr},
-           {"warmup_num_steps", s.warmup_num_steps},
-           {"warmup_type", warmup_type}};
-      if (s.type == SchedulerType::kWarmupDecayLR) p["total_num_steps"] = s.total_num_steps;
-      break;
-    case SchedulerType::kWarmupCosineLR:
-      p = {{"total_num_steps", s.total_num_steps},
-           {"warmup_min_ratio", s.warmup_min_ratio},
-           {"warmup_num_steps", s.warmup_num_steps},
-           {"cos_min_ratio", s.cos_min_ratio},
-           {"warmup_type", warmup_type}};
-      break;
-    case SchedulerType::kOneCycle:
-      p = {{"cycle_min_lr", s.cycle_min_lr},
-           {"cycle_max_lr", s.cycle_max_lr},
-           {"decay_lr_rate", s.decay_lr_rate},
-           {"cycle_first_step_size", s.cycle_first_step_size},
-           {"cycle_second_step_size",
-            s.cycle_second_step_size < 0 ? Json() : Json(s.cycle_second_step_size)},
-           {"decay_step_size", s.decay_step_size}};
-      break;
-    case SchedulerType::kLRRangeTest:
-      p = {{"lr_range_test_min_lr", s.lr_range_test_min_lr},
-           {"lr_range_test_step_size", s.lr_range_test_step_size},
-           {"lr_range_test_step_rate", s.lr_range_test_step_rate},
-           {"lr_range_test_staircase", s.lr_range_test_staircase}};
-      break;
-  }
-  return {{"type", std::string(SchedulerTypeName(s.type))}, {"params", std::move(p)}};
-}
 
 Json CustomJson(const KeyDef& k, const Config& c) {
   switch (k.custom) {
@@ -1045,6 +576,13 @@ std::vector<std::string> Sorted(std::vector<std::string> v) {
 }
 
 }  // namespace
+}  // namespace config_internal
+
+using config_internal::BlockEqual;
+using config_internal::ConfigKeys;
+using config_internal::KeyDef;
+using config_internal::Reader;
+using config_internal::Role;
 
 bool operator==(const OffloadOptimizerConfig& a, const OffloadOptimizerConfig& b) {
   return BlockEqual("zero_optimization.offload_optimizer",
@@ -1052,13 +590,13 @@ bool operator==(const OffloadOptimizerConfig& a, const OffloadOptimizerConfig& b
 }
 
 bool operator==(const OffloadParamConfig& a, const OffloadParamConfig& b) {
-  return BlockEqual("zero_optimization.offload_param", ZERORT_CONFIG_MEMBER(zero.offload_param),
-                    a, b);
+  return BlockEqual("zero_optimization.offload_param", ZERORT_CONFIG_MEMBER(zero.offload_param), a,
+                    b);
 }
 
 bool operator==(const MemoryBudget& a, const MemoryBudget& b) {
-  return BlockEqual("zero_optimization.memory_budget", ZERORT_CONFIG_MEMBER(zero.memory_budget),
-                    a, b);
+  return BlockEqual("zero_optimization.memory_budget", ZERORT_CONFIG_MEMBER(zero.memory_budget), a,
+                    b);
 }
 
 bool operator==(const ZeroConfig& a, const ZeroConfig& b) {
@@ -1077,27 +615,14 @@ bool operator==(const AioConfig& a, const AioConfig& b) {
   return BlockEqual("aio", ZERORT_CONFIG_MEMBER(aio), a, b);
 }
 
-// The scheduler's parameters and the param groups are structured blocks, compared by hand.
-bool operator==(const SchedulerConfig& a, const SchedulerConfig& b) {
-  return a.type == b.type && a.warmup_min_lr == b.warmup_min_lr &&
-         a.warmup_max_lr == b.warmup_max_lr && a.warmup_num_steps == b.warmup_num_steps &&
-         a.warmup_type == b.warmup_type && a.total_num_steps == b.total_num_steps &&
-         a.warmup_min_ratio == b.warmup_min_ratio && a.cos_min_ratio == b.cos_min_ratio &&
-         a.cycle_min_lr == b.cycle_min_lr && a.cycle_max_lr == b.cycle_max_lr &&
-         a.decay_lr_rate == b.decay_lr_rate && a.cycle_first_step_size == b.cycle_first_step_size &&
-         a.cycle_second_step_size == b.cycle_second_step_size &&
-         a.decay_step_size == b.decay_step_size && a.lr_range_test_min_lr == b.lr_range_test_min_lr &&
-         a.lr_range_test_step_size == b.lr_range_test_step_size &&
-         a.lr_range_test_step_rate == b.lr_range_test_step_rate &&
-         a.lr_range_test_staircase == b.lr_range_test_staircase;
-}
-
+// The param groups are a structured block, compared by hand.
 bool operator==(const ParamGroupConfig& a, const ParamGroupConfig& b) {
   return a.pattern == b.pattern && a.weight_decay == b.weight_decay && a.lr_scale == b.lr_scale;
 }
 
 bool operator==(const Config& a, const Config& b) {
-  return SettingsEqual(a, b, "") && Sorted(a.auto_keys) == Sorted(b.auto_keys);
+  return config_internal::SettingsEqual(a, b, "") &&
+         config_internal::Sorted(a.auto_keys) == config_internal::Sorted(b.auto_keys);
 }
 
 absl::string_view OffloadDeviceName(OffloadDevice d) {
@@ -1113,20 +638,13 @@ absl::string_view OffloadDeviceName(OffloadDevice d) {
   return "?";
 }
 
-absl::string_view SchedulerTypeName(SchedulerType t) {
-  for (const SchedulerKind& k : kSchedulers) {
-    if (k.type == t) return k.name;
-  }
-  return "";
-}
-
 absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_view source,
                                    const ParseOptions& options) {
   ASSIGN_OR_RETURN(Json root, ParseJson(json_text, source));
   Config config;
   Reader reader(&config);
   try {
-    ReadConfig(&reader, root, &config);
+    config_internal::ReadConfig(&reader, root, &config);
   } catch (const std::exception& e) {
     // The readers check types before every access; a throw here is a bug, reported not raised.
     return absl::InternalError(absl::StrCat(source, ": reading config: ", e.what()));
@@ -1143,11 +661,12 @@ absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOption
 std::string ResolvedConfigJson(const Config& c) {
   Json root = Json::object();
   for (const KeyDef& k : ConfigKeys()) {
-    if (k.role == Role::kSetting) *At(&root, k.path) = ValueJson(k, c);
+    if (k.role == Role::kSetting)
+      *config_internal::At(&root, k.path) = config_internal::ValueJson(k, c);
   }
   for (const std::string& path : c.auto_keys) {
     // A hand-built Config may list a path through a value; such a path names no setting.
-    if (Json* at = At(&root, path)) *at = "auto";
+    if (Json* at = config_internal::At(&root, path)) *at = "auto";
   }
   // `replace` keeps a hand-built Config with invalid UTF-8 in a string from throwing.
   return root.dump(2, ' ', false, Json::error_handler_t::replace);
