@@ -1269,3 +1269,50 @@ TEST_CASE("Config table: rows are unique and each block's rows are contiguous", 
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: a scheduler with no valid type still has its params checked, in one error",
+          "[zero]") {
+  // An unknown key ("typ") and bad values under it: every one reported, each once, although
+  // warmup_num_steps belongs to three schedules.
+  absl::StatusOr<Config> c = ParseConfig(R"({"scheduler": {"typ": "WarmupLR", "params":
+      {"warmup_num_steps": -1, "cos_min_ratio": -2, "warmup_num_stepz": 3,
+       "last_batch_iteration": 5}}})",
+                                         "ds.json");
+  REQUIRE(!c.ok());
+  INFO(c.status().message());
+  std::vector<std::string> lines = absl::StrSplit(c.status().message(), '\n');
+  CHECK(lines[0] == "ds.json: 5 problems:");
+  for (const char* e : {
+           "ds.json: scheduler.typ: unknown key; did you mean \"type\"?",
+           "ds.json: scheduler.type: missing; expected one of WarmupLR",
+           "ds.json: scheduler.params.warmup_num_stepz: unknown key; did you mean "
+           "\"warmup_num_steps\"?",
+           "ds.json: scheduler.params.warmup_num_steps: expected an integer >= 0 or \"auto\", "
+           "got -1",
+           "ds.json: scheduler.params.cos_min_ratio: expected a number >= 0, got -2",
+       }) {
+    INFO(e);
+    CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) {
+            return absl::StartsWith(l, e);
+          }) == 1);
+  }
+  // A misspelt schedule name, and a name that is not a string, the same.
+  for (const char* type : {"\"WarmupLr\"", "5"}) {
+    absl::Status s = ParseError(absl::StrCat(R"({"scheduler": {"type": )", type,
+                                             R"(, "params": {"cycle_first_step_size": 0}}})"));
+    INFO(s.message());
+    CHECK(absl::StartsWith(s.message(), "<config>: 2 problems:\n<config>: scheduler.type: "));
+    CHECK(absl::StrContains(s.message(), "scheduler.params.cycle_first_step_size: expected an "
+                                         "integer >= 1, got 0"));
+  }
+  // Keys of no schedule at all are still unknown keys.
+  CHECK(absl::StrContains(
+      ParseError(R"({"scheduler": {"type": "x", "params": {"warmup_min": 0}}})").message(),
+      "scheduler.params.warmup_min: unknown key; did you mean \"warmup_min_lr\"?"));
+}
+
+}  // namespace
+}  // namespace zerort

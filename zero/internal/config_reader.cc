@@ -37,6 +37,13 @@ absl::Status Reader::Finish(absl::string_view source, bool strict) {
   return absl::Status(code, message);
 }
 
+void Reader::AbsorbErrors(const Reader& other) {
+  for (const absl::Status& s : other.errors_) {
+    auto same = [&](const absl::Status& t) { return t.message() == s.message(); };
+    if (std::none_of(errors_.begin(), errors_.end(), same)) errors_.push_back(s);
+  }
+}
+
 bool IsAuto(const Json& v) { return v.is_string() && v.get_ref<const std::string&>() == "auto"; }
 
 bool TakeAuto(Reader* r, const Json& obj, const char* key, const std::string& path) {

@@ -43,6 +43,8 @@ class Reader {
     Note(std::move(note));
   }
   void Auto(std::string path) { config_->auto_keys.push_back(std::move(path)); }
+  // The problems `other` found, each unless one with the same message is already reported.
+  void AbsorbErrors(const Reader& other);
   // Whether a problem was reported at `path` or below it: rules across keys skip keys that
   // did not parse, rather than report a second, misleading problem about them.
   bool Failed(absl::string_view path) const {

@@ -1,5 +1,6 @@
 #include "zero/internal/config_scheduler.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -40,51 +41,20 @@ void ReadWarmupType(Reader* r, const Json& obj, const std::string& path, WarmupT
 }
 
 void ReadWarmupParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  const bool cosine = s->type == SchedulerType::kWarmupCosineLR;
-  if (cosine) {
-    CheckKeys(
-        r, p, path,
-        {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"},
-        {Foreign("last_batch_iteration", kResumeWhy)});
+  if (s->type == SchedulerType::kWarmupCosineLR) {
     r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_ratio", kNonNegative, &s->warmup_min_ratio));
     r->Check(ReadDoubleOrAuto(r, p, path, "cos_min_ratio", kNonNegative, &s->cos_min_ratio));
   } else {
-    if (s->type == SchedulerType::kWarmupDecayLR) {
-      CheckKeys(
-          r, p, path,
-          {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-          {Foreign("last_batch_iteration", kResumeWhy)});
-    } else {
-      CheckKeys(r, p, path, {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-                {Foreign("last_batch_iteration", kResumeWhy)});
-    }
     r->Check(ReadDoubleOrAuto(r, p, path, "warmup_min_lr", kNonNegative, &s->warmup_min_lr));
     r->Check(ReadDoubleOrAuto(r, p, path, "warmup_max_lr", kNonNegative, &s->warmup_max_lr));
   }
   r->Check(ReadInt64OrAuto(r, p, path, "warmup_num_steps", 0, &s->warmup_num_steps));
   ReadWarmupType(r, p, path, &s->warmup_type);
   if (s->type == SchedulerType::kWarmupLR) return;
-  // DeepSpeed makes total_num_steps a required argument of the decaying schedules.
-  if (!p.contains("total_num_steps")) {
-    r->Error(absl::StrCat(JsonPath(path, "total_num_steps"), ": missing; ",
-                          SchedulerTypeName(s->type), " needs it (a number, or \"auto\")"));
-  }
   r->Check(ReadInt64OrAuto(r, p, path, "total_num_steps", 1, &s->total_num_steps));
 }
 
 void ReadOneCycleParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  CheckKeys(r, p, path,
-            {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size",
-             "cycle_second_step_size", "decay_step_size"},
-            {Foreign("last_batch_iteration", kResumeWhy), Foreign("cycle_momentum", kMomentumWhy),
-             Foreign("cycle_min_mom", kMomentumWhy), Foreign("cycle_max_mom", kMomentumWhy),
-             Foreign("decay_mom_rate", kMomentumWhy), Foreign("cycle_first_stair_count", kStairWhy),
-             Foreign("cycle_second_stair_count", kStairWhy)});
-  for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
-    if (!p.contains(key)) {
-      r->Error(absl::StrCat(JsonPath(path, key), ": missing; OneCycle needs it"));
-    }
-  }
   r->Check(ReadDoubleOrAuto(r, p, path, "cycle_min_lr", kNonNegative, &s->cycle_min_lr));
   r->Check(ReadDoubleOrAuto(r, p, path, "cycle_max_lr", kNonNegative, &s->cycle_max_lr));
   r->Check(ReadDoubleOrAuto(r, p, path, "decay_lr_rate", kNonNegative, &s->decay_lr_rate));
@@ -97,16 +67,114 @@ void ReadOneCycleParams(Reader* r, const Json& p, const std::string& path, Sched
 }
 
 void ReadRangeTestParams(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
-  CheckKeys(r, p, path,
-            {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
-             "lr_range_test_staircase"},
-            {Foreign("last_batch_iteration", kResumeWhy)});
   r->Check(
       ReadDoubleOrAuto(r, p, path, "lr_range_test_min_lr", kNonNegative, &s->lr_range_test_min_lr));
   r->Check(ReadInt64(p, path, "lr_range_test_step_size", 1, &s->lr_range_test_step_size));
   r->Check(
       ReadDouble(p, path, "lr_range_test_step_rate", kNonNegative, &s->lr_range_test_step_rate));
   r->Check(ReadBool(p, path, "lr_range_test_staircase", &s->lr_range_test_staircase));
+}
+
+// The keys of a schedule's params: its settings, and DeepSpeed's keys it accepts without effect.
+struct ParamKeys {
+  std::vector<absl::string_view> settings;
+  std::vector<KeyDef> foreign;
+};
+
+ParamKeys KeysOf(SchedulerType t) {
+  ParamKeys k{{}, {Foreign("last_batch_iteration", kResumeWhy)}};
+  switch (t) {
+    case SchedulerType::kNone:
+      break;
+    case SchedulerType::kWarmupLR:
+      k.settings = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"};
+      break;
+    case SchedulerType::kWarmupDecayLR:
+      k.settings = {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                    "warmup_type"};
+      break;
+    case SchedulerType::kWarmupCosineLR:
+      k.settings = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio",
+                    "warmup_type"};
+      break;
+    case SchedulerType::kOneCycle:
+      k.settings = {"cycle_min_lr",          "cycle_max_lr",           "decay_lr_rate",
+                    "cycle_first_step_size", "cycle_second_step_size", "decay_step_size"};
+      for (const char* m : {"cycle_momentum", "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"}) {
+        k.foreign.push_back(Foreign(m, kMomentumWhy));
+      }
+      k.foreign.push_back(Foreign("cycle_first_stair_count", kStairWhy));
+      k.foreign.push_back(Foreign("cycle_second_stair_count", kStairWhy));
+      break;
+    case SchedulerType::kLRRangeTest:
+      k.settings = {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                    "lr_range_test_staircase"};
+      break;
+  }
+  return k;
+}
+
+// Every schedule's keys, each once, for params whose schedule is not known.
+ParamKeys KeysOfAny() {
+  ParamKeys any;
+  for (const SchedulerKind& kind : kSchedulers) {
+    ParamKeys k = KeysOf(kind.type);
+    for (absl::string_view name : k.settings) {
+      if (std::find(any.settings.begin(), any.settings.end(), name) == any.settings.end()) {
+        any.settings.push_back(name);
+      }
+    }
+    for (const KeyDef& f : k.foreign) {
+      auto same = [&](const KeyDef& g) { return absl::string_view(g.path) == f.path; };
+      if (std::none_of(any.foreign.begin(), any.foreign.end(), same)) any.foreign.push_back(f);
+    }
+  }
+  return any;
+}
+
+// The values of the params of s->type (their keys are checked apart).
+void ReadParamValues(Reader* r, const Json& p, const std::string& path, SchedulerConfig* s) {
+  switch (s->type) {
+    case SchedulerType::kNone:
+      return;
+    case SchedulerType::kWarmupLR:
+    case SchedulerType::kWarmupDecayLR:
+    case SchedulerType::kWarmupCosineLR:
+      return ReadWarmupParams(r, p, path, s);
+    case SchedulerType::kOneCycle:
+      return ReadOneCycleParams(r, p, path, s);
+    case SchedulerType::kLRRangeTest:
+      return ReadRangeTestParams(r, p, path, s);
+  }
+}
+
+// The params DeepSpeed requires of s->type.
+void CheckRequired(Reader* r, const Json& p, const std::string& path, const SchedulerConfig& s) {
+  if (s.type == SchedulerType::kWarmupDecayLR || s.type == SchedulerType::kWarmupCosineLR) {
+    if (!p.contains("total_num_steps")) {
+      r->Error(absl::StrCat(JsonPath(path, "total_num_steps"), ": missing; ",
+                            SchedulerTypeName(s.type), " needs it (a number, or \"auto\")"));
+    }
+  }
+  if (s.type != SchedulerType::kOneCycle) return;
+  for (const char* key : {"cycle_min_lr", "cycle_max_lr"}) {
+    if (!p.contains(key))
+      r->Error(absl::StrCat(JsonPath(path, key), ": missing; OneCycle needs it"));
+  }
+}
+
+// With no schedule named (or a wrong one), the params are still read, each key as every
+// schedule that has it would read it, so that one parse reports their problems too.
+void ReadParamsOfAnySchedule(Reader* r, const Json& p, const std::string& path) {
+  const ParamKeys any = KeysOfAny();
+  CheckKeys(r, p, path, any.settings, any.foreign);
+  for (const SchedulerKind& kind : kSchedulers) {
+    Config scratch;
+    Reader values(&scratch);
+    scratch.scheduler.type = kind.type;
+    ReadParamValues(&values, p, path, &scratch.scheduler);
+    r->AbsorbErrors(values);  // a key that two schedules share is reported once
+  }
 }
 
 void ReadSchedulerType(Reader* r, const Json& obj, const std::string& path, SchedulerConfig* s) {
@@ -142,18 +210,11 @@ void ReadScheduler(Reader* r, const Json& obj, const std::string& path, Schedule
   const Json* params = Object(r, obj, path, "params");
   if (params == nullptr) params = &empty;
   const std::string params_path = JsonPath(path, "params");
-  switch (s->type) {
-    case SchedulerType::kNone:
-      return;
-    case SchedulerType::kWarmupLR:
-    case SchedulerType::kWarmupDecayLR:
-    case SchedulerType::kWarmupCosineLR:
-      return ReadWarmupParams(r, *params, params_path, s);
-    case SchedulerType::kOneCycle:
-      return ReadOneCycleParams(r, *params, params_path, s);
-    case SchedulerType::kLRRangeTest:
-      return ReadRangeTestParams(r, *params, params_path, s);
-  }
+  if (s->type == SchedulerType::kNone) return ReadParamsOfAnySchedule(r, *params, params_path);
+  const ParamKeys keys = KeysOf(s->type);
+  CheckKeys(r, *params, params_path, keys.settings, keys.foreign);
+  ReadParamValues(r, *params, params_path, s);
+  CheckRequired(r, *params, params_path, *s);
 }
 
 Json SchedulerJson(const SchedulerConfig& s) {
