@@ -1316,3 +1316,39 @@ TEST_CASE("Config: a scheduler with no valid type still has its params checked, 
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: keys of DeepSpeed's current release zerort has no use for are noted, not unknown",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+      "zenflow": {"topk_ratio": 0.1}, "stage3_allgather_sequential": true,
+      "leaf_module": {"classes": ["MoE"]}, "log_trace_cache_warnings": true,
+      "enable_sanity_checks": true,
+      "offload_optimizer": {"device": "cpu", "super_offload": true, "cpuadam_cores_perc": 0.8}}})");
+  Config expected;
+  expected.zero.stage = 3;
+  expected.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  CHECK(c == expected);
+  const std::vector<std::string> keys = {
+      "zero_optimization.zenflow", "zero_optimization.stage3_allgather_sequential",
+      "zero_optimization.leaf_module", "zero_optimization.log_trace_cache_warnings",
+      "zero_optimization.enable_sanity_checks", "zero_optimization.offload_optimizer.super_offload",
+      "zero_optimization.offload_optimizer.cpuadam_cores_perc"};
+  REQUIRE(c.notes.size() == keys.size());
+  for (const std::string& key : keys) {
+    INFO(key);
+    CHECK(std::count_if(c.notes.begin(), c.notes.end(), [&](const std::string& note) {
+            return absl::StartsWith(note, key + ": DeepSpeed key accepted, no effect (");
+          }) == 1);
+  }
+  // As with every key without effect, strict mode refuses them.
+  CHECK(ParseError(R"({"zerort": {"strict": true}, "zero_optimization": {"zenflow": {}}})")
+            .message()
+            .find("zero_optimization.zenflow: DeepSpeed key accepted, no effect") !=
+        std::string::npos);
+}
+
+}  // namespace
+}  // namespace zerort

@@ -124,6 +124,11 @@ absl::Span<const KeyDef> ZeroKeys() {
       Foreign("zero_optimization.offload_optimizer.pipeline_write", kNvmeTuning),
       Foreign("zero_optimization.offload_optimizer.fast_init", kNvmeTuning),
       Foreign("zero_optimization.offload_optimizer.ratio", "partial optimizer offload", "1.0"),
+      Foreign("zero_optimization.offload_optimizer.super_offload",
+              "SuperOffload's Superchip scheduling is DeepSpeed's; zerort's offloaded step always "
+              "runs its host AdamW between the device-to-host and host-to-device streams"),
+      Foreign("zero_optimization.offload_optimizer.cpuadam_cores_perc",
+              "the host AdamW's threads are set by cpu_threads"),
       Scalar("zero_optimization.offload_param.device", M(zero.offload_param.device)),
       Scalar("zero_optimization.offload_param.pin_memory", M(zero.offload_param.pin_memory)),
       Scalar("zero_optimization.offload_param.nvme_path", M(zero.offload_param.nvme_path)),
@@ -183,6 +188,19 @@ absl::Span<const KeyDef> ZeroKeys() {
       Foreign("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning", "1"),
       Foreign("zero_optimization.mics_shard_size", "MiCS sharding", "-1"),
       Foreign("zero_optimization.mics_hierarchical_params_gather", "MiCS sharding", "false"),
+      Foreign("zero_optimization.zenflow",
+              "ZenFlow, DeepSpeed's split of the offloaded update between device and host, is not "
+              "zerort's: its offloaded step updates every owned shard with the host AdamW"),
+      Foreign("zero_optimization.stage3_allgather_sequential",
+              "zerort already all-gathers stage-3 parameters one unit at a time"),
+      Foreign("zero_optimization.leaf_module",
+              "zerort hooks no modules: the trainer gathers and releases whole units"),
+      Foreign("zero_optimization.log_trace_cache_warnings",
+              "zerort keeps no parameter-fetch trace to warn about: the trainer's Gather calls "
+              "order the fetches"),
+      Foreign("zero_optimization.enable_sanity_checks",
+              "zerort's checks always run: every rank agrees on model and config in Create, and "
+              "Step names a gradient that was never handed over"),
   };
   return kKeys;
 }
