@@ -1352,3 +1352,24 @@ TEST_CASE("Config: keys of DeepSpeed's current release zerort has no use for are
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: tensor_parallel and managed_gradient_accumulation are noted as DeepSpeed keys",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "tensor_parallel": {"autotp_size": 2},
+      "managed_gradient_accumulation": true})");
+  CHECK(c == Config{});
+  REQUIRE(c.notes.size() == 2);
+  CHECK(absl::StartsWith(c.notes[0], "tensor_parallel: DeepSpeed key accepted, no effect (zerort "
+                                     "has no tensor parallelism"));
+  CHECK(absl::StartsWith(c.notes[1], "managed_gradient_accumulation: DeepSpeed key accepted, no "
+                                     "effect (zerort manages accumulation itself"));
+  for (const std::string& note : c.notes) {
+    CHECK_FALSE(absl::StrContains(note, "not a zerort or DeepSpeed setting"));
+  }
+}
+
+}  // namespace
+}  // namespace zerort

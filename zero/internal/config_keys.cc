@@ -288,6 +288,12 @@ absl::Span<const KeyDef> TopKeys() {
       Foreign("compile", kTrainerFeature),
       Foreign("torch_autocast", kCasting),
       Foreign("seq_parallel_communication_data_type", "zerort has no sequence parallelism"),
+      Foreign(
+          "tensor_parallel",
+          "zerort has no tensor parallelism: the trainer's model code shards its layers or not"),
+      Foreign("managed_gradient_accumulation",
+              "zerort manages accumulation itself: gradients add up over "
+              "gradient_accumulation_steps micro-steps, and the last Step of each window updates"),
       Foreign("prescale_gradients", "gradient prescaling", "false"),
       Foreign("gradient_predivide_factor", "gradient predivision", "1.0"),
       Foreign("sparse_gradients", "sparse gradients", "false"),
