@@ -2,14 +2,19 @@
 // fills, its type and range, how it takes "auto", its other spelling, and for a key that changes
 // nothing here, why. zero/config.cc drives everything from it: the key checks and their
 // did-you-mean, the readers and range checks, operator==, ResolvedConfigJson, and
-// //zero:config_test checks docs/config.md against it. Adding a scalar key is one row here (and
-// its member, with its default, in zero/config.h; the default is not repeated here).
+// //zero:config_test checks docs/config.md against it. Adding a scalar key is one row here, its
+// member in zero/config.h and its row in docs/config.md.
 //
-//   Int("fp16.hysteresis", ZERORT_CONFIG_MEMBER(fp16.hysteresis), 1),
+//   Int("fp16.hysteresis", ZERORT_CONFIG_MEMBER(fp16.hysteresis), 1),   // >= 1, <= INT_MAX
+//   Foreign("fp16.auto_cast", "casting the model's inputs belongs to the trainer"),
 //
-// Rules no row can state (a value that may be "auto" or a number, keys that must agree, the
-// scheduler and param_groups blocks) stay hand-written in zero/config.cc; their rows say
-// Custom::k... so that the key is still known, checked for spelling, written and compared.
+// Rules no row can state (stage's number or "auto", precision, keys that must agree, the
+// param_groups block) stay hand-written in zero/config.cc, and the scheduler block in
+// internal/config_scheduler.cc; their rows say Custom::k..., so that the key is still known,
+// checked for spelling, written and compared.
+//
+// A key's default is its member's in-class initializer in zero/config.h, never repeated here:
+// the writer, the docs test and "absent" all read it off Config{}.
 //
 // Row order is meaningful: ResolvedConfigJson writes settings in table order (the order of the
 // Settings table in docs/config.md), the parser reads them in that order, and "did you mean"
@@ -111,10 +116,10 @@ struct KeyDef {
   int64_t int_lo = 0, int_hi = kInt64Max;  // integer members: the accepted range
   DoubleRange real = kNonNegative;         // double members: the accepted range
   AutoRule auto_rule = AutoRule::kNone;
-  const char* alias = nullptr;        // DeepSpeed's other spelling of the last path element
-  const char* why = nullptr;          // kNoEffect, kForeign: why it changes nothing here
-  const char* turned_off = nullptr;   // kNoEffect booleans: what `false` asks to turn off
-  const char* only_value = nullptr;   // kForeign: accepted only with this value (JSON text)
+  const char* alias = nullptr;       // DeepSpeed's other spelling of the last path element
+  const char* why = nullptr;         // kNoEffect, kForeign: why it changes nothing here
+  const char* turned_off = nullptr;  // kNoEffect booleans: what `false` asks to turn off
+  const char* only_value = nullptr;  // kForeign: accepted only with this value (JSON text)
 
   KeyDef Alias(const char* a) const;
   KeyDef Auto(AutoRule rule) const;
