@@ -7,17 +7,22 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
+#include "zero/internal/config_keys.h"
 
 namespace zerort {
 namespace {
@@ -969,6 +974,400 @@ TEST_CASE("Config: the test configs in each user's style all parse", "[zero]") {
     INFO(file);
     INFO(c.status().ToString());
     CHECK(c.ok());
+  }
+}
+
+}  // namespace
+}  // namespace zerort
+
+// The table of keys (zero/internal/config_keys.h) drives every check, read, write and comparison:
+// these tests go through its rows, so a new row is covered without a new test.
+namespace zerort {
+namespace {
+
+using config_internal::AutoRule;
+using config_internal::ConfigKeys;
+using config_internal::Custom;
+using config_internal::KeyDef;
+using config_internal::Member;
+using config_internal::Role;
+
+// {"a": {"b": value}} for "a.b".
+Json Nest(const std::string& path, const Json& value) {
+  Json root = Json::object();
+  Json* at = &root;
+  for (absl::string_view part : absl::StrSplit(path, '.')) at = &(*at)[std::string(part)];
+  *at = value;
+  return root;
+}
+
+// The row's path with its last element spelt `leaf`.
+std::string Respelt(const KeyDef& k, absl::string_view leaf) {
+  const absl::string_view parent = config_internal::ParentPath(k.path);
+  return parent.empty() ? std::string(leaf) : absl::StrCat(parent, ".", leaf);
+}
+
+// What a Config starts from in these tests: stage 3 admits every offload setting.
+Config Stage3() {
+  Config c;
+  c.zero.stage = 3;
+  return c;
+}
+
+// Values of a row's type that its range refuses, each with how the message quotes it.
+std::vector<std::pair<Json, std::string>> OutOfRange(const KeyDef& k) {
+  std::vector<std::pair<Json, std::string>> out = {{Json::array({Json::array()}), "an array"}};
+  std::visit(
+      [&](auto m) {
+        using M = decltype(m);
+        if constexpr (std::is_same_v<M, Member<int>> || std::is_same_v<M, Member<int64_t>>) {
+          out.push_back({k.int_lo - 1, absl::StrCat(k.int_lo - 1)});
+          if (k.int_hi < INT64_MAX) out.push_back({k.int_hi + 1, absl::StrCat(k.int_hi + 1)});
+          out.push_back({1.5, "1.5"});
+        } else if constexpr (std::is_same_v<M, Member<double>>) {
+          const double below = k.real.lo_open ? k.real.lo : k.real.lo - 1;
+          out.push_back({below, Json(below).dump()});
+        } else if constexpr (std::is_same_v<M, Member<std::string>>) {
+          out.push_back({5, "5"});
+        } else if constexpr (!std::is_same_v<M, std::monostate>) {
+          out.push_back({"bogus", "\"bogus\""});
+        }
+      },
+      k.member);
+  // "auto" where the row does not take it; a string may be "auto" (a directory of that name).
+  if (k.auto_rule == AutoRule::kNone && k.custom == Custom::kNone &&
+      !std::holds_alternative<Member<std::string>>(k.member)) {
+    out.push_back({"auto", "\"auto\""});
+  }
+  return out;
+}
+
+TEST_CASE("Config table: every key refuses a value out of its type or range, naming the key",
+          "[zero]") {
+  for (const KeyDef& k : ConfigKeys()) {
+    if (k.role == Role::kForeign) continue;
+    std::vector<std::string> spellings = {k.path};
+    if (k.alias != nullptr) spellings.push_back(Respelt(k, k.alias));
+    for (const std::string& path : spellings) {
+      for (const auto& [value, quoted] : OutOfRange(k)) {
+        const std::string json = Nest(path, value).dump();
+        INFO(json);
+        absl::StatusOr<Config> c = ParseConfig(json);
+        REQUIRE(!c.ok());
+        INFO(c.status().message());
+        CHECK(c.status().code() == absl::StatusCode::kInvalidArgument);
+        CHECK(absl::StrContains(c.status().message(), absl::StrCat("<config>: ", path)));
+        // A wrong type or range reads "expected ..., got <value>"; the hand-written blocks may
+        // report a value inside the one given (param_groups[0]).
+        if (k.custom == Custom::kNone) {
+          CHECK(absl::StrContains(c.status().message(), absl::StrCat(": expected ")));
+          CHECK(absl::StrContains(c.status().message(), absl::StrCat("got ", quoted)));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Config table: \"auto\" is taken by each key's rule and refused elsewhere", "[zero]") {
+  for (const KeyDef& k : ConfigKeys()) {
+    if (k.auto_rule == AutoRule::kNone || k.role != Role::kSetting) continue;
+    INFO(k.path);
+    Config c = MustParse(Nest(k.path, "auto").dump());
+    const std::vector<std::string> expected = {k.path};
+    if (k.auto_rule == AutoRule::kUnitSize) {
+      CHECK(c.auto_keys.empty());
+      CHECK(std::get<Member<int64_t>>(k.member).get(c) == kAutoSize);
+    } else {
+      CHECK(c.auto_keys == expected);
+    }
+    CHECK(ResolvedConfigJson(c) == ResolvedConfigJson(*ParseConfig(ResolvedConfigJson(c))));
+  }
+}
+
+// A valid value of the row's type other than the default in `c`.
+void ChangeSetting(const KeyDef& k, Config* c) {
+  std::visit(
+      [&](auto m) {
+        using M = decltype(m);
+        if constexpr (std::is_same_v<M, Member<bool>>) {
+          m.at(*c) = !m.get(*c);
+        } else if constexpr (std::is_same_v<M, Member<int>> || std::is_same_v<M, Member<int64_t>>) {
+          // Twice the default keeps aio.block_size a multiple of 4096.
+          const int64_t d = m.get(*c);
+          const bool twice = d > 0 && d <= k.int_hi / 2;
+          m.at(*c) = static_cast<std::decay_t<decltype(m.get(*c))>>(twice ? 2 * d : k.int_lo + 1);
+        } else if constexpr (std::is_same_v<M, Member<double>>) {
+          m.at(*c) = m.get(*c) * 2 + 1;
+        } else if constexpr (std::is_same_v<M, Member<std::string>>) {
+          m.at(*c) = "/local_nvme";
+        } else if constexpr (std::is_same_v<M, Member<std::optional<DType>>>) {
+          m.at(*c) = DType::kF32;
+        } else if constexpr (std::is_same_v<M, Member<OffloadDevice>>) {
+          m.at(*c) = OffloadDevice::kCpu;
+        }
+      },
+      k.member);
+  switch (k.custom) {
+    case Custom::kStage:
+      c->zero.stage_auto = true;
+      c->zero.memory_budget.device_bytes = 1;
+      break;
+    case Custom::kBf16Enabled:
+      c->compute_dtype = DType::kBF16;
+      break;
+    case Custom::kFp16Enabled:
+      c->compute_dtype = DType::kF16;
+      break;
+    case Custom::kBetas:
+      c->optimizer.beta1 = 0.5;
+      break;
+    case Custom::kScheduler:
+      c->scheduler.type = SchedulerType::kWarmupLR;
+      break;
+    case Custom::kParamGroups:
+      c->param_groups.push_back({"*.bias", 0, 1});
+      break;
+    default:
+      break;
+  }
+}
+
+TEST_CASE("Config table: every setting is written, read back and compared; no-effect keys not",
+          "[zero]") {
+  const Config base = Stage3();
+  const std::string base_dump = ResolvedConfigJson(base);
+  for (const KeyDef& k : ConfigKeys()) {
+    // "AdamW" is the one value optimizer.type has after parsing.
+    if (k.role == Role::kForeign || k.role == Role::kInput || k.custom == Custom::kOptimizerType) {
+      continue;
+    }
+    INFO(k.path);
+    Config c = base;
+    ChangeSetting(k, &c);
+    const std::string dump = ResolvedConfigJson(c);
+    INFO(dump);
+    if (k.role == Role::kNoEffect) {
+      CHECK(c == base);
+      CHECK(dump == base_dump);
+      continue;
+    }
+    CHECK(c != base);
+    CHECK(dump != base_dump);
+    absl::StatusOr<Config> again = ParseConfig(dump);
+    INFO(again.status().ToString());
+    REQUIRE(again.ok());
+    CHECK(*again == c);
+    CHECK(ValidateConfig(c).ok());
+  }
+}
+
+TEST_CASE("Config table: each block's operator== sees each of its rows", "[zero]") {
+  const Config base = Stage3();
+  for (const KeyDef& k : ConfigKeys()) {
+    if (k.role != Role::kSetting || std::holds_alternative<std::monostate>(k.member)) continue;
+    INFO(k.path);
+    Config c = base;
+    ChangeSetting(k, &c);
+    const absl::string_view path = k.path;
+    if (absl::StartsWith(path, "zero_optimization.")) CHECK_FALSE(c.zero == base.zero);
+    if (absl::StartsWith(path, "zero_optimization.offload_optimizer.")) {
+      CHECK_FALSE(c.zero.offload_optimizer == base.zero.offload_optimizer);
+    }
+    if (absl::StartsWith(path, "zero_optimization.offload_param.")) {
+      CHECK_FALSE(c.zero.offload_param == base.zero.offload_param);
+    }
+    if (absl::StartsWith(path, "zero_optimization.memory_budget.")) {
+      CHECK_FALSE(c.zero.memory_budget == base.zero.memory_budget);
+    }
+    if (absl::StartsWith(path, "fp16.")) CHECK_FALSE(c.fp16 == base.fp16);
+    if (absl::StartsWith(path, "optimizer.")) CHECK_FALSE(c.optimizer == base.optimizer);
+    if (absl::StartsWith(path, "aio.")) CHECK_FALSE(c.aio == base.aio);
+  }
+}
+
+// The text of the docs/config.md section that starts with `heading`.
+std::string DocSection(const std::string& heading) {
+  const std::string doc = ReadFile("docs/config.md");
+  size_t begin = doc.find("\n" + heading + "\n");
+  REQUIRE(begin != std::string::npos);
+  size_t end = doc.find("\n## ", begin + 1);
+  return doc.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+}
+
+// Whether `text` names `word` as a whole key (not as part of a longer one).
+bool NamesKey(const std::string& text, absl::string_view key) {
+  const std::string word(key);
+  auto is_key_char = [](char ch) { return absl::ascii_isalnum(ch) || ch == '_'; };
+  for (size_t at = text.find(word); at != std::string::npos; at = text.find(word, at + 1)) {
+    const size_t end = at + word.size();
+    const bool starts = at == 0 || !is_key_char(text[at - 1]);
+    if (starts && (end == text.size() || !is_key_char(text[end]))) return true;
+  }
+  return false;
+}
+
+TEST_CASE("Config table: docs/config.md documents every row, settings in table order", "[zero]") {
+  // The Settings table: exactly the settings, in the table's order, with the defaults they have.
+  std::vector<std::string> documented_order;
+  const std::string settings = DocSection("## Settings");
+  for (absl::string_view line : absl::StrSplit(settings, '\n')) {
+    if (!absl::ConsumePrefix(&line, "| `")) continue;
+    documented_order.emplace_back(line.substr(0, line.find('`')));
+  }
+  std::vector<std::string> table_order;
+  for (const KeyDef& k : ConfigKeys()) {
+    if (k.role == Role::kSetting) table_order.push_back(k.path);
+  }
+  CHECK(documented_order == table_order);
+  std::map<std::string, Json> resolved;
+  Flatten(Json::parse(ResolvedConfigJson(Config{})), "", &resolved);
+  std::map<std::string, Json> documented = DocumentedDefaults();
+  for (const std::string& path : table_order) {
+    INFO(path);
+    CHECK(documented[path] == resolved[path]);
+  }
+
+  // Every other key, and every other spelling, in the section on DeepSpeed's keys.
+  const std::string deepspeed = DocSection("## Every DeepSpeed key");
+  for (const KeyDef& k : ConfigKeys()) {
+    INFO(k.path);
+    if (k.alias != nullptr) CHECK(NamesKey(ReadFile("docs/config.md"), k.alias));
+    if (k.role == Role::kNoEffect) {
+      CHECK(absl::StrContains(deepspeed, absl::StrCat("| `", k.path, "` | ")));
+    } else if (k.role != Role::kSetting) {
+      CHECK(NamesKey(deepspeed, config_internal::LeafName(k.path)));
+    }
+  }
+  for (const config_internal::BlockAlias& a : config_internal::ConfigBlockAliases()) {
+    CHECK(NamesKey(settings, a.alias));
+  }
+}
+
+TEST_CASE("Config table: rows are unique and each block's rows are contiguous", "[zero]") {
+  std::set<std::string> paths;
+  std::set<std::string> left;   // blocks whose rows have ended
+  std::set<std::string> inside;  // blocks the previous row lies in
+  for (const KeyDef& k : ConfigKeys()) {
+    INFO(k.path);
+    CHECK(paths.insert(k.path).second);
+    if (k.alias != nullptr) CHECK(paths.insert(Respelt(k, k.alias)).second);
+    const bool has_member = !std::holds_alternative<std::monostate>(k.member);
+    CHECK((has_member || k.custom != Custom::kNone || k.role == Role::kForeign));
+    if (k.role == Role::kForeign || k.role == Role::kNoEffect) CHECK(k.why != nullptr);
+    std::set<std::string> blocks;
+    for (absl::string_view b = config_internal::ParentPath(k.path); !b.empty();
+         b = config_internal::ParentPath(b)) {
+      blocks.emplace(b);
+      CHECK(left.count(std::string(b)) == 0);
+    }
+    for (const std::string& b : inside) {
+      if (blocks.count(b) == 0) left.insert(b);
+    }
+    inside = blocks;
+  }
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: a scheduler with no valid type still has its params checked, in one error",
+          "[zero]") {
+  // An unknown key ("typ") and bad values under it: every one reported, each once, although
+  // warmup_num_steps belongs to three schedules.
+  absl::StatusOr<Config> c = ParseConfig(R"({"scheduler": {"typ": "WarmupLR", "params":
+      {"warmup_num_steps": -1, "cos_min_ratio": -2, "warmup_num_stepz": 3,
+       "last_batch_iteration": 5}}})",
+                                         "ds.json");
+  REQUIRE(!c.ok());
+  INFO(c.status().message());
+  std::vector<std::string> lines = absl::StrSplit(c.status().message(), '\n');
+  CHECK(lines[0] == "ds.json: 5 problems:");
+  for (const char* e : {
+           "ds.json: scheduler.typ: unknown key; did you mean \"type\"?",
+           "ds.json: scheduler.type: missing; expected one of WarmupLR",
+           "ds.json: scheduler.params.warmup_num_stepz: unknown key; did you mean "
+           "\"warmup_num_steps\"?",
+           "ds.json: scheduler.params.warmup_num_steps: expected an integer >= 0 or \"auto\", "
+           "got -1",
+           "ds.json: scheduler.params.cos_min_ratio: expected a number >= 0, got -2",
+       }) {
+    INFO(e);
+    CHECK(std::count_if(lines.begin(), lines.end(), [&](const std::string& l) {
+            return absl::StartsWith(l, e);
+          }) == 1);
+  }
+  // A misspelt schedule name, and a name that is not a string, the same.
+  for (const char* type : {"\"WarmupLr\"", "5"}) {
+    absl::Status s = ParseError(absl::StrCat(R"({"scheduler": {"type": )", type,
+                                             R"(, "params": {"cycle_first_step_size": 0}}})"));
+    INFO(s.message());
+    CHECK(absl::StartsWith(s.message(), "<config>: 2 problems:\n<config>: scheduler.type: "));
+    CHECK(absl::StrContains(s.message(), "scheduler.params.cycle_first_step_size: expected an "
+                                         "integer >= 1, got 0"));
+  }
+  // Keys of no schedule at all are still unknown keys.
+  CHECK(absl::StrContains(
+      ParseError(R"({"scheduler": {"type": "x", "params": {"warmup_min": 0}}})").message(),
+      "scheduler.params.warmup_min: unknown key; did you mean \"warmup_min_lr\"?"));
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: keys of DeepSpeed's current release zerort has no use for are noted, not unknown",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+      "zenflow": {"topk_ratio": 0.1}, "stage3_allgather_sequential": true,
+      "leaf_module": {"classes": ["MoE"]}, "log_trace_cache_warnings": true,
+      "enable_sanity_checks": true,
+      "offload_optimizer": {"device": "cpu", "super_offload": true, "cpuadam_cores_perc": 0.8}}})");
+  Config expected;
+  expected.zero.stage = 3;
+  expected.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  CHECK(c == expected);
+  const std::vector<std::string> keys = {
+      "zero_optimization.zenflow", "zero_optimization.stage3_allgather_sequential",
+      "zero_optimization.leaf_module", "zero_optimization.log_trace_cache_warnings",
+      "zero_optimization.enable_sanity_checks", "zero_optimization.offload_optimizer.super_offload",
+      "zero_optimization.offload_optimizer.cpuadam_cores_perc"};
+  REQUIRE(c.notes.size() == keys.size());
+  for (const std::string& key : keys) {
+    INFO(key);
+    CHECK(std::count_if(c.notes.begin(), c.notes.end(), [&](const std::string& note) {
+            return absl::StartsWith(note, key + ": DeepSpeed key accepted, no effect (");
+          }) == 1);
+  }
+  // As with every key without effect, strict mode refuses them.
+  CHECK(ParseError(R"({"zerort": {"strict": true}, "zero_optimization": {"zenflow": {}}})")
+            .message()
+            .find("zero_optimization.zenflow: DeepSpeed key accepted, no effect") !=
+        std::string::npos);
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: tensor_parallel and managed_gradient_accumulation are noted as DeepSpeed keys",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "tensor_parallel": {"autotp_size": 2},
+      "managed_gradient_accumulation": true})");
+  CHECK(c == Config{});
+  REQUIRE(c.notes.size() == 2);
+  CHECK(absl::StartsWith(c.notes[0], "tensor_parallel: DeepSpeed key accepted, no effect (zerort "
+                                     "has no tensor parallelism"));
+  CHECK(absl::StartsWith(c.notes[1], "managed_gradient_accumulation: DeepSpeed key accepted, no "
+                                     "effect (zerort manages accumulation itself"));
+  for (const std::string& note : c.notes) {
+    CHECK_FALSE(absl::StrContains(note, "not a zerort or DeepSpeed setting"));
   }
 }
 
