@@ -72,6 +72,10 @@ struct TokenBatch {
   std::vector<int32_t> tokens;  // batch * (seq + 1)
 };
 
+// Checks a batch against the shape: batch, seq >= 1, seq <= context, batch * (seq + 1)
+// tokens, each in [0, vocab). InvalidArgument naming what is wrong.
+absl::Status ValidateBatch(const GptShape& shape, const TokenBatch& batch);
+
 // The first of /usr/share/common-licenses/GPL-3, then any other regular file of that directory,
 // that exists. NotFound naming GPL-3's path when the directory has none.
 absl::StatusOr<std::string> DefaultCorpusPath();
