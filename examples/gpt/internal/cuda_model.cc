@@ -222,6 +222,7 @@ absl::Status CudaPass::Reserve(const TokenBatch& batch, DType dtype, bool backwa
     return absl::OkStatus();
   }
   const bool fp32 = dtype == DType::kF32;
+  b.batch = 0;  // no valid layout until the carve below succeeds
   Carver count(nullptr, DTypeSize(dtype));
   LayoutBuffers(shape_, count, batch.batch, batch.seq, fp32, backward, b);
   if (count.bytes() > capacity_) {
