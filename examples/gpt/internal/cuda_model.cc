@@ -2,9 +2,13 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
+#include <glob.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +39,83 @@ absl::Status LaunchError(int error, const char* call) {
     if (zerort_launch_err_ != 0) return LaunchError(zerort_launch_err_, #call); \
   } while (false)
 
+// cuBLAS is loaded at run time rather than linked: its libraries (libcublas 54 MB, libcublasLt
+// 540 MB) could not travel in the GPU bundle (tools/gpu_bundle.sh, at most 32 MiB), and a
+// machine with a GPU has them already (the CUDA toolkit, or PyTorch's nvidia-cublas wheel).
+// Searched in order: $ZERORT_CUBLAS_DIR, the loader's paths, /usr/local/cuda/lib64, then the
+// wheels of /opt/torch/.venv and /usr/local/lib/python3*.
+struct CublasApi {
+  decltype(&cublasCreate_v2) create;
+  decltype(&cublasDestroy_v2) destroy;
+  decltype(&cublasSetStream_v2) set_stream;
+  // The int-sized overloads (the headers add 64-bit ones in C++).
+  cublasStatus_t (*gemm)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                         const void*, const void*, cudaDataType, int, const void*, cudaDataType,
+                         int, const void*, void*, cudaDataType, int, cublasComputeType_t,
+                         cublasGemmAlgo_t);
+  cublasStatus_t (*gemm_batched)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                 int, const void*, const void*, cudaDataType, int, long long,
+                                 const void*, cudaDataType, int, long long, const void*, void*,
+                                 cudaDataType, int, long long, int, cublasComputeType_t,
+                                 cublasGemmAlgo_t);
+  decltype(&cublasGetStatusString) status_string;
+};
+
+constexpr char kCublasSo[] = "libcublas.so.13";
+
+absl::StatusOr<const CublasApi*> LoadCublas() {
+  static const absl::StatusOr<CublasApi>* const api = [] {
+    std::vector<std::string> tries;
+    if (const char* dir = std::getenv("ZERORT_CUBLAS_DIR")) {
+      tries.push_back(absl::StrCat(dir, "/", kCublasSo));
+    }
+    tries.push_back(kCublasSo);
+    tries.push_back(absl::StrCat("/usr/local/cuda/lib64/", kCublasSo));
+    for (const char* pattern :
+         {"/opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib/libcublas.so.13",
+          "/opt/torch/.venv/lib/python3*/site-packages/nvidia/cublas/lib/libcublas.so.13",
+          "/usr/local/lib/python3*/dist-packages/nvidia/cu13/lib/libcublas.so.13",
+          "/usr/local/lib/python3*/dist-packages/nvidia/cublas/lib/libcublas.so.13"}) {
+      glob_t g;
+      if (glob(pattern, 0, nullptr, &g) == 0) {
+        for (size_t k = 0; k < g.gl_pathc; ++k) tries.push_back(g.gl_pathv[k]);
+      }
+      globfree(&g);
+    }
+    void* lib = nullptr;
+    std::string errors;
+    for (const std::string& path : tries) {
+      lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib != nullptr) break;
+      const char* e = dlerror();
+      absl::StrAppend(&errors, "; ", e != nullptr ? e : path);
+    }
+    if (lib == nullptr) {
+      return new absl::StatusOr<CublasApi>(absl::FailedPreconditionError(absl::StrCat(
+          "cuBLAS (", kCublasSo, ") not found; set ZERORT_CUBLAS_DIR", errors)));
+    }
+    CublasApi a;
+    bool ok = true;
+    auto sym = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      ok = ok && fn != nullptr;
+    };
+    sym(a.create, "cublasCreate_v2");
+    sym(a.destroy, "cublasDestroy_v2");
+    sym(a.set_stream, "cublasSetStream_v2");
+    sym(a.gemm, "cublasGemmEx");
+    sym(a.gemm_batched, "cublasGemmStridedBatchedEx");
+    sym(a.status_string, "cublasGetStatusString");
+    if (!ok) {
+      return new absl::StatusOr<CublasApi>(absl::FailedPreconditionError(
+          absl::StrCat(kCublasSo, " lacks a function the GPT needs (cuBLAS 13 expected)")));
+    }
+    return new absl::StatusOr<CublasApi>(a);
+  }();
+  if (!api->ok()) return api->status();
+  return &api->value();
+}
+
 absl::Status CublasError(cublasStatus_t s, const char* what, int m, int n, int k, int batch) {
   absl::StatusCode code = absl::StatusCode::kInternal;
   if (s == CUBLAS_STATUS_ALLOC_FAILED) code = absl::StatusCode::kResourceExhausted;
@@ -42,8 +123,10 @@ absl::Status CublasError(cublasStatus_t s, const char* what, int m, int n, int k
   if (s == CUBLAS_STATUS_INVALID_VALUE || s == CUBLAS_STATUS_NOT_SUPPORTED) {
     code = absl::StatusCode::kInvalidArgument;
   }
+  const absl::StatusOr<const CublasApi*> api = LoadCublas();
   return absl::Status(code, absl::StrCat("cuBLAS ", what, " (m ", m, ", n ", n, ", k ", k,
-                                          ", batch ", batch, "): ", cublasGetStatusString(s)));
+                                          ", batch ", batch, "): ",
+                                          api.ok() ? (*api)->status_string(s) : "", " (", s, ")"));
 }
 
 cudaDataType CudaType(DType d) {
@@ -64,6 +147,7 @@ cublasOperation_t Op(bool transpose) { return transpose ? CUBLAS_OP_T : CUBLAS_O
 // helper below states the row-major product it computes. Inputs in `ab`, the output in `c`,
 // fp32 accumulation (CUBLAS_COMPUTE_32F: no TF32 in the fp32 path).
 struct Blas {
+  const CublasApi& api;
   cublasHandle_t handle;
   DType ab;  // the compute dtype
 
@@ -71,7 +155,7 @@ struct Blas {
                     int lda, const void* b, int ldb, void* c, DType c_type, int ldc) const {
     const float alpha = 1.0f, beta = 0.0f;
     const cublasStatus_t s =
-        cublasGemmEx(handle, Op(ta), Op(tb), m, n, kk, &alpha, a, CudaType(ab), lda, b,
+        api.gemm(handle, Op(ta), Op(tb), m, n, kk, &alpha, a, CudaType(ab), lda, b,
                      CudaType(ab), ldb, &beta, c, CudaType(c_type), ldc, CUBLAS_COMPUTE_32F,
                      CUBLAS_GEMM_DEFAULT);
     if (s != CUBLAS_STATUS_SUCCESS) return CublasError(s, what, m, n, kk, 1);
@@ -82,7 +166,7 @@ struct Blas {
                        int lda, int64_t stride_a, const void* b, int ldb, int64_t stride_b,
                        float* c, int ldc, int64_t stride_c, int batch) const {
     const float alpha = 1.0f, beta = 0.0f;
-    const cublasStatus_t s = cublasGemmStridedBatchedEx(
+    const cublasStatus_t s = api.gemm_batched(
         handle, Op(ta), Op(tb), m, n, kk, &alpha, a, CudaType(ab), lda, stride_a, b,
         CudaType(ab), ldb, stride_b, &beta, c, CUDA_R_32F, ldc, stride_c, batch,
         CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
@@ -197,11 +281,12 @@ absl::StatusOr<std::unique_ptr<CudaPass>> CudaPass::Create(const GptShape& shape
   cudaStream_t stream = nullptr;
   RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   pass->stream_ = stream;
+  ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   cublasHandle_t handle = nullptr;
-  const cublasStatus_t s = cublasCreate(&handle);
+  const cublasStatus_t s = api->create(&handle);
   if (s != CUBLAS_STATUS_SUCCESS) return CublasError(s, "cublasCreate", 0, 0, 0, 0);
   pass->cublas_ = handle;
-  const cublasStatus_t set = cublasSetStream(handle, stream);
+  const cublasStatus_t set = api->set_stream(handle, stream);
   if (set != CUBLAS_STATUS_SUCCESS) return CublasError(set, "cublasSetStream", 0, 0, 0, 0);
   pass->buffers_ = std::make_unique<Buffers>();
   return pass;
@@ -210,7 +295,10 @@ absl::StatusOr<std::unique_ptr<CudaPass>> CudaPass::Create(const GptShape& shape
 CudaPass::~CudaPass() {
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
-  if (cublas_ != nullptr) cublasDestroy(static_cast<cublasHandle_t>(cublas_));
+  if (cublas_ != nullptr) {
+    const absl::StatusOr<const CublasApi*> api = LoadCublas();  // loaded: cublas_ exists
+    if (api.ok()) (*api)->destroy(static_cast<cublasHandle_t>(cublas_));
+  }
   if (memory_ != nullptr) cudaFree(memory_);
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
@@ -310,9 +398,9 @@ void LayoutBuffers(const GptShape& s, Carver& c, int batch, int seq, bool fp32, 
 class Pass {
  public:
   Pass(const GptShape& shape, DeviceParamAccess& access, const TokenBatch& batch,
-       CudaPass::Buffers& b, cublasHandle_t handle, cudaStream_t stream)
+       CudaPass::Buffers& b, const CublasApi& api, cublasHandle_t handle, cudaStream_t stream)
       : s_(shape), access_(access), batch_(batch), b_(b), dt_(access.dtype()),
-        fp32_(dt_ == DType::kF32), blas_{handle, dt_}, stream_(stream),
+        fp32_(dt_ == DType::kF32), blas_{api, handle, dt_}, stream_(stream),
         n_(static_cast<int64_t>(batch.batch) * batch.seq), d_(shape.d_model),
         hs_(shape.d_model / shape.heads), bh_(batch.batch * shape.heads),
         scale_(math::AttentionScale(shape.d_model / shape.heads)) {}
@@ -653,7 +741,8 @@ absl::StatusOr<std::vector<float>> CudaPass::Run(DeviceParamAccess& access,
                                                  const TokenBatch& batch, float grad_scale) {
   RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
   RETURN_IF_ERROR(Reserve(batch, access.dtype(), grad_scale != 0));
-  Pass pass(shape_, access, batch, *buffers_, static_cast<cublasHandle_t>(cublas_),
+  ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
+  Pass pass(shape_, access, batch, *buffers_, *api, static_cast<cublasHandle_t>(cublas_),
             static_cast<cudaStream_t>(stream_));
   return pass.Run(grad_scale);
 }
