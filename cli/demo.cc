@@ -1,6 +1,8 @@
 #include "cli/demo.h"
 
 #include <cmath>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -10,7 +12,9 @@
 #include "base/bytes.h"
 #include "base/status.h"
 #include "cli/flags.h"
+#include "examples/gpt/backend.h"
 #include "examples/gpt/gpt.h"
+#include "examples/gpt/gpt_cuda.h"
 #include "examples/mlp/mlp.h"
 #include "memory/plan.h"
 #include "zero/config.h"
@@ -27,6 +31,16 @@ constexpr char kGptConfig[] = R"({
   "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0}},
   "gradient_clipping": 1.0,
   "comm_timeout_ms": 60000
+})";
+
+// The GPU default: GPT-2 124M's shapes, so a higher-capacity model with GPT-2's usual lr 6e-4
+// and weight decay 0.1.
+constexpr char kGptCudaConfig[] = R"({
+  "zero_optimization": {"stage": 2},
+  "bf16": {"enabled": true},
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.0006, "weight_decay": 0.1}},
+  "gradient_clipping": 1.0,
+  "comm_timeout_ms": 600000
 })";
 
 // Small units and no persistent units, so that a 5-thousand-parameter model still shows
@@ -48,12 +62,13 @@ std::string StageName(const Config& config) {
 }
 
 // --config or the model's default, then --stage and --precision over it.
-absl::StatusOr<Config> DemoConfig(const Flags& flags, bool gpt) {
+absl::StatusOr<Config> DemoConfig(const Flags& flags, bool gpt, bool cuda = false) {
   Config config;
   if (flags.Has("config")) {
     ASSIGN_OR_RETURN(config, LoadConfigFile(flags.Get("config")));
   } else {
-    ASSIGN_OR_RETURN(config, ParseConfig(gpt ? kGptConfig : kMlpConfig, "<demo default config>"));
+    ASSIGN_OR_RETURN(config, ParseConfig(!gpt ? kMlpConfig : cuda ? kGptCudaConfig : kGptConfig,
+                                         "<demo default config>"));
   }
   if (flags.Has("stage")) {
     ASSIGN_OR_RETURN(int64_t stage, flags.GetInt("stage", 0, 0, 3));
@@ -145,19 +160,27 @@ std::string Printable(const std::string& bytes) {
   return out;
 }
 
-// The GPT's run options from the flags: 4 ranks of 2 sequences of 64 bytes, 150 steps
+// The GPT's run options from the flags. CPU: 4 ranks of 2 sequences of 64 bytes, 150 steps
 // (about a minute on two cores), a validation loss every 25 steps and a 200-byte sample.
-absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags) {
+// CUDA: GPT-2 124M's shapes (12 layers, 12 heads, d_model 768, context 1024) with the byte
+// vocabulary of the corpus (256 rows, not GPT-2's 50257 BPE tokens, which need a tokenizer),
+// 1 rank of 8 sequences of 1024 bytes, 50 steps; no sample (generation runs on the CPU).
+absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags, bool cuda) {
   examples::gpt::RunOptions o;
-  ASSIGN_OR_RETURN(o.world_size, flags.GetInt("ranks", 4, 1, 256));
-  ASSIGN_OR_RETURN(o.steps, flags.GetInt("steps", 150, 1, 1000000));
-  ASSIGN_OR_RETURN(o.batch, flags.GetInt("batch", 2, 1, 4096));
+  if (cuda) {
+    o.shape = examples::gpt::GptShape::Gpt2Small();
+    o.shape.vocab = 256;
+  }
+  ASSIGN_OR_RETURN(o.world_size, flags.GetInt("ranks", cuda ? 1 : 4, 1, cuda ? 16 : 256));
+  ASSIGN_OR_RETURN(o.steps, flags.GetInt("steps", cuda ? 50 : 150, 1, 1000000));
+  ASSIGN_OR_RETURN(o.batch, flags.GetInt("batch", cuda ? 8 : 2, 1, 4096));
   ASSIGN_OR_RETURN(o.eval_every, flags.GetInt("eval_every", 25, 0, 1000000));
-  ASSIGN_OR_RETURN(o.sample_tokens, flags.GetInt("sample_tokens", 200, 0, 100000));
+  ASSIGN_OR_RETURN(o.sample_tokens, flags.GetInt("sample_tokens", cuda ? 0 : 200, 0, 100000));
   ASSIGN_OR_RETURN(o.checkpoint_every, flags.GetInt("checkpoint_every", 50, 1, 1000000));
   ASSIGN_OR_RETURN(o.shape.layers, flags.GetInt("layers", o.shape.layers, 1, 96));
-  // Multiples of the 4 heads.
-  ASSIGN_OR_RETURN(const int64_t d_model, flags.GetInt("d_model", o.shape.d_model, 4, 4096));
+  // Multiples of the heads (4 on the CPU, 12 on the GPU).
+  ASSIGN_OR_RETURN(const int64_t d_model,
+                   flags.GetInt("d_model", o.shape.d_model, o.shape.heads, 4096));
   if (d_model % o.shape.heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--d_model ", d_model, " must be a multiple of ", o.shape.heads));
@@ -170,8 +193,14 @@ absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags) {
   return o;
 }
 
+// What the GPU run is measured against: the datasheet peak for the compute dtype (the fp32
+// path runs without TF32, so plain fp32).
+double PeakFlops(const examples::gpt::GpuInfo& gpu, const Config& config) {
+  return config.compute_dtype == DType::kF32 ? gpu.peak_fp32_flops : gpu.peak_bf16_flops;
+}
+
 void PrintGptHeader(const Config& config, const examples::gpt::RunOptions& o,
-                    std::ostream& out) {
+                    const examples::gpt::GpuInfo* gpu, std::ostream& out) {
   const examples::gpt::GptShape& s = o.shape;
   const examples::gpt::Gpt gpt(s);
   for (const std::string& note : config.notes) out << "note: " << note << "\n";
@@ -180,24 +209,80 @@ void PrintGptHeader(const Config& config, const examples::gpt::RunOptions& o,
       << " parameters) on " << o.world_size << " in-process ranks, stage " << StageName(config)
       << ", " << DTypeName(config.compute_dtype) << ", " << o.batch << " sequences of "
       << s.context << " bytes per rank\n";
+  if (gpu != nullptr) {
+    out << "device: GPU " << gpu->ordinal << ", " << gpu->name << " ("
+        << absl::StrFormat("%.1f", gpu->memory_bytes / double(1 << 30)) << " GiB, compute "
+        << gpu->compute_major << "." << gpu->compute_minor << "), "
+        << (o.world_size == 1 ? "NCCL at world 1"
+                              : "in-process ranks sharing the GPU (NCCL refuses two ranks on one)")
+        << "\npeak: " << gpu->peak_source << "\nvocabulary: " << s.vocab
+        << " byte tokens (GPT-2's shapes otherwise; its 50257 BPE tokens need a tokenizer)\n";
+  }
   if (!o.resume_from.empty()) out << "resuming from " << o.resume_from << "\n";
   if (!o.checkpoint_dir.empty()) {
     out << "saving a checkpoint every " << o.checkpoint_every << " steps into "
         << o.checkpoint_dir << " (asynchronously)\n";
   }
-  out << absl::StrFormat("%6s %9s %9s %10s %9s %9s\n", "step", "loss", "val_loss", "grad_norm",
+  out << absl::StrFormat("%6s %9s %9s %10s %9s %9s", "step", "loss", "val_loss", "grad_norm",
                          "tok/s", "ms");
+  out << (gpu != nullptr ? absl::StrFormat(" %6s\n", "mfu") : "\n");
+}
+
+// --device: "cpu" (the default), "cuda" (FailedPrecondition naming the reason when no GPU is
+// usable) or "auto" (the GPU when usable, else the CPU, saying why). Sets *gpu and *backend for
+// the GPU.
+absl::Status ChooseDevice(const Flags& flags, std::ostream& out,
+                          std::optional<examples::gpt::GpuInfo>* gpu,
+                          std::unique_ptr<examples::gpt::Backend>* backend) {
+  const std::string device = flags.Get("device", "cpu");
+  if (device != "cpu" && device != "cuda" && device != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device must be cpu, cuda or auto, got '", device, "'"));
+  }
+  if (device == "cpu") return absl::OkStatus();
+  absl::StatusOr<examples::gpt::GpuInfo> probe = examples::gpt::ProbeGpu(0);
+  if (probe.ok()) {
+    absl::StatusOr<std::unique_ptr<examples::gpt::Backend>> cuda =
+        examples::gpt::CreateCudaBackend(0);
+    if (cuda.ok()) {
+      *gpu = *probe;
+      *backend = *std::move(cuda);
+      return absl::OkStatus();
+    }
+    probe = cuda.status();
+  }
+  if (device == "cuda") {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--device cuda: no usable GPU: ", probe.status().message()));
+  }
+  out << "--device auto: no usable GPU (" << probe.status().message()
+      << "); training on the CPU\n";
+  return absl::OkStatus();
 }
 
 absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
-  ASSIGN_OR_RETURN(const Config config, DemoConfig(flags, /*gpt=*/true));
-  ASSIGN_OR_RETURN(examples::gpt::RunOptions options, GptOptions(flags));
-  PrintGptHeader(config, options, out);
-  options.on_step = [&out](const examples::gpt::StepReport& r) {
+  std::optional<examples::gpt::GpuInfo> gpu;
+  std::unique_ptr<examples::gpt::Backend> backend;
+  RETURN_IF_ERROR(ChooseDevice(flags, out, &gpu, &backend));
+  const bool cuda = backend != nullptr;
+  ASSIGN_OR_RETURN(const Config config, DemoConfig(flags, /*gpt=*/true, cuda));
+  ASSIGN_OR_RETURN(examples::gpt::RunOptions options, GptOptions(flags, cuda));
+  options.backend = backend.get();
+  PrintGptHeader(config, options, gpu ? &*gpu : nullptr, out);
+  // Model FLOPs utilisation against the datasheet peak (0: none on record, not printed).
+  const double flops_per_token =
+      examples::gpt::TrainingFlopsPerToken(options.shape, options.shape.context);
+  const double peak = gpu ? PeakFlops(*gpu, config) : 0;
+  auto mfu = [&](double tokens_per_s) {
+    return peak > 0 ? absl::StrFormat("%5.1f%%", 100 * tokens_per_s * flops_per_token / peak)
+                    : std::string("-");
+  };
+  options.on_step = [&out, &gpu, &mfu](const examples::gpt::StepReport& r) {
     if (!r.evaluated && (r.step + 1) % 10 != 0 && r.step != 0) return;
-    out << absl::StrFormat("%6d %9.4f %9s %10.4f %9.0f %9.1f\n", r.step + 1, r.loss,
+    out << absl::StrFormat("%6d %9.4f %9s %10.4f %9.0f %9.1f", r.step + 1, r.loss,
                            r.evaluated ? absl::StrFormat("%.4f", r.val_loss) : "", r.stats.grad_norm,
                            r.tokens_per_s, r.ms);
+    out << (gpu ? absl::StrFormat(" %6s\n", mfu(r.tokens_per_s)) : "\n");
     out.flush();
   };
   ASSIGN_OR_RETURN(examples::gpt::RunResult result,
@@ -211,6 +296,12 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
       << result.first_step + 1 << "-" << options.steps << "; "
       << absl::StrFormat("%.0f", result.tokens_per_s) << " tokens/s; ";
   PrintPlanLine(result.plan, out);
+  if (gpu) {
+    out << "model FLOPs per token " << absl::StrFormat("%.3g", flops_per_token)
+        << " (6 N + 6 L d T); MFU " << mfu(result.tokens_per_s) << " of "
+        << absl::StrFormat("%.0f", peak / 1e12) << " TFLOPS (" << DTypeName(config.compute_dtype)
+        << ", " << gpu->name << ")\n";
+  }
   for (const std::string& dir : result.checkpoints) out << "checkpoint " << dir << "\n";
   if (!result.sample.empty()) {
     // The untrained model's continuation of the same prompt with the same seed: the contrast
@@ -224,6 +315,11 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
         << Printable(untrained) << "\nafter training:\n" << Printable(result.sample) << "\n";
   }
   PrintMemoryTable(result.memory, out);
+  if (gpu) {
+    out << "activations and scratch of each rank's trainer (GPU memory outside the plan):";
+    for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
+    out << "\n";
+  }
   return absl::OkStatus();
 }
 
@@ -233,9 +329,13 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args, {"model", "config", "ranks", "steps", "stage", "precision",
                                        "batch", "eval_every", "sample_tokens", "checkpoint",
-                                       "checkpoint_every", "resume", "layers", "d_model"}));
+                                       "checkpoint_every", "resume", "layers", "d_model",
+                                       "device"}));
   const std::string model = flags.Get("model", "gpt");
   if (model == "mlp") {
+    if (flags.Has("device") && flags.Get("device") != "cpu") {
+      return absl::InvalidArgumentError("--device applies to --model gpt only");
+    }
     for (const char* gpt_only : {"batch", "eval_every", "sample_tokens", "checkpoint",
                                  "checkpoint_every", "resume", "layers", "d_model"}) {
       if (flags.Has(gpt_only)) {

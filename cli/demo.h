@@ -4,7 +4,7 @@
 //   zerort demo [--model gpt|mlp] [--config FILE] [--ranks N] [--steps S] [--stage 0-3]
 //               [--precision P]
 //   GPT only:   [--batch N] [--eval_every N] [--sample_tokens N] [--layers N] [--d_model N]
-//               [--checkpoint DIR [--checkpoint_every N]] [--resume DIR]
+//               [--checkpoint DIR [--checkpoint_every N]] [--resume DIR] [--device cpu|cuda|auto]
 //
 // --model gpt (the default) trains examples/gpt's 0.83M-parameter byte-level GPT on the GPL-3
 // text: 4 ranks of 2 sequences of 64 bytes, 150 steps, stage 2, bf16, AdamW lr 3e-3, clipping 1;
@@ -12,6 +12,13 @@
 // tokens per second and, at the end, a sample generated from the trained weights.
 // --checkpoint DIR saves asynchronously every --checkpoint_every (50) steps; --resume DIR
 // continues from DIR's latest checkpoint, giving the same bits as an uninterrupted run.
+// --device cuda trains on GPU 0 (examples/gpt/gpt_cuda.h): GPT-2 124M's shapes (12 layers,
+// 12 heads, d_model 768, context 1024) with the corpus's byte vocabulary (256), 1 rank over
+// NCCL (--ranks 2-16: in-process ranks sharing the GPU) of 8 sequences of 1024 bytes, 50 steps,
+// lr 6e-4, weight decay 0.1; it adds model FLOPs utilisation against the GPU's datasheet peak
+// and each rank's activation bytes. Without a usable GPU it fails (FailedPrecondition naming
+// the reason). --device auto takes the GPU when usable, else says why and runs the CPU default.
+// --device cpu (the default) is the CPU run above.
 // --model mlp trains examples/mlp's 5,768-parameter MLP (4 ranks, 30 steps) with units of at
 // most 2048 elements (so that several buckets exist) and no persistent stage-3 units (so that
 // stage 3 really gathers). --stage and --precision override the config (default or --config).

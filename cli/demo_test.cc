@@ -14,6 +14,7 @@
 #include "base/testing/temp_dir.h"
 #include "catch2/catch.hpp"
 #include "checkpoint/checkpoint.h"
+#include "examples/gpt/gpt_cuda.h"
 
 namespace zerort {
 namespace {
@@ -220,6 +221,46 @@ TEST_CASE("Demo: a missing config file is an error naming the file", "[zero]") {
   absl::Status status = RunDemoCommand({"--config", "/nonexistent/demo.json"}, out);
   CHECK(absl::IsNotFound(status));
   CHECK(status.message().find("/nonexistent/demo.json") != absl::string_view::npos);
+}
+
+TEST_CASE("Demo: --device cuda without a GPU fails with the reason; auto falls back to the CPU",
+          "[zero]") {
+  const absl::StatusOr<examples::gpt::GpuInfo> gpu = examples::gpt::ProbeGpu(0);
+  if (gpu.ok()) {
+    WARN("SKIPPED: a GPU is usable here (" << gpu->name << "); this case needs none");
+    return;
+  }
+  {
+    std::ostringstream out;
+    const absl::Status status = RunDemoCommand({"--device", "cuda"}, out);
+    INFO(status.message());
+    CHECK(absl::IsFailedPrecondition(status));
+    CHECK(status.message().find("--device cuda: no usable GPU: ") != absl::string_view::npos);
+    CHECK(status.message().find(gpu.status().message()) != absl::string_view::npos);
+    CHECK(out.str().empty());  // nothing trained, nothing printed
+  }
+  {
+    std::ostringstream out;
+    const absl::Status status = RunDemoCommand(
+        {"--device=auto", "--ranks", "1", "--steps", "2", "--sample_tokens", "0"}, out);
+    INFO(out.str() << status.message());
+    REQUIRE(status.ok());
+    CHECK(out.str().find("--device auto: no usable GPU (") != std::string::npos);
+    CHECK(out.str().find("); training on the CPU") != std::string::npos);
+    CHECK(out.str().find("d_model 128") != std::string::npos);  // the CPU default model
+    CHECK(out.str().find("every rank allocated exactly its plan") != std::string::npos);
+  }
+}
+
+TEST_CASE("Demo: --device is checked and applies to the GPT only", "[zero]") {
+  std::ostringstream out;
+  absl::Status status = RunDemoCommand({"--device", "tpu"}, out);
+  CHECK(absl::IsInvalidArgument(status));
+  CHECK(status.message().find("--device must be cpu, cuda or auto, got 'tpu'") !=
+        absl::string_view::npos);
+  status = RunDemoCommand({"--model", "mlp", "--device", "cuda"}, out);
+  CHECK(absl::IsInvalidArgument(status));
+  CHECK(status.message().find("--device applies to --model gpt only") != absl::string_view::npos);
 }
 
 }  // namespace

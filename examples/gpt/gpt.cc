@@ -119,6 +119,22 @@ GptShape GptShape::Gpt2Small() {
   return shape;
 }
 
+absl::Status ValidateBatch(const GptShape& shape, const TokenBatch& batch) {
+  if (batch.batch < 1 || batch.seq < 1 || batch.seq > shape.context ||
+      batch.tokens.size() != static_cast<size_t>(batch.batch) * (batch.seq + 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TokenBatch of ", batch.batch, " sequences of ", batch.seq, " tokens (context ",
+        shape.context, ") has ", batch.tokens.size(), " tokens, want batch * (seq + 1)"));
+  }
+  for (int32_t t : batch.tokens) {
+    if (t < 0 || t >= shape.vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("TokenBatch token ", t, " outside the vocabulary [0, ", shape.vocab, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateShape(const GptShape& shape) {
   auto bad = [](absl::string_view field, double value, absl::string_view want) {
     return absl::InvalidArgumentError(
@@ -194,21 +210,6 @@ void InitParam(const GptShape& shape, int index, int64_t numel, float* values) {
   for (int64_t k = 0; k < numel; ++k) values[k] = std_dev * static_cast<float>(rng.Normal());
 }
 
-absl::Status ValidateBatch(const GptShape& shape, const TokenBatch& batch) {
-  if (batch.batch < 1 || batch.seq < 1 || batch.seq > shape.context ||
-      batch.tokens.size() != static_cast<size_t>(batch.batch) * (batch.seq + 1)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "TokenBatch of ", batch.batch, " sequences of ", batch.seq, " tokens (context ",
-        shape.context, ") has ", batch.tokens.size(), " tokens, want batch * (seq + 1)"));
-  }
-  for (int32_t t : batch.tokens) {
-    if (t < 0 || t >= shape.vocab) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("TokenBatch token ", t, " outside the vocabulary [0, ", shape.vocab, ")"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 float Mean(const std::vector<float>& v) {
   double sum = 0;

@@ -42,6 +42,8 @@ namespace zerort {
 namespace examples {
 namespace gpt {
 
+class Backend;  // backend.h
+
 // The model's shape. The default (0.83M parameters) trains visibly in about a minute on two
 // cores: 2 ranks of 4 sequences of 64 bytes take ~0.27 s of CPU per step (~1,900 tokens per
 // CPU-second), and the held-out loss falls from 5.54 to ~3.0 in 150 steps at lr 3e-3.
@@ -69,6 +71,10 @@ struct TokenBatch {
   int seq = 0;
   std::vector<int32_t> tokens;  // batch * (seq + 1)
 };
+
+// Checks a batch against the shape: batch, seq >= 1, seq <= context, batch * (seq + 1)
+// tokens, each in [0, vocab). InvalidArgument naming what is wrong.
+absl::Status ValidateBatch(const GptShape& shape, const TokenBatch& batch);
 
 // The first of /usr/share/common-licenses/GPL-3, then any other regular file of that directory,
 // that exists. NotFound naming GPL-3's path when the directory has none.
@@ -184,6 +190,9 @@ struct RunOptions {
   std::string checkpoint_dir;
   int checkpoint_every = 0;  // >= 0
   std::string resume_from;
+  // Where the ranks compute (backend.h); nullptr = the CPU backend: Gpt's kernels with
+  // `threads` threads per rank on one CPU device of `device_threads`. Not owned; outlives the run.
+  const Backend* backend = nullptr;
   // Called once per step after every rank has finished it, in step order, on the thread of the
   // last rank to finish. Must not call into the engines.
   std::function<void(const StepReport&)> on_step;
@@ -199,6 +208,7 @@ struct RunResult {
   std::string sample;                       // prompt + generated text, if sample_tokens > 0
   std::vector<std::string> checkpoints;     // committed checkpoint directories, in order
   std::vector<MemoryReport> memory;         // per rank, after the last step
+  std::vector<int64_t> activation_bytes;    // per rank: the trainer's own device bytes
   std::vector<std::vector<float>> master;   // per rank, if gather_master
   memory::Plan plan;                        // rank 0's
 };

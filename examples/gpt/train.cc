@@ -14,6 +14,7 @@
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
+#include "examples/gpt/backend.h"
 #include "examples/gpt/gpt.h"
 
 namespace zerort {
@@ -40,13 +41,45 @@ absl::Status ValidateOptions(const RunOptions& o) {
   return Annotate(ValidateShape(o.shape), "RunOptions.shape");
 }
 
-// One CPU device shared by every rank, as a single process would. The one place the example
-// creates a device.
-std::unique_ptr<Device> MakeDevice(const RunOptions& options) {
-  CpuDeviceOptions device_options;
-  device_options.threads = options.device_threads;
-  return CreateCpuDevice(device_options);
-}
+// The CPU backend: Gpt's fp32 kernels on the host, one CPU device shared by every rank, as a
+// single process would, and an in-process group over host memory.
+class CpuTrainer : public RankTrainer {
+ public:
+  CpuTrainer(const GptShape& shape, int threads) : gpt_(shape, threads) {}
+  Device::Stream stream() const override { return nullptr; }
+  absl::StatusOr<float> ForwardBackward(Engine& engine, const TokenBatch& batch) override {
+    return gpt_.ForwardBackward(engine, batch);
+  }
+  absl::StatusOr<std::vector<float>> SequenceLosses(Engine& engine,
+                                                    const TokenBatch& batch) override {
+    return gpt_.SequenceLosses(engine, batch);
+  }
+
+ private:
+  const Gpt gpt_;
+};
+
+class CpuBackend : public Backend {
+ public:
+  explicit CpuBackend(int device_threads) : device_threads_(device_threads) {}
+  std::string name() const override { return "cpu"; }
+  absl::StatusOr<std::unique_ptr<Device>> CreateDevice() const override {
+    CpuDeviceOptions device_options;
+    device_options.threads = device_threads_;
+    return CreateCpuDevice(device_options);
+  }
+  absl::StatusOr<std::vector<std::unique_ptr<comm::Communicator>>> CreateGroup(
+      int world, const comm::CommOptions& options) const override {
+    return comm::CreateInProcessGroup(world, options);
+  }
+  absl::StatusOr<std::unique_ptr<RankTrainer>> CreateTrainer(const GptShape& shape, int threads,
+                                                             Device*) const override {
+    return std::make_unique<CpuTrainer>(shape, threads);
+  }
+
+ private:
+  const int device_threads_;
+};
 
 // What the ranks share: read-only inputs, and the result under `mu`.
 struct Shared {
@@ -54,10 +87,12 @@ struct Shared {
   const RunOptions& options;
   const Corpus& corpus;
   const Gpt& gpt;
+  const Backend& backend;
   Device* device;
   int seq;           // tokens per training sequence
   int eval_windows;  // held-out windows per evaluation
   int first_step;    // 0, or the step of the checkpoint resumed from
+  int threads;       // kernel threads per rank (CPU backend)
   // RunOnCommunicator: this process is one rank; every rank's loss arrives by all-reduce, and
   // this rank's stats, plan and memory are the ones reported.
   bool one_rank_per_process = false;
@@ -72,16 +107,17 @@ struct Shared {
 // same number of collective Gathers everywhere) and writes it into its place in a vector of
 // every window's loss, zero elsewhere; the all-reduce then sums each element with zeros only,
 // exactly, so every rank sums the same values in the same order whatever the world size.
-absl::StatusOr<double> Evaluate(Shared& s, Engine& engine) {
+// The scalars travel through the engine (AllReduceScalars), which stages host values through
+// device memory where the communicator needs it (NCCL).
+absl::StatusOr<double> Evaluate(Shared& s, Engine& engine, RankTrainer& trainer) {
   comm::Communicator* comm = engine.communicator();
   const int per_rank = (s.eval_windows + comm->size() - 1) / comm->size();
   const int first = comm->rank() * per_rank;
   ASSIGN_OR_RETURN(std::vector<float> mine,
-                   s.gpt.SequenceLosses(engine, s.corpus.ValWindows(first, per_rank, s.seq)));
-  std::vector<float> all(static_cast<size_t>(per_rank) * comm->size(), 0.0f);
+                   trainer.SequenceLosses(engine, s.corpus.ValWindows(first, per_rank, s.seq)));
+  std::vector<double> all(static_cast<size_t>(per_rank) * comm->size(), 0.0);
   for (int k = 0; k < per_rank && first + k < s.eval_windows; ++k) all[first + k] = mine[k];
-  RETURN_IF_ERROR(comm->AllReduce(all.data(), all.data(), all.size(), DType::kF32,
-                                  comm::ReduceOp::kSum));
+  RETURN_IF_ERROR(engine.AllReduceScalars(absl::MakeSpan(all), comm::ReduceOp::kSum));
   double sum = 0;
   for (int w = 0; w < s.eval_windows; ++w) sum += all[w];
   return sum / s.eval_windows;
@@ -139,20 +175,20 @@ absl::Status MaybeCheckpoint(Shared& s, Engine& engine, AsyncCheckpointer& saver
 // adds zeros only, exactly, whatever the backend's summation order.
 absl::StatusOr<std::vector<float>> AllRanks(Engine& engine, float value) {
   comm::Communicator* comm = engine.communicator();
-  std::vector<float> all(comm->size(), 0.0f);
+  std::vector<double> all(comm->size(), 0.0);
   all[comm->rank()] = value;
-  RETURN_IF_ERROR(comm->AllReduce(all.data(), all.data(), all.size(), DType::kF32,
-                                  comm::ReduceOp::kSum));
-  return all;
+  RETURN_IF_ERROR(engine.AllReduceScalars(absl::MakeSpan(all), comm::ReduceOp::kSum));
+  return std::vector<float>(all.begin(), all.end());
 }
 
-absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank) {
+absl::Status TrainSteps(Shared& s, Engine& engine, RankTrainer& trainer,
+                        AsyncCheckpointer& saver, int rank) {
   const RunOptions& o = s.options;
   const double tokens = static_cast<double>(o.world_size) * o.batch * s.seq;
   for (int step = s.first_step; step < o.steps; ++step) {
     const TokenBatch batch = s.corpus.Sample(rank, step, o.batch, s.seq, o.data_seed);
     const auto t0 = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(const float loss, s.gpt.ForwardBackward(engine, batch));
+    ASSIGN_OR_RETURN(const float loss, trainer.ForwardBackward(engine, batch));
     std::vector<float> losses(o.world_size, 0.0f);
     if (s.one_rank_per_process) {
       ASSIGN_OR_RETURN(losses, AllRanks(engine, loss));
@@ -167,7 +203,7 @@ absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int
     mine.tokens_per_s = tokens / (mine.ms / 1000.0);
     mine.evaluated = (o.eval_every > 0 && (step + 1) % o.eval_every == 0) || step + 1 == o.steps;
     if (mine.evaluated) {
-      ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine));
+      ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine, trainer));
     }
     RETURN_IF_ERROR(MaybeCheckpoint(s, engine, saver, rank));
     Report(s, rank, mine, losses);
@@ -177,8 +213,13 @@ absl::Status TrainSteps(Shared& s, Engine& engine, AsyncCheckpointer& saver, int
 
 absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
   const RunOptions& o = s.options;
+  // The trainer first: its stream is the engine's compute stream.
+  ASSIGN_OR_RETURN(std::unique_ptr<RankTrainer> trainer,
+                   s.backend.CreateTrainer(s.gpt.shape(), s.threads, s.device));
+  EngineOptions engine_options;
+  engine_options.compute_stream = trainer->stream();
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                   Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device));
+                   Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device, engine_options));
   AsyncCheckpointer saver;  // after the engine: destroyed first, as it borrows the engine
   RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
   if (!o.resume_from.empty()) {
@@ -186,8 +227,8 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
     load.allow_reshard = true;  // resuming on another number of ranks is allowed
     RETURN_IF_ERROR(LoadCheckpoint(*engine, o.resume_from, load));
   }
-  ASSIGN_OR_RETURN(const double initial_val, Evaluate(s, *engine));
-  RETURN_IF_ERROR(TrainSteps(s, *engine, saver, rank));
+  ASSIGN_OR_RETURN(const double initial_val, Evaluate(s, *engine, *trainer));
+  RETURN_IF_ERROR(TrainSteps(s, *engine, *trainer, saver, rank));
   std::vector<float> master;
   if (o.gather_master || o.sample_tokens > 0) {
     ASSIGN_OR_RETURN(master, engine->GatherMasterWeights());  // collective: every rank
@@ -206,6 +247,7 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
   }
   const int slot = s.one_rank_per_process ? 0 : rank;
   s.result.memory[slot] = engine->memory_report();
+  s.result.activation_bytes[slot] = trainer->activation_bytes();
   if (o.gather_master) s.result.master[slot] = std::move(master);
   return absl::OkStatus();
 }
@@ -280,6 +322,7 @@ void InitShared(Shared& s, const Inputs& in, int slots) {
   s.result.first_step = in.first_step;
   s.result.steps.resize(steps);
   s.result.memory.resize(slots);
+  s.result.activation_bytes.resize(slots);
   if (s.options.gather_master) s.result.master.resize(slots);
   s.arrived.assign(steps, 0);
   s.losses.assign(steps, std::vector<float>(s.options.world_size, 0.0f));
@@ -295,13 +338,16 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   const int world = options.world_size;
   ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
   const Gpt gpt(options.shape, in.threads);
+  const CpuBackend cpu(options.device_threads);
+  const Backend& backend = options.backend != nullptr ? *options.backend : cpu;
+  ASSIGN_OR_RETURN(std::unique_ptr<Device> device, backend.CreateDevice());
   comm::CommOptions comm_options;
   comm_options.timeout_ms = config.comm_timeout_ms;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
-                   comm::CreateInProcessGroup(world, comm_options));
-  std::unique_ptr<Device> device = MakeDevice(options);
-  Shared shared{config, options, in.corpus, gpt, device.get(), in.seq, in.eval_windows,
-                in.first_step};
+                   backend.CreateGroup(world, comm_options));
+  Shared shared{config,       options,          in.corpus,      gpt,
+                backend,      device.get(),     in.seq,         in.eval_windows,
+                in.first_step, in.threads};
   InitShared(shared, in, world);
 
   std::vector<absl::Status> status(world);
@@ -329,9 +375,12 @@ absl::StatusOr<RunResult> RunOnCommunicator(const Config& config, const RunOptio
   }
   ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
   const Gpt gpt(options.shape, in.threads);
-  std::unique_ptr<Device> device = MakeDevice(options);
-  Shared shared{config, options, in.corpus, gpt, device.get(), in.seq, in.eval_windows,
-                in.first_step};
+  const CpuBackend cpu(options.device_threads);
+  const Backend& backend = options.backend != nullptr ? *options.backend : cpu;
+  ASSIGN_OR_RETURN(std::unique_ptr<Device> device, backend.CreateDevice());
+  Shared shared{config,       options,          in.corpus,      gpt,
+                backend,      device.get(),     in.seq,         in.eval_windows,
+                in.first_step, in.threads};
   shared.one_rank_per_process = true;
   InitShared(shared, in, 1);
   RETURN_IF_ERROR(Annotate(RunRank(shared, comm->rank(), comm),
