@@ -35,7 +35,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   // optimizer step follows it.
   store_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
-  grads_ = std::make_unique<zero_internal::GradBuckets>(units, mem.model_state(),
+  grads_ = std::make_unique<zero_internal::GradBuckets>(units, *layout_, mem.model_state(),
                                                          mem.grad_buckets(), mem.grad_wire());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());

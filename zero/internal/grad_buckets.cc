@@ -8,15 +8,15 @@
 namespace zerort {
 namespace zero_internal {
 
-GradBuckets::GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
-                         const SlottedBuffer& buckets, float* wire)
+GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
+                         const ModelStateBuffers& state, const SlottedBuffer& buckets, float* wire)
     : ctx_(ctx),
+      layout_(layout),
       gas_(ctx.plan.options.gradient_accumulation_steps),
       grad_dtype_(memory::ReducedGradDType(ctx.plan.options)),
       wire_dtype_(memory::GradWireDType(ctx.plan.options)),
       wire_(wire),
       grads_(state.grads),
-      accum_(state.accum),
       buckets_(buckets),
       ready_(ctx.plan.params.size(), 0),
       source_(ctx.plan.params.size(), nullptr),
@@ -180,13 +180,11 @@ char* GradBuckets::Spare(char* full, const memory::Unit& unit) const {
 absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first_micro) {
   char* g = ctx_.At(grads_, unit.flat_offset);
   char* src = direct(u) ? source_[unit.params[0]] : nullptr;  // the trainer's, read in place
-  const int64_t block = ctx_.stage == 0 ? 0 : ctx_.rank * unit.shard;
   // Accumulate after the reduction so that every stage sums in the same order; without
-  // accumulation (and in the compute dtype) the reduced block stays where it was reduced.
+  // accumulation (and in the compute dtype) the reduced block stays where it was reduced, which
+  // is where ShardLayout puts the reduced gradient then.
   const bool to_accum = gas_ > 1 || grad_dtype_ != ctx_.cdt;
-  const int64_t acc_offset = ctx_.stage == 0 ? unit.flat_offset : unit.shard_offset;
-  char* dst = to_accum ? accum_ + acc_offset * static_cast<int64_t>(DTypeSize(grad_dtype_))
-                       : ctx_.At(g, block);
+  char* dst = layout_.region(u).grad;
   char* full = src != nullptr ? src : g;
   ASSIGN_OR_RETURN(const Reduced r, Collective(full, unit, to_accum ? nullptr : dst));
   RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
@@ -198,7 +196,7 @@ absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
   const memory::Unit& unit = ctx_.plan.units[u];
   const int b = unit_bucket_[u];
   char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, b * buckets_.elements);
-  char* shard = grads_ + unit.shard_offset * static_cast<int64_t>(DTypeSize(grad_dtype_));
+  char* shard = layout_.region(u).grad;
   // The first micro-step reduce-scatters straight into the shard when the dtypes allow.
   const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt;
   ASSIGN_OR_RETURN(const Reduced r, Collective(bucket, unit, into_shard ? shard : nullptr));

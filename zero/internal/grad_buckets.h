@@ -27,6 +27,7 @@
 #include "device/device.h"
 #include "memory/plan.h"
 #include "zero/internal/engine_memory.h"
+#include "zero/internal/shard_layout.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
 #include "zero/internal/unit_context.h"
@@ -36,9 +37,10 @@ namespace zero_internal {
 
 class GradBuckets {
  public:
-  // Every pointer must outlive this object.
-  // `wire`: the plan's fp32 grad_wire scratch (null when neither fp32 option is set).
-  GradBuckets(const UnitContext& ctx, const ModelStateBuffers& state,
+  // Every pointer, and `layout`, must outlive this object. The reduced gradients go where
+  // `layout` says (Region::grad); `wire`: the plan's fp32 grad_wire scratch (null when neither
+  // fp32 option is set).
+  GradBuckets(const UnitContext& ctx, const ShardLayout& layout, const ModelStateBuffers& state,
               const SlottedBuffer& buckets, float* wire);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
@@ -85,12 +87,12 @@ class GradBuckets {
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
+  const ShardLayout& layout_;
   const int gas_;
   const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
   const DType wire_dtype_;  // gradients are reduced in
   float* const wire_;
   char* const grads_;
-  char* const accum_;
   const SlottedBuffer buckets_;
   std::vector<uint8_t> ready_;      // per param
   std::vector<char*> source_;       // per param: SetSource buffer, or null

@@ -26,9 +26,9 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
   ASSIGN_OR_RETURN(auto streams,
                    StreamOrder::Create(dev, nullptr, comm, mem->grad_buckets().count, 0));
   StepTimer timer(world, 4);
-  GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state(),
-                    mem->grad_buckets(), mem->grad_wire());
   const ShardLayout layout(plan, mem->model_state());
+  GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), layout,
+                    mem->model_state(), mem->grad_buckets(), mem->grad_wire());
   for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {
     for (int i : plan.units[u].params) {
       const memory::ParamLayout& p = plan.params[i];

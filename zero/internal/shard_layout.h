@@ -48,7 +48,7 @@ struct Region {
   int64_t unit_begin = 0;    // where the region starts inside the padded unit
   int64_t owned_begin = 0;   // where this rank's shard starts inside the region
   bool whole_unit = false;   // the region is the whole unit (stage 0)
-  const char* grad = nullptr;  // (n) grad_dtype: the reduced gradient
+  char* grad = nullptr;        // (n) grad_dtype: the reduced gradient (the reduction writes it)
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
   float* master = nullptr;     // (n) fp32; master, m, v null when they live in a file
   float* m = nullptr;          // (n) fp32
