@@ -1,0 +1,209 @@
+#include "zero/internal/engine_memory.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "device/testing/one_thread.h"
+#include "zero/internal/test_util.h"
+
+namespace zerort {
+namespace zero_internal {
+namespace {
+
+using memory::BufferClass;
+using memory::MemoryKind;
+
+// Hands out the inner allocator's memory filled with 0xA5 and remembers every block, so that
+// the test sees whether each buffer was zero-filled and which kind's arena it came from.
+class DirtyAllocator final : public memory::RawAllocator {
+ public:
+  explicit DirtyAllocator(memory::RawAllocator* inner) : inner_(inner) {}
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    absl::StatusOr<void*> p = inner_->Allocate(bytes);
+    if (p.ok() && *p != nullptr && bytes > 0) {
+      std::memset(*p, 0xA5, bytes);
+      blocks.push_back({static_cast<char*>(*p), bytes});
+    }
+    return p;
+  }
+  void Free(void* p, size_t bytes) override { inner_->Free(p, bytes); }
+  absl::string_view name() const override { return inner_->name(); }
+
+  bool Holds(const char* p, size_t bytes) const {
+    for (const auto& [base, size] : blocks) {
+      if (p >= base && p + bytes <= base + size) return true;
+    }
+    return false;
+  }
+  std::vector<std::pair<char*, size_t>> blocks;
+
+ private:
+  memory::RawAllocator* const inner_;
+};
+
+class DirtyDevice final : public ForwardingDevice {
+ public:
+  explicit DirtyDevice(Device* inner) : ForwardingDevice(inner) {
+    for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+      allocators_.emplace_back(inner->allocator(static_cast<MemoryKind>(k)));
+    }
+  }
+  memory::RawAllocator* allocator(MemoryKind kind) override {
+    return &allocators_[static_cast<int>(kind)];
+  }
+  const DirtyAllocator& of(MemoryKind kind) const { return allocators_[static_cast<int>(kind)]; }
+
+ private:
+  std::vector<DirtyAllocator> allocators_;
+};
+
+// Where EngineMemory says buffer class `cls` is, and its slots where it has them.
+const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffer** slots) {
+  const ModelStateBuffers& s = mem.model_state();
+  *slots = nullptr;
+  switch (cls) {
+    case BufferClass::kParams: return s.params;
+    case BufferClass::kGrads: return s.grads;
+    case BufferClass::kMaster: return reinterpret_cast<const char*>(s.master);
+    case BufferClass::kExpAvg: return reinterpret_cast<const char*>(s.m);
+    case BufferClass::kExpAvgSq: return reinterpret_cast<const char*>(s.v);
+    case BufferClass::kGradAccumulator: return s.accum;
+    case BufferClass::kGradWire: return reinterpret_cast<const char*>(mem.grad_wire());
+    case BufferClass::kGradBucket: *slots = &mem.grad_buckets(); break;
+    case BufferClass::kGatherBuffer: *slots = &mem.gather_slots(); break;
+    case BufferClass::kPersistentParams: return mem.persistent();
+    case BufferClass::kOffloadStaging: *slots = &mem.staging(); break;
+    case BufferClass::kNormTable: return reinterpret_cast<const char*>(mem.norm_table());
+    case BufferClass::kNvmeStaging: *slots = &mem.nvme_staging(); break;
+    case BufferClass::kNvmeParamBuffers: *slots = &mem.nvme_param_buffers(); break;
+    case BufferClass::kNvmeSecondCopy:
+    case BufferClass::kNvmeParamPadding: return nullptr;  // file regions
+  }
+  return (*slots)->base;
+}
+
+void CheckCarving(const memory::Plan& plan) {
+  auto cpu = testing::OneThreadCpuDevice();
+  DirtyDevice dev(cpu.get());
+  absl::StatusOr<std::unique_ptr<EngineMemory>> allocated =
+      EngineMemory::Allocate(plan, &dev, nullptr);
+  REQUIRE(allocated.ok());
+  const EngineMemory& mem = **allocated;
+
+  // Planned and allocated bytes per kind, against the plan's own buffer list.
+  int64_t listed[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+  for (const memory::Buffer& b : plan.buffers) listed[static_cast<int>(b.kind)] += b.bytes;
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    INFO("memory kind " << memory::MemoryKindName(static_cast<MemoryKind>(k)));
+    CHECK(mem.bytes().planned[k] == listed[k]);
+    CHECK(mem.bytes().planned[k] == plan.bytes_by_kind[k]);
+    if (k != static_cast<int>(MemoryKind::kNvme)) CHECK(mem.bytes().allocated[k] == listed[k]);
+  }
+  // Nothing of a memory kind the plan does not use is allocated.
+  for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+    if (listed[k] == 0 || k == static_cast<int>(MemoryKind::kNvme)) {
+      CHECK(dev.of(static_cast<MemoryKind>(k)).blocks.empty());
+    }
+  }
+
+  std::map<BufferClass, int> seen;
+  std::vector<std::pair<const char*, const char*>> spans;  // [begin, end) of every buffer
+  for (const memory::Buffer& b : plan.buffers) {
+    INFO("buffer " << b.name << " (" << b.bytes << " bytes in "
+                   << memory::MemoryKindName(b.kind) << ")");
+    REQUIRE(++seen[b.cls] == 1);  // one buffer per class: the accessors are unambiguous
+    const SlottedBuffer* slots = nullptr;
+    const char* p = Pointer(mem, b.cls, &slots);
+    if (b.kind == MemoryKind::kNvme) {
+      CHECK(p == nullptr);  // in the swap file, not in memory
+      continue;
+    }
+    if (slots != nullptr) {
+      CHECK(slots->count == b.count);
+      CHECK(slots->elements * b.count == b.elements);
+      CHECK(slots->elements * static_cast<int64_t>(DTypeSize(b.dtype)) * b.count == b.bytes);
+    }
+    if (b.bytes == 0) continue;
+    REQUIRE(p != nullptr);
+    const size_t bytes = static_cast<size_t>(b.bytes);
+    CHECK(dev.of(b.kind).Holds(p, bytes));
+    CHECK(std::all_of(p, p + bytes, [](char c) { return c == 0; }));
+    spans.push_back({p, p + bytes});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) CHECK(spans[i - 1].second <= spans[i].first);
+}
+
+struct Variant {
+  const char* name;
+  int min_stage;
+  void (*apply)(memory::PlanOptions*);
+};
+
+TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in their kind's arena",
+          "[zero]") {
+  const Variant variants[] = {
+      {"in device memory", 0, [](memory::PlanOptions*) {}},
+      {"accumulating in fp32", 0,
+       [](memory::PlanOptions* o) {
+         o->gradient_accumulation_steps = 3;
+         o->fp32_grad_accum = o->compute_dtype != DType::kF32;
+         o->fp32_grad_comm = o->compute_dtype != DType::kF32;
+       }},
+      {"optimizer offloaded (pinned)", 1,
+       [](memory::PlanOptions* o) { o->offload_optimizer = true; }},
+      {"optimizer offloaded (pageable)", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->pin_memory = false;
+       }},
+      {"optimizer and parameters offloaded", 3,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_param = true;
+       }},
+      {"optimizer state on NVMe", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_optimizer_nvme = true;
+       }},
+      {"parameters on NVMe", 3,
+       [](memory::PlanOptions* o) {
+         o->offload_param = true;
+         o->offload_param_nvme = true;
+         o->offload_param_buffer_count = 3;
+       }},
+      {"optimizer state and parameters on NVMe", 3,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_optimizer_nvme = true;
+         o->offload_param = true;
+         o->offload_param_nvme = true;
+       }},
+  };
+  for (const Variant& v : variants) {
+    for (int stage = v.min_stage; stage <= 3; ++stage) {
+      for (DType dtype : {DType::kBF16, DType::kF32}) {
+        for (int world : {1, 3}) {
+          INFO(v.name << ", stage " << stage << ", " << DTypeName(dtype) << ", rank "
+                      << world - 1 << " of " << world);
+          memory::PlanOptions o = SmallPlan(stage, world, world - 1, 1, dtype).options;
+          v.apply(&o);
+          const absl::StatusOr<memory::Plan> plan = memory::MakePlan(testing::SmallModel(), o);
+          REQUIRE(plan.ok());
+          CheckCarving(*plan);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace zero_internal
+}  // namespace zerort
