@@ -118,8 +118,10 @@ class AsyncCheckpointer {
   // since); nullptr when none is.
   const Engine* saving() const;
   // Waits for the writer and commits; returns the committed directory. It needs no engine:
-  // the snapshot was taken at Start, and the commit only talks to the communicator.
-  // REQUIRES: a save in flight (else FailedPrecondition).
+  // the snapshot was taken at Start, and the commit agrees through the engine's host exchange
+  // (Engine::NewHostExchange), which needs only the engine's communicator, device and compute
+  // stream to live. After a failed Start it returns that failure (its code, the message
+  // prefixed), once. REQUIRES: a save in flight or a failed Start (else FailedPrecondition).
   absl::StatusOr<std::string> Finish();
 
   struct Pending;  // checkpoint/save.cc
@@ -128,6 +130,7 @@ class AsyncCheckpointer {
   SaveOptions options_;
   memory::Allocation staging_;  // pinned; the snapshot of the save in flight
   std::unique_ptr<Pending> pending_;
+  absl::Status start_status_;  // the last Start's failure, until Finish reports it
 };
 
 // What a checkpoint holds, read without an engine.

@@ -32,6 +32,7 @@
 #include "base/status.h"
 #include "base/testing/temp_dir.h"
 #include "comm/testing/on_ranks.h"
+#include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
 #include "device/testing/one_thread.h"
 #include "checkpoint/internal/ckpt_fs.h"
@@ -558,6 +559,11 @@ class FaultyFs : public ckpt_internal::FileSystem {
 
 std::string Latest(const std::string& root) { return ReadFile(root + "/latest"); }
 
+bool PathExists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0;
+}
+
 TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error and keeps the "
           "previous checkpoint", "[zero][ckpt]") {
   const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
@@ -591,6 +597,9 @@ TEST_CASE("Checkpoint: a failed write, fsync, rename or mkdir returns an error a
     for (int r = 0; r < 2; ++r) {
       RequireError(saves[r], absl::StatusCode::kUnavailable, "injected failure");
     }
+    // A failed save leaves nothing behind: no step_2.tmp/, no lock file.
+    REQUIRE_FALSE(PathExists(root + "/step_2.tmp"));
+    REQUIRE_FALSE(PathExists(root + "/.zerort.lock"));
     // `latest` still names step 1, which loads. Only a failed fsync of the directory after
     // `latest` was renamed may leave the new name (complete, but its durability unknown).
     const std::string latest = Latest(root);
@@ -683,6 +692,164 @@ TEST_CASE("Checkpoint: a save killed with SIGKILL at any point leaves `latest` n
   }
   REQUIRE(completed);
   REQUIRE(kills >= 20);
+}
+
+TEST_CASE("Checkpoint: an async save failing at Start or Finish leaves nothing behind, and "
+          "Finish after a failed Start reports the cause", "[zero][ckpt]") {
+  const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+  auto device = testing::OneThreadCpuDevice();
+  bool start_failed = false, finish_failed = false;
+  for (int at = 1;; ++at) {
+    INFO("failing operation " << at);
+    const std::string root = TempDir("async_fail");
+    FaultyFs fs(at, /*kill=*/false);
+    std::vector<absl::Status> start(2), finish(2);
+    RequireAllOk(OnRanks(2, [&](int r, comm::Communicator* comm) -> absl::Status {
+      ASSIGN_OR_RETURN(auto e, NewEngine(config, comm, device.get()));
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 0, 1));
+      RETURN_IF_ERROR(SaveCheckpoint(*e, root).status());
+      RETURN_IF_ERROR(testing::TrainSteps(*e, 1, 1));
+      SaveOptions so;
+      so.fs = &fs;
+      AsyncCheckpointer ck(so);
+      start[r] = ck.Start(*e, root);
+      finish[r] = ck.Finish().status();
+      return absl::OkStatus();
+    }));
+    if (fs.ops() < at) {
+      RequireAllOk(start);
+      RequireAllOk(finish);
+      break;
+    }
+    INFO("failed " << fs.failed_op() << ": start " << start[0].ToString() << ", finish "
+                   << finish[0].ToString());
+    for (int r = 0; r < 2; ++r) {
+      if (!start[r].ok()) {
+        start_failed = true;
+        RequireError(start[r], absl::StatusCode::kUnavailable, "injected failure");
+        // Not "without a save in flight": the cause, with its code.
+        RequireError(finish[r], absl::StatusCode::kUnavailable, "failed at Start");
+        RequireError(finish[r], absl::StatusCode::kUnavailable, "injected failure");
+      } else {
+        finish_failed = true;
+        RequireError(finish[r], absl::StatusCode::kUnavailable, "injected failure");
+      }
+    }
+    REQUIRE(start[0].ok() == start[1].ok());
+    REQUIRE_FALSE(PathExists(root + "/step_2.tmp"));
+    REQUIRE_FALSE(PathExists(root + "/.zerort.lock"));
+    const std::string latest = Latest(root);
+    REQUIRE((latest == "step_1\n" || (latest == "step_2\n" && fs.failed_op() == "fsync dir")));
+  }
+  REQUIRE(start_failed);
+  REQUIRE(finish_failed);
+}
+
+// --- stream-ordered communicators (NCCL's completion model) --------------------------------
+
+// Runs fn(rank, comm, stream) on every rank of a stream-ordered group over `device`
+// (comm/testing/stream_ordered.h), each rank on a compute stream of its own.
+std::vector<absl::Status> OnStreamOrderedRanks(
+    int world, Device* device,
+    const std::function<absl::Status(int, comm::Communicator*, Device::Stream)>& fn) {
+  auto comms = comm::testing::CreateStreamOrderedGroup(world, device, {20000});
+  REQUIRE(comms.ok());
+  std::vector<absl::Status> st(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      Device::Stream s = device->CreateStream().value();
+      st[r] = fn(r, (*comms)[r].get(), s);
+      const absl::Status synced = device->Synchronize(s);
+      if (st[r].ok()) st[r] = synced;
+      device->DestroyStream(s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return st;
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> NewEngineOn(const Config& config, comm::Communicator* comm,
+                                                    Device* device, Device::Stream stream,
+                                                    float init_offset = 0) {
+  EngineOptions options;
+  options.compute_stream = stream;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
+                   Engine::Create(config, SmallModel(), comm, device, options));
+  RETURN_IF_ERROR(testing::SetInitValues(*e, init_offset));
+  return e;
+}
+
+TEST_CASE("Checkpoint: over a stream-ordered communicator, saves (sync and async), loads, "
+          "reshards and verifies, and the resumed run equals an uninterrupted one, bitwise",
+          "[zero][ckpt][stream_ordered]") {
+  const int k = 2, m = 2;
+  const int stage = GENERATE(0, 1, 2, 3);
+  INFO("stage " << stage);
+  const Config config = testing::TestConfig(stage, DType::kBF16, 1, 1.0, false);
+  // Delayed streams: a value read before its stream is synchronized is a wrong value.
+  auto device = testing::AsyncOneThreadCpuDevice(200);
+  const std::string dir = TempDir("so_resume");
+  const std::string ref_dir = TempDir("so_resume_ref");
+  std::vector<std::vector<float>> ref(2), resumed(2);
+  RequireAllOk(OnStreamOrderedRanks(2, device.get(), [&](int r, comm::Communicator* comm,
+                                                         Device::Stream s) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, NewEngineOn(config, comm, device.get(), s));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, k + m));
+    ASSIGN_OR_RETURN(ref[r], e->GatherMasterWeights());
+    return SaveCheckpoint(*e, ref_dir).status();
+  }));
+  RequireAllOk(OnStreamOrderedRanks(2, device.get(), [&](int, comm::Communicator* comm,
+                                                         Device::Stream s) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, NewEngineOn(config, comm, device.get(), s));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, k));
+    return SaveCheckpoint(*e, dir).status();
+  }));
+  REQUIRE(VerifyCheckpoint(dir).ok());
+  RequireAllOk(OnStreamOrderedRanks(2, device.get(), [&](int r, comm::Communicator* comm,
+                                                         Device::Stream s) -> absl::Status {
+    ASSIGN_OR_RETURN(auto e, NewEngineOn(config, comm, device.get(), s, 0.25f));
+    RETURN_IF_ERROR(LoadCheckpoint(*e, dir));
+    if (e->step() != k) return absl::InternalError(absl::StrCat("step ", e->step()));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, k, m));
+    ASSIGN_OR_RETURN(resumed[r], e->GatherMasterWeights());
+    AsyncCheckpointer ck;
+    RETURN_IF_ERROR(ck.Start(*e, dir));
+    return ck.Finish().status();
+  }));
+  for (int r = 0; r < 2; ++r) REQUIRE(BitEqual(ref[r], resumed[r]));
+  auto a = ReadCheckpoint(ref_dir);
+  auto b = ReadCheckpoint(dir);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  REQUIRE(b->info.step == k + m);
+  RequireSameState(*a, *b);
+  REQUIRE(VerifyCheckpoint(dir).ok());
+  // Reshard onto 1 and 4 ranks of the same kind of communicator (averages need a power of two).
+  for (int world : {1, 4}) {
+    INFO("loaded at world " << world);
+    RequireAllOk(OnStreamOrderedRanks(world, device.get(), [&](int, comm::Communicator* comm,
+                                                               Device::Stream s) -> absl::Status {
+      ASSIGN_OR_RETURN(auto e, NewEngineOn(config, comm, device.get(), s, 0.5f));
+      LoadOptions lo;
+      lo.allow_reshard = true;
+      RETURN_IF_ERROR(LoadCheckpoint(*e, dir, lo));
+      return CheckOwnedState(*e, *b);
+    }));
+  }
+  // Destroying the engine with an async save in flight: Finish still agrees (the exchange
+  // outlives the engine) and commits.
+  const std::string late = TempDir("so_late");
+  RequireAllOk(OnStreamOrderedRanks(2, device.get(), [&](int, comm::Communicator* comm,
+                                                         Device::Stream s) -> absl::Status {
+    AsyncCheckpointer ck;
+    ASSIGN_OR_RETURN(auto e, NewEngineOn(config, comm, device.get(), s));
+    RETURN_IF_ERROR(testing::TrainSteps(*e, 0, k));
+    RETURN_IF_ERROR(ck.Start(*e, late));
+    e.reset();
+    return ck.Finish().status();
+  }));
+  REQUIRE(VerifyCheckpoint(late).ok());
 }
 
 // --- async ---------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ absl::Status LoadCheckpoint(Engine& engine, const std::string& path, const LoadO
   std::vector<float> master, m, v;
   EngineState state;
   const absl::Status local = ReadOwned(engine, path, options, &master, &m, &v, &state);
-  RETURN_IF_ERROR(Agree(engine.communicator(), local));
+  // Through the engine's exchange: DirectHostExchange fails on a stream-ordered communicator.
+  RETURN_IF_ERROR(Agree(*engine.NewHostExchange(), local));
   return engine.RestoreOwnedState(master, m, v, state);
 }
 

@@ -39,7 +39,9 @@ using ckpt_internal::ReadLatest;
 
 struct AsyncCheckpointer::Pending {
   FileSystem* fs = nullptr;
-  comm::Communicator* comm = nullptr;
+  // The engine's exchange (Engine::NewHostExchange): valid after the engine, so Finish still
+  // agrees through it, and staged through device memory on a stream-ordered communicator.
+  std::unique_ptr<comm::HostExchange> exchange;
   const Engine* engine = nullptr;  // for saving(): compared, never dereferenced
   // Waits for the engine's snapshot copies; safe after the engine is gone
   // (Engine::SnapshotWaiter), so destroying the engine with a save in flight is not a
@@ -62,12 +64,22 @@ namespace {
 std::string StepDirName(int64_t step) { return absl::StrCat("step_", step); }
 
 // Through comm/agree.h, which moves integers as such.
-std::vector<uint64_t> AllGatherU64(comm::Communicator* comm, const std::vector<uint64_t>& mine,
-                                   absl::Status* status) {
-  comm::DirectHostExchange exchange(comm);
+std::vector<uint64_t> AllGatherU64(comm::HostExchange& exchange,
+                                   const std::vector<uint64_t>& mine, absl::Status* status) {
   absl::StatusOr<std::vector<uint64_t>> all = comm::AllGatherU64(exchange, mine);
   *status = all.status();
-  return all.ok() ? *std::move(all) : std::vector<uint64_t>(mine.size() * comm->size(), 0);
+  return all.ok() ? *std::move(all) : std::vector<uint64_t>(mine.size() * exchange.size(), 0);
+}
+
+// Rank 0, holding the root's lock, after a failed save: removes step_<N>.tmp/ (the rule below:
+// .tmp debris, under the lock), then releases and removes the lock, so that a failed save leaves
+// the root as it found it. Best effort: the error that matters is the save's.
+void Abandon(FileSystem* fs, const std::string& tmp_dir,
+             std::unique_ptr<ckpt_internal::DirLock>* lock) {
+  if (*lock == nullptr) return;
+  (void)fs->RemoveAll(tmp_dir);
+  (void)fs->SyncDir(ckpt_internal::Dirname(tmp_dir));
+  lock->reset();
 }
 
 uint64_t NewCheckpointId() {
@@ -178,7 +190,7 @@ absl::Status LockAndPrepare(FileSystem* fs, const std::string& root, int64_t ste
   RETURN_IF_ERROR(MakeDirs(fs, root));
   ASSIGN_OR_RETURN(*lock, ckpt_internal::DirLock::Acquire(root));
   absl::Status s = PrepareDirs(fs, root, step, id);
-  if (!s.ok()) lock->reset();
+  if (!s.ok()) Abandon(fs, JoinPath(root, StepDirName(step) + ".tmp"), lock);
   return s;
 }
 
@@ -192,7 +204,8 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
     return absl::FailedPreconditionError(
         "SaveCheckpoint inside an accumulation window: save between optimizer steps");
   }
-  comm::Communicator* comm = engine.communicator();
+  // Never comm::DirectHostExchange on the engine's communicator: on NCCL it fails.
+  std::unique_ptr<comm::HostExchange> exchange = engine.NewHostExchange();
   const int64_t step = engine.step();
   Manifest manifest = ManifestOf(engine, 0);
   // Every rank has the same names, so every rank refuses here alone, before any collective,
@@ -205,30 +218,33 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   absl::Status s;
   uint64_t id = 0;
   std::unique_ptr<ckpt_internal::DirLock> lock;
-  if (comm->rank() == 0) {
+  const std::string tmp_dir = JoinPath(root, StepDirName(step) + ".tmp");
+  if (exchange->rank() == 0) {
     id = NewCheckpointId();
     s = LockAndPrepare(fs, root, step, id, &lock);
   }
-  RETURN_IF_ERROR(Agree(comm, s));
-  {
-    absl::Status cs;
-    const std::vector<uint64_t> ids = AllGatherU64(comm, {id}, &cs);
-    RETURN_IF_ERROR(cs);
-    id = ids[0];  // rank 0's
+  s = Agree(*exchange, s);
+  std::vector<uint64_t> ids;
+  if (s.ok()) ids = AllGatherU64(*exchange, {id}, &s);
+  if (!s.ok()) {
+    Abandon(fs, tmp_dir, &lock);
+    return s;
   }
+  id = ids[0];  // rank 0's
   auto p = std::make_unique<AsyncCheckpointer::Pending>();
   p->fs = fs;
-  p->comm = comm;
+  const int rank = exchange->rank();
+  p->exchange = std::move(exchange);
   p->engine = &engine;
   p->wait_snapshot = engine.SnapshotWaiter();
   p->lock = std::move(lock);
   p->root = root;
-  p->tmp_dir = JoinPath(root, StepDirName(step) + ".tmp");
+  p->tmp_dir = tmp_dir;
   p->final_dir = JoinPath(root, StepDirName(step));
   p->manifest = std::move(manifest);
   p->manifest.checkpoint_id = id;
   const Manifest& m = p->manifest;
-  p->header = ckpt_internal::EncodeShardHeader(m, comm->rank());
+  p->header = ckpt_internal::EncodeShardHeader(m, rank);
   p->body_bytes = static_cast<size_t>(m.ShardFileBytes()) - p->header.size();
   // A failure here stays local (like a write failure): CommitSave agrees on it.
   if (staging->bytes() < p->body_bytes) {
@@ -259,7 +275,7 @@ absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
   RETURN_IF_ERROR(copied);
   p->crc = Crc32c(0, p->header.data(), p->header.size());
   p->crc = Crc32c(p->crc, p->body, p->body_bytes);
-  const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->comm->rank()));
+  const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->exchange->rank()));
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::WritableFile> f, p->fs->NewWritableFile(path));
   RETURN_IF_ERROR(WriteAll(f.get(), p->header));
   RETURN_IF_ERROR(WriteAll(f.get(), absl::string_view(p->body, p->body_bytes)));
@@ -270,16 +286,20 @@ absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
 
 // Collective: once every shard is durable, rank 0 publishes the checkpoint.
 absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
-  comm::Communicator* comm = p->comm;
-  RETURN_IF_ERROR(Agree(comm, p->status));
-  absl::Status cs;
-  const std::vector<uint64_t> sizes =
-      AllGatherU64(comm, {p->header.size() + p->body_bytes, p->crc}, &cs);
-  RETURN_IF_ERROR(cs);
+  comm::HostExchange& exchange = *p->exchange;
+  absl::Status agreed = Agree(exchange, p->status);
+  std::vector<uint64_t> sizes;
+  if (agreed.ok()) {
+    sizes = AllGatherU64(exchange, {p->header.size() + p->body_bytes, p->crc}, &agreed);
+  }
+  if (!agreed.ok()) {
+    Abandon(p->fs, p->tmp_dir, &p->lock);
+    return agreed;
+  }
   absl::Status s;
-  if (comm->rank() == 0) {
+  if (exchange.rank() == 0) {
     Manifest m = p->manifest;
-    for (int r = 0; r < comm->size(); ++r) {
+    for (int r = 0; r < exchange.size(); ++r) {
       m.files.push_back({ckpt_internal::ShardFileName(r), r,
                          static_cast<int64_t>(sizes[2 * r]),
                          static_cast<uint32_t>(sizes[2 * r + 1])});
@@ -295,9 +315,11 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
           fs, JoinPath(p->root, kLatestName),
           absl::StrCat(StepDirName(p->manifest.step), "\n"));
     }();
+    // A failure before the rename leaves step_<N>.tmp/: not a checkpoint `latest` names.
+    if (!s.ok()) Abandon(fs, p->tmp_dir, &p->lock);
     p->lock.reset();
   }
-  RETURN_IF_ERROR(Agree(comm, s));
+  RETURN_IF_ERROR(Agree(exchange, s));
   return p->final_dir;
 }
 
@@ -325,13 +347,18 @@ absl::Status AsyncCheckpointer::Start(Engine& engine, const std::string& root) {
         "AsyncCheckpointer::Start while the save of '", pending_->final_dir,
         "' is in flight: call Finish first"));
   }
+  start_status_ = absl::OkStatus();
   // The snapshot lands in pinned memory that lives as long as this checkpointer: one
   // page-locked slab of the process-wide cache for every save of the run, and copies a GPU
   // makes asynchronously.
-  ASSIGN_OR_RETURN(pending_,
-                   BeginSave(engine, root, Fs(options_.fs),
-                             engine.device()->allocator(memory::MemoryKind::kPinnedHost),
-                             &staging_));
+  absl::StatusOr<std::unique_ptr<Pending>> p_or =
+      BeginSave(engine, root, Fs(options_.fs),
+                engine.device()->allocator(memory::MemoryKind::kPinnedHost), &staging_);
+  if (!p_or.ok()) {
+    start_status_ = p_or.status();  // what Finish reports, instead of "no save in flight"
+    return p_or.status();
+  }
+  pending_ = *std::move(p_or);
   Pending* p = pending_.get();
   // The writer touches only `p` (its snapshot and the file system) and Engine::WaitSnapshot,
   // never the communicator, so training goes on; join() in Finish publishes its status.
@@ -344,6 +371,12 @@ const Engine* AsyncCheckpointer::saving() const {
 }
 
 absl::StatusOr<std::string> AsyncCheckpointer::Finish() {
+  if (pending_ == nullptr && !start_status_.ok()) {
+    // The save failed at Start (on every rank alike: Start agrees): its cause, once.
+    const absl::Status s = std::exchange(start_status_, absl::OkStatus());
+    return absl::Status(s.code(), absl::StrCat("AsyncCheckpointer::Finish: the save failed at "
+                                               "Start: ", s.message()));
+  }
   if (pending_ == nullptr) {
     return absl::FailedPreconditionError("AsyncCheckpointer::Finish without a save in flight");
   }

@@ -230,6 +230,11 @@ comm::Communicator* Engine::communicator() const { return impl_->comm_; }
 Device* Engine::device() const { return impl_->dev_; }
 Device::Stream Engine::compute_stream() const { return impl_->streams_->compute(); }
 
+std::unique_ptr<comm::HostExchange> Engine::NewHostExchange() const {
+  return std::make_unique<zero_internal::HostCollectives>(impl_->comm_, impl_->dev_,
+                                                          impl_->streams_->compute());
+}
+
 absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
   Impl& m = *impl_;
   const Device::Stream compute = m.streams_->compute();

@@ -71,6 +71,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "comm/agree.h"
 #include "comm/communicator.h"
 #include "memory/plan.h"
 #include "device/device.h"
@@ -302,6 +303,13 @@ class Engine {
   // The device the engine's buffers live on (trainers copy into grad(i) through it).
   Device* device() const;
   Device::Stream compute_stream() const;
+  // An exchange of small host values (comm/agree.h) like the one the engine checks its peers
+  // with: straight through the communicator when that reads host memory, staged through this
+  // device's memory on compute_stream() when it is stream-ordered (NCCL), where
+  // comm::DirectHostExchange fails. It holds only the communicator, the device and the stream,
+  // so it stays valid after the engine is destroyed, while those three live (a checkpoint's
+  // Finish may run then). Collective calls, on the trainer's thread.
+  std::unique_ptr<comm::HostExchange> NewHostExchange() const;
   // True between optimizer steps: no micro-step of an accumulation window has been taken.
   bool at_step_boundary() const;
   EngineState state() const;

@@ -27,8 +27,7 @@ constexpr int64_t kMaxLatestBytes = 32;
 
 FileSystem* Fs(FileSystem* fs) { return fs != nullptr ? fs : PosixFileSystem(); }
 
-absl::Status Agree(comm::Communicator* comm, const absl::Status& local) {
-  comm::DirectHostExchange exchange(comm);
+absl::Status Agree(comm::HostExchange& exchange, const absl::Status& local) {
   return comm::AgreeOnStatus(exchange, local);
 }
 

@@ -19,7 +19,7 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/internal/ckpt_manifest.h"
-#include "comm/communicator.h"
+#include "comm/agree.h"
 
 namespace zerort {
 namespace ckpt_internal {
@@ -33,8 +33,9 @@ FileSystem* Fs(FileSystem* fs);
 
 // Every rank returns the same verdict (comm::AgreeOnStatus): one rank's bad file fails the load
 // everywhere, before any engine is touched, instead of leaving the others to hang in the next
-// collective.
-absl::Status Agree(comm::Communicator* comm, const absl::Status& local);
+// collective. `exchange` is the engine's (Engine::NewHostExchange): it stages through device
+// memory where the communicator is stream-ordered (NCCL).
+absl::Status Agree(comm::HostExchange& exchange, const absl::Status& local);
 
 // `latest`'s content under `root`, or "" when there is none. What it holds is quoted escaped
 // and bounded in errors: it is not ours until it has been checked.

@@ -242,22 +242,37 @@ constexpr char DirLock::kFileName[];
 
 absl::StatusOr<std::unique_ptr<DirLock>> DirLock::Acquire(const std::string& dir) {
   const std::string path = JoinPath(dir, kFileName);
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, "open lock file", path);
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    ::close(fd);
-    if (err == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "another writer is saving into '", dir, "' (it holds ", path,
-          "): save into another directory, or wait for it to finish"));
+  auto busy = [&] {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "another writer is saving into '", dir, "' (it holds ", path,
+        "): save into another directory, or wait for it to finish"));
+  };
+  // The holder removes the file before it releases the lock, so a lock taken on a file that no
+  // longer has the name (opened just before the holder removed it) is stale: open it again.
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus(errno, "open lock file", path);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      ::close(fd);
+      if (err == EWOULDBLOCK) return busy();
+      return ErrnoStatus(err, "flock", path);
     }
-    return ErrnoStatus(err, "flock", path);
+    struct stat held, named;
+    if (::fstat(fd, &held) == 0 && ::lstat(path.c_str(), &named) == 0 &&
+        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
+      return std::unique_ptr<DirLock>(new DirLock(fd, path));
+    }
+    ::close(fd);
   }
-  return std::unique_ptr<DirLock>(new DirLock(fd));
+  return busy();  // the name kept changing under us: other writers come and go
 }
 
-DirLock::~DirLock() { ::close(fd_); }  // releases the flock
+DirLock::~DirLock() {
+  // Removed while still held (see Acquire), so a failed or finished save leaves no lock file.
+  ::unlink(path_.c_str());
+  ::close(fd_);  // releases the flock
+}
 
 // --- PublishedFile ---------------------------------------------------------------------------
 

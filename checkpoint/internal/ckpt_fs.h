@@ -88,7 +88,9 @@ absl::Status WriteFileAtomically(FileSystem* fs, const std::string& path, absl::
 // savers never work in one checkpoint root at once. Released by the kernel when the process
 // dies, so a crashed writer never leaves it held. FailedPrecondition when another process or
 // another lock object in this one holds it; the lock file is created if absent and never
-// followed if it is a symlink.
+// followed if it is a symlink. Destruction removes the file, then releases the lock (a live
+// save leaves none behind; a killed one leaves an unheld file, which the next save takes);
+// Acquire takes a lock only on the file that still has the name.
 class DirLock {
  public:
   static constexpr char kFileName[] = ".zerort.lock";
@@ -98,8 +100,9 @@ class DirLock {
   DirLock& operator=(const DirLock&) = delete;
 
  private:
-  explicit DirLock(int fd) : fd_(fd) {}
+  DirLock(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
   const int fd_;
+  const std::string path_;
 };
 
 // A new file that appears at `path` complete or not at all, written at any offset (POSIX
