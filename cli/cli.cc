@@ -134,6 +134,73 @@ absl::StatusOr<AutoFill> PlanFill(const Flags& flags, int64_t world) {
   return fill;
 }
 
+// --seq N --micro-batch B --recompute LEVEL: the activation workload. The formula needs the
+// transformer's shape, which only the presets carry; a model file declares its own bytes.
+absl::StatusOr<Workload> PlanWorkload(const Flags& flags) {
+  Workload w;
+  ASSIGN_OR_RETURN(w.micro_batch, flags.GetInt("micro-batch", 0, 1, int64_t{1} << 30));
+  ASSIGN_OR_RETURN(w.seq, flags.GetInt("seq", 0, 1, int64_t{1} << 30));
+  if (flags.Has("recompute")) {
+    if (!flags.Has("seq")) {
+      return absl::InvalidArgumentError(
+          "--recompute applies to the activation formula: give --seq too");
+    }
+    ASSIGN_OR_RETURN(w.recompute, ParseRecompute(flags.Get("recompute")));
+  }
+  if (!flags.Has("seq")) return w;
+  const std::string m = flags.Get("model");
+  const bool preset = flags.Has("model") && !absl::EndsWith(m, ".json") && !absl::StrContains(m, '/');
+  if (!preset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--seq needs a --model preset (", absl::StrJoin(ModelPresetNames(), ", "),
+        ") for the activation formula; a model file declares its modules' "
+        "activation_bytes_per_sample instead"));
+  }
+  ASSIGN_OR_RETURN(w.shape, ModelPresetShape(m));
+  return w;
+}
+
+// What a plan without activations says after the library's note: how to count them.
+constexpr char kHowToCount[] =
+    " (pass --seq and --micro-batch with a --model preset, or declare activation_bytes_per_sample "
+    "in the model file)";
+
+// --fit micro-batch: one line (or JSON object) per auto candidate.
+absl::Status PrintFit(const std::vector<memory::ParamSpec>& specs, const Config& config,
+                      int world, int rank, const Workload& workload, bool json, std::ostream& out) {
+  ASSIGN_OR_RETURN(std::vector<MicroBatchFit> fits,
+                   FitMicroBatch(specs, config, world, rank, workload));
+  if (json) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::array();
+    for (const MicroBatchFit& f : fits) {
+      j.push_back(nlohmann::ordered_json{{"candidate", f.description},
+                                         {"stage", f.options.stage},
+                                         {"offload_optimizer", f.options.offload_optimizer},
+                                         {"offload_param", f.options.offload_param},
+                                         {"micro_batch", f.micro_batch},
+                                         {"why_none", f.why_none},
+                                         {"device_budget", DeviceBudgetJson(f.budget)}});
+    }
+    out << j.dump(2) << "\n";
+    return absl::OkStatus();
+  }
+  out << "largest micro-batch within " << HumanBytes(config.zero.memory_budget.device_bytes)
+      << " device per rank (activations: " << (fits.empty() ? "" : fits[0].budget.activation_source)
+      << "):\n";
+  for (const MicroBatchFit& f : fits) {
+    if (f.micro_batch == 0) {
+      out << "  " << f.description << ": none (" << f.why_none << ")\n";
+    } else {
+      out << "  " << f.description << ": " << f.micro_batch << " ("
+          << HumanBytes(f.budget.model_state_bytes) << " model state + "
+          << HumanBytes(f.budget.activation_bytes) << " activations + "
+          << HumanBytes(f.budget.reserve_bytes) << " reserves = "
+          << HumanBytes(f.budget.total_bytes) << ")\n";
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 namespace {
@@ -158,6 +225,11 @@ constexpr const char* kPlanUsage =
                              {"hidden_size": 4096, "lr": 3e-4, "total_num_steps": 1000, ...}
                              (docs/config.md); --world and --precision fill their own
          --strict            every config key that would be ignored is an error
+         --seq N             tokens per sequence: count activations by Korthikanti et al.
+                             2022 (presets), and the runtime's reserves (docs/memory_budget.md)
+         --micro-batch B     sequences per micro-batch (config's, else 1)
+         --recompute none|selective|full   activation recomputation (none)
+         --fit micro-batch   the largest micro-batch that fits --budget, per stage and offload
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
 )";
@@ -196,7 +268,8 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args,
                                 {"model", "params", "layers", "world", "rank", "stage", "offload",
-                                 "precision", "config", "budget", "fill"},
+                                 "precision", "config", "budget", "fill", "seq", "micro-batch",
+                                 "recompute", "fit"},
                                 {"json", "resolved-config", "strict"}));
   ASSIGN_OR_RETURN(Config config, PlanConfig(flags));
   if (flags.Has("resolved-config")) {
@@ -214,12 +287,27 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
   }
   ASSIGN_OR_RETURN(AutoFill fill, PlanFill(flags, world));
   RETURN_IF_ERROR(Annotate(ResolveAuto(fill, specs, &config), "\"auto\" values"));
-  ASSIGN_OR_RETURN(PlanChoice choice,
-                   ChoosePlan(specs, config, static_cast<int>(world), static_cast<int>(rank)));
+  ASSIGN_OR_RETURN(Workload workload, PlanWorkload(flags));
+  if (flags.Has("fit")) {
+    if (flags.Get("fit") != "micro-batch") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--fit '", flags.Get("fit"), "': expected micro-batch"));
+    }
+    if (flags.Has("micro-batch")) {
+      return absl::InvalidArgumentError("--fit micro-batch searches the micro-batch: drop --micro-batch");
+    }
+    return PrintFit(specs, config, static_cast<int>(world), static_cast<int>(rank), workload,
+                    flags.Has("json"), out);
+  }
+  ASSIGN_OR_RETURN(PlanChoice choice, ChoosePlan(specs, config, static_cast<int>(world),
+                                                 static_cast<int>(rank), workload));
+  if (!choice.budget.counted) choice.budget.note += kHowToCount;
   if (flags.Has("json")) {
     nlohmann::ordered_json j = PlanJson(choice.plan);
     j["fits_budget"] = choice.fits;
     j["reason"] = choice.reason;
+    j["decided_by"] = choice.decided_by;
+    j["device_budget"] = DeviceBudgetJson(choice.budget);
     j["notes"] = config.notes;
     // The "auto" resolutions again on their own: "<path>: auto -> <value> (<why>)".
     std::vector<std::string> resolved;
@@ -230,7 +318,9 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     out << j.dump(2) << "\n";
   } else {
     for (const std::string& note : config.notes) out << "note: " << note << "\n";
-    out << PlanTable(choice.plan) << choice.reason << "\n";
+    out << PlanTable(choice.plan)
+        << DeviceBudgetTable(choice.budget, config.zero.memory_budget.device_bytes)
+        << choice.reason << "\n";
   }
   return absl::OkStatus();
 }

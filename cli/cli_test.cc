@@ -295,3 +295,114 @@ TEST_CASE("CLI: --help after a command asks for that command's usage", "[zero]")
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+const std::vector<std::string> kLlamaExample = {"--model", "llama2-7b", "--world", "8",
+                                                "--stage", "auto", "--budget", "device=40GiB"};
+
+std::vector<std::string> With(std::vector<std::string> args, std::vector<std::string> more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+TEST_CASE("CLI: zerort plan --seq counts activations and reserves and says which term decided",
+          "[zero]") {
+  // Without --seq: the old choice, and a note, not silence.
+  std::ostringstream old;
+  REQUIRE(RunPlanCommand(kLlamaExample, old).ok());
+  CHECK_THAT(old.str(), Catch::Contains("auto chose stage 1"));
+  CHECK_THAT(old.str(), Catch::Contains("note: activations and runtime reserves were not counted"));
+  CHECK_THAT(old.str(), Catch::Contains("pass --seq and --micro-batch"));
+
+  std::ostringstream text;
+  REQUIRE(RunPlanCommand(With(kLlamaExample, {"--seq", "4096", "--micro-batch", "1",
+                                              "--recompute", "selective"}),
+                         text)
+              .ok());
+  INFO(text.str());
+  for (const char* s : {"device budget per rank:", "model-state buffers", "logits gradient",
+                        "cuda context", "nccl communicator", "fragmentation",
+                        "Korthikanti et al. 2022 (sequence 4096, micro-batch 1, recompute selective",
+                        "; activations decided", "stage 1 needs"}) {
+    CHECK_THAT(text.str(), Catch::Contains(s));
+  }
+  CHECK_THAT(text.str(), !Catch::Contains("auto chose stage 1"));
+
+  std::ostringstream json;
+  REQUIRE(RunPlanCommand(With(kLlamaExample, {"--seq", "4096", "--recompute", "selective",
+                                              "--json"}),
+                         json)
+              .ok());
+  auto j = nlohmann::json::parse(json.str());
+  CHECK(j["decided_by"] == "activations");
+  CHECK(j["stage"].get<int>() >= 2);
+  const auto& d = j["device_budget"];
+  CHECK(d["counted"] == true);
+  CHECK(d["micro_batch"] == 1);
+  int64_t activations = 0, reserves = 0;
+  for (const auto& [name, bytes] : d["activations"].items()) activations += bytes.get<int64_t>();
+  for (const auto& [name, bytes] : d["reserves"].items()) reserves += bytes.get<int64_t>();
+  CHECK(activations == d["activation_bytes"].get<int64_t>());
+  CHECK(reserves == d["reserve_bytes"].get<int64_t>());
+  CHECK(d["model_state_bytes"].get<int64_t>() == j["per_rank"]["device_bytes"].get<int64_t>());
+  CHECK(d["total_bytes"].get<int64_t>() ==
+        d["model_state_bytes"].get<int64_t>() + activations + reserves);
+  CHECK(d["total_bytes"].get<int64_t>() <= 40LL << 30);
+}
+
+TEST_CASE("CLI: zerort plan --fit micro-batch prints the largest micro-batch per candidate",
+          "[zero]") {
+  std::ostringstream text;
+  REQUIRE(RunPlanCommand(With(kLlamaExample, {"--seq", "4096", "--recompute", "selective",
+                                              "--fit", "micro-batch"}),
+                         text)
+              .ok());
+  INFO(text.str());
+  CHECK_THAT(text.str(), Catch::Contains("largest micro-batch within 40.00 GiB"));
+  CHECK_THAT(text.str(), Catch::Contains("  stage 0: none (model state decided: "));
+  CHECK_THAT(text.str(), Catch::Contains("  stage 3 + optimizer and parameter offload: "));
+
+  std::ostringstream json;
+  REQUIRE(RunPlanCommand(With(kLlamaExample, {"--seq", "4096", "--recompute", "selective",
+                                              "--fit", "micro-batch", "--json"}),
+                         json)
+              .ok());
+  auto j = nlohmann::json::parse(json.str());
+  REQUIRE(j.size() == 8);  // stages 0-3, optimizer offload at 1-3, both at 3
+  CHECK(j[0]["micro_batch"] == 0);
+  // Each positive answer fits and the next micro-batch does not: ask the plan itself.
+  for (const auto& f : j) {
+    const int64_t b = f["micro_batch"].get<int64_t>();
+    if (b == 0) continue;
+    std::vector<std::string> args = {"--model", "llama2-7b", "--world", "8", "--stage",
+                                     std::to_string(f["stage"].get<int>()), "--budget",
+                                     "device=40GiB", "--seq", "4096", "--recompute", "selective",
+                                     "--json"};
+    if (f["offload_optimizer"] == true) {
+      args = With(args, {"--offload", f["offload_param"] == true ? "all" : "optimizer"});
+    }
+    for (int64_t mb : {b, b + 1}) {
+      std::ostringstream one;
+      REQUIRE(RunPlanCommand(With(args, {"--micro-batch", std::to_string(mb)}), one).ok());
+      CHECK(nlohmann::json::parse(one.str())["fits_budget"] == (mb == b));
+    }
+  }
+}
+
+TEST_CASE("CLI: activation flags are refused where they cannot apply", "[zero]") {
+  Refusal({"--params", "1000", "--seq", "128"}, "--seq needs a --model preset");
+  Refusal({"--model", "gpt2-124m", "--recompute", "full"}, "--recompute applies");
+  Refusal({"--model", "gpt2-124m", "--seq", "128", "--recompute", "partial"},
+          "recompute level 'partial'");
+  Refusal({"--model", "gpt2-124m", "--seq", "0"}, "--seq");
+  Refusal({"--model", "gpt2-124m", "--seq", "128", "--fit", "batch", "--budget", "8GiB"},
+          "--fit 'batch': expected micro-batch");
+  Refusal({"--model", "gpt2-124m", "--seq", "128", "--fit", "micro-batch"}, "--budget");
+  Refusal({"--model", "gpt2-124m", "--fit", "micro-batch", "--budget", "8GiB"},
+          "needs activations");
+}
+
+}  // namespace
+}  // namespace zerort

@@ -140,6 +140,14 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
     if (!n.ok()) return n.status();
     numel[i] = *n;
     plan->num_elements = math->Add(plan->num_elements, *n, "parameter count");
+    if (specs[i].activation_bytes_per_sample < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", specs[i].name, "': activation_bytes_per_sample = ",
+          specs[i].activation_bytes_per_sample, " is negative: expected >= 0 bytes"));
+    }
+    plan->activation_bytes_per_sample =
+        math->Add(plan->activation_bytes_per_sample, specs[i].activation_bytes_per_sample,
+                  "activation bytes per sample");
     if (!names.insert(specs[i].name).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("parameter name '", specs[i].name, "' is registered twice"));
@@ -208,6 +216,8 @@ class UnitBuilder {
     p.unit = static_cast<int>(plan_->units.size());
     p.offset_in_unit = offset;
     current_.numel = math_.Add(offset, numel_[i], "unit size");
+    // Cannot overflow: the plan's total, checked in CountElements, bounds every unit's sum.
+    current_.activation_bytes_per_sample += specs_[i].activation_bytes_per_sample;
     current_.params.push_back(i);
   }
 

@@ -40,6 +40,13 @@ struct ParamSpec {
   std::string name;
   std::vector<int64_t> shape;  // every dimension >= 1; a scalar is {1}
   std::string module;          // the layer it belongs to; parameters of one module stay together
+  // >= 0: bytes of activations the trainer's module keeps from forward for backward, per sample
+  // of a micro-batch (the planner multiplies by the micro-batch: activations are linear in it,
+  // as every term of Korthikanti et al. 2022's count is). Declare it on one parameter of the
+  // module, or spread it: the plan sums it over each unit. 0: not declared. Not a buffer the
+  // engine allocates: the trainer's own allocator holds activations; the planner counts them
+  // against the device budget (zero/planner.h DeviceBudget).
+  int64_t activation_bytes_per_sample = 0;
 
   // The product of the dimensions, saturating at INT64_MAX instead of overflowing, so that code
   // running before MakePlan (which refuses such shapes, naming them) never has undefined
@@ -155,6 +162,7 @@ struct Unit {
   int64_t flat_offset = 0;       // start in the full buffer (sum of earlier units' padded)
   int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
   bool persistent = false;       // stage 3 only: kept whole on every rank
+  int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
 };
 
 struct Plan {
@@ -174,6 +182,9 @@ struct Plan {
   int64_t comm_bytes_per_step = 0; // bytes this rank sends per optimizer step (nccl-tests'
                                    // convention: (n-1)/n of each reduce-scatter/all-gather)
   int64_t host_transfer_bytes_per_step = 0;  // offload: device<->host copies per step
+  // Sum of ParamSpec::activation_bytes_per_sample: 0 when the trainer declared none. Not part of
+  // bytes_by_kind, which holds only what the engine allocates.
+  int64_t activation_bytes_per_sample = 0;
 
   int64_t device_bytes() const { return bytes_by_kind[0]; }
   int64_t pinned_host_bytes() const { return bytes_by_kind[1]; }
@@ -208,7 +219,8 @@ int64_t NvmeParamPieceBytes(const PlanOptions& o, int64_t largest_padded_shard);
 std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 
 // Builds the plan. Errors (InvalidArgument) name the offending option or parameter:
-// an empty spec list, a zero or negative dimension, a duplicate parameter name, a stage outside
+// an empty spec list, a zero or negative dimension, a negative activation_bytes_per_sample, a
+// duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
 // offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds

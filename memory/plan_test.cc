@@ -539,3 +539,50 @@ TEST_CASE("Plan: NVMe parameter offload without optimizer offload counts the fil
 }  // namespace
 }  // namespace memory
 }  // namespace zerort
+
+namespace zerort {
+namespace memory {
+namespace {
+
+TEST_CASE("Planner: declared activation bytes add up per unit and per plan, outside the buffers",
+          "[memory]") {
+  std::mt19937 rng(7);
+  std::vector<ParamSpec> specs = RandomModel(rng, 40, 64);
+  std::uniform_int_distribution<int64_t> bytes(0, 1 << 20);
+  int64_t total = 0;
+  for (ParamSpec& s : specs) {
+    s.activation_bytes_per_sample = bytes(rng);
+    total += s.activation_bytes_per_sample;
+  }
+  PlanOptions o;
+  o.stage = 2;
+  o.world_size = 4;
+  o.unit_target_elements = 2000;  // several units, some merged modules
+  absl::StatusOr<Plan> plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  REQUIRE(plan->units.size() > 3);
+  CHECK(plan->activation_bytes_per_sample == total);
+  for (const Unit& u : plan->units) {
+    int64_t unit_total = 0;
+    for (int i : u.params) unit_total += specs[i].activation_bytes_per_sample;
+    CHECK(u.activation_bytes_per_sample == unit_total);
+  }
+  // Activations are the trainer's allocations, not the engine's: the buffers do not change.
+  std::vector<ParamSpec> undeclared = specs;
+  for (ParamSpec& s : undeclared) s.activation_bytes_per_sample = 0;
+  absl::StatusOr<Plan> bare = MakePlan(undeclared, o);
+  REQUIRE(bare.ok());
+  CHECK(bare->activation_bytes_per_sample == 0);
+  for (int k = 0; k < kNumMemoryKinds; ++k) CHECK(bare->bytes_by_kind[k] == plan->bytes_by_kind[k]);
+
+  specs[3].activation_bytes_per_sample = -1;
+  absl::StatusOr<Plan> bad = MakePlan(specs, o);
+  REQUIRE(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(bad.status().message() ==
+        "parameter '" + specs[3].name +
+            "': activation_bytes_per_sample = -1 is negative: expected >= 0 bytes");
+}
+
+}  // namespace
+}  // namespace memory
+}  // namespace zerort

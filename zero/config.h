@@ -158,6 +158,25 @@ struct SchedulerConfig {
   bool lr_range_test_staircase = false;
 };
 
+// zerort.reserves (ours): device memory a training process uses outside the plan's buffers and
+// the activations, one named line each in the device budget (zero/planner.h DeviceBudget). The
+// defaults are estimates from one measurement (H200, CUDA 13.0, NCCL 2.28.9, world 1;
+// docs/memory_budget.md): override them with what your own process measures.
+struct ReservesConfig {
+  int64_t cuda_context_bytes = 552599552;  // >= 0: 527 MiB, the CUDA context (measured)
+  // >= 0: 612 MiB, counted when world_size > 1: the first communicator's 580 MiB at
+  // initialisation plus 32 MiB at the first collective (measured; the engine uses one).
+  int64_t nccl_communicator_bytes = 641728512;
+  // Connection buffers: nccl_channels * min(world_size - 1, 2) * nccl_buffsize bytes, the two
+  // ring neighbours of each channel (an estimate: LL/LL128 and tree buffers are not counted).
+  int64_t nccl_buffsize = 4194304;  // >= 0 bytes: NCCL_BUFFSIZE's default, 4 MiB
+  int nccl_channels = 32;           // >= 0: NCCL's usual channel count on NVLink
+  int64_t cublas_workspace_bytes = 33554432;  // >= 0: cuBLAS's recommended 32 MiB on Hopper
+  // >= 0: this fraction of (model-state buffers + activations) is kept free for the
+  // allocator's fragmentation.
+  double fragmentation_fraction = 0.05;
+};
+
 struct Config {
   ZeroConfig zero;
   // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
@@ -181,6 +200,7 @@ struct Config {
   SchedulerConfig scheduler;
   // zerort.strict (ours): every key that would be ignored with a note is an error instead.
   bool strict = false;
+  ReservesConfig reserves;  // zerort.reserves (ours)
   // Batch sizes are the trainer's; written ones are kept only to check train_batch_size =
   // train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size (ResolveAuto in
   // zero/planner.h, once the world size is known). 0 = not given, or "auto" (not listed in

@@ -106,15 +106,22 @@ absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
 // {"name": "layer0", "params": [...]}: appends its parameters to `specs`.
 absl::Status ReadModule(const Json& mod, const std::string& path, std::vector<ParamSpec>* specs) {
   JsonFields m(mod, path);
-  RETURN_IF_ERROR(CheckJsonKeys(mod, path, {"name", "params"}));
+  RETURN_IF_ERROR(CheckJsonKeys(mod, path, {"name", "params", "activation_bytes_per_sample"}));
   ASSIGN_OR_RETURN(std::string module, m.String("name"));
   ASSIGN_OR_RETURN(const Json* params, m.Array("params", std::numeric_limits<size_t>::max()));
   if (params->empty()) {
     return JsonExpected(m.Path("params"), "a non-empty array of parameters", *params);
   }
+  int64_t activations = 0;
+  if (m.Find("activation_bytes_per_sample") != nullptr) {
+    ASSIGN_OR_RETURN(activations, m.Int("activation_bytes_per_sample", 0,
+                                        std::numeric_limits<int64_t>::max()));
+  }
   for (size_t p = 0; p < params->size(); ++p) {
     ASSIGN_OR_RETURN(ParamSpec spec,
                      ReadParam((*params)[p], JsonPath(m.Path("params"), p), module));
+    // The module's declaration rides on its first parameter: the plan sums it per unit.
+    if (p == 0) spec.activation_bytes_per_sample = activations;
     specs->push_back(std::move(spec));
   }
   return absl::OkStatus();
@@ -149,6 +156,91 @@ absl::StatusOr<std::vector<ParamSpec>> ModelPreset(absl::string_view name) {
   return absl::NotFoundError(absl::StrCat("unknown model preset '", name, "': known presets are ",
                                           absl::StrJoin(ModelPresetNames(), ", "),
                                           " (or pass a JSON model file)"));
+}
+
+absl::StatusOr<TransformerShape> ModelPresetShape(absl::string_view name) {
+  // The presets' published hyperparameters (layers, hidden, query heads, vocabulary).
+  if (name == "gpt2-124m") return TransformerShape{12, 768, 12, 50257};
+  if (name == "gpt2-1.5b") return TransformerShape{48, 1600, 25, 50257};
+  if (name == "llama2-7b") return TransformerShape{32, 4096, 32, 32000};
+  if (name == "llama2-13b") return TransformerShape{40, 5120, 40, 32000};
+  if (name == "llama2-70b") return TransformerShape{80, 8192, 64, 32000};
+  return ModelPreset(name).status();  // the same NotFound, listing the names
+}
+
+// The largest shape field, sequence length or micro-batch TransformerActivations accepts.
+constexpr int64_t kMaxActivationDim = int64_t{1} << 30;
+
+const char* RecomputeName(Recompute r) {
+  switch (r) {
+    case Recompute::kNone: return "none";
+    case Recompute::kSelective: return "selective";
+    case Recompute::kFull: return "full";
+  }
+  return "?";
+}
+
+absl::StatusOr<Recompute> ParseRecompute(absl::string_view name) {
+  for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+    if (name == RecomputeName(r)) return r;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("recompute level '", name,
+                                                 "': expected none, selective or full"));
+}
+
+absl::StatusOr<ActivationEstimate> TransformerActivations(const TransformerShape& shape,
+                                                          int64_t seq, int64_t micro_batch,
+                                                          DType dtype, Recompute recompute) {
+  for (auto [what, v] : {std::pair<const char*, int64_t>{"layers", shape.layers},
+                         {"hidden size", shape.hidden},
+                         {"heads", shape.heads},
+                         {"vocabulary", shape.vocab},
+                         {"sequence length", seq},
+                         {"micro-batch", micro_batch}}) {
+    if (v < 1 || v > kMaxActivationDim) {
+      return absl::InvalidArgumentError(absl::StrCat("activations: ", what, " = ", v,
+                                                     " is out of range: expected 1..2^30"));
+    }
+  }
+  // In 128-bit: s*b*a*s alone passes 2^63 for long sequences. With every factor at most 2^30,
+  // no product below reaches 2^127; the total is checked against 2^63-1.
+  using Wide = __int128;
+  const Wide s = seq, b = micro_batch, h = shape.hidden, a = shape.heads, L = shape.layers,
+             V = shape.vocab, e = DTypeSize(dtype);
+  const Wide sbh = s * b * h;
+  const Wide per_layer_linear = sbh * (16 * e + 2);  // e = 2: 34sbh
+  const Wide attention_core = a * s * s * b * (2 * e + 1);  // e = 2: 5as^2b
+  const Wide full_layer = per_layer_linear + attention_core;
+  Wide layers = 0, working = 0;
+  switch (recompute) {
+    case Recompute::kNone: layers = L * full_layer; break;
+    case Recompute::kSelective:
+      layers = L * per_layer_linear;
+      working = attention_core;
+      break;
+    case Recompute::kFull:
+      layers = L * e * sbh;
+      working = full_layer;
+      break;
+  }
+  const Wide logits = 4 * s * b * V;
+  const std::pair<const char*, Wide> terms[] = {{"layers", layers},
+                                                {"recompute", working},
+                                                {"embedding+output", sbh + 2 * e * sbh},
+                                                {"logits", logits},
+                                                {"logits gradient", logits}};
+  Wide total = 0;
+  for (const auto& term : terms) total += term.second;
+  // Each term is at most the total, so checking the total checks them all.
+  if (total > std::numeric_limits<int64_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activations: the count for sequence length ", seq, " and micro-batch ", micro_batch,
+        " exceeds 2^63-1 bytes"));
+  }
+  ActivationEstimate out;
+  for (const auto& [name, bytes] : terms) out.lines.push_back({name, static_cast<int64_t>(bytes)});
+  out.bytes = static_cast<int64_t>(total);
+  return out;
 }
 
 absl::StatusOr<std::vector<ParamSpec>> ParseModelJson(absl::string_view text,

@@ -1,5 +1,7 @@
 #include "zero/planner.h"
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -49,10 +51,48 @@ int64_t HostBytes(const memory::Plan& plan) {
              : host;
 }
 
-bool Fits(const memory::Plan& plan, const MemoryBudget& budget) {
-  const int64_t host = HostBytes(plan);
-  return (budget.device_bytes == 0 || plan.device_bytes() <= budget.device_bytes) &&
-         (budget.host_bytes == 0 || host <= budget.host_bytes);
+int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+}
+
+int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+}
+
+// A plan with its device budget: what every decision below compares.
+struct Evaluated {
+  memory::Plan plan;
+  DeviceBudget budget;
+};
+
+bool HostFits(const memory::Plan& plan, const MemoryBudget& budget) {
+  return budget.host_bytes == 0 || HostBytes(plan) <= budget.host_bytes;
+}
+
+bool DeviceFits(const DeviceBudget& d, const MemoryBudget& budget) {
+  return budget.device_bytes == 0 || d.total_bytes <= budget.device_bytes;
+}
+
+bool Fits(const Evaluated& e, const MemoryBudget& budget) {
+  return DeviceFits(e.budget, budget) && HostFits(e.plan, budget);
+}
+
+// Which term put an over-budget total over: "model state" when it is over alone; else the term
+// without which it would have fit ("activations" or "reserves"), "activations and reserves" when
+// either or only both would have to go. Counterfactual rather than cumulative, so that the answer
+// does not depend on the order the terms are added in. "" when the total fits.
+std::string DecidingTerm(const DeviceBudget& d, const MemoryBudget& budget) {
+  const int64_t limit = budget.device_bytes;
+  if (limit == 0 || d.total_bytes <= limit) return "";
+  if (d.model_state_bytes > limit) return "model state";
+  const bool fits_without_activations = SatAdd(d.model_state_bytes, d.reserve_bytes) <= limit;
+  const bool fits_without_reserves = SatAdd(d.model_state_bytes, d.activation_bytes) <= limit;
+  if (fits_without_activations != fits_without_reserves) {
+    return fits_without_activations ? "activations" : "reserves";
+  }
+  return "activations and reserves";
 }
 
 std::string Describe(const memory::PlanOptions& o) {
@@ -66,9 +106,16 @@ std::string Describe(const memory::PlanOptions& o) {
   return s;
 }
 
-std::string Needs(const memory::Plan& plan) {
-  return absl::StrCat(HumanBytes(plan.device_bytes()), " device + ", HumanBytes(HostBytes(plan)),
-                      " host per rank");
+// Without counted activations, the wording of model-state-only planning, unchanged.
+std::string Needs(const Evaluated& e) {
+  const DeviceBudget& d = e.budget;
+  std::string device = HumanBytes(d.total_bytes);
+  if (d.counted) {
+    device = absl::StrCat(HumanBytes(d.model_state_bytes), " model state + ",
+                          HumanBytes(d.activation_bytes), " activations + ",
+                          HumanBytes(d.reserve_bytes), " reserves = ", device);
+  }
+  return absl::StrCat(device, " device + ", HumanBytes(HostBytes(e.plan)), " host per rank");
 }
 
 std::string BudgetText(const MemoryBudget& b) {
@@ -112,22 +159,103 @@ absl::StatusOr<memory::PlanOptions> PlanOptionsFromConfig(absl::Span<const memor
   return BaseOptions(specs, config, world_size, rank);
 }
 
+absl::StatusOr<DeviceBudget> MakeDeviceBudget(const memory::Plan& plan, const Config& config,
+                                              const Workload& workload) {
+  DeviceBudget d;
+  d.model_state_bytes = plan.device_bytes();
+  d.total_bytes = d.model_state_bytes;
+  const bool declared = plan.activation_bytes_per_sample > 0;
+  const bool formula = workload.shape.has_value() && workload.seq > 0;
+  if (declared && workload.shape.has_value()) {
+    return absl::InvalidArgumentError(
+        "activations: the model declares activation_bytes_per_sample and a transformer shape was "
+        "given for the formula too: give one");
+  }
+  if (workload.micro_batch < 0 || workload.seq < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "activations: micro-batch ", workload.micro_batch, " and sequence length ", workload.seq,
+        " must be >= 0"));
+  }
+  if (!declared && !formula) {
+    d.note = "activations and runtime reserves were not counted: the device figure is the "
+             "model-state buffers alone";
+    return d;
+  }
+  d.counted = true;
+  d.micro_batch = workload.micro_batch > 0                     ? workload.micro_batch
+                  : config.train_micro_batch_size_per_gpu > 0 ? config.train_micro_batch_size_per_gpu
+                                                               : 1;
+  if (formula) {
+    ASSIGN_OR_RETURN(ActivationEstimate a,
+                     TransformerActivations(*workload.shape, workload.seq, d.micro_batch,
+                                            plan.options.compute_dtype, workload.recompute));
+    d.activation_source = absl::StrCat(
+        "Korthikanti et al. 2022 (sequence ", workload.seq, ", micro-batch ", d.micro_batch,
+        ", recompute ", RecomputeName(workload.recompute), ", ",
+        DTypeName(plan.options.compute_dtype), ")");
+    for (const ActivationLine& line : a.lines) d.activations.push_back({line.name, line.bytes});
+    d.activation_bytes = a.bytes;
+  } else {
+    d.activation_source = absl::StrCat("declared by the model: ", plan.activation_bytes_per_sample,
+                                       " bytes per sample x micro-batch ", d.micro_batch);
+    d.activation_bytes = SatMul(plan.activation_bytes_per_sample, d.micro_batch);
+    d.activations.push_back({"declared", d.activation_bytes});
+  }
+  const ReservesConfig& r = config.reserves;
+  const int64_t world = plan.options.world_size;
+  // A single rank needs no communicator: the engine runs its collectives in place.
+  const int64_t peers = std::min<int64_t>(world - 1, 2);
+  const int64_t allocated = SatAdd(d.model_state_bytes, d.activation_bytes);
+  // Rounded up; a double's rounding error is far below a byte's worth of margin at these sizes,
+  // and ceil of a product of non-negative values is monotone in `allocated`, as --fit needs.
+  const double fragmentation = std::ceil(r.fragmentation_fraction * static_cast<double>(allocated));
+  d.reserves = {
+      {"cuda context", r.cuda_context_bytes},
+      {"nccl communicator", world > 1 ? r.nccl_communicator_bytes : 0},
+      {"nccl buffers", SatMul(SatMul(r.nccl_channels, peers), r.nccl_buffsize)},
+      {"cublas workspace", r.cublas_workspace_bytes},
+      {"fragmentation", fragmentation >= 9.2e18 ? std::numeric_limits<int64_t>::max()
+                                                : static_cast<int64_t>(fragmentation)},
+  };
+  for (const BudgetLine& line : d.reserves) d.reserve_bytes = SatAdd(d.reserve_bytes, line.bytes);
+  d.total_bytes = SatAdd(allocated, d.reserve_bytes);
+  return d;
+}
+
 namespace {
+
+absl::StatusOr<Evaluated> Evaluate(absl::Span<const memory::ParamSpec> specs,
+                                   const memory::PlanOptions& o, const Config& config,
+                                   const Workload& workload) {
+  Evaluated e;
+  ASSIGN_OR_RETURN(e.plan, memory::MakePlan(specs, o));
+  ASSIGN_OR_RETURN(e.budget, MakeDeviceBudget(e.plan, config, workload));
+  return e;
+}
+
+// " (activations decided)" when a device term put `e` over, else "".
+std::string DecidedText(const std::string& term) {
+  return term.empty() ? "" : absl::StrCat(" (", term, " decided)");
+}
 
 // The explicit stage's plan, or auto's choice, from options with the unit sizes resolved.
 absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs,
                                        const Config& config, const memory::PlanOptions& base,
-                                       int world_size) {
+                                       int world_size, const Workload& workload) {
   const MemoryBudget& budget = config.zero.memory_budget;
   if (!config.zero.stage_auto) {
+    ASSIGN_OR_RETURN(Evaluated e, Evaluate(specs, base, config, workload));
     PlanChoice choice;
-    ASSIGN_OR_RETURN(choice.plan, memory::MakePlan(specs, base));
-    choice.fits = Fits(choice.plan, budget);
-    choice.reason = absl::StrCat(Describe(base), " from the config: ", Needs(choice.plan));
+    choice.fits = Fits(e, budget);
+    choice.decided_by = DecidingTerm(e.budget, budget);
+    choice.reason = absl::StrCat(Describe(base), " from the config: ", Needs(e));
     if (budget.device_bytes || budget.host_bytes) {
       absl::StrAppend(&choice.reason, choice.fits ? ", within" : ", OVER", " the budget of ",
-                      BudgetText(budget));
+                      BudgetText(budget),
+                      e.budget.counted ? DecidedText(choice.decided_by) : "");
     }
+    choice.plan = std::move(e.plan);
+    choice.budget = std::move(e.budget);
     return choice;
   }
   if (budget.device_bytes == 0) {
@@ -137,20 +265,28 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
   }
   const bool nvme = !config.zero.offload_optimizer.nvme_path.empty();
   std::string rejected;
-  memory::Plan smallest;  // the candidate needing the least device memory
+  std::string last_term;  // the term that put the last rejected candidate over
+  Evaluated smallest;     // the candidate needing the least device memory
   for (const memory::PlanOptions& o : Candidates(base, nvme)) {
-    ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));
-    if (Fits(plan, budget)) {
+    ASSIGN_OR_RETURN(Evaluated e, Evaluate(specs, o, config, workload));
+    if (Fits(e, budget)) {
       PlanChoice choice;
-      choice.reason = absl::StrCat("auto chose ", Describe(o), ": it needs ", Needs(plan),
+      choice.reason = absl::StrCat("auto chose ", Describe(o), ": it needs ", Needs(e),
                                    ", within the budget of ", BudgetText(budget));
+      choice.decided_by = last_term;
+      if (e.budget.counted && !last_term.empty()) {
+        absl::StrAppend(&choice.reason, "; ", last_term, " decided");
+      }
       if (!rejected.empty()) absl::StrAppend(&choice.reason, "; rejected: ", rejected);
-      choice.plan = std::move(plan);
+      choice.plan = std::move(e.plan);
+      choice.budget = std::move(e.budget);
       return choice;
     }
-    absl::StrAppend(&rejected, rejected.empty() ? "" : "; ", Describe(o), " needs ", Needs(plan));
-    if (smallest.buffers.empty() || plan.device_bytes() < smallest.device_bytes()) {
-      smallest = std::move(plan);
+    last_term = DecidingTerm(e.budget, budget);
+    absl::StrAppend(&rejected, rejected.empty() ? "" : "; ", Describe(o), " needs ", Needs(e),
+                    e.budget.counted ? DecidedText(last_term) : "");
+    if (smallest.plan.buffers.empty() || e.budget.total_bytes < smallest.budget.total_bytes) {
+      smallest = std::move(e);
     }
   }
   // Nothing fits: say what the smallest configuration needs and at what world size one would.
@@ -160,35 +296,106 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
     for (memory::PlanOptions o : Candidates(base, nvme)) {
       o.world_size = static_cast<int>(world);
       o.rank = 0;
-      ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));
-      if (Fits(plan, budget)) {
+      ASSIGN_OR_RETURN(Evaluated e, Evaluate(specs, o, config, workload));
+      if (Fits(e, budget)) {
         would_fit = absl::StrCat("it would fit on ", world, " ranks with ", Describe(o), " (",
-                                 Needs(plan), ")");
+                                 Needs(e), ")");
         break;
       }
     }
   }
   if (would_fit.empty()) {
-    would_fit = absl::StrCat(
-        "no world size up to 65536 fits either: a single unit of ", smallest.max_unit_elements,
-        " elements must fit whole on the device (lower zero_optimization.reduce_bucket_size to "
-        "split units)");
+    would_fit = smallest.budget.counted
+                    ? absl::StrCat("no world size up to 65536 fits either: activations and "
+                                   "reserves do not shrink with the world size (lower the "
+                                   "micro-batch or sequence length, or recompute more), and a "
+                                   "single unit of ", smallest.plan.max_unit_elements,
+                                   " elements must fit whole on the device")
+                    : absl::StrCat(
+                          "no world size up to 65536 fits either: a single unit of ",
+                          smallest.plan.max_unit_elements,
+                          " elements must fit whole on the device (lower "
+                          "zero_optimization.reduce_bucket_size to split units)");
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "no stage fits the memory budget of ", BudgetText(budget), " on ", world_size,
       " ranks: the smallest requirement found is ", Needs(smallest), " (",
-      Describe(smallest.options), "); ", would_fit, ". Considered: ", rejected));
+      Describe(smallest.plan.options), "); ", would_fit, ". Considered: ", rejected));
 }
 
 }  // namespace
 
 absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
                                       const Config& config, int world_size, int rank) {
+  return ChoosePlan(specs, config, world_size, rank, Workload{});
+}
+
+absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
+                                      const Config& config, int world_size, int rank,
+                                      const Workload& workload) {
   const memory::PlanOptions base = BaseOptions(specs, config, world_size, rank);
-  ASSIGN_OR_RETURN(PlanChoice choice, ChooseStage(specs, config, base, world_size));
+  ASSIGN_OR_RETURN(PlanChoice choice, ChooseStage(specs, config, base, world_size, workload));
   const std::string sizes = ResolveUnitSizes(specs, config).reason;
   if (!sizes.empty()) absl::StrAppend(&choice.reason, "; ", sizes);
   return choice;
+}
+
+absl::StatusOr<std::vector<MicroBatchFit>> FitMicroBatch(absl::Span<const memory::ParamSpec> specs,
+                                                         const Config& config, int world_size,
+                                                         int rank, const Workload& workload) {
+  const MemoryBudget& budget = config.zero.memory_budget;
+  if (budget.device_bytes == 0) {
+    return absl::InvalidArgumentError(
+        "fitting the micro-batch needs zero_optimization.memory_budget.device_bytes (--budget)");
+  }
+  const memory::PlanOptions base = BaseOptions(specs, config, world_size, rank);
+  const bool nvme = !config.zero.offload_optimizer.nvme_path.empty();
+  std::vector<MicroBatchFit> out;
+  for (const memory::PlanOptions& o : Candidates(base, nvme)) {
+    MicroBatchFit fit;
+    fit.options = o;
+    fit.description = Describe(o);
+    ASSIGN_OR_RETURN(memory::Plan plan, memory::MakePlan(specs, o));
+    Workload w = workload;
+    w.micro_batch = 1;
+    ASSIGN_OR_RETURN(fit.budget, MakeDeviceBudget(plan, config, w));
+    if (!fit.budget.counted) {
+      return absl::InvalidArgumentError(
+          "fitting the micro-batch needs activations: a sequence length with a transformer "
+          "shape, or activation_bytes_per_sample declared by the model");
+    }
+    if (!HostFits(plan, budget)) {
+      fit.why_none = absl::StrCat("host: ", HumanBytes(HostBytes(plan)), " over ",
+                                  HumanBytes(budget.host_bytes));
+    } else if (!DeviceFits(fit.budget, budget)) {
+      fit.why_none = absl::StrCat(DecidingTerm(fit.budget, budget), " decided: ",
+                                  HumanBytes(fit.budget.total_bytes), " at micro-batch 1");
+    } else {
+      // The total only grows with the micro-batch (activations are linear in it, the
+      // fragmentation margin a rounded-up fraction of them): binary search for the last fit.
+      // Activations at b are b times those at 1 (> 0 when counted), so no b above
+      // budget / activations(1) fits; that bound also keeps every probe's count within int64.
+      const int64_t per_sample = std::max<int64_t>(fit.budget.activation_bytes, 1);
+      int64_t lo = 1;  // fits
+      int64_t hi = std::min<int64_t>(int64_t{1} << 30, budget.device_bytes / per_sample);
+      DeviceBudget at_lo = fit.budget;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo + 1) / 2;
+        w.micro_batch = mid;
+        ASSIGN_OR_RETURN(DeviceBudget d, MakeDeviceBudget(plan, config, w));
+        if (DeviceFits(d, budget)) {
+          lo = mid;
+          at_lo = std::move(d);
+        } else {
+          hi = mid - 1;
+        }
+      }
+      fit.micro_batch = lo;
+      fit.budget = std::move(at_lo);
+    }
+    out.push_back(std::move(fit));
+  }
+  return out;
 }
 
 }  // namespace zerort

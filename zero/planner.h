@@ -3,7 +3,10 @@
 // `"stage": "auto"` picks the cheapest configuration whose plan fits the memory budget: the
 // lowest stage first (fewer bytes on the wire), then optimizer offload, then parameter offload,
 // then (when offload_optimizer.nvme_path is set) the optimizer state on NVMe, which needs little
-// host memory, and says which it chose and why. When nothing fits, the error names the smallest requirement
+// host memory, and says which it chose and why. Given a Workload (or activations declared on the
+// ParamSpecs), "fits" means the whole device budget fits: model-state buffers, the activations of
+// one micro-batch and the runtime's reserves (DeviceBudget, docs/memory_budget.md), and the
+// reason names the term that decided. When nothing fits, the error names the smallest requirement
 // found and the world size at which the model would fit.
 //
 //   ASSIGN_OR_RETURN(zerort::PlanChoice choice, zerort::ChoosePlan(specs, config, world, rank));
@@ -13,7 +16,10 @@
 #ifndef ZERORT_ZERO_PLANNER_H_
 #define ZERORT_ZERO_PLANNER_H_
 
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -22,6 +28,7 @@
 // them first, and the planner resolves the unit sizes left "auto".
 #include "zero/auto_fill.h"
 #include "zero/config.h"
+#include "zero/model_spec.h"
 
 namespace zerort {
 
@@ -31,17 +38,85 @@ absl::StatusOr<memory::PlanOptions> PlanOptionsFromConfig(absl::Span<const memor
                                                           const Config& config, int world_size,
                                                           int rank);
 
+// What the trainer's forward and backward put on the device besides the plan's buffers: either a
+// transformer's shape for the activation formula (TransformerActivations, zero/model_spec.h), or
+// the activation bytes the trainer declared on its ParamSpecs (activation_bytes_per_sample).
+// With neither, activations and reserves are not counted and the budget says so in its note.
+struct Workload {
+  // >= 0 sequences per micro-batch; 0: the config's train_micro_batch_size_per_gpu, else 1.
+  int64_t micro_batch = 0;
+  int64_t seq = 0;  // >= 0 tokens per sequence; the formula needs it (0: not counted)
+  std::optional<TransformerShape> shape;  // REQUIRES: not together with declared activations
+  Recompute recompute = Recompute::kNone;
+};
+
+// One named line of the device budget.
+struct BudgetLine {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+// Everything one rank puts on its device: the plan's buffers, the activations of one micro-batch,
+// and the runtime's reserves (config.reserves). docs/memory_budget.md writes the lines out.
+struct DeviceBudget {
+  // Whether activations and reserves are counted; false keeps the old, model-state-only planning
+  // (total_bytes == model_state_bytes) and `note` says so.
+  bool counted = false;
+  std::string note;
+  int64_t model_state_bytes = 0;   // plan.device_bytes(): every buffer the engine allocates there
+  int64_t micro_batch = 0;         // the micro-batch the activations are for (counted only)
+  std::string activation_source;   // the formula and its inputs, or "declared by the model"
+  std::vector<BudgetLine> activations;
+  int64_t activation_bytes = 0;
+  std::vector<BudgetLine> reserves;  // cuda context, nccl, cublas workspace, fragmentation
+  int64_t reserve_bytes = 0;
+  int64_t total_bytes = 0;  // the sum, saturating at 2^63-1: what the device budget must hold
+};
+
+// The budget of `plan` (its options give the world size). InvalidArgument: both a shape and
+// declared activations, or the activation formula's own errors.
+absl::StatusOr<DeviceBudget> MakeDeviceBudget(const memory::Plan& plan, const Config& config,
+                                              const Workload& workload);
+
 struct PlanChoice {
   memory::Plan plan;
+  DeviceBudget budget;  // the device lines of `plan`
   bool fits = true;     // within config.zero.memory_budget (always true without a budget)
   std::string reason;   // one paragraph: what was chosen and why, and how "auto" sizes resolved
+  // Which term put the candidate auto preferred to this one (or, for an explicit stage that does
+  // not fit, this one) over the device budget: "model state" when it is over alone, else the term
+  // without which it would have fit, "activations" or "reserves" ("activations and reserves"
+  // when either, or only both, would have to go; reserves as counted, fragmentation included);
+  // "" when nothing was over, or the host budget decided.
+  std::string decided_by;
 };
 
 // Explicit stage: the plan for it, with `fits` checked against the budget if one is set.
 // Auto: the first candidate of (stage 0, 1, 2, 3; then 1, 2, 3 with optimizer offload; then 3
 // with optimizer and parameter offload) that fits. ResourceExhausted when none does.
+// The device figure compared with the budget is DeviceBudget::total_bytes: model state alone
+// without a workload (and without declared activations), else activations and reserves too.
 absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
                                       const Config& config, int world_size, int rank);
+absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
+                                      const Config& config, int world_size, int rank,
+                                      const Workload& workload);
+
+// The largest micro-batch of one candidate that fits the budget.
+struct MicroBatchFit {
+  memory::PlanOptions options;
+  std::string description;  // "stage 2 + optimizer offload"
+  int64_t micro_batch = 0;  // 0: not even one sequence fits
+  DeviceBudget budget;      // at micro_batch (at 1 when that is 0)
+  std::string why_none;     // micro_batch == 0: what is over
+};
+
+// For each auto candidate (in ChoosePlan's order), the largest micro-batch (at most 2^30) whose
+// DeviceBudget::total_bytes fits config.zero.memory_budget.device_bytes and whose host bytes fit
+// host_bytes. REQUIRES: a device budget and counted activations (InvalidArgument otherwise).
+absl::StatusOr<std::vector<MicroBatchFit>> FitMicroBatch(absl::Span<const memory::ParamSpec> specs,
+                                                         const Config& config, int world_size,
+                                                         int rank, const Workload& workload);
 
 }  // namespace zerort
 

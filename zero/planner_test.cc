@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "zero/auto_fill.h"
 #include "zero/model_spec.h"
 
@@ -497,6 +498,322 @@ TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse
     INFO(plan.status().ToString());
     CHECK(plan.ok());
   }
+}
+
+}  // namespace
+}  // namespace zerort
+
+// ---- The device budget: activations and reserves (docs/memory_budget.md).
+
+namespace zerort {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// Korthikanti et al. 2022, written here from the paper, not from the code under test: per layer
+// sbh(34 + 5as/h) bytes with 16-bit activations (Table 2, "no recompute"), 34sbh with selective
+// recompute, 2sbh with full recompute; section 4.3's embedding dropout mask sbh and output
+// layer 4sbh + 4sbV (fp32 logits). What zerort adds to the paper, each stated in
+// docs/memory_budget.md: the fp32 logits' gradient (4sbV), and the layer being recomputed in
+// backward (its attention core 5as^2b for selective, the whole layer for full).
+struct PaperCase {
+  const char* preset;
+  int64_t s, b, h, a, L, V;
+};
+
+int64_t PaperBytes(const PaperCase& c, Recompute r) {
+  const int64_t s = c.s, b = c.b, h = c.h, a = c.a, L = c.L, V = c.V;
+  const int64_t no_recompute_layer = s * b * h * 34 + 5 * a * s * s * b;  // sbh(34 + 5as/h)
+  const int64_t embed_output = s * b * h + 4 * s * b * h + 4 * s * b * V;
+  const int64_t logits_grad = 4 * s * b * V;
+  switch (r) {
+    case Recompute::kNone: return L * no_recompute_layer + embed_output + logits_grad;
+    case Recompute::kSelective:
+      return L * 34 * s * b * h + 5 * a * s * s * b + embed_output + logits_grad;
+    case Recompute::kFull:
+      return L * 2 * s * b * h + no_recompute_layer + embed_output + logits_grad;
+  }
+  return -1;
+}
+
+TEST_CASE("Activations: the formula is Korthikanti et al.'s closed form for GPT-2 and Llama 2",
+          "[zero]") {
+  const PaperCase cases[] = {
+      {"gpt2-124m", 1024, 8, 768, 12, 12, 50257},
+      {"gpt2-124m", 1024, 1, 768, 12, 12, 50257},
+      {"llama2-7b", 4096, 1, 4096, 32, 32, 32000},
+      {"llama2-7b", 2048, 4, 4096, 32, 32, 32000},
+  };
+  for (const PaperCase& c : cases) {
+    auto shape = ModelPresetShape(c.preset);
+    REQUIRE(shape.ok());
+    CHECK(shape->layers == c.L);
+    CHECK(shape->hidden == c.h);
+    CHECK(shape->heads == c.a);
+    CHECK(shape->vocab == c.V);
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+      INFO(c.preset << " s=" << c.s << " b=" << c.b << " recompute " << RecomputeName(r));
+      auto est = TransformerActivations(*shape, c.s, c.b, DType::kBF16, r);
+      REQUIRE(est.ok());
+      CHECK(est->bytes == PaperBytes(c, r));
+      int64_t sum = 0;
+      for (const ActivationLine& l : est->lines) sum += l.bytes;
+      CHECK(sum == est->bytes);
+    }
+  }
+  // One Llama 2 7B layer at s = 4096, b = 1 without recompute, by hand:
+  // 4096 * 4096 * (34 + 5 * 32 * 4096 / 4096) = 16777216 * 194 = 3254779904 bytes (3.03 GiB).
+  auto llama = ModelPresetShape("llama2-7b");
+  REQUIRE(llama.ok());
+  auto none = TransformerActivations(*llama, 4096, 1, DType::kBF16, Recompute::kNone);
+  REQUIRE(none.ok());
+  REQUIRE(none->lines[0].name == "layers");
+  CHECK(none->lines[0].bytes == 32 * int64_t{3254779904});
+  // Activations are linear in the micro-batch: every term has a factor b.
+  auto four = TransformerActivations(*llama, 4096, 4, DType::kBF16, Recompute::kFull);
+  auto one = TransformerActivations(*llama, 4096, 1, DType::kBF16, Recompute::kFull);
+  REQUIRE(four.ok());
+  REQUIRE(one.ok());
+  CHECK(four->bytes == 4 * one->bytes);
+
+  // Refusals name the field; long sequences are counted in 128 bits or refused, never wrapped.
+  auto zero_seq = TransformerActivations(*llama, 0, 1, DType::kBF16, Recompute::kNone);
+  CHECK(zero_seq.status().message() ==
+        "activations: sequence length = 0 is out of range: expected 1..2^30");
+  auto huge = TransformerActivations(*llama, int64_t{1} << 30, int64_t{1} << 30, DType::kBF16,
+                                     Recompute::kNone);
+  CHECK(huge.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(huge.status().message()), Catch::Contains("exceeds 2^63-1"));
+  CHECK(ParseRecompute("partial").status().message() ==
+        "recompute level 'partial': expected none, selective or full");
+}
+
+// The issue's example: llama2-7b on 8 ranks within 40 GiB per device.
+Config LlamaExampleConfig() {
+  Config c;
+  c.compute_dtype = DType::kBF16;
+  c.zero.stage_auto = true;
+  c.zero.memory_budget.device_bytes = 40 * kGiB;
+  return c;
+}
+
+Workload LlamaWorkload(Recompute r) {
+  Workload w;
+  w.seq = 4096;
+  w.micro_batch = 1;
+  w.shape = *ModelPresetShape("llama2-7b");
+  w.recompute = r;
+  return w;
+}
+
+TEST_CASE("Planner: counting activations moves llama2-7b at 40 GiB off stage 1, and says why",
+          "[zero]") {
+  auto specs = ModelPreset("llama2-7b");
+  REQUIRE(specs.ok());
+  const Config c = LlamaExampleConfig();
+  // Model state alone: stage 1, as before, and the plan says what it did not count.
+  auto old = ChoosePlan(*specs, c, 8, 0);
+  REQUIRE(old.ok());
+  CHECK(old->plan.options.stage == 1);
+  CHECK_FALSE(old->budget.counted);
+  CHECK(old->budget.total_bytes == old->plan.device_bytes());
+  CHECK_THAT(old->budget.note, Catch::Contains("activations and runtime reserves were not counted"));
+  CHECK_THAT(old->reason, !Catch::Contains("decided"));
+  const int64_t stage1_model_state = old->plan.device_bytes();
+
+  for (Recompute r : {Recompute::kFull, Recompute::kSelective}) {
+    INFO("recompute " << RecomputeName(r));
+    auto choice = ChoosePlan(*specs, c, 8, 0, LlamaWorkload(r));
+    REQUIRE(choice.ok());
+    const memory::PlanOptions& o = choice->plan.options;
+    CHECK((o.stage > 1 || o.offload_optimizer));
+    CHECK(choice->fits);
+    // Selective: stage 1's model state and reserves fit, the activations do not. Full: stage 1
+    // would fit without either its 5 GiB of activations or its 3 GiB of reserves.
+    const std::string term = r == Recompute::kSelective ? "activations" : "activations and reserves";
+    CHECK(choice->decided_by == term);
+    CHECK_THAT(choice->reason, Catch::Contains("; " + term + " decided"));
+    CHECK_THAT(choice->reason, Catch::Contains("stage 1 needs"));
+    // Stage 1's model state fits alone; with selective recompute's 18 GiB of activations it does
+    // not; with full recompute's 5 GiB it still would, until the reserves come on top.
+    auto act = TransformerActivations(*LlamaWorkload(r).shape, 4096, 1, DType::kBF16, r);
+    REQUIRE(act.ok());
+    CHECK(stage1_model_state <= c.zero.memory_budget.device_bytes);
+    CHECK((stage1_model_state + act->bytes > c.zero.memory_budget.device_bytes) ==
+          (r == Recompute::kSelective));
+    // The chosen plan's lines add up, and its total is within the budget.
+    const DeviceBudget& d = choice->budget;
+    REQUIRE(d.counted);
+    CHECK(d.activation_bytes == act->bytes);
+    CHECK(d.total_bytes == d.model_state_bytes + d.activation_bytes + d.reserve_bytes);
+    CHECK(d.total_bytes <= c.zero.memory_budget.device_bytes);
+  }
+  // Without recomputation a layer alone is 3 GiB at this length: 32 of them fit nowhere.
+  auto none = ChoosePlan(*specs, c, 8, 0, LlamaWorkload(Recompute::kNone));
+  CHECK(none.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK_THAT(std::string(none.status().message()),
+             Catch::Contains("activations and reserves do not shrink with the world size"));
+}
+
+TEST_CASE("Planner: reserves have their documented defaults, follow the config, refuse negatives",
+          "[zero]") {
+  auto specs = SyntheticModel(1000000, 4);
+  REQUIRE(specs.ok());
+  auto plan = memory::MakePlan(*specs, memory::PlanOptions{});
+  REQUIRE(plan.ok());
+  // Declared activations count without a transformer shape.
+  std::vector<memory::ParamSpec> declared = *specs;
+  declared[1].activation_bytes_per_sample = 3 * kMiB;
+  declared[3].activation_bytes_per_sample = 5 * kMiB;
+  memory::PlanOptions o;
+  o.world_size = 8;
+  auto plan8 = memory::MakePlan(declared, o);
+  REQUIRE(plan8.ok());
+  Config defaults;
+  Workload w;
+  w.micro_batch = 2;
+  auto d = MakeDeviceBudget(*plan8, defaults, w);
+  REQUIRE(d.ok());
+  REQUIRE(d->counted);
+  CHECK(d->activation_bytes == 2 * 8 * kMiB);
+  auto line = [](const DeviceBudget& b, const std::string& name) {
+    for (const BudgetLine& l : b.reserves) {
+      if (l.name == name) return l.bytes;
+    }
+    FAIL("no reserve line " << name);
+    return int64_t{-1};
+  };
+  // The measured defaults (docs/memory_budget.md): 527 MiB context, 580 + 32 MiB communicator,
+  // 32 channels * 2 ring neighbours * 4 MiB, 32 MiB cuBLAS, 5% of the allocations.
+  CHECK(line(*d, "cuda context") == 527 * kMiB);
+  CHECK(line(*d, "nccl communicator") == 612 * kMiB);
+  CHECK(line(*d, "nccl buffers") == 32 * 2 * 4 * kMiB);
+  CHECK(line(*d, "cublas workspace") == 32 * kMiB);
+  const int64_t allocated = plan8->device_bytes() + 16 * kMiB;
+  CHECK(line(*d, "fragmentation") == (allocated + 19) / 20);  // ceil(5%)
+  CHECK(d->total_bytes == allocated + d->reserve_bytes);
+  // One rank: no communicator.
+  auto plan1 = memory::MakePlan(declared, memory::PlanOptions{});
+  REQUIRE(plan1.ok());
+  auto d1 = MakeDeviceBudget(*plan1, defaults, w);
+  REQUIRE(d1.ok());
+  CHECK(line(*d1, "nccl communicator") == 0);
+  CHECK(line(*d1, "nccl buffers") == 0);
+
+  auto parsed = ParseConfig(R"({"zerort": {"reserves": {"cuda_context_bytes": 1000,
+      "nccl_communicator_bytes": 2000, "nccl_buffsize": 10, "nccl_channels": 3,
+      "cublas_workspace_bytes": 0, "fragmentation_fraction": 0}}})");
+  REQUIRE(parsed.ok());
+  auto custom = MakeDeviceBudget(*plan8, *parsed, w);
+  REQUIRE(custom.ok());
+  CHECK(line(*custom, "cuda context") == 1000);
+  CHECK(line(*custom, "nccl communicator") == 2000);
+  CHECK(line(*custom, "nccl buffers") == 3 * 2 * 10);
+  CHECK(line(*custom, "cublas workspace") == 0);
+  CHECK(line(*custom, "fragmentation") == 0);
+  CHECK(custom->reserve_bytes == 1000 + 2000 + 60);
+
+  for (const char* key : {"cuda_context_bytes", "nccl_communicator_bytes", "nccl_buffsize",
+                          "nccl_channels", "cublas_workspace_bytes", "fragmentation_fraction"}) {
+    INFO(key);
+    auto bad = ParseConfig(absl::StrCat(R"({"zerort": {"reserves": {")", key, R"(": -1}}})"),
+                           "cfg.json");
+    REQUIRE(bad.status().code() == absl::StatusCode::kInvalidArgument);
+    const std::string message(bad.status().message());
+    CHECK_THAT(message, Catch::Contains(absl::StrCat("zerort.reserves.", key)));
+    CHECK_THAT(message, Catch::Contains("-1"));
+    CHECK_THAT(message, Catch::Contains(">= 0"));
+  }
+
+  // Declared activations and a shape for the formula together are refused.
+  Workload both = w;
+  both.seq = 128;
+  both.shape = *ModelPresetShape("gpt2-124m");
+  CHECK(MakeDeviceBudget(*plan8, defaults, both).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
+// The largest micro-batch by walking up from 1: the reference FitMicroBatch's search must equal.
+int64_t BruteForceMicroBatch(const memory::Plan& plan, const Config& c, Workload w) {
+  int64_t b = 0;
+  for (;;) {
+    w.micro_batch = b + 1;
+    auto d = MakeDeviceBudget(plan, c, w);
+    REQUIRE(d.ok());
+    if (d->total_bytes > c.zero.memory_budget.device_bytes) return b;
+    ++b;
+  }
+}
+
+TEST_CASE("Planner: --fit's micro-batch equals a brute-force search and grows with the budget",
+          "[zero]") {
+  struct Case {
+    const char* preset;
+    int64_t seq;
+    int world;
+    Recompute r;
+  };
+  for (const Case& k : {Case{"gpt2-124m", 1024, 4, Recompute::kNone},
+                        Case{"llama2-7b", 4096, 8, Recompute::kFull}}) {
+    INFO(k.preset);
+    auto specs = ModelPreset(k.preset);
+    REQUIRE(specs.ok());
+    Workload w;
+    w.seq = k.seq;
+    w.shape = *ModelPresetShape(k.preset);
+    w.recompute = k.r;
+    std::vector<int64_t> previous;
+    for (int64_t budget_gib : {24, 40, 80}) {
+      INFO("budget " << budget_gib << " GiB");
+      Config c = LlamaExampleConfig();
+      c.zero.memory_budget.device_bytes = budget_gib * kGiB;
+      auto fits = FitMicroBatch(*specs, c, k.world, 0, w);
+      REQUIRE(fits.ok());
+      REQUIRE(fits->size() == 8);  // stages 0-3, optimizer offload at 1-3, both offloads at 3
+      bool any = false;
+      for (size_t i = 0; i < fits->size(); ++i) {
+        const MicroBatchFit& f = (*fits)[i];
+        INFO(f.description);
+        auto plan = memory::MakePlan(*specs, f.options);
+        REQUIRE(plan.ok());
+        CHECK(f.micro_batch == BruteForceMicroBatch(*plan, c, w));
+        CHECK((f.micro_batch == 0) == !f.why_none.empty());
+        if (f.micro_batch > 0) {
+          any = true;
+          CHECK(f.budget.micro_batch == f.micro_batch);
+          CHECK(f.budget.total_bytes <= c.zero.memory_budget.device_bytes);
+        }
+        if (!previous.empty()) CHECK(f.micro_batch >= previous[i]);  // more budget, never less
+      }
+      CHECK(any);
+      previous.clear();
+      for (const MicroBatchFit& f : *fits) previous.push_back(f.micro_batch);
+    }
+  }
+  // Without activations there is nothing to fit.
+  auto specs = ModelPreset("gpt2-124m");
+  REQUIRE(specs.ok());
+  auto none = FitMicroBatch(*specs, LlamaExampleConfig(), 1, 0, Workload{});
+  CHECK(none.status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Models: a model file's activation_bytes_per_sample reaches the plan", "[zero]") {
+  auto specs = ParseModelJson(R"({"modules": [
+      {"name": "a", "activation_bytes_per_sample": 1000,
+       "params": [{"name": "w", "shape": [4, 4]}, {"name": "b", "shape": [4]}]},
+      {"name": "c", "params": [{"name": "w", "shape": [8]}]}]})",
+                              "m.json");
+  REQUIRE(specs.ok());
+  auto plan = memory::MakePlan(*specs, memory::PlanOptions{});
+  REQUIRE(plan.ok());
+  CHECK(plan->activation_bytes_per_sample == 1000);
+  auto bad = ParseModelJson(R"({"modules": [{"name": "a", "activation_bytes_per_sample": -5,
+      "params": [{"name": "w", "shape": [4]}]}]})",
+                            "m.json");
+  REQUIRE(bad.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(bad.status().message()),
+             Catch::Contains("modules[0].activation_bytes_per_sample"));
 }
 
 }  // namespace

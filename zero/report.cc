@@ -75,4 +75,47 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
   return j;
 }
 
+std::string DeviceBudgetTable(const DeviceBudget& d, int64_t budget_bytes) {
+  if (!d.counted) return absl::StrCat("note: ", d.note, "\n");
+  std::string out = "\ndevice budget per rank:\n";
+  auto row = [&out](int indent, absl::string_view name, int64_t bytes) {
+    absl::StrAppendFormat(&out, "  %*s%-*s %12s\n", indent, "", 30 - indent, name,
+                          HumanBytes(bytes));
+  };
+  row(0, "model-state buffers", d.model_state_bytes);
+  row(0, "activations", d.activation_bytes);
+  for (const BudgetLine& l : d.activations) row(2, l.name, l.bytes);
+  row(0, "reserves", d.reserve_bytes);
+  for (const BudgetLine& l : d.reserves) row(2, l.name, l.bytes);
+  row(0, "total", d.total_bytes);
+  absl::StrAppend(&out, "  activations: ", d.activation_source, "\n");
+  if (budget_bytes > 0) {
+    absl::StrAppend(&out, "  budget ", HumanBytes(budget_bytes), ": ",
+                    d.total_bytes <= budget_bytes
+                        ? absl::StrCat(HumanBytes(budget_bytes - d.total_bytes), " left")
+                        : absl::StrCat(HumanBytes(d.total_bytes - budget_bytes), " OVER"),
+                    "\n");
+  }
+  return out;
+}
+
+nlohmann::ordered_json DeviceBudgetJson(const DeviceBudget& d) {
+  nlohmann::ordered_json j;
+  j["counted"] = d.counted;
+  j["note"] = d.note;
+  j["micro_batch"] = d.micro_batch;
+  j["activation_source"] = d.activation_source;
+  j["model_state_bytes"] = d.model_state_bytes;
+  nlohmann::ordered_json acts = nlohmann::ordered_json::object();
+  for (const BudgetLine& l : d.activations) acts[l.name] = l.bytes;
+  j["activations"] = std::move(acts);
+  j["activation_bytes"] = d.activation_bytes;
+  nlohmann::ordered_json reserves = nlohmann::ordered_json::object();
+  for (const BudgetLine& l : d.reserves) reserves[l.name] = l.bytes;
+  j["reserves"] = std::move(reserves);
+  j["reserve_bytes"] = d.reserve_bytes;
+  j["total_bytes"] = d.total_bytes;
+  return j;
+}
+
 }  // namespace zerort

@@ -4,10 +4,12 @@
 #ifndef ZERORT_ZERO_REPORT_H_
 #define ZERORT_ZERO_REPORT_H_
 
+#include <cstdint>
 #include <string>
 
 #include "memory/plan.h"
 #include "nlohmann/json.hpp"
+#include "zero/planner.h"
 
 namespace zerort {
 
@@ -17,6 +19,15 @@ std::string PlanTable(const memory::Plan& plan);
 // params, world_size, stage, per_rank.{model_state_bytes, device_bytes, pinned_host_bytes,
 // host_bytes, nvme_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[].
 nlohmann::ordered_json PlanJson(const memory::Plan& plan);
+
+// The device budget beside the plan: model-state buffers, each activation and reserve line, the
+// total and, when `budget_bytes` > 0, the budget; or, when nothing beyond model state was counted,
+// its note.
+std::string DeviceBudgetTable(const DeviceBudget& d, int64_t budget_bytes);
+
+// counted, note, micro_batch, activation_source, model_state_bytes, activations{name: bytes},
+// activation_bytes, reserves{name: bytes}, reserve_bytes, total_bytes.
+nlohmann::ordered_json DeviceBudgetJson(const DeviceBudget& d);
 
 }  // namespace zerort
 
