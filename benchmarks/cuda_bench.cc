@@ -12,6 +12,10 @@
 //                cast        every ordered pair of distinct dtypes
 //                accumulate  each dtype (acc read + written, x read)
 //                squared_norm, all_finite  each dtype (x read once)
+//                rows with "offset": bf16 AdamW, bf16->fp32 cast, bf16 accumulate and the bf16
+//                            finite check on ranges starting one element into the arrays,
+//                            "offset1" (every array moved: vector path after a scalar head) and
+//                            "mixed" (only the 2-byte arrays moved: the unaligned path)
 //                reduce_rank_order  the in-process group's reduction on one GPU
 //                            (CudaInProcessBufferOps: comm/inprocess.h), sum over 2 and 4 ranks,
 //                            fp32 and bf16 (every source read, dst written; includes its
@@ -211,6 +215,7 @@ class SizeBench {
         }));
       }
     }
+    Misaligned(&rows);
     out["kernels"] = std::move(rows);
     return out;
   }
@@ -236,6 +241,46 @@ class SizeBench {
                             }));
       }
     }
+  }
+
+  // Ranges that start at element offsets into the arenas (what the engine passes), on n - 8
+  // elements: "offset" 1 moves every array one element on, so all still meet a 16-byte boundary
+  // at the same element (vector path after a scalar head); "mixed" moves only the 2-byte arrays,
+  // so no element aligns them all (the unaligned, 8-loads-per-thread path).
+  void Misaligned(json* rows) {
+    auto step = offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, 10);
+    Check(step.status(), "MakeAdamWStepParams");
+    const size_t n = n_ - 8;
+    auto at = [&](int i, size_t elems, DType d) {
+      return static_cast<char*>(a(i)) + elems * DTypeSize(d);
+    };
+    for (const char* mode : {"offset1", "mixed"}) {
+      const size_t f32_off = std::string(mode) == "offset1" ? 1 : 0;
+      const offload::AdamWArrays arrays{
+          reinterpret_cast<float*>(at(0, f32_off, DType::kF32)),
+          reinterpret_cast<float*>(at(1, f32_off, DType::kF32)),
+          reinterpret_cast<float*>(at(2, f32_off, DType::kF32)),
+          at(3, 1, DType::kBF16), DType::kBF16, at(4, 1, DType::kBF16), DType::kBF16, n};
+      rows->push_back(Row("adamw", {{"grad", "bf16"}, {"param_out", "bf16"}, {"offset", mode}},
+                          24 + 2 + 2, [&] {
+                            Check(dev_->AdamW(arrays, *step, 1.0f, nullptr), "AdamW");
+                          }));
+      rows->push_back(Row("cast", {{"src", "bf16"}, {"dst", "fp32"}, {"offset", mode}}, 2 + 4, [&] {
+        Check(dev_->Cast(at(0, 1, DType::kBF16), DType::kBF16, at(1, f32_off, DType::kF32),
+                         DType::kF32, n, nullptr),
+              "Cast");
+      }));
+      rows->push_back(Row("accumulate", {{"dtype", "bf16"}, {"offset", mode}}, 3 * 2, [&] {
+        Check(dev_->Accumulate(at(0, f32_off, DType::kBF16), at(1, 1, DType::kBF16),
+                               DType::kBF16, n, nullptr),
+              "Accumulate");
+      }));
+    }
+    bool* finite = reinterpret_cast<bool*>(host_result_.as<char>() + 64);
+    rows->push_back(Row("all_finite", {{"dtype", "bf16"}, {"offset", "offset1"}}, 2, [&] {
+      Check(dev_->AllFinite(at(0, 1, DType::kBF16), DType::kBF16, n, finite, nullptr),
+            "AllFinite");
+    }));
   }
 
   json Row(const char* kernel, json args, size_t bytes_per_element,

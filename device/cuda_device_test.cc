@@ -1,9 +1,11 @@
 // The CUDA device against the host reference, bit for bit.
 //
-// Two halves. "CudaMath" cases run everywhere: they compile the kernels' per-element arithmetic
-// (device/internal/cuda_math.h) for the host and compare it with base/dtype.h, offload::CpuAdamW
-// and offload::SquaredNormF32. "CudaDevice" cases need a GPU: each kernel on random inputs of
-// awkward sizes against the CPU device. Without a GPU they print
+// Two halves. "CudaMath" and "CudaElementwise" cases run everywhere: they compile the kernels'
+// per-element arithmetic (device/internal/cuda_math.h) and per-thread work
+// (device/internal/cuda_elementwise.h) for the host and compare them with base/dtype.h,
+// offload::CpuAdamW, offload::SquaredNormF32 and the CPU device, replaying every thread of a
+// simulated grid at every misalignment. "CudaDevice" cases need a GPU: each kernel on random
+// inputs of awkward sizes and element offsets against the CPU device. Without a GPU they print
 // "SKIPPED: no CUDA device: <reason>" and pass.
 #include "device/cuda_device.h"
 
@@ -18,15 +20,19 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "base/dtype.h"
 #include "catch2/catch.hpp"
+#include "comm/inprocess.h"
 #include "memory/arena.h"
 #include "offload/cpu_adamw.h"
 #include "offload/cpu_kernels.h"
 #include "device/testing/one_thread.h"
+#include "device/internal/cuda_elementwise.h"
 #include "device/internal/cuda_math.h"
 
 namespace zerort {
@@ -238,6 +244,414 @@ TEST_CASE("CudaMath: the kernel's norm order equals SquaredNormF32 bitwise", "[z
       REQUIRE(Bits(replay) == Bits(offload::SquaredNormF32(x.data(), d, n, 1)));
     }
   }
+}
+
+// ------------------------------------------------------------------ CudaElementwise (no GPU)
+
+using cuda_internal::AlignedChunk;
+using cuda_internal::ElementSplit;
+using cuda_internal::kChunk;
+using cuda_internal::StridedChunk;
+using cuda_internal::VectorOperand;
+
+// Grid widths (gridDim.x * blockDim.x) the schedule is replayed with: one thread, fewer threads
+// than chunks, about as many, and more than there is work.
+constexpr size_t kThreadCounts[] = {1, 3, 13, 64, 1000};
+
+// Checks SplitForVectors and ForEachChunk for one set of operands over n elements: the chunks of
+// all threads cover [0, n) exactly once, every AlignedChunk is 16-byte aligned in every operand,
+// and the split is vectorized exactly when some index below kChunk aligns every operand.
+void CheckSchedule(const std::vector<VectorOperand>& ops, size_t n) {
+  const ElementSplit s =
+      cuda_internal::SplitForVectors(ops.data(), static_cast<int>(ops.size()), n);
+  bool alignable = false;
+  for (size_t h = 0; h < kChunk && !alignable; ++h) {
+    bool all = true;
+    for (const VectorOperand& o : ops) {
+      all = all && o.address % o.elem_size == 0 && (o.address + h * o.elem_size) % 16 == 0;
+    }
+    alignable = all;
+  }
+  REQUIRE(s.aligned == alignable);
+  if (s.aligned) {
+    REQUIRE(s.head <= n);
+    REQUIRE(s.head < static_cast<size_t>(kChunk));
+    REQUIRE(s.body % kChunk == 0);
+    REQUIRE(s.head + s.body <= n);
+    REQUIRE(n - s.head - s.body < static_cast<size_t>(kChunk));
+    if (s.head < n) {  // the head is the first aligned index, not just some aligned index
+      for (const VectorOperand& o : ops) REQUIRE((o.address + s.head * o.elem_size) % 16 == 0);
+    }
+  } else {
+    REQUIRE(s.head == 0);
+    REQUIRE(s.body == 0);
+  }
+  for (size_t threads : kThreadCounts) {
+    std::vector<int> seen(n, 0);
+    bool ok = true;  // checked by hand: a Catch2 assertion per element would dominate
+    for (size_t t = 0; t < threads; ++t) {
+      cuda_internal::ForEachChunk(s, n, t, threads, [&](const auto& c) {
+        using C = std::decay_t<decltype(c)>;
+        if constexpr (std::is_same_v<C, AlignedChunk>) {
+          for (const VectorOperand& o : ops) ok = ok && (o.address + c.i * o.elem_size) % 16 == 0;
+          ok = ok && s.aligned;
+        } else {
+          ok = ok && c.count >= 1 && c.count <= kChunk;
+        }
+        for (int j = 0; j < kChunk; ++j) {
+          if (!c.Has(j)) continue;
+          const size_t i = c.At(j);
+          ok = ok && i < n;
+          if (i < n) ++seen[i];
+        }
+      });
+    }
+    INFO("threads " << threads << " n " << n << " aligned " << s.aligned << " head " << s.head
+                    << " body " << s.body);
+    REQUIRE(ok);
+    REQUIRE(std::all_of(seen.begin(), seen.end(), [](int k) { return k == 1; }));
+    // Enough threads: no chunk beyond what ChunkThreads asks for.
+    REQUIRE(cuda_internal::ChunkThreads(s, n) >= 1);
+  }
+}
+
+TEST_CASE("CudaElementwise: the split covers every element exactly once at every misalignment",
+          "[zero]") {
+  constexpr uintptr_t kBase = 1 << 20;  // 16-byte aligned; only the low bits matter
+  for (size_t n = 0; n <= 100; ++n) {
+    INFO("n " << n);
+    // One operand of each element size, at every byte misalignment (0..15, element-aligned or
+    // not: a misaligned element goes the unaligned way).
+    for (size_t size : {size_t{2}, size_t{4}}) {
+      for (uintptr_t mis = 0; mis < 16; ++mis) CheckSchedule({{kBase + mis, size}}, n);
+    }
+    // Two operands of every pair of sizes at every pair of misalignments: the cast's and
+    // accumulate's cases, matching and mismatched.
+    for (size_t a : {size_t{2}, size_t{4}}) {
+      for (size_t b : {size_t{2}, size_t{4}}) {
+        for (uintptr_t ma = 0; ma < 16; ma += a) {
+          for (uintptr_t mb = 0; mb < 16; mb += b) {
+            CheckSchedule({{kBase + ma, a}, {kBase + 4096 + mb, b}}, n);
+          }
+        }
+      }
+    }
+    // AdamW's five arrays at one element offset into aligned arenas (always vectorizable), and
+    // at random independent offsets.
+    for (size_t off = 0; off < 16; ++off) {
+      for (size_t g : {size_t{2}, size_t{4}}) {
+        std::vector<VectorOperand> ops = {{kBase + 4 * off, 4},
+                                          {2 * kBase + 4 * off, 4},
+                                          {3 * kBase + 4 * off, 4},
+                                          {4 * kBase + g * off, g},
+                                          {5 * kBase + 2 * off, 2}};
+        CheckSchedule(ops, n);
+        REQUIRE(cuda_internal::SplitForVectors(ops.data(), 5, n).aligned);
+      }
+    }
+    std::mt19937 rng(static_cast<uint32_t>(n));
+    for (int trial = 0; trial < 20; ++trial) {
+      std::vector<VectorOperand> ops;
+      for (int k = 0; k < 5; ++k) {
+        const size_t size = (rng() & 1) ? 4 : 2;
+        ops.push_back({kBase * (k + 1) + size * (rng() % 8), size});
+      }
+      CheckSchedule(ops, n);
+    }
+  }
+}
+
+// A host buffer whose usable part starts at a chosen byte offset from a 64-byte boundary.
+class OffsetBuffer {
+ public:
+  OffsetBuffer(size_t bytes, size_t offset) : raw_(bytes + 128) {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(raw_.data());
+    p_ = raw_.data() + ((64 - base % 64) % 64) + offset;
+  }
+  char* get() { return p_; }
+  void Fill(const std::vector<char>& bytes) { std::memcpy(p_, bytes.data(), bytes.size()); }
+  std::vector<char> Bytes(size_t n) const { return std::vector<char>(p_, p_ + n); }
+
+ private:
+  std::vector<char> raw_;
+  char* p_;
+};
+
+VectorOperand OperandOf(const void* p, DType d) {
+  return {reinterpret_cast<uintptr_t>(p), DTypeSize(d)};
+}
+
+// Runs `op` as the kernel would, every thread of a grid of `threads` in turn.
+template <class Op>
+void Replay(const Op& op, const std::vector<VectorOperand>& ops, size_t n, size_t threads) {
+  const ElementSplit s =
+      cuda_internal::SplitForVectors(ops.data(), static_cast<int>(ops.size()), n);
+  for (size_t t = 0; t < threads; ++t) cuda_internal::ForEachChunk(s, n, t, threads, op);
+}
+
+constexpr size_t kReplaySizes[] = {0, 1, 7, 8, 9, 31, 100, 257};
+constexpr size_t kReplayThreads[] = {1, 5, 64};
+// Element offsets of the (first, second) operand: equal (vector path after a head) and unequal
+// (unaligned path unless they happen to agree).
+constexpr std::pair<size_t, size_t> kOffsetPairs[] = {{0, 0}, {1, 1}, {3, 3}, {7, 7},
+                                                     {0, 1}, {1, 0}, {2, 5}, {4, 0}};
+
+template <DType S, DType D>
+void CheckCastReplay(DType s, DType d) {
+  if (s != S || d != D) return;
+  auto cpu = testing::OneThreadCpuDevice();
+  for (auto [os, od] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      for (size_t threads : kReplayThreads) {
+        INFO(DTypeName(S) << " -> " << DTypeName(D) << " offsets " << os << "," << od << " n "
+                          << n << " threads " << threads);
+        const std::vector<char> src = RandomBits(n * DTypeSize(S), static_cast<uint32_t>(n + os));
+        std::vector<char> want(n * DTypeSize(D), 0);
+        REQUIRE(cpu->Cast(src.data(), S, want.data(), D, n, nullptr).ok());
+        OffsetBuffer in(src.size(), os * DTypeSize(S)), out(want.size(), od * DTypeSize(D));
+        in.Fill(src);
+        Replay(cuda_internal::CastOp<S, D>{in.get(), out.get()},
+               {OperandOf(in.get(), S), OperandOf(out.get(), D)}, n, threads);
+        REQUIRE(out.Bytes(want.size()) == want);
+      }
+    }
+  }
+}
+
+template <DType S>
+void CheckCastReplayFrom(DType s, DType d) {
+  CheckCastReplay<S, DType::kF32>(s, d);
+  CheckCastReplay<S, DType::kBF16>(s, d);
+  CheckCastReplay<S, DType::kF16>(s, d);
+}
+
+TEST_CASE("CudaElementwise: Cast chunks equal the CPU device at every offset", "[zero]") {
+  for (DType s : kDTypes) {
+    for (DType d : kDTypes) {
+      if (s == d) continue;
+      CheckCastReplayFrom<DType::kF32>(s, d);
+      CheckCastReplayFrom<DType::kBF16>(s, d);
+      CheckCastReplayFrom<DType::kF16>(s, d);
+    }
+  }
+}
+
+template <DType D>
+void CheckAccumulateReplay() {
+  auto cpu = testing::OneThreadCpuDevice();
+  for (auto [oa, ox] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      for (size_t threads : kReplayThreads) {
+        INFO(DTypeName(D) << " offsets " << oa << "," << ox << " n " << n << " threads "
+                          << threads);
+        std::vector<char> acc = RandomValues(D, n, 100 + static_cast<uint32_t>(n), -14, 4);
+        const std::vector<char> x = RandomValues(D, n, 200 + static_cast<uint32_t>(n), -14, 4);
+        OffsetBuffer bacc(acc.size(), oa * DTypeSize(D)), bx(x.size(), ox * DTypeSize(D));
+        bacc.Fill(acc);
+        bx.Fill(x);
+        REQUIRE(cpu->Accumulate(acc.data(), x.data(), D, n, nullptr).ok());
+        Replay(cuda_internal::AccumulateOp<D>{bacc.get(), bx.get()},
+               {OperandOf(bacc.get(), D), OperandOf(bx.get(), D)}, n, threads);
+        REQUIRE(bacc.Bytes(acc.size()) == acc);
+      }
+    }
+  }
+}
+
+TEST_CASE("CudaElementwise: Accumulate chunks equal the CPU device at every offset", "[zero]") {
+  CheckAccumulateReplay<DType::kF32>();
+  CheckAccumulateReplay<DType::kBF16>();
+  CheckAccumulateReplay<DType::kF16>();
+}
+
+template <DType D>
+void CheckFiniteReplay() {
+  for (auto [o, unused] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      for (size_t threads : kReplayThreads) {
+        const std::vector<char> x = RandomValues(D, n, 400 + static_cast<uint32_t>(n));
+        // Clean, then one Inf or NaN at each position in turn (every head, body and tail slot).
+        for (size_t pos = 0; pos <= n; ++pos) {
+          std::vector<char> y = x;
+          if (pos < n) {
+            const float bad = pos % 2 ? std::numeric_limits<float>::infinity()
+                                      : std::numeric_limits<float>::quiet_NaN();
+            StoreAs<D>(y.data(), pos, bad);
+          }
+          OffsetBuffer b(y.size(), o * DTypeSize(D));
+          b.Fill(y);
+          int bad = 0;
+          Replay(cuda_internal::NonFiniteOp<D>{b.get(), &bad}, {OperandOf(b.get(), D)}, n,
+                 threads);
+          INFO(DTypeName(D) << " offset " << o << " n " << n << " threads " << threads
+                            << " pos " << pos);
+          REQUIRE((bad == 0) == offload::AllFinite(y.data(), D, n, 1));
+          REQUIRE((bad == 0) == (pos == n));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CudaElementwise: the finite check's chunks find one Inf or NaN anywhere", "[zero]") {
+  CheckFiniteReplay<DType::kF32>();
+  CheckFiniteReplay<DType::kBF16>();
+  CheckFiniteReplay<DType::kF16>();
+}
+
+template <DType G, DType P, bool kOut>
+void CheckAdamWReplay(DType g, DType p, bool out) {
+  if (g != G || p != P || out != kOut) return;
+  auto params = offload::MakeAdamWStepParams(3e-4, 0.9, 0.95, 1e-8, 0.1, 7);
+  REQUIRE(params.ok());
+  const float grad_scale = 1.0f / 1024;
+  const AdamWConstants c = ConstantsOf(*params, grad_scale);
+  for (auto [of, og] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      for (size_t threads : kReplayThreads) {
+        INFO("grad " << DTypeName(G) << " param " << DTypeName(P) << " out " << kOut
+                     << " offsets " << of << "," << og << " n " << n << " threads " << threads);
+        const std::vector<char> grad = RandomValues(G, n, 11 + static_cast<uint32_t>(n), -40, 6);
+        const std::vector<char> mv = RandomValues(DType::kF32, 3 * n, 12, -30, 2);
+        std::vector<float> master(n), m(n), v(n);
+        std::memcpy(master.data(), mv.data(), 4 * n);
+        std::memcpy(m.data(), mv.data() + 4 * n, 4 * n);
+        std::memcpy(v.data(), mv.data() + 8 * n, 4 * n);
+        for (float& x : v) x = std::fabs(x);
+        // The fp32 state at the first offset, grad and param copy at the second.
+        OffsetBuffer bmaster(4 * n, 4 * of), bm(4 * n, 4 * of), bv(4 * n, 4 * of),
+            bgrad(grad.size(), og * DTypeSize(G)), bout(n * DTypeSize(P), og * DTypeSize(P));
+        std::memcpy(bmaster.get(), master.data(), 4 * n);
+        std::memcpy(bm.get(), m.data(), 4 * n);
+        std::memcpy(bv.get(), v.data(), 4 * n);
+        bgrad.Fill(grad);
+        std::vector<char> out_ref(n * DTypeSize(P), 0);
+        REQUIRE(offload::CpuAdamW({master.data(), m.data(), v.data(), grad.data(), G,
+                                   kOut ? out_ref.data() : nullptr, P, n},
+                                  *params, grad_scale, 1)
+                    .ok());
+        std::vector<VectorOperand> ops = {
+            OperandOf(bmaster.get(), DType::kF32), OperandOf(bm.get(), DType::kF32),
+            OperandOf(bv.get(), DType::kF32), OperandOf(bgrad.get(), G)};
+        if (kOut) ops.push_back(OperandOf(bout.get(), P));
+        Replay(cuda_internal::AdamWOp<G, P, kOut>{
+                   c, reinterpret_cast<float*>(bmaster.get()), reinterpret_cast<float*>(bm.get()),
+                   reinterpret_cast<float*>(bv.get()), bgrad.get(), kOut ? bout.get() : nullptr},
+               ops, n, threads);
+        auto bytes_of = [](const std::vector<float>& f) {
+          std::vector<char> b(4 * f.size());
+          std::memcpy(b.data(), f.data(), b.size());
+          return b;
+        };
+        REQUIRE(bmaster.Bytes(4 * n) == bytes_of(master));
+        REQUIRE(bm.Bytes(4 * n) == bytes_of(m));
+        REQUIRE(bv.Bytes(4 * n) == bytes_of(v));
+        if (kOut) REQUIRE(bout.Bytes(out_ref.size()) == out_ref);
+      }
+    }
+  }
+}
+
+template <DType G>
+void CheckAdamWReplayForGrad(DType g, DType p, bool out) {
+  CheckAdamWReplay<G, DType::kF32, false>(g, p, out);
+  CheckAdamWReplay<G, DType::kF32, true>(g, p, out);
+  CheckAdamWReplay<G, DType::kBF16, true>(g, p, out);
+  CheckAdamWReplay<G, DType::kF16, true>(g, p, out);
+}
+
+TEST_CASE("CudaElementwise: AdamW chunks equal CpuAdamW at every offset", "[zero]") {
+  for (DType g : kDTypes) {
+    for (DType p : kDTypes) {
+      for (bool out : {false, true}) {
+        if (!out && p != DType::kF32) continue;
+        CheckAdamWReplayForGrad<DType::kF32>(g, p, out);
+        CheckAdamWReplayForGrad<DType::kBF16>(g, p, out);
+        CheckAdamWReplayForGrad<DType::kF16>(g, p, out);
+      }
+    }
+  }
+}
+
+// comm/internal/reduce.h's contract, one element at a time (the former one-element kernel).
+template <DType D>
+std::vector<char> ReduceReference(const std::vector<std::vector<char>>& srcs, size_t count,
+                                  int op) {
+  std::vector<char> out(count * DTypeSize(D));
+  const int n = static_cast<int>(srcs.size());
+  for (size_t i = 0; i < count; ++i) {
+    float acc = LoadAs<D>(srcs[0].data(), i);
+    for (int k = 1; k < n; ++k) {
+      const float x = LoadAs<D>(srcs[k].data(), i);
+      acc = op == 2 ? ((acc > x || acc != acc) ? acc : x) : acc + x;
+    }
+    if (op == 1) acc = acc / static_cast<float>(n);
+    cuda_internal::StoreCanonical<D>(out.data(), i, acc);
+  }
+  return out;
+}
+
+std::vector<char> ReduceReference(DType d, const std::vector<std::vector<char>>& srcs,
+                                  size_t count, int op) {
+  switch (d) {
+    case DType::kF32:
+      return ReduceReference<DType::kF32>(srcs, count, op);
+    case DType::kBF16:
+      return ReduceReference<DType::kBF16>(srcs, count, op);
+    case DType::kF16:
+      break;
+  }
+  return ReduceReference<DType::kF16>(srcs, count, op);
+}
+
+template <DType D, int kOp>
+void CheckReduceReplay() {
+  for (int ranks : {1, 2, 3, 4, 16}) {
+    for (auto [o0, o1] : kOffsetPairs) {
+      for (size_t count : kReplaySizes) {
+        for (size_t threads : kReplayThreads) {
+          INFO(DTypeName(D) << " op " << kOp << " ranks " << ranks << " offsets " << o0 << ","
+                            << o1 << " count " << count << " threads " << threads);
+          std::vector<std::vector<char>> srcs;
+          std::vector<std::unique_ptr<OffsetBuffer>> bufs;
+          cuda_internal::ReduceRankOrderOp<D, kOp> op{};
+          std::vector<VectorOperand> ops;
+          for (int k = 0; k < ranks; ++k) {
+            srcs.push_back(RandomValues(D, count, 900 + 31 * k + static_cast<uint32_t>(count),
+                                        -8, 8));
+            if (count > 2 && k == 1) StoreAs<D>(srcs[k].data(), 2, std::nanf(""));
+            // Rank k at the first offset when even, the second when odd.
+            bufs.push_back(std::make_unique<OffsetBuffer>(srcs[k].size(),
+                                                          (k % 2 ? o1 : o0) * DTypeSize(D)));
+            bufs.back()->Fill(srcs[k]);
+            op.srcs[k] = bufs.back()->get();
+            ops.push_back(OperandOf(bufs.back()->get(), D));
+          }
+          op.n = ranks;
+          // In place into rank 0's buffer, as the in-process reduce-scatter does.
+          op.dst = bufs[0]->get();
+          ops.push_back(OperandOf(op.dst, D));
+          const std::vector<char> want = ReduceReference<D>(srcs, count, kOp);
+          Replay(op, ops, count, threads);
+          REQUIRE(bufs[0]->Bytes(want.size()) == want);
+        }
+      }
+    }
+  }
+}
+
+template <DType D>
+void CheckReduceReplayOps() {
+  CheckReduceReplay<D, 0>();
+  CheckReduceReplay<D, 1>();
+  CheckReduceReplay<D, 2>();
+}
+
+TEST_CASE("CudaElementwise: rank-order reduction chunks equal the reference at every offset",
+          "[zero]") {
+  CheckReduceReplayOps<DType::kF32>();
+  CheckReduceReplayOps<DType::kBF16>();
+  CheckReduceReplayOps<DType::kF16>();
 }
 
 // ------------------------------------------------------------------ device creation
@@ -490,6 +904,130 @@ TEST_CASE("CudaDevice: AdamW equals CpuAdamW bitwise over three steps", "[zero][
       for (DType p : kDTypes) CheckAdamWSteps(gpu, g, p, /*out=*/true, false, n);
     }
     CheckAdamWSteps(gpu, DType::kF32, DType::kF32, /*out=*/true, /*alias_master=*/true, n);
+  }
+}
+
+// The engine passes element offsets into arenas: the vector path after a scalar head (all
+// arrays at one offset) and the unaligned path (arrays at different offsets), on the GPU.
+TEST_CASE("CudaDevice: elementwise kernels at element offsets equal the CPU device bitwise",
+          "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  auto cpu = testing::OneThreadCpuDevice();
+  constexpr std::pair<size_t, size_t> kOffsets[] = {{1, 1}, {3, 3}, {7, 7},
+                                                    {0, 1}, {1, 0}, {2, 5}};
+  // Bytes of a device copy of `host` starting `off` elements of `d` into a fresh allocation.
+  struct AtOffset {
+    std::unique_ptr<memory::Allocation> buf;
+    char* p;
+  };
+  auto upload_at = [&](const std::vector<char>& host, size_t off, DType d) {
+    std::vector<char> padded(off * DTypeSize(d), 0);
+    padded.insert(padded.end(), host.begin(), host.end());
+    AtOffset a{Upload(gpu, padded), nullptr};
+    a.p = static_cast<char*>(a.buf->get()) + off * DTypeSize(d);
+    return a;
+  };
+  for (auto [o1, o2] : kOffsets) {
+    for (size_t n : {size_t{1}, size_t{9}, size_t{1000}, size_t{100003}}) {
+      INFO("offsets " << o1 << "," << o2 << " n " << n);
+      // Casts: every ordered pair, src at o1, dst at o2.
+      for (DType s : kDTypes) {
+        for (DType d : kDTypes) {
+          if (s == d) continue;
+          INFO(DTypeName(s) << " -> " << DTypeName(d));
+          const std::vector<char> src = RandomBits(n * DTypeSize(s), static_cast<uint32_t>(n));
+          std::vector<char> want(n * DTypeSize(d));
+          REQUIRE(cpu->Cast(src.data(), s, want.data(), d, n, nullptr).ok());
+          AtOffset dsrc = upload_at(src, o1, s);
+          AtOffset ddst = upload_at(std::vector<char>(want.size(), 0), o2, d);
+          REQUIRE(gpu->Cast(dsrc.p, s, ddst.p, d, n, nullptr).ok());
+          REQUIRE(Download(gpu, ddst.p, want.size()) == want);
+        }
+      }
+      // Accumulate and the finite check, each dtype.
+      for (DType d : kDTypes) {
+        INFO(DTypeName(d));
+        std::vector<char> acc = RandomValues(d, n, 100 + static_cast<uint32_t>(n), -14, 4);
+        const std::vector<char> x = RandomValues(d, n, 200 + static_cast<uint32_t>(n), -14, 4);
+        AtOffset dacc = upload_at(acc, o1, d), dx = upload_at(x, o2, d);
+        REQUIRE(cpu->Accumulate(acc.data(), x.data(), d, n, nullptr).ok());
+        REQUIRE(gpu->Accumulate(dacc.p, dx.p, d, n, nullptr).ok());
+        REQUIRE(Download(gpu, dacc.p, acc.size()) == acc);
+        for (size_t pos : {size_t{0}, n / 2, n - 1}) {
+          std::vector<char> y = x;
+          StoreAs(d, y.data(), pos, std::numeric_limits<float>::infinity());
+          AtOffset dy = upload_at(y, o2, d);
+          bool finite = true, clean = false;
+          REQUIRE(gpu->AllFinite(dy.p, d, n, &finite, nullptr).ok());
+          REQUIRE(gpu->AllFinite(dx.p, d, n, &clean, nullptr).ok());
+          REQUIRE(gpu->Synchronize(nullptr).ok());
+          REQUIRE(!finite);
+          REQUIRE(clean);
+        }
+      }
+      // AdamW: fp32 state at o1, gradient and parameter copy at o2.
+      for (DType g : kDTypes) {
+        for (int pi = -1; pi < 3; ++pi) {
+          const bool out = pi >= 0;
+          const DType p = out ? kDTypes[pi] : DType::kF32;
+          INFO("adamw grad " << DTypeName(g) << " param " << (out ? DTypeName(p) : "none"));
+          const std::vector<char> init = RandomValues(DType::kF32, 3 * n, 21 + o1, -12, 1);
+          std::vector<float> master(n), m(n), v(n);
+          std::memcpy(master.data(), init.data(), 4 * n);
+          std::memcpy(m.data(), init.data() + 4 * n, 4 * n);
+          std::memcpy(v.data(), init.data() + 8 * n, 4 * n);
+          for (float& e : v) e = std::fabs(e);
+          auto bytes_of = [](const std::vector<float>& f) {
+            std::vector<char> b(4 * f.size());
+            std::memcpy(b.data(), f.data(), b.size());
+            return b;
+          };
+          AtOffset dmaster = upload_at(bytes_of(master), o1, DType::kF32);
+          AtOffset dm = upload_at(bytes_of(m), o1, DType::kF32);
+          AtOffset dv = upload_at(bytes_of(v), o1, DType::kF32);
+          const std::vector<char> grad =
+              RandomValues(g, n, 1000 + static_cast<uint32_t>(n), -30, 8);
+          AtOffset dgrad = upload_at(grad, o2, g);
+          std::vector<char> param(n * DTypeSize(p), 0);
+          AtOffset dparam = upload_at(param, o2, p);
+          auto params = offload::MakeAdamWStepParams(1e-3, 0.9, 0.999, 1e-8, 0.01, 3);
+          REQUIRE(params.ok());
+          REQUIRE(offload::CpuAdamW({master.data(), m.data(), v.data(), grad.data(), g,
+                                     out ? param.data() : nullptr, p, n},
+                                    *params, 0.25f, 1)
+                      .ok());
+          REQUIRE(gpu->AdamW({reinterpret_cast<float*>(dmaster.p), reinterpret_cast<float*>(dm.p),
+                              reinterpret_cast<float*>(dv.p), dgrad.p, g,
+                              out ? dparam.p : nullptr, p, n},
+                             *params, 0.25f, nullptr)
+                      .ok());
+          REQUIRE(Download(gpu, dmaster.p, 4 * n) == bytes_of(master));
+          REQUIRE(Download(gpu, dm.p, 4 * n) == bytes_of(m));
+          REQUIRE(Download(gpu, dv.p, 4 * n) == bytes_of(v));
+          if (out) REQUIRE(Download(gpu, dparam.p, param.size()) == param);
+        }
+      }
+      // The in-process group's reduction: 3 ranks, rank k at o1 or o2, in place into rank 0.
+      const comm::InProcessBufferOps ops = CudaInProcessBufferOps(0);
+      for (DType d : {DType::kF32, DType::kBF16}) {
+        for (comm::ReduceOp op :
+             {comm::ReduceOp::kSum, comm::ReduceOp::kAvg, comm::ReduceOp::kMax}) {
+          INFO("reduce " << DTypeName(d) << " op " << static_cast<int>(op));
+          std::vector<std::vector<char>> srcs;
+          std::vector<AtOffset> dsrcs;
+          const void* ptrs[3];
+          for (int k = 0; k < 3; ++k) {
+            srcs.push_back(RandomValues(d, n, 500 + 7 * k + static_cast<uint32_t>(n), -8, 8));
+            dsrcs.push_back(upload_at(srcs[k], k % 2 ? o2 : o1, d));
+            ptrs[k] = dsrcs[k].p;
+          }
+          const std::vector<char> want = ReduceReference(d, srcs, n, static_cast<int>(op));
+          REQUIRE(ops.reduce(ptrs, 3, dsrcs[0].p, n, d, op).ok());
+          REQUIRE(Download(gpu, dsrcs[0].p, want.size()) == want);
+        }
+      }
+    }
   }
 }
 

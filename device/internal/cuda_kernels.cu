@@ -1,14 +1,18 @@
-// The CUDA device's kernels. The arithmetic of each element lives in cuda_math.h (shared with the
-// host tests); this file only maps elements to threads and dispatches on dtypes.
+// The CUDA device's kernels. The arithmetic of each element lives in cuda_math.h, the per-thread
+// work of the elementwise kernels (alignment split, schedule, register chunks) in
+// cuda_elementwise.h; both are shared with the host tests. This file maps threads to that work,
+// sizes grids and dispatches on dtypes.
 //
 // Built without --use_fast_math (tools/cuda.bzl): denormals are kept (no flush to zero), like
 // the host reference.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
+#include "device/internal/cuda_elementwise.h"
 #include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
 
@@ -17,16 +21,8 @@ namespace cuda_internal {
 namespace {
 
 constexpr int kThreads = 256;
-// Grid-stride loops: more blocks than this only adds scheduling work (an H200 holds about
-// 132 SMs x 8 blocks of 256 threads at once).
-constexpr size_t kMaxBlocks = size_t{1} << 16;
 // Must equal offload::kNormBlock (checked in cuda_device.cc, which can see both).
 constexpr size_t kNormBlockElems = 1024;
-
-unsigned GridFor(size_t n) {
-  const size_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
-}
 
 cudaStream_t AsStream(void* stream) { return static_cast<cudaStream_t>(stream); }
 
@@ -38,28 +34,89 @@ __device__ __forceinline__ size_t GridStride() {
   return static_cast<size_t>(gridDim.x) * blockDim.x;
 }
 
+// ------------------------------------------------------------------ grid size
+
+// A runtime query failed: also clear the thread's last error, so that the next launcher's
+// cudaGetLastError() does not report it again against an innocent kernel.
+int QueryFailed(cudaError_t e) {
+  cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+// Per-device values queried once: the runtime's attribute and occupancy queries cost
+// microseconds, a launch should not. 0 = not yet known; devices past the table are queried on
+// every launch.
+constexpr int kCachedDevices = 64;
+struct PerDevice {
+  std::atomic<unsigned> value[kCachedDevices];
+};
+
+int SmCount(int device, unsigned* sms) {
+  static PerDevice cache;
+  unsigned v = device < kCachedDevices ? cache.value[device].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    int count = 0;
+    if (cudaError_t e = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess) {
+      return QueryFailed(e);
+    }
+    v = count > 0 ? static_cast<unsigned>(count) : 1u;
+    if (device < kCachedDevices) cache.value[device].store(v, std::memory_order_relaxed);
+  }
+  *sms = v;
+  return 0;
+}
+
+// The blocks of `kernel` for `threads` threads of work in a grid-stride loop: enough to cover
+// them, at most what the current device holds resident at once (SMs x blocks per SM), since
+// more only adds scheduling. `cache` is the kernel's own (one per instantiation).
+template <class Kernel>
+int GridFor(Kernel* kernel, PerDevice& cache, size_t threads, unsigned* grid) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return QueryFailed(e);
+  unsigned limit =
+      device < kCachedDevices ? cache.value[device].load(std::memory_order_relaxed) : 0;
+  if (limit == 0) {
+    unsigned sms = 0;
+    if (int e = SmCount(device, &sms); e != 0) return e;
+    int per_sm = 0;
+    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+        e != cudaSuccess) {
+      return QueryFailed(e);
+    }
+    limit = sms * static_cast<unsigned>(per_sm > 0 ? per_sm : 1);
+    if (device < kCachedDevices) cache.value[device].store(limit, std::memory_order_relaxed);
+  }
+  const size_t want = (threads + kThreads - 1) / kThreads;
+  *grid = static_cast<unsigned>(want < limit ? want : limit);
+  return 0;
+}
+
+VectorOperand Operand(const void* p, DType d) {
+  return {reinterpret_cast<uintptr_t>(p), DTypeSize(d)};
+}
+
 // ------------------------------------------------------------------ elementwise
 
-template <DType S, DType D>
-__global__ void CastKernel(const void* __restrict__ src, void* __restrict__ dst, size_t n) {
-  for (size_t i = GlobalThread(); i < n; i += GridStride()) StoreAs<D>(dst, i, LoadAs<S>(src, i));
+// Every elementwise kernel: a grid-stride loop over the chunks of cuda_elementwise.h's schedule,
+// each applied by `op` (CastOp, AccumulateOp, AdamWOp, ReduceRankOrderOp).
+template <class Op>
+__global__ void __launch_bounds__(kThreads) ElementwiseKernel(Op op, size_t n, ElementSplit split) {
+  ForEachChunk(split, n, GlobalThread(), GridStride(), op);
 }
 
-template <DType D>
-__global__ void AccumulateKernel(void* acc, const void* x, size_t n) {
-  for (size_t i = GlobalThread(); i < n; i += GridStride()) {
-    StoreAs<D>(acc, i, Add(LoadAs<D>(acc, i), LoadAs<D>(x, i)));
+// `operands`: every array the op reads or writes, for the alignment split.
+template <class Op>
+int LaunchElementwise(const Op& op, size_t n, const VectorOperand* operands, int count,
+                      cudaStream_t s) {
+  static PerDevice grid_cache;
+  const ElementSplit split = SplitForVectors(operands, count, n);
+  unsigned grid = 0;
+  if (int e = GridFor(ElementwiseKernel<Op>, grid_cache, ChunkThreads(split, n), &grid); e != 0) {
+    return e;
   }
-}
-
-// master carries no __restrict__: param_out may alias it when the param dtype is fp32.
-template <DType G, DType P, bool kOut>
-__global__ void AdamWKernel(AdamWConstants c, float* master, float* __restrict__ m,
-                            float* __restrict__ v, const void* __restrict__ grad,
-                            void* param_out, size_t n) {
-  for (size_t i = GlobalThread(); i < n; i += GridStride()) {
-    AdamWElement<G, P, kOut>(c, master, m, v, grad, param_out, i);
-  }
+  ElementwiseKernel<Op><<<grid, kThreads, 0, s>>>(op, n, split);
+  return static_cast<int>(cudaGetLastError());
 }
 
 // ------------------------------------------------------------------ squared norm
@@ -110,11 +167,14 @@ __global__ void SumInOrderKernel(const float* __restrict__ partials, size_t coun
 
 // ------------------------------------------------------------------ finite check
 
+// Read-only: each thread ORs its chunks' flags; one store per block at most (concurrent stores
+// all write the same 0).
 template <DType D>
-__global__ void AllFiniteKernel(const void* __restrict__ x, size_t n, unsigned char* finite) {
+__global__ void __launch_bounds__(kThreads)
+    AllFiniteKernel(const void* __restrict__ x, size_t n, ElementSplit split,
+                    unsigned char* finite) {
   int bad = 0;
-  for (size_t i = GlobalThread(); i < n; i += GridStride()) bad |= IsNonFinite<D>(x, i);
-  // One store per block at most; concurrent stores all write the same 0.
+  ForEachChunk(split, n, GlobalThread(), GridStride(), NonFiniteOp<D>{x, &bad});
   if (__syncthreads_or(bad) && threadIdx.x == 0) *finite = 0;
 }
 
@@ -139,56 +199,18 @@ void WithDType(DType d, F&& f) {
 
 // ------------------------------------------------------------------ rank-order reduction
 
-struct ReduceSources {
-  const void* p[kMaxReduceSources];
-};
-
-template <DType D>
-__device__ __forceinline__ void StoreCanonical(void* dst, size_t i, float acc) {
-  if (acc != acc) {  // NaN: one fixed pattern, whichever input's payload an add carried
-    if constexpr (D == DType::kF32) {
-      static_cast<uint32_t*>(dst)[i] = 0x7fc00000u;
-    } else {
-      static_cast<uint16_t*>(dst)[i] = D == DType::kBF16 ? 0x7fc0u : 0x7e00u;
-    }
-  } else {
-    StoreAs<D>(dst, i, acc);
-  }
-}
-
-// kOp: 0 sum, 1 avg, 2 max. Each thread reads element i of every source before writing dst[i],
-// so dst may alias a source at the same offsets.
 template <DType D, int kOp>
-__global__ void ReduceRankOrderKernel(ReduceSources srcs, int n, void* dst, size_t count) {
-  for (size_t i = GlobalThread(); i < count; i += GridStride()) {
-    float acc = LoadAs<D>(srcs.p[0], i);
-    for (int k = 1; k < n; ++k) {
-      const float x = LoadAs<D>(srcs.p[k], i);
-      if constexpr (kOp == 2) {
-        acc = (acc > x || acc != acc) ? acc : x;
-      } else {
-        acc = Add(acc, x);
-      }
-    }
-    if constexpr (kOp == 1) acc = Div(acc, static_cast<float>(n));
-    StoreCanonical<D>(dst, i, acc);
+int LaunchReduceFor(const void* const* srcs, int n, void* dst, size_t count, cudaStream_t s) {
+  ReduceRankOrderOp<D, kOp> op{};
+  VectorOperand operands[kMaxReduceSources + 1];
+  for (int k = 0; k < n; ++k) {
+    op.srcs[k] = srcs[k];
+    operands[k] = Operand(srcs[k], D);
   }
-}
-
-template <DType D>
-void LaunchReduceFor(const ReduceSources& srcs, int n, void* dst, size_t count, int op,
-                     cudaStream_t s) {
-  switch (op) {
-    case 0:
-      ReduceRankOrderKernel<D, 0><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
-      break;
-    case 1:
-      ReduceRankOrderKernel<D, 1><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
-      break;
-    default:
-      ReduceRankOrderKernel<D, 2><<<GridFor(count), kThreads, 0, s>>>(srcs, n, dst, count);
-      break;
-  }
+  op.n = n;
+  op.dst = dst;
+  operands[n] = Operand(dst, D);
+  return LaunchElementwise(op, count, operands, n + 1, s);
 }
 
 }  // namespace
@@ -199,32 +221,46 @@ int LaunchReduceRankOrder(const void* const* srcs, int n, void* dst, size_t coun
     return static_cast<int>(cudaErrorInvalidValue);
   }
   if (count == 0) return static_cast<int>(cudaSuccess);
-  ReduceSources s{};
-  for (int k = 0; k < n; ++k) s.p[k] = srcs[k];
+  const cudaStream_t s = AsStream(stream);
+  int e = 0;
   WithDType(dtype, [&](auto d) {
-    LaunchReduceFor<decltype(d)::value>(s, n, dst, count, op, AsStream(stream));
+    constexpr DType D = decltype(d)::value;
+    switch (op) {
+      case 0:
+        e = LaunchReduceFor<D, 0>(srcs, n, dst, count, s);
+        break;
+      case 1:
+        e = LaunchReduceFor<D, 1>(srcs, n, dst, count, s);
+        break;
+      default:
+        e = LaunchReduceFor<D, 2>(srcs, n, dst, count, s);
+        break;
+    }
   });
-  return static_cast<int>(cudaGetLastError());
+  return e;
 }
 
 int LaunchCast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n,
                void* stream) {
-  const cudaStream_t s = AsStream(stream);
+  const VectorOperand operands[] = {Operand(src, src_dtype), Operand(dst, dst_dtype)};
+  int e = 0;
   WithDType(src_dtype, [&](auto from) {
     WithDType(dst_dtype, [&](auto to) {
-      CastKernel<decltype(from)::value, decltype(to)::value>
-          <<<GridFor(n), kThreads, 0, s>>>(src, dst, n);
+      e = LaunchElementwise(CastOp<decltype(from)::value, decltype(to)::value>{src, dst}, n,
+                            operands, 2, AsStream(stream));
     });
   });
-  return static_cast<int>(cudaGetLastError());
+  return e;
 }
 
 int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stream) {
-  const cudaStream_t s = AsStream(stream);
+  const VectorOperand operands[] = {Operand(acc, dtype), Operand(x, dtype)};
+  int e = 0;
   WithDType(dtype, [&](auto d) {
-    AccumulateKernel<decltype(d)::value><<<GridFor(n), kThreads, 0, s>>>(acc, x, n);
+    e = LaunchElementwise(AccumulateOp<decltype(d)::value>{acc, x}, n, operands, 2,
+                          AsStream(stream));
   });
-  return static_cast<int>(cudaGetLastError());
+  return e;
 }
 
 size_t NormBlocks(size_t n) { return (n + kNormBlockElems - 1) / kNormBlockElems; }
@@ -245,29 +281,42 @@ int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, flo
 }
 
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream) {
-  const cudaStream_t s = AsStream(stream);
+  const VectorOperand operand = Operand(x, dtype);
+  const ElementSplit split = SplitForVectors(&operand, 1, n);
+  int e = 0;
   WithDType(dtype, [&](auto d) {
-    AllFiniteKernel<decltype(d)::value><<<GridFor(n), kThreads, 0, s>>>(x, n, finite);
+    constexpr DType D = decltype(d)::value;
+    static PerDevice grid_cache;
+    unsigned grid = 0;
+    e = GridFor(AllFiniteKernel<D>, grid_cache, ChunkThreads(split, n), &grid);
+    if (e != 0) return;
+    AllFiniteKernel<D><<<grid, kThreads, 0, AsStream(stream)>>>(x, n, split, finite);
+    e = static_cast<int>(cudaGetLastError());
   });
-  return static_cast<int>(cudaGetLastError());
+  return e;
 }
 
 int LaunchAdamW(const AdamWConstants& c, float* master, float* m, float* v, const void* grad,
                 DType grad_dtype, void* param_out, DType param_dtype, size_t n, void* stream) {
   const cudaStream_t s = AsStream(stream);
+  const VectorOperand operands[] = {Operand(master, DType::kF32), Operand(m, DType::kF32),
+                                    Operand(v, DType::kF32), Operand(grad, grad_dtype),
+                                    Operand(param_out, param_dtype)};
+  const int count = param_out == nullptr ? 4 : 5;
+  int e = 0;
   WithDType(grad_dtype, [&](auto g) {
     constexpr DType G = decltype(g)::value;
     if (param_out == nullptr) {  // no parameter copy: the P argument is unused
-      AdamWKernel<G, DType::kF32, false>
-          <<<GridFor(n), kThreads, 0, s>>>(c, master, m, v, grad, param_out, n);
+      e = LaunchElementwise(AdamWOp<G, DType::kF32, false>{c, master, m, v, grad, nullptr}, n,
+                            operands, count, s);
       return;
     }
     WithDType(param_dtype, [&](auto p) {
-      AdamWKernel<G, decltype(p)::value, true>
-          <<<GridFor(n), kThreads, 0, s>>>(c, master, m, v, grad, param_out, n);
+      e = LaunchElementwise(AdamWOp<G, decltype(p)::value, true>{c, master, m, v, grad, param_out},
+                            n, operands, count, s);
     });
   });
-  return static_cast<int>(cudaGetLastError());
+  return e;
 }
 
 }  // namespace cuda_internal

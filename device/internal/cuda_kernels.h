@@ -8,6 +8,11 @@
 // REQUIRES (all): the caller has made the owning device current (cudaSetDevice); every pointer
 // is device-accessible (device memory, pinned host memory, or pageable memory on a device with
 // pageable memory access) and holds n elements of its dtype; n > 0.
+// Pointers need only be aligned to their element size: the elementwise launchers (Cast,
+// Accumulate, AllFinite, AdamW, ReduceRankOrder) use 16-byte vector accesses where all their
+// arrays reach a 16-byte boundary at the same element, and an unaligned path otherwise
+// (cuda_elementwise.h). The grid is at most what the device holds resident; the SM count and
+// each kernel's occupancy are queried once per device and cached.
 // Thread-safe: launches on any streams may come from any threads.
 #ifndef ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
 #define ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
@@ -15,7 +20,8 @@
 #include <cstddef>
 
 #include "base/dtype.h"
-#include "device/internal/cuda_math.h"
+#include "device/internal/cuda_elementwise.h"  // kMaxReduceSources
+#include "device/internal/cuda_math.h"          // AdamWConstants
 
 namespace zerort {
 namespace cuda_internal {
@@ -43,9 +49,6 @@ int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite,
 int LaunchAdamW(const AdamWConstants& constants, float* master, float* m, float* v,
                 const void* grad, DType grad_dtype, void* param_out, DType param_dtype, size_t n,
                 void* stream);
-
-// Most blocks one rank-order reduction reads: the kernel takes their pointers by value.
-inline constexpr int kMaxReduceSources = 16;
 
 // dst[i] = the CPU communicators' reduction (comm/communicator.h): acc = float(srcs[0][i]);
 // acc = op(acc, float(srcs[k][i])) for k = 1..n-1 in order; divided by float(n) for avg; one

@@ -84,11 +84,13 @@ ZERORT_HD float Div(float a, float b) {
 // Loads and stores are base/dtype.h's LoadAs / StoreAs: the one definition of the
 // conversions, compiled here for the device.
 
-// Exponent all ones: Inf or NaN.
+// Exponent all ones: Inf or NaN. An fp32 element is read as the float it is (as LoadAs reads
+// it), then its bits: the kernels also call this on chunks held in float registers, which must
+// not be read through another type.
 template <DType D>
 ZERORT_HD bool IsNonFinite(const void* p, size_t i) {
   if constexpr (D == DType::kF32) {
-    return (static_cast<const uint32_t*>(p)[i] & 0x7f800000u) == 0x7f800000u;
+    return (FloatBits(static_cast<const float*>(p)[i]) & 0x7f800000u) == 0x7f800000u;
   } else {
     constexpr uint16_t kMask = D == DType::kBF16 ? 0x7f80u : 0x7c00u;
     return (static_cast<const uint16_t*>(p)[i] & kMask) == kMask;
