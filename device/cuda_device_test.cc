@@ -361,6 +361,12 @@ TEST_CASE("CudaElementwise: the split covers every element exactly once at every
   }
 }
 
+// memcpy of n bytes where n may be 0: an empty vector's data() may be null, which memcpy must
+// not be given even for 0 bytes (UBSan stops the test).
+void CopyBytes(void* dst, const void* src, size_t n) {
+  if (n > 0) std::memcpy(dst, src, n);
+}
+
 // A host buffer whose usable part starts at a chosen byte offset from a 64-byte boundary.
 class OffsetBuffer {
  public:
@@ -369,7 +375,9 @@ class OffsetBuffer {
     p_ = raw_.data() + ((64 - base % 64) % 64) + offset;
   }
   char* get() { return p_; }
-  void Fill(const std::vector<char>& bytes) { std::memcpy(p_, bytes.data(), bytes.size()); }
+  void Fill(const std::vector<char>& bytes) {
+    if (!bytes.empty()) CopyBytes(p_, bytes.data(), bytes.size());  // data() may be null
+  }
   std::vector<char> Bytes(size_t n) const { return std::vector<char>(p_, p_ + n); }
 
  private:
@@ -514,16 +522,18 @@ void CheckAdamWReplay(DType g, DType p, bool out) {
         const std::vector<char> grad = RandomValues(G, n, 11 + static_cast<uint32_t>(n), -40, 6);
         const std::vector<char> mv = RandomValues(DType::kF32, 3 * n, 12, -30, 2);
         std::vector<float> master(n), m(n), v(n);
-        std::memcpy(master.data(), mv.data(), 4 * n);
-        std::memcpy(m.data(), mv.data() + 4 * n, 4 * n);
-        std::memcpy(v.data(), mv.data() + 8 * n, 4 * n);
+        if (n > 0) {  // data() of an empty vector may be null, which memcpy must not see
+          CopyBytes(master.data(), mv.data(), 4 * n);
+          CopyBytes(m.data(), mv.data() + 4 * n, 4 * n);
+          CopyBytes(v.data(), mv.data() + 8 * n, 4 * n);
+        }
         for (float& x : v) x = std::fabs(x);
         // The fp32 state at the first offset, grad and param copy at the second.
         OffsetBuffer bmaster(4 * n, 4 * of), bm(4 * n, 4 * of), bv(4 * n, 4 * of),
             bgrad(grad.size(), og * DTypeSize(G)), bout(n * DTypeSize(P), og * DTypeSize(P));
-        std::memcpy(bmaster.get(), master.data(), 4 * n);
-        std::memcpy(bm.get(), m.data(), 4 * n);
-        std::memcpy(bv.get(), v.data(), 4 * n);
+        CopyBytes(bmaster.get(), master.data(), 4 * n);
+        CopyBytes(bm.get(), m.data(), 4 * n);
+        CopyBytes(bv.get(), v.data(), 4 * n);
         bgrad.Fill(grad);
         std::vector<char> out_ref(n * DTypeSize(P), 0);
         REQUIRE(offload::CpuAdamW({master.data(), m.data(), v.data(), grad.data(), G,
@@ -540,7 +550,7 @@ void CheckAdamWReplay(DType g, DType p, bool out) {
                ops, n, threads);
         auto bytes_of = [](const std::vector<float>& f) {
           std::vector<char> b(4 * f.size());
-          std::memcpy(b.data(), f.data(), b.size());
+          CopyBytes(b.data(), f.data(), b.size());
           return b;
         };
         REQUIRE(bmaster.Bytes(4 * n) == bytes_of(master));
@@ -792,10 +802,10 @@ TEST_CASE("CudaDevice: AllFinite finds one Inf or NaN anywhere", "[zero][gpu]") 
           INFO(DTypeName(d) << " n=" << n << " pos=" << pos << " value=" << bad);
           std::vector<char> y = x;
           if (d == DType::kF32) {
-            std::memcpy(y.data() + 4 * pos, &bad, 4);
+            CopyBytes(y.data() + 4 * pos, &bad, 4);
           } else {
             const uint16_t h = d == DType::kBF16 ? FloatToBf16(bad) : FloatToHalf(bad);
-            std::memcpy(y.data() + 2 * pos, &h, 2);
+            CopyBytes(y.data() + 2 * pos, &h, 2);
           }
           auto dy = Upload(gpu, y);
           bool f = true;
@@ -817,15 +827,15 @@ void CheckAdamWSteps(Device* gpu, DType g, DType p, bool out, bool alias_master,
   const std::vector<char> init = RandomValues(DType::kF32, 3 * n, 21 + static_cast<uint32_t>(n),
                                               -12, 1);
   std::vector<float> master(n), m(n), v(n);
-  std::memcpy(master.data(), init.data(), 4 * n);
-  std::memcpy(m.data(), init.data() + 4 * n, 4 * n);
-  std::memcpy(v.data(), init.data() + 8 * n, 4 * n);
+  CopyBytes(master.data(), init.data(), 4 * n);
+  CopyBytes(m.data(), init.data() + 4 * n, 4 * n);
+  CopyBytes(v.data(), init.data() + 8 * n, 4 * n);
   for (float& x : v) x = std::fabs(x);
   std::vector<char> param(n * DTypeSize(p));
   auto dmaster = Upload(gpu, std::vector<char>(init.begin(), init.begin() + 4 * n));
   auto dm = Upload(gpu, std::vector<char>(init.begin() + 4 * n, init.begin() + 8 * n));
   std::vector<char> vbytes(4 * n);
-  std::memcpy(vbytes.data(), v.data(), 4 * n);
+  CopyBytes(vbytes.data(), v.data(), 4 * n);
   auto dv = Upload(gpu, vbytes);
   memory::Allocation dparam = Alloc(gpu, memory::MemoryKind::kDevice, param.size());
   memory::Allocation dgrad = Alloc(gpu, memory::MemoryKind::kDevice, n * DTypeSize(g));
@@ -849,7 +859,7 @@ void CheckAdamWSteps(Device* gpu, DType g, DType p, bool out, bool alias_master,
     INFO("step " << step);
     auto bytes_of = [&](const std::vector<float>& f) {
       std::vector<char> b(4 * f.size());
-      std::memcpy(b.data(), f.data(), b.size());
+      CopyBytes(b.data(), f.data(), b.size());
       return b;
     };
     REQUIRE(Download(gpu, dmaster->get(), 4 * n) == bytes_of(master));
@@ -873,7 +883,7 @@ TEST_CASE("CudaDevice: AdamW over per-range constants equals CpuAdamW's ranges b
   }
   const std::vector<char> init = RandomValues(DType::kF32, 2 * n, 5, -12, 1);
   std::vector<float> master(n), m(n, 0.0f), v(n, 0.0f);
-  std::memcpy(master.data(), init.data(), 4 * n);
+  CopyBytes(master.data(), init.data(), 4 * n);
   const std::vector<char> grad = RandomValues(DType::kBF16, n, 6, -30, 8);
   std::vector<char> param(2 * n);
   auto dmaster = Upload(gpu, std::vector<char>(init.begin(), init.begin() + 4 * n));
@@ -890,7 +900,7 @@ TEST_CASE("CudaDevice: AdamW over per-range constants equals CpuAdamW's ranges b
                            ranges, 0.5f, nullptr)
               .ok());
   std::vector<char> want(4 * n);
-  std::memcpy(want.data(), master.data(), want.size());
+  CopyBytes(want.data(), master.data(), want.size());
   CHECK(Download(gpu, dmaster->get(), 4 * n) == want);
   CHECK(Download(gpu, dparam.get(), param.size()) == param);
 }
@@ -974,13 +984,13 @@ TEST_CASE("CudaDevice: elementwise kernels at element offsets equal the CPU devi
           INFO("adamw grad " << DTypeName(g) << " param " << (out ? DTypeName(p) : "none"));
           const std::vector<char> init = RandomValues(DType::kF32, 3 * n, 21 + o1, -12, 1);
           std::vector<float> master(n), m(n), v(n);
-          std::memcpy(master.data(), init.data(), 4 * n);
-          std::memcpy(m.data(), init.data() + 4 * n, 4 * n);
-          std::memcpy(v.data(), init.data() + 8 * n, 4 * n);
+          CopyBytes(master.data(), init.data(), 4 * n);
+          CopyBytes(m.data(), init.data() + 4 * n, 4 * n);
+          CopyBytes(v.data(), init.data() + 8 * n, 4 * n);
           for (float& e : v) e = std::fabs(e);
           auto bytes_of = [](const std::vector<float>& f) {
             std::vector<char> b(4 * f.size());
-            std::memcpy(b.data(), f.data(), b.size());
+            CopyBytes(b.data(), f.data(), b.size());
             return b;
           };
           AtOffset dmaster = upload_at(bytes_of(master), o1, DType::kF32);
@@ -1067,7 +1077,7 @@ TEST_CASE("CudaDevice: kernels accept pinned memory and refuse inaccessible page
   const size_t n = 5000;
   const std::vector<char> x = RandomValues(DType::kF32, n, 9);
   memory::Allocation pinned = Alloc(gpu, memory::MemoryKind::kPinnedHost, 4 * n);
-  std::memcpy(pinned.get(), x.data(), 4 * n);
+  CopyBytes(pinned.get(), x.data(), 4 * n);
   float got = -1;
   REQUIRE(gpu->SquaredNorm(pinned.get(), DType::kF32, n, &got, nullptr).ok());
   REQUIRE(gpu->Synchronize(nullptr).ok());
