@@ -6,7 +6,7 @@
 // out of range is an error that names the key's JSON path, and one parse reports every such
 // problem at once. DeepSpeed keys that have no effect here, and foreign top-level keys, are
 // accepted and reported one line each in Config::notes (errors in strict mode). Values written
-// "auto" are listed in Config::auto_keys for ResolveAuto (zero/planner.h) to fill.
+// "auto" are listed in Config::auto_keys for ResolveAuto (zero/auto_fill.h) to fill.
 //
 //   ASSIGN_OR_RETURN(zerort::Config config, zerort::LoadConfigFile("ds_config.json"));
 //   for (const std::string& note : config.notes) std::cerr << note << "\n";
@@ -67,7 +67,7 @@ struct MemoryBudget {
 };
 
 // A unit size written as "auto" (the default): the planner derives it from the model's hidden
-// size h, as DeepSpeed's Hugging Face integration does (zero/planner.h ResolveUnitSizes).
+// size h, as DeepSpeed's Hugging Face integration does (zero/auto_fill.h ResolveUnitSizes).
 inline constexpr int64_t kAutoSize = -1;
 
 // zero_optimization. Sizes are in elements, as in DeepSpeed.
@@ -203,14 +203,14 @@ struct Config {
   ReservesConfig reserves;  // zerort.reserves (ours)
   // Batch sizes are the trainer's; written ones are kept only to check train_batch_size =
   // train_micro_batch_size_per_gpu * gradient_accumulation_steps * world size (ResolveAuto in
-  // zero/planner.h, once the world size is known). 0 = not given, or "auto" (not listed in
+  // zero/auto_fill.h, once the world size is known). 0 = not given, or "auto" (not listed in
   // auto_keys: ResolveAuto takes a 0 from its fill). Not settings: operator== and
   // ResolvedConfigJson leave them out.
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
   // JSON paths written as "auto" (Hugging Face's "the trainer fills this in"), canonical
   // spelling, in document order. The value behind each stays at its default until
-  // ResolveAuto (zero/planner.h) fills it; ResolvedConfigJson writes "auto" back for them.
+  // ResolveAuto (zero/auto_fill.h) fills it; ResolvedConfigJson writes "auto" back for them.
   std::vector<std::string> auto_keys;
   // Accepted-but-ignored DeepSpeed keys and other remarks, one line each, each starting with the
   // JSON path it is about. Diagnostics, not settings: operator== ignores them.

@@ -28,7 +28,7 @@ class LrSchedule {
  public:
   // `base_lr` is optimizer.params.lr: the rate without a scheduler, and what WarmupCosineLR's
   // ratios multiply. REQUIRES: `config` as ParseConfig returns it, with any "auto" scheduler
-  // values filled (ResolveAuto in zero/planner.h).
+  // values filled (ResolveAuto in zero/auto_fill.h).
   LrSchedule(const SchedulerConfig& config, double base_lr) : c_(config), base_lr_(base_lr) {}
 
   // The learning rate of optimizer step `step` (>= 0; counted from 0).
