@@ -256,7 +256,10 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     // An initialisation is a restore with m and v at zero.
     const int64_t begin = m.region(u).unit_begin;
     RETURN_IF_ERROR(m.store_->StoreState(u, values.data() + begin, nullptr, nullptr));
-    RETURN_IF_ERROR(m.store_->StoreParams(u, m.At(compute_values.data(), begin)));
+    // Stages 0-2 keep the whole unit, owned block included: StoreWhole writes it once.
+    if (m.stage_ == 3) {
+      RETURN_IF_ERROR(m.store_->StoreParams(u, m.At(compute_values.data(), begin)));
+    }
     RETURN_IF_ERROR(m.gatherer_->StoreWhole(u, compute_values.data()));
     // `values` and `compute_values` are read by copies that may still be in flight.
     RETURN_IF_ERROR(m.dev_->Synchronize(compute));
