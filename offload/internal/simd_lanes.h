@@ -93,6 +93,15 @@ struct Avx2Lanes {
   ZERORT_TARGET_AVX2 static I Add(I a, I b) { return _mm256_add_epi32(a, b); }
   ZERORT_TARGET_AVX2 static I Shl16(I a) { return _mm256_slli_epi32(a, 16); }
   ZERORT_TARGET_AVX2 static I Shr16(I a) { return _mm256_srli_epi32(a, 16); }
+  // The compact forms' bit work (offload/compact_state.h): remainders and random bits.
+  ZERORT_TARGET_AVX2 static I Sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  ZERORT_TARGET_AVX2 static I Xor(I a, I b) { return _mm256_xor_si256(a, b); }
+  // The low 32 bits of a * b.
+  ZERORT_TARGET_AVX2 static I MulLo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int k>
+  ZERORT_TARGET_AVX2 static I ShrI(I a) { return _mm256_srli_epi32(a, k); }
+  // 0, 1, ..., kLanes - 1.
+  ZERORT_TARGET_AVX2 static I Iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
   // Signed a > b.
   ZERORT_TARGET_AVX2 static M Greater(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   // `yes` where `m` holds, else `no`.
@@ -140,6 +149,14 @@ struct Avx512Lanes {
   ZERORT_TARGET_AVX512 static I Add(I a, I b) { return _mm512_add_epi32(a, b); }
   ZERORT_TARGET_AVX512 static I Shl16(I a) { return _mm512_slli_epi32(a, 16); }
   ZERORT_TARGET_AVX512 static I Shr16(I a) { return _mm512_srli_epi32(a, 16); }
+  ZERORT_TARGET_AVX512 static I Sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  ZERORT_TARGET_AVX512 static I Xor(I a, I b) { return _mm512_xor_si512(a, b); }
+  ZERORT_TARGET_AVX512 static I MulLo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int k>
+  ZERORT_TARGET_AVX512 static I ShrI(I a) { return _mm512_srli_epi32(a, k); }
+  ZERORT_TARGET_AVX512 static I Iota() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
   ZERORT_TARGET_AVX512 static M Greater(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   ZERORT_TARGET_AVX512 static I Select(M m, I yes, I no) {
     return _mm512_mask_blend_epi32(m, no, yes);
