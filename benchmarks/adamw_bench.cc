@@ -12,15 +12,27 @@
 // and prints one JSON document. Goal: adamw >= 0.9 * floor for every size above the LLC, and
 // adamw_groups within noise of adamw (groups_over_one ~ 1).
 //
+// "forms": offload::CpuAdamWCompact for each compact optimizer-state form (master fp32, bf16 +
+// remainder or stochastic bf16; moments fp32 or bf16; bf16 grads and params), each against a
+// floor of its own access pattern (compact_floor: the same arrays in the same dtypes, read and
+// written once, one add each) timed interleaved with it. Bytes per parameter (reads + writes):
+//   master    moments  bytes              master    moments  bytes
+//   f32       f32      28                 f32       bf16     20
+//   bf16+rem  f32      26                 bf16+rem  bf16     18
+//   bf16 (SR) f32      22                 bf16 (SR) bf16     14
+// Goal (issue 26): each form >= 0.95 of its floor at 1e7-1e8 parameters.
+//
 // Bytes per parameter (reads + writes, ignoring write-allocate): bf16 grads in and bf16 params
 // out = 4*3 + 2 read, 4*3 + 2 written = 28; all fp32 = 32.
 //
 // Usage: adamw_bench [--quick] [--aligned] [--min_params=N] [--max_params=N] [--offsets=a,b,c,d,e]
+//                    [--forms=all|only|none]   (default all: the fp32 rows, then the forms)
 // Sizes 1e6, 1e7, 1e8, 2e8, 5e8, 1e9 within [min, max] (default max 2e8; 1e9 needs 20 GB);
 // --quick: 1e6 and 4e6 only; --aligned: every array page-aligned, to show the 4K-aliasing
 // penalty; --offsets: each array's start modulo 4 KiB (master, m, v, grad, param), for
 // placement experiments (docs/offload.md).
 #include <immintrin.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,7 +48,9 @@
 
 #include "base/dtype.h"
 #include "nlohmann/json.hpp"
+#include "offload/compact_state.h"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 #include "offload/simd.h"
 #include "offload/thread_pool.h"
 
@@ -44,6 +58,8 @@ namespace zerort {
 namespace {
 
 using offload::AdamWArrays;
+using offload::CompactAdamWArrays;
+using offload::MasterForm;
 using offload::AdamWRange;
 using offload::AdamWStepParams;
 
@@ -146,6 +162,84 @@ void ScalarLoopRange(const AdamWArrays& a, int t, size_t begin, size_t end) {
   }
 }
 
+// ------------------------------------------------------------------ compact forms
+
+// 8 bf16 values as fp32 (exact), and back by truncation (trivial arithmetic, as in the floor).
+__attribute__((target("avx2"))) inline __m256 Load8Bf16(const void* p, size_t i) {
+  const __m128i h = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2"))) inline void Store8Bits16(void* p, size_t i, __m256i b) {
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
+}
+__attribute__((target("avx2"))) inline void Store8Bf16(void* p, size_t i, __m256 x) {
+  Store8Bits16(p, i, _mm256_srli_epi32(_mm256_castps_si256(x), 16));
+}
+
+template <DType M>
+__attribute__((target("avx2"))) inline __m256 Load8(const void* p, size_t i) {
+  if constexpr (M == DType::kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  return Load8Bf16(p, i);
+}
+template <DType M>
+__attribute__((target("avx2"))) inline void Store8(void* p, size_t i, __m256 x) {
+  if constexpr (M == DType::kF32) {
+    _mm256_storeu_ps(static_cast<float*>(p) + i, x);
+  } else {
+    Store8Bf16(p, i, x);
+  }
+}
+
+// The floor of one compact form: each of its arrays read once and written once in its dtype,
+// one add each (bf16 grads; the master's arrays as the form keeps them). n % 8 == 0.
+template <MasterForm F, DType M>
+__attribute__((target("avx2"))) void CompactFloorRange(const CompactAdamWArrays& a, size_t begin,
+                                                        size_t end) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (size_t i = begin; i < end; i += 8) {
+    const __m256 g = Load8Bf16(a.grad, i);
+    Store8<M>(a.m, i, _mm256_add_ps(Load8<M>(a.m, i), g));
+    // |g| keeps v >= 0 for the AdamW runs interleaved with this one.
+    Store8<M>(a.v, i, _mm256_add_ps(Load8<M>(a.v, i), _mm256_and_ps(g, abs_mask)));
+    if constexpr (F == MasterForm::kF32) {
+      const __m256 p = _mm256_add_ps(_mm256_loadu_ps(a.master + i), g);
+      _mm256_storeu_ps(a.master + i, p);
+      Store8Bf16(a.param, i, p);
+    } else if constexpr (F == MasterForm::kBf16Remainder) {
+      const __m128i r = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.remainder + i));
+      const __m256 joined = _mm256_or_ps(Load8Bf16(a.param, i),
+                                         _mm256_castsi256_ps(_mm256_cvtepu16_epi32(r)));
+      const __m256i u = _mm256_castps_si256(_mm256_add_ps(joined, g));
+      Store8Bits16(a.param, i, _mm256_srli_epi32(u, 16));
+      Store8Bits16(a.remainder, i, _mm256_and_si256(u, _mm256_set1_epi32(0xffff)));
+    } else {
+      Store8Bf16(a.param, i, _mm256_add_ps(Load8Bf16(a.param, i), g));
+    }
+  }
+}
+
+using FloorFn = void (*)(const CompactAdamWArrays&, size_t, size_t);
+
+template <MasterForm F>
+FloorFn CompactFloorFor(DType moments) {
+  return moments == DType::kBF16 ? &CompactFloorRange<F, DType::kBF16>
+                                 : &CompactFloorRange<F, DType::kF32>;
+}
+
+FloorFn CompactFloor(MasterForm form, DType moments) {
+  switch (form) {
+    case MasterForm::kF32:
+      return CompactFloorFor<MasterForm::kF32>(moments);
+    case MasterForm::kBf16Remainder:
+      return CompactFloorFor<MasterForm::kBf16Remainder>(moments);
+    case MasterForm::kBf16Stochastic:
+      break;
+  }
+  return CompactFloorFor<MasterForm::kBf16Stochastic>(moments);
+}
+
 // Best wall times of the candidates, run interleaved (a, b, c, a, b, c, ...) `reps` times and at
 // least 0.2 s in all: a slow spell of this shared machine then hits every candidate alike instead
 // of whichever ran during it, which is what makes their ratios comparable.
@@ -166,8 +260,128 @@ std::vector<double> BestTimes(int reps, const std::vector<std::function<void()>>
   return best;
 }
 
+// One compact form's arrays at n elements, placed like the fp32 rows' (slots: master or
+// remainder, m, v, grad, param).
+CompactAdamWArrays AllocForm(size_t n, MasterForm form, DType moments) {
+  CompactAdamWArrays a;
+  a.master_form = form;
+  a.moment_dtype = moments;
+  a.grad_dtype = DType::kBF16;
+  a.param_dtype = DType::kBF16;
+  a.n = n;
+  a.rounding = {/*seed=*/1, /*step=*/1, /*first_index=*/0};
+  if (form == MasterForm::kF32) a.master = AllocArray<float>(n, 0);
+  if (form == MasterForm::kBf16Remainder) a.remainder = AllocArray<uint16_t>(n, 0);
+  const bool bf16 = moments == DType::kBF16;
+  a.m = bf16 ? static_cast<void*>(AllocArray<uint16_t>(n, 1)) : AllocArray<float>(n, 1);
+  a.v = bf16 ? static_cast<void*>(AllocArray<uint16_t>(n, 2)) : AllocArray<float>(n, 2);
+  a.grad = AllocArray<uint16_t>(n, 3);
+  a.param = AllocArray<uint16_t>(n, 4);
+  return a;
+}
+
+// The fp32 rows' values in the form's storage; moments zero. First touch from the threads.
+void InitForm(const CompactAdamWArrays& a, int threads) {
+  const size_t moment_bytes = DTypeSize(a.moment_dtype);
+  uint16_t* param = static_cast<uint16_t*>(a.param);
+  Parallel(a.n, threads, [&](size_t b, size_t e) {
+    std::memset(static_cast<char*>(a.m) + b * moment_bytes, 0, (e - b) * moment_bytes);
+    std::memset(static_cast<char*>(a.v) + b * moment_bytes, 0, (e - b) * moment_bytes);
+    for (size_t i = b; i < e; ++i) {
+      const float x = 0.01f * static_cast<float>(i % 1000);
+      param[i] = FloatToBf16(x);
+      if (a.master != nullptr) a.master[i] = x;
+      if (a.remainder != nullptr) offload::SplitMaster(x, &param[i], &a.remainder[i]);
+      const_cast<uint16_t*>(static_cast<const uint16_t*>(a.grad))[i] =
+          FloatToBf16(1e-3f * static_cast<float>(i % 77) - 0.03f);
+    }
+  });
+}
+
+// Optimizer-state bytes a form keeps per parameter besides the bf16 parameter itself.
+size_t StateBytes(const CompactAdamWArrays& a) {
+  const size_t moments = 2 * DTypeSize(a.moment_dtype);
+  if (a.master_form == MasterForm::kF32) return 4 + moments;
+  return (a.master_form == MasterForm::kBf16Remainder ? 2 : 0) + moments;
+}
+
+// CpuAdamWCompact against its form's floor, timed interleaved.
+nlohmann::json FormRow(const CompactAdamWArrays& a, int threads, int reps) {
+  const AdamWStepParams step = *offload::MakeAdamWStepParams(kLr, kBeta1, kBeta2, kEps, kWd, 1);
+  auto adamw = [&] {
+    if (!offload::CpuAdamWCompact(a, step, 1.0f, threads).ok()) std::abort();
+  };
+  const FloorFn floor_fn = CompactFloor(a.master_form, a.moment_dtype);
+  auto floor = [&] { Parallel(a.n, threads, [&](size_t b, size_t e) { floor_fn(a, b, e); }); };
+  const std::vector<double> t = BestTimes(reps, {adamw, floor});
+  const size_t bytes = offload::CompactAdamWBytesPerElement(a);
+  const double n = static_cast<double>(a.n);
+  nlohmann::json r;
+  r["params"] = a.n;
+  r["threads"] = threads;
+  r["master_form"] = offload::MasterFormName(a.master_form);
+  r["moment_dtype"] = std::string(DTypeName(a.moment_dtype));
+  r["bytes_per_param"] = bytes;
+  r["state_bytes_per_param"] = StateBytes(a);
+  r["adamw_params_per_s"] = n / t[0];
+  r["floor_params_per_s"] = n / t[1];
+  r["adamw_over_floor"] = t[1] / t[0];
+  r["adamw_gbps"] = bytes * n / t[0] / 1e9;
+  r["floor_gbps"] = bytes * n / t[1] / 1e9;
+  std::fprintf(stderr, "n=%zu form %s moments %s threads=%d adamw %.3g/s floor %.3g/s (%.2f)\n",
+               a.n, offload::MasterFormName(a.master_form),
+               std::string(DTypeName(a.moment_dtype)).c_str(), threads, n / t[0], n / t[1],
+               t[1] / t[0]);
+  return r;
+}
+
+// The form's arithmetic ceiling on one core: CpuAdamWCompact on 16384 elements (L2-resident,
+// one task: it runs on this thread), timed in this thread's CPU time, so a busy machine's other
+// processes do not count. Best of 5 batches of 400 steps.
+double ComputeCeiling(MasterForm form, DType moments) {
+  const size_t n = 16384;
+  const CompactAdamWArrays a = AllocForm(n, form, moments);
+  InitForm(a, 1);
+  const AdamWStepParams step = *offload::MakeAdamWStepParams(kLr, kBeta1, kBeta2, kEps, kWd, 1);
+  double best = 1e30;
+  for (int batch = 0; batch < 5; ++batch) {
+    timespec t0, t1;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    for (int k = 0; k < 400; ++k) {
+      if (!offload::CpuAdamWCompact(a, step, 1.0f, 1).ok()) std::abort();
+    }
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
+    best = std::min(best, (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec));
+  }
+  FreeArrays();
+  return 400.0 * n / best;
+}
+
+nlohmann::json RunForms(const std::vector<size_t>& sizes, int reps) {
+  const int all_threads = offload::DefaultThreadPool()->num_threads();
+  std::vector<int> thread_counts = {1};
+  if (all_threads > 1) thread_counts.push_back(all_threads);
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t n : sizes) {
+    for (MasterForm form :
+         {MasterForm::kF32, MasterForm::kBf16Remainder, MasterForm::kBf16Stochastic}) {
+      for (DType moments : {DType::kF32, DType::kBF16}) {
+        const CompactAdamWArrays a = AllocForm(n / 8 * 8, form, moments);
+        InitForm(a, all_threads);
+        for (int threads : thread_counts) {
+          rows.push_back(FormRow(a, threads, reps));
+          InitForm(a, all_threads);  // keep the state finite for the next runs
+        }
+        FreeArrays();
+      }
+    }
+  }
+  return rows;
+}
+
 int Main(int argc, char** argv) {
   bool quick = false;
+  std::string forms = "all";
   double max_params = 2e8, min_params = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -185,6 +399,8 @@ int Main(int argc, char** argv) {
         std::fprintf(stderr, "adamw_bench: %s: need 5 offsets in [0, 4096)\n", arg.c_str());
         return 2;
       }
+    } else if (arg == "--forms=all" || arg == "--forms=only" || arg == "--forms=none") {
+      forms = arg.substr(8);
     } else if (arg.rfind("--min_params=", 0) == 0) {
       min_params = std::atof(arg.c_str() + 13);
     } else if (arg.rfind("--max_params=", 0) == 0) {
@@ -192,7 +408,7 @@ int Main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: adamw_bench [--quick] [--aligned] [--min_params=N] [--max_params=N] "
-                   "[--offsets=a,b,c,d,e]\n");
+                   "[--offsets=a,b,c,d,e] [--forms=all|only|none]\n");
       return 2;
     }
   }
@@ -219,7 +435,7 @@ int Main(int argc, char** argv) {
   out["bytes_per_param"] = {{"bf16", 28}, {"fp32", 32}};
   nlohmann::json results = nlohmann::json::array();
 
-  for (size_t n : sizes) {
+  for (size_t n : forms == "only" ? std::vector<size_t>{} : sizes) {
     for (DType d : {DType::kBF16, DType::kF32}) {
       const size_t bytes_per_param = d == DType::kBF16 ? 28 : 32;
       float* master = AllocArray<float>(n, 0);
@@ -314,6 +530,24 @@ int Main(int argc, char** argv) {
     }
   }
   out["results"] = results;
+  out["forms_limit"] = "compact_floor: the form's own arrays and dtypes, trivial arithmetic";
+  if (forms != "none") {
+    out["forms"] = RunForms(sizes, reps);
+    nlohmann::json ceilings = nlohmann::json::array();
+    for (MasterForm form :
+         {MasterForm::kF32, MasterForm::kBf16Remainder, MasterForm::kBf16Stochastic}) {
+      for (DType moments : {DType::kF32, DType::kBF16}) {
+        const double per_s = ComputeCeiling(form, moments);
+        ceilings.push_back({{"master_form", offload::MasterFormName(form)},
+                            {"moment_dtype", std::string(DTypeName(moments))},
+                            {"compute_params_per_s_one_core", per_s}});
+        std::fprintf(stderr, "ceiling form %s moments %s: %.3g/s per core (L2, CPU time)\n",
+                     offload::MasterFormName(form), std::string(DTypeName(moments)).c_str(),
+                     per_s);
+      }
+    }
+    out["forms_compute_ceiling"] = ceilings;
+  }
   std::printf("%s\n", out.dump(2).c_str());
   return 0;
 }
