@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""DeepSpeedCPUAdam and torch.optim.AdamW(fused=True) on the host, beside zerort's adamw_bench:
+the anchors of issue 26's host-step goals, run on the same machine in one go (outside CI).
+
+Each optimizer updates one flat tensor of n parameters per step (lr 1e-3, betas 0.9/0.95,
+eps 1e-8, weight decay 0.1, decoupled), timed with perf_counter around step() after one warm-up
+step that creates the state; the best and the median of --reps steps are reported, with bytes
+per parameter counted as adamw_bench counts them (reads + writes). Modes:
+
+  deepspeed_fp32          fp32 param, fp32 grad, fp32 m/v                          32 bytes
+  deepspeed_mixed         fp32 master, fp32 grad, fp32 m/v, then the bf16 copy:     34 bytes
+                          in the same call where this DeepSpeed takes
+                          fp16_param_groups, else a separate copy_ (as ZeRO-Offload does)
+  deepspeed_bf16_states   bf16 param (the master), bf16 grad, bf16 m/v             14 bytes
+                          (fp32_optimizer_states=False: bf16_master_weights_and_grads
+                          with bf16_optimizer_states; rounds to nearest, not stochastically)
+  torch_fused_fp32        torch.optim.AdamW(fused=True), fp32 everything           32 bytes
+  torch_fused_bf16        the same on bf16 param, grad and state                   14 bytes
+
+zerort's matching rows (adamw_bench): "results" dtype fp32 (32 bytes); dtype bf16 (bf16 grad in,
+bf16 param out, 28 bytes: the mixed-precision step); "forms" bf16_stochastic + bf16 moments
+(14 bytes) for the bf16-state mode. With --adamw_bench PATH the script runs that binary for the
+same sizes and puts its JSON under "zerort".
+
+DeepSpeed builds its CPU Adam extension (C++, with ninja) on first use: the first run takes
+minutes. Needs: pip install torch deepspeed (CPU is enough). Without them it prints
+{"benchmark": "deepspeed_cpu_adam_ref", "skipped": "<reason>"} and exits 0.
+
+Usage: deepspeed_cpu_adam_ref.py [--elements N ...] [--reps R] [--threads T]
+                                 [--adamw_bench bazel-bin/benchmarks/adamw_bench]
+"""
+import argparse
+import inspect
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+BETAS, EPS, LR, WD = (0.9, 0.95), 1e-8, 1e-3, 0.1
+
+
+def timed(fn, reps):
+    """Sorted seconds of each fn() call, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
+
+
+def row(name, n, times, bytes_per_param, note=""):
+    best, median = times[0], statistics.median(times)
+    r = {"mode": name, "elements": n, "bytes_per_param": bytes_per_param,
+         "best_ms": best * 1e3, "median_ms": median * 1e3,
+         "params_per_s_best": n / best, "gb_per_s_best": bytes_per_param * n / best / 1e9}
+    if note:
+        r["note"] = note
+    print(f"{name}: n={n} best {best * 1e3:.1f} ms, {n / best:.3g} params/s", file=sys.stderr)
+    return r
+
+
+def param_with_grad(torch, n, dtype):
+    p = torch.nn.Parameter(torch.rand(n, dtype=torch.float32).to(dtype))
+    p.grad = (torch.rand(n, dtype=torch.float32) * 1e-3 - 5e-4).to(dtype)
+    return p
+
+
+def deepspeed_rows(torch, n, reps):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    init = inspect.signature(DeepSpeedCPUAdam.__init__).parameters
+    step_args = inspect.signature(DeepSpeedCPUAdam.step).parameters
+    rows = []
+    p = param_with_grad(torch, n, torch.float32)
+    opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+    rows.append(row("deepspeed_fp32", n, timed(opt.step, reps), 32))
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    if "fp16_param_groups" in step_args:
+        step = lambda: opt.step(fp16_param_groups=[[copy]])
+        note = "bf16 copy written by step(fp16_param_groups=...)"
+    else:
+        step = lambda: (opt.step(), copy.copy_(p.data))
+        note = "this DeepSpeed has no fp16_param_groups: step() then a separate bf16 copy_"
+    rows.append(row("deepspeed_mixed", n, timed(step, reps), 34, note))
+    del opt, p
+    if "fp32_optimizer_states" in init:
+        p = param_with_grad(torch, n, torch.bfloat16)
+        opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                               adamw_mode=True, fp32_optimizer_states=False)
+        rows.append(row("deepspeed_bf16_states", n, timed(opt.step, reps), 14))
+    else:
+        rows.append({"mode": "deepspeed_bf16_states", "elements": n,
+                     "skipped": "this DeepSpeedCPUAdam has no fp32_optimizer_states"})
+    return rows
+
+
+def torch_rows(torch, n, reps):
+    rows = []
+    for dtype, name, nbytes in ((torch.float32, "torch_fused_fp32", 32),
+                                (torch.bfloat16, "torch_fused_bf16", 14)):
+        p = param_with_grad(torch, n, dtype)
+        try:
+            opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                    fused=True)
+            rows.append(row(name, n, timed(opt.step, reps), nbytes))
+        except (RuntimeError, ValueError) as e:
+            rows.append({"mode": name, "elements": n, "skipped": str(e)})
+    return rows
+
+
+def run_zerort(path, sizes):
+    """adamw_bench's JSON for the smallest..largest size asked for."""
+    cmd = [path, f"--min_params={min(sizes):g}", f"--max_params={max(sizes):g}"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return {"command": " ".join(cmd), "output": json.loads(out)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--elements", nargs="+", type=float, default=[1e7, 1e8])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--adamw_bench", default="", help="path of zerort's adamw_bench")
+    args = parser.parse_args()
+    doc = {"benchmark": "deepspeed_cpu_adam_ref"}
+    try:
+        import torch
+        import deepspeed
+    except ImportError as e:
+        doc["skipped"] = f"needs torch and deepspeed: {e}"
+        print(json.dumps(doc, indent=2))
+        return 0
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    doc.update(torch=torch.__version__, deepspeed=deepspeed.__version__,
+               threads=torch.get_num_threads())
+    sizes = [int(n) for n in args.elements]
+    doc["results"] = []
+    for n in sizes:
+        doc["results"] += deepspeed_rows(torch, n, args.reps) + torch_rows(torch, n, args.reps)
+    if args.adamw_bench:
+        doc["zerort"] = run_zerort(args.adamw_bench, sizes)
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
