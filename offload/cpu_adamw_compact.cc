@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "offload/compact_state.h"
@@ -170,6 +172,20 @@ void RunKeyed(RangeFn fn, const CompactAdamWArrays& a, const AdamWStepParams& pa
   }
 }
 
+// InvalidArgument naming the first null array (when n > 0) or a negative thread count.
+absl::Status CheckConversion(const char* who, size_t n, int threads,
+                             std::initializer_list<std::pair<const char*, const void*>> arrays) {
+  if (threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": threads=", threads, " must be >= 0"));
+  }
+  for (const auto& [name, p] : arrays) {
+    if (n > 0 && p == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": ", name, " is null for n=", n));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* MasterFormName(MasterForm form) {
@@ -196,6 +212,34 @@ size_t CompactAdamWBytesPerElement(const CompactAdamWArrays& a) {
       break;
   }
   return grad + moments + 4;
+}
+
+absl::Status SplitMasters(const float* master, uint16_t* param, uint16_t* remainder, size_t n,
+                          int threads) {
+  if (absl::Status s = CheckConversion("SplitMasters", n, threads,
+                                       {{"master", master}, {"param", param},
+                                        {"remainder", remainder}});
+      !s.ok()) {
+    return s;
+  }
+  internal::ParallelRanges(n, threads, kMinElementsPerTask, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) SplitMaster(master[i], param + i, remainder + i);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status JoinMasters(const uint16_t* param, const uint16_t* remainder, float* master,
+                         size_t n, int threads) {
+  if (absl::Status s = CheckConversion("JoinMasters", n, threads,
+                                       {{"param", param}, {"remainder", remainder},
+                                        {"master", master}});
+      !s.ok()) {
+    return s;
+  }
+  internal::ParallelRanges(n, threads, kMinElementsPerTask, [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) master[i] = JoinMaster(param[i], remainder[i]);
+  });
+  return absl::OkStatus();
 }
 
 absl::Status CpuAdamWCompact(const CompactAdamWArrays& a, const AdamWStepParams& params,

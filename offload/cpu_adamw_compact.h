@@ -85,6 +85,15 @@ absl::Status CpuAdamWCompact(const CompactAdamWArrays& arrays,
 absl::Status CpuAdamWCompact(const CompactAdamWArrays& arrays, const AdamWStepParams& params,
                              float grad_scale, int threads);
 
+// Whole-array conversions between an fp32 master and the lossless form, for loading and saving
+// fp32 checkpoints from a kBf16Remainder run and for its first step from fp32 weights:
+// element-wise SplitMaster / JoinMaster (compact_state.h), split over `threads` (0 = all).
+// InvalidArgument if n > 0 and a pointer is null, or threads < 0.
+absl::Status SplitMasters(const float* master, uint16_t* param, uint16_t* remainder, size_t n,
+                          int threads);
+absl::Status JoinMasters(const uint16_t* param, const uint16_t* remainder, float* master,
+                         size_t n, int threads);
+
 // Bytes read plus bytes written per element by one update of `arrays`' form and dtypes: what
 // adamw_bench divides by, and what the plan can quote.
 size_t CompactAdamWBytesPerElement(const CompactAdamWArrays& arrays);

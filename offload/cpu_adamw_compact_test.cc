@@ -465,6 +465,30 @@ TEST_CASE("CpuAdamWCompact: inconsistent arrays are InvalidArgument naming the f
         absl::StatusCode::kInvalidArgument);
 }
 
+TEST_CASE("SplitMasters/JoinMasters: whole arrays convert element by element, any threads",
+          "[offload]") {
+  const Fp32State s = RandomState(300007, DType::kF32, 51);  // specials included
+  const size_t n = s.master.size();
+  std::vector<uint16_t> want_param(n), want_rem(n);
+  for (size_t i = 0; i < n; ++i) SplitMaster(s.master[i], &want_param[i], &want_rem[i]);
+  for (int threads : {1, 0, 3}) {
+    std::vector<uint16_t> param(n), rem(n);
+    std::vector<float> back(n);
+    REQUIRE(SplitMasters(s.master.data(), param.data(), rem.data(), n, threads).ok());
+    REQUIRE(JoinMasters(param.data(), rem.data(), back.data(), n, threads).ok());
+    INFO("threads=" << threads);
+    CHECK(param == want_param);
+    CHECK(rem == want_rem);
+    CHECK(Compact::SameFloats(back, s.master));  // no signaling NaN among the specials
+  }
+  const absl::Status null_param = SplitMasters(s.master.data(), nullptr, want_rem.data(), n, 1);
+  CHECK(null_param.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(std::string(null_param.message()).find("param is null") != std::string::npos);
+  CHECK(JoinMasters(want_param.data(), want_rem.data(), nullptr, 0, 1).ok());
+  CHECK(JoinMasters(want_param.data(), want_rem.data(), nullptr, n, -1).code() ==
+        absl::StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("CpuAdamWCompact: bytes per element follow the form", "[offload]") {
   const Fp32State s = RandomState(8, DType::kBF16, 1);
   struct Row {
