@@ -6,7 +6,8 @@
 //   Sha256Digest d = HmacSha256(secret, message);
 //   if (!ConstantTimeEqual(DigestBytes(d), received)) { ... refuse ... }
 //
-// Not for bulk data: about 200 MB/s, plenty for a few hundred bytes per connection.
+// Not for bulk data: 126-165 MB/s, one HMAC of 200 bytes in about 3 us (measured on a busy
+// 2-core machine); a rendezvous computes three per peer.
 // Thread safety: a Sha256 object is used by one thread; the free functions are pure.
 #ifndef ZERORT_BASE_SHA256_H_
 #define ZERORT_BASE_SHA256_H_
