@@ -5,23 +5,32 @@
 //   std::string id = info.rank == 0 ? MakeId() : "";
 //   ASSIGN_OR_RETURN(std::string shared, Rendezvous(info, id, RendezvousOptions()));
 //
-// Protocol (network byte order): a peer connects and sends a hello {magic "ZRV1", rank,
-// world_size, secret_len} followed by secret_len bytes of shared secret; once all world_size-1
-// peers have said hello, rank 0 sends each {magic, length} and `length` payload bytes, and
-// closes. The server binds only the given address, closes malformed hellos without a word,
-// answers a hello with the wrong secret, an out-of-range, duplicate or wrong-world rank with
-// {"ZRXJ", reason} (the peer's error says why: PermissionDenied naming ZERORT_RENDEZVOUS_SECRET
-// for the secret, Unavailable for the others), accepts at most world_size-1 peers and then stops
-// listening. Both sides give up with DeadlineExceeded at the timeout, connect() included (it is
-// non-blocking and polled, so an address that drops SYNs cannot hold a peer past it); peers
-// refuse payloads above max_payload_bytes.
+// Protocol (network byte order; comm/internal/rendezvous_wire.h, docs/comm.md): a peer
+// connects and sends a hello {"ZRV2", rank, world_size, flags, job id, a fresh random nonce};
+// rank 0 answers with its own nonce and an HMAC-SHA256 proof that it knows the shared secret;
+// the peer checks it and only then sends its own proof; rank 0 admits the peer ("ZROK"). Once
+// all world_size-1 peers are admitted, rank 0 sends each {"ZRPL", length, payload, MAC}, the MAC
+// binding the payload to the job id, world size, rank and both nonces, and closes. The secret
+// never crosses the wire. A refused hello is answered {"ZRXJ", reason} (wrong secret, world
+// size, rank, job id, or a duplicate rank), so that the peer can say why.
 //
-// Authentication: optional. When RendezvousOptions::secret (or, for Rendezvous(), the
-// environment variable ZERORT_RENDEZVOUS_SECRET) is set, rank 0 accepts only peers that send
-// the same bytes, compared in constant time; the secret never appears in an error message. It
-// travels in clear text: it keeps stray and unauthorised processes out, not an eavesdropper on
-// the network, and peers do not authenticate rank 0. Use a private network, as for torchrun's
-// own store.
+// Rank 0 handles connections concurrently (poll): each unauthenticated one has
+// handshake_timeout_ms to finish its handshake and at most max_pending_connections wait at
+// once (a full table evicts the oldest silent one), so idle or slow clients cannot take the
+// real peers' places or time; peers reconnect when dropped before they were admitted. Both
+// sides give up with DeadlineExceeded at timeout_ms, connect() included (non-blocking and
+// polled); rank 0's error names the ranks that never authenticated and the connections it
+// dropped, and why. Peers refuse payloads above max_payload_bytes.
+//
+// Authentication: optional. With RendezvousOptions::secret (or, for Rendezvous(), the
+// environment variable ZERORT_RENDEZVOUS_SECRET) set, each side proves knowledge of the secret
+// to the other: a peer refuses a rank 0 that cannot (an impostor holding the port; the peer's
+// error names the address) and any payload whose MAC fails (forged, altered, or replayed from
+// another session), and rank 0 admits only peers that prove it. Without a secret the same
+// handshake runs with an empty key: it still refuses stale or crossed sessions, but anyone
+// who can reach the port can pose as rank 0 or take a rank. The payload is authenticated, not
+// encrypted: an eavesdropper sees it. A low-entropy secret can be guessed offline from a
+// recorded handshake: use a random one (e.g. 32 random bytes, hex-encoded).
 //
 // LaunchInfo and LaunchInfoFromEnv() (the launcher's environment) are in comm/launch_env.h.
 //
@@ -50,10 +59,26 @@ struct RendezvousOptions {
   int64_t timeout_ms = 60000;
   // Largest payload either side will send or accept.
   size_t max_payload_bytes = 4096;
-  // Shared secret every peer must present; empty: none (and a peer that presents one is
+  // Shared secret both sides prove they know; empty: none (and a peer that has one is
   // refused). At most 256 bytes.
   std::string secret;
+  // Names the job; peers and rank 0 must agree, and every MAC covers it, so that a peer of
+  // another job on the same port (Slurm's derived port, the same secret) is refused. Empty is
+  // a valid id. At most 256 bytes. Rendezvous() fills it when empty (see there).
+  std::string job_id;
+
+  // Rank 0: how long an accepted connection may take to authenticate before it is dropped
+  // (never past timeout_ms). Must be > 0. A real peer needs one round trip; a dropped one
+  // reconnects.
+  int64_t handshake_timeout_ms = 3000;
+  // Rank 0: connections allowed to be mid-handshake at once; more evict the oldest silent one
+  // (else the oldest). Must be >= 1.
+  size_t max_pending_connections = 64;
 };
+
+// InvalidArgument naming the field when an option is out of range (the secret is named by
+// ZERORT_RENDEZVOUS_SECRET, its value never printed).
+absl::Status ValidateRendezvousOptions(const RendezvousOptions& options);
 
 // Rank 0's side. Listen binds and listens at once, so that the port is known (port 0 picks a
 // free one) before peers connect; peers that connect early are retried by RendezvousFetch.
@@ -68,8 +93,10 @@ class RendezvousServer {
 
   int port() const { return port_; }
 
-  // Waits for ranks 1..world_size-1 to say hello, then sends each `payload`. Stops listening
-  // when it returns. DeadlineExceeded names the ranks that never arrived.
+  // Waits for ranks 1..world_size-1 to authenticate, then sends each `payload`. Stops
+  // listening when it returns. DeadlineExceeded names the ranks that never authenticated and
+  // counts the connections dropped, by reason (naming the address and claimed rank of each that
+  // failed authentication).
   // REQUIRES: world_size >= 1, payload.size() <= options.max_payload_bytes.
   absl::Status Serve(int world_size, absl::string_view payload, const RendezvousOptions& options);
 
@@ -79,14 +106,18 @@ class RendezvousServer {
   int port_;
 };
 
-// A peer's side: connects to addr:port (retrying while refused, until the timeout), says hello,
-// returns the payload. PermissionDenied when rank 0 refused our secret.
+// A peer's side: connects to addr:port (retrying while refused, or dropped before admission,
+// until the timeout), authenticates, returns the payload. PermissionDenied when rank 0 refused
+// our secret, when the server at addr:port could not prove it knows the secret, or when the
+// payload's MAC fails (each message names addr:port).
 absl::StatusOr<std::string> RendezvousFetch(const std::string& addr, int port, int rank,
                                             int world_size, const RendezvousOptions& options);
 
 // Rank 0 listens on info.master_addr:info.master_port and serves `payload`; other ranks fetch
 // it. Returns the payload on every rank. InvalidArgument when master_addr/port are unset.
-// When options.secret is empty, ZERORT_RENDEZVOUS_SECRET (if set) is used as the secret.
+// When options.secret is empty, ZERORT_RENDEZVOUS_SECRET (if set) is used as the secret. When
+// options.job_id is empty it becomes info.store_key (torchrun), else "slurm:" SLURM_JOB_ID when
+// that is set, else stays empty.
 //
 // Under torchrun's agent store (info.master_is_torch_store) MASTER_PORT is taken: rank 0 then
 // binds a free port on the address through which it reaches the store, and publishes
