@@ -1,4 +1,4 @@
-// CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the one hash of the project (checkpoint files, peer agreement): the
+// CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the one checksum of the project (checkpoint files, peer agreement): the
 // SSE4.2 crc32 instruction where the CPU has it, slice-by-8 tables otherwise. Both give the
 // same values; the test checks them against a bitwise reference and the standard check value
 // crc32c("123456789") = 0xE3069283.
