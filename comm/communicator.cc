@@ -1,5 +1,7 @@
 #include "comm/communicator.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace zerort {
 namespace comm {
 
@@ -13,6 +15,12 @@ absl::string_view ReduceOpName(ReduceOp op) {
       return "max";
   }
   return "unknown";
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Split(int color, int key) {
+  return absl::UnimplementedError(absl::StrCat("Split(color=", color, ", key=", key,
+                                               ") on rank ", rank(), ": the \"", backend(),
+                                               "\" communicator cannot split into groups"));
 }
 
 }  // namespace comm

@@ -41,8 +41,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
 
@@ -121,6 +123,22 @@ class Communicator {
 
   // Waits until every operation enqueued on `stream` has completed (no-op on CPU backends).
   virtual absl::Status Synchronize(Stream stream) = 0;
+
+  // Splits the ranks into disjoint sub-groups, as MPI_Comm_split does: the ranks that pass the
+  // same color >= 0 form one new communicator, ranked by (key, rank here). A rank passing a
+  // negative color (like MPI_UNDEFINED) joins none and gets OK with a null pointer.
+  //
+  //   // world 4 as 2 x 2: shard groups {0,1} {2,3}, replica groups {0,2} {1,3}.
+  //   ASSIGN_OR_RETURN(auto shard, comm->Split(comm->rank() / 2, comm->rank()));
+  //   ASSIGN_OR_RETURN(auto replica, comm->Split(comm->rank() % 2, comm->rank()));
+  //
+  // Collective over this communicator, in its operation order, with its timeout: a rank that
+  // never calls Split makes the others fail with DeadlineExceeded naming the split and the
+  // missing ranks. The new communicator has this one's backend and CommOptions, is
+  // independent of it (either may be destroyed first; both may be used, one after the other,
+  // from the rank's thread) and never exchanges data with other sub-groups.
+  // Backends that cannot split return Unimplemented naming themselves.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key);
 };
 
 }  // namespace comm

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -28,6 +29,8 @@ struct Slot {
   const void* send = nullptr;  // Broadcast: the buffer
   void* recv = nullptr;
   const void* result = nullptr;  // AllReduce: where this rank's reduced slice lives
+  int color = 0;                 // Split
+  int key = 0;
 };
 
 // State shared by the N communicators of a group.
@@ -100,6 +103,18 @@ class Group {
     gone_[rank] = true;
   }
 
+  // The group of split `seq`'s members with `color` (`world` of them): made by the first member
+  // to ask, handed to the others, and forgotten here once all `world` have it. Every member
+  // asks exactly once, between the split's two barriers, so no entry outlives its split.
+  std::shared_ptr<Group> SubGroup(int64_t seq, int color, int world) {
+    absl::MutexLock lock(&mu_);
+    SplitEntry& e = splits_[{seq, color}];
+    if (e.group == nullptr) e.group = std::make_shared<Group>(world, options_);
+    std::shared_ptr<Group> out = e.group;
+    if (++e.taken == world) splits_.erase({seq, color});
+    return out;
+  }
+
  private:
   bool AllArrivedLocked(int64_t k) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (int64_t a : arrivals_) {
@@ -140,6 +155,12 @@ class Group {
   absl::Status poison_ ABSL_GUARDED_BY(mu_);
   // Argument check of the barrier all ranks passed last; read right after that barrier.
   std::string verdict_ ABSL_GUARDED_BY(mu_);
+  // Sub-groups of splits in progress, by (split sequence number, color).
+  struct SplitEntry {
+    std::shared_ptr<Group> group;
+    int taken = 0;  // members that have it
+  };
+  std::map<std::pair<int64_t, int>, SplitEntry> splits_ ABSL_GUARDED_BY(mu_);
 };
 
 class InProcessCommunicator final : public Communicator {
@@ -249,6 +270,32 @@ class InProcessCommunicator final : public Communicator {
   }
 
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    Slot slot;
+    slot.color = color;
+    slot.key = key;
+    RETURN_IF_ERROR(Start(OpKind::kSplit, 0, DType::kF32, ReduceOp::kSum, 0, std::move(slot)));
+    // Every rank's color and key stay readable until Finish's barrier.
+    std::unique_ptr<Communicator> sub;
+    if (color >= 0) {
+      std::vector<int> members;  // ranks here of this color, in their new rank order
+      for (int q = 0; q < size(); ++q) {
+        if (group_->slot(q).color == color) members.push_back(q);
+      }
+      // Stable: equal keys keep the order of the ranks here.
+      std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+        return group_->slot(a).key < group_->slot(b).key;
+      });
+      const int new_rank = static_cast<int>(
+          std::find(members.begin(), members.end(), rank_) - members.begin());
+      const int world = static_cast<int>(members.size());
+      sub = std::make_unique<InProcessCommunicator>(group_->SubGroup(seq_, color, world),
+                                                    new_rank, options_, ops_);
+    }
+    RETURN_IF_ERROR(Finish());
+    return sub;
+  }
 
  private:
   // Balanced split of [0, count) into size() slices.

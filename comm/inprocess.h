@@ -18,6 +18,9 @@
 // rank whose communicator is destroyed while others wait for it makes them return Unavailable.
 // Either poisons the group: later calls on any rank return FailedPrecondition at once.
 // The group state lives until the last of its communicators is destroyed.
+// Split (comm/communicator.h) gives each color a fresh group of its own (same options and
+// buffer ops), made once and handed to its members through the parent's group; sub-groups
+// share no state with each other or with the parent after the split returns.
 #ifndef ZERORT_COMM_INPROCESS_H_
 #define ZERORT_COMM_INPROCESS_H_
 

@@ -172,6 +172,30 @@ class MpiCommunicator final : public Communicator {
 
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
 
+  // The argument check first: it is polled against the timeout and names the ranks that never
+  // called. MPI_Comm_split itself blocks (MPI has no non-blocking split), but only after every
+  // rank has been seen entering this same split, so it waits for nobody who is not coming.
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    OpDesc d = Desc(OpKind::kSplit, 0, DType::kF32, ReduceOp::kSum, 0);
+    RETURN_IF_ERROR(Start(d, nullptr, nullptr));
+    MPI_Comm sub = MPI_COMM_NULL;
+    RETURN_IF_ERROR(Check(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub),
+                          absl::StrCat("MPI_Comm_split(color=", color, ", key=", key, ")"), d));
+    RETURN_IF_ERROR(Done());
+    if (sub == MPI_COMM_NULL) return std::unique_ptr<Communicator>();
+    int rank = 0, size = 0;
+    absl::Status s = MpiStatus(MPI_Comm_set_errhandler(sub, MPI_ERRORS_RETURN),
+                               "MPI_Comm_set_errhandler(split)", rank_);
+    if (s.ok()) s = MpiStatus(MPI_Comm_rank(sub, &rank), "MPI_Comm_rank(split)", rank_);
+    if (s.ok()) s = MpiStatus(MPI_Comm_size(sub, &size), "MPI_Comm_size(split)", rank_);
+    if (!s.ok()) {
+      MPI_Comm_free(&sub);
+      return s;
+    }
+    // The new communicator owns `sub` and frees it.
+    return std::unique_ptr<Communicator>(new MpiCommunicator(sub, rank, size, options_));
+  }
+
  private:
   size_t SliceBegin(size_t count, int r) const { return internal::SliceBegin(count, size_, r); }
 

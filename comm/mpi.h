@@ -28,6 +28,10 @@
 // never freed. A peer killed by a signal is usually noticed by OpenMPI's runtime first, which
 // terminates the whole job (see docs/comm.md).
 //
+// Split: the argument check above (polled, so a rank that never calls is DeadlineExceeded
+// naming it), then MPI_Comm_split, which blocks but is entered only once every rank has been
+// seen entering the same split. The sub-communicator owns the new MPI_Comm and frees it.
+//
 // Thread safety: one thread at a time per communicator. MPI must be initialized with at least
 // MPI_THREAD_SERIALIZED if several threads use communicators (MpiSession does this).
 #ifndef ZERORT_COMM_MPI_H_

@@ -246,6 +246,94 @@ TEST_CASE("Mpi: mismatched counts, roots and dtypes are refused even without che
   CHECK(recv[0] == static_cast<float>(g_size));
 }
 
+// Split at half the world (2 x 2 at world 4; at world 2, groups of one and one group of two):
+// contiguous (color = rank / g) and strided (color = rank % (world / g)) sub-groups, each
+// reducing over exactly its members in their new rank order.
+TEST_CASE("Mpi: split sub-groups reduce over exactly their members", "[comm]") {
+  auto comm = MakeComm();
+  const int g = g_size / 2 > 0 ? g_size / 2 : 1;
+  const int groups = g_size / g;
+  const size_t count = 29;
+  int test = 2000;
+  for (bool contiguous : {true, false}) {
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      ++test;
+      auto color = [&](int r) { return contiguous ? r / g : r % groups; };
+      std::vector<int> members;  // world ranks of this rank's group, by key = rank
+      for (int q = 0; q < g_size; ++q) {
+        if (color(q) == color(g_rank)) members.push_back(q);
+      }
+      auto sub = comm->Split(color(g_rank), g_rank);
+      INFO("rank " << g_rank << (contiguous ? " contiguous" : " strided") << " "
+                   << DTypeName(t) << ": " << sub.status());
+      REQUIRE(sub.ok());
+      Communicator& c = **sub;
+      REQUIRE(c.backend() == "mpi");
+      REQUIRE(c.size() == static_cast<int>(members.size()));
+      REQUIRE(members[c.rank()] == g_rank);
+      const size_t total = members.size() * count;
+      Buf send = Input(t, g_rank, test, total), ar(t, total), rs(t, count), ag(t, total);
+      REQUIRE(c.AllReduce(send.at(0), ar.at(0), total, t, ReduceOp::kSum).ok());
+      REQUIRE(c.ReduceScatter(send.at(0), rs.at(0), count, t, ReduceOp::kSum).ok());
+      REQUIRE(c.AllGather(send.at(0), ag.at(0), count, t).ok());
+      for (size_t i = 0; i < total; ++i) {
+        float acc = Input(t, members[0], test, total).get(i);
+        for (size_t m = 1; m < members.size(); ++m) acc += Input(t, members[m], test, total).get(i);
+        Buf expect(t, 1);
+        expect.set(0, acc);
+        REQUIRE(ar.get(i) == expect.get(0));
+        if (i / count == static_cast<size_t>(c.rank())) REQUIRE(rs.get(i % count) == expect.get(0));
+        REQUIRE(ag.get(i) == Input(t, members[i / count], test, total).get(i % count));
+      }
+    }
+  }
+}
+
+TEST_CASE("Mpi: split keys reorder ranks, a negative color gets no communicator", "[comm]") {
+  auto comm = MakeComm();
+  // Even ranks in one group ranked in reverse; odd ranks opt out.
+  auto sub = comm->Split(g_rank % 2 == 0 ? 0 : -1, -g_rank);
+  INFO("rank " << g_rank << ": " << sub.status());
+  REQUIRE(sub.ok());
+  if (g_rank % 2 == 1) {
+    CHECK(*sub == nullptr);
+    return;
+  }
+  REQUIRE(*sub != nullptr);
+  std::vector<int> evens;
+  for (int q = g_size - 1; q >= 0; --q) {
+    if (q % 2 == 0) evens.push_back(q);  // descending: by key = -rank
+  }
+  std::vector<float> seen(evens.size());
+  const float mine = static_cast<float>(g_rank);
+  REQUIRE((*sub)->AllGather(&mine, seen.data(), 1, DType::kF32).ok());
+  CHECK(std::vector<int>(seen.begin(), seen.end()) == evens);
+}
+
+TEST_CASE("Mpi: a rank that never calls split makes the others time out naming it", "[comm]") {
+  CommOptions options;
+  options.timeout_ms = 300;
+  auto comm = MakeComm(options);
+  if (g_rank == g_size - 1) {
+    // Late by far more than the timeout, and with another operation: its argument check
+    // receives the others' split records (they abandoned theirs) and refuses the mismatch, so
+    // nobody waits in MPI_Comm_split.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    absl::Status late = comm->Barrier();
+    INFO(late.ToString());
+    CHECK(late.code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(late.message(), "split #1"));
+    return;
+  }
+  auto sub = comm->Split(0, g_rank);
+  INFO(sub.status().ToString());
+  CHECK(sub.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(sub.status().message(), "split #1"));
+  CHECK(absl::StrContains(sub.status().message(),
+                          absl::StrCat("no message arrived from ranks [", g_size - 1, "]")));
+  CHECK(comm->Barrier().code() == absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_CASE("Mpi: a rank that does not call makes the others time out", "[comm]") {
   CommOptions options;
   options.timeout_ms = 300;

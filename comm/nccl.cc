@@ -176,7 +176,61 @@ class NcclCommunicator final : public Communicator {
     }
   }
 
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    OpDesc d = Desc(OpKind::kSplit, 0, DType::kF32, ReduceOp::kSum, 0);
+    RETURN_IF_ERROR(Start(d, nullptr, nullptr));
+    history_.End();
+    ASSIGN_OR_RETURN(ncclComm_t sub, SplitComm(color, key));
+    if (sub == nullptr) return std::unique_ptr<Communicator>();  // NCCL_SPLIT_NOCOLOR
+    int rank = 0, size = 0;
+    ncclResult_t r = ncclCommUserRank(sub, &rank);
+    if (r == ncclSuccess) r = ncclCommCount(sub, &size);
+    if (r != ncclSuccess) {
+      ncclCommAbort(sub);
+      return NcclError(r, "ncclCommUserRank/ncclCommCount(split)", rank_);
+    }
+    return std::unique_ptr<Communicator>(
+        new NcclCommunicator(sub, /*owned=*/true, rank, size, device_, options_));
+  }
+
  private:
+  // ncclCommSplit, non-blocking and polled (parent and child) against the timeout: a rank that
+  // never calls leaves the others DeadlineExceeded, not hung. A wrapped external communicator
+  // made blocking by its owner makes the call block instead. Null for a negative color.
+  absl::StatusOr<ncclComm_t> SplitComm(int color, int key) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 18, 0)
+    int version = 0;
+    RETURN_IF_NCCL_ERROR(ncclGetVersion(&version), "on rank ", rank_);
+    if (version < NCCL_VERSION(2, 18, 0)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Split on NCCL rank ", rank_, ": ncclCommSplit needs NCCL >= 2.18.0; the loaded NCCL "
+          "is version code ", version));
+    }
+    RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "for ncclCommSplit on rank ", rank_);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t sub = nullptr;
+    const std::string what = absl::StrCat("ncclCommSplit(color=", color, ", key=", key, ")");
+    const ncclResult_t r =
+        ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config);
+    absl::Status s = r == ncclSuccess || r == ncclInProgress ? absl::OkStatus()
+                                                             : NcclError(r, what, rank_);
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.timeout_ms);
+    if (s.ok()) s = AwaitComm(comm_, deadline, what, rank_);
+    if (s.ok() && sub != nullptr) s = AwaitComm(sub, deadline, what, rank_);
+    if (!s.ok()) {
+      if (sub != nullptr) ncclCommAbort(sub);
+      return Fail(s);
+    }
+    return sub;
+#else
+    return absl::UnimplementedError(absl::StrCat(
+        "Split(color=", color, ", key=", key, ") on NCCL rank ", rank_,
+        ": ncclCommSplit needs NCCL >= 2.18.0; this build's nccl.h is version code ",
+        NCCL_VERSION_CODE));
+#endif
+  }
+
   static cudaStream_t AsStream(Stream s) { return static_cast<cudaStream_t>(s); }
 
   OpDesc Desc(OpKind kind, size_t count, DType dtype, ReduceOp op, int root) {

@@ -15,6 +15,10 @@
 // cudaStreamQuery / ncclCommGetAsyncError against options.timeout_ms. On an NCCL error or a
 // timeout, a communicator we created is aborted with ncclCommAbort (never a blocking destroy)
 // and poisoned; a wrapped external communicator is only poisoned, its owner decides.
+// Split is ncclCommSplit (NCCL >= 2.18; FailedPrecondition naming the loaded version below
+// that), non-blocking and polled like creation; the sub-communicator is owned (destroyed with
+// it), on the same device. NCCL cannot say which peer is missing: the timeout names the split
+// and this rank.
 // Each Communicator binds the CUDA device current (external) or given (created) at creation.
 // Thread safety: one thread at a time.
 #ifndef ZERORT_COMM_NCCL_H_

@@ -110,6 +110,26 @@ TEST_CASE("Nccl: an external communicator is wrapped, not destroyed", "[comm][gp
   ncclCommDestroy(raw);
 }
 
+TEST_CASE("Nccl: split of a world-1 communicator runs every collective; no color, no group",
+          "[comm][gpu]") {
+  SKIP_WITHOUT_GPU();
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  auto comm = CreateNcclCommunicator(id, 0, 1, 0);
+  INFO(comm.status().ToString());
+  REQUIRE(comm.ok());
+  auto sub = (*comm)->Split(3, 0);
+  INFO(sub.status().ToString());
+  REQUIRE(sub.ok());
+  REQUIRE(*sub != nullptr);
+  comm->reset();  // the child owns its own ncclComm_t
+  CheckWorldOne(**sub);
+  auto none = (*sub)->Split(-1, 0);
+  INFO(none.status().ToString());
+  REQUIRE(none.ok());
+  CHECK(*none == nullptr);
+}
+
 TEST_CASE("Nccl: bootstrap from launcher info through the rendezvous", "[comm][gpu]") {
   SKIP_WITHOUT_GPU();
   LaunchInfo info;  // world 1: no network needed, exercises the id plumbing

@@ -19,6 +19,8 @@ absl::string_view OpKindName(OpKind kind) {
       return "broadcast";
     case OpKind::kBarrier:
       return "barrier";
+    case OpKind::kSplit:
+      return "split";
   }
   return "unknown";
 }
@@ -26,7 +28,7 @@ absl::string_view OpKindName(OpKind kind) {
 namespace {
 std::string Args(const OpDesc& d) {
   std::string s = absl::StrCat(OpKindName(d.kind), " #", d.seq);
-  if (d.kind == OpKind::kBarrier) return s;
+  if (d.kind == OpKind::kBarrier || d.kind == OpKind::kSplit) return s;
   absl::StrAppend(&s, " (count=", d.count, ", dtype=", DTypeName(static_cast<DType>(d.dtype)));
   if (d.kind == OpKind::kReduceScatter || d.kind == OpKind::kAllReduce) {
     absl::StrAppend(&s, ", op=", ReduceOpName(static_cast<ReduceOp>(d.reduce_op)));
@@ -54,7 +56,9 @@ std::string CompareOps(const OpDesc& a, int rank_a, const OpDesc& b, int rank_b,
 
 absl::Status ValidateBuffers(const OpDesc& d, const void* send, const void* recv, int rank,
                              int size) {
-  if (d.kind == OpKind::kBarrier || d.count == 0) return absl::OkStatus();
+  if (d.kind == OpKind::kBarrier || d.kind == OpKind::kSplit || d.count == 0) {
+    return absl::OkStatus();
+  }
   const size_t es = DTypeSize(static_cast<DType>(d.dtype));
   const size_t n = static_cast<size_t>(d.count);
   if (d.kind == OpKind::kBroadcast) {

@@ -19,9 +19,16 @@ namespace zerort {
 namespace comm {
 namespace internal {
 
-enum class OpKind : int32_t { kAllGather, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+enum class OpKind : int32_t {
+  kAllGather,
+  kReduceScatter,
+  kAllReduce,
+  kBroadcast,
+  kBarrier,
+  kSplit,
+};
 
-// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier".
+// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "split".
 absl::string_view OpKindName(OpKind kind);
 
 // What one rank asked for; ranks must agree on everything here. Plain data so that the MPI

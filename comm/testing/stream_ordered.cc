@@ -36,6 +36,19 @@ struct Group {
   }
 };
 
+// A group's events for `world` ranks of `device`.
+absl::StatusOr<std::shared_ptr<Group>> MakeGroup(Device* device, int world) {
+  auto group = std::make_shared<Group>();
+  group->device = device;
+  for (auto* v : {&group->ready, &group->mid, &group->done}) {
+    for (int r = 0; r < world; ++r) {
+      ASSIGN_OR_RETURN(Device::Event e, device->CreateEvent());
+      v->push_back(e);
+    }
+  }
+  return group;
+}
+
 // What each rank publishes at a call, as 64-bit words.
 enum Word { kSeq, kKind, kDType, kOp, kRoot, kCount, kSend, kRecv, kValid, kWords };
 constexpr int kBitsWords = 4;  // 16-bit words per 64-bit word
@@ -107,6 +120,38 @@ class StreamOrderedComm final : public Communicator {
   absl::Status Barrier() override { return host_->Barrier(); }
 
   absl::Status Synchronize(Stream stream) override { return dev_->Synchronize(stream); }
+
+  // A host-side collective, like ncclCommSplit: it waits for no stream. The inner group splits;
+  // the new group's rank 0 makes its events and hands them to the members as a pointer to a
+  // shared_ptr, broadcast as bits (the group lives in this one process).
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> host, host_->Split(color, key));
+    if (host == nullptr) return std::unique_ptr<Communicator>();
+    std::unique_ptr<std::shared_ptr<Group>> made;
+    absl::Status failed;
+    if (host->rank() == 0) {
+      absl::StatusOr<std::shared_ptr<Group>> g = MakeGroup(dev_, host->size());
+      if (g.ok()) made = std::make_unique<std::shared_ptr<Group>>(*std::move(g));
+      failed = g.status();
+    }
+    uint64_t addr = reinterpret_cast<uintptr_t>(made.get());  // 0: rank 0 failed
+    RETURN_IF_ERROR(host->Broadcast(&addr, kBitsWords, DType::kBF16, 0));
+    if (addr == 0) {
+      return host->rank() == 0 ? failed
+                               : absl::InternalError(absl::StrCat(
+                                     "stream-ordered test group, rank ", rank(),
+                                     ": the new group's rank 0 could not create its events"));
+    }
+    std::shared_ptr<Group> group = *reinterpret_cast<std::shared_ptr<Group>*>(addr);
+    // Rank 0 frees its holder only once every member has copied it; after a failed barrier a
+    // member may still read it, so it is kept.
+    if (absl::Status s = host->Barrier(); !s.ok()) {
+      made.release();
+      return s;
+    }
+    return std::unique_ptr<Communicator>(
+        new StreamOrderedComm(std::move(host), std::move(group)));
+  }
 
  private:
   struct Peer {
@@ -283,14 +328,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateStreamOrderedGr
   }
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> hosts,
                    CreateInProcessGroup(world_size, options));
-  auto group = std::make_shared<Group>();
-  group->device = device;
-  for (auto* v : {&group->ready, &group->mid, &group->done}) {
-    for (int r = 0; r < world_size; ++r) {
-      ASSIGN_OR_RETURN(Device::Event e, device->CreateEvent());
-      v->push_back(e);
-    }
-  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Group> group, MakeGroup(device, world_size));
   std::vector<std::unique_ptr<Communicator>> out;
   for (auto& h : hosts) out.push_back(std::make_unique<StreamOrderedComm>(std::move(h), group));
   return out;

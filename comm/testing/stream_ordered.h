@@ -35,6 +35,9 @@
 // Unlike the CPU backends, a NaN result keeps whatever payload the additions produced (not
 // the canonical quiet NaN).
 //
+// Split splits the inner group and gives each new group events of its own: a host-side
+// collective (like ncclCommSplit) that waits for no stream.
+//
 // Thread safety: as comm/inprocess.h (one thread per rank). REQUIRES: every stream given to an
 // operation is a stream of `device` (or nullptr: the calling thread); every stream that an
 // operation was enqueued on is synchronized before the last communicator of the group is

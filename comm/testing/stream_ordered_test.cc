@@ -145,6 +145,43 @@ TEST_CASE("StreamOrdered: every collective equals the in-process group's bit for
   }
 }
 
+TEST_CASE("StreamOrdered: a split's groups run different collectives concurrently, each "
+          "equal to an in-process group of its size",
+          "[comm][stream_ordered]") {
+  auto dev = DelayedDevice();
+  auto so = testing::CreateStreamOrderedGroup(4, dev.get());
+  REQUIRE(so.ok());
+  std::vector<std::unique_ptr<Communicator>> subs(4);
+  std::vector<absl::Status> st(4);
+  RunRanks(4, [&](int r) {
+    auto sub = (*so)[r]->Split(r % 2, r);  // {0, 2} and {1, 3}
+    st[r] = sub.status();
+    if (sub.ok()) subs[r] = std::move(sub).value();
+  });
+  Comms groups[2];
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r << ": " << st[r]);
+    REQUIRE(st[r].ok());
+    REQUIRE(subs[r]->size() == 2);
+    REQUIRE(subs[r]->rank() == r / 2);
+    REQUIRE(subs[r]->stream_ordered());
+  }
+  for (int r = 0; r < 4; ++r) groups[r % 2].push_back(std::move(subs[r]));
+  const Case cases[2] = {{Op::kAllReduce, DType::kBF16, ReduceOp::kSum, false},
+                         {Op::kReduceScatter, DType::kF32, ReduceOp::kAvg, true}};
+  const size_t count = 257;
+  std::vector<std::vector<char>> got[2];
+  std::thread other([&] { got[1] = RunCase(groups[1], dev.get(), cases[1], count, true); });
+  got[0] = RunCase(groups[0], dev.get(), cases[0], count, true);
+  other.join();
+  auto ip = CreateInProcessGroup(2);
+  REQUIRE(ip.ok());
+  for (int g = 0; g < 2; ++g) {
+    INFO("group " << g);
+    CHECK(got[g] == RunCase(*ip, dev.get(), cases[g], count, false));
+  }
+}
+
 TEST_CASE("StreamOrdered: the calling thread's stream (nullptr) works too",
           "[comm][stream_ordered]") {
   auto dev = DelayedDevice();
