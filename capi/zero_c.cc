@@ -827,3 +827,94 @@ void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dty
 }
 
 }  // extern "C"
+
+// ---- Weights as safetensors, and parameter groups ----
+// Included here, with the section that uses them, so that sections appended by others stay apart.
+#include <algorithm>
+
+#include "checkpoint/weights.h"
+
+namespace {
+
+absl::StatusOr<zerort::WeightsExportOptions> ExportOptions(zr_dtype dtype,
+                                                           int64_t max_shard_bytes) {
+  zerort::WeightsExportOptions options;
+  if (dtype != ZR_F32 && dtype != ZR_BF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights export dtype ", static_cast<int>(dtype), ": use ZR_F32 or ZR_BF16"));
+  }
+  options.dtype = static_cast<zerort::DType>(dtype);
+  options.max_shard_bytes = max_shard_bytes;
+  return options;
+}
+
+// The names, each followed by '\n', NUL-terminated and cut to `capacity` bytes.
+void CopyNames(const std::vector<std::string>& names, char* out, int64_t capacity) {
+  if (out == nullptr || capacity <= 0) return;
+  std::string all;
+  for (const std::string& n : names) absl::StrAppend(&all, n, "\n");
+  const size_t n = std::min(all.size(), static_cast<size_t>(capacity - 1));
+  std::memcpy(out, all.data(), n);
+  out[n] = '\0';
+}
+
+}  // namespace
+
+extern "C" {
+
+zr_status zr_engine_export_weights(zr_engine* engine, const char* out, zr_dtype dtype,
+                                   int64_t max_shard_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_export_weights", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_export_weights", "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    return zerort::ExportWeights(*engine->engine, out, options).status();
+  });
+}
+
+zr_status zr_checkpoint_export_weights(const char* checkpoint, const char* out, zr_dtype dtype,
+                                       int64_t max_shard_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(checkpoint, "zr_checkpoint_export_weights", "checkpoint"));
+    RETURN_IF_ERROR(NotNull(out, "zr_checkpoint_export_weights", "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    return zerort::ExportCheckpointWeights(checkpoint, out, options).status();
+  });
+}
+
+zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allow_extra,
+                                   char* ignored, int64_t capacity, int64_t* ignored_count) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_import_weights", "engine"));
+    RETURN_IF_ERROR(NotNull(path, "zr_engine_import_weights", "path"));
+    zerort::WeightsImportOptions options;
+    options.allow_extra = allow_extra != 0;
+    ASSIGN_OR_RETURN(zerort::WeightsImportReport report,
+                     zerort::ImportWeights(*engine->engine, path, options));
+    CopyNames(report.ignored, ignored, capacity);
+    if (ignored_count != nullptr) *ignored_count = static_cast<int64_t>(report.ignored.size());
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_param_group(const zr_engine* engine, int i, zr_param_group_info* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_param_group", "engine"));
+    if (i < 0 || i >= engine->engine->num_params()) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_param_group: parameter index ", i,
+                                                " outside [0, ",
+                                                engine->engine->num_params(), ")"));
+    }
+    const zerort::AdamWScalars step = engine->engine->hyperparams();
+    const std::optional<zerort::ParamGroup> group = engine->engine->param_group(i);
+    zr_param_group_info info{};
+    info.struct_size = sizeof info;
+    info.has_group = group.has_value() ? 1 : 0;
+    info.weight_decay = group ? group->weight_decay : step.weight_decay;
+    info.lr_scale = group ? group->lr_scale : 1.0;
+    info.lr = step.lr * info.lr_scale;
+    return WriteSized(info, out, "zr_engine_param_group", "zr_param_group_info");
+  });
+}
+
+}  // extern "C"

@@ -439,6 +439,44 @@ zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engin
  * REQUIRES: src and dst do not overlap, or are equal with equal element sizes. */
 void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype, int64_t n);
 
+/* ---- Weights as safetensors, and parameter groups (docs/checkpoints.md, docs/embedding.md) ---- */
+
+/* Writes the fp32 masters as weights-only safetensors, in the layout Hugging Face's loaders
+ * read: `out` ending in ".safetensors" is one file; any other `out` is a directory (created if
+ * missing) that gets model.safetensors, or, when max_shard_bytes > 0 and the weights exceed it,
+ * model-0000k-of-0000n.safetensors and model.safetensors.index.json. dtype: ZR_F32 or ZR_BF16
+ * (ZR_INVALID_ARGUMENT otherwise). Tensors are named as the parameters, in name order, so the
+ * same weights always give the same bytes; each file appears complete or not at all. Rank 0
+ * writes; every rank returns its verdict. Collective. */
+zr_status zr_engine_export_weights(zr_engine* engine, const char* out, zr_dtype dtype,
+                                   int64_t max_shard_bytes);
+/* The same from a saved checkpoint (a step directory, or a root whose `latest` names one),
+ * without an engine: what `zerort ckpt export` does. Not collective. */
+zr_status zr_checkpoint_export_weights(const char* checkpoint, const char* out, zr_dtype dtype,
+                                       int64_t max_shard_bytes);
+/* Loads safetensors weights (a file, a model.safetensors.index.json, or a directory holding
+ * either) into the masters by parameter name, converting F64/F32/F16/BF16 to fp32; as
+ * zr_engine_init_params, the compute-dtype parameters follow and Adam's moments are zeroed,
+ * the step count and loss scale stay. Each rank reads only the bytes of the elements it owns.
+ * Tensors that name no parameter fail the load (ZR_INVALID_ARGUMENT naming them) unless
+ * allow_extra != 0; then, when `ignored` is not NULL, it receives their names, each followed by
+ * '\n', NUL-terminated and cut to `capacity` bytes, and *ignored_count (when not NULL) their
+ * number. Errors, the same on every rank and with the engine unchanged: ZR_NOT_FOUND for a
+ * missing tensor or file, ZR_INVALID_ARGUMENT for a malformed header or index (naming the file,
+ * tensor and byte range), a misshapen tensor, another dtype. Collective. */
+zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allow_extra,
+                                   char* ignored, int64_t capacity, int64_t* ignored_count);
+
+/* Parameter i's optimizer group as the next step will apply it. */
+typedef struct zr_param_group_info {
+  size_t struct_size;
+  int has_group;       /* 0: in no group (the step's weight decay, lr_scale 1) */
+  double weight_decay; /* the decay this parameter gets: its group's, else the step's */
+  double lr_scale;     /* its multiplier of the step's learning rate (1 without a group) */
+  double lr;           /* the current learning rate (zr_engine_hyperparams) times lr_scale */
+} zr_param_group_info;
+zr_status zr_engine_param_group(const zr_engine* engine, int i, zr_param_group_info* out);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,18 +1,23 @@
 #include "cli/ckpt_command.h"
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "nlohmann/json.hpp"
+#include "base/bytes.h"
+#include "base/dtype.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/weights.h"
 
 namespace zerort {
 namespace {
 
 constexpr char kUsage[] =
-    "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT [--force]";
+    "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT [--force] | "
+    "zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE] OUT";
 
 // Names, paths and file contents come from the checkpoint or the command line, not from us:
 // printed with every byte outside printable ASCII escaped (an escape sequence never reaches
@@ -79,6 +84,57 @@ absl::Status Inspect(const std::string& dir, bool json, std::ostream& out) {
   return absl::OkStatus();
 }
 
+// The value of flag args[*i] ("--flag VALUE" or "--flag=VALUE"), advancing *i past it.
+absl::StatusOr<std::string> FlagValue(const std::vector<std::string>& args, size_t* i,
+                                      absl::string_view flag) {
+  const std::string& a = args[*i];
+  if (absl::StartsWith(a, absl::StrCat(flag, "="))) return a.substr(flag.size() + 1);
+  if (*i + 1 >= args.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("ckpt export: ", flag, " needs a value"));
+  }
+  return args[++*i];
+}
+
+// `zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE] OUT`.
+absl::Status Export(const std::vector<std::string>& args, std::ostream& out) {
+  WeightsExportOptions options;
+  std::string format;
+  std::vector<std::string> positional;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto is = [&](absl::string_view f) { return a == f || absl::StartsWith(a, absl::StrCat(f, "=")); };
+    if (is("--format")) {
+      ASSIGN_OR_RETURN(format, FlagValue(args, &i, "--format"));
+    } else if (is("--dtype")) {
+      ASSIGN_OR_RETURN(std::string d, FlagValue(args, &i, "--dtype"));
+      ASSIGN_OR_RETURN(options.dtype, ParseDType(d));
+    } else if (is("--max-shard-size")) {
+      ASSIGN_OR_RETURN(std::string size, FlagValue(args, &i, "--max-shard-size"));
+      ASSIGN_OR_RETURN(options.max_shard_bytes, ParseBytes(size));
+    } else if (!a.empty() && a[0] == '-') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ckpt export: unknown flag '", Printable(a), "'; ", kUsage));
+    } else {
+      positional.push_back(a);
+    }
+  }
+  if (format != "safetensors") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ckpt export: --format '", Printable(format), "': the one format is safetensors; ",
+        kUsage));
+  }
+  if (positional.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat("ckpt export needs DIR and OUT; ", kUsage));
+  }
+  ASSIGN_OR_RETURN(std::vector<std::string> files,
+                   ExportCheckpointWeights(positional[0], positional[1], options));
+  ASSIGN_OR_RETURN(CheckpointInfo info, ReadCheckpointInfo(positional[0]));
+  out << "wrote " << files.size() << " file(s): step " << info.step << ", " << info.params.size()
+      << " parameters (" << DTypeName(options.dtype) << " weights) as safetensors\n";
+  for (const std::string& f : files) out << "  " << Printable(f) << "\n";
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& out) {
@@ -124,6 +180,7 @@ absl::Status RunCkptCommand(const std::vector<std::string>& args, std::ostream& 
         << info.params.size() << " parameters (fp32 master, exp_avg, exp_avg_sq) as safetensors\n";
     return absl::OkStatus();
   }
+  if (sub == "export") return Export(args, out);
   return absl::InvalidArgumentError(absl::StrCat("ckpt: unknown subcommand '", Printable(sub), "'; ", kUsage));
 }
 

@@ -18,6 +18,7 @@
 #include "base/testing/temp_dir.h"
 #include "comm/testing/on_ranks.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/weights.h"
 #include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -70,6 +71,51 @@ TEST_CASE("CkptCommand: inspect verifies and summarises, consolidate writes the 
   const absl::Status s = RunCkptCommand({"inspect", dir}, bad);
   REQUIRE(s.code() == absl::StatusCode::kDataLoss);
   REQUIRE(absl::StrContains(s.message(), "rank_00000.bin' is corrupted"));
+}
+
+TEST_CASE("CkptCommand: export writes bf16 shards that import as the checkpoint's masters",
+          "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  const std::string out = dir + "-hf";
+  std::ostringstream text;
+  const absl::Status s = RunCkptCommand(
+      {"export", dir, "--format", "safetensors", "--dtype=bf16", "--max-shard-size", "1kB", out},
+      text);
+  INFO(s.ToString() << "\n" << text.str());
+  REQUIRE(s.ok());
+  REQUIRE(absl::StrContains(text.str(), "wrote 4 file(s): step 0, 7 parameters (bf16 weights)"));
+  REQUIRE(absl::StrContains(text.str(), "model.safetensors.index.json"));
+  // The reference: the checkpoint's masters read by the checkpoint reader, rounded to bf16.
+  absl::StatusOr<CheckpointState> state = ReadCheckpoint(dir);
+  REQUIRE(state.ok());
+  std::vector<float> want;
+  for (const auto& m : state->master) {
+    for (float f : m) want.push_back(Bf16ToFloat(FloatToBf16(f)));
+  }
+  auto device = testing::OneThreadCpuDevice();
+  std::vector<float> got;
+  const std::vector<absl::Status> st =
+      comm::testing::OnRanks(1, {20000}, [&](int, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
+                         Engine::Create(testing::TestConfig(3, DType::kF32, 1, 0, false),
+                                        testing::SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(ImportWeights(*e, out).status());
+        ASSIGN_OR_RETURN(got, e->GatherMasterWeights());
+        return absl::OkStatus();
+      });
+  REQUIRE(st[0].ok());
+  REQUIRE(got == want);
+  std::ostringstream err;
+  REQUIRE(absl::StrContains(RunCkptCommand({"export", dir, out}, err).message(),
+                            "the one format is safetensors"));
+  REQUIRE(absl::StrContains(
+      RunCkptCommand({"export", dir, "--format", "safetensors", "--dtype", "fp16", out}, err)
+          .message(),
+      "use fp32 or bf16"));
+  REQUIRE(absl::StrContains(RunCkptCommand({"export", dir, "--format", "safetensors",
+                                            "--max-shard-size", "lots", out}, err)
+                                .message(),
+                            "lots"));
 }
 
 TEST_CASE("CkptCommand: bad arguments are InvalidArgument naming the problem", "[ckpt]") {

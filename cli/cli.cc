@@ -237,10 +237,14 @@ constexpr const char* kDemoUsage =
     R"(  demo   train the example GPT (or --model mlp) on in-process ranks: loss, sample, memory
          [--model gpt|mlp] [--ranks N (4)] [--steps S (gpt 150, mlp 30)] [--stage 0-3] [--config FILE]
          [--precision P (bf16)] [--checkpoint DIR [--checkpoint_every N (50)]] [--resume DIR]
+         [--init-from FILE (safetensors weights to start from)]
 )";
 constexpr const char* kCkptUsage =
     R"(  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
          write its full fp32 state as one safetensors file (docs/checkpoints.md)
+         export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size 5GB] OUT
+                             weights only, as Hugging Face loads them: OUT a .safetensors
+                             file, or a directory (shards + model.safetensors.index.json)
 )";
 
 }  // namespace

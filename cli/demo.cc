@@ -188,6 +188,7 @@ absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags, bool cu
   o.shape.d_model = static_cast<int>(d_model);
   o.checkpoint_dir = flags.Get("checkpoint");
   o.resume_from = flags.Get("resume");
+  o.init_from = flags.Get("init-from");
   o.sample_temperature = 0.8f;  // greedy decoding of a small model repeats "the the the"
   o.device_threads = 1;
   return o;
@@ -218,6 +219,7 @@ void PrintGptHeader(const Config& config, const examples::gpt::RunOptions& o,
         << "\npeak: " << gpu->peak_source << "\nvocabulary: " << s.vocab
         << " byte tokens (GPT-2's shapes otherwise; its 50257 BPE tokens need a tokenizer)\n";
   }
+  if (!o.init_from.empty()) out << "initial weights from " << o.init_from << "\n";
   if (!o.resume_from.empty()) out << "resuming from " << o.resume_from << "\n";
   if (!o.checkpoint_dir.empty()) {
     out << "saving a checkpoint every " << o.checkpoint_every << " steps into "
@@ -330,14 +332,15 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
                    Flags::Parse(args, {"model", "config", "ranks", "steps", "stage", "precision",
                                        "batch", "eval_every", "sample_tokens", "checkpoint",
                                        "checkpoint_every", "resume", "layers", "d_model",
-                                       "device"}));
+                                       "device", "init-from"}));
   const std::string model = flags.Get("model", "gpt");
   if (model == "mlp") {
     if (flags.Has("device") && flags.Get("device") != "cpu") {
       return absl::InvalidArgumentError("--device applies to --model gpt only");
     }
     for (const char* gpt_only : {"batch", "eval_every", "sample_tokens", "checkpoint",
-                                 "checkpoint_every", "resume", "layers", "d_model"}) {
+                                 "checkpoint_every", "resume", "layers", "d_model",
+                                 "init-from"}) {
       if (flags.Has(gpt_only)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", gpt_only, " applies to --model gpt only"));

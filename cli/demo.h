@@ -5,6 +5,7 @@
 //               [--precision P]
 //   GPT only:   [--batch N] [--eval_every N] [--sample_tokens N] [--layers N] [--d_model N]
 //               [--checkpoint DIR [--checkpoint_every N]] [--resume DIR] [--device cpu|cuda|auto]
+//               [--init-from FILE]
 //
 // --model gpt (the default) trains examples/gpt's 0.83M-parameter byte-level GPT on the GPL-3
 // text: 4 ranks of 2 sequences of 64 bytes, 150 steps, stage 2, bf16, AdamW lr 3e-3, clipping 1;
@@ -12,6 +13,8 @@
 // tokens per second and, at the end, a sample generated from the trained weights.
 // --checkpoint DIR saves asynchronously every --checkpoint_every (50) steps; --resume DIR
 // continues from DIR's latest checkpoint, giving the same bits as an uninterrupted run.
+// --init-from FILE starts from safetensors weights (a file, an index or a directory, e.g. what
+// `zerort ckpt export` wrote) instead of the random initialisation.
 // --device cuda trains on GPU 0 (examples/gpt/gpt_cuda.h): GPT-2 124M's shapes (12 layers,
 // 12 heads, d_model 768, context 1024) with the corpus's byte vocabulary (256), 1 rank over
 // NCCL (--ranks 2-16: in-process ranks sharing the GPU) of 8 sequences of 1024 bytes, 50 steps,

@@ -14,6 +14,7 @@
 #include "base/testing/temp_dir.h"
 #include "catch2/catch.hpp"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/weights.h"
 #include "examples/gpt/gpt_cuda.h"
 
 namespace zerort {
@@ -187,6 +188,34 @@ TEST_CASE("Demo: --checkpoint then --resume continues bit for bit", "[zero]") {
   CHECK(two->master != x->master);  // steps 3-4 changed the weights
 }
 
+// --init-from reaches the GPT run: the weights a checkpoint of the first run exports start the
+// second, whose first held-out loss is the first run's last.
+TEST_CASE("Demo: --init-from starts the GPT from exported weights", "[zero]") {
+  const std::vector<std::string> common = {"--ranks", "2", "--batch", "1", "--eval_every", "0",
+                                           "--sample_tokens", "0", "--layers", "2",
+                                           "--d_model", "32", "--steps", "2"};
+  auto run = [&](std::vector<std::string> extra, absl::Status* status) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    std::ostringstream out;
+    *status = RunDemoCommand(extra, out);
+    return out.str();
+  };
+  const std::string dir = TempDir("demo_init");
+  absl::Status status;
+  const std::string a = run({"--checkpoint", dir, "--checkpoint_every", "2"}, &status);
+  REQUIRE(status.ok());
+  REQUIRE(ExportCheckpointWeights(dir, dir + ".safetensors").ok());
+  const std::string b = run({"--init-from", dir + ".safetensors"}, &status);
+  INFO(b);
+  REQUIRE(status.ok());
+  CHECK(b.find("initial weights from " + dir + ".safetensors") != std::string::npos);
+  REQUIRE(!ValLoss(a).second.empty());
+  CHECK(ValLoss(b).first == ValLoss(a).second);
+  run({"--init-from", dir + "/none.safetensors"}, &status);
+  CHECK(absl::IsNotFound(status));
+  CHECK(status.message().find("--init-from") != absl::string_view::npos);
+}
+
 TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
   struct Case {
     std::vector<std::string> args;
@@ -206,6 +235,7 @@ TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
       {{"--checkpoint_every", "0"}, "--checkpoint_every"},
       {{"--d_model", "30"}, "--d_model"},
       {{"--model", "mlp", "--layers", "2"}, "--layers"},
+      {{"--model", "mlp", "--init-from", "/tmp/x.safetensors"}, "--init-from"},
   };
   for (const Case& c : cases) {
     std::ostringstream out;

@@ -190,6 +190,10 @@ struct RunOptions {
   std::string checkpoint_dir;
   int checkpoint_every = 0;  // >= 0
   std::string resume_from;
+  // Safetensors weights (a file, an index or a directory: checkpoint/weights.h) loaded after
+  // InitParams and before resume_from, by parameter name ("wte", "h0.attn.qkv.w", ...): a
+  // fine-tuning run from exported weights. Tensors that name no parameter are an error.
+  std::string init_from;
   // Where the ranks compute (backend.h); nullptr = the CPU backend: Gpt's kernels with
   // `threads` threads per rank on one CPU device of `device_threads`. Not owned; outlives the run.
   const Backend* backend = nullptr;

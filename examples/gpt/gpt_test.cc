@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "catch2/catch.hpp"
+#include "checkpoint/weights.h"
 #include "zero/config.h"
 
 namespace zerort {
@@ -279,6 +280,30 @@ TEST_CASE("Gpt: N steps, a checkpoint, a resume and N more steps equal 2N steps 
   absl::StatusOr<RunResult> d = RunInProcess(config, done);
   CHECK(absl::IsInvalidArgument(d.status()));
   CHECK(d.status().message().find("step 3") != absl::string_view::npos);
+}
+
+TEST_CASE("Gpt: init_from starts from exported weights", "[gpt]") {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string root = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/gpt_init_", getpid());
+  const Config config = TestConfig(3, false, DType::kBF16);
+  RunOptions first = TinyRun(3);
+  first.checkpoint_dir = root + "/ckpt";
+  first.checkpoint_every = 3;
+  absl::StatusOr<RunResult> a = RunInProcess(config, first);
+  REQUIRE(a.ok());
+  REQUIRE(ExportCheckpointWeights(root + "/ckpt", root + "/w.safetensors").ok());
+  RunOptions second = TinyRun(3);
+  second.init_from = root + "/w.safetensors";
+  absl::StatusOr<RunResult> b = RunInProcess(config, second);
+  INFO(b.status());
+  REQUIRE(b.ok());
+  CHECK(b->first_step == 0);  // weights only: a fresh run
+  CHECK(b->initial_val_loss == a->final_val_loss);  // it starts where the first one ended
+  second.init_from = root + "/missing.safetensors";
+  absl::StatusOr<RunResult> c = RunInProcess(config, second);
+  CHECK(absl::IsNotFound(c.status()));
+  CHECK(c.status().message().find("--init-from " + root + "/missing.safetensors") !=
+        absl::string_view::npos);
 }
 
 TEST_CASE("Gpt: a later token does not change earlier logits", "[gpt]") {

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/weights.h"
 #include "comm/inprocess.h"
 #include "device/cpu_device.h"
 #include "examples/gpt/backend.h"
@@ -222,6 +223,10 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
                    Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device, engine_options));
   AsyncCheckpointer saver;  // after the engine: destroyed first, as it borrows the engine
   RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
+  if (!o.init_from.empty()) {
+    RETURN_IF_ERROR(Annotate(ImportWeights(*engine, o.init_from).status(),
+                             absl::StrCat("--init-from ", o.init_from)));
+  }
   if (!o.resume_from.empty()) {
     LoadOptions load;
     load.allow_reshard = true;  // resuming on another number of ranks is allowed

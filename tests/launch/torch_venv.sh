@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes (or checks) the virtual environment with torch from PyPI whose torchrun the launch test
-# (tests/launch/torchrun_test.sh) runs: $ZERORT_TORCH_VENV, default ~/.cache/zerort/venv-torch.
+# (tests/launch/torchrun_test.sh) runs, with safetensors and numpy for the safetensors check: $ZERORT_TORCH_VENV, default ~/.cache/zerort/venv-torch.
 # Smallest install that starts torchrun: `pip install --no-deps torch`, then torch's own
 # requirements except triton (1 GB of GPU compiler) and cuda-bindings, which torchrun never
 # imports. The CUDA libraries stay (torch's extension module links them: import fails without
@@ -18,7 +18,16 @@ fail() {
   echo "torch_venv: $1" >&2
   exit 1
 }
+# The safetensors check (tests/safetensors/hf_check_test.sh) reads and writes files with these;
+# a venv made before they were added gets them without being rebuilt.
+extras=("safetensors==0.7.0" "numpy==2.3.5")
+install_extras() {
+  local out
+  out=$("$venv/bin/python" -m pip install -q --disable-pip-version-check "${extras[@]}" 2>&1) ||
+    fail "pip install ${extras[*]} failed: $(tail -3 <<<"$out" | tr '\n' ' ')"
+}
 if [ -f "$stamp" ] && "$venv/bin/torchrun" --help >/dev/null 2>&1; then
+  "$venv/bin/python" -c 'import numpy, safetensors' 2>/dev/null || install_extras
   echo "$venv"
   exit 0
 fi
@@ -54,6 +63,7 @@ PY
 # shellcheck disable=SC2086
 out=$("${pip[@]}" $deps 2>&1) ||
   fail "pip install of torch's requirements failed: $(tail -3 <<<"$out" | tr '\n' ' ')"
+install_extras
 out=$("$venv/bin/torchrun" --help 2>&1) ||
   fail "torchrun does not start: $(tail -2 <<<"$out" | tr '\n' ' ')"
 touch "$stamp"

@@ -1,13 +1,93 @@
 #include "zero/internal/adamw_groups.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status.h"
 
 namespace zerort {
 namespace zero_internal {
+namespace {
+
+// "base[l]" -> (base, l); nullopt unless the name ends in a bracketed decimal index.
+std::optional<std::pair<std::string, int64_t>> SplitIndex(absl::string_view name) {
+  if (name.size() < 4 || name.back() != ']') return std::nullopt;
+  const size_t open = name.rfind('[');
+  if (open == absl::string_view::npos || open == 0 || open + 2 > name.size() - 1) {
+    return std::nullopt;
+  }
+  int64_t l = 0;
+  for (size_t k = open + 1; k + 1 < name.size(); ++k) {
+    if (name[k] < '0' || name[k] > '9' || l > (int64_t{1} << 40)) return std::nullopt;
+    l = l * 10 + (name[k] - '0');
+  }
+  return std::make_pair(std::string(name.substr(0, open)), l);
+}
+
+}  // namespace
+
+std::vector<int64_t> StackedLayers(const std::vector<memory::ParamSpec>& specs) {
+  std::vector<int64_t> layers(specs.size(), 0);
+  for (size_t i = 0; i < specs.size();) {
+    const auto first = SplitIndex(specs[i].name);
+    const auto first_module = SplitIndex(specs[i].module);
+    size_t j = i;
+    // A run is what StackedSlices returns: base[0], base[1], ... in modules mod[0], mod[1], ...,
+    // one slice shape.
+    while (first && first->second == 0 && first_module && j < specs.size()) {
+      const auto n = SplitIndex(specs[j].name);
+      const auto m = SplitIndex(specs[j].module);
+      const int64_t l = static_cast<int64_t>(j - i);
+      if (!n || !m || n->first != first->first || m->first != first_module->first ||
+          n->second != l || m->second != l || specs[j].shape != specs[i].shape) {
+        break;
+      }
+      ++j;
+    }
+    if (j == i) {
+      ++i;
+      continue;
+    }
+    for (size_t k = i; k < j; ++k) layers[k] = static_cast<int64_t>(j - i);
+    i = j;
+  }
+  return layers;
+}
+
+namespace {
+
+// no_decay_1d decides on the tensor the trainer holds per layer: a StackedSlices slice's own
+// shape (so llm.c's [L, C] biases and gains, declared as slices, are vectors), else the
+// registered shape. Where that reading may not be what the trainer means, a note says so.
+bool NoDecay1d(const memory::ParamSpec& spec, int64_t layers, const std::vector<int64_t>& runs,
+               std::vector<std::string>* notes) {
+  const bool vector = spec.shape.size() == 1;
+  if (notes == nullptr || vector) return vector;
+  const std::string shape = absl::StrCat("[", absl::StrJoin(spec.shape, ", "), "]");
+  if (layers == 0 && SplitIndex(spec.name) && SplitIndex(spec.module)) {
+    notes->push_back(absl::StrCat(
+        "no_decay_1d: parameter '", spec.name, "' ", shape, " is named like a StackedSlices "
+        "slice but is not part of a complete run base[0..L-1] of one shape: decided (decayed) "
+        "on its own shape"));
+  } else if (layers == 0 && std::count(runs.begin(), runs.end(), spec.shape[0]) > 0) {
+    notes->push_back(absl::StrCat(
+        "no_decay_1d: parameter '", spec.name, "' ", shape, " is decayed as a matrix, but its "
+        "leading dimension is the layer count of the model's stacked slices: if it stacks "
+        "per-layer biases or gains (llm.c's layout), declare it with StackedSlices so that "
+        "each [", absl::StrJoin(spec.shape.begin() + 1, spec.shape.end(), ", "),
+        "] slice is a vector, or give it a group"));
+  } else if (std::count(spec.shape.begin(), spec.shape.end(), 1) > 0) {
+    notes->push_back(absl::StrCat(
+        "no_decay_1d: parameter '", spec.name, "' ", shape, " has a dimension of 1: decayed "
+        "as a matrix; give it a group if it is a vector"));
+  }
+  return false;
+}
+
+}  // namespace
 
 absl::StatusOr<GroupChoice> ResolveParamGroups(
     const std::vector<memory::ParamSpec>& specs, const std::vector<ParamGroupConfig>& patterns,
@@ -29,6 +109,11 @@ absl::StatusOr<GroupChoice> ResolveParamGroups(
   }
   std::vector<bool> used(patterns.size(), false);
   int no_decay = -1;
+  const std::vector<int64_t> layers = StackedLayers(specs);
+  std::vector<int64_t> runs;  // the layer counts of the stacked runs
+  for (int64_t l : layers) {
+    if (l > 0 && std::find(runs.begin(), runs.end(), l) == runs.end()) runs.push_back(l);
+  }
   for (size_t i = 0; i < specs.size(); ++i) {
     int g = -1;
     if (!explicit_groups.empty() && explicit_groups[i].has_value()) {
@@ -43,7 +128,7 @@ absl::StatusOr<GroupChoice> ResolveParamGroups(
         used[k] = true;
       }
     }
-    if (g < 0 && no_decay_1d && specs[i].shape.size() == 1) {
+    if (g < 0 && no_decay_1d && NoDecay1d(specs[i], layers[i], runs, notes)) {
       if (no_decay < 0) {
         no_decay = static_cast<int>(c.groups.size());
         c.groups.push_back({0.0, 1.0});

@@ -34,11 +34,20 @@ struct GroupChoice {
   std::vector<int> of_param;
 };
 
+// Per parameter, the layer count L of the StackedSlices run it belongs to (L consecutive
+// parameters base[0..L-1] in modules mod[0..L-1], all of one shape), or 0.
+std::vector<int64_t> StackedLayers(const std::vector<memory::ParamSpec>& specs);
+
 // Per parameter, in order: explicit_groups[i] when set; else the first of `patterns` whose glob
-// matches the name; else, with no_decay_1d, a one-dimensional parameter's {weight_decay 0,
-// lr_scale 1}; else none. `explicit_groups` is empty or has one entry per parameter.
-// InvalidArgument naming the parameter or pattern for a bad value; a pattern that matches no
-// parameter appends a line to `notes` ("zerort.param_groups[k]: ...").
+// matches the name; else, with no_decay_1d, {weight_decay 0, lr_scale 1} for a parameter whose
+// per-layer tensor is one-dimensional (a StackedSlices slice is decided on its slice shape, so
+// llm.c's stacked [L, C] biases and gains, declared as slices, are not decayed); else none.
+// `explicit_groups` is empty or has one entry per parameter. InvalidArgument naming the
+// parameter or pattern for a bad value; a pattern that matches no parameter appends a line to
+// `notes` ("zerort.param_groups[k]: ..."), and so does, with no_decay_1d, a parameter the rule
+// decays where the trainer may not mean it ("no_decay_1d: parameter '...'"): a whole
+// [L, ...] tensor whose leading dimension is the layer count of the model's stacked slices, a
+// slice-like name outside a complete run, a matrix with a dimension of 1.
 absl::StatusOr<GroupChoice> ResolveParamGroups(
     const std::vector<memory::ParamSpec>& specs, const std::vector<ParamGroupConfig>& patterns,
     const std::vector<std::optional<ParamGroup>>& explicit_groups, bool no_decay_1d,

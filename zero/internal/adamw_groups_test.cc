@@ -99,6 +99,48 @@ TEST_CASE("AdamWGroups: no_decay_1d puts every unmatched 1-d parameter in one gr
   for (int g : without->of_param) CHECK(g == -1);
 }
 
+// llm.c's layout with L = 2, C = 4: per-layer tensors stacked [L, ...]. Hand-worked expectation:
+// the trainer never decays biases and gains, so the slices of ln1w [2, 4] and qkvb [2, 12] go to
+// the no-decay group, the slices of qkvw [2, 12, 4] are decayed; the whole ln2w [2, 4] (not
+// declared as slices) is decayed as a matrix, with a note, as are [1, 4] and a lone "odd[3]".
+TEST_CASE("AdamWGroups: no_decay_1d decides stacked tensors by their StackedSlices slices",
+          "[zero]") {
+  // The slices as StackedSlices (zero/engine.h) names them: "name[l]" in module "module[l]".
+  std::vector<memory::ParamSpec> specs = {{"wte", {10, 4}, "wte"},
+                                          {"ln1w[0]", {4}, "ln1[0]"},
+                                          {"ln1w[1]", {4}, "ln1[1]"},
+                                          {"qkvw[0]", {12, 4}, "attn[0]"},
+                                          {"qkvw[1]", {12, 4}, "attn[1]"},
+                                          {"qkvb[0]", {12}, "attn[0]"},
+                                          {"qkvb[1]", {12}, "attn[1]"}};
+  specs.push_back({"ln2w", {2, 4}, "ln2"});
+  specs.push_back({"lnfw", {4}, "lnf"});
+  specs.push_back({"scale", {1, 4}, "lnf"});
+  specs.push_back({"odd[3]", {2, 2}, "odd[3]"});
+  // wte ln1w[0] ln1w[1] qkvw[0] qkvw[1] qkvb[0] qkvb[1] ln2w lnfw scale odd[3]
+  const std::vector<int64_t> layers = {0, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0};
+  CHECK(StackedLayers(specs) == layers);
+  std::vector<std::string> notes;
+  const absl::StatusOr<GroupChoice> c = ResolveParamGroups(specs, {}, {}, true, &notes);
+  REQUIRE(c.ok());
+  const std::vector<bool> no_decay = {false, true, true, false, false, true, true,
+                                      false, true, false, false};
+  for (size_t i = 0; i < specs.size(); ++i) {
+    INFO(specs[i].name);
+    RequireGroup(*c, specs, specs[i].name,
+                 no_decay[i] ? std::optional<ParamGroup>(ParamGroup{0.0, 1.0}) : std::nullopt);
+  }
+  REQUIRE(notes.size() == 3);
+  CHECK(absl::StrContains(notes[0], "'ln2w' [2, 4] is decayed as a matrix"));
+  CHECK(absl::StrContains(notes[0], "declare it with StackedSlices so that each [4] slice"));
+  CHECK(absl::StrContains(notes[1], "'scale' [1, 4] has a dimension of 1"));
+  CHECK(absl::StrContains(notes[2], "'odd[3]' [2, 2] is named like a StackedSlices slice"));
+  // Without no_decay_1d nothing is grouped and nothing is noted.
+  notes.clear();
+  REQUIRE(ResolveParamGroups(specs, {}, {}, false, &notes).ok());
+  CHECK(notes.empty());
+}
+
 TEST_CASE("AdamWGroups: bad groups are InvalidArgument naming the parameter or pattern",
           "[zero]") {
   const std::vector<memory::ParamSpec> specs = testing::SmallModel();

@@ -1,0 +1,117 @@
+// Safetensors files as Hugging Face's loaders read and write them: the format layer under
+// checkpoint/weights.h, with no engine in it.
+//
+// A file is an 8-byte little-endian header length N, N bytes of JSON (padded with spaces to a
+// multiple of 8), then the tensors' bytes back to back. The JSON maps each tensor name to
+// {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]} (offsets relative to the end of
+// the header) and may hold "__metadata__", an object of strings.
+//
+//   ASSIGN_OR_RETURN(safetensors::FileHeader h, safetensors::ReadHeader(path));
+//   const safetensors::TensorInfo* t = h.Find("wte");   // t->begin, t->end: absolute bytes
+//
+// Reading is strict, because a file may come from anywhere: the header length is capped
+// (kMaxHeaderBytes), the JSON goes through base/json.h (no duplicate keys), every tensor must
+// hold exactly dtype, shape and data_offsets, and the byte ranges must tile the data section
+// exactly (no overlap, no gap, nothing past the end or after the last tensor), as the
+// safetensors library itself requires. Every error names the file, and the tensor and its
+// byte range where there is one.
+//
+// Writing produces what `safetensors.torch.save_file` would for the same tensors in the same
+// order: tensors are written in the order given, 8-byte aligned data. Files appear complete or
+// not at all (a temporary in the same directory, fsynced, then renamed).
+//
+// Thread safety: free functions; no shared state.
+#ifndef ZERORT_CHECKPOINT_SAFETENSORS_H_
+#define ZERORT_CHECKPOINT_SAFETENSORS_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "base/dtype.h"
+
+namespace zerort {
+namespace safetensors {
+
+// The safetensors library refuses headers over 100 MB; so do we, before allocating one.
+inline constexpr int64_t kMaxHeaderBytes = int64_t{100} << 20;
+
+struct TensorInfo {
+  std::string name;
+  std::string dtype;           // as the file names it: "F32", "BF16", "I64", ...
+  std::vector<int64_t> shape;  // [] is a scalar
+  int64_t numel = 0;
+  int64_t begin = 0;           // absolute byte range in the file: [begin, end)
+  int64_t end = 0;
+};
+
+struct FileHeader {
+  std::string path;
+  int64_t file_bytes = 0;
+  int64_t data_start = 0;  // 8 + header length: where data_offsets count from
+  std::vector<std::pair<std::string, std::string>> metadata;
+  std::vector<TensorInfo> tensors;  // in the order of their bytes in the file
+
+  // The tensor named `name`, or nullptr.
+  const TensorInfo* Find(absl::string_view name) const;
+};
+
+// Bytes per element of a safetensors dtype name ("F32" 4, "BF16" 2, "BOOL" 1, ...); 0 for a
+// name the format does not define.
+int64_t DTypeBytes(absl::string_view dtype);
+
+// Parses the JSON header of a file of `file_bytes` bytes whose header is `json` (so the data
+// section starts at 8 + json.size()). InvalidArgument naming `path` (and the tensor) for
+// anything the format does not allow.
+absl::StatusOr<FileHeader> ParseHeader(absl::string_view json, int64_t file_bytes,
+                                       const std::string& path);
+
+// Reads and parses the header of the file at `path` (only the header's bytes are read).
+// NotFound / PermissionDenied naming the path; InvalidArgument as ParseHeader, or for a file
+// too short for its header or a header over kMaxHeaderBytes.
+absl::StatusOr<FileHeader> ReadHeader(const std::string& path);
+
+// OK for the dtypes ToFloat converts (F64, F32, F16, BF16); InvalidArgument naming `what` and
+// the dtype for any other.
+absl::Status CheckFloatDType(absl::string_view dtype, absl::string_view what);
+
+// Converts `n` little-endian elements of safetensors dtype `dtype` (F64, F32, F16, BF16) at
+// `src` to fp32 (F64 rounds to nearest). InvalidArgument naming `what` and the dtype for any
+// other dtype.
+absl::Status ToFloat(absl::string_view dtype, const char* src, int64_t n, float* dst,
+                     absl::string_view what);
+
+// One tensor to write: fp32 values, converted to the file's dtype on the way out.
+struct OutTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  absl::Span<const float> values;  // numel elements, row-major
+};
+
+// "F32" for kF32, "BF16" for kBF16, "F16" for kF16.
+absl::string_view SafetensorsDTypeName(DType dtype);
+
+// The header of a file holding `tensors` in this order as `dtype`: the 8-byte length, then the
+// JSON ("__metadata__" first) padded with spaces to a multiple of 8 bytes.
+std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
+                         const std::vector<std::pair<std::string, std::string>>& metadata);
+
+// Writes `tensors` in this order as one file at `path`, replacing any file there. The file
+// appears complete or not at all. InvalidArgument for a duplicate or reserved name or values
+// whose size is not the shape's; the I/O error naming the path otherwise.
+absl::Status WriteFile(const std::string& path, absl::Span<const OutTensor> tensors, DType dtype,
+                       const std::vector<std::pair<std::string, std::string>>& metadata);
+
+// Writes `bytes` to `path` the same way (a temporary, fsync, rename): what the index of a
+// sharded set goes through.
+absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes);
+
+}  // namespace safetensors
+}  // namespace zerort
+
+#endif  // ZERORT_CHECKPOINT_SAFETENSORS_H_

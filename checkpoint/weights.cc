@@ -1,0 +1,209 @@
+// Weights in and out as safetensors (checkpoint/weights.h): the export layout (one file, or
+// shards and an index), and the import that reads each rank's owned elements only.
+#include "checkpoint/weights.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "base/json.h"
+#include "base/status.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "comm/agree.h"
+
+namespace zerort {
+namespace {
+
+using safetensors::FileHeader;
+using safetensors::OutTensor;
+using safetensors::TensorInfo;
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty() || dir.back() == '/') return dir + name;
+  return dir + "/" + name;
+}
+
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+// Tensor indices in name order, cut into shards of at most `max_bytes` of data each (0: one).
+std::vector<std::vector<int>> PlanShards(const std::vector<memory::ParamLayout>& specs,
+                                         int64_t elem_bytes, int64_t max_bytes) {
+  std::vector<int> order(specs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return specs[a].name < specs[b].name; });
+  std::vector<std::vector<int>> shards(1);
+  int64_t bytes = 0;
+  for (int i : order) {
+    const int64_t b = specs[i].numel * elem_bytes;
+    if (max_bytes > 0 && !shards.back().empty() && bytes + b > max_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    shards.back().push_back(i);
+    bytes += b;
+  }
+  return shards;
+}
+
+std::string ShardName(size_t k, size_t n) {
+  return absl::StrFormat("model-%05d-of-%05d.safetensors", k + 1, n);
+}
+
+absl::Status MakeDir(const std::string& dir) {
+  if (IsDir(dir)) return absl::OkStatus();
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::InternalError(
+        absl::StrCat("cannot create directory '", dir, "': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+std::string IndexJson(const std::vector<memory::ParamLayout>& specs,
+                      const std::vector<std::vector<int>>& shards, int64_t elem_bytes) {
+  int64_t total = 0;
+  std::map<std::string, std::string> weight_map;  // sorted by name, as Hugging Face writes it
+  for (size_t k = 0; k < shards.size(); ++k) {
+    for (int i : shards[k]) {
+      weight_map[specs[i].name] = ShardName(k, shards.size());
+      total += specs[i].numel * elem_bytes;
+    }
+  }
+  Json index = Json::object();
+  index["metadata"] = {{"total_size", total}};
+  index["weight_map"] = Json::object();
+  for (const auto& [name, file] : weight_map) index["weight_map"][name] = file;
+  return index.dump(2) + "\n";
+}
+
+absl::Status CheckExportOptions(const WeightsExportOptions& options) {
+  if (options.dtype != DType::kF32 && options.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights export dtype ", DTypeName(options.dtype), ": use fp32 or bf16"));
+  }
+  if (options.max_shard_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights export max_shard_bytes ", options.max_shard_bytes, ": must be >= 0"));
+  }
+  return absl::OkStatus();
+}
+
+// Where each shard goes: `out` itself, or files in the directory `out` (the index last).
+struct OutputLayout {
+  bool one_file = false;
+  std::vector<std::vector<int>> shards;  // parameter indices per file, in name order
+  std::vector<std::string> paths;        // per shard, then the index when sharded
+};
+
+absl::StatusOr<OutputLayout> LayoutOf(const std::vector<memory::ParamLayout>& specs,
+                                      const std::string& out,
+                                      const WeightsExportOptions& options) {
+  OutputLayout l;
+  const int64_t es = static_cast<int64_t>(DTypeSize(options.dtype));
+  l.shards = PlanShards(specs, es, options.max_shard_bytes);
+  l.one_file = absl::EndsWith(out, ".safetensors") && !IsDir(out);
+  if (l.one_file && l.shards.size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", out, "' names one file, but the weights need ", l.shards.size(),
+        " shards of at most ", options.max_shard_bytes, " bytes: give a directory"));
+  }
+  const size_t n = l.shards.size();
+  for (size_t k = 0; k < n; ++k) {
+    l.paths.push_back(l.one_file ? out : JoinPath(out, n == 1 ? kWeightsFileName : ShardName(k, n)));
+  }
+  if (n > 1) l.paths.push_back(JoinPath(out, kWeightsIndexName));
+  return l;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> WriteWeights(const std::vector<memory::ParamLayout>& specs,
+                                                      absl::Span<const float> values,
+                                                      const std::string& out,
+                                                      const WeightsExportOptions& options) {
+  RETURN_IF_ERROR(CheckExportOptions(options));
+  std::vector<int64_t> start(specs.size() + 1, 0);  // each parameter's place in `values`
+  for (size_t i = 0; i < specs.size(); ++i) start[i + 1] = start[i] + specs[i].numel;
+  if (start.back() != static_cast<int64_t>(values.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteWeights: ", values.size(),
+                                                   " values for ", start.back(), " elements"));
+  }
+  ASSIGN_OR_RETURN(const OutputLayout layout, LayoutOf(specs, out, options));
+  if (!layout.one_file) RETURN_IF_ERROR(MakeDir(out));
+  for (size_t k = 0; k < layout.shards.size(); ++k) {
+    std::vector<OutTensor> tensors;
+    for (int i : layout.shards[k]) {
+      tensors.push_back({specs[i].name, specs[i].shape,
+                         values.subspan(start[i], specs[i].numel)});
+    }
+    RETURN_IF_ERROR(
+        safetensors::WriteFile(layout.paths[k], tensors, options.dtype, {{"format", "pt"}}));
+  }
+  const std::string index = JoinPath(out, kWeightsIndexName);
+  if (layout.shards.size() > 1) {
+    const int64_t es = static_cast<int64_t>(DTypeSize(options.dtype));
+    RETURN_IF_ERROR(safetensors::WriteFileAtomically(index, IndexJson(specs, layout.shards, es)));
+  } else if (!layout.one_file && Exists(index)) {
+    // A stale index from an earlier sharded export would be read before model.safetensors.
+    if (::unlink(index.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("cannot remove the stale index '", index,
+                                              "': ", std::strerror(errno)));
+    }
+  }
+  return layout.paths;
+}
+
+absl::StatusOr<std::vector<std::string>> ExportWeights(Engine& engine, const std::string& out,
+                                                       const WeightsExportOptions& options) {
+  ASSIGN_OR_RETURN(std::vector<float> masters, engine.GatherMasterWeights());
+  absl::StatusOr<std::vector<std::string>> written = std::vector<std::string>();
+  if (engine.plan().options.rank == 0) {
+    written = WriteWeights(engine.plan().params, masters, out, options);
+  }
+  // Every rank returns rank 0's verdict; the file list is a pure function of the plan.
+  RETURN_IF_ERROR(comm::AgreeOnStatus(*engine.NewHostExchange(), written.status()));
+  if (engine.plan().options.rank == 0) return written;
+  ASSIGN_OR_RETURN(const OutputLayout layout, LayoutOf(engine.plan().params, out, options));
+  return layout.paths;
+}
+
+absl::StatusOr<std::vector<std::string>> ExportCheckpointWeights(
+    const std::string& checkpoint, const std::string& out, const WeightsExportOptions& options) {
+  RETURN_IF_ERROR(CheckExportOptions(options));
+  ASSIGN_OR_RETURN(CheckpointState state, ReadCheckpoint(checkpoint));
+  std::vector<memory::ParamLayout> specs;
+  std::vector<float> values;
+  for (size_t i = 0; i < state.info.params.size(); ++i) {
+    memory::ParamLayout p;
+    p.name = state.info.params[i].name;
+    p.shape = state.info.params[i].shape;
+    p.numel = state.info.params[i].numel;
+    specs.push_back(std::move(p));
+    values.insert(values.end(), state.master[i].begin(), state.master[i].end());
+    std::vector<float>().swap(state.exp_avg[i]);  // the moments are not exported
+    std::vector<float>().swap(state.exp_avg_sq[i]);
+  }
+  return WriteWeights(specs, values, out, options);
+}
+
+}  // namespace zerort

@@ -1,0 +1,417 @@
+#include "checkpoint/weights.h"
+
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "base/dtype.h"
+#include "base/status.h"
+#include "base/testing/temp_dir.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
+#include "comm/testing/on_ranks.h"
+#include "device/testing/one_thread.h"
+#include "zero/testing/synthetic_trainer.h"
+
+namespace zerort {
+namespace {
+
+using testing::SmallModel;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+void WriteAll(const std::string& path, const std::string& data) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(data.data(), static_cast<std::streamsize>(data.size()));
+}
+
+void RequireAllOk(const std::vector<absl::Status>& st) {
+  for (size_t r = 0; r < st.size(); ++r) {
+    INFO("rank " << r << ": " << st[r].ToString());
+    REQUIRE(st[r].ok());
+  }
+}
+
+void RequireError(const absl::Status& s, absl::StatusCode code, absl::string_view text) {
+  INFO(s.ToString());
+  REQUIRE(s.code() == code);
+  REQUIRE(absl::StrContains(s.message(), text));
+}
+
+// What an import must produce from a file of `dtype` written from `master`: the values
+// rounded to the file's dtype once (the scalar conversion of base/half.h is the reference).
+std::vector<float> RoundTo(DType dtype, const std::vector<float>& master) {
+  std::vector<float> out(master);
+  if (dtype == DType::kBF16) {
+    for (float& f : out) f = Bf16ToFloat(FloatToBf16(f));
+  }
+  return out;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// Trains SmallModel for two steps on `world` ranks and exports it to `out`; returns the masters.
+std::vector<float> TrainAndExport(int stage, int world, const std::string& out,
+                                  const WeightsExportOptions& options) {
+  auto device = testing::OneThreadCpuDevice();
+  std::vector<float> master;
+  RequireAllOk(comm::testing::OnRanks(world, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(stage, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    RETURN_IF_ERROR(testing::TrainSteps(*engine, 0, 2));
+    ASSIGN_OR_RETURN(std::vector<std::string> files, ExportWeights(*engine, out, options));
+    if (files.empty()) return absl::InternalError("no file written");
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) master = m;
+    return absl::OkStatus();
+  }));
+  return master;
+}
+
+// Imports `path` into a fresh engine (initialised to other values) on `world` ranks, then
+// exports it to `out` (when not empty); returns the imported masters.
+std::vector<float> ImportAndExport(int stage, int world, const std::string& path,
+                                   const std::string& out, const WeightsExportOptions& options) {
+  auto device = testing::OneThreadCpuDevice();
+  std::vector<float> master;
+  RequireAllOk(comm::testing::OnRanks(world, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(stage, DType::kF32, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine, 0.5f));
+    ASSIGN_OR_RETURN(WeightsImportReport report, ImportWeights(*engine, path));
+    if (!report.ignored.empty()) return absl::InternalError("ignored tensors");
+    if (!out.empty()) RETURN_IF_ERROR(ExportWeights(*engine, out, options).status());
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) master = m;
+    return absl::OkStatus();
+  }));
+  return master;
+}
+
+std::vector<std::string> Files(const std::string& dir, int shards) {
+  if (shards == 1) return {dir + "/model.safetensors"};
+  std::vector<std::string> out;
+  for (int k = 1; k <= shards; ++k) {
+    char name[64];
+    std::snprintf(name, sizeof name, "/model-%05d-of-%05d.safetensors", k, shards);
+    out.push_back(dir + name);
+  }
+  out.push_back(dir + "/model.safetensors.index.json");
+  return out;
+}
+
+TEST_CASE("Weights: export -> import -> export gives identical files", "[weights]") {
+  const DType dtype = GENERATE(DType::kF32, DType::kBF16);
+  const int stage = GENERATE(0, 1, 2, 3);
+  const int world = GENERATE(1, 2);
+  // 1000 bytes: SmallModel (1061 elements) becomes several shards, l1.w alone in one.
+  const int64_t max_shard = GENERATE(int64_t{0}, int64_t{1000});
+  INFO("dtype " << DTypeName(dtype) << " stage " << stage << " world " << world << " shard "
+                << max_shard);
+  WeightsExportOptions options;
+  options.dtype = dtype;
+  options.max_shard_bytes = max_shard;
+  const std::string a = testing::TempDir("weights_a_"), b = testing::TempDir("weights_b_");
+  const std::vector<float> trained = TrainAndExport(stage, world, a, options);
+  // Import into the other world size too: the masters must not depend on who reads them.
+  const std::vector<float> imported = ImportAndExport(stage, 3 - world, a, b, options);
+  REQUIRE(BitEqual(imported, RoundTo(dtype, trained)));
+  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
+  for (const std::string& f : Files(a, shards)) {
+    INFO(f);
+    const std::string there = ReadAll(f);
+    REQUIRE(!there.empty());
+    REQUIRE(there == ReadAll(b + f.substr(a.size())));
+  }
+}
+
+// The bytes of the exported file, read by hand: the layout Hugging Face's loaders expect.
+TEST_CASE("Weights: an exported file has the safetensors layout", "[weights]") {
+  const std::string dir = testing::TempDir("weights_layout_");
+  const std::string path = dir + "/w.safetensors";
+  WeightsExportOptions options;
+  const std::vector<float> master = TrainAndExport(1, 2, path, options);
+  const std::string bytes = ReadAll(path);
+  REQUIRE(bytes.size() > 8);
+  uint64_t n = 0;
+  for (int k = 7; k >= 0; --k) n = (n << 8) | static_cast<unsigned char>(bytes[k]);
+  REQUIRE(n % 8 == 0);
+  REQUIRE(bytes.size() == 8 + n + master.size() * 4);
+  const std::string header = bytes.substr(8, n);
+  REQUIRE(absl::StartsWith(header, "{\"__metadata__\":{\"format\":\"pt\"},\"embed.w\":"));
+  REQUIRE(header.find_last_not_of(' ') + 1 == header.rfind('}') + 1);
+  // Name order: embed.w [37, 5] first, then head.w [101] at 185 * 4 bytes.
+  REQUIRE(absl::StrContains(header, "\"head.w\":{\"dtype\":\"F32\",\"shape\":[101],"
+                                    "\"data_offsets\":[740,1144]}"));
+  const int64_t head_start = 185 + 143 + 13 + 576 + 1 + 42;  // registration order
+  REQUIRE(std::memcmp(bytes.data() + 8 + n + 740, master.data() + head_start, 101 * 4) == 0);
+  REQUIRE(std::memcmp(bytes.data() + 8 + n, master.data(), 185 * 4) == 0);
+}
+
+// A valid two-tensor file: "a" F32 [2] then "b" F32 [1], built by hand.
+std::string FileOf(const std::string& json, int64_t data_bytes = 12) {
+  std::string out(8, '\0');
+  for (int k = 0; k < 8; ++k) out[k] = static_cast<char>((json.size() >> (8 * k)) & 0xff);
+  return out + json + std::string(static_cast<size_t>(data_bytes), '\0');
+}
+
+TEST_CASE("Weights: every malformed header gives its named error", "[weights]") {
+  const std::string good =
+      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+      R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
+  struct Case {
+    const char* name;
+    std::string bytes;
+    const char* error;
+  };
+  std::string huge(8, '\0');
+  huge[4] = 0x10;  // 2^36 bytes of header
+  std::string past = FileOf(good);
+  for (int k = 0; k < 8; ++k) {  // claims 64 more header bytes than exist
+    past[k] = static_cast<char>(((good.size() + 12 + 64) >> (8 * k)) & 0xff);
+  }
+  auto edit = [&](const std::string& from, const std::string& to, int64_t data = 12) {
+    std::string j = good;
+    j.replace(j.find(from), from.size(), to);
+    return FileOf(j, data);
+  };
+  const std::vector<Case> cases = {
+      {"short", "abc", "too short for a header length"},
+      {"huge", huge, "exceeds the limit"},
+      {"past end", past, "runs past the end of the file"},
+      {"not json", FileOf("{\"a\":"), "not valid JSON"},
+      {"not an object", FileOf("[1,2]"), "not a JSON object"},
+      {"duplicate", edit("\"b\":", "\"a\":"), "duplicate key"},
+      {"unknown key", edit("\"shape\":[1]", "\"shape\":[1],\"strides\":[1]"), "unknown key"},
+      {"unknown dtype", edit("\"dtype\":\"F32\",\"shape\":[1]", "\"dtype\":\"Q4\",\"shape\":[1]"),
+       "tensor 'b': unknown dtype 'Q4'"},
+      {"negative dim", edit("[2]", "[-2]"), "expected"},
+      {"size mismatch", edit("[2]", "[3]"), "tensor 'a': data_offsets [0, 8) hold 8 bytes"},
+      {"offsets arity", edit("[8,12]", "[8,12,16]"), "data_offsets must be [begin, end]"},
+      {"overlap", edit("[8,12]", "[4,8]"), "overlap"},
+      {"gap", edit("[8,12]", "[12,16]", 16), "gap of 4 bytes before tensor 'b'"},
+      {"past data", edit("[8,12]", "[8,12]", 10), "run past the end of the data"},
+      {"trailing", FileOf(good, 16), "4 bytes after the last tensor"},
+      {"metadata", edit("\"pt\"", "1"), "__metadata__.format: expected a string"},
+  };
+  const std::string dir = testing::TempDir("weights_bad_");
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const std::string path = absl::StrCat(dir, "/", c.name, ".safetensors");
+    WriteAll(path, c.bytes);
+    absl::StatusOr<safetensors::FileHeader> h = safetensors::ReadHeader(path);
+    REQUIRE(!h.ok());
+    RequireError(h.status(), absl::StatusCode::kInvalidArgument, c.error);
+    REQUIRE(absl::StrContains(h.status().message(), path));
+  }
+  WriteAll(dir + "/good.safetensors", FileOf(good));
+  REQUIRE(safetensors::ReadHeader(dir + "/good.safetensors").ok());
+}
+
+// --- import against the engine: names, shapes, dtypes --------------------------------------
+
+struct RawTensor {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  std::string data;  // little-endian bytes
+};
+
+// Hand-assembled file (the writer under test is not used): tensors in the order given.
+std::string Assemble(const std::vector<RawTensor>& ts) {
+  std::string json = "{";
+  int64_t off = 0;
+  std::string data;
+  for (const RawTensor& t : ts) {
+    std::string shape;
+    for (size_t d = 0; d < t.shape.size(); ++d) absl::StrAppend(&shape, d ? "," : "", t.shape[d]);
+    absl::StrAppend(&json, json.size() > 1 ? "," : "", "\"", t.name, "\":{\"dtype\":\"",
+                    t.dtype, "\",\"shape\":[", shape, "],\"data_offsets\":[", off, ",",
+                    off + static_cast<int64_t>(t.data.size()), "]}");
+    off += static_cast<int64_t>(t.data.size());
+    data += t.data;
+  }
+  json += "}";
+  return FileOf(json, 0) + data;
+}
+
+template <typename T>
+std::string Bytes(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+// SmallModel's tensors as F32, each element k of parameter i = i + k / 1024 (exact in fp32).
+std::vector<RawTensor> SmallModelTensors() {
+  std::vector<RawTensor> out;
+  const auto specs = SmallModel();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    std::vector<float> v(static_cast<size_t>(specs[i].numel()));
+    for (size_t k = 0; k < v.size(); ++k) v[k] = static_cast<float>(i) + k / 1024.0f;
+    out.push_back({specs[i].name, "F32", specs[i].shape, Bytes(v)});
+  }
+  return out;
+}
+
+absl::StatusOr<WeightsImportReport> ImportOn(int world, const std::string& path,
+                                             const WeightsImportOptions& options,
+                                             std::vector<float>* master = nullptr) {
+  auto device = testing::OneThreadCpuDevice();
+  std::vector<absl::StatusOr<WeightsImportReport>> reports(world, absl::UnknownError("unset"));
+  std::vector<absl::Status> st =
+      comm::testing::OnRanks(world, {20000}, [&](int rank, comm::Communicator* comm) {
+        const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
+        ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*engine));
+        reports[rank] = ImportWeights(*engine, path, options);
+        if (reports[rank].ok() && master != nullptr) {  // collective: every rank gathers
+          ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+          if (rank == 0) *master = std::move(m);
+        }
+        return reports[rank].status();
+      });
+  for (int r = 1; r < world; ++r) REQUIRE(st[r].code() == st[0].code());  // one verdict
+  return reports[0];
+}
+
+TEST_CASE("Weights: F64, F16 and BF16 tensors convert to fp32 masters", "[weights]") {
+  std::vector<RawTensor> ts = SmallModelTensors();
+  ts[4] = {"l1.b", "F16", {1}, Bytes(std::vector<uint16_t>{0x3555})};  // 0.333251953125
+  ts[2].dtype = "BF16";  // l0.b [13]: 1.0, -2.0, then 0.5 (0x3f00)
+  std::vector<uint16_t> bf(13, 0x3f00);
+  bf[0] = 0x3f80;
+  bf[1] = 0xc000;
+  ts[2].data = Bytes(bf);
+  std::vector<double> f64(101, 0.1);  // head.w: 0.1 rounds to 0x3dcccccd in fp32
+  ts[6] = {"head.w", "F64", {101}, Bytes(f64)};
+  const std::string dir = testing::TempDir("weights_dtypes_");
+  WriteAll(dir + "/m.safetensors", Assemble(ts));
+  const int world = GENERATE(1, 2);
+  std::vector<float> master;
+  REQUIRE(ImportOn(world, dir + "/m.safetensors", {}, &master).ok());
+  REQUIRE(master.size() == 1061);
+  REQUIRE(master[185] == 1.0f);  // l0.w [13, 11]: 1 + k / 1024
+  REQUIRE(master[185 + 142] == 1.0f + 142 / 1024.0f);
+  REQUIRE(master[328] == 1.0f);  // l0.b
+  REQUIRE(master[329] == -2.0f);
+  REQUIRE(master[340] == 0.5f);
+  REQUIRE(master[341 + 576] == 0.333251953125f);  // l1.b
+  uint32_t bits;
+  std::memcpy(&bits, &master[1061 - 101], 4);
+  REQUIRE(bits == 0x3dcccccdu);
+}
+
+TEST_CASE("Weights: missing, extra, misshapen and unloadable tensors are named", "[weights]") {
+  const std::string dir = testing::TempDir("weights_names_");
+  std::vector<RawTensor> ts = SmallModelTensors();
+  SECTION("missing") {
+    ts.erase(ts.begin() + 3);
+    WriteAll(dir + "/m.safetensors", Assemble(ts));
+    RequireError(ImportOn(2, dir + "/m.safetensors", {}).status(), absl::StatusCode::kNotFound,
+                 "have no tensor in the files (1 file(s) from '" + dir + "/m.safetensors'): l1.w");
+  }
+  SECTION("extra, refused or ignored and listed") {
+    ts.push_back({"attn.mask", "BOOL", {3}, std::string(3, '\1')});
+    WriteAll(dir + "/m.safetensors", Assemble(ts));
+    RequireError(ImportOn(2, dir + "/m.safetensors", {}).status(),
+                 absl::StatusCode::kInvalidArgument, "1 tensor(s) name no parameter");
+    WeightsImportOptions allow;
+    allow.allow_extra = true;
+    absl::StatusOr<WeightsImportReport> r = ImportOn(2, dir + "/m.safetensors", allow);
+    REQUIRE(r.ok());
+    REQUIRE(r->ignored == std::vector<std::string>{"attn.mask"});
+  }
+  SECTION("misshapen") {
+    ts[1].shape = {11, 13};
+    WriteAll(dir + "/m.safetensors", Assemble(ts));
+    RequireError(ImportOn(2, dir + "/m.safetensors", {}).status(),
+                 absl::StatusCode::kInvalidArgument,
+                 "' (bytes [");
+    RequireError(ImportOn(1, dir + "/m.safetensors", {}).status(),
+                 absl::StatusCode::kInvalidArgument,
+                 "has shape [11, 13]; parameter 'l0.w' has [13, 11]");
+  }
+  SECTION("a dtype that is not a float") {
+    ts[4] = {"l1.b", "I32", {1}, std::string(4, '\0')};
+    WriteAll(dir + "/m.safetensors", Assemble(ts));
+    RequireError(ImportOn(2, dir + "/m.safetensors", {}).status(),
+                 absl::StatusCode::kInvalidArgument, "tensor 'l1.b' in '");
+    RequireError(ImportOn(1, dir + "/m.safetensors", {}).status(),
+                 absl::StatusCode::kInvalidArgument, "has dtype I32");
+  }
+}
+
+TEST_CASE("Weights: a sharded set is read through its index, which must agree", "[weights]") {
+  const std::string dir = testing::TempDir("weights_index_");
+  std::vector<RawTensor> ts = SmallModelTensors();
+  WriteAll(dir + "/one.safetensors",
+           Assemble(std::vector<RawTensor>(ts.begin(), ts.begin() + 3)));
+  WriteAll(dir + "/two.safetensors", Assemble(std::vector<RawTensor>(ts.begin() + 3, ts.end())));
+  std::string map;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    absl::StrAppend(&map, i ? "," : "", "\"", ts[i].name, "\":\"", i < 3 ? "one" : "two",
+                    ".safetensors\"");
+  }
+  const std::string index = dir + "/model.safetensors.index.json";
+  SECTION("the directory, through its index") {
+    WriteAll(index, "{\"metadata\":{\"total_size\":4244},\"weight_map\":{" + map + "}}");
+    std::vector<float> master;
+    absl::StatusOr<WeightsImportReport> r = ImportOn(2, dir, {}, &master);
+    REQUIRE(r.ok());
+    REQUIRE(r->files.size() == 2);
+    for (size_t k = 0; k < 185; ++k) REQUIRE(master[k] == k / 1024.0f);
+    REQUIRE(master[1060] == 6 + 100 / 1024.0f);
+  }
+  SECTION("a tensor the index places elsewhere") {
+    std::string bad = map;
+    bad.replace(bad.find("\"l0.b\":\"one"), 11, "\"l0.b\":\"two");
+    WriteAll(index, "{\"weight_map\":{" + bad + "}}");
+    RequireError(ImportOn(1, index, {}).status(), absl::StatusCode::kInvalidArgument,
+                 "tensor 'l0.b' is in '" + dir + "/one.safetensors' but the index places it in '" +
+                     dir + "/two.safetensors'");
+  }
+  SECTION("a file name outside the index's directory") {
+    std::string bad = map;
+    bad.replace(bad.find("\"one.safetensors"), 16, "\"../one.safetensors");
+    WriteAll(index, "{\"weight_map\":{" + bad + "}}");
+    RequireError(ImportOn(1, index, {}).status(), absl::StatusCode::kInvalidArgument,
+                 "expected a file name beside the index");
+  }
+}
+
+TEST_CASE("Weights: the export of a saved checkpoint equals the live engine's", "[weights]") {
+  const std::string root = testing::TempDir("weights_ckpt_");
+  auto device = testing::OneThreadCpuDevice();
+  WeightsExportOptions options;
+  options.dtype = DType::kBF16;
+  RequireAllOk(comm::testing::OnRanks(2, {20000}, [&](int, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    RETURN_IF_ERROR(testing::TrainSteps(*engine, 0, 3));
+    RETURN_IF_ERROR(SaveCheckpoint(*engine, root + "/ckpt").status());
+    return ExportWeights(*engine, root + "/live.safetensors", options).status();
+  }));
+  absl::StatusOr<std::vector<std::string>> files =
+      ExportCheckpointWeights(root + "/ckpt", root + "/offline.safetensors", options);
+  REQUIRE(files.ok());
+  REQUIRE(*files == std::vector<std::string>{root + "/offline.safetensors"});
+  REQUIRE(ReadAll(root + "/live.safetensors") == ReadAll(root + "/offline.safetensors"));
+  RequireError(ExportCheckpointWeights(root + "/ckpt", root + "/x.safetensors",
+                                        {DType::kF16, 0}).status(),
+               absl::StatusCode::kInvalidArgument, "use fp32 or bf16");
+}
+
+}  // namespace
+}  // namespace zerort
