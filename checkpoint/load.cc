@@ -32,16 +32,6 @@ using ckpt_internal::ResolveDir;
 
 namespace {
 
-// The manifest's "loss_scaler" object, as save.cc wrote it.
-ScalerState ScalerStateOf(const Manifest& m) {
-  ScalerState s;
-  s.loss_scale = m.loss_scale;
-  s.scaler_hysteresis_left = m.scaler_hysteresis_left;
-  s.scaler_iter = m.scaler_iter;
-  s.scaler_last_overflow = m.scaler_last_overflow;
-  return s;
-}
-
 // The local part of a load: everything that can fail, before the engine is touched.
 absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOptions& options,
                        std::vector<float>* master, std::vector<float>* m, std::vector<float>* v,
@@ -99,7 +89,7 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
     RETURN_IF_ERROR(ReadShard(fs, dir, man, q, std::move(per_file[q])));
   }
   state->step = man.step;
-  static_cast<ScalerState&>(*state) = ScalerStateOf(man);
+  static_cast<ScalerState&>(*state) = man.scaler;
   state->hyperparams_set = man.hyperparams_set;
   state->hyperparams = {man.lr, man.beta1, man.beta2, man.eps, man.weight_decay};
   return absl::OkStatus();

@@ -97,15 +97,6 @@ std::string ConfigHash(const Config& config) {
   return absl::StrFormat("fnv1a64:%016x", h);
 }
 
-// The manifest keeps the loss scaler's state (zero/loss_scaler.h ScalerState) under the same
-// names, in its "loss_scaler" object on disk (load.cc reads it back).
-void SetScalerState(const ScalerState& s, Manifest* m) {
-  m->loss_scale = s.loss_scale;
-  m->scaler_hysteresis_left = s.scaler_hysteresis_left;
-  m->scaler_iter = s.scaler_iter;
-  m->scaler_last_overflow = s.scaler_last_overflow;
-}
-
 Manifest ManifestOf(const Engine& engine, uint64_t id) {
   const memory::Plan& plan = engine.plan();
   const EngineState st = engine.state();
@@ -116,7 +107,7 @@ Manifest ManifestOf(const Engine& engine, uint64_t id) {
   m.stage = plan.options.stage;
   m.compute_dtype = plan.options.compute_dtype;
   m.config_hash = ConfigHash(engine.config());
-  SetScalerState(st, &m);
+  m.scaler = st;  // the ScalerState part of EngineState
   m.hyperparams_set = st.hyperparams_set;
   m.lr = st.hyperparams.lr;
   m.beta1 = st.hyperparams.beta1;

@@ -28,9 +28,8 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                                 mem.grad_buckets().count,
                                                                 mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
-  ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem,
-                                                            zero_internal::NvmeSetupOf(config_),
-                                                            dev_, compute, host_.get()));
+  ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem, config_, dev_,
+                                                            compute, host_.get()));
   // A pass that has made gradients is a backward one; on the window's last micro-step the
   // optimizer step follows it.
   store_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });

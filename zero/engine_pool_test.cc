@@ -41,21 +41,21 @@ std::vector<float> TrainWorld(const Config& config, Device* device, int world, i
 }
 
 std::string TempDir(const std::string& tag) {
-  return testing::TempDir(absl::StrCat("pool_", tag, "_"));
+  return testing::TempDir(absl::StrCat("slabs_", tag, "_"));
 }
 
-TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new locking "
+TEST_CASE("Engine PinnedSlabCache: the second Create of the same plan makes no new locking "
           "allocation", "[zero][memory]") {
   auto device = testing::OneThreadCpuDevice();
-  memory::PinnedSlabCache* pool = memory::SharedPinnedSlabs();
-  REQUIRE(device->allocator(MemoryKind::kPinnedHost) == pool);
+  memory::PinnedSlabCache* slabs = memory::SharedPinnedSlabs();
+  REQUIRE(device->allocator(MemoryKind::kPinnedHost) == slabs);
   const Config config = OffloadConfig();
   constexpr int kWorld = 2;
 
   MemoryReport report;
-  const PinnedSlabCacheStats before = pool->stats();
+  const PinnedSlabCacheStats before = slabs->stats();
   const std::vector<float> first = TrainWorld(config, device.get(), kWorld, 2, &report);
-  const PinnedSlabCacheStats after_first = pool->stats();
+  const PinnedSlabCacheStats after_first = slabs->stats();
   REQUIRE(report.planned[static_cast<int>(MemoryKind::kPinnedHost)] > 0);
   // One pinned arena per rank, each one slab; all back in the cache once the engines are gone.
   CHECK(after_first.os_allocations + after_first.reuses ==
@@ -68,7 +68,7 @@ TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new l
   }
 
   const std::vector<float> second = TrainWorld(config, device.get(), kWorld, 2, &report);
-  const PinnedSlabCacheStats after_second = pool->stats();
+  const PinnedSlabCacheStats after_second = slabs->stats();
   CHECK(after_second.os_allocations == after_first.os_allocations);  // no mmap, no mlock
   CHECK(after_second.reuses == after_first.reuses + kWorld);
   CHECK(after_second.os_releases == after_first.os_releases);
@@ -77,35 +77,35 @@ TEST_CASE("Engine pinned pool: the second Create of the same plan makes no new l
   CHECK(second == first);
 }
 
-TEST_CASE("Engine pinned pool: a checkpoint snapshot buffer comes from the pool too",
+TEST_CASE("Engine PinnedSlabCache: a checkpoint snapshot buffer comes from the slab cache too",
           "[zero][memory][checkpoint]") {
   auto device = testing::OneThreadCpuDevice();
-  memory::PinnedSlabCache* pool = memory::SharedPinnedSlabs();
+  memory::PinnedSlabCache* slabs = memory::SharedPinnedSlabs();
   auto comms = comm::CreateInProcessGroup(1).value();
   auto engine = Engine::Create(OffloadConfig(), testing::SmallModel(), comms[0].get(),
                                device.get());
   REQUIRE(engine.ok());
   REQUIRE(testing::TrainSteps(**engine, 0, 1).ok());
 
-  const PinnedSlabCacheStats before = pool->stats();
+  const PinnedSlabCacheStats before = slabs->stats();
   {
     AsyncCheckpointer checkpointer;
     REQUIRE(checkpointer.Start(**engine, TempDir("first")).ok());
     CHECK(checkpointer.saving() == engine->get());
-    const PinnedSlabCacheStats started = pool->stats();
+    const PinnedSlabCacheStats started = slabs->stats();
     CHECK(started.in_use_slabs == before.in_use_slabs + 1);  // the snapshot buffer
     CHECK(started.in_use_bytes > before.in_use_bytes);
     CHECK(started.os_allocations + started.reuses == before.os_allocations + before.reuses + 1);
     REQUIRE(checkpointer.Finish().ok());
     CHECK(checkpointer.saving() == nullptr);
   }
-  const PinnedSlabCacheStats released = pool->stats();
+  const PinnedSlabCacheStats released = slabs->stats();
   CHECK(released.in_use_slabs == before.in_use_slabs);  // back in the cache, still locked
 
   // A second checkpointer (another run's, after a reshard, ...) gets that slab back.
   AsyncCheckpointer again;
   REQUIRE(again.Start(**engine, TempDir("second")).ok());
-  const PinnedSlabCacheStats restarted = pool->stats();
+  const PinnedSlabCacheStats restarted = slabs->stats();
   CHECK(restarted.os_allocations == released.os_allocations);
   CHECK(restarted.reuses == released.reuses + 1);
   REQUIRE(again.Finish().ok());

@@ -11,7 +11,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
-#include "offload/cpu_kernels.h"
 #include "zero/internal/engine_impl.h"
 
 namespace zerort {
@@ -66,14 +65,9 @@ absl::Status Engine::Impl::RestoreUnit(int ui, const float* const src[3]) {
     arrays[k] = full[k].data();
   }
   RETURN_IF_ERROR(store_->StoreState(ui, arrays[0], arrays[1], arrays[2]));
-  std::vector<char> compute_values;  // (n) compute dtype, host
-  if (!reg.params_are_master) {
-    // The compute copy is round(master), exactly what Step and InitParams write; rounded on
-    // the host (as InitParams does) because the master may live there (offload).
-    compute_values.resize(reg.n * c_);
-    offload::Cast(arrays[0], DType::kF32, compute_values.data(), cdt_, reg.n);
-    RETURN_IF_ERROR(store_->StoreParams(ui, compute_values.data()));
-  }
+  // The compute copy is round(master) (UnitStore::StoreParamsFromMaster, as after a failed
+  // update read back from a file).
+  if (!reg.params_are_master) RETURN_IF_ERROR(store_->StoreParamsFromMaster(ui, arrays[0]));
   RETURN_IF_ERROR(dev_->Synchronize(streams_->compute()));  // before the arrays go
   return RegatherUnit(ui);
 }

@@ -179,7 +179,7 @@ CheckpointInfo InfoOf(const Manifest& m, const std::string& dir) {
   info.stage = m.stage;
   info.compute_dtype = std::string(DTypeName(m.compute_dtype));
   info.config_hash = m.config_hash;
-  info.loss_scale = m.loss_scale;
+  info.loss_scale = m.scaler.loss_scale;
   info.num_units = static_cast<int>(m.units.size());
   for (const auto& p : m.params) info.params.push_back({p.name, p.shape, p.numel});
   for (const auto& f : m.files) info.files.push_back({f.name, f.bytes, f.crc32c});

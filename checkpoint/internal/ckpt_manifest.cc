@@ -75,10 +75,10 @@ Json Body(const Manifest& m) {
   j["stage"] = m.stage;
   j["compute_dtype"] = std::string(DTypeName(m.compute_dtype));
   j["config_hash"] = m.config_hash;
-  j["loss_scaler"] = {{"scale", m.loss_scale},
-                      {"hysteresis_left", m.scaler_hysteresis_left},
-                      {"iter", m.scaler_iter},
-                      {"last_overflow_iter", m.scaler_last_overflow}};
+  j["loss_scaler"] = {{"scale", m.scaler.loss_scale},
+                      {"hysteresis_left", m.scaler.scaler_hysteresis_left},
+                      {"iter", m.scaler.scaler_iter},
+                      {"last_overflow_iter", m.scaler.scaler_last_overflow}};
   if (m.hyperparams_set) {
     j["optimizer"] = {{"lr", m.lr}, {"beta1", m.beta1}, {"beta2", m.beta2}, {"eps", m.eps},
                       {"weight_decay", m.weight_decay}};
@@ -167,14 +167,15 @@ absl::Status ReadScalars(const JsonFields& r, Manifest* m) {
   ASSIGN_OR_RETURN(m->config_hash, r.String("config_hash", 256));
   ASSIGN_OR_RETURN(const Json* ls, r.Object("loss_scaler"));
   JsonFields s(*ls, r.Path("loss_scaler"));
-  ASSIGN_OR_RETURN(m->loss_scale, s.Number("scale"));
-  if (!(m->loss_scale > 0) || m->loss_scale > 1e300) {
+  ScalerState& scaler = m->scaler;
+  ASSIGN_OR_RETURN(scaler.loss_scale, s.Number("scale"));
+  if (!(scaler.loss_scale > 0) || scaler.loss_scale > 1e300) {
     return Bad("loss_scaler.scale", "not a positive finite number");
   }
   ASSIGN_OR_RETURN(int64_t h, s.Int("hysteresis_left", 0, 1 << 30));
-  m->scaler_hysteresis_left = static_cast<int>(h);
-  ASSIGN_OR_RETURN(m->scaler_iter, s.Int("iter", 0, kMaxElements));
-  ASSIGN_OR_RETURN(m->scaler_last_overflow, s.Int("last_overflow_iter", -1, kMaxElements));
+  scaler.scaler_hysteresis_left = static_cast<int>(h);
+  ASSIGN_OR_RETURN(scaler.scaler_iter, s.Int("iter", 0, kMaxElements));
+  ASSIGN_OR_RETURN(scaler.scaler_last_overflow, s.Int("last_overflow_iter", -1, kMaxElements));
   if (r.Find("optimizer") == nullptr) return absl::OkStatus();  // the config's scalars
   ASSIGN_OR_RETURN(const Json* opt, r.Object("optimizer"));
   JsonFields o(*opt, r.Path("optimizer"));

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
+#include "zero/loss_scaler.h"
 
 namespace zerort {
 namespace ckpt_internal {
@@ -67,11 +68,9 @@ struct Manifest {
   int stage = 0;
   DType compute_dtype = DType::kF32;
   std::string config_hash;
-  // Engine scalar state (EngineState).
-  double loss_scale = 1;
-  int scaler_hysteresis_left = 0;
-  int64_t scaler_iter = 0;
-  int64_t scaler_last_overflow = -1;
+  // The loss scaler's state, as the engine reports it (EngineState extends ScalerState); on
+  // disk the "loss_scaler" object: scale, hysteresis_left, iter, last_overflow_iter.
+  ScalerState scaler;
   // The trainer's AdamW scalars ("optimizer" on disk, only when it set them).
   bool hyperparams_set = false;
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;

@@ -19,10 +19,10 @@ namespace {
 using internal::BlockParamIndex;
 using internal::LnFIndex;
 
-// Stage 3 keeps exactly the units of the parameters in use gathered. A small module may share a
-// unit with its neighbours and a large one may be split, so the set comes from unit_of(); a
-// unit already held stays gathered (Gather of a gathered unit is an error). Parameters are
-// converted to fp32 when fetched and dropped at the next Fetch.
+// Stage 3 keeps exactly the units of the parameters in use gathered, through the engine's
+// per-parameter holds (AcquireParams / ReleaseParams count them per unit, so a unit shared by
+// neighbouring modules needs no bookkeeping here). Parameters are converted to fp32 when
+// fetched and dropped at the next Fetch.
 class EngineAccess : public internal::ParamAccess {
  public:
   explicit EngineAccess(Engine& engine)
@@ -30,24 +30,12 @@ class EngineAccess : public internal::ParamAccess {
         values_(engine.num_params()) {}
 
   absl::Status Fetch(const std::vector<int>& params) override {
-    std::vector<int> units;  // in the order the pass meets them: the prefetch direction
-    for (int i : params) {
-      const int u = engine_.unit_of(i);
-      if (std::find(units.begin(), units.end(), u) == units.end()) units.push_back(u);
-    }
-    for (auto it = held_.begin(); it != held_.end();) {
-      if (std::find(units.begin(), units.end(), *it) != units.end()) {
-        ++it;
-        continue;
-      }
-      RETURN_IF_ERROR(engine_.Release(*it));
-      it = held_.erase(it);
-    }
-    for (int u : units) {
-      if (std::find(held_.begin(), held_.end(), u) != held_.end()) continue;
-      RETURN_IF_ERROR(engine_.Gather(u));
-      held_.push_back(u);
-    }
+    // The previous set's holds go first, so no more slots are held than one set needs; a unit
+    // in both sets keeps its slot unless the new set's gathers need that slot.
+    RETURN_IF_ERROR(engine_.ReleaseParams(held_));
+    held_.clear();
+    RETURN_IF_ERROR(engine_.AcquireParams(params));
+    held_ = params;
     for (std::vector<float>& v : values_) std::vector<float>().swap(v);
     for (int i : params) RETURN_IF_ERROR(Load(i));
     return absl::OkStatus();
@@ -73,7 +61,7 @@ class EngineAccess : public internal::ParamAccess {
   Engine& engine_;
   const DType dtype_;
   std::vector<std::vector<float>> values_;  // per parameter; filled while fetched
-  std::vector<int> held_;                   // units this pass has gathered
+  std::vector<int> held_;                   // the parameters of the last Fetch, acquired
 };
 
 // A flat fp32 parameter vector in registration order; gradients land in another.

@@ -23,6 +23,7 @@
 #include "examples/gpt/gpt.h"
 #include "examples/gpt/internal/cuda_model.h"
 #include "examples/gpt/internal/random.h"
+#include "examples/gpt/testing/stage_runs.h"
 #include "zero/config.h"
 
 namespace zerort {
@@ -165,21 +166,10 @@ TEST_CASE("GptCuda: 2 in-process ranks on one GPU, stages 0-3 give bit-identical
   auto backend = CreateCudaBackend(0);
   REQUIRE(backend.ok());
   for (DType precision : {DType::kBF16, DType::kF32}) {
-    const RunOptions options = SmallRun(backend->get(), 2, 4);
-    auto reference = RunInProcess(TestConfig(0, precision), options);
-    INFO(reference.status().message());
-    REQUIRE(reference.ok());
-    CHECK(reference->plan.units.size() >= 6u);  // stage 3 really gathers per block
-    CHECK(reference->master[0] == reference->master[1]);
-    for (int stage = 1; stage <= 3; ++stage) {
-      INFO(DTypeName(precision) << " stage " << stage);
-      auto run = RunInProcess(TestConfig(stage, precision), options);
-      INFO(run.status().message());
-      REQUIRE(run.ok());
-      CHECK(run->final_val_loss == reference->final_val_loss);
-      CHECK(run->master[0] == reference->master[0]);
-      CHECK(run->master[1] == reference->master[0]);
-    }
+    INFO(DTypeName(precision));
+    testing::CheckStagesMatchStageZero(
+        [&](int stage, bool) { return TestConfig(stage, precision); },
+        SmallRun(backend->get(), 2, 4), {false});
   }
 }
 

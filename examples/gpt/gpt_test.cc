@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "catch2/catch.hpp"
 #include "checkpoint/weights.h"
+#include "examples/gpt/testing/stage_runs.h"
 #include "zero/config.h"
 
 namespace zerort {
@@ -214,23 +215,10 @@ TEST_CASE("Gpt: training lowers the held-out loss", "[gpt]") {
 
 TEST_CASE("Gpt: stages 0-3, with and without offload, train to bit-identical results", "[gpt]") {
   const DType precision = GENERATE(DType::kBF16, DType::kF32);
-  const RunOptions options = TinyRun(3);
-  absl::StatusOr<RunResult> reference = RunInProcess(TestConfig(0, false, precision), options);
-  REQUIRE(reference.ok());
-  std::string units;
-  for (const memory::Unit& u : reference->plan.units) units += u.name + " ";
-  INFO("units " << units);
-  CHECK(reference->plan.units.size() >= 6u);  // stage 3 really gathers per block
-  for (int stage = 1; stage <= 3; ++stage) {
-    for (bool offload : {false, true}) {  // the reference; stage 0 cannot offload
-      INFO(DTypeName(precision) << " stage " << stage << " offload " << offload);
-      absl::StatusOr<RunResult> run = RunInProcess(TestConfig(stage, offload, precision), options);
-      REQUIRE(run.ok());
-      CHECK(run->final_val_loss == reference->final_val_loss);
-      CHECK(run->master[0] == reference->master[0]);
-      CHECK(run->master[1] == reference->master[0]);
-    }
-  }
+  INFO(DTypeName(precision));
+  testing::CheckStagesMatchStageZero(
+      [&](int stage, bool offload) { return TestConfig(stage, offload, precision); }, TinyRun(3),
+      {false, true});
 }
 
 TEST_CASE("Gpt: N steps, a checkpoint, a resume and N more steps equal 2N steps bit for bit",

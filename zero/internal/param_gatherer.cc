@@ -212,11 +212,11 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
 // all-gather, then every rank fails alike.
 absl::Status ParamGatherer::GatherShard(int u, char* full) {
   const memory::Unit& unit = ctx_.plan.units[u];
-  absl::Status read;
-  const char* shard = store_->ShardToSend(u, ctx_.At(full, ctx_.rank * unit.shard),
-                                          ctx_.streams->side(), &read,
-                                          [this](int v) { return unit_slot_[v] >= 0; });
-  RETURN_IF_ERROR(ctx_.streams->AllGather(shard, full, unit.shard, ctx_.cdt));
+  char* block = ctx_.At(full, ctx_.rank * unit.shard);
+  const absl::Status read = store_->StageShard(u, block, ctx_.streams->side(),
+                                               [this](int v) { return unit_slot_[v] >= 0; });
+  RETURN_IF_ERROR(
+      ctx_.streams->AllGather(store_->ShardToSend(u, block), full, unit.shard, ctx_.cdt));
   ctx_.timer->Sent(unit.shard, 1);
   return store_->AgreeOnRead(read);
 }

@@ -14,15 +14,6 @@
 namespace zerort {
 namespace zero_internal {
 
-NvmeSetup NvmeSetupOf(const Config& c) {
-  NvmeSetup s;
-  s.path = c.zero.offload_optimizer.nvme_path;
-  s.param_path = c.zero.offload_param.nvme_path;
-  s.aio = {c.aio.block_size, c.aio.queue_depth, c.aio.single_submit, c.aio.overlap_events,
-           c.aio.thread_count, nullptr};
-  return s;
-}
-
 UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
                      Device::Stream compute, comm::HostExchange* exchange)
     : plan_(plan),
@@ -36,11 +27,11 @@ UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device
 
 absl::StatusOr<std::unique_ptr<UnitStore>> UnitStore::Create(
     const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
-    const NvmeSetup& nvme, Device* device, Device::Stream compute,
+    const Config& config, Device* device, Device::Stream compute,
     comm::HostExchange* exchange) {
   std::unique_ptr<UnitStore> store(new UnitStore(plan, layout, device, compute, exchange));
   if (plan.options.offload_optimizer_nvme || plan.options.offload_param_nvme) {
-    RETURN_IF_ERROR(store->CreateFiles(memory, nvme));
+    RETURN_IF_ERROR(store->CreateFiles(memory, config));
   }
   return store;
 }
@@ -56,17 +47,21 @@ UnitStore::~UnitStore() {
 // The state file holds two copies of every unit's master|m|v; the parameter shards follow it
 // (or start the file when only they are on NVMe). Both start zero-filled (m and v at zero; the
 // master and the shards at whatever InitParams stores).
-absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const NvmeSetup& setup) {
+absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& config) {
   // pid and a per-process count: two engines of one process (a reshard, an evaluation copy)
   // never share a directory, and a dead pid marks a crashed run's leftovers.
   static std::atomic<int> engines{0};
   const std::string job = absl::StrCat(getpid(), "-", engines++);
   const bool state = plan_.options.offload_optimizer_nvme;
-  ASSIGN_OR_RETURN(swap_dir_, nvme::SwapDir::Create(state ? setup.path : setup.param_path, job,
-                                                    plan_.options.rank));
+  // With both on NVMe, the shards take a region of the optimizer state's file, after the state.
+  const std::string& dir = state ? config.zero.offload_optimizer.nvme_path
+                                 : config.zero.offload_param.nvme_path;
+  ASSIGN_OR_RETURN(swap_dir_, nvme::SwapDir::Create(dir, job, plan_.options.rank));
   ASSIGN_OR_RETURN(swap_file_, swap_dir_->CreateFile(state ? "optimizer_state" : "param_shard",
                                                      plan_.nvme_bytes()));
-  ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create(setup.aio));
+  const AioConfig& a = config.aio;
+  ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create({a.block_size, a.queue_depth, a.single_submit,
+                                                  a.overlap_events, a.thread_count, nullptr}));
   std::vector<int64_t> shards, shard_bytes;
   for (const memory::Unit& u : plan_.units) {
     shards.push_back(u.shard);
@@ -143,22 +138,32 @@ absl::Status UnitStore::StoreParams(int u, const char* values) {
   return dev_->Copy(reg.param, values, reg.n * c_, compute_);
 }
 
+// The step and InitParams round on the host too (the master may live there: offload).
+absl::Status UnitStore::StoreParamsFromMaster(int u, const float* master) {
+  const int64_t n = layout_.region(u).n;
+  std::vector<char> values(n * c_);  // (n) compute dtype, host
+  offload::Cast(master, DType::kF32, values.data(), plan_.options.compute_dtype, n);
+  RETURN_IF_ERROR(StoreParams(u, values.data()));
+  return dev_->Synchronize(compute_);  // before `values` goes
+}
+
 // Collectives only ever see device buffers: a shard in host memory or in the file is staged
 // into this rank's block of the destination and gathered in place.
-const char* UnitStore::ShardToSend(int u, char* block, Device::Stream side, absl::Status* read,
+const char* UnitStore::ShardToSend(int u, char* block) const {
+  return params_on_host_ ? block : layout_.region(u).param;
+}
+
+absl::Status UnitStore::StageShard(int u, char* block, Device::Stream side,
                                    const std::function<bool(int)>& gathered) {
   const Region& reg = layout_.region(u);
-  if (!params_on_host_) return reg.param;
-  if (param_file_ == nullptr) {
-    *read = dev_->Copy(block, reg.param, reg.n * c_, side);
-    return block;
-  }
-  *read = param_file_->Read(u, [&](int64_t offset, const char* data, int64_t bytes) {
+  if (!params_on_host_) return absl::OkStatus();
+  if (param_file_ == nullptr) return dev_->Copy(block, reg.param, reg.n * c_, side);
+  absl::Status read = param_file_->Read(u, [&](int64_t offset, const char* data, int64_t bytes) {
     RETURN_IF_ERROR(dev_->Copy(block + offset, data, bytes, side));
     return dev_->Synchronize(side);  // the next piece reuses the buffer
   });
-  read->Update(ReadAhead(u, gathered));
-  return block;
+  read.Update(ReadAhead(u, gathered));
+  return read;
 }
 
 // At either end of the units the gathers can only turn round (backward follows forward, and
@@ -241,15 +246,10 @@ absl::Status UnitStore::AfterFailedUpdate(const absl::Status& failed, int64_t* s
 // The file's current copy is the previous step's state, but the parameters were partly
 // overwritten: each unit's are re-derived as round(master) and all-gathered again.
 absl::Status UnitStore::RecoverFromFile(const std::function<absl::Status(int)>& regather) {
-  const DType cdt = plan_.options.compute_dtype;
   for (int u = 0; u < layout_.num_units(); ++u) {
-    const int64_t n = layout_.region(u).n;
-    std::vector<float> master(n);
+    std::vector<float> master(layout_.region(u).n);
     RETURN_IF_ERROR(state_file_->Load(u, master.data(), nullptr, nullptr));
-    std::vector<char> values(n * c_);
-    offload::Cast(master.data(), DType::kF32, values.data(), cdt, n);
-    RETURN_IF_ERROR(StoreParams(u, values.data()));
-    RETURN_IF_ERROR(dev_->Synchronize(compute_));  // before `values` goes
+    RETURN_IF_ERROR(StoreParamsFromMaster(u, master.data()));
     RETURN_IF_ERROR(regather(u));
   }
   return absl::OkStatus();

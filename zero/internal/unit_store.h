@@ -11,7 +11,7 @@
 // Arrays handed in and out are a unit's region (ShardLayout): region(u).n elements, the whole
 // padded unit in stage 0 and this rank's shard otherwise.
 //
-//   ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, memory, setup, dev, compute,
+//   ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, memory, config, dev, compute,
 //                                                  &exchange));
 //   RETURN_IF_ERROR(store->StoreState(u, master, nullptr, nullptr));  // m, v start at zero
 //   RETURN_IF_ERROR(store->StoreParams(u, round_of_master));
@@ -42,26 +42,16 @@
 namespace zerort {
 namespace zero_internal {
 
-// Where NVMe offload puts its files: <path>/zerort-<pid>-<n>-rank<rank>/optimizer_state (or
-// param_shard when only the parameters are on NVMe).
-struct NvmeSetup {
-  std::string path;          // zero_optimization.offload_optimizer.nvme_path
-  // zero_optimization.offload_param.nvme_path: used when only the parameters are on NVMe;
-  // with both, the shards take a region of the optimizer state's file after the state.
-  std::string param_path;
-  nvme::AioOptions aio;      // the config's aio block
-};
-
-NvmeSetup NvmeSetupOf(const Config& config);
-
 class UnitStore {
  public:
-  // With NVMe offload in the plan, creates the rank's swap directory and file (errors of
-  // nvme/io.h: tmpfs, leftovers of a crashed run, a full disk) over the plan's NVMe buffers of
-  // `memory`; m and v start at zero everywhere.
+  // With NVMe offload in the plan, creates the rank's swap directory and file over the plan's
+  // NVMe buffers of `memory`: <nvme_path>/zerort-<pid>-<n>-rank<rank>/optimizer_state (or
+  // param_shard when only the parameters are on NVMe, under offload_param.nvme_path), with the
+  // config's aio block (errors of nvme/io.h: tmpfs, leftovers of a crashed run, a full disk).
+  // m and v start at zero everywhere. Only the config's NVMe and aio keys are read.
   static absl::StatusOr<std::unique_ptr<UnitStore>> Create(
       const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
-      const NvmeSetup& nvme, Device* device, Device::Stream compute,
+      const Config& config, Device* device, Device::Stream compute,
       comm::HostExchange* exchange);
   ~UnitStore();  // waits for file I/O in flight; the file and its directory go
 
@@ -80,15 +70,21 @@ class UnitStore {
   // Unit u's region of the compute-dtype parameters from host `values`; enqueued on the compute
   // stream or written on return (synchronize before `values` goes).
   absl::Status StoreParams(int u, const char* values);
-  // Stage 3: the send buffer of unit u's all-gather, in device memory: the shard itself, or the
-  // shard staged on `side` into `block` (this rank's block of the gather destination). A failed
-  // read sets `*read` and still returns `block` (stale bytes), so that every rank makes the
-  // same collectives; AgreeOnRead then fails them all alike. `gathered(v)`: unit v is still in
-  // a gather slot (no read ahead needed).
-  const char* ShardToSend(int u, char* block, Device::Stream side, absl::Status* read,
+  // Unit u's region of the compute-dtype parameters as round(master) of host fp32 `master`
+  // (region(u).n elements), what the step and InitParams write; complete on return.
+  absl::Status StoreParamsFromMaster(int u, const float* master);
+  // Stage 3: the send buffer of unit u's all-gather, in device memory: the shard itself, or
+  // `block` (this rank's block of the gather destination) when the shard lives on the host or
+  // in a file and StageShard copies it there.
+  const char* ShardToSend(int u, char* block) const;
+  // Copies unit u's shard into `block` on `side` where ShardToSend names `block` (else does
+  // nothing) and returns the read's status. On an error the all-gather must still run (on
+  // stale bytes), so that every rank makes the same collectives; AgreeOnRead then fails them
+  // all alike. `gathered(v)`: unit v is still in a gather slot (no read ahead needed).
+  absl::Status StageShard(int u, char* block, Device::Stream side,
                           const std::function<bool(int)>& gathered);
-  // After the all-gather of a ShardToSend: the group's verdict on the reads. Collective where a
-  // read can fail (shards in a file); else `read` itself.
+  // After the all-gather of a staged shard: the group's verdict on the reads. Collective where
+  // a read can fail (shards in a file); else `read` itself.
   absl::Status AgreeOnRead(const absl::Status& read);
   // Shards in a file: at either end of the units the read-ahead turns round unless `step_next`
   // says the optimizer step comes next (it rewrites every shard, dropping those reads unread).
@@ -115,7 +111,7 @@ class UnitStore {
  private:
   UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
             Device::Stream compute, comm::HostExchange* exchange);
-  absl::Status CreateFiles(const EngineMemory& memory, const NvmeSetup& setup);
+  absl::Status CreateFiles(const EngineMemory& memory, const Config& config);
   absl::Status WriteShardFromMaster(int u);
   absl::Status ReadAhead(int u, const std::function<bool(int)>& gathered);
   absl::Status RecoverFromFile(const std::function<absl::Status(int)>& regather);

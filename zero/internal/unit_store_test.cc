@@ -126,8 +126,8 @@ absl::Status OneRank(const Where& where, int r, comm::Communicator* comm, Device
   ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
   const ShardLayout layout(plan, mem->model_state());
   HostCollectives host(comm, dev, nullptr);
-  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, NvmeSetupOf(where.config),
-                                                 dev, nullptr, &host));
+  ASSIGN_OR_RETURN(auto store,
+                   UnitStore::Create(plan, layout, *mem, where.config, dev, nullptr, &host));
   *file_bytes = store->file_bytes();
   *planned_nvme = plan.nvme_bytes();
   const int nu = layout.num_units();
@@ -176,9 +176,9 @@ absl::Status OneRank(const Where& where, int r, comm::Communicator* comm, Device
     const Region& reg = layout.region(u);
     EXPECT_OR_RETURN((reg.param == nullptr) == where.params_in_file, "unit ", u);
     std::vector<char> block(reg.n * c, '\xee');  // this rank's block of a gather destination
-    absl::Status read;
-    const char* sent = store->ShardToSend(u, block.data(), nullptr, &read,
-                                          [](int) { return false; });
+    const absl::Status read =
+        store->StageShard(u, block.data(), nullptr, [](int) { return false; });
+    const char* sent = store->ShardToSend(u, block.data());
     RETURN_IF_ERROR(dev->Synchronize(nullptr));
     RETURN_IF_ERROR(store->AgreeOnRead(read));
     EXPECT_OR_RETURN(sent == (where.params_on_host ? block.data() : reg.param), "unit ", u);

@@ -699,24 +699,12 @@ class EngineAccess : public DeviceParamAccess {
   DType dtype() const override { return dtype_; }
 
   absl::Status Fetch(const std::vector<int>& params) override {
-    std::vector<int> units;  // in the order the pass meets them: the prefetch direction
-    for (int i : params) {
-      const int u = engine_.unit_of(i);
-      if (std::find(units.begin(), units.end(), u) == units.end()) units.push_back(u);
-    }
-    for (auto it = held_.begin(); it != held_.end();) {
-      if (std::find(units.begin(), units.end(), *it) != units.end()) {
-        ++it;
-        continue;
-      }
-      RETURN_IF_ERROR(engine_.Release(*it));
-      it = held_.erase(it);
-    }
-    for (int u : units) {
-      if (std::find(held_.begin(), held_.end(), u) != held_.end()) continue;
-      RETURN_IF_ERROR(engine_.Gather(u));
-      held_.push_back(u);
-    }
+    // The previous set's holds go first, so no more slots are held than one set needs; a unit
+    // in both sets keeps its slot unless the new set's gathers need that slot.
+    RETURN_IF_ERROR(engine_.ReleaseParams(held_));
+    held_.clear();
+    RETURN_IF_ERROR(engine_.AcquireParams(params));
+    held_ = params;
     std::fill(ptrs_.begin(), ptrs_.end(), nullptr);
     for (int i : params) {
       ASSIGN_OR_RETURN(ptrs_[i], engine_.param(i));
@@ -732,7 +720,7 @@ class EngineAccess : public DeviceParamAccess {
   Engine& engine_;
   const DType dtype_;
   std::vector<void*> ptrs_;  // per parameter, while fetched
-  std::vector<int> held_;    // units this pass has gathered
+  std::vector<int> held_;    // the parameters of the last Fetch, acquired
 };
 
 }  // namespace
