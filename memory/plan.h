@@ -47,6 +47,10 @@ struct ParamSpec {
   // engine allocates: the trainer's own allocator holds activations; the planner counts them
   // against the device budget (zero/planner.h DeviceBudget).
   int64_t activation_bytes_per_sample = 0;
+  // A frozen parameter is trained by no one: it has no gradient, no optimizer state (master, m,
+  // v) and is never reduced; it is still sharded, gathered and offloaded as any other. Frozen
+  // parameters are placed in units of their own, after every trainable unit (see Plan).
+  bool frozen = false;
 
   // The product of the dimensions, saturating at INT64_MAX instead of overflowing, so that code
   // running before MakePlan (which refuses such shapes, naming them) never has undefined
@@ -163,6 +167,7 @@ struct Unit {
   int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
   bool persistent = false;       // stage 3 only: kept whole on every rank
   int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
+  bool frozen = false;           // holds frozen parameters only (no gradient, no optimizer state)
 };
 
 struct Plan {
@@ -176,6 +181,15 @@ struct Plan {
   int64_t shard_elements = 0;    // E / world_size: elements this rank owns
   int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot
   int64_t gather_slots = 0;      // stage 3
+  // Frozen parameters (ParamSpec::frozen) sit in units [trainable_units, units.size()), after
+  // every trainable unit, so that gradients and optimizer state cover a prefix of the flat and
+  // shard layouts: the first trainable_padded_elements (trainable_shard_elements per rank).
+  // Without frozen parameters these equal units.size(), padded_elements and shard_elements.
+  int trainable_units = 0;
+  int64_t trainable_padded_elements = 0;
+  int64_t trainable_shard_elements = 0;
+  int64_t frozen_elements = 0;          // registered elements of frozen parameters
+  int64_t frozen_state_bytes_saved = 0; // grads + master + m + v this rank would hold for them
 
   int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
@@ -223,6 +237,7 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
 // offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
+// model in which every parameter is frozen, frozen parameters with NVMe offload, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
 // 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);

@@ -43,8 +43,8 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
   if (!offload_) return absl::OkStatus();
-  std::vector<offload::PipelineRegion> regions;
-  for (int u = 0; u < num_units(); ++u) {
+  std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
+  for (int u = 0; u < plan_.trainable_units; ++u) {
     const Region& r = region(u);
     regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n});
   }
@@ -72,7 +72,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm);
   for (const memory::ParamSpec& s : specs_) {
-    absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
+    absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module,
+                    s.frozen ? "#frozen" : "");
   }
   // Groups too: ranks that decay a parameter differently would drift apart without a sign.
   const zero_internal::GroupChoice& groups = groups_->choice();
@@ -180,6 +181,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
         " memory: use the CPU device with the in-process or MPI communicators, and a CUDA "
         "device with NCCL or an in-process group made with CudaInProcessBufferOps"));
   }
+  // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
+  RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
   ASSIGN_OR_RETURN(PlanChoice choice,
                    ChoosePlan(params, with_notes, comm->size(), comm->rank()));
@@ -305,10 +308,30 @@ std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked) {
 
 absl::Status Engine::GradReadyUnit(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReadyUnit", unit, /*unit=*/true));
+  if (impl_->plan_.units[unit].frozen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "GradReadyUnit(", unit, "): unit '", impl_->plan_.units[unit].name,
+        "' holds frozen parameters only: it has no gradients (skip it in backward)"));
+  }
   for (int i : impl_->plan_.units[unit].params) {
     if (!impl_->grads_->ready(i)) RETURN_IF_ERROR(GradReady(i));
   }
   return absl::OkStatus();
+}
+
+bool Engine::frozen(int i) const {
+  return i >= 0 && i < num_params() && impl_->specs_[i].frozen;
+}
+
+absl::Status Engine::SetFrozen(int i, bool frozen) {
+  RETURN_IF_ERROR(impl_->CheckRange("SetFrozen", i, /*unit=*/false));
+  if (impl_->specs_[i].frozen == frozen) return absl::OkStatus();
+  // Freezing changes the plan (units, gradient and optimizer-state buffers) on every rank.
+  return absl::FailedPreconditionError(absl::StrCat(
+      "SetFrozen('", impl_->specs_[i].name, "', ", frozen ? "true" : "false",
+      "): a live engine keeps its frozen set; to change it, save a checkpoint, create a new "
+      "engine with the new set (ParamSpec::frozen or zerort.frozen_params) and load it there (a "
+      "frozen parameter's checkpointed m and v are zero)"));
 }
 
 absl::Status Engine::Gather(int unit) {

@@ -223,6 +223,17 @@ class Engine {
   // at the GradReady that completes its unit, while backward goes on.
   int reduced_units() const;
 
+  // --- frozen parameters ----------------------------------------------------------------------
+  // Whether parameter i is frozen (memory::ParamSpec::frozen, or matched by the config's
+  // zerort.frozen_params): it has no gradient (grad, GradReady and SetGradBuffer fail naming it;
+  // Step does not wait for it) and no optimizer state; its units come after every trainable
+  // unit in plan().units. Checkpoints store its weights as its master with m = v = 0.
+  bool frozen(int i) const;
+  // OK when parameter i already is as asked. Otherwise FailedPrecondition saying how: the plan
+  // is fixed for the engine's life, so re-create the engine with the new set and load a
+  // checkpoint into it.
+  absl::Status SetFrozen(int i, bool frozen);
+
   // Stage 3: gathers `unit` (prefetching the next ones in the same direction while slots are
   // free); Release lets its slot be reused. No-ops in stages 0-2. Collective.
   absl::Status Gather(int unit);

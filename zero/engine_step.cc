@@ -196,7 +196,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(const RangeLists& ranges,
 }
 
 absl::StatusOr<double> Engine::Impl::UpdateOnDevice(const RangeLists& ranges, float grad_scale) {
-  for (int u = 0; u < num_units(); ++u) {
+  for (int u = 0; u < plan_.trainable_units; ++u) {
     const Region& reg = region(u);
     // Without a master copy AdamW updates the parameters in place; a region without parameters
     // (shards in a file) gets them from the store after the update.
@@ -227,7 +227,10 @@ absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, floa
 absl::Status Engine::Impl::GatherUpdatedParams() {
   if (!offload_) {  // the pipeline gathered as it went
     RETURN_IF_ERROR(streams_->BeforeComm());
-    for (int u = 0; u < num_units(); ++u) RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    // Frozen units (after the trainable ones) never change.
+    for (int u = 0; u < plan_.trainable_units; ++u) {
+      RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    }
     RETURN_IF_ERROR(streams_->JoinComm());
   }
   // Gathered stage-3 copies are stale now.

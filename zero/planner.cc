@@ -7,9 +7,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/bytes.h"
 #include "base/status.h"
+#include "zero/hyperparams.h"
 
 namespace zerort {
 namespace {
@@ -330,9 +333,33 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
   return ChoosePlan(specs, config, world_size, rank, Workload{});
 }
 
+absl::Status MarkFrozen(const Config& config, std::vector<memory::ParamSpec>* specs) {
+  for (absl::string_view glob : absl::StrSplit(config.frozen_params, ',', absl::SkipEmpty())) {
+    glob = absl::StripAsciiWhitespace(glob);
+    bool matched = false;
+    for (memory::ParamSpec& s : *specs) {
+      if (!GlobMatch(glob, s.name)) continue;
+      s.frozen = true;
+      matched = true;
+    }
+    if (!matched && !glob.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zerort.frozen_params: glob '", glob, "' matches no parameter name"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
                                       const Config& config, int world_size, int rank,
                                       const Workload& workload) {
+  if (!config.frozen_params.empty()) {
+    std::vector<memory::ParamSpec> marked(specs.begin(), specs.end());
+    RETURN_IF_ERROR(MarkFrozen(config, &marked));
+    Config rest = config;
+    rest.frozen_params.clear();
+    return ChoosePlan(marked, rest, world_size, rank, workload);
+  }
   const memory::PlanOptions base = BaseOptions(specs, config, world_size, rank);
   ASSIGN_OR_RETURN(PlanChoice choice, ChooseStage(specs, config, base, world_size, workload));
   const std::string sizes = ResolveUnitSizes(specs, config).reason;
@@ -343,6 +370,13 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
 absl::StatusOr<std::vector<MicroBatchFit>> FitMicroBatch(absl::Span<const memory::ParamSpec> specs,
                                                          const Config& config, int world_size,
                                                          int rank, const Workload& workload) {
+  if (!config.frozen_params.empty()) {
+    std::vector<memory::ParamSpec> marked(specs.begin(), specs.end());
+    RETURN_IF_ERROR(MarkFrozen(config, &marked));
+    Config rest = config;
+    rest.frozen_params.clear();
+    return FitMicroBatch(marked, rest, world_size, rank, workload);
+  }
   const MemoryBudget& budget = config.zero.memory_budget;
   if (budget.device_bytes == 0) {
     return absl::InvalidArgumentError(

@@ -26,8 +26,18 @@ GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
   StartMicroStep();
 }
 
+// A frozen parameter has no gradient anywhere: every gradient call on it is the trainer's bug.
+absl::Status GradBuckets::CheckTrainable(int i, const char* call) const {
+  const memory::ParamLayout& p = ctx_.plan.params[i];
+  if (!ctx_.plan.units[p.unit].frozen) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      call, "('", p.name, "'): the parameter is frozen: it has no gradient buffer and is never "
+      "reduced (skip it in backward, or re-create the engine with it trainable)"));
+}
+
 absl::StatusOr<void*> GradBuckets::Grad(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "grad"));
   if (ready_[i]) {
     return absl::FailedPreconditionError(absl::StrCat(
         "grad('", p.name, "') after its GradReady in this micro-step: the buffer is being reduced"));
@@ -69,6 +79,7 @@ absl::StatusOr<int> GradBuckets::AcquireBucket(int unit, const memory::ParamLayo
 
 absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "GradReady"));
   if (ready_[i]) {
     return absl::FailedPreconditionError(
         absl::StrCat("GradReady('", p.name, "') called twice in one micro-step"));
@@ -87,6 +98,7 @@ absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
 
 absl::StatusOr<bool> GradBuckets::SetSource(int i, void* buffer) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "SetGradBuffer"));
   if (pending_[p.unit] != static_cast<int>(ctx_.plan.units[p.unit].params.size()) ||
       unit_bucket_[p.unit] >= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -213,8 +225,12 @@ bool GradBuckets::any_ready() const {
 }
 
 int GradBuckets::FirstMissing() const {
-  const auto it = std::find(ready_.begin(), ready_.end(), 0);
-  return it == ready_.end() ? -1 : static_cast<int>(it - ready_.begin());
+  for (size_t i = 0; i < ready_.size(); ++i) {
+    if (!ready_[i] && !ctx_.plan.units[ctx_.plan.params[i].unit].frozen) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
 }
 
 void GradBuckets::StartMicroStep() {
@@ -227,7 +243,8 @@ void GradBuckets::StartMicroStep() {
 
 absl::Status GradBuckets::ClearFullGradients() {
   if (ctx_.stage > 1) return absl::OkStatus();
-  return ctx_.device->Zero(grads_, ctx_.plan.padded_elements * ctx_.c, ctx_.streams->compute());
+  return ctx_.device->Zero(grads_, ctx_.plan.trainable_padded_elements * ctx_.c,
+                           ctx_.streams->compute());
 }
 
 }  // namespace zero_internal

@@ -14,6 +14,9 @@
 // reduction (stages 0-1 into the accumulator, stages 2-3 into the shard itself), so that every
 // stage sums every element in the same order.
 //
+// Frozen parameters (memory::ParamSpec::frozen) have no gradient: grad, GradReady and
+// SetSource fail naming them, and Step never waits for them.
+//
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
 #define ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
@@ -77,6 +80,7 @@ class GradBuckets {
     DType dtype;
     int64_t n;
   };
+  absl::Status CheckTrainable(int i, const char* call) const;
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
   absl::StatusOr<void*> Slot(int i);  // the engine's buffer for parameter i
   bool direct(int unit) const;        // reduced straight from a SetSource buffer
