@@ -78,6 +78,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
     return absl::InvalidArgumentError(
         "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
   }
+  if (o.local_grad_accumulation && o.stage >= 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zerort.local_grad_accumulation requires stage 0 or 1 (zero_optimization.stage is ",
+        o.stage, "): stages 2-3 keep only a gradient shard, so every micro-step must reduce"));
+  }
   if (o.offload_buffer_count < 1) return bad("offload_buffer_count", o.offload_buffer_count, ">= 1");
   if (o.gradient_accumulation_steps < 1) {
     return bad("gradient_accumulation_steps", o.gradient_accumulation_steps, ">= 1");
@@ -434,9 +439,14 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
     // block converted before it is added; stage 0 reduces whole units.
-    const bool whole = GradWireDType(o) != c || o.stage == 0;
+    // Local accumulation converts whole units too.
+    const bool whole = GradWireDType(o) != c || o.stage == 0 || LocalAccumulation(o);
     AddBuffer(plan, math, "grad_wire", BufferClass::kGradWire, MemoryKind::kDevice, DType::kF32,
               whole ? totals.max_trainable_unit : totals.max_trainable_unit / world);
+  }
+  if (LocalAccumulation(o)) {
+    AddBuffer(plan, math, "grad_local", BufferClass::kGradLocal, MemoryKind::kDevice, reduced,
+              plan->trainable_padded_elements);
   }
   if (o.stage >= 2) {
     const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->trainable_units);
@@ -498,6 +508,8 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
   const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
   const int64_t gas = o.gradient_accumulation_steps;
+  // Gradient reductions per window: one with local accumulation.
+  const int64_t reductions = LocalAccumulation(o) ? 1 : gas;
   constexpr absl::string_view kComm = "communication bytes per step";
   auto add = [&](int64_t x, int64_t y) { return math->Add(x, y, kComm); };
   auto mul = [&](int64_t x, int64_t y) { return math->Mul(x, y, kComm); };
@@ -507,11 +519,11 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   auto reduction = [&](int64_t elements) { return mul(mul(elements / world, world - 1), wb); };
   switch (o.stage) {
     case 0:
-      plan->comm_bytes_per_step = mul(gas, mul(2, reduction(Et)));
+      plan->comm_bytes_per_step = mul(reductions, mul(2, reduction(Et)));
       break;
     case 1:
     case 2:
-      plan->comm_bytes_per_step = add(mul(gas, reduction(Et)), collective(Et));
+      plan->comm_bytes_per_step = add(mul(reductions, reduction(Et)), collective(Et));
       break;
     case 3:
       // Forward and backward gather every non-persistent unit; persistent trainable units are
@@ -535,6 +547,10 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
+
+bool LocalAccumulation(const PlanOptions& o) {
+  return o.local_grad_accumulation && o.gradient_accumulation_steps > 1 && o.stage <= 1;
+}
 
 DType ReducedGradDType(const PlanOptions& o) {
   return o.fp32_grad_accum ? DType::kF32 : o.compute_dtype;
@@ -596,6 +612,8 @@ const char* BufferClassName(BufferClass c) {
       return "grad_bucket";
     case BufferClass::kGradWire:
       return "grad_wire";
+    case BufferClass::kGradLocal:
+      return "grad_local";
     case BufferClass::kGatherBuffer:
       return "gather_buffer";
     case BufferClass::kPersistentParams:

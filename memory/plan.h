@@ -80,6 +80,7 @@ enum class BufferClass {
   kExpAvgSq,         // Adam v of the owned shard, fp32
   kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32)
   kGradWire,         // fp32 scratch of one unit: fp32 reduction on the wire / fp32 accumulation
+  kGradLocal,        // full gradients summed locally over a window's micro-steps (stages 0-1)
   kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
   kGatherBuffer,     // full-unit parameter buffers for gathered units (stage 3)
   kPersistentParams, // whole small units kept gathered on every rank (stage 3)
@@ -137,6 +138,11 @@ struct PlanOptions {
   // communication_data_type == fp32 (mixed precision only): gradients are converted to fp32
   // before their reduction and reduced in fp32 (twice the bytes on the wire).
   bool fp32_grad_comm = false;
+  // zerort.local_grad_accumulation (stages 0-1, gradient_accumulation_steps > 1): micro-steps
+  // add their gradients into a full-size local buffer (grad_local, in ReducedGradDType) without
+  // communicating, and the window's last micro-step reduces the sum once: one reduction per
+  // window instead of one per micro-step. Stages 2-3 are refused (their gradients are shards).
+  bool local_grad_accumulation = false;
   int64_t unit_target_elements = 500000000;  // reduce_bucket_size
   int64_t shard_alignment = 128;  // elements; shard starts are multiples of this (256 B in bf16)
   int64_t param_alignment = 8;    // elements; parameter starts inside a unit
@@ -211,6 +217,8 @@ struct Plan {
 // The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
 // precision, else the compute dtype), and the dtype gradients are reduced in on the wire.
 DType ReducedGradDType(const PlanOptions& o);
+// Whether the plan holds grad_local: local_grad_accumulation with more than one micro-step.
+bool LocalAccumulation(const PlanOptions& o);
 DType GradWireDType(const PlanOptions& o);
 
 // NVMe offload: direct I/O needs offsets and sizes in multiples of 4 KiB.

@@ -36,7 +36,8 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   store_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, *layout_, mem.model_state(),
-                                                         mem.grad_buckets(), mem.grad_wire());
+                                                         mem.grad_buckets(), mem.grad_wire(),
+                                                         mem.grad_local());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
@@ -70,7 +71,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
-                                   plan_.options.fp32_grad_comm);
+                                   plan_.options.fp32_grad_comm, "|",
+                                   plan_.options.local_grad_accumulation);
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module,
                     s.frozen ? "#frozen" : "");
@@ -105,7 +107,11 @@ absl::Status Engine::Impl::CheckRange(const char* call, int index, bool unit) co
 }
 
 absl::Status Engine::Impl::ReduceUnit(int u) {
-  RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/micro_ == 0));
+  // With local accumulation only the window's last micro-step reduces, unless the trainer asked
+  // for every one (SetGradientSync(true)).
+  const bool local = memory::LocalAccumulation(plan_.options);
+  grads_->set_sync(!local || sync_every_micro_ || micro_ == gas_ - 1);
+  RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/!synced_in_window_));
   // On the last micro-step the reduced shard is final: its download to the first free staging
   // chunk overlaps the rest of backward.
   if (pipeline_ != nullptr && micro_ == gas_ - 1) return pipeline_->GradFinal(u);
@@ -285,6 +291,23 @@ absl::Status Engine::GradReady(int i) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReady", i, /*unit=*/false));
   ASSIGN_OR_RETURN(const bool unit_complete, impl_->grads_->MarkReady(i));
   if (unit_complete) return impl_->ReduceUnit(impl_->plan_.params[i].unit);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SetGradientSync(bool sync) {
+  Impl& m = *impl_;
+  if (m.grads_->any_ready()) {
+    return absl::FailedPreconditionError(
+        "SetGradientSync inside a micro-step: call it before the micro-step's first GradReady");
+  }
+  if (!sync && !memory::LocalAccumulation(m.plan_.options)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetGradientSync(false) needs zerort.local_grad_accumulation (stage 0 or 1, "
+        "gradient_accumulation_steps > 1), which plans the local gradient buffer; this engine "
+        "has stage ", m.stage_, ", gradient_accumulation_steps ", m.gas_, " and the key ",
+        m.config_.local_grad_accumulation ? "set" : "unset"));
+  }
+  m.sync_every_micro_ = sync;
   return absl::OkStatus();
 }
 

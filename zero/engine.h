@@ -219,6 +219,15 @@ class Engine {
   // nullptr goes back to grad(i). FailedPrecondition while i's unit is part-way through
   // this micro-step; register between micro-steps.
   absl::StatusOr<bool> SetGradBuffer(int i, void* buffer);
+  // Accumulation without communication (FSDP2's set_requires_gradient_sync, Megatron's
+  // no_sync). With zerort.local_grad_accumulation (stages 0-1, gradient_accumulation_steps > 1)
+  // the micro-steps of a window add their gradients into a local full-size buffer and only the
+  // window's last micro-step reduces; SetGradientSync(true) makes the following micro-steps
+  // reduce each (the sums stay correct whatever the mix), SetGradientSync(false) goes back to
+  // local sums. The last micro-step of a window always reduces. Every rank must make the same
+  // calls. FailedPrecondition inside a micro-step (after a GradReady), and for false without
+  // the key (naming it: the local buffer is planned at creation).
+  absl::Status SetGradientSync(bool sync);
   // Units whose reduction has been issued in this micro-step (reset by Step()): each starts
   // at the GradReady that completes its unit, while backward goes on.
   int reduced_units() const;

@@ -128,8 +128,12 @@ absl::Status Engine::Impl::EndMicroStep() {
   // The reductions of this micro-step, and their follow-up, complete before anything reads
   // the gradients again (the optimizer, or the next micro-step's backward).
   RETURN_IF_ERROR(streams_->JoinComm());
+  synced_in_window_ = synced_in_window_ || grads_->sync();
   grads_->StartMicroStep();
-  if (++micro_ == gas_) micro_ = 0;
+  if (++micro_ == gas_) {
+    micro_ = 0;
+    synced_in_window_ = false;
+  }
   return absl::OkStatus();
 }
 

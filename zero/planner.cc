@@ -38,6 +38,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   const bool mixed = c.compute_dtype != DType::kF32;
   o.fp32_grad_accum = mixed && c.grad_accum_dtype == DType::kF32;
   o.fp32_grad_comm = mixed && c.communication_dtype == DType::kF32;
+  o.local_grad_accumulation = c.local_grad_accumulation;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
   o.unit_target_elements = sizes.reduce_bucket_size;
   o.persistence_threshold = sizes.persistence_threshold;
@@ -132,6 +133,8 @@ std::string BudgetText(const MemoryBudget& b) {
 std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, bool nvme) {
   std::vector<memory::PlanOptions> out;
   auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
+    // Local accumulation needs the full gradients of stages 0-1.
+    if (base.local_grad_accumulation && stage >= 2) return;
     memory::PlanOptions o = base;
     o.stage = stage;
     o.offload_optimizer = optimizer;
