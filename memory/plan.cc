@@ -458,7 +458,10 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     if (totals.gathered_units > 0) {
       const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
       // 1 + ceil(prefetch / unit), written so that a prefetch near INT64_MAX cannot wrap.
-      const int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
+      int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
+      // Frozen parameters split a module into a trainable and a frozen unit, which a trainer
+      // holds together: one more slot.
+      if (plan->trainable_units < static_cast<int>(plan->units.size())) ++want;
       plan->gather_slots =
           std::max<int64_t>(1, std::min({want, live_cap, totals.gathered_units}));
       AddBuffer(plan, math, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
