@@ -826,6 +826,31 @@ void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dty
   }
 }
 
+// ---- Fine-tuning: frozen parameters and accumulation without communication ----
+
+zr_status zr_engine_is_frozen(const zr_engine* engine, int i, int* frozen) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(NotNull(engine, "zr_engine_is_frozen", "engine"));
+    RETURN_IF_ERROR(NotNull(frozen, "zr_engine_is_frozen", "frozen"));
+    if (i < 0 || i >= engine->engine->num_params()) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_is_frozen(", i, "): there are ",
+                                                engine->engine->num_params(), " parameters"));
+    }
+    *frozen = engine->engine->frozen(i) ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_set_frozen(zr_engine* engine, int i, int frozen) {
+  return ForwardToEngine(engine, "zr_engine_set_frozen",
+                         [&](zerort::Engine& e) { return e.SetFrozen(i, frozen != 0); });
+}
+
+zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync) {
+  return ForwardToEngine(engine, "zr_engine_set_gradient_sync",
+                         [&](zerort::Engine& e) { return e.SetGradientSync(sync != 0); });
+}
+
 }  // extern "C"
 
 // ---- Weights as safetensors, and parameter groups ----

@@ -477,6 +477,24 @@ typedef struct zr_param_group_info {
 } zr_param_group_info;
 zr_status zr_engine_param_group(const zr_engine* engine, int i, zr_param_group_info* out);
 
+/* ---- Fine-tuning: frozen parameters and accumulation without communication ---- */
+
+/* Frozen parameters are named in the config (zerort.frozen_params: comma-separated globs on
+ * parameter names): they have no gradient and no optimizer state, are never reduced and are
+ * still sharded and gathered. zr_engine_grad, zr_engine_grad_ready and
+ * zr_engine_set_grad_buffer fail on them naming the parameter. *frozen receives 1 or 0.
+ * ZR_OUT_OF_RANGE for an index outside the model. */
+zr_status zr_engine_is_frozen(const zr_engine* engine, int i, int* frozen);
+/* The frozen set is fixed for the engine's life: asking for what already holds is ZR_OK;
+ * anything else fails (ZR_FAILED_PRECONDITION) with a message saying how to change it (save a
+ * checkpoint, create an engine with the new set, load it there). */
+zr_status zr_engine_set_frozen(zr_engine* engine, int i, int frozen);
+/* With zerort.local_grad_accumulation (stages 0-1): sync = 0 lets the following micro-steps
+ * sum their gradients locally (the default), sync = 1 makes each reduce; the last micro-step
+ * of a window always reduces. Call between micro-steps, the same on every rank. Without the
+ * key, sync = 0 is ZR_FAILED_PRECONDITION naming it. */
+zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -78,6 +78,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
     return absl::InvalidArgumentError(
         "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
   }
+  if (o.local_grad_accumulation && o.stage >= 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "zerort.local_grad_accumulation requires stage 0 or 1 (zero_optimization.stage is ",
+        o.stage, "): stages 2-3 keep only a gradient shard, so every micro-step must reduce"));
+  }
   if (o.offload_buffer_count < 1) return bad("offload_buffer_count", o.offload_buffer_count, ">= 1");
   if (o.gradient_accumulation_steps < 1) {
     return bad("gradient_accumulation_steps", o.gradient_accumulation_steps, ">= 1");
@@ -230,12 +235,48 @@ class UnitBuilder {
   std::string first_module_, last_module_;
 };
 
+// Trainable units first, then frozen ones (each kind grouped by module as above), so that
+// gradients and optimizer state cover a prefix of the layout and a unit is never half frozen.
 void BuildUnits(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan,
                 Checked* math) {
   plan->params.resize(specs.size());
   UnitBuilder builder(specs, numel, plan, math);
-  for (const std::vector<int>& module : ModulesInBackwardOrder(specs)) builder.AddModule(module);
-  builder.Close();
+  for (const bool frozen : {false, true}) {
+    for (const std::vector<int>& module : ModulesInBackwardOrder(specs)) {
+      std::vector<int> part;
+      for (int i : module) {
+        if (specs[i].frozen == frozen) part.push_back(i);
+      }
+      if (!part.empty()) builder.AddModule(part);
+    }
+    builder.Close();
+    if (frozen) continue;
+    plan->trainable_units = static_cast<int>(plan->units.size());
+    plan->trainable_padded_elements = plan->padded_elements;
+    plan->trainable_shard_elements = plan->shard_elements;
+  }
+  for (size_t u = plan->trainable_units; u < plan->units.size(); ++u) plan->units[u].frozen = true;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].frozen) plan->frozen_elements += numel[i];  // bounded by num_elements
+  }
+}
+
+// Refuses what frozen parameters cannot do: a model with nothing to train, and NVMe offload,
+// whose files lay out every unit's optimizer state (and derive shards from a master).
+absl::Status CheckFrozen(absl::Span<const ParamSpec> specs, const PlanOptions& o) {
+  const auto frozen = std::find_if(specs.begin(), specs.end(),
+                                   [](const ParamSpec& s) { return s.frozen; });
+  if (frozen == specs.end()) return absl::OkStatus();
+  if (std::all_of(specs.begin(), specs.end(), [](const ParamSpec& s) { return s.frozen; })) {
+    return absl::InvalidArgumentError(
+        "every parameter is frozen: nothing is left to train (unfreeze at least one)");
+  }
+  if (o.offload_optimizer_nvme || o.offload_param_nvme) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter '", frozen->name, "' is frozen, and frozen parameters are not supported "
+        "with NVMe offload (offload_optimizer or offload_param device \"nvme\"): use \"cpu\""));
+  }
+  return absl::OkStatus();
 }
 
 // What the buffer sizes need to know about the units beyond the plan's own fields.
@@ -243,6 +284,8 @@ struct UnitTotals {
   int64_t persistent_elements = 0;  // padded elements of persistent units (stage 3)
   int64_t max_gathered_unit = 0;    // largest padded unit that is gathered (not persistent)
   int64_t gathered_units = 0;
+  int64_t max_trainable_unit = 0;   // largest padded unit with gradients: buckets, wire, staging
+  int64_t trainable_persistent_elements = 0;  // persistent units the optimizer step updates
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
@@ -255,7 +298,9 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
     if (u.persistent) {
       totals.persistent_elements =
           math->Add(totals.persistent_elements, u.padded, "persistent element count");
+      if (!u.frozen) totals.trainable_persistent_elements += u.padded;  // <= the line above
     }
+    if (!u.frozen) totals.max_trainable_unit = std::max(totals.max_trainable_unit, u.padded);
     for (int i : u.params) {
       plan->params[i].flat_offset =
           math->Add(u.flat_offset, plan->params[i].offset_in_unit, "parameter offset");
@@ -290,18 +335,18 @@ MemoryKind HostKind(const PlanOptions& o) {
   return o.pin_memory ? MemoryKind::kPinnedHost : MemoryKind::kPageableHost;
 }
 
-// params + grads + master + m + v. E: padded elements (all units), S: this rank's shard.
+// params + grads + master + m + v. E: padded elements (all units), S: this rank's shard; Et and
+// St the trainable prefix of them: frozen units have parameters only.
 void AddModelState(Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
-  const int64_t E = plan->padded_elements;
-  const int64_t S = plan->shard_elements;
+  const int64_t E = plan->padded_elements, Et = plan->trainable_padded_elements;
+  const int64_t S = plan->shard_elements, St = plan->trainable_shard_elements;
   const DType c = o.compute_dtype;
   const bool mixed = c != DType::kF32;
   const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme
                                 : o.offload_optimizer   ? HostKind(o)
                                                         : MemoryKind::kDevice;
   const bool sharded_optim = o.stage >= 1;
-  const int64_t optim_elements = sharded_optim ? S : E;
   if (o.stage <= 2) {
     AddBuffer(plan, math, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
   } else {
@@ -311,21 +356,27 @@ void AddModelState(Plan* plan, Checked* math) {
                                    : MemoryKind::kDevice,
               c, S);
   }
-  if (o.stage <= 1) {
-    AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, c, E);
-  } else {
-    // The reduced shard is the accumulator: fp32 with fp32_grad_accum.
-    AddBuffer(plan, math, "grad_shard", BufferClass::kGrads, MemoryKind::kDevice,
-              ReducedGradDType(o), S);
-  }
+  const bool full_grads = o.stage <= 1;
+  // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum.
+  const DType grad_dtype = full_grads ? c : ReducedGradDType(o);
+  AddBuffer(plan, math, full_grads ? "grads" : "grad_shard", BufferClass::kGrads,
+            MemoryKind::kDevice, grad_dtype, full_grads ? Et : St);
   // fp32 training updates the parameters in place, unless the optimizer state is offloaded
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
   // (AdamW then runs on the master and the new shard is written to the file after it).
-  if (mixed || o.offload_optimizer || o.offload_param_nvme) {
-    AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim_elements);
+  const bool master = mixed || o.offload_optimizer || o.offload_param_nvme;
+  const int64_t optim = sharded_optim ? St : Et;
+  if (master) {
+    AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim);
   }
-  AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim_elements);
-  AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim_elements);
+  AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim);
+  AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim);
+  // What the same buffers would hold for the frozen units (bounded by the sizes above).
+  const int64_t frozen_grads = full_grads ? E - Et : S - St;
+  const int64_t frozen_optim = sharded_optim ? S - St : E - Et;
+  plan->frozen_state_bytes_saved =
+      math->Add(math->Mul(frozen_grads, static_cast<int64_t>(DTypeSize(grad_dtype)), "saved"),
+                math->Mul(frozen_optim, master ? 12 : 8, "saved"), "frozen bytes saved");
 }
 
 // NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
@@ -382,26 +433,35 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
     // An fp32 accumulator is needed even without accumulation: it holds the fp32 result.
     AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice,
-              reduced, o.stage == 0 ? plan->padded_elements : plan->shard_elements);
+              reduced,
+              o.stage == 0 ? plan->trainable_padded_elements : plan->trainable_shard_elements);
   }
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
     // block converted before it is added; stage 0 reduces whole units.
-    const bool whole = GradWireDType(o) != c || o.stage == 0;
+    // Local accumulation converts whole units too.
+    const bool whole = GradWireDType(o) != c || o.stage == 0 || LocalAccumulation(o);
     AddBuffer(plan, math, "grad_wire", BufferClass::kGradWire, MemoryKind::kDevice, DType::kF32,
-              whole ? plan->max_unit_elements : plan->max_unit_elements / world);
+              whole ? totals.max_trainable_unit : totals.max_trainable_unit / world);
+  }
+  if (LocalAccumulation(o)) {
+    AddBuffer(plan, math, "grad_local", BufferClass::kGradLocal, MemoryKind::kDevice, reduced,
+              plan->trainable_padded_elements);
   }
   if (o.stage >= 2) {
-    const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->units.size());
+    const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->trainable_units);
     AddBuffer(plan, math, "grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
-              math->Mul(buckets, plan->max_unit_elements, "grad_bucket size"), buckets);
+              math->Mul(buckets, totals.max_trainable_unit, "grad_bucket size"), buckets);
   }
   if (o.stage == 3) {
     const int64_t unit = totals.max_gathered_unit;
     if (totals.gathered_units > 0) {
       const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
       // 1 + ceil(prefetch / unit), written so that a prefetch near INT64_MAX cannot wrap.
-      const int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
+      int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
+      // Frozen parameters split a module into a trainable and a frozen unit, which a trainer
+      // holds together: one more slot.
+      if (plan->trainable_units < static_cast<int>(plan->units.size())) ++want;
       plan->gather_slots =
           std::max<int64_t>(1, std::min({want, live_cap, totals.gathered_units}));
       AddBuffer(plan, math, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
@@ -417,7 +477,7 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     const int64_t per_element =
         1 + static_cast<int64_t>(DTypeSize(ReducedGradDType(o)) / DTypeSize(c));
     const int64_t chunk =
-        math->Mul(per_element, plan->max_unit_elements / world, "offload_staging size");
+        math->Mul(per_element, totals.max_trainable_unit / world, "offload_staging size");
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
               math->Mul(o.offload_buffer_count, chunk, "offload_staging size"),
               o.offload_buffer_count);
@@ -446,9 +506,13 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t E = plan->padded_elements;
   const int64_t S = plan->shard_elements;
   const int64_t persistent = totals.persistent_elements;
+  // Only trainable units are reduced, and re-gathered after the step.
+  const int64_t Et = plan->trainable_padded_elements, St = plan->trainable_shard_elements;
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
   const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
   const int64_t gas = o.gradient_accumulation_steps;
+  // Gradient reductions per window: one with local accumulation.
+  const int64_t reductions = LocalAccumulation(o) ? 1 : gas;
   constexpr absl::string_view kComm = "communication bytes per step";
   auto add = [&](int64_t x, int64_t y) { return math->Add(x, y, kComm); };
   auto mul = [&](int64_t x, int64_t y) { return math->Mul(x, y, kComm); };
@@ -458,24 +522,25 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   auto reduction = [&](int64_t elements) { return mul(mul(elements / world, world - 1), wb); };
   switch (o.stage) {
     case 0:
-      plan->comm_bytes_per_step = mul(gas, mul(2, reduction(E)));
+      plan->comm_bytes_per_step = mul(reductions, mul(2, reduction(Et)));
       break;
     case 1:
     case 2:
-      plan->comm_bytes_per_step = add(mul(gas, reduction(E)), collective(E));
+      plan->comm_bytes_per_step = add(mul(reductions, reduction(Et)), collective(Et));
       break;
     case 3:
-      // Forward and backward gather every non-persistent unit; persistent units are gathered
-      // once after the step.
+      // Forward and backward gather every non-persistent unit; persistent trainable units are
+      // gathered once after the step.
       plan->comm_bytes_per_step =
-          add(mul(gas, add(mul(2, collective(E - persistent)), reduction(E))),
-              collective(persistent));
+          add(mul(gas, add(mul(2, collective(E - persistent)), reduction(Et))),
+              collective(totals.trainable_persistent_elements));
       break;
   }
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    plan->host_transfer_bytes_per_step = shard_both_ways;  // gradient shard down, parameters up
+    // The trainable gradient shard down, its parameters up.
+    plan->host_transfer_bytes_per_step = math->Mul(math->Mul(2, St, kHost), cb, kHost);
   }
   if (o.offload_param) {
     // The shard goes up for forward and for backward in every micro-step.
@@ -485,6 +550,10 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
+
+bool LocalAccumulation(const PlanOptions& o) {
+  return o.local_grad_accumulation && o.gradient_accumulation_steps > 1 && o.stage <= 1;
+}
 
 DType ReducedGradDType(const PlanOptions& o) {
   return o.fp32_grad_accum ? DType::kF32 : o.compute_dtype;
@@ -546,6 +615,8 @@ const char* BufferClassName(BufferClass c) {
       return "grad_bucket";
     case BufferClass::kGradWire:
       return "grad_wire";
+    case BufferClass::kGradLocal:
+      return "grad_local";
     case BufferClass::kGatherBuffer:
       return "gather_buffer";
     case BufferClass::kPersistentParams:
@@ -581,6 +652,7 @@ const Buffer* Plan::Find(BufferClass cls) const {
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& o) {
   if (absl::Status s = ValidateOptions(o); !s.ok()) return s;
   if (specs.empty()) return absl::InvalidArgumentError("the model has no parameters");
+  if (absl::Status s = CheckFrozen(specs, o); !s.ok()) return s;
 
   Plan plan;
   plan.options = o;

@@ -47,6 +47,10 @@ struct ParamSpec {
   // engine allocates: the trainer's own allocator holds activations; the planner counts them
   // against the device budget (zero/planner.h DeviceBudget).
   int64_t activation_bytes_per_sample = 0;
+  // A frozen parameter is trained by no one: it has no gradient, no optimizer state (master, m,
+  // v) and is never reduced; it is still sharded, gathered and offloaded as any other. Frozen
+  // parameters are placed in units of their own, after every trainable unit (see Plan).
+  bool frozen = false;
 
   // The product of the dimensions, saturating at INT64_MAX instead of overflowing, so that code
   // running before MakePlan (which refuses such shapes, naming them) never has undefined
@@ -76,6 +80,7 @@ enum class BufferClass {
   kExpAvgSq,         // Adam v of the owned shard, fp32
   kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32)
   kGradWire,         // fp32 scratch of one unit: fp32 reduction on the wire / fp32 accumulation
+  kGradLocal,        // full gradients summed locally over a window's micro-steps (stages 0-1)
   kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
   kGatherBuffer,     // full-unit parameter buffers for gathered units (stage 3)
   kPersistentParams, // whole small units kept gathered on every rank (stage 3)
@@ -133,6 +138,11 @@ struct PlanOptions {
   // communication_data_type == fp32 (mixed precision only): gradients are converted to fp32
   // before their reduction and reduced in fp32 (twice the bytes on the wire).
   bool fp32_grad_comm = false;
+  // zerort.local_grad_accumulation (stages 0-1, gradient_accumulation_steps > 1): micro-steps
+  // add their gradients into a full-size local buffer (grad_local, in ReducedGradDType) without
+  // communicating, and the window's last micro-step reduces the sum once: one reduction per
+  // window instead of one per micro-step. Stages 2-3 are refused (their gradients are shards).
+  bool local_grad_accumulation = false;
   int64_t unit_target_elements = 500000000;  // reduce_bucket_size
   int64_t shard_alignment = 128;  // elements; shard starts are multiples of this (256 B in bf16)
   int64_t param_alignment = 8;    // elements; parameter starts inside a unit
@@ -163,6 +173,7 @@ struct Unit {
   int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
   bool persistent = false;       // stage 3 only: kept whole on every rank
   int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
+  bool frozen = false;           // holds frozen parameters only (no gradient, no optimizer state)
 };
 
 struct Plan {
@@ -176,6 +187,15 @@ struct Plan {
   int64_t shard_elements = 0;    // E / world_size: elements this rank owns
   int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot
   int64_t gather_slots = 0;      // stage 3
+  // Frozen parameters (ParamSpec::frozen) sit in units [trainable_units, units.size()), after
+  // every trainable unit, so that gradients and optimizer state cover a prefix of the flat and
+  // shard layouts: the first trainable_padded_elements (trainable_shard_elements per rank).
+  // Without frozen parameters these equal units.size(), padded_elements and shard_elements.
+  int trainable_units = 0;
+  int64_t trainable_padded_elements = 0;
+  int64_t trainable_shard_elements = 0;
+  int64_t frozen_elements = 0;          // registered elements of frozen parameters
+  int64_t frozen_state_bytes_saved = 0; // grads + master + m + v this rank would hold for them
 
   int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
@@ -197,6 +217,8 @@ struct Plan {
 // The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
 // precision, else the compute dtype), and the dtype gradients are reduced in on the wire.
 DType ReducedGradDType(const PlanOptions& o);
+// Whether the plan holds grad_local: local_grad_accumulation with more than one micro-step.
+bool LocalAccumulation(const PlanOptions& o);
 DType GradWireDType(const PlanOptions& o);
 
 // NVMe offload: direct I/O needs offsets and sizes in multiples of 4 KiB.
@@ -223,6 +245,7 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
 // offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
+// model in which every parameter is frozen, frozen parameters with NVMe offload, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
 // 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);

@@ -197,6 +197,14 @@ struct Config {
   std::optional<DType> communication_dtype;
   AioConfig aio;
   std::vector<ParamGroupConfig> param_groups;
+  // zerort.frozen_params (ours): comma-separated globs on ParamSpec::name; every parameter a
+  // glob matches is frozen (no gradient, no optimizer state: memory/plan.h ParamSpec::frozen).
+  // "" = none. A glob that matches nothing is an error of the planner, naming it.
+  std::string frozen_params;
+  // zerort.local_grad_accumulation (ours; stages 0-1): the micro-steps of a window add their
+  // gradients locally and only the last one reduces (memory/plan.h PlanOptions); a trainer may
+  // still ask for a reduction per micro-step with Engine::SetGradientSync(true).
+  bool local_grad_accumulation = false;
   SchedulerConfig scheduler;
   // zerort.strict (ours): every key that would be ignored with a note is an error instead.
   bool strict = false;

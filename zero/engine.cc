@@ -35,15 +35,16 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   store_->set_step_next([this] { return micro_ + 1 >= gas_ && grads_->any_ready(); });
   const zero_internal::UnitContext units(plan_, comm_, dev_, streams_.get(), &timer_);
   grads_ = std::make_unique<zero_internal::GradBuckets>(units, *layout_, mem.model_state(),
-                                                         mem.grad_buckets(), mem.grad_wire());
+                                                         mem.grad_buckets(), mem.grad_wire(),
+                                                         mem.grad_local());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
   if (!offload_) return absl::OkStatus();
-  std::vector<offload::PipelineRegion> regions;
-  for (int u = 0; u < num_units(); ++u) {
+  std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
+  for (int u = 0; u < plan_.trainable_units; ++u) {
     const Region& r = region(u);
     regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n});
   }
@@ -69,9 +70,11 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
-                                   plan_.options.fp32_grad_comm);
+                                   plan_.options.fp32_grad_comm, "|",
+                                   plan_.options.local_grad_accumulation);
   for (const memory::ParamSpec& s : specs_) {
-    absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
+    absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module,
+                    s.frozen ? "#frozen" : "");
   }
   // Groups too: ranks that decay a parameter differently would drift apart without a sign.
   const zero_internal::GroupChoice& groups = groups_->choice();
@@ -103,7 +106,11 @@ absl::Status Engine::Impl::CheckRange(const char* call, int index, bool unit) co
 }
 
 absl::Status Engine::Impl::ReduceUnit(int u) {
-  RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/micro_ == 0));
+  // With local accumulation only the window's last micro-step reduces, unless the trainer asked
+  // for every one (SetGradientSync(true)).
+  const bool local = memory::LocalAccumulation(plan_.options);
+  grads_->set_sync(!local || sync_every_micro_ || micro_ == gas_ - 1);
+  RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/!synced_in_window_));
   // On the last micro-step the reduced shard is final: its download to the first free staging
   // chunk overlaps the rest of backward.
   if (pipeline_ != nullptr && micro_ == gas_ - 1) return pipeline_->GradFinal(u);
@@ -179,6 +186,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
         " memory: use the CPU device with the in-process or MPI communicators, and a CUDA "
         "device with NCCL or an in-process group made with CudaInProcessBufferOps"));
   }
+  // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
+  RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
   ASSIGN_OR_RETURN(PlanChoice choice,
                    ChoosePlan(params, with_notes, comm->size(), comm->rank()));
@@ -284,6 +293,23 @@ absl::Status Engine::GradReady(int i) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::SetGradientSync(bool sync) {
+  Impl& m = *impl_;
+  if (m.grads_->any_ready()) {
+    return absl::FailedPreconditionError(
+        "SetGradientSync inside a micro-step: call it before the micro-step's first GradReady");
+  }
+  if (!sync && !memory::LocalAccumulation(m.plan_.options)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetGradientSync(false) needs zerort.local_grad_accumulation (stage 0 or 1, "
+        "gradient_accumulation_steps > 1), which plans the local gradient buffer; this engine "
+        "has stage ", m.stage_, ", gradient_accumulation_steps ", m.gas_, " and the key ",
+        m.config_.local_grad_accumulation ? "set" : "unset"));
+  }
+  m.sync_every_micro_ = sync;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<bool> Engine::SetGradBuffer(int i, void* buffer) {
   RETURN_IF_ERROR(impl_->CheckRange("SetGradBuffer", i, /*unit=*/false));
   return impl_->grads_->SetSource(i, buffer);
@@ -304,10 +330,30 @@ std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked) {
 
 absl::Status Engine::GradReadyUnit(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReadyUnit", unit, /*unit=*/true));
+  if (impl_->plan_.units[unit].frozen) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "GradReadyUnit(", unit, "): unit '", impl_->plan_.units[unit].name,
+        "' holds frozen parameters only: it has no gradients (skip it in backward)"));
+  }
   for (int i : impl_->plan_.units[unit].params) {
     if (!impl_->grads_->ready(i)) RETURN_IF_ERROR(GradReady(i));
   }
   return absl::OkStatus();
+}
+
+bool Engine::frozen(int i) const {
+  return i >= 0 && i < num_params() && impl_->specs_[i].frozen;
+}
+
+absl::Status Engine::SetFrozen(int i, bool frozen) {
+  RETURN_IF_ERROR(impl_->CheckRange("SetFrozen", i, /*unit=*/false));
+  if (impl_->specs_[i].frozen == frozen) return absl::OkStatus();
+  // Freezing changes the plan (units, gradient and optimizer-state buffers) on every rank.
+  return absl::FailedPreconditionError(absl::StrCat(
+      "SetFrozen('", impl_->specs_[i].name, "', ", frozen ? "true" : "false",
+      "): a live engine keeps its frozen set; to change it, save a checkpoint, create a new "
+      "engine with the new set (ParamSpec::frozen or zerort.frozen_params) and load it there (a "
+      "frozen parameter's checkpointed m and v are zero)"));
 }
 
 absl::Status Engine::Gather(int unit) {

@@ -219,9 +219,29 @@ class Engine {
   // nullptr goes back to grad(i). FailedPrecondition while i's unit is part-way through
   // this micro-step; register between micro-steps.
   absl::StatusOr<bool> SetGradBuffer(int i, void* buffer);
+  // Accumulation without communication (FSDP2's set_requires_gradient_sync, Megatron's
+  // no_sync). With zerort.local_grad_accumulation (stages 0-1, gradient_accumulation_steps > 1)
+  // the micro-steps of a window add their gradients into a local full-size buffer and only the
+  // window's last micro-step reduces; SetGradientSync(true) makes the following micro-steps
+  // reduce each (the sums stay correct whatever the mix), SetGradientSync(false) goes back to
+  // local sums. The last micro-step of a window always reduces. Every rank must make the same
+  // calls. FailedPrecondition inside a micro-step (after a GradReady), and for false without
+  // the key (naming it: the local buffer is planned at creation).
+  absl::Status SetGradientSync(bool sync);
   // Units whose reduction has been issued in this micro-step (reset by Step()): each starts
   // at the GradReady that completes its unit, while backward goes on.
   int reduced_units() const;
+
+  // --- frozen parameters ----------------------------------------------------------------------
+  // Whether parameter i is frozen (memory::ParamSpec::frozen, or matched by the config's
+  // zerort.frozen_params): it has no gradient (grad, GradReady and SetGradBuffer fail naming it;
+  // Step does not wait for it) and no optimizer state; its units come after every trainable
+  // unit in plan().units. Checkpoints store its weights as its master with m = v = 0.
+  bool frozen(int i) const;
+  // OK when parameter i already is as asked. Otherwise FailedPrecondition saying how: the plan
+  // is fixed for the engine's life, so re-create the engine with the new set and load a
+  // checkpoint into it.
+  absl::Status SetFrozen(int i, bool frozen);
 
   // Stage 3: gathers `unit` (prefetching the next ones in the same direction while slots are
   // free); Release lets its slot be reused. No-ops in stages 0-2. Collective.

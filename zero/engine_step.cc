@@ -128,8 +128,12 @@ absl::Status Engine::Impl::EndMicroStep() {
   // The reductions of this micro-step, and their follow-up, complete before anything reads
   // the gradients again (the optimizer, or the next micro-step's backward).
   RETURN_IF_ERROR(streams_->JoinComm());
+  synced_in_window_ = synced_in_window_ || grads_->sync();
   grads_->StartMicroStep();
-  if (++micro_ == gas_) micro_ = 0;
+  if (++micro_ == gas_) {
+    micro_ = 0;
+    synced_in_window_ = false;
+  }
   return absl::OkStatus();
 }
 
@@ -196,7 +200,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(const RangeLists& ranges,
 }
 
 absl::StatusOr<double> Engine::Impl::UpdateOnDevice(const RangeLists& ranges, float grad_scale) {
-  for (int u = 0; u < num_units(); ++u) {
+  for (int u = 0; u < plan_.trainable_units; ++u) {
     const Region& reg = region(u);
     // Without a master copy AdamW updates the parameters in place; a region without parameters
     // (shards in a file) gets them from the store after the update.
@@ -227,7 +231,10 @@ absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, floa
 absl::Status Engine::Impl::GatherUpdatedParams() {
   if (!offload_) {  // the pipeline gathered as it went
     RETURN_IF_ERROR(streams_->BeforeComm());
-    for (int u = 0; u < num_units(); ++u) RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    // Frozen units (after the trainable ones) never change.
+    for (int u = 0; u < plan_.trainable_units; ++u) {
+      RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
+    }
     RETURN_IF_ERROR(streams_->JoinComm());
   }
   // Gathered stage-3 copies are stale now.

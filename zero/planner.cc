@@ -7,9 +7,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "base/bytes.h"
 #include "base/status.h"
+#include "zero/hyperparams.h"
 
 namespace zerort {
 namespace {
@@ -35,6 +38,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   const bool mixed = c.compute_dtype != DType::kF32;
   o.fp32_grad_accum = mixed && c.grad_accum_dtype == DType::kF32;
   o.fp32_grad_comm = mixed && c.communication_dtype == DType::kF32;
+  o.local_grad_accumulation = c.local_grad_accumulation;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
   o.unit_target_elements = sizes.reduce_bucket_size;
   o.persistence_threshold = sizes.persistence_threshold;
@@ -129,6 +133,8 @@ std::string BudgetText(const MemoryBudget& b) {
 std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, bool nvme) {
   std::vector<memory::PlanOptions> out;
   auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
+    // Local accumulation needs the full gradients of stages 0-1.
+    if (base.local_grad_accumulation && stage >= 2) return;
     memory::PlanOptions o = base;
     o.stage = stage;
     o.offload_optimizer = optimizer;
@@ -330,9 +336,33 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
   return ChoosePlan(specs, config, world_size, rank, Workload{});
 }
 
+absl::Status MarkFrozen(const Config& config, std::vector<memory::ParamSpec>* specs) {
+  for (absl::string_view glob : absl::StrSplit(config.frozen_params, ',', absl::SkipEmpty())) {
+    glob = absl::StripAsciiWhitespace(glob);
+    bool matched = false;
+    for (memory::ParamSpec& s : *specs) {
+      if (!GlobMatch(glob, s.name)) continue;
+      s.frozen = true;
+      matched = true;
+    }
+    if (!matched && !glob.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zerort.frozen_params: glob '", glob, "' matches no parameter name"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
                                       const Config& config, int world_size, int rank,
                                       const Workload& workload) {
+  if (!config.frozen_params.empty()) {
+    std::vector<memory::ParamSpec> marked(specs.begin(), specs.end());
+    RETURN_IF_ERROR(MarkFrozen(config, &marked));
+    Config rest = config;
+    rest.frozen_params.clear();
+    return ChoosePlan(marked, rest, world_size, rank, workload);
+  }
   const memory::PlanOptions base = BaseOptions(specs, config, world_size, rank);
   ASSIGN_OR_RETURN(PlanChoice choice, ChooseStage(specs, config, base, world_size, workload));
   const std::string sizes = ResolveUnitSizes(specs, config).reason;
@@ -343,6 +373,13 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
 absl::StatusOr<std::vector<MicroBatchFit>> FitMicroBatch(absl::Span<const memory::ParamSpec> specs,
                                                          const Config& config, int world_size,
                                                          int rank, const Workload& workload) {
+  if (!config.frozen_params.empty()) {
+    std::vector<memory::ParamSpec> marked(specs.begin(), specs.end());
+    RETURN_IF_ERROR(MarkFrozen(config, &marked));
+    Config rest = config;
+    rest.frozen_params.clear();
+    return FitMicroBatch(marked, rest, world_size, rank, workload);
+  }
   const MemoryBudget& budget = config.zero.memory_budget;
   if (budget.device_bytes == 0) {
     return absl::InvalidArgumentError(

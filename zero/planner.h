@@ -102,6 +102,11 @@ absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,
                                       const Config& config, int world_size, int rank,
                                       const Workload& workload);
 
+// Sets ParamSpec::frozen on every parameter that a glob of config.frozen_params matches (the
+// flags already set stay). InvalidArgument naming a glob that matches no parameter. ChoosePlan
+// and FitMicroBatch apply it themselves; Engine::Create applies it before planning.
+absl::Status MarkFrozen(const Config& config, std::vector<memory::ParamSpec>* specs);
+
 // The largest micro-batch of one candidate that fits the budget.
 struct MicroBatchFit {
   memory::PlanOptions options;

@@ -30,6 +30,13 @@ std::string PlanTable(const memory::Plan& plan) {
   }
   absl::StrAppendFormat(&out, "\nmodel state per rank (params + grads + master + m + v): %s\n",
                         HumanBytes(plan.model_state_bytes));
+  if (plan.frozen_elements > 0) {
+    absl::StrAppendFormat(&out,
+                          "frozen: %d parameters in %d units, no gradients or optimizer state: "
+                          "%s saved per rank\n",
+                          plan.frozen_elements, plan.units.size() - plan.trainable_units,
+                          HumanBytes(plan.frozen_state_bytes_saved));
+  }
   absl::StrAppendFormat(&out, "sent per rank per step: %s", HumanBytes(plan.comm_bytes_per_step));
   if (plan.host_transfer_bytes_per_step > 0) {
     absl::StrAppendFormat(&out, "; device<->host copies per step: %s",
@@ -57,7 +64,9 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
                    {"pinned_host_bytes", plan.pinned_host_bytes()},
                    {"host_bytes", plan.host_bytes()},
                    {"nvme_bytes", plan.nvme_bytes()},
-                   {"shard_elements", plan.shard_elements}};
+                   {"shard_elements", plan.shard_elements},
+                   {"frozen_params", plan.frozen_elements},
+                   {"frozen_state_bytes_saved", plan.frozen_state_bytes_saved}};
   j["comm_bytes_per_step"] = plan.comm_bytes_per_step;
   j["host_transfer_bytes_per_step"] = plan.host_transfer_bytes_per_step;
   nlohmann::ordered_json buffers = nlohmann::ordered_json::array();

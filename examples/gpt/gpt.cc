@@ -44,6 +44,7 @@ class EngineAccess : public internal::ParamAccess {
   const float* Get(int i) override { return values_[i].data(); }
 
   absl::Status Put(int i, const std::vector<float>& grad) override {
+    if (engine_.frozen(i)) return absl::OkStatus();  // --freeze: no gradient to hand over
     ASSIGN_OR_RETURN(void* dst, engine_.grad(i));
     for (size_t k = 0; k < grad.size(); ++k) StoreAs(dtype_, dst, k, grad[k]);
     return engine_.GradReady(i);

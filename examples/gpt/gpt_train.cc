@@ -23,7 +23,8 @@ constexpr char kUsage[] =
     "  [--steps N] [--batch N] [--seq N] [--lr X] [--clip X] [--eval_every N] [--eval_windows N]\n"
     "  [--preset default|gpt2] [--layers N] [--heads N] [--d_model N] [--context N] [--vocab N]\n"
     "  [--threads N] [--print_every N] [--sample_tokens N] [--prompt TEXT] [--temperature X]\n"
-    "  [--corpus PATH] [--seed N] [--init-from FILE (safetensors weights to start from)]\n";
+    "  [--corpus PATH] [--seed N] [--init-from FILE (safetensors weights to start from)]\n"
+    "  [--freeze GLOB[,GLOB...] (zerort.frozen_params)]\n";
 
 struct Args {
   RunOptions run;
@@ -97,6 +98,7 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
   } else if (flag == "temperature") { r.sample_temperature = static_cast<float>(ToDouble(flag, value));
   } else if (flag == "corpus") { r.corpus_path = v;
   } else if (flag == "init-from") { r.init_from = v;
+  } else if (flag == "freeze") { a.config.frozen_params = v;
   } else if (flag == "seed") { r.data_seed = s.seed = ToInt(flag, value);
   } else {
     return false;

@@ -150,7 +150,8 @@ absl::StatusOr<GroupChoice> ResolveParamGroups(
 AdamWGroups::AdamWGroups(const memory::Plan& plan, const ShardLayout& layout,
                          GroupChoice choice)
     : choice_(std::move(choice)), by_group_(choice_.groups.size() + 1) {
-  for (size_t u = 0; u < plan.units.size(); ++u) {
+  // Frozen units, after the trainable ones, have no optimizer state: no ranges.
+  for (size_t u = 0; u < static_cast<size_t>(plan.trainable_units); ++u) {
     const Region& reg = layout.region(static_cast<int>(u));
     const int64_t lo = reg.unit_begin, hi = reg.unit_begin + reg.n;
     std::vector<int> params = plan.units[u].params;

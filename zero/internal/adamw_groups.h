@@ -67,7 +67,7 @@ class AdamWGroups {
 
  private:
   const GroupChoice choice_;
-  std::vector<std::vector<offload::AdamWRange>> ranges_;  // per unit; constants from Prepare
+  std::vector<std::vector<offload::AdamWRange>> ranges_;  // per trainable unit; constants from Prepare
   std::vector<std::vector<int>> range_group_;             // per unit, per range: group or -1
   std::vector<offload::AdamWStepParams> by_group_;        // [0]: none; [g + 1]: group g
 };

@@ -257,6 +257,8 @@ absl::Span<const KeyDef> TopKeys() {
       Int("cpu_threads", M(cpu_threads), 0),
       Scalar("zerort.strict", M(strict)),
       Hand("zerort.param_groups", Custom::kParamGroups),
+      Scalar("zerort.frozen_params", M(frozen_params)),
+      Scalar("zerort.local_grad_accumulation", M(local_grad_accumulation)),
       Int64("zerort.reserves.cuda_context_bytes", M(reserves.cuda_context_bytes), 0),
       Int64("zerort.reserves.nccl_communicator_bytes", M(reserves.nccl_communicator_bytes), 0),
       Int64("zerort.reserves.nccl_buffsize", M(reserves.nccl_buffsize), 0),

@@ -114,6 +114,10 @@ class Engine::Impl {
   LossScaler scaler_;
   int64_t step_ = 0;
   int micro_ = 0;  // completed micro-steps in this accumulation window
+  // A micro-step of this window has reduced: later reductions add to the reduced gradients.
+  bool synced_in_window_ = false;
+  // Local accumulation: SetGradientSync(true) asked for a reduction in every micro-step.
+  bool sync_every_micro_ = false;
   zero_internal::StepTimer timer_;
 
   std::unique_ptr<zero_internal::Hyperparams> hyper_;  // the AdamW scalars in force

@@ -64,6 +64,7 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kGradAccumulator: model_state_.accum = p; break;
     case BufferClass::kGradBucket: grad_buckets_ = slotted; break;
     case BufferClass::kGradWire: grad_wire_ = reinterpret_cast<float*>(p); break;
+    case BufferClass::kGradLocal: grad_local_ = p; break;
     case BufferClass::kGatherBuffer: gather_slots_ = slotted; break;
     case BufferClass::kPersistentParams: persistent_ = p; break;
     case BufferClass::kOffloadStaging: staging_ = slotted; break;

@@ -53,6 +53,8 @@ class EngineMemory {
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
+  // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
+  char* grad_local() const { return grad_local_; }
   const ByteCounts& bytes() const { return bytes_; }
 
  private:
@@ -65,6 +67,7 @@ class EngineMemory {
   char* persistent_ = nullptr;
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
+  char* grad_local_ = nullptr;
   ByteCounts bytes_;
 };
 

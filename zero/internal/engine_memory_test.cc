@@ -75,6 +75,7 @@ const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffe
     case BufferClass::kExpAvgSq: return reinterpret_cast<const char*>(s.v);
     case BufferClass::kGradAccumulator: return s.accum;
     case BufferClass::kGradWire: return reinterpret_cast<const char*>(mem.grad_wire());
+    case BufferClass::kGradLocal: return mem.grad_local();
     case BufferClass::kGradBucket: *slots = &mem.grad_buckets(); break;
     case BufferClass::kGatherBuffer: *slots = &mem.gather_slots(); break;
     case BufferClass::kPersistentParams: return mem.persistent();

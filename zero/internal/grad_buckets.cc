@@ -9,13 +9,15 @@ namespace zerort {
 namespace zero_internal {
 
 GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
-                         const ModelStateBuffers& state, const SlottedBuffer& buckets, float* wire)
+                         const ModelStateBuffers& state, const SlottedBuffer& buckets, float* wire,
+                         char* local)
     : ctx_(ctx),
       layout_(layout),
       gas_(ctx.plan.options.gradient_accumulation_steps),
       grad_dtype_(memory::ReducedGradDType(ctx.plan.options)),
       wire_dtype_(memory::GradWireDType(ctx.plan.options)),
       wire_(wire),
+      local_(local),
       grads_(state.grads),
       buckets_(buckets),
       ready_(ctx.plan.params.size(), 0),
@@ -26,8 +28,18 @@ GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
   StartMicroStep();
 }
 
+// A frozen parameter has no gradient anywhere: every gradient call on it is the trainer's bug.
+absl::Status GradBuckets::CheckTrainable(int i, const char* call) const {
+  const memory::ParamLayout& p = ctx_.plan.params[i];
+  if (!ctx_.plan.units[p.unit].frozen) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      call, "('", p.name, "'): the parameter is frozen: it has no gradient buffer and is never "
+      "reduced (skip it in backward, or re-create the engine with it trainable)"));
+}
+
 absl::StatusOr<void*> GradBuckets::Grad(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "grad"));
   if (ready_[i]) {
     return absl::FailedPreconditionError(absl::StrCat(
         "grad('", p.name, "') after its GradReady in this micro-step: the buffer is being reduced"));
@@ -69,6 +81,7 @@ absl::StatusOr<int> GradBuckets::AcquireBucket(int unit, const memory::ParamLayo
 
 absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "GradReady"));
   if (ready_[i]) {
     return absl::FailedPreconditionError(
         absl::StrCat("GradReady('", p.name, "') called twice in one micro-step"));
@@ -87,6 +100,7 @@ absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
 
 absl::StatusOr<bool> GradBuckets::SetSource(int i, void* buffer) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  RETURN_IF_ERROR(CheckTrainable(i, "SetGradBuffer"));
   if (pending_[p.unit] != static_cast<int>(ctx_.plan.units[p.unit].params.size()) ||
       unit_bucket_[p.unit] >= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -186,10 +200,47 @@ absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first
   const bool to_accum = gas_ > 1 || grad_dtype_ != ctx_.cdt;
   char* dst = layout_.region(u).grad;
   char* full = src != nullptr ? src : g;
+  if (!sync_) {
+    RETURN_IF_ERROR(AddLocal(unit, full, local_micros_ == 0));
+    // grad(i) is handed out zero-filled; the trainer's own buffer it rewrites.
+    if (src != nullptr) return absl::OkStatus();
+    return ctx_.device->Zero(g, unit.padded * ctx_.c, ctx_.streams->side());
+  }
+  if (local_micros_ > 0) RETURN_IF_ERROR(MergeLocal(unit, full));
   ASSIGN_OR_RETURN(const Reduced r, Collective(full, unit, to_accum ? nullptr : dst));
   RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
   if (!to_accum || src != nullptr) return absl::OkStatus();
   return ctx_.device->Zero(g, unit.padded * ctx_.c, ctx_.streams->side());
+}
+
+// grad_local (in the reduced-gradient dtype) of `unit` = (first ? 0 : itself) + `full`, the
+// unit's compute-dtype gradients, converted through the fp32 scratch when the dtypes differ.
+absl::Status GradBuckets::AddLocal(const memory::Unit& unit, const char* full, bool first) {
+  Device* dev = ctx_.device;
+  const Device::Stream side = ctx_.streams->side();
+  char* local = local_ + unit.flat_offset * static_cast<int64_t>(DTypeSize(grad_dtype_));
+  const size_t bytes = unit.padded * DTypeSize(grad_dtype_);
+  if (grad_dtype_ == ctx_.cdt) {
+    return first ? dev->Copy(local, full, bytes, side)
+                 : dev->Accumulate(local, full, grad_dtype_, unit.padded, side);
+  }
+  if (first) return dev->Cast(full, ctx_.cdt, local, grad_dtype_, unit.padded, side);
+  char* wide = reinterpret_cast<char*>(wire_);  // (unit) fp32
+  RETURN_IF_ERROR(dev->Cast(full, ctx_.cdt, wide, grad_dtype_, unit.padded, side));
+  return dev->Accumulate(local, wide, grad_dtype_, unit.padded, side);
+}
+
+// The synced micro-step of a locally accumulated window: its gradients join the local sum,
+// which goes back into `full` (rounded to the compute dtype when that is narrower) to be
+// reduced as any unit.
+absl::Status GradBuckets::MergeLocal(const memory::Unit& unit, char* full) {
+  RETURN_IF_ERROR(AddLocal(unit, full, /*first=*/false));
+  const Device::Stream side = ctx_.streams->side();
+  char* local = local_ + unit.flat_offset * static_cast<int64_t>(DTypeSize(grad_dtype_));
+  if (grad_dtype_ == ctx_.cdt) {
+    return ctx_.device->Copy(full, local, unit.padded * ctx_.c, side);
+  }
+  return ctx_.device->Cast(local, grad_dtype_, full, ctx_.cdt, unit.padded, side);
 }
 
 absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
@@ -213,11 +264,18 @@ bool GradBuckets::any_ready() const {
 }
 
 int GradBuckets::FirstMissing() const {
-  const auto it = std::find(ready_.begin(), ready_.end(), 0);
-  return it == ready_.end() ? -1 : static_cast<int>(it - ready_.begin());
+  for (size_t i = 0; i < ready_.size(); ++i) {
+    if (!ready_[i] && !ctx_.plan.units[ctx_.plan.params[i].unit].frozen) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
 }
 
 void GradBuckets::StartMicroStep() {
+  // The micro-step that ends was summed locally (reduced_ > 0: it had gradients).
+  if (!sync_ && reduced_ > 0) ++local_micros_;
+  if (sync_) local_micros_ = 0;  // a synced micro-step consumed the local sums
   reduced_ = 0;
   std::fill(ready_.begin(), ready_.end(), 0);
   for (size_t u = 0; u < ctx_.plan.units.size(); ++u) {
@@ -227,7 +285,8 @@ void GradBuckets::StartMicroStep() {
 
 absl::Status GradBuckets::ClearFullGradients() {
   if (ctx_.stage > 1) return absl::OkStatus();
-  return ctx_.device->Zero(grads_, ctx_.plan.padded_elements * ctx_.c, ctx_.streams->compute());
+  return ctx_.device->Zero(grads_, ctx_.plan.trainable_padded_elements * ctx_.c,
+                           ctx_.streams->compute());
 }
 
 }  // namespace zero_internal

@@ -14,6 +14,14 @@
 // reduction (stages 0-1 into the accumulator, stages 2-3 into the shard itself), so that every
 // stage sums every element in the same order.
 //
+// Local accumulation (stages 0-1, the plan's grad_local): in a micro-step without sync (see
+// set_sync) a complete unit is added into grad_local instead of reduced; the next synced
+// micro-step adds its own gradients there too, writes the sum back into the unit and reduces
+// it once. The sum order over micro-steps changes (rank-local first, then across ranks).
+//
+// Frozen parameters (memory::ParamSpec::frozen) have no gradient: grad, GradReady and
+// SetSource fail naming them, and Step never waits for them.
+//
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
 #define ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
@@ -41,7 +49,7 @@ class GradBuckets {
   // `layout` says (Region::grad); `wire`: the plan's fp32 grad_wire scratch (null when neither
   // fp32 option is set).
   GradBuckets(const UnitContext& ctx, const ShardLayout& layout, const ModelStateBuffers& state,
-              const SlottedBuffer& buckets, float* wire);
+              const SlottedBuffer& buckets, float* wire, char* local = nullptr);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
   // FailedPrecondition after its GradReady, or when every bucket holds an unfinished unit.
@@ -49,9 +57,13 @@ class GradBuckets {
   // Marks parameter i ready; returns true when that completes its unit (reduce it next).
   // FailedPrecondition when it already is.
   absl::StatusOr<bool> MarkReady(int i);
-  // Reduces `unit` (see above); `first_micro`: the first micro-step of its accumulation window.
-  // Collective.
+  // Reduces `unit` (see above); `first_micro`: no earlier micro-step of its accumulation
+  // window reduced it (the reduced result is stored, not added). Collective when synced.
   absl::Status Reduce(int unit, bool first_micro);
+  // Whether this micro-step's units are reduced (true) or added into grad_local (false).
+  // REQUIRES: a grad_local buffer for false; the same value for every unit of a micro-step.
+  void set_sync(bool sync) { sync_ = sync; }
+  bool sync() const { return sync_; }
 
   // Parameter i's gradient is read from `buffer` (compute dtype, its numel elements; null
   // undoes it) at MarkReady instead of the engine's slot. Returns true when its unit is reduced
@@ -77,6 +89,7 @@ class GradBuckets {
     DType dtype;
     int64_t n;
   };
+  absl::Status CheckTrainable(int i, const char* call) const;
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
   absl::StatusOr<void*> Slot(int i);  // the engine's buffer for parameter i
   bool direct(int unit) const;        // reduced straight from a SetSource buffer
@@ -84,6 +97,8 @@ class GradBuckets {
   absl::Status Deposit(char* dst, const Reduced& r, bool first, char* spare);
   char* Spare(char* full, const memory::Unit& unit) const;
   absl::Status ReduceFull(const memory::Unit& unit, int u, bool first_micro);  // stages 0-1
+  absl::Status AddLocal(const memory::Unit& unit, const char* full, bool first);
+  absl::Status MergeLocal(const memory::Unit& unit, char* full);
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
@@ -92,11 +107,14 @@ class GradBuckets {
   const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
   const DType wire_dtype_;  // gradients are reduced in
   float* const wire_;
+  char* const local_;  // grad_local, or null
   char* const grads_;
   const SlottedBuffer buckets_;
   std::vector<uint8_t> ready_;      // per param
   std::vector<char*> source_;       // per param: SetSource buffer, or null
   int reduced_ = 0;                 // units reduced in this micro-step
+  bool sync_ = true;                // this micro-step reduces
+  int local_micros_ = 0;            // micro-steps of this window summed into grad_local
   std::vector<int> pending_;        // per unit: params not yet ready
   std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
   std::vector<uint8_t> bucket_busy_;  // per bucket

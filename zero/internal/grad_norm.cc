@@ -20,6 +20,8 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region& reg = layout_.region(u);
+    unit_finite[u] = true;
+    if (reg.frozen) continue;  // no gradient: its partials stay zero
     const DType cdt = reg.grad_dtype;
     const size_t c = DTypeSize(cdt);
     RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));

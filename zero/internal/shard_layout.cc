@@ -18,6 +18,12 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   r.n = r.whole_unit ? unit.padded : unit.shard;
   r.unit_begin = r.whole_unit ? 0 : o.rank * unit.shard;
   r.owned_begin = r.whole_unit ? o.rank * unit.shard : 0;
+  r.frozen = unit.frozen;
+  if (b.params != nullptr) {
+    r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
+                           : at(b.params, unit.flat_offset + r.unit_begin);
+  }
+  if (r.frozen) return r;  // parameters only
   switch (o.stage) {
     case 0:
       r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : at(b.grads, unit.flat_offset);
@@ -29,10 +35,6 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
     default:
       r.grad = at_grad(b.grads, unit.shard_offset);
       break;
-  }
-  if (b.params != nullptr) {
-    r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
-                           : at(b.params, unit.flat_offset + r.unit_begin);
   }
   // Optimizer state is the concatenation of the owned regions.
   const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;

@@ -13,6 +13,8 @@
 //   stage 1:  this rank's block of the full gradients, or the shard accumulator
 //   stage 2-3: the gradient shard (accumulated in place)
 //
+// Frozen units (plan.units[u].frozen, after every trainable unit) have parameters only.
+//
 // Every engine path that touches owned state (InitParams, the optimizer, snapshots, restore,
 // GatherMasterWeights, the offload pipeline) reads this table instead of redoing the arithmetic.
 //
@@ -56,6 +58,9 @@ struct Region {
   char* param = nullptr;       // (n) compute dtype; null when the shards live in a file
   // fp32 training without a master copy: `master` is `param`, updated in place.
   bool params_are_master = false;
+  // A unit of frozen parameters: only `param` is set (grad, master, m and v are null), and
+  // UnitStore derives its fp32 weights from the parameters.
+  bool frozen = false;
 };
 
 class ShardLayout {

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <utility>
@@ -92,6 +93,8 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
 absl::Status UnitStore::StoreState(int u, const float* master, const float* m, const float* v) {
   if (state_file_ != nullptr) return state_file_->Store(u, master, m, v);
   const Region& reg = layout_.region(u);
+  // A frozen unit keeps no state: its weights are the parameters (StoreParams).
+  if (reg.frozen) return absl::OkStatus();
   const size_t bytes = static_cast<size_t>(reg.n) * 4;
   auto put = [&](float* dst, const float* src) {
     return src != nullptr ? dev_->Copy(dst, src, bytes, compute_) : dev_->Zero(dst, bytes, compute_);
@@ -104,6 +107,7 @@ absl::Status UnitStore::StoreState(int u, const float* master, const float* m, c
 absl::Status UnitStore::LoadState(int u, float* master, float* m, float* v) {
   if (state_file_ != nullptr) return state_file_->Load(u, master, m, v);
   const Region& reg = layout_.region(u);
+  if (reg.frozen) return LoadFrozen(u, 0, reg.n, master, m, v);
   const size_t bytes = static_cast<size_t>(reg.n) * 4;
   const float* src[3] = {reg.master, reg.m, reg.v};
   float* dst[3] = {master, m, v};
@@ -113,7 +117,32 @@ absl::Status UnitStore::LoadState(int u, float* master, float* m, float* v) {
   return dev_->Synchronize(compute_);
 }
 
+// A frozen unit's fp32 weights are its parameters widened (exact), and its m and v zero: the
+// same arrays a trainable unit has, so checkpoints and GatherMasterWeights need no other form.
+absl::Status UnitStore::LoadFrozen(int u, int64_t begin, int64_t n, float* master, float* m,
+                                   float* v) {
+  const Region& reg = layout_.region(u);
+  for (float* zero : {m, v}) {
+    if (zero != nullptr) std::fill(zero, zero + n, 0.0f);
+  }
+  if (master == nullptr) return absl::OkStatus();
+  std::vector<char> values(static_cast<size_t>(n) * c_);  // (n) compute dtype, host
+  RETURN_IF_ERROR(dev_->Copy(values.data(), reg.param + begin * static_cast<int64_t>(c_),
+                             values.size(), compute_));
+  RETURN_IF_ERROR(dev_->Synchronize(compute_));
+  offload::Cast(values.data(), plan_.options.compute_dtype, master, DType::kF32, n);
+  return absl::OkStatus();
+}
+
 absl::Status UnitStore::BeforeSnapshot(float* master, float* m, float* v, void** param) {
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    const Region& reg = layout_.region(u);
+    const int64_t off = plan_.units[u].shard_offset;
+    if (reg.frozen) {
+      RETURN_IF_ERROR(LoadFrozen(u, reg.owned_begin, plan_.units[u].shard, master + off,
+                                 m + off, v + off));
+    }
+  }
   for (int u = 0; state_file_ != nullptr && u < layout_.num_units(); ++u) {
     const int64_t off = plan_.units[u].shard_offset;
     RETURN_IF_ERROR(state_file_->Load(u, master + off, m + off, v + off));

@@ -9,7 +9,8 @@
 // where state lives: a new place for it (or a compact form of it) is a change here.
 //
 // Arrays handed in and out are a unit's region (ShardLayout): region(u).n elements, the whole
-// padded unit in stage 0 and this rank's shard otherwise.
+// padded unit in stage 0 and this rank's shard otherwise. A frozen unit (parameters only) reads
+// as master = its parameters in fp32 and m = v = 0; StoreState ignores it (StoreParams sets it).
 //
 //   ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, memory, config, dev, compute,
 //                                                  &exchange));
@@ -113,6 +114,8 @@ class UnitStore {
             Device::Stream compute, comm::HostExchange* exchange);
   absl::Status CreateFiles(const EngineMemory& memory, const Config& config);
   absl::Status WriteShardFromMaster(int u);
+  // Frozen unit u: elements [begin, begin + n) of its region as master, m, v (see .cc).
+  absl::Status LoadFrozen(int u, int64_t begin, int64_t n, float* master, float* m, float* v);
   absl::Status ReadAhead(int u, const std::function<bool(int)>& gathered);
   absl::Status RecoverFromFile(const std::function<absl::Status(int)>& regather);
   absl::Status RederiveShards(const std::function<absl::Status(int)>& regather);

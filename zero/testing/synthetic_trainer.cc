@@ -79,6 +79,7 @@ absl::Status Backward(Engine& e, int step, int micro, std::vector<std::vector<ch
   for (int u = 0; u < e.num_units(); ++u) {
     RETURN_IF_ERROR(e.Gather(u));
     for (int i : e.plan().units[u].params) {
+      if (e.frozen(i)) continue;  // no gradient: backward only reads it
       ASSIGN_OR_RETURN(void* g, e.grad(i));
       const int64_t n = e.plan().params[i].numel;
       // Built on the host and copied in on the compute stream, without waiting, as a

@@ -49,7 +49,8 @@ struct TrainResult {
   MemoryReport report;
 };
 
-// One micro-step's forward gathers and backward: writes (rank, step, micro)'s gradients times
+// One micro-step's forward gathers and backward (gathering frozen units too, writing no
+// gradient for frozen parameters): writes (rank, step, micro)'s gradients times
 // `factor` (an Inf in the first element of each parameter with `overflow`) and marks them
 // ready, without Step(). The copies read `host` (appended to) on the compute stream: keep it
 // until the stream is synchronized.
