@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -357,13 +358,24 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
 
   std::vector<absl::Status> status(world);
   std::vector<std::thread> threads_of_ranks;
-  for (int r = 0; r < world; ++r) {
-    threads_of_ranks.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
-      status[r] = RunRank(shared, r, comm.get());
-      comm.reset();  // a failed rank's peers then fail fast (Unavailable) instead of timing out
-    });
+  threads_of_ranks.reserve(world);
+  absl::Status started;
+  for (int r = 0; r < world && started.ok(); ++r) {
+    try {
+      threads_of_ranks.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
+        status[r] = RunRank(shared, r, comm.get());
+        comm.reset();  // a failed rank's peers then fail fast (Unavailable), not time out
+      });
+    } catch (const std::system_error& e) {
+      // The ranks already running wait for this one: destroying the communicators not handed
+      // out (rank r's died with its closure) makes them fail fast, so they can be joined.
+      for (int q = r + 1; q < world; ++q) comms[q].reset();
+      started = absl::ResourceExhaustedError(absl::StrCat(
+          "cannot start the thread of rank ", r, " of ", world, ": ", e.what()));
+    }
   }
   for (std::thread& t : threads_of_ranks) t.join();
+  RETURN_IF_ERROR(started);
   RETURN_IF_ERROR(FirstCause(status));
   shared.result.tokens_per_s =
       TokensPerSecond(shared, world, in.seq, options.steps - in.first_step);
