@@ -972,14 +972,17 @@ zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engin
 zr_status zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype,
                      int64_t n) {
   return Guard([&]() -> absl::Status {
-    // Checked before anything is written: an unknown dtype used to leave zeros in dst.
-    const std::pair<zr_dtype, const char*> dtypes[] = {{src_dtype, "src_dtype"},
-                                                       {dst_dtype, "dst_dtype"}};
+    // Checked before anything is written: an unknown dtype used to leave zeros in dst. Read
+    // as the int C passed: a value outside the enum is not a valid zr_dtype in C++.
+    static_assert(sizeof(zr_dtype) == sizeof(int), "C passes zr_dtype as an int");
+    const std::pair<const zr_dtype*, const char*> dtypes[] = {{&src_dtype, "src_dtype"},
+                                                              {&dst_dtype, "dst_dtype"}};
     for (const auto& [dtype, name] : dtypes) {
-      if (dtype != ZR_F32 && dtype != ZR_BF16 && dtype != ZR_F16) {
-        return absl::InvalidArgumentError(absl::StrCat("zr_convert: ", name, " ",
-                                                       static_cast<int>(dtype),
-                                                       " is not ZR_F32, ZR_BF16 or ZR_F16"));
+      int raw = 0;
+      std::memcpy(&raw, dtype, sizeof raw);
+      if (raw != ZR_F32 && raw != ZR_BF16 && raw != ZR_F16) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "zr_convert: ", name, " ", raw, " is not ZR_F32, ZR_BF16 or ZR_F16"));
       }
     }
     if (n < 0 || (n > 0 && (src == nullptr || dst == nullptr))) {
