@@ -4,12 +4,14 @@
 #include "capi/zero_c.h"
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <new>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -32,19 +34,28 @@
 #include "zero/engine.h"
 #include "zero/report.h"
 
+// Communicators and devices are shared with the engines created on them, so that destroying
+// one before its engines (a common teardown mistake) defers the real destruction to the last
+// engine instead of leaving them a dangling pointer.
 struct zr_comm {
-  std::unique_ptr<zerort::comm::Communicator> comm;
+  std::shared_ptr<zerort::comm::Communicator> comm;
 };
 
 struct zr_device {
-  std::unique_ptr<zerort::Device> device;
+  std::shared_ptr<zerort::Device> device;
 };
 
 struct zr_checkpointer {
-  zerort::AsyncCheckpointer checkpointer;
+  // Behind a pointer so that destroy can free it (a thread and a pinned buffer) and keep the
+  // handle's tombstone.
+  std::unique_ptr<zerort::AsyncCheckpointer> checkpointer =
+      std::make_unique<zerort::AsyncCheckpointer>();
 };
 
 struct zr_engine {
+  // Declared before `engine`, hence destroyed after it.
+  std::shared_ptr<zerort::comm::Communicator> comm;
+  std::shared_ptr<zerort::Device> device;
   std::unique_ptr<zerort::Engine> engine;
   // Rendered once at creation: the C ABI hands out pointers into them for the engine's lifetime.
   std::string plan_json;
@@ -68,12 +79,28 @@ std::string& LastError() {
   return message;
 }
 
+// Messages quote caller input (JSON keys, names) that may hold a NUL or other control bytes: a
+// NUL would cut the C string short, so each becomes \xNN. Newlines separate notes and stay.
+std::string EscapeControl(absl::string_view message) {
+  std::string out;
+  out.reserve(message.size());
+  for (const char c : message) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if ((u < 0x20 && c != '\n') || u == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out;
+}
+
 zr_status Set(const absl::Status& status) {
   if (status.ok()) {
     LastError().clear();
     return ZR_OK;
   }
-  LastError() = std::string(status.message());
+  LastError() = EscapeControl(status.message());
   return static_cast<zr_status>(status.code());
 }
 
@@ -96,12 +123,114 @@ absl::Status NotNull(const void* p, const char* function, const char* argument) 
   return absl::InvalidArgumentError(absl::StrCat(function, ": ", argument, " is NULL"));
 }
 
+// Every live handle and its kind, checked at every entry point: a use after destroy, a double
+// destroy or a pointer that never was a handle becomes ZR_INVALID_ARGUMENT instead of a crash.
+// Destroy keeps a handle's few dozen bytes of memory (a tombstone) so that its address is
+// never reused by a later handle, and a stale pointer can never pass for a live one.
+enum class HandleKind { kComm, kDevice, kEngine, kCheckpointer };
+
+class HandleRegistry {
+ public:
+  void Add(const void* handle, HandleKind kind) {
+    absl::MutexLock lock(&mu_);
+    live_[handle] = kind;
+  }
+  bool Contains(const void* handle, HandleKind kind) {
+    absl::MutexLock lock(&mu_);
+    const auto it = live_.find(handle);
+    return it != live_.end() && it->second == kind;
+  }
+  // False when `handle` is not a live handle of `kind` (then nothing changes).
+  bool Remove(const void* handle, HandleKind kind) {
+    absl::MutexLock lock(&mu_);
+    const auto it = live_.find(handle);
+    if (it == live_.end() || it->second != kind) return false;
+    live_.erase(it);
+    return true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::unordered_map<const void*, HandleKind> live_ ABSL_GUARDED_BY(mu_);
+};
+
+HandleRegistry& Handles() {
+  static auto* registry = new HandleRegistry();  // never destroyed: usable from exit handlers
+  return *registry;
+}
+
+HandleKind KindOf(const zr_comm*) { return HandleKind::kComm; }
+HandleKind KindOf(const zr_device*) { return HandleKind::kDevice; }
+HandleKind KindOf(const zr_engine*) { return HandleKind::kEngine; }
+HandleKind KindOf(const zr_checkpointer*) { return HandleKind::kCheckpointer; }
+
+const char* TypeName(HandleKind kind) {
+  switch (kind) {
+    case HandleKind::kComm: return "zr_comm";
+    case HandleKind::kDevice: return "zr_device";
+    case HandleKind::kEngine: return "zr_engine";
+    case HandleKind::kCheckpointer: return "zr_checkpointer";
+  }
+  return "handle";
+}
+
+// The argument's usual name: "engine" for a zr_engine.
+const char* ArgName(HandleKind kind) { return TypeName(kind) + 3; }
+
+std::string NotLiveMessage(const void* handle, HandleKind kind, const char* function,
+                           const char* argument) {
+  return absl::StrCat(function, ": ", argument, " (0x",
+                      absl::Hex(reinterpret_cast<uintptr_t>(handle)), ") is not a live ",
+                      TypeName(kind), ": already destroyed, or never created by zerort");
+}
+
+// `handle` is a live handle of its type: InvalidArgument naming `function` and `argument`.
+template <typename T>
+absl::Status Live(const T* handle, const char* function, const char* argument) {
+  RETURN_IF_ERROR(NotNull(handle, function, argument));
+  if (Handles().Contains(handle, KindOf(handle))) return absl::OkStatus();
+  return absl::InvalidArgumentError(NotLiveMessage(handle, KindOf(handle), function, argument));
+}
+
+// For the calls that cannot return a status: whether `handle` may be used; if not, the reason
+// becomes zr_last_error().
+template <typename T>
+bool UsableOrSetError(const T* handle, const char* function) {
+  const absl::Status live = Live(handle, function, ArgName(KindOf(handle)));
+  if (live.ok()) return true;
+  LastError() = EscapeControl(live.message());
+  return false;
+}
+
+// Destroy: NULL is a no-op; a handle that is not live is reported through zr_last_error() and
+// left alone (a double destroy must not free twice); a live one is unregistered and `release`
+// frees what it owns, leaving the tombstone.
+template <typename T, typename Release>
+void Destroy(T* handle, const char* function, Release release) {
+  if (handle == nullptr) return;
+  Guard([&]() -> absl::Status {
+    if (!Handles().Remove(handle, KindOf(handle))) {
+      return absl::InvalidArgumentError(
+          NotLiveMessage(handle, KindOf(handle), function, ArgName(KindOf(handle))));
+    }
+    release(*handle);
+    return absl::OkStatus();
+  });
+}
+
+// Registers and hands out a new handle.
+template <typename T>
+T* Register(std::unique_ptr<T> handle) {
+  Handles().Add(handle.get(), KindOf(handle.get()));
+  return handle.release();
+}
+
 // An entry point that only forwards to one Engine method: a NULL engine is InvalidArgument
 // naming `function`, and exceptions become statuses (Guard).
 template <typename Call>
 zr_status ForwardToEngine(zr_engine* engine, const char* function, Call&& call) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, function, "engine"));
+    RETURN_IF_ERROR(Live(engine, function, "engine"));
     return call(*engine->engine);
   });
 }
@@ -178,7 +307,7 @@ absl::Status PublishComm(absl::StatusOr<std::unique_ptr<zerort::comm::Communicat
   RETURN_IF_ERROR(created.status());
   auto wrapper = std::make_unique<zr_comm>();
   wrapper->comm = std::move(*created);
-  *out = wrapper.release();
+  *out = Register(std::move(wrapper));
   return absl::OkStatus();
 }
 
@@ -187,7 +316,7 @@ absl::Status PublishDevice(absl::StatusOr<std::unique_ptr<zerort::Device>> creat
   RETURN_IF_ERROR(created.status());
   auto wrapper = std::make_unique<zr_device>();
   wrapper->device = std::move(*created);
-  *out = wrapper.release();
+  *out = Register(std::move(wrapper));
   return absl::OkStatus();
 }
 
@@ -205,9 +334,13 @@ std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
 absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
     const zr_param_spec* params, int num_params,
     std::vector<std::optional<zerort::ParamGroup>>* groups) {
-  if (num_params < 1 || params == nullptr) {
+  if (num_params < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "zr_engine_create: needs at least one parameter (num_params ", num_params, ")"));
+  }
+  if (params == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("zr_engine_create: params is NULL (num_params ",
+                                                   num_params, ")"));
   }
   const size_t stride = params[0].struct_size;
   RETURN_IF_ERROR(CheckStructSize<zr_param_spec>(stride, "zr_engine_create", "zr_param_spec"));
@@ -270,7 +403,7 @@ void FillBytes(const zerort::MemoryReport& report, Out* out) {
 template <typename Fn>
 zr_status RunStep(zr_engine* engine, zr_step_stats* stats, const char* function, Fn step) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, function, "engine"));
+    RETURN_IF_ERROR(Live(engine, function, "engine"));
     // Checked before the step: a bad struct must not leave a step applied but unreported.
     if (stats != nullptr) {
       RETURN_IF_ERROR(CheckStructSize<zr_step_stats>(stats->struct_size, function,
@@ -340,16 +473,22 @@ zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** com
       wrapped.push_back(std::make_unique<zr_comm>());
       wrapped.back()->comm = std::move(c);
     }
-    for (int r = 0; r < world_size; ++r) comms[r] = wrapped[r].release();
+    for (int r = 0; r < world_size; ++r) comms[r] = Register(std::move(wrapped[r]));
     return absl::OkStatus();
   });
 }
 
-void zr_comm_destroy(zr_comm* comm) { delete comm; }
+void zr_comm_destroy(zr_comm* comm) {
+  Destroy(comm, "zr_comm_destroy", [](zr_comm& c) { c.comm.reset(); });
+}
 
-int zr_comm_rank(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm->rank(); }
+int zr_comm_rank(const zr_comm* comm) {
+  return UsableOrSetError(comm, "zr_comm_rank") ? comm->comm->rank() : -1;
+}
 
-int zr_comm_size(const zr_comm* comm) { return comm == nullptr ? -1 : comm->comm->size(); }
+int zr_comm_size(const zr_comm* comm) {
+  return UsableOrSetError(comm, "zr_comm_size") ? comm->comm->size() : -1;
+}
 
 zr_status zr_mpi_init(void) {
   return Guard([&]() -> absl::Status {
@@ -448,15 +587,17 @@ zr_status zr_cuda_device_create(int ordinal, zr_device** device) {
   });
 }
 
-void zr_device_destroy(zr_device* device) { delete device; }
+void zr_device_destroy(zr_device* device) {
+  Destroy(device, "zr_device_destroy", [](zr_device& d) { d.device.reset(); });
+}
 
 zr_status zr_engine_create(const char* config_json, const zr_param_spec* params, int num_params,
                            zr_comm* comm, zr_device* device, const zr_engine_options* options,
                            zr_engine** engine) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(config_json, "zr_engine_create", "config_json"));
-    RETURN_IF_ERROR(NotNull(comm, "zr_engine_create", "comm"));
-    RETURN_IF_ERROR(NotNull(device, "zr_engine_create", "device"));
+    RETURN_IF_ERROR(Live(comm, "zr_engine_create", "comm"));
+    RETURN_IF_ERROR(Live(device, "zr_engine_create", "device"));
     RETURN_IF_ERROR(NotNull(engine, "zr_engine_create", "engine"));
     zerort::EngineOptions engine_options;
     zerort::AutoFill fill;
@@ -478,21 +619,31 @@ zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
                      zerort::Engine::Create(config, std::move(specs), comm->comm.get(),
                                             device->device.get(), engine_options));
     auto wrapper = std::make_unique<zr_engine>();
+    wrapper->comm = comm->comm;
+    wrapper->device = device->device;
     wrapper->plan_json = zerort::PlanJson(e->plan()).dump(2);
     for (const std::string& note : e->config().notes) {
       absl::StrAppend(&wrapper->config_notes, note, "\n");
     }
     wrapper->engine = std::move(e);
-    *engine = wrapper.release();
+    *engine = Register(std::move(wrapper));
     return absl::OkStatus();
   });
 }
 
-void zr_engine_destroy(zr_engine* engine) { delete engine; }
+void zr_engine_destroy(zr_engine* engine) {
+  Destroy(engine, "zr_engine_destroy", [](zr_engine& e) {
+    e.engine.reset();  // first: it uses the communicator and the device
+    e.comm.reset();
+    e.device.reset();
+    std::string().swap(e.plan_json);
+    std::string().swap(e.config_notes);
+  });
+}
 
 zr_status zr_engine_init_params(zr_engine* engine, zr_init_fn init, void* user, int from_rank0) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_init_params", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_init_params", "engine"));
     // Only rank 0 calls `init` when broadcasting, so the other ranks may pass NULL.
     if (init == nullptr && (from_rank0 == 0 || engine->engine->plan().options.rank == 0)) {
       return absl::InvalidArgumentError("zr_engine_init_params: init is NULL");
@@ -509,7 +660,7 @@ zr_status zr_engine_init_params(zr_engine* engine, zr_init_fn init, void* user, 
 
 zr_status zr_engine_param(zr_engine* engine, int i, void** out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_param", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_param", "engine"));
     RETURN_IF_ERROR(NotNull(out, "zr_engine_param", "out"));
     ASSIGN_OR_RETURN(*out, engine->engine->param(i));
     return absl::OkStatus();
@@ -518,7 +669,7 @@ zr_status zr_engine_param(zr_engine* engine, int i, void** out) {
 
 zr_status zr_engine_grad(zr_engine* engine, int i, void** out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_grad", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_grad", "engine"));
     RETURN_IF_ERROR(NotNull(out, "zr_engine_grad", "out"));
     ASSIGN_OR_RETURN(*out, engine->engine->grad(i));
     return absl::OkStatus();
@@ -537,7 +688,7 @@ zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit) {
 
 zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_grad_buffer", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_set_grad_buffer", "engine"));
     ASSIGN_OR_RETURN(const bool d, engine->engine->SetGradBuffer(i, buffer));
     if (direct != nullptr) *direct = d ? 1 : 0;
     return absl::OkStatus();
@@ -545,7 +696,7 @@ zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int*
 }
 
 int zr_engine_reduced_units(const zr_engine* engine) {
-  return engine == nullptr ? 0 : engine->engine->reduced_units();
+  return UsableOrSetError(engine, "zr_engine_reduced_units") ? engine->engine->reduced_units() : 0;
 }
 
 zr_status zr_engine_gather(zr_engine* engine, int unit) {
@@ -560,7 +711,7 @@ zr_status zr_engine_release(zr_engine* engine, int unit) {
 
 zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_acquire", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_acquire", "engine"));
     ASSIGN_OR_RETURN(const absl::Span<const int> set,
                      IndexSpan(params, count, "zr_engine_acquire"));
     return engine->engine->AcquireParams(set);
@@ -569,7 +720,7 @@ zr_status zr_engine_acquire(zr_engine* engine, const int* params, int count) {
 
 zr_status zr_engine_release_params(zr_engine* engine, const int* params, int count) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_release_params", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_release_params", "engine"));
     ASSIGN_OR_RETURN(const absl::Span<const int> set,
                      IndexSpan(params, count, "zr_engine_release_params"));
     return engine->engine->ReleaseParams(set);
@@ -582,7 +733,7 @@ zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats) {
 
 zr_status zr_engine_set_hyperparams(zr_engine* engine, const zr_adamw_scalars* scalars) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_set_hyperparams", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_set_hyperparams", "engine"));
     ASSIGN_OR_RETURN(zr_adamw_scalars s,
                      ReadSized(scalars, "zr_engine_set_hyperparams", "zr_adamw_scalars"));
     return engine->engine->SetHyperparams({s.lr, s.beta1, s.beta2, s.eps, s.weight_decay});
@@ -596,7 +747,7 @@ zr_status zr_engine_set_learning_rate(zr_engine* engine, double lr) {
 
 zr_status zr_engine_hyperparams(const zr_engine* engine, zr_adamw_scalars* out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_hyperparams", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_hyperparams", "engine"));
     const zerort::AdamWScalars s = engine->engine->hyperparams();
     zr_adamw_scalars value{sizeof(zr_adamw_scalars), s.lr, s.beta1, s.beta2, s.eps,
                            s.weight_decay};
@@ -605,12 +756,13 @@ zr_status zr_engine_hyperparams(const zr_engine* engine, zr_adamw_scalars* out) 
 }
 
 int zr_engine_last_micro_step(const zr_engine* engine) {
+  if (!UsableOrSetError(engine, "zr_engine_last_micro_step")) return 0;
   return engine->engine->last_micro_step() ? 1 : 0;
 }
 
 zr_status zr_engine_compute_grad_norm(zr_engine* engine, zr_grad_norm* out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_compute_grad_norm", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_compute_grad_norm", "engine"));
     if (out != nullptr) {
       RETURN_IF_ERROR(CheckStructSize<zr_grad_norm>(out->struct_size,
                                                     "zr_engine_compute_grad_norm",
@@ -646,7 +798,7 @@ zr_status zr_engine_skip_step(zr_engine* engine, zr_step_stats* stats) {
 zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n,
                                       zr_reduce_op op) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_allreduce_scalars", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_allreduce_scalars", "engine"));
     if (n < 0 || (n > 0 && values == nullptr)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "zr_engine_allreduce_scalars: n=", n, " with values ", values == nullptr ? "NULL" : "set"));
@@ -671,7 +823,7 @@ zr_status zr_engine_barrier(zr_engine* engine) {
 
 zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t capacity) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_gather_master_weights", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_gather_master_weights", "engine"));
     RETURN_IF_ERROR(NotNull(out, "zr_engine_gather_master_weights", "out"));
     const int64_t needed = engine->engine->plan().num_elements;
     // Checked before the collective so that every rank fails alike when all pass the same size.
@@ -687,7 +839,7 @@ zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t
 
 zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_plan_summary", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_plan_summary", "engine"));
     const zerort::memory::Plan& plan = engine->engine->plan();
     const zerort::MemoryReport report = engine->engine->memory_report();
     zr_plan_summary summary{};
@@ -709,7 +861,7 @@ zr_status zr_engine_plan_summary(const zr_engine* engine, zr_plan_summary* out) 
 
 zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_memory_report", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_memory_report", "engine"));
     const zerort::MemoryReport report = engine->engine->memory_report();
     zr_memory_report r{};
     FillBytes(report, &r);
@@ -719,7 +871,7 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
 
 zr_status zr_engine_plan_json(const zr_engine* engine, const char** json) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_plan_json", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_plan_json", "engine"));
     RETURN_IF_ERROR(NotNull(json, "zr_engine_plan_json", "json"));
     *json = engine->plan_json.c_str();
     return absl::OkStatus();
@@ -728,7 +880,7 @@ zr_status zr_engine_plan_json(const zr_engine* engine, const char** json) {
 
 zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_config_notes", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_config_notes", "engine"));
     RETURN_IF_ERROR(NotNull(notes, "zr_engine_config_notes", "notes"));
     *notes = engine->config_notes.c_str();
     return absl::OkStatus();
@@ -737,7 +889,7 @@ zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes) {
 
 zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_unit_of", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_unit_of", "engine"));
     RETURN_IF_ERROR(NotNull(unit, "zr_engine_unit_of", "unit"));
     if (i < 0 || i >= engine->engine->num_params()) {
       return absl::OutOfRangeError(absl::StrCat("zr_engine_unit_of: parameter index ", i,
@@ -750,16 +902,21 @@ zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit) {
 }
 
 zr_dtype zr_engine_compute_dtype(const zr_engine* engine) {
+  if (!UsableOrSetError(engine, "zr_engine_compute_dtype")) return ZR_F32;
   return static_cast<zr_dtype>(engine->engine->plan().options.compute_dtype);
 }
 
-double zr_engine_loss_scale(const zr_engine* engine) { return engine->engine->loss_scale(); }
+double zr_engine_loss_scale(const zr_engine* engine) {
+  return UsableOrSetError(engine, "zr_engine_loss_scale") ? engine->engine->loss_scale() : 0.0;
+}
 
-int64_t zr_engine_step_count(const zr_engine* engine) { return engine->engine->step(); }
+int64_t zr_engine_step_count(const zr_engine* engine) {
+  return UsableOrSetError(engine, "zr_engine_step_count") ? engine->engine->step() : -1;
+}
 
 zr_status zr_engine_save_checkpoint(zr_engine* engine, const char* root) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_save_checkpoint", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_save_checkpoint", "engine"));
     RETURN_IF_ERROR(NotNull(root, "zr_engine_save_checkpoint", "root"));
     return zerort::SaveCheckpoint(*engine->engine, root).status();
   });
@@ -767,7 +924,7 @@ zr_status zr_engine_save_checkpoint(zr_engine* engine, const char* root) {
 
 zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int allow_reshard) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_load_checkpoint", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_load_checkpoint", "engine"));
     RETURN_IF_ERROR(NotNull(path, "zr_engine_load_checkpoint", "path"));
     zerort::LoadOptions options;
     options.allow_reshard = allow_reshard != 0;
@@ -778,52 +935,77 @@ zr_status zr_engine_load_checkpoint(zr_engine* engine, const char* path, int all
 zr_status zr_checkpointer_create(zr_checkpointer** out) {
   return Guard([&]() -> absl::Status {
     RETURN_IF_ERROR(NotNull(out, "zr_checkpointer_create", "out"));
-    *out = new zr_checkpointer();
+    *out = Register(std::make_unique<zr_checkpointer>());
     return absl::OkStatus();
   });
 }
 
-void zr_checkpointer_destroy(zr_checkpointer* checkpointer) { delete checkpointer; }
+void zr_checkpointer_destroy(zr_checkpointer* checkpointer) {
+  Destroy(checkpointer, "zr_checkpointer_destroy",
+          [](zr_checkpointer& c) { c.checkpointer.reset(); });
+}
 
 zr_status zr_checkpointer_start(zr_checkpointer* checkpointer, zr_engine* engine,
                                 const char* root) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_start", "checkpointer"));
-    RETURN_IF_ERROR(NotNull(engine, "zr_checkpointer_start", "engine"));
+    RETURN_IF_ERROR(Live(checkpointer, "zr_checkpointer_start", "checkpointer"));
+    RETURN_IF_ERROR(Live(engine, "zr_checkpointer_start", "engine"));
     RETURN_IF_ERROR(NotNull(root, "zr_checkpointer_start", "root"));
-    return checkpointer->checkpointer.Start(*engine->engine, root);
+    return checkpointer->checkpointer->Start(*engine->engine, root);
   });
 }
 
 zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engine) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(checkpointer, "zr_checkpointer_finish", "checkpointer"));
+    RETURN_IF_ERROR(Live(checkpointer, "zr_checkpointer_finish", "checkpointer"));
     // NULL: the engine may already be destroyed, which is safe with a save in flight (the
     // checkpointer never touches it after Start; Engine::SnapshotWaiter).
-    const zerort::Engine* saving = checkpointer->checkpointer.saving();
+    const zerort::Engine* saving = checkpointer->checkpointer->saving();
     if (engine != nullptr && saving != nullptr && saving != engine->engine.get()) {
       return absl::InvalidArgumentError(
           "zr_checkpointer_finish: engine is not the one the save in flight was started on");
     }
-    return checkpointer->checkpointer.Finish().status();
+    return checkpointer->checkpointer->Finish().status();
   });
 }
 
-void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype, int64_t n) {
-  // Through fp32, element by element, so equal-sized in-place conversion is safe.
-  for (int64_t i = 0; i < n; ++i) {
-    float f = 0;
-    switch (src_dtype) {
-      case ZR_F32: f = static_cast<const float*>(src)[i]; break;
-      case ZR_BF16: f = zerort::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]); break;
-      case ZR_F16: f = zerort::HalfToFloat(static_cast<const uint16_t*>(src)[i]); break;
+zr_status zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype,
+                     int64_t n) {
+  return Guard([&]() -> absl::Status {
+    // Checked before anything is written: an unknown dtype used to leave zeros in dst. Read
+    // as the int C passed: a value outside the enum is not a valid zr_dtype in C++.
+    static_assert(sizeof(zr_dtype) == sizeof(int), "C passes zr_dtype as an int");
+    const std::pair<const zr_dtype*, const char*> dtypes[] = {{&src_dtype, "src_dtype"},
+                                                              {&dst_dtype, "dst_dtype"}};
+    for (const auto& [dtype, name] : dtypes) {
+      int raw = 0;
+      std::memcpy(&raw, dtype, sizeof raw);
+      if (raw != ZR_F32 && raw != ZR_BF16 && raw != ZR_F16) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "zr_convert: ", name, " ", raw, " is not ZR_F32, ZR_BF16 or ZR_F16"));
+      }
     }
-    switch (dst_dtype) {
-      case ZR_F32: static_cast<float*>(dst)[i] = f; break;
-      case ZR_BF16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToBf16(f); break;
-      case ZR_F16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToHalf(f); break;
+    if (n < 0 || (n > 0 && (src == nullptr || dst == nullptr))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zr_convert: n ", n, " with src ", src == nullptr ? "NULL" : "set", " and dst ",
+          dst == nullptr ? "NULL" : "set"));
     }
-  }
+    // Through fp32, element by element, so equal-sized in-place conversion is safe.
+    for (int64_t i = 0; i < n; ++i) {
+      float f = 0;
+      switch (src_dtype) {
+        case ZR_F32: f = static_cast<const float*>(src)[i]; break;
+        case ZR_BF16: f = zerort::Bf16ToFloat(static_cast<const uint16_t*>(src)[i]); break;
+        case ZR_F16: f = zerort::HalfToFloat(static_cast<const uint16_t*>(src)[i]); break;
+      }
+      switch (dst_dtype) {
+        case ZR_F32: static_cast<float*>(dst)[i] = f; break;
+        case ZR_BF16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToBf16(f); break;
+        case ZR_F16: static_cast<uint16_t*>(dst)[i] = zerort::FloatToHalf(f); break;
+      }
+    }
+    return absl::OkStatus();
+  });
 }
 
 // ---- Fine-tuning: frozen parameters and accumulation without communication ----

@@ -41,6 +41,16 @@
  * library returns (const char*) are owned by it; each call says how long they stay valid.
  * Strings and arrays the caller passes are copied before the call returns unless stated.
  *
+ * Handles (zr_comm, zr_device, zr_engine, zr_checkpointer) are checked at every call: one that
+ * was destroyed, destroyed twice, or never created by zerort is ZR_INVALID_ARGUMENT naming the
+ * call and the handle (calls that return no status return their documented "NULL" value and
+ * set zr_last_error()), never a crash. A destroyed handle keeps a few dozen bytes until the
+ * process exits, so that its address is never reused by a later handle. Teardown order is
+ * forgiving: a communicator or device destroyed while engines still use it is only released;
+ * it lives on, by reference count, until the last of those engines is destroyed (destroy
+ * engines first all the same: an in-process peer then fails fast instead of waiting). The
+ * checks cannot make a handle safe to destroy while another thread is inside a call on it.
+ *
  * Thread safety: an engine and a communicator are used by one thread at a time (their rank's);
  * a device may be shared. zr_last_error() is per thread. Collective calls (create,
  * init_params, gather, grad_ready, step, gather_master_weights, the checkpoint calls, the
@@ -120,21 +130,23 @@ const char* zr_status_name(zr_status status);
 /* ---- Communicators ----
  * Every creation call writes its result only on success. timeout_ms: how long a collective (and
  * the creation itself, where it waits for peers) waits before failing with
- * ZR_DEADLINE_EXCEEDED; 0 = the default, 600000. A communicator is destroyed after every engine
- * using it. */
+ * ZR_DEADLINE_EXCEEDED; 0 = the default, 600000. Destroy a communicator after every engine using
+ * it (destroyed before, it lives on until the last of them is destroyed: see "Handles"). */
 
 /* Creates an in-process group of `world_size` communicators, one per rank, written to
  * comms[0..world_size-1]; each is then used by its rank's thread. Destroying one rank's
  * communicator while its peers wait makes them fail with ZR_UNAVAILABLE instead of hanging.
  * REQUIRES: world_size >= 1, comms holds world_size pointers. */
 zr_status zr_comm_group_create(int world_size, int64_t timeout_ms, zr_comm** comms);
-void zr_comm_destroy(zr_comm* comm); /* NULL is a no-op */
-int zr_comm_rank(const zr_comm* comm); /* -1 for NULL */
-int zr_comm_size(const zr_comm* comm); /* -1 for NULL */
+void zr_comm_destroy(zr_comm* comm); /* NULL is a no-op; a dead handle sets zr_last_error */
+int zr_comm_rank(const zr_comm* comm); /* -1 for NULL or a dead handle */
+int zr_comm_size(const zr_comm* comm); /* -1 for NULL or a dead handle */
 
 /* Initializes MPI with MPI_THREAD_SERIALIZED unless it already is (then it checks the thread
  * level), for programs that do not call MPI_Init_thread themselves. Not collective by itself,
- * but MPI_Init is: every process of the job calls it. Idempotent. */
+ * but MPI_Init is: every process of the job calls it. Idempotent. After MPI was finalized
+ * (zr_mpi_finalize, or the trainer's MPI_Finalize): ZR_FAILED_PRECONDITION, as MPI allows one
+ * initialization per process. */
 zr_status zr_mpi_init(void);
 /* Finalizes MPI if zr_mpi_init initialized it; otherwise a no-op (the trainer owns MPI). Call
  * after destroying every MPI communicator. */
@@ -185,7 +197,9 @@ zr_status zr_cpu_device_create(int threads, zr_device** device);
  * GPU: ZR_FAILED_PRECONDITION with the driver's reason ("no CUDA device: cudaGetDeviceCount
  * failed: ..."); ZR_INVALID_ARGUMENT for an ordinal outside the visible devices. */
 zr_status zr_cuda_device_create(int ordinal, zr_device** device);
-void zr_device_destroy(zr_device* device); /* NULL is a no-op; after every engine using it */
+/* NULL is a no-op; a dead handle sets zr_last_error. Destroy it after every engine using it
+ * (destroyed before, it lives on until the last of them is destroyed). */
+void zr_device_destroy(zr_device* device);
 
 /* ---- Engine ---- */
 
@@ -229,7 +243,7 @@ typedef struct zr_engine_options {
 zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
                            int num_params, zr_comm* comm, zr_device* device,
                            const zr_engine_options* options, zr_engine** engine);
-void zr_engine_destroy(zr_engine* engine); /* NULL is a no-op */
+void zr_engine_destroy(zr_engine* engine); /* NULL is a no-op; a dead handle sets zr_last_error */
 
 /* Fills values[0..numel-1] (row-major) with the initial value of parameter `index`. */
 typedef void (*zr_init_fn)(void* user, int index, const char* name, int ndim,
@@ -256,7 +270,7 @@ zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit);
  * buffer; write it in full for each micro-step. ZR_FAILED_PRECONDITION part-way through the
  * unit's gradients in a micro-step. */
 zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct);
-/* Units whose reduction has been issued in this micro-step (0 for NULL). */
+/* Units whose reduction has been issued in this micro-step (0 for NULL or a dead engine). */
 int zr_engine_reduced_units(const zr_engine* engine);
 /* Stage 3: make `unit`'s parameters readable / let its buffer be reused. No-ops in stages 0-2.
  * Collective. */
@@ -330,7 +344,7 @@ typedef struct zr_grad_norm {
  * NULL), then every rank calls apply_step or skip_step alike (checked: ZR_FAILED_PRECONDITION
  * on every rank when they differ, the step still pending). skip_step leaves parameters, moments,
  * the step count and (unless the window overflowed) the loss scaler unchanged. */
-int zr_engine_last_micro_step(const zr_engine* engine); /* REQUIRES: engine != NULL */
+int zr_engine_last_micro_step(const zr_engine* engine); /* 0 for NULL or a dead engine */
 zr_status zr_engine_compute_grad_norm(zr_engine* engine, zr_grad_norm* out);
 /* Per-step overrides for zr_engine_apply_step (NULL: none). */
 typedef struct zr_apply_options {
@@ -399,7 +413,8 @@ zr_status zr_engine_plan_json(const zr_engine* engine, const char** json);
 zr_status zr_engine_config_notes(const zr_engine* engine, const char** notes);
 /* The unit (gradient bucket and stage-3 gather unit) parameter i belongs to. */
 zr_status zr_engine_unit_of(const zr_engine* engine, int i, int* unit);
-/* REQUIRES: engine != NULL (these cannot report an error). */
+/* These cannot return a status: for NULL or a dead engine they return ZR_F32, 0.0 and -1 and
+ * set zr_last_error(). */
 zr_dtype zr_engine_compute_dtype(const zr_engine* engine);
 double zr_engine_loss_scale(const zr_engine* engine); /* 1 unless fp16 */
 int64_t zr_engine_step_count(const zr_engine* engine); /* optimizer steps applied */
@@ -436,8 +451,12 @@ zr_status zr_checkpointer_finish(zr_checkpointer* checkpointer, zr_engine* engin
 /* ---- Helpers ---- */
 
 /* dst[i] = src[i] converted from src_dtype to dst_dtype (round to nearest even, as the engine).
+ * ZR_INVALID_ARGUMENT naming the value for a dtype outside zr_dtype (nothing is written), and
+ * for n < 0 or a NULL buffer with n > 0. (Returned void before 0.2; callers that ignore the
+ * status keep working.)
  * REQUIRES: src and dst do not overlap, or are equal with equal element sizes. */
-void zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype, int64_t n);
+zr_status zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype dst_dtype,
+                     int64_t n);
 
 /* ---- Weights as safetensors, and parameter groups (docs/checkpoints.md, docs/embedding.md) ---- */
 

@@ -200,13 +200,16 @@ struct ConsolidateOptions {
 //
 // `out` appears complete or not at all (ckpt_internal::PublishedFile): no temporary is left
 // behind on any error, and none at all with O_TMPFILE even when the process is killed (without
-// O_TMPFILE, the next consolidate to `out` removes a killed one's `.<out>.XXXXXX`); of
-// two consolidations racing for one `out` exactly one succeeds without overwrite, the other
-// failing with AlreadyExists. Errors: InvalidArgument when `out` lies inside the checkpoint
-// read (the path given or the step directory), names one of its root's files (`latest`,
-// step_*, the lock), does not name a file, or when a parameter is named `__metadata__` or
-// like another's moment; AlreadyExists for an existing `out` without overwrite; those of
-// ReadCheckpoint; the I/O error of the output naming it.
+// O_TMPFILE, a killed one leaves `.<out>.zerort-tmp.XXXXXX`, which is never removed for it:
+// only what this run created is); of two consolidations racing for one `out` exactly one
+// succeeds without overwrite, the other failing with AlreadyExists. Errors: InvalidArgument
+// when `out` lies inside the checkpoint read (the path given or the step directory, compared
+// by device and inode, so a bind mount or symlink is no way in), names one of its root's
+// files (`latest`, step_*, the lock), is one of its files under another name (a hard link),
+// does not name a file, is with overwrite anything but a regular file or a symlink (a FIFO, a
+// device node, a directory), or when a parameter is named `__metadata__` or like another's
+// moment; AlreadyExists for an existing `out` without overwrite; those of ReadCheckpoint; the
+// I/O error of the output naming it.
 absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& out,
                                    const ConsolidateOptions& options = {});
 

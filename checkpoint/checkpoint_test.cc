@@ -6,6 +6,7 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -31,6 +32,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "base/testing/temp_dir.h"
+#include "tests/testing/private_mount.h"
 #include "comm/testing/on_ranks.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
@@ -1209,9 +1211,9 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
   REQUIRE(WTERMSIG(st) == SIGTERM);
   REQUIRE(ListDir(outdir).empty());
 
-  // Without O_TMPFILE the killed writer's named temporary stays; the next consolidate to the
-  // same OUT removes it, but not a temporary being created (0600), one whose writer is alive
-  // (it holds its lock), nor another OUT's.
+  // Without O_TMPFILE the killed writer's named temporary stays, and so does every file that
+  // merely looks like a temporary (a user's, a live writer's): consolidate removes only what
+  // it created itself.
   const int named_st = InChild([&] {
     signal(SIGTERM, SIG_DFL);
     TermFs fs;
@@ -1223,7 +1225,7 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
   REQUIRE(WIFSIGNALED(named_st));
   const std::vector<std::string> left = ListDir(outdir);
   REQUIRE(left.size() == 1);
-  REQUIRE(absl::StartsWith(left[0], ".x.safetensors."));
+  REQUIRE(absl::StartsWith(left[0], ".x.safetensors.zerort-tmp."));
   auto plant = [&](const std::string& name, mode_t mode) {
     const int fd = ::open((outdir + "/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, mode);
     REQUIRE(fd >= 0);
@@ -1231,8 +1233,7 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
     return fd;
   };
   ::close(plant(".x.safetensors.AAAAAA", 0600));
-  const int live = plant(".x.safetensors.BBBBBB", 0644);
-  REQUIRE(::flock(live, LOCK_EX) == 0);
+  ::close(plant(".x.safetensors.backup", 0644));  // the user's, named like an old temporary
   ::close(plant(".y.safetensors.CCCCCC", 0644));
   for (bool named : {true, false}) {
     ConsolidateOptions o;
@@ -1240,11 +1241,124 @@ TEST_CASE("Hardening: a consolidate failing on a full disk or killed by SIGTERM 
     o.overwrite = true;
     REQUIRE(ConsolidateCheckpoint(root, outdir + "/x.safetensors", o).ok());
     REQUIRE(ListDir(outdir) == std::vector<std::string>{".x.safetensors.AAAAAA",
-                                                        ".x.safetensors.BBBBBB",
+                                                        ".x.safetensors.backup",
+                                                        left[0],
                                                         ".y.safetensors.CCCCCC",
                                                         "x.safetensors"});
   }
-  ::close(live);
+}
+
+// The checkpoint's files, byte for byte, and whether it still verifies.
+struct CheckpointBytes {
+  std::string shard0, shard1, manifest, latest;
+  bool operator==(const CheckpointBytes& o) const {
+    return shard0 == o.shard0 && shard1 == o.shard1 && manifest == o.manifest &&
+           latest == o.latest;
+  }
+};
+CheckpointBytes BytesOf(const std::string& root) {
+  const std::string step = root + "/step_2";
+  return {ReadFile(step + "/rank_00000.bin"), ReadFile(step + "/rank_00001.bin"),
+          ReadFile(step + "/manifest.json"), ReadFile(root + "/latest")};
+}
+
+// Consolidates from `from` to each of `outs` with and without overwrite; the number of calls
+// that wrote (0 when every one was refused; a symlinked root may already be refused as a
+// source, which is as safe).
+int NotRefused(const std::string& from, const std::vector<std::string>& outs) {
+  int bad = 0;
+  for (const std::string& out : outs) {
+    for (bool overwrite : {false, true}) {
+      ConsolidateOptions o;
+      o.overwrite = overwrite;
+      const absl::Status s = ConsolidateCheckpoint(from, out, o);
+      if (s.ok()) {
+        std::fprintf(stderr, "%s -> %s overwrite %d: %s\n", from.c_str(), out.c_str(),
+                     overwrite, s.ToString().c_str());
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
+std::vector<std::string> FilesUnder(const std::string& alias) {
+  return {alias + "/step_2/rank_00000.bin", alias + "/step_2/manifest.json",
+          alias + "/latest", alias + "/step_2/new.safetensors", alias + "/.zerort.lock"};
+}
+
+TEST_CASE("Hardening: consolidate recognises the checkpoint through a second path (symlink, "
+          "bind mount, hard link)", "[ckpt][hardening]") {
+  const std::string root = TempDir("alias_root");
+  RequireAllOk(SaveModel(root));
+  const CheckpointBytes before = BytesOf(root);
+  const std::string base = TempDir("alias");
+  // A symlink to the root, and one to the step directory.
+  REQUIRE(symlink(root.c_str(), (base + "/link").c_str()) == 0);
+  CHECK(NotRefused(root, FilesUnder(base + "/link")) == 0);
+  CHECK(NotRefused(base + "/link", FilesUnder(root)) == 0);
+  // A hard link to a shard outside the checkpoint: still one of its files.
+  const std::string hard = base + "/shard_copy.safetensors";
+  REQUIRE(link((root + "/step_2/rank_00000.bin").c_str(), hard.c_str()) == 0);
+  CHECK(NotRefused(root, {hard}) == 0);
+  // A bind mount of the root: the same directories under another path, which realpath does
+  // not see through.
+  const std::string mnt = base + "/mnt";
+  REQUIRE(mkdir(mnt.c_str(), 0755) == 0);
+  const int rc = testing::InPrivateMountNamespace([&] {
+    if (!testing::BindMount(root, mnt)) return static_cast<int>(testing::kNoNamespace);
+    return NotRefused(root, FilesUnder(mnt)) + NotRefused(mnt + "/step_2", FilesUnder(root));
+  });
+  if (rc == testing::kNoNamespace) {
+    WARN("no private mount namespace here (sandbox or kernel): the bind mount is not checked");
+  } else {
+    INFO("consolidations through the bind mount that were not refused: " << rc);
+    CHECK(rc == 0);
+  }
+  CHECK(BytesOf(root) == before);
+  CHECK(ListDir(root + "/step_2") == std::vector<std::string>{"manifest.json", "rank_00000.bin",
+                                                              "rank_00001.bin"});
+  CHECK(VerifyCheckpoint(root).ok());
+}
+
+TEST_CASE("Hardening: consolidate --force replaces only a regular file, and removes only its "
+          "own temporary", "[ckpt][hardening]") {
+  const std::string root = TempDir("special_root");
+  RequireAllOk(SaveModel(root));
+  const std::string outdir = TempDir("special_out");
+  ConsolidateOptions force;
+  force.overwrite = true;
+  const std::string fifo = outdir + "/fifo.safetensors";
+  REQUIRE(mkfifo(fifo.c_str(), 0644) == 0);
+  RequireError(ConsolidateCheckpoint(root, fifo, force), absl::StatusCode::kInvalidArgument,
+               "a FIFO, not a regular file");
+  struct stat st;
+  REQUIRE(lstat(fifo.c_str(), &st) == 0);
+  CHECK(S_ISFIFO(st.st_mode));
+  const std::string node = outdir + "/null.safetensors";
+  if (mknod(node.c_str(), S_IFCHR | 0644, makedev(1, 3)) == 0) {
+    RequireError(ConsolidateCheckpoint(root, node, force), absl::StatusCode::kInvalidArgument,
+                 "a character device");
+    REQUIRE(lstat(node.c_str(), &st) == 0);
+    CHECK(S_ISCHR(st.st_mode));
+  } else {
+    WARN("mknod not permitted here: the device-node case is not checked");
+  }
+  // Files named like temporaries, one even exactly like ours: never ours to remove.
+  for (const char* name : {".x.safetensors.backup", ".x.safetensors.zerort-tmp.ABCDEF"}) {
+    WriteFile(outdir + "/" + name, "someone's");
+  }
+  for (bool named : {false, true}) {
+    ConsolidateOptions o = force;
+    o.named_temporary = named;
+    REQUIRE(ConsolidateCheckpoint(root, outdir + "/x.safetensors", o).ok());
+  }
+  CHECK(ReadFile(outdir + "/.x.safetensors.backup") == "someone's");
+  CHECK(ReadFile(outdir + "/.x.safetensors.zerort-tmp.ABCDEF") == "someone's");
+  const std::vector<std::string> names = ListDir(outdir);
+  CHECK(std::count_if(names.begin(), names.end(), [](const std::string& n) {
+          return absl::StartsWith(n, ".x.safetensors");
+        }) == 2);
 }
 
 TEST_CASE("Hardening: two consolidates racing for one OUT: one wins, the other fails cleanly, "

@@ -3,15 +3,18 @@
 // `zerort ckpt consolidate`), so memory stays bounded whatever the checkpoint's size.
 #include "checkpoint/checkpoint.h"
 
+#include <dirent.h>
 #include <errno.h>
-#include <limits.h>
-#include <stdlib.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,48 +87,124 @@ absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path, File
 
 namespace {
 
-// The real path of `path` (which may not exist yet): its parent's, joined with its name.
-absl::StatusOr<std::string> RealPath(const std::string& path) {
-  const std::string parent = ckpt_internal::Dirname(path);
-  char* real = ::realpath(parent.c_str(), nullptr);
-  if (real == nullptr) {
+// A file or directory by identity rather than by name: a checkpoint reached through a second
+// path (a bind mount, a symlink, a hard link) is still the same device and inode.
+struct FileId {
+  dev_t dev;
+  ino_t ino;
+  bool operator==(const FileId& o) const { return dev == o.dev && ino == o.ino; }
+};
+
+FileId IdOf(const struct stat& st) { return FileId{st.st_dev, st.st_ino}; }
+
+std::optional<FileId> StatId(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  return IdOf(st);
+}
+
+// `out`'s parent directory and every directory above it, walking ".." from an open descriptor
+// (so symlinks and bind mounts are seen as what they lead to). NotFound when the parent cannot
+// be opened.
+absl::StatusOr<std::vector<FileId>> AncestorIds(const std::string& out) {
+  const std::string parent = ckpt_internal::Dirname(out);
+  int fd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
     return absl::NotFoundError(absl::StrCat("output directory '", parent, "': ",
                                             std::strerror(errno)));
   }
-  std::string out = real;
-  std::free(real);
-  absl::string_view base = path;
-  while (base.size() > 1 && base.back() == '/') base.remove_suffix(1);
-  const size_t slash = base.rfind('/');
-  if (slash != absl::string_view::npos) base.remove_prefix(slash + 1);
-  return JoinPath(out, base);
+  std::vector<FileId> ids;
+  for (int depth = 0; depth < 4096; ++depth) {  // bounded: a loop would be a kernel bug
+    struct stat st;
+    if (::fstat(fd, &st) != 0) break;
+    if (!ids.empty() && ids.back() == IdOf(st)) break;  // "/": its ".." is itself
+    ids.push_back(IdOf(st));
+    const int up = ::openat(fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ::close(fd);
+    fd = up;
+    if (fd < 0) break;
+  }
+  if (fd >= 0) ::close(fd);
+  return ids;
+}
+
+// The files of step directory `dir` and its root's `latest`: what `out` must not be.
+std::vector<FileId> CheckpointFileIds(const std::string& dir) {
+  std::vector<FileId> ids;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const struct dirent* e = ::readdir(d)) {
+      struct stat st;
+      if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode)) {
+        ids.push_back(IdOf(st));
+      }
+    }
+    ::closedir(d);
+  }
+  const std::string root = ckpt_internal::Dirname(dir);
+  for (const char* name : {kLatestName, ckpt_internal::DirLock::kFileName}) {
+    struct stat st;
+    if (::lstat(JoinPath(root, name).c_str(), &st) == 0) ids.push_back(IdOf(st));
+  }
+  return ids;
+}
+
+std::string BaseName(absl::string_view path) {
+  while (path.size() > 1 && path.back() == '/') path.remove_suffix(1);
+  const size_t slash = path.rfind('/');
+  return std::string(slash == absl::string_view::npos ? path : path.substr(slash + 1));
 }
 
 // Consolidate never writes into the checkpoint it reads: not inside the directory given, nor
-// inside the step directory it resolved to, nor over the root's own `latest`, lock or steps.
+// inside the step directory it resolved to, nor over the root's own `latest`, lock or steps,
+// nor over any file of the checkpoint under another name. Compared by device and inode, so a
+// second path to the checkpoint (bind mount, symlink) is recognised.
 absl::Status CheckOutsideCheckpoint(const std::string& path, const std::string& dir,
                                     const std::string& out) {
-  ASSIGN_OR_RETURN(const std::string real_out, RealPath(out));
+  ASSIGN_OR_RETURN(const std::vector<FileId> above, AncestorIds(out));
   auto refuse = [&](absl::string_view why) {
     return absl::InvalidArgumentError(absl::StrCat(
         "refusing to write '", out, "' ", why, " (the checkpoint being read): write the "
         "consolidated file elsewhere"));
   };
   for (const std::string& d : {path, dir}) {
-    char* real = ::realpath(d.c_str(), nullptr);
-    if (real == nullptr) continue;
-    const std::string r = real;
-    std::free(real);
-    if (absl::StartsWith(real_out, JoinPath(r, ""))) return refuse(absl::StrCat("inside '", d, "'"));
-    const std::string root = ckpt_internal::Dirname(r);
-    const std::string name = real_out.substr(real_out.rfind('/') + 1);
-    if (ckpt_internal::Dirname(real_out) == root &&
-        (absl::StartsWith(name, kLatestName) || absl::StartsWith(name, "step_") ||
-         name == ckpt_internal::DirLock::kFileName)) {
-      return refuse(absl::StrCat("over a file of '", root, "'"));
+    const std::optional<FileId> id = StatId(d);
+    if (id && std::find(above.begin(), above.end(), *id) != above.end()) {
+      return refuse(absl::StrCat("inside '", d, "'"));
+    }
+  }
+  const std::string root = ckpt_internal::Dirname(dir);
+  const std::optional<FileId> root_id = StatId(root);
+  const std::string name = BaseName(out);
+  if (root_id && !above.empty() && above.front() == *root_id &&
+      (absl::StartsWith(name, kLatestName) || absl::StartsWith(name, "step_") ||
+       name == ckpt_internal::DirLock::kFileName)) {
+    return refuse(absl::StrCat("over a file of '", root, "'"));
+  }
+  struct stat st;
+  if (::lstat(out.c_str(), &st) == 0) {
+    const std::vector<FileId> files = CheckpointFileIds(dir);
+    if (std::find(files.begin(), files.end(), IdOf(st)) != files.end()) {
+      return refuse("over a file of the checkpoint under another name");
     }
   }
   return absl::OkStatus();
+}
+
+// With --force only a regular file (or a symlink, replaced itself) may be replaced: a FIFO,
+// a device node, a socket or a directory at `out` is someone else's, never ours to swap out.
+absl::Status CheckReplaceable(const std::string& out) {
+  struct stat st;
+  if (::lstat(out.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISLNK(st.st_mode)) {
+    return absl::OkStatus();
+  }
+  const char* kind = S_ISDIR(st.st_mode)    ? "a directory"
+                     : S_ISFIFO(st.st_mode) ? "a FIFO"
+                     : S_ISCHR(st.st_mode)  ? "a character device"
+                     : S_ISBLK(st.st_mode)  ? "a block device"
+                     : S_ISSOCK(st.st_mode) ? "a socket"
+                                            : "not a regular file";
+  return absl::InvalidArgumentError(absl::StrCat(
+      "refusing to replace '", out, "': it is ", kind, ", not a regular file"));
 }
 
 // The tensor names consolidate writes, each unique, none the safetensors metadata key.
@@ -204,6 +283,7 @@ absl::Status ConsolidateCheckpoint(const std::string& path, const std::string& o
     return absl::AlreadyExistsError(
         absl::StrCat("'", out, "' exists: refusing to overwrite it (--force replaces it)"));
   }
+  RETURN_IF_ERROR(CheckReplaceable(out));
   RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
   std::vector<std::vector<int64_t>> offsets;
   const std::string header = SafetensorsHeader(info, &offsets);

@@ -11,7 +11,8 @@
 // text: 4 ranks of 2 sequences of 64 bytes, 150 steps, stage 2, bf16, AdamW lr 3e-3, clipping 1;
 // it prints the training loss every 10 steps, the held-out loss every --eval_every (25) steps,
 // tokens per second and, at the end, a sample generated from the trained weights.
-// --checkpoint DIR saves asynchronously every --checkpoint_every (50) steps; --resume DIR
+// --checkpoint DIR saves asynchronously every --checkpoint_every (50) steps and after the last
+// step, so a run that asked for checkpoints always ends with one; --resume DIR
 // continues from DIR's latest checkpoint, giving the same bits as an uninterrupted run.
 // --init-from FILE starts from safetensors weights (a file, an index or a directory, e.g. what
 // `zerort ckpt export` wrote) instead of the random initialisation.

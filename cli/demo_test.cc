@@ -216,6 +216,41 @@ TEST_CASE("Demo: --init-from starts the GPT from exported weights", "[zero]") {
   CHECK(status.message().find("--init-from") != absl::string_view::npos);
 }
 
+TEST_CASE("Demo: a run shorter than the checkpoint interval still ends with a checkpoint",
+          "[zero]") {
+  auto run = [&](const std::string& dir, const std::string& every, const std::string& steps) {
+    std::ostringstream out;
+    const absl::Status status = RunDemoCommand(
+        {"--ranks", "2", "--batch", "1", "--eval_every", "0", "--sample_tokens", "0",
+         "--layers", "2", "--d_model", "32", "--steps", steps, "--checkpoint_every", every,
+         "--checkpoint", dir},
+        out);
+    INFO(out.str());
+    REQUIRE(status.ok());
+    return out.str();
+  };
+  const std::string short_run = TempDir("demo_short"), every_step = TempDir("demo_every");
+  const std::string text = run(short_run, "50", "3");
+  CHECK(text.find("checkpoint " + short_run + "/step_3\n") != std::string::npos);
+  // The reference: the same 3 steps saved after every step; its step_3 is the same state.
+  run(every_step, "1", "3");
+  absl::StatusOr<CheckpointState> end = ReadCheckpoint(short_run);
+  absl::StatusOr<CheckpointState> ref = ReadCheckpoint(every_step + "/step_3");
+  REQUIRE(end.ok());
+  REQUIRE(ref.ok());
+  CHECK(end->info.step == 3);
+  CHECK(end->master == ref->master);
+  CHECK(end->exp_avg == ref->exp_avg);
+  CHECK(end->exp_avg_sq == ref->exp_avg_sq);
+  // An interval that divides the run saves the last step once (not twice: that would be
+  // AlreadyExists), and one that does not adds the end: step_2, step_4, step_5.
+  const std::string odd = TempDir("demo_odd");
+  const std::string five = run(odd, "2", "5");
+  for (const char* step : {"/step_2\n", "/step_4\n", "/step_5\n"}) {
+    CHECK(five.find("checkpoint " + odd + step) != std::string::npos);
+  }
+}
+
 TEST_CASE("Demo: bad flags are InvalidArgument naming the flag", "[zero]") {
   struct Case {
     std::vector<std::string> args;

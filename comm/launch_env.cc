@@ -1,6 +1,7 @@
 #include "comm/launch_env.h"
 
 #include <cstdlib>
+#include <limits>
 #include <optional>
 
 #include "absl/strings/ascii.h"
@@ -419,6 +420,7 @@ absl::StatusOr<std::vector<std::string>> ExpandSlurmHostlist(absl::string_view l
 
 absl::StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(absl::string_view list) {
   std::vector<int> out;
+  int64_t nodes = 0, total = 0;  // each part is bounded, so these sums cannot overflow first
   for (absl::string_view part : absl::StrSplit(list, ',')) {
     int tasks = 0, repeat = 1;
     const size_t paren = part.find("(x");
@@ -432,6 +434,16 @@ absl::StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(absl::string_view list)
     if (!ok || count.find_first_not_of("0123456789") != absl::string_view::npos) {
       return absl::InvalidArgumentError(
           absl::StrCat("Slurm tasks-per-node list '", list, "': '", part, "' is not N or N(xM)"));
+    }
+    // Bounded before anything is allocated: parts each in bounds can still add up to more
+    // nodes than memory holds (10^4 parts of 1(x2^20) once ended in bad_alloc).
+    nodes += repeat;
+    total += static_cast<int64_t>(tasks) * repeat;
+    if (nodes > kMaxSlurmNodes || total > std::numeric_limits<int>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Slurm tasks-per-node list of ", list.size(), " bytes adds up to more than ",
+          kMaxSlurmNodes, " nodes or ", std::numeric_limits<int>::max(), " tasks (at '",
+          part, "')"));
     }
     out.insert(out.end(), repeat, tasks);
   }

@@ -83,7 +83,10 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const std::function<const char*(con
 absl::StatusOr<std::vector<std::string>> ExpandSlurmHostlist(absl::string_view list,
                                                              size_t max_hosts = 1 << 16);
 
-// Expands Slurm's tasks-per-node syntax ("2(x3),1" -> 2, 2, 2, 1). InvalidArgument when malformed.
+// Expands Slurm's tasks-per-node syntax ("2(x3),1" -> 2, 2, 2, 1). InvalidArgument when
+// malformed, or (checked before allocating) when it lists more than kMaxSlurmNodes nodes or
+// more than INT_MAX tasks in all.
+inline constexpr int64_t kMaxSlurmNodes = int64_t{1} << 20;
 absl::StatusOr<std::vector<int>> ExpandSlurmTasksPerNode(absl::string_view list);
 
 // The rendezvous port for Slurm job `job_id` when MASTER_PORT is unset:

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 namespace zerort {
 namespace comm {
@@ -501,6 +502,39 @@ TEST_CASE("ExpandSlurmTasksPerNode and SlurmPort", "[comm]") {
   for (uint64_t id = 0; id < 30000; id += 7) {
     CHECK((SlurmPort(id) >= 20000 && SlurmPort(id) <= 29999));
   }
+}
+
+TEST_CASE("ExpandSlurmTasksPerNode: totals are bounded before anything is allocated", "[comm]") {
+  // 10^4 parts, each in bounds (1 task on 2^20 nodes), 1.05e10 nodes in all: refused, not
+  // expanded (that needed 42 GB and ended in bad_alloc).
+  std::string huge;
+  for (int k = 0; k < 10000; ++k) absl::StrAppend(&huge, k ? "," : "", "1(x1048576)");
+  auto t = ExpandSlurmTasksPerNode(huge);
+  CHECK(t.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(t.status().message(), "nodes"));
+  // Exactly at the node bound is accepted, and its sum is the closed form.
+  auto edge = ExpandSlurmTasksPerNode("3(x524288),5(x524288)");
+  REQUIRE(edge.ok());
+  REQUIRE(edge->size() == static_cast<size_t>(kMaxSlurmNodes));
+  int64_t sum = 0;
+  for (int n : *edge) sum += n;
+  CHECK(sum == int64_t{8} * 524288);
+  CHECK(!ExpandSlurmTasksPerNode("3(x524288),5(x524289)").ok());
+  // Few nodes but more than INT_MAX tasks.
+  CHECK(ExpandSlurmTasksPerNode("2000000000,2000000000").status().code() ==
+        absl::StatusCode::kInvalidArgument);
+
+  // Through the environment: the error names the variable, as the C ABI reports it.
+  auto got = FromEnv({{"SLURM_JOB_ID", "7"},
+                     {"SLURM_STEP_ID", "0"},
+                     {"SLURM_PROCID", "0"},
+                     {"SLURM_NTASKS", "2"},
+                     {"SLURM_LOCALID", "0"},
+                     {"SLURM_NODEID", "0"},
+                     {"SLURM_STEP_TASKS_PER_NODE", huge},
+                     {"SLURM_STEP_NODELIST", "vm"}});
+  CHECK(got.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(got.status().message(), "SLURM_STEP_TASKS_PER_NODE"));
 }
 
 }  // namespace

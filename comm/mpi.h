@@ -59,7 +59,8 @@ namespace comm {
 // Init is bounded by `timeout_ms`: MPI_Init_thread waits for every process of the job, so a
 // peer that never starts is DeadlineExceeded naming MPI_Init_thread instead of a hang. MPI is
 // then unusable in this process (the init is still blocked, on a detached thread, and a later
-// Init is FailedPrecondition): report the error and exit.
+// Init is FailedPrecondition): report the error and exit. Init after MPI_Finalize (MPI cannot
+// be initialized twice) is FailedPrecondition too.
 // Not thread-safe; create once from main(). REQUIRES: timeout_ms > 0 (else InvalidArgument).
 class MpiSession {
  public:

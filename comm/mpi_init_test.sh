@@ -6,6 +6,7 @@
 set -uo pipefail
 source "$(dirname "$0")/../tests/mpirun.sh"
 bin="$1"
+reinit_bin="$2"
 fail=0
 for np in 2 3; do
   t0=$(date +%s)
@@ -21,4 +22,12 @@ for np in 2 3; do
     fail=1
   fi
 done
+# Init after MPI_Finalize is a status, not an abort inside OpenMPI (mpi_reinit_test.cc).
+out=$(mpi_run 50 -np 1 "${reinit_bin}" 2>&1)
+echo "--- reinit"
+echo "${out}"
+if ! echo "${out}" | grep -q "^REINIT_OK"; then
+  echo "FAIL: Init after finalize did not return FailedPrecondition"
+  fail=1
+fi
 exit ${fail}

@@ -69,6 +69,15 @@ absl::StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** 
     return absl::InvalidArgumentError(
         absl::StrCat("MpiSession::Init: timeout_ms must be > 0, got ", timeout_ms));
   }
+  // MPI_Initialized stays true after MPI_Finalize, and any other MPI call then ends the
+  // process inside MPI: check for a finalized MPI first.
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    return absl::FailedPreconditionError(
+        "MpiSession::Init: MPI was already finalized in this process (MPI_Finalize ran, e.g. "
+        "through zr_mpi_finalize); MPI cannot be initialized again");
+  }
   int initialized = 0;
   MPI_Initialized(&initialized);
   bool owns = false;

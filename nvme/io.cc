@@ -464,6 +464,10 @@ absl::StatusOr<std::unique_ptr<SwapFile>> SwapDir::CreateFile(const std::string&
   if (fd < 0) {
     const int err = errno;
     if (err == EINVAL) {
+      // Linux creates the file before it refuses O_DIRECT (ramfs, some FUSE and network file
+      // systems): remove it, or the directory outlives us and the next run is refused as the
+      // leftover of an unclean shutdown. It is ours: O_EXCL, in our own 0700 directory.
+      unlink(path.c_str());
       return absl::InvalidArgumentError(absl::StrCat(
           "open ", path, " with O_DIRECT: the file system does not support direct I/O; "
           "name a directory on a local disk as nvme_path"));

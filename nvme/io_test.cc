@@ -1,5 +1,6 @@
 #include "nvme/io.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <sys/wait.h>
@@ -15,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include "base/testing/temp_dir.h"
+#include "tests/testing/private_mount.h"
 
 namespace zerort {
 namespace nvme {
@@ -200,6 +202,61 @@ TEST_CASE("SwapDir: tmpfs and missing directories are refused by name", "[nvme]"
   auto shm = SwapDir::Create("/dev/shm", "j", 0);
   CHECK(shm.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(shm.status().message().find("\"/dev/shm\" is on tmpfs") != absl::string_view::npos);
+  CHECK_FALSE(Exists("/dev/shm/zerort-j-rank0"));  // refused before anything was created
+}
+
+// Entries of `dir` other than "." and "..".
+int CountEntries(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) ++n;
+  }
+  closedir(d);
+  return n;
+}
+
+// One run on a file system that refuses O_DIRECT (after creating the file, as Linux does):
+// refused by name, then shut down normally. Exit code 0 when it behaved so.
+int RefusedRun(const std::string& dir) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    int rc = 0;
+    {
+      auto swap = SwapDir::Create(dir, std::to_string(getpid()) + "-0", 0);
+      if (!swap.ok()) _exit(10);
+      auto f = (*swap)->CreateFile("optimizer_state", 8192);
+      if (f.status().code() != absl::StatusCode::kInvalidArgument ||
+          f.status().message().find("O_DIRECT") == absl::string_view::npos) {
+        rc = 11;
+      }
+    }
+    _exit(rc);
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return 12;
+  return WEXITSTATUS(status);
+}
+
+TEST_CASE("SwapDir: a file system without O_DIRECT leaves nothing behind", "[nvme]") {
+  const std::string dir = testing::TestTmpDir() + "/ramfs";
+  REQUIRE(mkdir(dir.c_str(), 0755) == 0);
+  const int rc = testing::InPrivateMountNamespace([&] {
+    if (!testing::MountRamfs(dir)) return static_cast<int>(testing::kNoNamespace);
+    if (const int refused = RefusedRun(dir); refused != 0) return refused;
+    if (CountEntries(dir) != 0) return 20;  // the swap directory and its file must be gone
+    // The next run is not refused as if the first had crashed.
+    auto next = SwapDir::Create(dir, std::to_string(getpid()) + "-1", 0);
+    return next.ok() ? 0 : 21;
+  });
+  if (rc == testing::kNoNamespace) {
+    WARN("no private mount namespace here (sandbox or kernel): the ramfs case is not checked");
+    return;
+  }
+  INFO("child exit code " << rc << " (11: not refused by name, 20: leftovers, 21: next run "
+       "refused)");
+  CHECK(rc == 0);
 }
 
 TEST_CASE("AioEngine: options are checked", "[nvme]") {

@@ -276,38 +276,6 @@ DirLock::~DirLock() {
 
 // --- PublishedFile ---------------------------------------------------------------------------
 
-namespace {
-
-// Removes the named temporaries "<dir>/.<base>.XXXXXX" whose writer died (killed before
-// Commit: nothing of ours ran to remove them). A writer holds an flock on its temporary from
-// before it turns mkstemp's mode 0600 into 0644 until the file is published or removed, so
-// a 0644 temporary whose lock we can take has no writer left; a 0600 one is being created and
-// is left alone. Best effort: a file that cannot be examined stays.
-void RemoveDeadTemporaries(const std::string& dir, absl::string_view base) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return;
-  const std::string prefix = absl::StrCat(".", base, ".");
-  while (const struct dirent* e = ::readdir(d)) {
-    const absl::string_view name = e->d_name;
-    if (name.size() != prefix.size() + 6 || name.substr(0, prefix.size()) != prefix) continue;
-    const std::string tmp = JoinPath(dir, name);
-    const int fd = ::open(tmp.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) continue;
-    struct stat held, named;
-    // The same file still has the name after we got its lock: it was not published or
-    // removed meanwhile.
-    if (::fstat(fd, &held) == 0 && S_ISREG(held.st_mode) && (held.st_mode & 07777) == 0644 &&
-        ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::lstat(tmp.c_str(), &named) == 0 &&
-        named.st_ino == held.st_ino && named.st_dev == held.st_dev) {
-      ::unlink(tmp.c_str());
-    }
-    ::close(fd);
-  }
-  ::closedir(d);
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<PublishedFile>> PublishedFile::Create(const std::string& path,
                                                                      bool unnamed) {
   absl::string_view base = path;
@@ -318,7 +286,6 @@ absl::StatusOr<std::unique_ptr<PublishedFile>> PublishedFile::Create(const std::
         absl::StrCat("output path '", path, "' does not name a file"));
   }
   const std::string dir = Dirname(path);
-  RemoveDeadTemporaries(dir, base);
   if (unnamed && ::access("/proc/self/fd", X_OK) == 0) {
     const int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0644);
     if (fd >= 0) return std::unique_ptr<PublishedFile>(new PublishedFile(fd, path, ""));
@@ -326,12 +293,12 @@ absl::StatusOr<std::unique_ptr<PublishedFile>> PublishedFile::Create(const std::
       return ErrnoStatus(errno, "create a temporary file in", dir);
     }
   }
-  std::string tmp = JoinPath(dir, absl::StrCat(".", base, ".XXXXXX"));
+  // mkostemp creates the name exclusively (O_EXCL): the file is ours, and only ours is ever
+  // removed. Another file that merely looks like a temporary is never touched.
+  std::string tmp = JoinPath(dir, absl::StrCat(".", base, ".zerort-tmp.XXXXXX"));
   const int fd = ::mkostemp(&tmp[0], O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "create a temporary file in", dir);
-  // Locked before it is 0644: see RemoveDeadTemporaries.
-  ::flock(fd, LOCK_EX);
-  ::fchmod(fd, 0644);
+  ::fchmod(fd, 0644);  // the published file's mode (mkstemp makes 0600)
   return std::unique_ptr<PublishedFile>(new PublishedFile(fd, path, std::move(tmp)));
 }
 

@@ -108,14 +108,14 @@ class DirLock {
 // A new file that appears at `path` complete or not at all, written at any offset (POSIX
 // only: consolidate's output). Create makes an unnamed file (O_TMPFILE) in path's directory,
 // or, where the file system lacks O_TMPFILE (or `unnamed` is false), a mkstemp-named
-// "<dir>/.<name>.XXXXXX" there. Commit fsyncs it and publishes it at `path`: without
+// "<dir>/.<name>.zerort-tmp.XXXXXX" there. Commit fsyncs it and publishes it at `path`: without
 // `overwrite`, anything already at `path` (a symlink included) is AlreadyExists, so of two
 // writers racing for one path exactly one wins and the other fails cleanly; with `overwrite`
 // the entry is replaced by rename (a symlink at `path` is replaced, its target untouched).
 // Every failure, and destruction without a Commit, removes the temporary; a process killed
-// before Commit leaves nothing with O_TMPFILE, the named temporary otherwise, which the next
-// Create for the same path removes (a writer holds an flock on its temporary: only those
-// whose writer is gone are removed).
+// before Commit leaves nothing with O_TMPFILE, the named temporary otherwise, which stays for
+// the user to remove: only what this writer created is ever removed (a file that merely looks
+// like a temporary may be anyone's).
 // Thread safety: one thread at a time.
 class PublishedFile {
  public:

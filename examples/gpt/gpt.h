@@ -182,8 +182,9 @@ struct RunOptions {
   std::string sample_prompt = "This program is ";
   float sample_temperature = 0;  // <= 0: greedy
   // Checkpoints (checkpoint/checkpoint.h): with checkpoint_dir set and checkpoint_every > 0,
-  // an asynchronous save (AsyncCheckpointer) starts after every checkpoint_every-th step and is
-  // committed before the next one starts and at the end. With resume_from set (a checkpoint
+  // an asynchronous save (AsyncCheckpointer) starts after every checkpoint_every-th step and
+  // after the last step (so a run shorter than the interval still ends with a checkpoint), and
+  // is committed before the next one starts and at the end. With resume_from set (a checkpoint
   // directory or a root whose `latest` names one), the ranks load it after InitParams and
   // train steps [checkpoint step, steps): the same windows, hence the same bits, as an
   // uninterrupted run. InvalidArgument if the checkpoint is at or past `steps`.

@@ -5,6 +5,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -159,16 +160,20 @@ absl::Status FinishCheckpoint(Shared& s, AsyncCheckpointer& saver, int rank) {
   return absl::OkStatus();
 }
 
-// After the step that brings the engine to a multiple of checkpoint_every: commits the save
-// in flight (so at most one shard buffer exists) and starts the next one, whose writes overlap
-// the following steps.
-absl::Status MaybeCheckpoint(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank) {
+// After the step that brings the engine to a multiple of checkpoint_every, and after the last
+// step (a run that asked for checkpoints ends with one, however few its steps): commits the
+// save in flight (so at most one shard buffer exists) and starts the next one, whose writes
+// overlap the following steps. `saved_step` is the engine step of the last save started (a
+// skipped last step must not save the same step twice).
+absl::Status MaybeCheckpoint(Shared& s, Engine& engine, AsyncCheckpointer& saver, int rank,
+                             bool last, int64_t* saved_step) {
   const RunOptions& o = s.options;
-  if (o.checkpoint_dir.empty() || o.checkpoint_every == 0 ||
-      engine.step() % o.checkpoint_every != 0) {
+  if (o.checkpoint_dir.empty() || o.checkpoint_every == 0 || engine.step() == *saved_step ||
+      (engine.step() % o.checkpoint_every != 0 && !last)) {
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(FinishCheckpoint(s, saver, rank));
+  *saved_step = engine.step();
   return saver.Start(engine, o.checkpoint_dir);
 }
 
@@ -186,6 +191,7 @@ absl::Status TrainSteps(Shared& s, Engine& engine, RankTrainer& trainer,
                         AsyncCheckpointer& saver, int rank) {
   const RunOptions& o = s.options;
   const double tokens = static_cast<double>(o.world_size) * o.batch * s.seq;
+  int64_t saved_step = engine.step();  // resumed: that checkpoint exists already
   for (int step = s.first_step; step < o.steps; ++step) {
     const TokenBatch batch = s.corpus.Sample(rank, step, o.batch, s.seq, o.data_seed);
     const auto t0 = std::chrono::steady_clock::now();
@@ -206,7 +212,7 @@ absl::Status TrainSteps(Shared& s, Engine& engine, RankTrainer& trainer,
     if (mine.evaluated) {
       ASSIGN_OR_RETURN(mine.val_loss, Evaluate(s, engine, trainer));
     }
-    RETURN_IF_ERROR(MaybeCheckpoint(s, engine, saver, rank));
+    RETURN_IF_ERROR(MaybeCheckpoint(s, engine, saver, rank, step + 1 == o.steps, &saved_step));
     Report(s, rank, mine, losses);
   }
   return FinishCheckpoint(s, saver, rank);
@@ -357,13 +363,24 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
 
   std::vector<absl::Status> status(world);
   std::vector<std::thread> threads_of_ranks;
-  for (int r = 0; r < world; ++r) {
-    threads_of_ranks.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
-      status[r] = RunRank(shared, r, comm.get());
-      comm.reset();  // a failed rank's peers then fail fast (Unavailable) instead of timing out
-    });
+  threads_of_ranks.reserve(world);
+  absl::Status started;
+  for (int r = 0; r < world && started.ok(); ++r) {
+    try {
+      threads_of_ranks.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
+        status[r] = RunRank(shared, r, comm.get());
+        comm.reset();  // a failed rank's peers then fail fast (Unavailable), not time out
+      });
+    } catch (const std::system_error& e) {
+      // The ranks already running wait for this one: destroying the communicators not handed
+      // out (rank r's died with its closure) makes them fail fast, so they can be joined.
+      for (int q = r + 1; q < world; ++q) comms[q].reset();
+      started = absl::ResourceExhaustedError(absl::StrCat(
+          "cannot start the thread of rank ", r, " of ", world, ": ", e.what()));
+    }
   }
   for (std::thread& t : threads_of_ranks) t.join();
+  RETURN_IF_ERROR(started);
   RETURN_IF_ERROR(FirstCause(status));
   shared.result.tokens_per_s =
       TokensPerSecond(shared, world, in.seq, options.steps - in.first_step);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -393,12 +394,21 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
 
   std::vector<absl::Status> status(world);
   std::vector<std::thread> threads;
+  threads.reserve(world);
   for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
-      status[r] = run_rank(r, comm.get());
-      // Destroying a failed rank's communicator releases peers blocked on it (Unavailable).
-      comm.reset();
-    });
+    try {
+      threads.emplace_back([&, r, comm = std::move(comms[r])]() mutable {
+        status[r] = run_rank(r, comm.get());
+        // Destroying a failed rank's communicator releases peers blocked on it (Unavailable).
+        comm.reset();
+      });
+    } catch (const std::system_error& e) {
+      // Ranks r.. never run: their communicators go, so the running ranks fail fast.
+      for (int q = r + 1; q < world; ++q) comms[q].reset();
+      for (std::thread& t : threads) t.join();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "cannot start the thread of rank ", r, " of ", world, ": ", e.what()));
+    }
   }
   for (std::thread& t : threads) t.join();
   // Report the cause, not its echo: peers of a failed rank see Unavailable or, once the group
