@@ -1012,7 +1012,7 @@ zr_status zr_convert(const void* src, zr_dtype src_dtype, void* dst, zr_dtype ds
 
 zr_status zr_engine_is_frozen(const zr_engine* engine, int i, int* frozen) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_is_frozen", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_is_frozen", "engine"));
     RETURN_IF_ERROR(NotNull(frozen, "zr_engine_is_frozen", "frozen"));
     if (i < 0 || i >= engine->engine->num_params()) {
       return absl::OutOfRangeError(absl::StrCat("zr_engine_is_frozen(", i, "): there are ",
@@ -1072,7 +1072,7 @@ extern "C" {
 zr_status zr_engine_export_weights(zr_engine* engine, const char* out, zr_dtype dtype,
                                    int64_t max_shard_bytes) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_export_weights", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_export_weights", "engine"));
     RETURN_IF_ERROR(NotNull(out, "zr_engine_export_weights", "out"));
     ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
     return zerort::ExportWeights(*engine->engine, out, options).status();
@@ -1092,7 +1092,7 @@ zr_status zr_checkpoint_export_weights(const char* checkpoint, const char* out, 
 zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allow_extra,
                                    char* ignored, int64_t capacity, int64_t* ignored_count) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_import_weights", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_import_weights", "engine"));
     RETURN_IF_ERROR(NotNull(path, "zr_engine_import_weights", "path"));
     zerort::WeightsImportOptions options;
     options.allow_extra = allow_extra != 0;
@@ -1106,7 +1106,7 @@ zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allo
 
 zr_status zr_engine_param_group(const zr_engine* engine, int i, zr_param_group_info* out) {
   return Guard([&]() -> absl::Status {
-    RETURN_IF_ERROR(NotNull(engine, "zr_engine_param_group", "engine"));
+    RETURN_IF_ERROR(Live(engine, "zr_engine_param_group", "engine"));
     if (i < 0 || i >= engine->engine->num_params()) {
       return absl::OutOfRangeError(absl::StrCat("zr_engine_param_group: parameter index ", i,
                                                 " outside [0, ",

@@ -69,6 +69,16 @@ static void UseAfterDestroy(void) {
   void* p = NULL;
   CHECK(zr_engine_param(e, 0, &p) == ZR_INVALID_ARGUMENT && p == NULL, "param after destroy");
   CHECK(zr_engine_step_count(e) == -1, "step count of a dead engine");
+  /* The calls added with frozen parameters and safetensors check the handle as well. */
+  int frozen = -1;
+  CHECK(zr_engine_is_frozen(e, 0, &frozen) == ZR_INVALID_ARGUMENT && frozen == -1,
+        "is_frozen after destroy: %s", zr_last_error());
+  CHECK(zr_engine_set_gradient_sync(e, 1) == ZR_INVALID_ARGUMENT, "set_gradient_sync after destroy");
+  zr_param_group_info info = {sizeof(info)};
+  CHECK(zr_engine_param_group(e, 0, &info) == ZR_INVALID_ARGUMENT, "param_group after destroy");
+  CHECK(zr_engine_import_weights(e, "/nonexistent", 0, NULL, 0, NULL) == ZR_INVALID_ARGUMENT &&
+            strstr(zr_last_error(), "not a live zr_engine") != NULL,
+        "import_weights after destroy: %s", zr_last_error());
   CHECK(zr_engine_reduced_units(e) == 0, "reduced units of a dead engine");
   zr_engine_destroy(e); /* double destroy: reported, not freed twice */
   CHECK(strstr(zr_last_error(), "zr_engine_destroy") != NULL, "double destroy: '%s'",
