@@ -730,6 +730,47 @@ TEST_CASE("Engine: an overflow on one rank skips the step on every rank", "[zero
   CHECK(BitEqual(to_skip.master[0], clean.master[0]));
 }
 
+TEST_CASE("Engine: a bf16 step with an infinite gradient is skipped on every rank, as DeepSpeed's "
+          "check_grad_overflow does",
+          "[zero]") {
+  // The chosen behaviour (docs/config.md): skip, never write Inf or NaN into the fp32 masters.
+  Config c = MakeConfig(2, DType::kBF16, 1, 1.0, false);
+  RunResult clean = Train(c, 2, 2);
+  RequireOk(clean);
+  RunResult run = Train(c, 2, 3, /*inject_step=*/2, /*inject_rank=*/1);
+  RequireOk(run);
+  REQUIRE(run.stats.size() == 3);
+  CHECK_FALSE(run.stats[1].skipped);
+  CHECK(run.stats[2].skipped);
+  CHECK(run.stats[2].loss_scale == 1);  // bf16 has no scaler to back off
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(BitEqual(run.master[r], clean.master[r]));
+    for (float x : run.master[r]) REQUIRE(std::isfinite(x));
+  }
+}
+
+TEST_CASE("Engine: a written warmup_max_lr is the rate after warmup, not optimizer.params.lr",
+          "[zero]") {
+  for (SchedulerType type : {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR}) {
+    Config c = MakeConfig(1, DType::kF32, 1, 0, false);
+    c.optimizer.lr = 0.001;
+    c.scheduler.type = type;
+    c.scheduler.warmup_min_lr = 0;
+    c.scheduler.warmup_max_lr = 0.02;
+    c.scheduler.warmup_num_steps = 2;
+    c.scheduler.total_num_steps = 1000;
+    RunResult run = Train(c, 2, 4);
+    RequireOk(run);
+    REQUIRE(run.stats.size() == 4);
+    // DeepSpeed's WarmupLR holds warmup_max_lr once the warmup is over (step 3, iteration 2);
+    // WarmupDecayLR has decayed by (1000 - 2) / (1000 - 2) = 1 there, i.e. not yet.
+    INFO(SchedulerTypeName(type));
+    CHECK(run.stats[3].lr == 0.02);
+    CHECK(run.stats[0].lr == 0);  // warmup_min_lr, the rate set when the schedule is built
+  }
+}
+
 TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless skipping",
           "[zero]") {
   Config c = MakeConfig(1, DType::kF16, 1, 0, false);
