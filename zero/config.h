@@ -189,6 +189,13 @@ struct Config {
   // 0 before): a DeepSpeed config without the key clips here as it does there.
   double gradient_clipping = 1.0;
   int gradient_accumulation_steps = 1;  // >= 1
+  // DeepSpeed's gradient scaling around the reduction. prescale_gradients: each rank divides
+  // its gradients by the world size before the reduction sums them. Otherwise the gradients
+  // are divided by gradient_predivide_factor (> 0) before the sum and by world /
+  // gradient_predivide_factor after it (1.0: the reduction averages). docs/config.md states
+  // the numerics.
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
   int64_t comm_timeout_ms = 600000;     // >= 1 (ours): a collective taking longer fails
   int cpu_threads = 0;                  // >= 0 (ours): host AdamW threads, 0 = all cores
   // data_types.grad_accum_dtype: the dtype gradients are accumulated in across micro-steps on

@@ -639,7 +639,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       {"wall_clock_breakdown", "true"},
       {"zero_allow_untested_optimizer", "true"},
       {"tensorboard", R"({"enabled": true, "output_path": "x"})"},
-      {"prescale_gradients", "false"},
+      {"sparse_gradients", "false"},
   };
   // With gradient_accumulation_steps written, the batch sizes change nothing (without it they
   // would derive it, as in DeepSpeed: see ResolveAuto).
@@ -678,7 +678,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
   };
   const Case unsupported[] = {
       {R"({"zero_optimization": {"legacy_stage1": true}})", "zero_optimization.legacy_stage1"},
-      {R"({"prescale_gradients": true})", "prescale_gradients"},
+      {R"({"gradient_allreduce_op": "sum"})", "gradient_allreduce_op"},
       {R"({"zero_optimization": {"zero_quantized_gradients": true}})",
        "zero_optimization.zero_quantized_gradients"},
       {R"({"amp": {"enabled": true}})", "amp"},
@@ -793,7 +793,7 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
 
   // All of one kind keep their code; one problem keeps the single-line form.
   absl::Status unimplemented =
-      ParseError(R"({"prescale_gradients": true, "amp": {"enabled": true}})");
+      ParseError(R"({"sparse_gradients": true, "amp": {"enabled": true}})");
   CHECK(unimplemented.code() == absl::StatusCode::kUnimplemented);
   CHECK(absl::StartsWith(unimplemented.message(), "<config>: 2 problems:\n"));
   CHECK(ParseError(R"({"cpu_threads": -1})").message() ==
@@ -1490,6 +1490,25 @@ TEST_CASE("Config: \"-\" reads standard input and a FIFO is read to its end, wit
   CHECK(too_big.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(absl::StrContains(too_big.status().message(), "config.fifo\": larger than the limit of "
                                                       "16777216 bytes"));
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: prescale_gradients and gradient_predivide_factor are settings, as in DeepSpeed",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0,
+      "prescale_gradients": true, "gradient_predivide_factor": 4})");
+  CHECK(c.prescale_gradients);
+  CHECK(c.gradient_predivide_factor == 4);
+  CHECK(c.notes.empty());
+  CHECK(c != Config{});
+  // A factor of 0 would divide by zero.
+  CHECK(absl::StrContains(ParseError(R"({"gradient_predivide_factor": 0})").message(),
+                          "gradient_predivide_factor: expected a number > 0, got 0"));
 }
 
 }  // namespace

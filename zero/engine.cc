@@ -70,7 +70,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
-                                   plan_.options.fp32_grad_comm);
+                                   plan_.options.fp32_grad_comm, "|", config_.prescale_gradients,
+                                   absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module);
   }
@@ -150,6 +151,21 @@ std::function<double(int64_t)> LrScheduleFor(Config* config, const EngineOptions
   };
 }
 
+// DeepSpeed's scaling before the gradient reduction (Config::prescale_gradients,
+// gradient_predivide_factor); the scaling after it is the step's (MeasureWindow).
+absl::Status ConfigurePrescale(const Config& c, int world, Device* device, Device::Stream stream,
+                               zero_internal::GradBuckets* grads) {
+  const bool predivide = c.gradient_predivide_factor != 1.0;
+  if (!c.prescale_gradients && !predivide) return absl::OkStatus();
+  // Asked with no elements: a device without the kernel fails here, naming the key.
+  RETURN_IF_ERROR(Annotate(device->Scale(nullptr, DType::kF32, 0, 1.0f, stream),
+                           c.prescale_gradients ? "prescale_gradients"
+                                                : "gradient_predivide_factor"));
+  const double factor = c.prescale_gradients ? 1.0 / world : 1.0 / c.gradient_predivide_factor;
+  grads->SetPrescale(static_cast<float>(factor), /*average=*/false);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
@@ -197,6 +213,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
                                      std::move(choice.plan), comm, device);
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
+  RETURN_IF_ERROR(ConfigurePrescale(impl->config_, comm->size(), device,
+                                    impl->streams_->compute(), impl->grads_.get()));
   impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,
                                                                std::move(groups));
   impl->hyper_ = std::make_unique<zero_internal::Hyperparams>(

@@ -149,7 +149,13 @@ absl::Status Engine::Impl::MeasureWindow() {
   p.stats.reduce_ms = timer_.window().reduce_ms;
   p.stats.gather_ms = timer_.window().gather_ms;
   p.stats.loss_scale = scaler_.scale();
-  p.g.scale = scaler_.scale() * gas_;  // gradients hold the sum over micro-steps x the scale
+  // Gradients hold the sum over micro-steps x the loss scale; with a gradient_predivide_factor
+  // f and no prescaling the reduction summed gradients / f, and the rest of the average,
+  // world / f, is folded in here (in fp32, where DeepSpeed multiplies the reduced tensor).
+  const double post = !config_.prescale_gradients && config_.gradient_predivide_factor != 1.0
+                          ? comm_->size() / config_.gradient_predivide_factor
+                          : 1.0;
+  p.g.scale = scaler_.scale() * gas_ * post;
   ASSIGN_OR_RETURN(const zero_internal::GradNorm::Result r, norm_->Measure(p.g.scale));
   p.g.norm = r.norm;
   p.g.overflow = r.overflow;

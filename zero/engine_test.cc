@@ -689,6 +689,69 @@ TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 
   }
 }
 
+TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit at power-of-two "
+          "worlds",
+          "[zero]") {
+  // Dividing by 2 or 4 before an fp32 sum in rank order is exact, so prescaling (and a
+  // predivide factor of 2) must give exactly the averaged run; at 3 ranks each share is
+  // rounded once more, and the result stays within the serial double reference's tolerance.
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int stage : {0, 2, 3}) {
+      for (int world : {2, 4}) {
+        INFO("dtype=" << DTypeName(dtype) << " stage=" << stage << " world=" << world);
+        const Config plain = MakeConfig(stage, dtype, 2, 0.05, false);
+        RunResult base = Train(plain, world, 6);
+        RequireOk(base);
+        Config pre = plain;
+        pre.prescale_gradients = true;
+        RunResult prescaled = Train(pre, world, 6);
+        RequireOk(prescaled);
+        Config div = plain;
+        div.gradient_predivide_factor = 2;
+        RunResult predivided = Train(div, world, 6);
+        RequireOk(predivided);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(prescaled.master[r], base.master[r]));
+          CHECK(BitEqual(predivided.master[r], base.master[r]));
+        }
+      }
+    }
+  }
+  // The division really happens before the sum, in the wire dtype: by 3 it rounds in bf16, so
+  // the masters move off the averaged run's bits (and stay finite and close).
+  {
+    const Config plain = MakeConfig(2, DType::kBF16, 1, 0, false);
+    Config div = plain;
+    div.gradient_predivide_factor = 3;
+    RunResult base = Train(plain, 2, 4), thirds = Train(div, 2, 4);
+    RequireOk(base);
+    RequireOk(thirds);
+    CHECK_FALSE(BitEqual(thirds.master[0], base.master[0]));
+    double worst = 0;
+    for (size_t j = 0; j < base.master[0].size(); ++j) {
+      worst = std::max(worst, std::fabs(double(thirds.master[0][j]) - base.master[0][j]));
+    }
+    // An AdamW step moves a weight by about lr (1e-2) at most, so two runs of 4 steps cannot
+    // be further apart than 2 * 4 * lr.
+    CHECK(worst < 8e-2);
+  }
+  for (int world : {3, 4}) {
+    Config c = MakeConfig(2, DType::kF32, 3, 0.05, false);
+    c.prescale_gradients = true;
+    RunResult run = Train(c, world, 20);
+    RequireOk(run);
+    const std::vector<double> ref = SerialAdamW(world, 20, 3, 0.05, c);
+    REQUIRE(run.master[0].size() == ref.size());
+    double worst = 0;
+    for (size_t j = 0; j < ref.size(); ++j) {
+      worst = std::max(worst,
+                       std::fabs(run.master[0][j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
+    }
+    INFO("world=" << world << " worst=" << worst);
+    CHECK(worst <= 1e-6);
+  }
+}
+
 TEST_CASE("Engine: allocated bytes equal planned bytes for every memory kind", "[zero]") {
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {

@@ -254,6 +254,8 @@ absl::Span<const KeyDef> TopKeys() {
       Real("gradient_clipping", M(gradient_clipping), kNonNegative).Auto(AutoRule::kRecorded),
       Int("gradient_accumulation_steps", M(gradient_accumulation_steps), 1)
           .Auto(AutoRule::kRecordedNamed),
+      Scalar("prescale_gradients", M(prescale_gradients)),
+      Real("gradient_predivide_factor", M(gradient_predivide_factor), kPositive),
       Hand("train_batch_size", Custom::kBatchSize, M(train_batch_size)).Input(),
       Hand("train_micro_batch_size_per_gpu", Custom::kBatchSize, M(train_micro_batch_size_per_gpu))
           .Input(),
@@ -317,8 +319,6 @@ absl::Span<const KeyDef> TopKeys() {
       Foreign("managed_gradient_accumulation",
               "zerort manages accumulation itself: gradients add up over "
               "gradient_accumulation_steps micro-steps, and the last Step of each window updates"),
-      Foreign("prescale_gradients", "gradient prescaling", "false"),
-      Foreign("gradient_predivide_factor", "gradient predivision", "1.0"),
       Foreign("sparse_gradients", "sparse gradients", "false"),
       Foreign("disable_allgather", "broadcast instead of all-gather", "false"),
       Foreign("amp", "Apex AMP", "{\"enabled\": false}"),
