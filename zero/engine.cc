@@ -1,6 +1,9 @@
 #include "zero/engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -85,9 +88,15 @@ absl::Status Engine::Impl::CheckPeersAgree() {
     }
   }
   const uint64_t mine = Crc32c(0, canon.data(), canon.size());
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*host_, {mine}));
+  // The engine's id, rank 0's proposal: distinct for every engine this process creates, so
+  // that engines sharing a communicator tell their steps apart.
+  static std::atomic<uint64_t> created{0};
+  const uint64_t proposal = (static_cast<uint64_t>(::getpid()) << 32) | created++;
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                   comm::AllGatherU64(*host_, {mine, proposal}));
+  engine_id_ = all[1];
   for (int r = 0; r < world_; ++r) {
-    if (all[r] != mine) {
+    if (all[2 * r] != mine) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
           "names, shapes, modules, stage, precision, gradient accumulation or parameter "
@@ -105,6 +114,7 @@ absl::Status Engine::Impl::CheckRange(const char* call, int index, bool unit) co
 }
 
 absl::Status Engine::Impl::ReduceUnit(int u) {
+  digest_.Add(zero_internal::CollectiveDigest::kReduce, u);
   RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/micro_ == 0));
   // On the last micro-step the reduced shard is final: its download to the first free staging
   // chunk overlaps the rest of backward.
@@ -331,6 +341,8 @@ absl::Status Engine::GradReadyUnit(int unit) {
 
 absl::Status Engine::Gather(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("Gather", unit, /*unit=*/true));
+  // Only stage 3 gathers on request; the other stages hold every parameter.
+  if (impl_->stage_ == 3) impl_->digest_.Add(zero_internal::CollectiveDigest::kGather, unit);
   return impl_->gatherer_->Gather(unit);
 }
 
@@ -340,7 +352,12 @@ absl::Status Engine::Release(int unit) {
 }
 
 absl::Status Engine::AcquireParams(absl::Span<const int> params) {
-  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+  for (int i : params) {
+    RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+    if (impl_->stage_ == 3) {
+      impl_->digest_.Add(zero_internal::CollectiveDigest::kGather, impl_->plan_.params[i].unit);
+    }
+  }
   return impl_->gatherer_->Acquire(params);
 }
 

@@ -1152,3 +1152,117 @@ TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step name
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+// Each rank's status must be FailedPrecondition and name every part of `needles`.
+void RequireRefusedEverywhere(const std::vector<absl::Status>& st,
+                              const std::vector<std::string>& needles) {
+  for (size_t r = 0; r < st.size(); ++r) {
+    INFO("rank " << r << ": " << st[r].ToString());
+    REQUIRE(st[r].code() == absl::StatusCode::kFailedPrecondition);
+    for (const std::string& n : needles) CHECK_THAT(std::string(st[r].message()), Catch::Contains(n));
+  }
+}
+
+// One step on a fresh engine per rank after `before(rank, engine)`; the masters must be the
+// initial values afterwards (the update was not applied anywhere).
+std::vector<absl::Status> StepAfter(const std::vector<Config>& configs,
+                                    const std::function<absl::Status(int, Engine&)>& before) {
+  auto device = CreateCpuDevice({});
+  const std::vector<ParamSpec> specs = SmallModel();
+  return comm::testing::OnRanks(
+      static_cast<int>(configs.size()), {20000}, [&](int r, comm::Communicator* comm) {
+        ASSIGN_OR_RETURN(auto engine, Engine::Create(configs[r], specs, comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*engine));
+        ASSIGN_OR_RETURN(const std::vector<float> initial, engine->GatherMasterWeights());
+        RETURN_IF_ERROR(before(r, *engine));
+        std::vector<std::vector<char>> host;
+        RETURN_IF_ERROR(testing::Backward(*engine, 0, 0, &host, 1.0f, false));
+        absl::StatusOr<StepStats> step = engine->Step();
+        ASSIGN_OR_RETURN(const std::vector<float> after, engine->GatherMasterWeights());
+        if (!BitEqual(after, initial)) return absl::InternalError("an update was applied");
+        return step.status();
+      });
+}
+
+TEST_CASE("Engine: ranks with different lr or weight decay are refused before the update",
+          "[zero]") {
+  // From the configs.
+  Config a = MakeConfig(2, DType::kF32, 1, 0, false), b = a;
+  b.optimizer.lr = 2 * a.optimizer.lr;
+  RequireRefusedEverywhere(StepAfter({a, b}, [](int, Engine&) { return absl::OkStatus(); }),
+                           {"before the update of step 1", "rank 1 lr=0.02", "rank 0 has lr=0.01"});
+  // From SetLearningRate and SetHyperparams on one rank only.
+  RequireRefusedEverywhere(StepAfter({a, a, a},
+                                     [](int r, Engine& e) {
+                                       return r == 2 ? e.SetLearningRate(5e-3) : absl::OkStatus();
+                                     }),
+                           {"rank 2 lr=0.005"});
+  RequireRefusedEverywhere(StepAfter({a, a},
+                                     [](int r, Engine& e) {
+                                       AdamWScalars s = e.hyperparams();
+                                       if (r == 1) s.weight_decay = 0.5;
+                                       return e.SetHyperparams(s);
+                                     }),
+                           {"rank 1 weight_decay=0.5"});
+  // The same values everywhere step as before.
+  for (const absl::Status& s :
+       StepAfter({a, a}, [](int, Engine& e) { return e.SetLearningRate(0.0); })) {
+    CHECK(s.ok());  // lr 0 leaves the masters unchanged, so the check above holds too
+  }
+}
+
+TEST_CASE("Engine: stage-3 ranks that gathered different units fail the step on every rank",
+          "[zero]") {
+  // One gather slot and no prefetch: after the stray gathers every later Gather misses on
+  // both ranks alike, so the collectives keep pairing (as NCCL would pair them) and nothing
+  // but the digest can tell.
+  Config c = MakeConfig(3, DType::kF32, 1, 0, false);
+  c.zero.stage3_prefetch_bucket_size = 0;
+  c.zero.stage3_max_live_parameters = 1;
+  c.zero.stage3_param_persistence_threshold = 0;
+  // Two units of equal padded size (their gathers pair up without an error), neither the
+  // first that forward gathers (num_units - 1).
+  auto device = CreateCpuDevice({});
+  memory::Plan plan = ChoosePlan(SmallModel(), c, 2, 0).value().plan;
+  const int units = static_cast<int>(plan.units.size());
+  REQUIRE(plan.gather_slots == 1);
+  int u1 = -1, u2 = -1;
+  for (int i = 0; i + 1 < units && u2 < 0; ++i) {
+    for (int j = i + 1; j + 1 < units && u2 < 0; ++j) {
+      if (plan.units[i].padded == plan.units[j].padded) u1 = i, u2 = j;
+    }
+  }
+  REQUIRE(u2 >= 0);
+  RequireRefusedEverywhere(StepAfter({c, c},
+                                     [&](int r, Engine& e) {
+                                       RETURN_IF_ERROR(e.Gather(r == 0 ? u1 : u2));
+                                       return e.Release(r == 0 ? u1 : u2);
+                                     }),
+                           {"collectives", "different units"});
+}
+
+TEST_CASE("Engine: two engines on one communicator stepping in crossed order both fail",
+          "[zero]") {
+  const Config c = MakeConfig(2, DType::kF32, 1, 0, false);
+  auto device = CreateCpuDevice({});
+  std::vector<absl::Status> st = comm::testing::OnRanks(
+      2, {20000}, [&](int r, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(auto first, Engine::Create(c, SmallModel(), comm, device.get()));
+        ASSIGN_OR_RETURN(auto second, Engine::Create(c, SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*first));
+        RETURN_IF_ERROR(testing::SetInitValues(*second));
+        // Rank 0 steps the first engine, then the second; rank 1 the other way round: every
+        // collective pairs with the other engine's.
+        Engine& one = r == 0 ? *first : *second;
+        std::vector<std::vector<char>> host;
+        RETURN_IF_ERROR(testing::Backward(one, 0, 0, &host, 1.0f, false));
+        return one.Step().status();
+      });
+  RequireRefusedEverywhere(st, {"two engines share this communicator"});
+}
+
+}  // namespace
+}  // namespace zerort
