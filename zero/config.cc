@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -667,14 +668,26 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_vie
 
 namespace {
 
-// Reads `fd` to its end, refusing more than `max_bytes`: a pipe has no size to check first, so
-// the cap is applied while reading (one byte past it is enough to know).
+// How long a config stream may stay silent: a FIFO nobody writes (or an idle pipe) is refused
+// instead of waited on forever. Generous for a generator's start-up, short of a job's patience.
+constexpr int kStreamIdleMs = 10000;
+
+// Reads `fd` to its end, refusing more than `max_bytes` (a pipe has no size to check first,
+// so the cap is applied while reading) and `kStreamIdleMs` without data.
 absl::StatusOr<std::string> ReadStream(int fd, const std::string& name, int64_t max_bytes) {
   std::string text;
   char buffer[1 << 16];
   for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
+    struct pollfd p = {fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, kStreamIdleMs);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "cannot read config from ", name, ": no data for ", kStreamIdleMs / 1000,
+          " s (a FIFO nobody writes, or a generator that stalled)"));
+    }
+    const ssize_t n = ready < 0 ? -1 : ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n < 0) {
       return absl::InternalError(
           absl::StrCat("cannot read config from ", name, ": ", std::strerror(errno)));
@@ -697,7 +710,8 @@ absl::StatusOr<std::string> ReadConfigText(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0 || !S_ISFIFO(st.st_mode)) {
     return ReadBoundedFile(path, "config");
   }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: the open does not wait for a writer; ReadStream's poll waits, within its limit.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ReadBoundedFile(path, "config");  // its error names the file and errno
   absl::StatusOr<std::string> text;
   // Checked again on the open descriptor: the path may have been replaced since the stat.

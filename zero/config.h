@@ -265,7 +265,7 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text,
 // Reads and parses a file; every error names the file. NotFound / PermissionDenied when it
 // cannot be read. "-" reads standard input, and a pipe or FIFO is read to its end, for configs
 // generated on the fly; like a file, at most 16 MiB (kMaxJsonFileBytes), else InvalidArgument.
-// A FIFO is opened for reading as `cat` would: the call waits for its writer.
+// A stream silent for 10 s (a FIFO nobody writes) is DeadlineExceeded, never waited on forever.
 absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOptions& options = {});
 
 // Every setting with its effective value as pretty JSON, in the documented order (the keys that

@@ -1480,6 +1480,12 @@ TEST_CASE("Config: \"-\" reads standard input and a FIFO is read to its end, wit
   REQUIRE(from_fifo.ok());
   CHECK(from_fifo->gradient_clipping == 0.5);
 
+  // A FIFO nobody writes is refused after the idle limit, not waited on forever.
+  absl::StatusOr<Config> unwritten = LoadConfigFile(fifo);
+  REQUIRE_FALSE(unwritten.ok());
+  CHECK(unwritten.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(unwritten.status().message(), "config.fifo\": no data for 10 s"));
+
   // One byte over the cap is refused without reading the rest.
   std::thread big([&] {
     WriteAll(::open(fifo.c_str(), O_WRONLY), std::string((16 << 20) + 1, ' ')).join();
