@@ -290,7 +290,9 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
         absl::StrCat("--rank ", rank, " is outside the world of ", world, " ranks"));
   }
   ASSIGN_OR_RETURN(AutoFill fill, PlanFill(flags, world));
-  RETURN_IF_ERROR(Annotate(ResolveAuto(fill, specs, &config), "\"auto\" values"));
+  // A plan needs only what changes it: the schedule's "auto" values are noted, not required.
+  RETURN_IF_ERROR(
+      Annotate(ResolveAuto(fill, specs, &config, AutoPurpose::kPlan), "\"auto\" values"));
   ASSIGN_OR_RETURN(Workload workload, PlanWorkload(flags));
   if (flags.Has("fit")) {
     if (flags.Get("fit") != "micro-batch") {

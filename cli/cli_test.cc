@@ -1,5 +1,7 @@
 #include "cli/cli.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -104,8 +106,8 @@ TEST_CASE("CLI: zerort plan prints the config's notes, as text and as a JSON arr
                          json)
               .ok());
   auto j = nlohmann::json::parse(json.str());
-  // The three keys', and the optimizer the config does not name.
-  REQUIRE(j["notes"].size() == 4);
+  // The three keys', the optimizer the config does not name, and the clipping default.
+  REQUIRE(j["notes"].size() == 5);
   CHECK_THAT(j["notes"][0].get<std::string>(),
              Catch::StartsWith("zero_optimization.overlap_comm: false has no effect"));
   CHECK_THAT(j["notes"][2].get<std::string>(), Catch::StartsWith("optimizer: absent; "));
@@ -164,9 +166,18 @@ TEST_CASE("CLI: zerort plan fills \"auto\" values and shows each; --strict refus
   auto j = nlohmann::json::parse(json.str());
   CHECK(j["auto_resolved"].size() == 4);  // bf16, lr, gradient_accumulation_steps, total_num_steps
 
-  // Without total_num_steps nothing fills it; a batch size that cannot match the world size.
-  Refusal({"--model", "gpt2-124m", "--world", "4", "--config", path},
-          "scheduler.params.total_num_steps: \"auto\", but the trainer gave no total_num_steps");
+  // Without total_num_steps nothing fills it, but the plan does not depend on it: noted, and the
+  // plan is made. A batch size that cannot match the world size changes the plan: refused.
+  std::ostringstream unfilled;
+  absl::Status planned = RunPlanCommand({"--model", "gpt2-124m", "--world", "4", "--config", path},
+                                        unfilled);
+  INFO(planned.ToString());
+  REQUIRE(planned.ok());
+  CHECK_THAT(unfilled.str(),
+             Catch::Contains("note: scheduler.params.total_num_steps: \"auto\", but the trainer "
+                             "gave no total_num_steps; a decaying schedule needs it (not needed "
+                             "for a plan; Engine creation refuses it)"));
+  CHECK_THAT(unfilled.str(), Catch::Contains(", bf16"));  // the plan table follows
   Refusal({"--model", "gpt2-124m", "--world", "3", "--config", path, "--fill",
            R"({"total_num_steps": 10})"},
           "train_batch_size 64 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 1 "
@@ -402,6 +413,32 @@ TEST_CASE("CLI: activation flags are refused where they cannot apply", "[zero]")
   Refusal({"--model", "gpt2-124m", "--seq", "128", "--fit", "micro-batch"}, "--budget");
   Refusal({"--model", "gpt2-124m", "--fit", "micro-batch", "--budget", "8GiB"},
           "needs activations");
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("CLI: --config - reads the config from standard input", "[zero]") {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const std::string config = R"({"zero_optimization": {"stage": 2}, "gradient_clipping": 0})";
+  REQUIRE(::write(fds[1], config.data(), config.size()) == static_cast<ssize_t>(config.size()));
+  ::close(fds[1]);
+  const int saved = ::dup(STDIN_FILENO);
+  REQUIRE(::dup2(fds[0], STDIN_FILENO) == STDIN_FILENO);
+  ::close(fds[0]);
+  std::ostringstream out;
+  absl::Status s = RunPlanCommand({"--params", "1000", "--config", "-", "--resolved-config"}, out);
+  REQUIRE(::dup2(saved, STDIN_FILENO) == STDIN_FILENO);
+  ::close(saved);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  auto j = nlohmann::json::parse(out.str());
+  CHECK(j["zero_optimization"]["stage"] == 2);
+  CHECK(j["gradient_clipping"] == 0);
 }
 
 }  // namespace

@@ -167,6 +167,13 @@ class CpuDevice final : public Device {
     });
   }
 
+  absl::Status Scale(void* x, DType dtype, size_t n, float factor, Stream stream) override {
+    return Run(stream, [=] {
+      ScaleNow(x, dtype, n, factor);
+      return absl::OkStatus();
+    });
+  }
+
   absl::Status SquaredNorm(const void* x, DType dtype, size_t n, float* out,
                            Stream stream) override {
     const int threads = threads_;
@@ -269,6 +276,26 @@ class CpuDevice final : public Device {
       return fn();
     });
     return absl::OkStatus();
+  }
+
+  static void ScaleNow(void* x, DType dtype, size_t n, float factor) {
+    switch (dtype) {
+      case DType::kF32: {
+        float* a = static_cast<float*>(x);
+        for (size_t i = 0; i < n; ++i) a[i] *= factor;
+        break;
+      }
+      case DType::kBF16: {
+        uint16_t* a = static_cast<uint16_t*>(x);
+        for (size_t i = 0; i < n; ++i) a[i] = FloatToBf16(Bf16ToFloat(a[i]) * factor);
+        break;
+      }
+      case DType::kF16: {
+        uint16_t* a = static_cast<uint16_t*>(x);
+        for (size_t i = 0; i < n; ++i) a[i] = FloatToHalf(HalfToFloat(a[i]) * factor);
+        break;
+      }
+    }
   }
 
   static void AccumulateNow(void* acc, const void* x, DType dtype, size_t n) {

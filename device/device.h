@@ -18,6 +18,7 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
@@ -51,6 +52,13 @@ class Device {
   // acc[i] = round(float(acc[i]) + float(x[i])): gradient accumulation across micro-steps.
   virtual absl::Status Accumulate(void* acc, const void* x, DType dtype, size_t n,
                                   Stream stream) = 0;
+  // x[i] = round(float(x[i]) * factor): gradient prescaling before a reduction
+  // (prescale_gradients, gradient_predivide_factor). A device without the kernel returns
+  // Unimplemented naming itself (the engine asks with n = 0 when it is created).
+  virtual absl::Status Scale(void* x, DType dtype, size_t n, float factor, Stream stream) {
+    return absl::UnimplementedError(
+        absl::StrCat("device '", name(), "' has no Scale kernel (gradient prescaling)"));
+  }
   // *out = squared L2 norm with offload::SquaredNormF32's fixed reduction order.
   virtual absl::Status SquaredNorm(const void* x, DType dtype, size_t n, float* out,
                                    Stream stream) = 0;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/json.h"
@@ -87,7 +88,8 @@ namespace {
 // problems so that all of them are reported at once.
 class AutoResolver {
  public:
-  AutoResolver(const AutoFill& fill, Config* config) : fill_(fill), c_(config) {}
+  AutoResolver(const AutoFill& fill, Config* config, AutoPurpose purpose)
+      : fill_(fill), c_(config), purpose_(purpose) {}
 
   const AutoFill& fill() const { return fill_; }
   Config* config() { return c_; }
@@ -112,11 +114,21 @@ class AutoResolver {
     Note(path, *field, from_fill ? "from the trainer" : why);
   }
   void Error(std::string message) { errors_.push_back(std::move(message)); }
+  // An error about `path`, which a plan alone may pass over when the plan cannot depend on it.
+  void ErrorAbout(absl::string_view path, std::string message) {
+    if (purpose_ == AutoPurpose::kPlan && !ChangesPlan(path)) {
+      c_->notes.push_back(
+          absl::StrCat(message, " (not needed for a plan; Engine creation refuses it)"));
+    } else {
+      Error(std::move(message));
+    }
+  }
 
   absl::Status Finish() {
     for (const std::string& path : c_->auto_keys) {
-      Error(absl::StrCat(path, ": \"auto\", and neither the trainer's fill nor a documented rule "
-                               "gives it a value here; write a value"));
+      if (path == "scheduler.params.total_num_steps") continue;  // said by its own rule
+      ErrorAbout(path, absl::StrCat(path, ": \"auto\", and neither the trainer's fill nor a "
+                                          "documented rule gives it a value here; write a value"));
     }
     if (errors_.empty()) return absl::OkStatus();
     if (errors_.size() == 1) return absl::InvalidArgumentError(errors_[0]);
@@ -125,8 +137,16 @@ class AutoResolver {
   }
 
  private:
+  // The learning rate, the optimizer's scalars and clipping are read by the step, never by the
+  // plan (memory::PlanOptions has none of them).
+  static bool ChangesPlan(absl::string_view path) {
+    return !(absl::StartsWith(path, "scheduler.") || absl::StartsWith(path, "optimizer.") ||
+             path == "gradient_clipping");
+  }
+
   const AutoFill& fill_;
   Config* c_;
+  const AutoPurpose purpose_;
   std::vector<std::string> errors_;
 };
 
@@ -208,19 +228,25 @@ void ResolveSchedulerAutos(AutoResolver* r) {
   const AutoFill& f = r->fill();
   r->Fill("scheduler.params.warmup_min_lr", &s.warmup_min_lr, f.warmup_min_lr,
           "DeepSpeed's default");
-  if (!f.warmup_max_lr) s.warmup_max_lr = r->config()->optimizer.lr;
-  r->Fill("scheduler.params.warmup_max_lr", &s.warmup_max_lr, f.warmup_max_lr,
-          "optimizer.params.lr");
+  // Only an "auto" takes the optimizer's rate: a written warmup_max_lr is the schedule's peak.
+  if (r->Take("scheduler.params.warmup_max_lr")) {
+    s.warmup_max_lr = f.warmup_max_lr.value_or(r->config()->optimizer.lr);
+    r->Note("scheduler.params.warmup_max_lr", s.warmup_max_lr,
+            f.warmup_max_lr ? "from the trainer" : "optimizer.params.lr");
+  }
   r->Fill("scheduler.params.warmup_num_steps", &s.warmup_num_steps, f.warmup_num_steps,
           "DeepSpeed's default");
-  if (r->Take("scheduler.params.total_num_steps")) {
-    if (f.total_num_steps) {
-      s.total_num_steps = *f.total_num_steps;
-      r->Note("scheduler.params.total_num_steps", s.total_num_steps, "from the trainer");
-    } else {
-      r->Error("scheduler.params.total_num_steps: \"auto\", but the trainer gave no "
-               "total_num_steps; a decaying schedule needs it");
-    }
+  constexpr char kTotal[] = "scheduler.params.total_num_steps";
+  const bool is_auto = std::find(r->config()->auto_keys.begin(), r->config()->auto_keys.end(),
+                                 kTotal) != r->config()->auto_keys.end();
+  if (is_auto && f.total_num_steps) {
+    r->Take(kTotal);
+    s.total_num_steps = *f.total_num_steps;
+    r->Note(kTotal, s.total_num_steps, "from the trainer");
+  } else if (is_auto) {
+    // Left in auto_keys: a plan notes it and goes on, and --resolved-config still says "auto".
+    r->ErrorAbout(kTotal, "scheduler.params.total_num_steps: \"auto\", but the trainer gave no "
+                          "total_num_steps; a decaying schedule needs it");
   }
 }
 
@@ -267,8 +293,8 @@ void ResolveBatchAutos(AutoResolver* r) {
 }  // namespace
 
 absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpec> specs,
-                         Config* config) {
-  AutoResolver r(fill, config);
+                         Config* config, AutoPurpose purpose) {
+  AutoResolver r(fill, config, purpose);
   ResolveUnitSizeAutos(&r, specs);
   ResolveZeroAutos(&r);
   ResolvePrecisionAutos(&r);

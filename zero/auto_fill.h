@@ -79,8 +79,14 @@ absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
 // fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when all
 // four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
 // "auto" no rule fills, inconsistent batch sizes, bf16 and fp16 both enabled.
+//
+// `purpose` kPlan is for a plan alone (`zerort plan`): an "auto" that no rule fills but that
+// cannot change the plan (the scheduler's and optimizer's values, gradient_clipping) is not an
+// error then but a note carrying the error Engine creation gives for it
+// ("... (not needed for a plan; Engine creation refuses it)"), and stays in auto_keys.
+enum class AutoPurpose { kEngine, kPlan };
 absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpec> specs,
-                         Config* config);
+                         Config* config, AutoPurpose purpose = AutoPurpose::kEngine);
 
 }  // namespace zerort
 

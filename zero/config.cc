@@ -1,7 +1,14 @@
 #include "zero/config.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cassert>
+#include <cstring>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -469,6 +476,12 @@ void ReadConfig(Reader* r, const Json& root, Config* config) {
       root.contains("train_micro_batch_size_per_gpu")) {
     r->Auto("gradient_accumulation_steps");
   }
+  // The one default that changed under existing configs: said where it applies.
+  if (!root.contains("gradient_clipping")) {
+    r->Note("gradient_clipping: absent, so 1.0 (DeepSpeed's default since v0.19.3; zerort before "
+            "used 0, no clipping): gradients are clipped to a global L2 norm of 1; write 0 to "
+            "turn clipping off");
+  }
   CheckAcrossKeys(r, *config);
 }
 
@@ -653,9 +666,69 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text, absl::string_vie
   return config;
 }
 
+namespace {
+
+// How long a config stream may stay silent: a FIFO nobody writes (or an idle pipe) is refused
+// instead of waited on forever. Generous for a generator's start-up, short of a job's patience.
+constexpr int kStreamIdleMs = 10000;
+
+// Reads `fd` to its end, refusing more than `max_bytes` (a pipe has no size to check first,
+// so the cap is applied while reading) and `kStreamIdleMs` without data.
+absl::StatusOr<std::string> ReadStream(int fd, const std::string& name, int64_t max_bytes) {
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    struct pollfd p = {fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, kStreamIdleMs);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "cannot read config from ", name, ": no data for ", kStreamIdleMs / 1000,
+          " s (a FIFO nobody writes, or a generator that stalled)"));
+    }
+    const ssize_t n = ready < 0 ? -1 : ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n < 0) {
+      return absl::InternalError(
+          absl::StrCat("cannot read config from ", name, ": ", std::strerror(errno)));
+    }
+    if (n == 0) return text;
+    if (static_cast<int64_t>(text.size()) + n > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot read config from ", name,
+                                                     ": larger than the limit of ", max_bytes,
+                                                     " bytes for a config file"));
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+// "-" is standard input; a FIFO (a shell's pipe, /dev/stdin, <(...)) is read as a stream; any
+// other path must be a regular file (ReadBoundedFile refuses devices and sockets).
+absl::StatusOr<std::string> ReadConfigText(const std::string& path) {
+  if (path == "-") return ReadStream(STDIN_FILENO, "standard input", kMaxJsonFileBytes);
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0 || !S_ISFIFO(st.st_mode)) {
+    return ReadBoundedFile(path, "config");
+  }
+  // O_NONBLOCK: the open does not wait for a writer; ReadStream's poll waits, within its limit.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return ReadBoundedFile(path, "config");  // its error names the file and errno
+  absl::StatusOr<std::string> text;
+  // Checked again on the open descriptor: the path may have been replaced since the stat.
+  if (::fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
+    text = ReadStream(fd, absl::StrCat("\"", path, "\""), kMaxJsonFileBytes);
+  } else {
+    text = ReadBoundedFile(path, "config");
+  }
+  ::close(fd);
+  return text;
+}
+
+}  // namespace
+
 absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOptions& options) {
-  ASSIGN_OR_RETURN(std::string text, ReadBoundedFile(path, "config"));
-  return ParseConfig(text, path, options);
+  ASSIGN_OR_RETURN(std::string text, ReadConfigText(path));
+  return ParseConfig(text, path == "-" ? "<stdin>" : path, options);
 }
 
 std::string ResolvedConfigJson(const Config& c) {

@@ -36,7 +36,7 @@ enum class OffloadDevice { kNone, kCpu, kNvme };
 struct OffloadOptimizerConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;  // page-locked host buffers (faster, asynchronous copies)
-  int buffer_count = 4;    // >= 1: host staging buffers for gradient copies in flight
+  int buffer_count = 4;    // >= 0: host staging buffers for gradient copies in flight (0 = 1)
   std::string nvme_path;   // REQUIRES non-empty when device == kNvme: a directory on local disk
 };
 
@@ -47,8 +47,8 @@ struct OffloadParamConfig {
   OffloadDevice device = OffloadDevice::kNone;
   bool pin_memory = true;
   std::string nvme_path;           // REQUIRES non-empty when device == kNvme
-  int buffer_count = 5;            // >= 1 (nvme): pinned read-ahead buffers
-  int64_t buffer_size = 100000000;  // >= 1 elements (nvme): size of each of those buffers
+  int buffer_count = 5;            // >= 0; >= 1 with nvme: pinned read-ahead buffers
+  int64_t buffer_size = 100000000;  // >= 0; >= 1 with nvme: elements in each of those buffers
 };
 
 // aio: DeepSpeed's asynchronous-I/O settings for NVMe offload, with DeepSpeed's defaults.
@@ -185,8 +185,17 @@ struct Config {
   DType compute_dtype = DType::kF32;
   Fp16Config fp16;  // read whenever present; used only when compute_dtype == kF16
   OptimizerConfig optimizer;
-  double gradient_clipping = 0;         // >= 0; global L2 norm limit, 0 = off
+  // >= 0; global L2 norm limit, 0 = off. 1.0 is DeepSpeed's default since v0.19.3 (zerort's was
+  // 0 before): a DeepSpeed config without the key clips here as it does there.
+  double gradient_clipping = 1.0;
   int gradient_accumulation_steps = 1;  // >= 1
+  // DeepSpeed's gradient scaling around the reduction. prescale_gradients: each rank divides
+  // its gradients by the world size before the reduction sums them. Otherwise the gradients
+  // are divided by gradient_predivide_factor (> 0) before the sum and by world /
+  // gradient_predivide_factor after it (1.0: the reduction averages). docs/config.md states
+  // the numerics.
+  bool prescale_gradients = false;
+  double gradient_predivide_factor = 1.0;
   int64_t comm_timeout_ms = 600000;     // >= 1 (ours): a collective taking longer fails
   int cpu_threads = 0;                  // >= 0 (ours): host AdamW threads, 0 = all cores
   // data_types.grad_accum_dtype: the dtype gradients are accumulated in across micro-steps on
@@ -262,7 +271,9 @@ absl::StatusOr<Config> ParseConfig(absl::string_view json_text,
                                    const ParseOptions& options = {});
 
 // Reads and parses a file; every error names the file. NotFound / PermissionDenied when it
-// cannot be read.
+// cannot be read. "-" reads standard input, and a pipe or FIFO is read to its end, for configs
+// generated on the fly; like a file, at most 16 MiB (kMaxJsonFileBytes), else InvalidArgument.
+// A stream silent for 10 s (a FIFO nobody writes) is DeadlineExceeded, never waited on forever.
 absl::StatusOr<Config> LoadConfigFile(const std::string& path, const ParseOptions& options = {});
 
 // Every setting with its effective value as pretty JSON, in the documented order (the keys that

@@ -1,6 +1,12 @@
 #include "zero/config.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
+#include <thread>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
+#include "base/testing/temp_dir.h"
 #include "zero/internal/config_keys.h"
 
 namespace zerort {
@@ -89,10 +96,11 @@ std::map<std::string, Json> DocumentedDefaults() {
 
 TEST_CASE("Config: an empty object gives the defaults documented in docs/config.md", "[zero]") {
   Config parsed = MustParse("{}");
-  // The one note: which optimizer runs when the config names none.
-  REQUIRE(parsed.notes.size() == 1);
+  // The two notes: which optimizer runs when the config names none, and the clipping default.
+  REQUIRE(parsed.notes.size() == 2);
   CHECK(absl::StartsWith(parsed.notes[0], "optimizer: absent; using AdamW lr=0.001, "
                                           "betas=[0.9, 0.999], eps=1e-08, weight_decay=0.01"));
+  CHECK(absl::StartsWith(parsed.notes[1], "gradient_clipping: absent, so 1.0"));
   CHECK(parsed == Config{});
 
   std::map<std::string, Json> resolved;
@@ -190,7 +198,7 @@ TEST_CASE("Config: a full DeepSpeed-style config parses to the expected struct",
 
 TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no effect, noted",
           "[zero]") {
-  Config on = MustParse(R"({"optimizer": {}, "zero_optimization": {"overlap_comm": true,
+  Config on = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_optimization": {"overlap_comm": true,
       "contiguous_gradients": true, "allgather_bucket_size": 2e8}})");
   CHECK(on == Config{});
   REQUIRE(on.notes.size() == 3);
@@ -205,7 +213,7 @@ TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no
 
   // false asks for what zerort has no mode for: the note says it cannot be turned off, and why.
   Config off = MustParse(
-      R"({"optimizer": {}, "zero_optimization": {"overlap_comm": false,
+      R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_optimization": {"overlap_comm": false,
           "contiguous_gradients": false}})");
   CHECK(off == Config{});
   REQUIRE(off.notes.size() == 2);
@@ -223,7 +231,7 @@ TEST_CASE("Config: overlap_comm, contiguous_gradients, allgather_bucket_size: no
   for (const char* key : {"overlap_comm", "contiguous_gradients", "allgather_bucket_size"}) {
     CHECK_FALSE(absl::StrContains(resolved, key));
   }
-  CHECK(MustParse(R"({"optimizer": {}})").notes.empty());
+  CHECK(MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0})").notes.empty());
 
   // docs/config.md documents each of them, outside the Settings table, with what zerort does.
   const std::string doc = ReadFile("docs/config.md");
@@ -340,7 +348,7 @@ TEST_CASE("Config: unknown keys at every level name the path and suggest the nea
                                        "here are: stage, reduce_bucket_size"));
   // Nothing close at the top level: DeepSpeed ignores foreign top-level keys, and so does
   // zerort, with a note (an error in strict mode).
-  Config foreign = MustParse(R"({"optimizer": {}, "overlap": true, "cuda_visible_devices": "0"})");
+  Config foreign = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "overlap": true, "cuda_visible_devices": "0"})");
   REQUIRE(foreign.notes.size() == 2);
   CHECK(absl::StartsWith(foreign.notes[0], "overlap: not a zerort or DeepSpeed setting; ignored"));
   CHECK(absl::StartsWith(foreign.notes[1], "cuda_visible_devices: not a zerort or DeepSpeed"));
@@ -361,20 +369,21 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
       {R"({"zero_optimization": {"stage": "three"}})", "zero_optimization.stage", "\"three\"",
        "\"auto\""},
       {R"({"zero_optimization": {"stage": true}})", "zero_optimization.stage", "true", "0..3"},
-      {R"({"zero_optimization": {"reduce_bucket_size": 0}})",
-       "zero_optimization.reduce_bucket_size", "0", ">= 1"},
+      // DeepSpeed's bound is ge=0: -1 is the first value below it.
+      {R"({"zero_optimization": {"reduce_bucket_size": -1}})",
+       "zero_optimization.reduce_bucket_size", "-1", ">= 0"},
       {R"({"zero_optimization": {"reduce_bucket_size": 1.5}})",
-       "zero_optimization.reduce_bucket_size", "1.5", ">= 1"},
+       "zero_optimization.reduce_bucket_size", "1.5", ">= 0"},
       {R"({"zero_optimization": {"reduce_bucket_size": "5e8"}})",
-       "zero_optimization.reduce_bucket_size", "\"5e8\"", ">= 1"},
+       "zero_optimization.reduce_bucket_size", "\"5e8\"", ">= 0"},
       {R"({"zero_optimization": {"reduce_bucket_size": 1e19}})",
-       "zero_optimization.reduce_bucket_size", "1e+19", ">= 1"},
+       "zero_optimization.reduce_bucket_size", "1e+19", ">= 0"},
       {R"({"zero_optimization": {"allgather_bucket_size": 18446744073709551615}})",
-       "zero_optimization.allgather_bucket_size", "18446744073709551615", ">= 1"},
+       "zero_optimization.allgather_bucket_size", "18446744073709551615", ">= 0"},
       {R"({"zero_optimization": {"overlap_comm": "yes"}})", "zero_optimization.overlap_comm",
        "\"yes\"", "true or false"},
-      {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 0}}})",
-       "zero_optimization.offload_optimizer.buffer_count", "0", ">= 1"},
+      {R"({"zero_optimization": {"offload_optimizer": {"buffer_count": -1}}})",
+       "zero_optimization.offload_optimizer.buffer_count", "-1", ">= 0"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        "zero_optimization.offload_optimizer.device", "\"gpu\"",
        "\"none\", \"cpu\" or \"nvme\""},
@@ -383,8 +392,8 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
        "\"none\", \"cpu\" or \"nvme\""},
       {R"({"zero_optimization": {"memory_budget": {"host_bytes": -5}}})",
        "zero_optimization.memory_budget.host_bytes", "-5", ">= 0"},
-      {R"({"zero_optimization": {"stage3_max_live_parameters": 0}})",
-       "zero_optimization.stage3_max_live_parameters", "0", ">= 1"},
+      {R"({"zero_optimization": {"stage3_max_live_parameters": -1}})",
+       "zero_optimization.stage3_max_live_parameters", "-1", ">= 0"},
       {R"({"zero_optimization": []})", "zero_optimization", "an array", "an object"},
       {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "optimizer.params.betas[1]", "1.0",
        "[0, 1)"},
@@ -609,10 +618,11 @@ TEST_CASE("Config: precision follows the bf16 and fp16 blocks", "[zero]") {
 }
 
 TEST_CASE("Config: optimizer type accepts AdamW and Adam, always meaning AdamW", "[zero]") {
-  Config c = MustParse(R"({"optimizer": {"type": "adamw"}})");
+  Config c = MustParse(R"({"optimizer": {"type": "adamw"}, "gradient_clipping": 1.0})");
   CHECK(c.optimizer.type == "AdamW");
   CHECK(c.notes.empty());
-  c = MustParse(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": true}}})");
+  c = MustParse(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": true}},
+      "gradient_clipping": 1.0})");
   CHECK(c.optimizer.type == "AdamW");
   CHECK(c.notes.size() == 2);  // the type, and the no-op adam_w_mode
   absl::Status coupled =
@@ -629,11 +639,11 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       {"wall_clock_breakdown", "true"},
       {"zero_allow_untested_optimizer", "true"},
       {"tensorboard", R"({"enabled": true, "output_path": "x"})"},
-      {"prescale_gradients", "false"},
+      {"sparse_gradients", "false"},
   };
   // With gradient_accumulation_steps written, the batch sizes change nothing (without it they
   // would derive it, as in DeepSpeed: see ResolveAuto).
-  std::string json = R"({"optimizer": {}, "scheduler": null, "gradient_accumulation_steps": 1,)";
+  std::string json = R"({"optimizer": {}, "gradient_clipping": 1.0, "scheduler": null, "gradient_accumulation_steps": 1,)";
   for (const auto& [key, value] : ignored) json += "\"" + key + "\": " + value + ",";
   json += R"("zero_optimization": {"round_robin_gradients": true, "sub_group_size": 1e9,
       "reduce_scatter": false, "allgather_partitions": false, "stage3_max_reuse_distance": 0,
@@ -668,7 +678,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
   };
   const Case unsupported[] = {
       {R"({"zero_optimization": {"legacy_stage1": true}})", "zero_optimization.legacy_stage1"},
-      {R"({"prescale_gradients": true})", "prescale_gradients"},
+      {R"({"gradient_allreduce_op": "sum"})", "gradient_allreduce_op"},
       {R"({"zero_optimization": {"zero_quantized_gradients": true}})",
        "zero_optimization.zero_quantized_gradients"},
       {R"({"amp": {"enabled": true}})", "amp"},
@@ -739,7 +749,7 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
   // a conflict and a missing scheduler parameter.
   absl::Status s = ParseError(R"({
     "zero_optimization": {"stage": 3, "reduce_bucket_sise": 5e8,
-                          "stage3_max_live_parameters": 0, "max_live_parameters": 1e9},
+                          "stage3_max_live_parameters": -1, "max_live_parameters": 1e9},
     "optimizer": {"lr": 0.1, "params": {"betas": [0.9, 1.5]}},
     "bf16": {"enabled": "yes"},
     "gradient_clipping": -1,
@@ -755,7 +765,7 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
       "\"reduce_bucket_size\"?",
       "<config>: zero_optimization.stage3_max_live_parameters and "
       "zero_optimization.max_live_parameters are two spellings of one DeepSpeed setting",
-      "<config>: zero_optimization.stage3_max_live_parameters: expected an integer >= 1, got 0",
+      "<config>: zero_optimization.stage3_max_live_parameters: expected an integer >= 0, got -1",
       "<config>: optimizer.lr: unknown key here; did you mean \"optimizer.params.lr\"?",
       "<config>: optimizer.params.betas[1]: expected a number in [0, 1), got 1.5",
       "<config>: bf16.enabled: expected true or false, got \"yes\"",
@@ -777,13 +787,13 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
             .message() ==
         "<config>: zero_optimization.stage: expected an integer in 0..3 or \"auto\", got 5");
   absl::Status both = ParseError(R"({"zero_optimization": {"stage": 2,
-      "stage3_max_live_parameters": 0, "offload_param": {"device": "cpu"}}})");
+      "stage3_max_live_parameters": -1, "offload_param": {"device": "cpu"}}})");
   CHECK(absl::StartsWith(both.message(), "<config>: 2 problems:\n"));
   CHECK(absl::StrContains(both.message(), "parameter offload requires stage 3"));
 
   // All of one kind keep their code; one problem keeps the single-line form.
   absl::Status unimplemented =
-      ParseError(R"({"prescale_gradients": true, "amp": {"enabled": true}})");
+      ParseError(R"({"sparse_gradients": true, "amp": {"enabled": true}})");
   CHECK(unimplemented.code() == absl::StatusCode::kUnimplemented);
   CHECK(absl::StartsWith(unimplemented.message(), "<config>: 2 problems:\n"));
   CHECK(ParseError(R"({"cpu_threads": -1})").message() ==
@@ -791,7 +801,7 @@ TEST_CASE("Config: every problem of a config is reported in one error, one line 
 }
 
 TEST_CASE("Config: DeepSpeed's other spellings are read as the setting they name", "[zero]") {
-  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3,
       "prefetch_bucket_size": 123, "param_persistence_threshold": 456,
       "max_live_parameters": 789, "max_reuse_distance": 1e9,
       "gather_16bit_weights_on_model_save": true, "model_persistence_threshold": 1e9},
@@ -829,7 +839,7 @@ TEST_CASE("Config: DeepSpeed's other spellings are read as the setting they name
       "zero_optimization.cpu_offload (deprecated) and zero_optimization.offload_optimizer"));
 
   // Keys DeepSpeed accepts that do nothing here, each with a note.
-  c = MustParse(R"({"optimizer": {}, "zero_force_ds_cpu_optimizer": false,
+  c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_force_ds_cpu_optimizer": false,
       "fp16": {"enabled": true, "auto_cast": true}, "comms_logger": {"enabled": false}})");
   CHECK(c.compute_dtype == DType::kF16);
   CHECK(c.notes.size() == 3);
@@ -893,7 +903,7 @@ TEST_CASE("Config: nvme offload, aio, data types and param groups parse into the
 }
 
 TEST_CASE("Config: strict mode turns every ignored key into an error", "[zero]") {
-  const std::string json = R"({"optimizer": {}, "wall_clock_breakdown": false,
+  const std::string json = R"({"optimizer": {}, "gradient_clipping": 1.0, "wall_clock_breakdown": false,
       "cuda_visible_devices": "0,1", "zero_optimization": {"round_robin_gradients": true}})";
   Config lenient = MustParse(json);
   CHECK(lenient.notes.size() == 3);
@@ -910,7 +920,8 @@ TEST_CASE("Config: strict mode turns every ignored key into an error", "[zero]")
   absl::StatusOr<Config> in_file = ParseConfig(
       R"({"zerort": {"strict": true}, "wall_clock_breakdown": false})");
   CHECK(!in_file.ok());
-  Config clean = MustParse(R"({"zerort": {"strict": true}, "optimizer": {"type": "Adam"}})");
+  Config clean = MustParse(
+      R"({"zerort": {"strict": true}, "optimizer": {"type": "Adam"}, "gradient_clipping": 0})");
   CHECK(clean.strict);
   CHECK(clean.notes.size() == 1);
 }
@@ -954,7 +965,7 @@ TEST_CASE("Config: \"auto\" is accepted where Hugging Face writes it and recorde
   // A hand-built list naming no setting is written nowhere (and never throws).
   Config odd;
   odd.auto_keys = {"gradient_clipping.x", "cpu_threads"};
-  CHECK(Json::parse(ResolvedConfigJson(odd))["gradient_clipping"] == 0);
+  CHECK(Json::parse(ResolvedConfigJson(odd))["gradient_clipping"] == 1.0);
   CHECK(ValidateConfig(odd).code() == absl::StatusCode::kInvalidArgument);  // cpu_threads: "auto"
   // "auto" only where it is meaningful.
   for (const char* json : {R"({"cpu_threads": "auto"})",
@@ -1322,7 +1333,7 @@ namespace {
 
 TEST_CASE("Config: keys of DeepSpeed's current release zerort has no use for are noted, not unknown",
           "[zero]") {
-  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3,
       "zenflow": {"topk_ratio": 0.1}, "stage3_allgather_sequential": true,
       "leaf_module": {"classes": ["MoE"]}, "log_trace_cache_warnings": true,
       "enable_sanity_checks": true,
@@ -1358,7 +1369,7 @@ namespace {
 
 TEST_CASE("Config: tensor_parallel and managed_gradient_accumulation are noted as DeepSpeed keys",
           "[zero]") {
-  Config c = MustParse(R"({"optimizer": {}, "tensor_parallel": {"autotp_size": 2},
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "tensor_parallel": {"autotp_size": 2},
       "managed_gradient_accumulation": true})");
   CHECK(c == Config{});
   REQUIRE(c.notes.size() == 2);
@@ -1369,6 +1380,141 @@ TEST_CASE("Config: tensor_parallel and managed_gradient_accumulation are noted a
   for (const std::string& note : c.notes) {
     CHECK_FALSE(absl::StrContains(note, "not a zerort or DeepSpeed setting"));
   }
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: DeepSpeed's current defaults: clipping at 1.0, pinned memory, with a note",
+          "[zero]") {
+  // DeepSpeed v0.19.3 moved gradient_clipping's default from 0 to 1.0; pin_memory is true in
+  // both offload models (deepspeed/runtime/constants.py, zero/offload_config.py).
+  Config c = MustParse(R"({"optimizer": {}, "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})");
+  CHECK(c.gradient_clipping == 1.0);
+  CHECK(c.zero.offload_optimizer.pin_memory);
+  CHECK(c.zero.offload_param.pin_memory);
+  REQUIRE(c.notes.size() == 1);
+  CHECK(absl::StartsWith(c.notes[0], "gradient_clipping: absent, so 1.0 (DeepSpeed's default "
+                                     "since v0.19.3; zerort before used 0, no clipping)"));
+  // Written, the value is the user's and there is nothing to say.
+  Config off = MustParse(R"({"optimizer": {}, "gradient_clipping": 0})");
+  CHECK(off.gradient_clipping == 0);
+  CHECK(off.notes.empty());
+  // The note is a remark, not an ignored key: strict mode accepts it.
+  CHECK(ParseConfig(R"({"optimizer": {}})", "<config>", ParseOptions{true}).ok());
+}
+
+TEST_CASE("Config: every value DeepSpeed's models accept with ge=0 is accepted", "[zero]") {
+  // deepspeed/runtime/zero/config.py and offload_config.py: Field(..., ge=0) on each of these.
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0, "zero_optimization": {
+      "stage": 3, "reduce_bucket_size": 0, "allgather_bucket_size": 0,
+      "stage3_max_live_parameters": 0,
+      "offload_optimizer": {"device": "cpu", "buffer_count": 0},
+      "offload_param": {"device": "cpu", "buffer_count": 0, "buffer_size": 0}}})");
+  CHECK(c.zero.reduce_bucket_size == 0);
+  CHECK(c.zero.stage3_max_live_parameters == 0);
+  CHECK(c.zero.offload_optimizer.buffer_count == 0);
+  CHECK(c.zero.offload_param.buffer_count == 0);
+  CHECK(c.zero.offload_param.buffer_size == 0);
+  // Below DeepSpeed's bound is still refused, naming the key and the bound.
+  absl::Status s = ParseError(R"({"zero_optimization": {"reduce_bucket_size": -1}})");
+  CHECK(absl::StrContains(s.message(),
+                          "zero_optimization.reduce_bucket_size: expected an integer >= 0"));
+}
+
+TEST_CASE("Config: bf16.check_grad_overflow is noted as always on, with the reason", "[zero]") {
+  for (const char* value : {"true", "false"}) {
+    INFO(value);
+    Config c = MustParse(absl::StrCat(R"({"optimizer": {}, "gradient_clipping": 1.0,
+        "bf16": {"enabled": true, "check_grad_overflow": )",
+                                      value, "}}"));
+    REQUIRE(c.notes.size() == 1);
+    CHECK(absl::StartsWith(c.notes[0], "bf16.check_grad_overflow: DeepSpeed key accepted, no "
+                                       "effect (a step with a non-finite gradient is always "
+                                       "skipped, in every dtype"));
+  }
+}
+
+// Writes `text` into the write end of a pipe from another thread (a pipe holds only 64 KiB).
+std::thread WriteAll(int fd, std::string text) {
+  return std::thread([fd, text = std::move(text)] {
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n <= 0) break;  // the reader stopped (EPIPE): over the cap
+      done += static_cast<size_t>(n);
+    }
+    ::close(fd);
+  });
+}
+
+TEST_CASE("Config: \"-\" reads standard input and a FIFO is read to its end, within 16 MiB",
+          "[zero]") {
+  std::signal(SIGPIPE, SIG_IGN);  // a refused oversized write must fail, not kill the test
+  const std::string config = R"({"optimizer": {}, "gradient_clipping": 0.5})";
+  // Standard input.
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const int saved = ::dup(STDIN_FILENO);
+  REQUIRE(::dup2(fds[0], STDIN_FILENO) == STDIN_FILENO);
+  ::close(fds[0]);
+  std::thread writer = WriteAll(fds[1], config);
+  absl::StatusOr<Config> from_stdin = LoadConfigFile("-");
+  writer.join();
+  REQUIRE(::dup2(saved, STDIN_FILENO) == STDIN_FILENO);
+  ::close(saved);
+  INFO(from_stdin.status().ToString());
+  REQUIRE(from_stdin.ok());
+  CHECK(from_stdin->gradient_clipping == 0.5);
+
+  // A FIFO, as a shell's process substitution gives one; errors name it.
+  const std::string fifo = testing::TempDir("config_fifo_") + "/config.fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::thread fifo_writer([&] { WriteAll(::open(fifo.c_str(), O_WRONLY), config).join(); });
+  absl::StatusOr<Config> from_fifo = LoadConfigFile(fifo);
+  fifo_writer.join();
+  REQUIRE(from_fifo.ok());
+  CHECK(from_fifo->gradient_clipping == 0.5);
+
+  // A FIFO nobody writes is refused after the idle limit, not waited on forever.
+  absl::StatusOr<Config> unwritten = LoadConfigFile(fifo);
+  REQUIRE_FALSE(unwritten.ok());
+  CHECK(unwritten.status().code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(absl::StrContains(unwritten.status().message(), "config.fifo\": no data for 10 s"));
+
+  // One byte over the cap is refused without reading the rest.
+  std::thread big([&] {
+    WriteAll(::open(fifo.c_str(), O_WRONLY), std::string((16 << 20) + 1, ' ')).join();
+  });
+  absl::StatusOr<Config> too_big = LoadConfigFile(fifo);
+  big.join();
+  REQUIRE_FALSE(too_big.ok());
+  CHECK(too_big.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(too_big.status().message(), "config.fifo\": larger than the limit of "
+                                                      "16777216 bytes"));
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("Config: prescale_gradients and gradient_predivide_factor are settings, as in DeepSpeed",
+          "[zero]") {
+  Config c = MustParse(R"({"optimizer": {}, "gradient_clipping": 1.0,
+      "prescale_gradients": true, "gradient_predivide_factor": 4})");
+  CHECK(c.prescale_gradients);
+  CHECK(c.gradient_predivide_factor == 4);
+  CHECK(c.notes.empty());
+  CHECK(c != Config{});
+  // A factor of 0 would divide by zero.
+  CHECK(absl::StrContains(ParseError(R"({"gradient_predivide_factor": 0})").message(),
+                          "gradient_predivide_factor: expected a number > 0, got 0"));
 }
 
 }  // namespace

@@ -1,6 +1,9 @@
 #include "zero/engine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -71,7 +74,9 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
-                                   plan_.options.local_grad_accumulation);
+                                   plan_.options.local_grad_accumulation, "|",
+                                   config_.prescale_gradients,
+                                   absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (const memory::ParamSpec& s : specs_) {
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module,
                     s.frozen ? "#frozen" : "");
@@ -86,9 +91,15 @@ absl::Status Engine::Impl::CheckPeersAgree() {
     }
   }
   const uint64_t mine = Crc32c(0, canon.data(), canon.size());
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(*host_, {mine}));
+  // The engine's id, rank 0's proposal: distinct for every engine this process creates, so
+  // that engines sharing a communicator tell their steps apart.
+  static std::atomic<uint64_t> created{0};
+  const uint64_t proposal = (static_cast<uint64_t>(::getpid()) << 32) | created++;
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                   comm::AllGatherU64(*host_, {mine, proposal}));
+  engine_id_ = all[1];
   for (int r = 0; r < world_; ++r) {
-    if (all[r] != mine) {
+    if (all[2 * r] != mine) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
           "names, shapes, modules, stage, precision, gradient accumulation or parameter "
@@ -106,6 +117,7 @@ absl::Status Engine::Impl::CheckRange(const char* call, int index, bool unit) co
 }
 
 absl::Status Engine::Impl::ReduceUnit(int u) {
+  digest_.Add(zero_internal::CollectiveDigest::kReduce, u);
   // With local accumulation only the window's last micro-step reduces, unless the trainer asked
   // for every one (SetGradientSync(true)).
   const bool local = memory::LocalAccumulation(plan_.options);
@@ -154,6 +166,21 @@ std::function<double(int64_t)> LrScheduleFor(Config* config, const EngineOptions
   return [schedule = LrSchedule(config->scheduler, config->optimizer.lr)](int64_t t) {
     return schedule.LrAt(t - 1);
   };
+}
+
+// DeepSpeed's scaling before the gradient reduction (Config::prescale_gradients,
+// gradient_predivide_factor); the scaling after it is the step's (MeasureWindow).
+absl::Status ConfigurePrescale(const Config& c, int world, Device* device, Device::Stream stream,
+                               zero_internal::GradBuckets* grads) {
+  const bool predivide = c.gradient_predivide_factor != 1.0;
+  if (!c.prescale_gradients && !predivide) return absl::OkStatus();
+  // Asked with no elements: a device without the kernel fails here, naming the key.
+  RETURN_IF_ERROR(Annotate(device->Scale(nullptr, DType::kF32, 0, 1.0f, stream),
+                           c.prescale_gradients ? "prescale_gradients"
+                                                : "gradient_predivide_factor"));
+  const double factor = c.prescale_gradients ? 1.0 / world : 1.0 / c.gradient_predivide_factor;
+  grads->SetPrescale(static_cast<float>(factor), /*average=*/false);
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -205,6 +232,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
                                      std::move(choice.plan), comm, device);
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
+  RETURN_IF_ERROR(ConfigurePrescale(impl->config_, comm->size(), device,
+                                    impl->streams_->compute(), impl->grads_.get()));
   impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,
                                                                std::move(groups));
   impl->hyper_ = std::make_unique<zero_internal::Hyperparams>(
@@ -358,6 +387,8 @@ absl::Status Engine::SetFrozen(int i, bool frozen) {
 
 absl::Status Engine::Gather(int unit) {
   RETURN_IF_ERROR(impl_->CheckRange("Gather", unit, /*unit=*/true));
+  // Only stage 3 gathers on request; the other stages hold every parameter.
+  if (impl_->stage_ == 3) impl_->digest_.Add(zero_internal::CollectiveDigest::kGather, unit);
   return impl_->gatherer_->Gather(unit);
 }
 
@@ -367,7 +398,12 @@ absl::Status Engine::Release(int unit) {
 }
 
 absl::Status Engine::AcquireParams(absl::Span<const int> params) {
-  for (int i : params) RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+  for (int i : params) {
+    RETURN_IF_ERROR(impl_->CheckRange("Acquire", i, /*unit=*/false));
+    if (impl_->stage_ == 3) {
+      impl_->digest_.Add(zero_internal::CollectiveDigest::kGather, impl_->plan_.params[i].unit);
+    }
+  }
   return impl_->gatherer_->Acquire(params);
 }
 

@@ -108,6 +108,11 @@ absl::StatusOr<StepStats> Engine::Impl::RunStep(const StepRequest& request) {
   // 5. The step's AdamW constants. A bad scheduled value fails here, the window still pending
   //    for another ApplyStep; past this point the window is consumed, even if the update fails.
   ASSIGN_OR_RETURN(const RangeLists* ranges, StepConstants(&stats));
+  // 5b. Every rank the same engine, the same collectives since the last step and the same
+  //     scalars, checked before anything is written: a divergence fails the step everywhere.
+  ASSIGN_OR_RETURN(const AdamWScalars scalars, hyper_->ForStep(step_ + 1));
+  RETURN_IF_ERROR(zero_internal::AgreeBeforeUpdate(
+      *host_, {engine_id_, &digest_, scalars, step_ + 1}));
   pending_.active = false;
   ++step_;
   // 6. AdamW on every owned region, where the optimizer runs (device, or host pipeline).
@@ -153,7 +158,13 @@ absl::Status Engine::Impl::MeasureWindow() {
   p.stats.reduce_ms = timer_.window().reduce_ms;
   p.stats.gather_ms = timer_.window().gather_ms;
   p.stats.loss_scale = scaler_.scale();
-  p.g.scale = scaler_.scale() * gas_;  // gradients hold the sum over micro-steps x the scale
+  // Gradients hold the sum over micro-steps x the loss scale; with a gradient_predivide_factor
+  // f and no prescaling the reduction summed gradients / f, and the rest of the average,
+  // world / f, is folded in here (in fp32, where DeepSpeed multiplies the reduced tensor).
+  const double post = !config_.prescale_gradients && config_.gradient_predivide_factor != 1.0
+                          ? comm_->size() / config_.gradient_predivide_factor
+                          : 1.0;
+  p.g.scale = scaler_.scale() * gas_ * post;
   ASSIGN_OR_RETURN(const zero_internal::GradNorm::Result r, norm_->Measure(p.g.scale));
   p.g.norm = r.norm;
   p.g.overflow = r.overflow;
@@ -249,6 +260,7 @@ absl::Status Engine::Impl::FinishStep(bool overflow, bool update_scaler, StepSta
   if (update_scaler) RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
   RETURN_IF_ERROR(grads_->ClearFullGradients());
+  digest_.Reset();
   stats->step = step_;
   stats->comm_bytes = timer_.window().comm_bytes;  // with this step's all-gathers
   timer_.Reset();

@@ -689,6 +689,69 @@ TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 
   }
 }
 
+TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit at power-of-two "
+          "worlds",
+          "[zero]") {
+  // Dividing by 2 or 4 before an fp32 sum in rank order is exact, so prescaling (and a
+  // predivide factor of 2) must give exactly the averaged run; at 3 ranks each share is
+  // rounded once more, and the result stays within the serial double reference's tolerance.
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int stage : {0, 2, 3}) {
+      for (int world : {2, 4}) {
+        INFO("dtype=" << DTypeName(dtype) << " stage=" << stage << " world=" << world);
+        const Config plain = MakeConfig(stage, dtype, 2, 0.05, false);
+        RunResult base = Train(plain, world, 6);
+        RequireOk(base);
+        Config pre = plain;
+        pre.prescale_gradients = true;
+        RunResult prescaled = Train(pre, world, 6);
+        RequireOk(prescaled);
+        Config div = plain;
+        div.gradient_predivide_factor = 2;
+        RunResult predivided = Train(div, world, 6);
+        RequireOk(predivided);
+        for (int r = 0; r < world; ++r) {
+          CHECK(BitEqual(prescaled.master[r], base.master[r]));
+          CHECK(BitEqual(predivided.master[r], base.master[r]));
+        }
+      }
+    }
+  }
+  // The division really happens before the sum, in the wire dtype: by 3 it rounds in bf16, so
+  // the masters move off the averaged run's bits (and stay finite and close).
+  {
+    const Config plain = MakeConfig(2, DType::kBF16, 1, 0, false);
+    Config div = plain;
+    div.gradient_predivide_factor = 3;
+    RunResult base = Train(plain, 2, 4), thirds = Train(div, 2, 4);
+    RequireOk(base);
+    RequireOk(thirds);
+    CHECK_FALSE(BitEqual(thirds.master[0], base.master[0]));
+    double worst = 0;
+    for (size_t j = 0; j < base.master[0].size(); ++j) {
+      worst = std::max(worst, std::fabs(double(thirds.master[0][j]) - base.master[0][j]));
+    }
+    // An AdamW step moves a weight by about lr (1e-2) at most, so two runs of 4 steps cannot
+    // be further apart than 2 * 4 * lr.
+    CHECK(worst < 8e-2);
+  }
+  for (int world : {3, 4}) {
+    Config c = MakeConfig(2, DType::kF32, 3, 0.05, false);
+    c.prescale_gradients = true;
+    RunResult run = Train(c, world, 20);
+    RequireOk(run);
+    const std::vector<double> ref = SerialAdamW(world, 20, 3, 0.05, c);
+    REQUIRE(run.master[0].size() == ref.size());
+    double worst = 0;
+    for (size_t j = 0; j < ref.size(); ++j) {
+      worst = std::max(worst,
+                       std::fabs(run.master[0][j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
+    }
+    INFO("world=" << world << " worst=" << worst);
+    CHECK(worst <= 1e-6);
+  }
+}
+
 TEST_CASE("Engine: allocated bytes equal planned bytes for every memory kind", "[zero]") {
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {
@@ -728,6 +791,47 @@ TEST_CASE("Engine: an overflow on one rank skips the step on every rank", "[zero
   RunResult to_skip = Train(c, 3, 3, 2, 1);
   RequireOk(to_skip);
   CHECK(BitEqual(to_skip.master[0], clean.master[0]));
+}
+
+TEST_CASE("Engine: a bf16 step with an infinite gradient is skipped on every rank, as DeepSpeed's "
+          "check_grad_overflow does",
+          "[zero]") {
+  // The chosen behaviour (docs/config.md): skip, never write Inf or NaN into the fp32 masters.
+  Config c = MakeConfig(2, DType::kBF16, 1, 1.0, false);
+  RunResult clean = Train(c, 2, 2);
+  RequireOk(clean);
+  RunResult run = Train(c, 2, 3, /*inject_step=*/2, /*inject_rank=*/1);
+  RequireOk(run);
+  REQUIRE(run.stats.size() == 3);
+  CHECK_FALSE(run.stats[1].skipped);
+  CHECK(run.stats[2].skipped);
+  CHECK(run.stats[2].loss_scale == 1);  // bf16 has no scaler to back off
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r);
+    CHECK(BitEqual(run.master[r], clean.master[r]));
+    for (float x : run.master[r]) REQUIRE(std::isfinite(x));
+  }
+}
+
+TEST_CASE("Engine: a written warmup_max_lr is the rate after warmup, not optimizer.params.lr",
+          "[zero]") {
+  for (SchedulerType type : {SchedulerType::kWarmupLR, SchedulerType::kWarmupDecayLR}) {
+    Config c = MakeConfig(1, DType::kF32, 1, 0, false);
+    c.optimizer.lr = 0.001;
+    c.scheduler.type = type;
+    c.scheduler.warmup_min_lr = 0;
+    c.scheduler.warmup_max_lr = 0.02;
+    c.scheduler.warmup_num_steps = 2;
+    c.scheduler.total_num_steps = 1000;
+    RunResult run = Train(c, 2, 4);
+    RequireOk(run);
+    REQUIRE(run.stats.size() == 4);
+    // DeepSpeed's WarmupLR holds warmup_max_lr once the warmup is over (step 3, iteration 2);
+    // WarmupDecayLR has decayed by (1000 - 2) / (1000 - 2) = 1 there, i.e. not yet.
+    INFO(SchedulerTypeName(type));
+    CHECK(run.stats[3].lr == 0.02);
+    CHECK(run.stats[0].lr == 0);  // warmup_min_lr, the rate set when the schedule is built
+  }
 }
 
 TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless skipping",
@@ -1044,6 +1148,120 @@ TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step name
     return DeviceStepWriteFaults(nvme, comm, dev, &faults);
   });
   nvme::SetIoFaultForTesting(nullptr);
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+// Each rank's status must be FailedPrecondition and name every part of `needles`.
+void RequireRefusedEverywhere(const std::vector<absl::Status>& st,
+                              const std::vector<std::string>& needles) {
+  for (size_t r = 0; r < st.size(); ++r) {
+    INFO("rank " << r << ": " << st[r].ToString());
+    REQUIRE(st[r].code() == absl::StatusCode::kFailedPrecondition);
+    for (const std::string& n : needles) CHECK_THAT(std::string(st[r].message()), Catch::Contains(n));
+  }
+}
+
+// One step on a fresh engine per rank after `before(rank, engine)`; the masters must be the
+// initial values afterwards (the update was not applied anywhere).
+std::vector<absl::Status> StepAfter(const std::vector<Config>& configs,
+                                    const std::function<absl::Status(int, Engine&)>& before) {
+  auto device = CreateCpuDevice({});
+  const std::vector<ParamSpec> specs = SmallModel();
+  return comm::testing::OnRanks(
+      static_cast<int>(configs.size()), {20000}, [&](int r, comm::Communicator* comm) {
+        ASSIGN_OR_RETURN(auto engine, Engine::Create(configs[r], specs, comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*engine));
+        ASSIGN_OR_RETURN(const std::vector<float> initial, engine->GatherMasterWeights());
+        RETURN_IF_ERROR(before(r, *engine));
+        std::vector<std::vector<char>> host;
+        RETURN_IF_ERROR(testing::Backward(*engine, 0, 0, &host, 1.0f, false));
+        absl::StatusOr<StepStats> step = engine->Step();
+        ASSIGN_OR_RETURN(const std::vector<float> after, engine->GatherMasterWeights());
+        if (!BitEqual(after, initial)) return absl::InternalError("an update was applied");
+        return step.status();
+      });
+}
+
+TEST_CASE("Engine: ranks with different lr or weight decay are refused before the update",
+          "[zero]") {
+  // From the configs.
+  Config a = MakeConfig(2, DType::kF32, 1, 0, false), b = a;
+  b.optimizer.lr = 2 * a.optimizer.lr;
+  RequireRefusedEverywhere(StepAfter({a, b}, [](int, Engine&) { return absl::OkStatus(); }),
+                           {"before the update of step 1", "rank 1 lr=0.02", "rank 0 has lr=0.01"});
+  // From SetLearningRate and SetHyperparams on one rank only.
+  RequireRefusedEverywhere(StepAfter({a, a, a},
+                                     [](int r, Engine& e) {
+                                       return r == 2 ? e.SetLearningRate(5e-3) : absl::OkStatus();
+                                     }),
+                           {"rank 2 lr=0.005"});
+  RequireRefusedEverywhere(StepAfter({a, a},
+                                     [](int r, Engine& e) {
+                                       AdamWScalars s = e.hyperparams();
+                                       if (r == 1) s.weight_decay = 0.5;
+                                       return e.SetHyperparams(s);
+                                     }),
+                           {"rank 1 weight_decay=0.5"});
+  // The same values everywhere step as before.
+  for (const absl::Status& s :
+       StepAfter({a, a}, [](int, Engine& e) { return e.SetLearningRate(0.0); })) {
+    CHECK(s.ok());  // lr 0 leaves the masters unchanged, so the check above holds too
+  }
+}
+
+TEST_CASE("Engine: stage-3 ranks that gathered different units fail the step on every rank",
+          "[zero]") {
+  // One gather slot and no prefetch: after the stray gathers every later Gather misses on
+  // both ranks alike, so the collectives keep pairing (as NCCL would pair them) and nothing
+  // but the digest can tell.
+  Config c = MakeConfig(3, DType::kF32, 1, 0, false);
+  c.zero.stage3_prefetch_bucket_size = 0;
+  c.zero.stage3_max_live_parameters = 1;
+  c.zero.stage3_param_persistence_threshold = 0;
+  // Two units of equal padded size (their gathers pair up without an error), neither the
+  // first that forward gathers (num_units - 1).
+  auto device = CreateCpuDevice({});
+  memory::Plan plan = ChoosePlan(SmallModel(), c, 2, 0).value().plan;
+  const int units = static_cast<int>(plan.units.size());
+  REQUIRE(plan.gather_slots == 1);
+  int u1 = -1, u2 = -1;
+  for (int i = 0; i + 1 < units && u2 < 0; ++i) {
+    for (int j = i + 1; j + 1 < units && u2 < 0; ++j) {
+      if (plan.units[i].padded == plan.units[j].padded) u1 = i, u2 = j;
+    }
+  }
+  REQUIRE(u2 >= 0);
+  RequireRefusedEverywhere(StepAfter({c, c},
+                                     [&](int r, Engine& e) {
+                                       RETURN_IF_ERROR(e.Gather(r == 0 ? u1 : u2));
+                                       return e.Release(r == 0 ? u1 : u2);
+                                     }),
+                           {"collectives", "different units"});
+}
+
+TEST_CASE("Engine: two engines on one communicator stepping in crossed order both fail",
+          "[zero]") {
+  const Config c = MakeConfig(2, DType::kF32, 1, 0, false);
+  auto device = CreateCpuDevice({});
+  std::vector<absl::Status> st = comm::testing::OnRanks(
+      2, {20000}, [&](int r, comm::Communicator* comm) -> absl::Status {
+        ASSIGN_OR_RETURN(auto first, Engine::Create(c, SmallModel(), comm, device.get()));
+        ASSIGN_OR_RETURN(auto second, Engine::Create(c, SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*first));
+        RETURN_IF_ERROR(testing::SetInitValues(*second));
+        // Rank 0 steps the first engine, then the second; rank 1 the other way round: every
+        // collective pairs with the other engine's.
+        Engine& one = r == 0 ? *first : *second;
+        std::vector<std::vector<char>> host;
+        RETURN_IF_ERROR(testing::Backward(one, 0, 0, &host, 1.0f, false));
+        return one.Step().status();
+      });
+  RequireRefusedEverywhere(st, {"two engines share this communicator"});
 }
 
 }  // namespace

@@ -26,13 +26,15 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.compute_dtype = c.compute_dtype;
   o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
-  o.nvme_piece_elements = c.zero.offload_param.buffer_size;  // the pinned buffers' size
+  // DeepSpeed accepts 0 for the counts and sizes below (ge=0): the least that runs, one buffer,
+  // one element, one unit per parameter, one gather slot, is what 0 asks for here.
+  o.nvme_piece_elements = std::max<int64_t>(1, c.zero.offload_param.buffer_size);
   o.offload_param = c.zero.offload_param.device != OffloadDevice::kNone;
   o.offload_param_nvme = c.zero.offload_param.device == OffloadDevice::kNvme;
-  o.offload_param_buffer_count = c.zero.offload_param.buffer_count;
+  o.offload_param_buffer_count = std::max(1, c.zero.offload_param.buffer_count);
   o.pin_memory = o.offload_param ? c.zero.offload_param.pin_memory
                                  : c.zero.offload_optimizer.pin_memory;
-  o.offload_buffer_count = c.zero.offload_optimizer.buffer_count;
+  o.offload_buffer_count = std::max(1, c.zero.offload_optimizer.buffer_count);
   o.gradient_accumulation_steps = c.gradient_accumulation_steps;
   // fp32 accumulation / reduction only change anything in mixed precision.
   const bool mixed = c.compute_dtype != DType::kF32;
@@ -40,10 +42,10 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.fp32_grad_comm = mixed && c.communication_dtype == DType::kF32;
   o.local_grad_accumulation = c.local_grad_accumulation;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
-  o.unit_target_elements = sizes.reduce_bucket_size;
+  o.unit_target_elements = std::max<int64_t>(1, sizes.reduce_bucket_size);
   o.persistence_threshold = sizes.persistence_threshold;
   o.prefetch_elements = sizes.prefetch_bucket_size;
-  o.max_live_elements = c.zero.stage3_max_live_parameters;
+  o.max_live_elements = std::max<int64_t>(1, c.zero.stage3_max_live_parameters);
   return o;
 }
 

@@ -818,3 +818,74 @@ TEST_CASE("Models: a model file's activation_bytes_per_sample reaches the plan",
 
 }  // namespace
 }  // namespace zerort
+
+namespace zerort {
+namespace {
+
+TEST_CASE("ResolveAuto: a plan notes the scheduler's unfillable autos and goes on; an engine "
+          "refuses them with the same words",
+          "[zero]") {
+  const std::string message =
+      "scheduler.params.total_num_steps: \"auto\", but the trainer gave no total_num_steps; a "
+      "decaying schedule needs it";
+  Config for_engine = *ParseConfig(kHfAutoConfig);
+  absl::Status refused = ResolveAuto(AutoFill{}, {}, &for_engine);
+  CHECK(refused.message() == message);
+
+  Config for_plan = *ParseConfig(kHfAutoConfig);
+  auto gpt2 = ModelPreset("gpt2-124m");
+  REQUIRE(gpt2.ok());
+  absl::Status planned = ResolveAuto(AutoFill{}, *gpt2, &for_plan, AutoPurpose::kPlan);
+  INFO(planned.ToString());
+  REQUIRE(planned.ok());
+  CHECK(HasNote(for_plan, message + " (not needed for a plan; Engine creation refuses it)"));
+  // Still "auto" in what the plan shows, and the plan itself is made.
+  CHECK(std::count(for_plan.auto_keys.begin(), for_plan.auto_keys.end(),
+                   "scheduler.params.total_num_steps") == 1);
+  CHECK_THAT(ResolvedConfigJson(for_plan), Catch::Contains("\"total_num_steps\": \"auto\""));
+  absl::StatusOr<PlanChoice> choice = ChoosePlan(*gpt2, for_plan, 8, 0);
+  REQUIRE(choice.ok());
+  // What changes the plan is still an error for a plan: batch sizes that disagree.
+  Config bad = *ParseConfig(R"({"train_batch_size": 100, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2})");
+  AutoFill world;
+  world.world_size = 8;
+  CHECK_FALSE(ResolveAuto(world, *gpt2, &bad, AutoPurpose::kPlan).ok());
+}
+
+TEST_CASE("ResolveAuto: a written warmup_max_lr is the schedule's peak, not the optimizer's lr",
+          "[zero]") {
+  for (const char* type : {"WarmupLR", "WarmupDecayLR"}) {
+    INFO(type);
+    Config c = *ParseConfig(absl::StrCat(
+        R"({"optimizer": {"params": {"lr": 0.001}}, "scheduler": {"type": ")", type,
+        R"(", "params": {"warmup_max_lr": 0.02)",
+        absl::string_view(type) == "WarmupDecayLR" ? R"(, "total_num_steps": 100)" : "",
+        "}}}"));
+    REQUIRE(ResolveAuto(AutoFill{}, {}, &c).ok());
+    CHECK(c.scheduler.warmup_max_lr == 0.02);
+    CHECK_THAT(ResolvedConfigJson(c), Catch::Contains("\"warmup_max_lr\": 0.02"));
+  }
+}
+
+TEST_CASE("Planner: zeros DeepSpeed accepts plan the least that runs", "[zero]") {
+  // Four parameters in two modules; reduce_bucket_size 0 asks DeepSpeed to reduce each
+  // gradient on its own: one unit per parameter here.
+  const std::vector<memory::ParamSpec> specs = {
+      {"a", {64, 64}, "m1"}, {"b", {64}, "m1"}, {"c", {64, 64}, "m2"}, {"d", {64}, "m2"}};
+  Config c = *ParseConfig(R"({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0,
+      "stage3_max_live_parameters": 0, "stage3_prefetch_bucket_size": 0,
+      "offload_optimizer": {"device": "cpu", "buffer_count": 0}}})");
+  absl::StatusOr<memory::PlanOptions> options = PlanOptionsFromConfig(specs, c, 2, 0);
+  REQUIRE(options.ok());
+  CHECK(options->offload_buffer_count == 1);
+  CHECK(options->max_live_elements == 1);
+  absl::StatusOr<PlanChoice> choice = ChoosePlan(specs, c, 2, 0);
+  INFO(choice.status().ToString());
+  REQUIRE(choice.ok());
+  CHECK(choice->plan.units.size() == specs.size());
+  CHECK(choice->plan.gather_slots == 1);
+}
+
+}  // namespace
+}  // namespace zerort

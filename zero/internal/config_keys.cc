@@ -106,19 +106,19 @@ constexpr char kAllgatherWhy[] =
 absl::Span<const KeyDef> ZeroKeys() {
   static const KeyDef kKeys[] = {
       Hand("zero_optimization.stage", Custom::kStage),
-      Int64("zero_optimization.reduce_bucket_size", M(zero.reduce_bucket_size), 1)
+      Int64("zero_optimization.reduce_bucket_size", M(zero.reduce_bucket_size), 0)
           .Auto(AutoRule::kUnitSize),
       Scalar("zero_optimization.overlap_comm", M(zero.overlap_comm))
           .NoEffect(kOverlapWhy, "overlap"),
       Scalar("zero_optimization.contiguous_gradients", M(zero.contiguous_gradients))
           .NoEffect(kContiguousWhy, "contiguous gradients"),
-      Int64("zero_optimization.allgather_bucket_size", M(zero.allgather_bucket_size), 1)
+      Int64("zero_optimization.allgather_bucket_size", M(zero.allgather_bucket_size), 0)
           .NoEffect(kAllgatherWhy),
       Scalar("zero_optimization.offload_optimizer.device", M(zero.offload_optimizer.device)),
       Scalar("zero_optimization.offload_optimizer.pin_memory",
              M(zero.offload_optimizer.pin_memory)),
       Int("zero_optimization.offload_optimizer.buffer_count",
-          M(zero.offload_optimizer.buffer_count), 1),
+          M(zero.offload_optimizer.buffer_count), 0),
       Scalar("zero_optimization.offload_optimizer.nvme_path", M(zero.offload_optimizer.nvme_path)),
       Foreign("zero_optimization.offload_optimizer.pipeline_read", kNvmeTuning),
       Foreign("zero_optimization.offload_optimizer.pipeline_write", kNvmeTuning),
@@ -132,8 +132,8 @@ absl::Span<const KeyDef> ZeroKeys() {
       Scalar("zero_optimization.offload_param.device", M(zero.offload_param.device)),
       Scalar("zero_optimization.offload_param.pin_memory", M(zero.offload_param.pin_memory)),
       Scalar("zero_optimization.offload_param.nvme_path", M(zero.offload_param.nvme_path)),
-      Int("zero_optimization.offload_param.buffer_count", M(zero.offload_param.buffer_count), 1),
-      Int64("zero_optimization.offload_param.buffer_size", M(zero.offload_param.buffer_size), 1),
+      Int("zero_optimization.offload_param.buffer_count", M(zero.offload_param.buffer_count), 0),
+      Int64("zero_optimization.offload_param.buffer_size", M(zero.offload_param.buffer_size), 0),
       Foreign("zero_optimization.offload_param.max_in_cpu", kNvmeTuning),
       Int64("zero_optimization.stage3_prefetch_bucket_size", M(zero.stage3_prefetch_bucket_size), 0)
           .Auto(AutoRule::kUnitSize)
@@ -143,7 +143,7 @@ absl::Span<const KeyDef> ZeroKeys() {
           .Auto(AutoRule::kUnitSize)
           .Alias("param_persistence_threshold"),
       // OpenRLHF-style configs write "auto" here too; ResolveAuto gives DeepSpeed's default.
-      Int64("zero_optimization.stage3_max_live_parameters", M(zero.stage3_max_live_parameters), 1)
+      Int64("zero_optimization.stage3_max_live_parameters", M(zero.stage3_max_live_parameters), 0)
           .Auto(AutoRule::kRecorded)
           .Alias("max_live_parameters"),
       Int64("zero_optimization.memory_budget.device_bytes", M(zero.memory_budget.device_bytes), 0),
@@ -192,12 +192,15 @@ absl::Span<const KeyDef> ZeroKeys() {
               "ZenFlow, DeepSpeed's split of the offloaded update between device and host, is not "
               "zerort's: its offloaded step updates every owned shard with the host AdamW"),
       Foreign("zero_optimization.stage3_allgather_sequential",
-              "zerort already all-gathers stage-3 parameters one unit at a time"),
+              "zerort already all-gathers stage-3 parameters one unit at a time")
+          .Alias("allgather_sequential"),
       Foreign("zero_optimization.leaf_module",
               "zerort hooks no modules: the trainer gathers and releases whole units"),
       Foreign("zero_optimization.log_trace_cache_warnings",
               "zerort keeps no parameter-fetch trace to warn about: the trainer's Gather calls "
               "order the fetches"),
+      Foreign("zero_optimization.save_muon_momentum_buffer_in_memory",
+              "zerort's optimizer is AdamW; it has no Muon momentum buffer", "false"),
       Foreign("zero_optimization.enable_sanity_checks",
               "zerort's checks always run: every rank agrees on model and config in Create, and "
               "Step names a gradient that was never handed over"),
@@ -209,7 +212,16 @@ absl::Span<const KeyDef> PrecisionAndOptimizerKeys() {
   static const KeyDef kKeys[] = {
       Hand("bf16.enabled", Custom::kBf16Enabled),
       Foreign("bf16.immediate_grad_update", "gradients are accumulated in the unit buckets"),
-      Foreign("bf16.check_grad_overflow", "bf16 steps never skip on overflow"),
+      // DeepSpeed's default (true since v0.19.3) skips a step with a non-finite gradient; so does
+      // zerort, and it keeps doing so with false: a NaN written into the fp32 masters and
+      // moments cannot be undone, a skipped step costs one step.
+      // Separate rows from the ones above: the reduced-precision master work may replace them.
+      Foreign("bf16.bf16_master_weights_and_grads", "master weights and gradients in fp32",
+              "false"),
+      Foreign("bf16.bf16_optimizer_states", "optimizer states in fp32", "false"),
+      Foreign("bf16.check_grad_overflow",
+              "a step with a non-finite gradient is always skipped, in every dtype: applied, it "
+              "would write NaN or Inf into the fp32 master weights and Adam moments for good"),
       Hand("fp16.enabled", Custom::kFp16Enabled),
       Real("fp16.loss_scale", M(fp16.loss_scale), kNonNegative),
       // 2^127 is the largest power of two a float holds.
@@ -231,6 +243,7 @@ absl::Span<const KeyDef> PrecisionAndOptimizerKeys() {
       Foreign("optimizer.params.amsgrad", "AMSGrad", "false"),
       Foreign("optimizer.params.torch_adam", kOneAdamW),
       Foreign("optimizer.params.fused", kOneAdamW),
+      Foreign("optimizer.legacy_fusion", kOneAdamW, "false"),
       Hand("scheduler", Custom::kScheduler),
   };
   return kKeys;
@@ -241,11 +254,16 @@ absl::Span<const KeyDef> TopKeys() {
       Real("gradient_clipping", M(gradient_clipping), kNonNegative).Auto(AutoRule::kRecorded),
       Int("gradient_accumulation_steps", M(gradient_accumulation_steps), 1)
           .Auto(AutoRule::kRecordedNamed),
+      Scalar("prescale_gradients", M(prescale_gradients)),
+      Real("gradient_predivide_factor", M(gradient_predivide_factor), kPositive),
       Hand("train_batch_size", Custom::kBatchSize, M(train_batch_size)).Input(),
       Hand("train_micro_batch_size_per_gpu", Custom::kBatchSize, M(train_micro_batch_size_per_gpu))
           .Input(),
       Scalar("communication_data_type", M(communication_dtype)),
       Scalar("data_types.grad_accum_dtype", M(grad_accum_dtype)),
+      Foreign("data_types.param_dtype",
+              "parameters are in the compute dtype that bf16/fp16.enabled select", "null"),
+      Foreign("data_types.buffer_dtype", "the model's buffers belong to the trainer"),
       Int64("aio.block_size", M(aio.block_size), 4096),  // and a multiple of 4096 (config.cc)
       Int("aio.queue_depth", M(aio.queue_depth), 1),
       Scalar("aio.single_submit", M(aio.single_submit)),
@@ -303,11 +321,20 @@ absl::Span<const KeyDef> TopKeys() {
       Foreign("managed_gradient_accumulation",
               "zerort manages accumulation itself: gradients add up over "
               "gradient_accumulation_steps micro-steps, and the last Step of each window updates"),
-      Foreign("prescale_gradients", "gradient prescaling", "false"),
-      Foreign("gradient_predivide_factor", "gradient predivision", "1.0"),
       Foreign("sparse_gradients", "sparse gradients", "false"),
       Foreign("disable_allgather", "broadcast instead of all-gather", "false"),
       Foreign("amp", "Apex AMP", "{\"enabled\": false}"),
+      // Keys of DeepSpeed v0.19.5's runtime/config.py that the table above lacked.
+      Foreign("gradient_allreduce_op",
+              "a sum of the ranks' gradients instead of their mean (zerort always averages)",
+              "\"mean\""),
+      Foreign("graph_harvesting", kTrainerFeature),
+      Foreign("log_level", kMonitoring),
+      Foreign("datastates_ckpt", kCheckpointing),
+      Foreign("weight_quantization", kTrainerFeature),
+      Foreign("expert_parallel", "zerort has no expert parallelism"),
+      Foreign("use_data_before_expert_parallelism", "zerort has no expert parallelism"),
+      Foreign("vocabulary_size", kTrainerFeature),
       Foreign("hybrid_engine", "the RLHF hybrid engine", "{\"enabled\": false}"),
   };
   return kKeys;

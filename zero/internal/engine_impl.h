@@ -121,6 +121,11 @@ class Engine::Impl {
   zero_internal::StepTimer timer_;
 
   std::unique_ptr<zero_internal::Hyperparams> hyper_;  // the AdamW scalars in force
+  // The trainer's collective calls since the last step, and this engine's id (rank 0's pick,
+  // adopted in CheckPeersAgree): every rank compares them before an update
+  // (zero_internal::AgreeBeforeUpdate).
+  zero_internal::CollectiveDigest digest_;
+  uint64_t engine_id_ = 0;
   // A window measured by ComputeGradNorm and not yet applied or skipped.
   struct Pending {
     bool active = false;

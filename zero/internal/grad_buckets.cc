@@ -139,7 +139,7 @@ absl::Status GradBuckets::Reduce(int u, bool first_micro) {
 // into `out` when given and the wire is the compute dtype, else in place.
 absl::StatusOr<GradBuckets::Reduced> GradBuckets::Collective(char* full, const memory::Unit& unit,
                                                              char* out) {
-  const auto avg = comm::ReduceOp::kAvg;
+  const comm::ReduceOp op = op_;
   const Device::Stream side = ctx_.streams->side();
   const bool all = ctx_.stage == 0;
   Reduced r{full, ctx_.cdt, all ? unit.padded : unit.shard};
@@ -151,14 +151,19 @@ absl::StatusOr<GradBuckets::Reduced> GradBuckets::Collective(char* full, const m
   }
   const size_t es = DTypeSize(r.dtype);
   char* buf = r.data;
+  // Prescaling divides before the sum, so each rank's share is rounded once in the wire dtype
+  // (exact for a power-of-two world) and the sum cannot overflow where the gradients do not.
+  if (prescale_ != 1.0f) {
+    RETURN_IF_ERROR(ctx_.device->Scale(buf, r.dtype, unit.padded, prescale_, side));
+  }
   if (all) {
     if (out != nullptr) r.data = out;
-    RETURN_IF_ERROR(ctx_.streams->AllReduce(buf, r.data, unit.padded, r.dtype, avg));
+    RETURN_IF_ERROR(ctx_.streams->AllReduce(buf, r.data, unit.padded, r.dtype, op));
     ctx_.timer->Sent(unit.shard, 2, es);
     return r;
   }
   r.data = out != nullptr ? out : buf + ctx_.rank * unit.shard * static_cast<int64_t>(es);
-  RETURN_IF_ERROR(ctx_.streams->ReduceScatter(buf, r.data, unit.shard, r.dtype, avg));
+  RETURN_IF_ERROR(ctx_.streams->ReduceScatter(buf, r.data, unit.shard, r.dtype, op));
   ctx_.timer->Sent(unit.shard, 1, es);
   return r;
 }

@@ -70,6 +70,13 @@ class GradBuckets {
   // straight from it (the parameter alone fills its padded unit), false when MarkReady copies
   // it into the slot. FailedPrecondition while its unit is being written in this micro-step.
   absl::StatusOr<bool> SetSource(int i, void* buffer);
+  // DeepSpeed's prescale_gradients / gradient_predivide_factor: every unit is multiplied by
+  // `factor` (in the wire dtype, on the comm side, in place) before a reduction that sums
+  // (`average` false) or averages. Default: factor 1, average. Set once, before any Reduce.
+  void SetPrescale(float factor, bool average) {
+    prescale_ = factor;
+    op_ = average ? comm::ReduceOp::kAvg : comm::ReduceOp::kSum;
+  }
   // Units whose reduction has been issued in this micro-step.
   int reduced_units() const { return reduced_; }
 
@@ -118,6 +125,8 @@ class GradBuckets {
   std::vector<int> pending_;        // per unit: params not yet ready
   std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
   std::vector<uint8_t> bucket_busy_;  // per bucket
+  float prescale_ = 1.0f;             // SetPrescale
+  comm::ReduceOp op_ = comm::ReduceOp::kAvg;
 };
 
 }  // namespace zero_internal

@@ -1,5 +1,6 @@
 #include "zero/internal/step_control.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -7,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/crc32c.h"
 #include "base/status.h"
 
 namespace zerort {
@@ -38,6 +40,78 @@ absl::Status Hyperparams::Restore(bool set, const AdamWScalars& scalars) {
   if (set) return Set(scalars, "RestoreOwnedState: hyperparams");
   current_ = config_;
   set_ = false;
+  return absl::OkStatus();
+}
+
+void CollectiveDigest::Add(Op op, int unit) {
+  unsigned char bytes[5] = {op};
+  std::memcpy(bytes + 1, &unit, sizeof(int));
+  crc_ = Crc32c(crc_, bytes, sizeof bytes);
+  ++count_;
+}
+
+namespace {
+
+uint64_t Bits(double x) {
+  uint64_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+double FromBits(uint64_t b) {
+  double x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// Words of one rank's agreement, in the order AgreeBeforeUpdate compares them.
+enum Word { kEngine, kCount, kCrc, kLr, kDecay, kOthers, kWords };
+
+// What rank r's words say that rank 0's do not, for the first word that differs.
+std::string Difference(const uint64_t* zero, const uint64_t* r, int rank) {
+  const std::string who = absl::StrCat("rank ", rank);
+  if (r[kEngine] != zero[kEngine]) {
+    return absl::StrCat("rank 0 is stepping engine ", zero[kEngine], " and ", who, " engine ",
+                        r[kEngine], ": two engines share this communicator and their calls "
+                        "crossed, so their collectives mixed each other's data");
+  }
+  if (r[kCount] != zero[kCount] || r[kCrc] != zero[kCrc]) {
+    return absl::StrCat("since the last step rank 0 issued ", zero[kCount], " collectives (digest ",
+                        zero[kCrc], ") and ", who, " ", r[kCount], " (digest ", r[kCrc],
+                        "): the ranks reduced or gathered different units or in a different "
+                        "order, so the collectives mixed unrelated data");
+  }
+  if (r[kLr] != zero[kLr]) {
+    return absl::StrCat("rank 0 has lr=", FromBits(zero[kLr]), " and ", who, " lr=",
+                        FromBits(r[kLr]), " (config, schedule or SetLearningRate)");
+  }
+  if (r[kDecay] != zero[kDecay]) {
+    return absl::StrCat("rank 0 has weight_decay=", FromBits(zero[kDecay]), " and ", who,
+                        " weight_decay=", FromBits(r[kDecay]));
+  }
+  return absl::StrCat("rank 0 and ", who, " have different betas or eps");
+}
+
+}  // namespace
+
+absl::Status AgreeBeforeUpdate(comm::HostExchange& exchange, const StepAgreement& mine) {
+  if (exchange.size() == 1) return absl::OkStatus();
+  const AdamWScalars& s = mine.scalars;
+  const double others[3] = {s.beta1, s.beta2, s.eps};
+  const uint64_t words[kWords] = {mine.engine_id, mine.digest->count(), mine.digest->crc(),
+                                  Bits(s.lr), Bits(s.weight_decay),
+                                  Crc32c(0, others, sizeof others)};
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                   comm::AllGatherU64(exchange, absl::MakeConstSpan(words, kWords)));
+  for (int r = 1; r < exchange.size(); ++r) {
+    if (std::equal(all.begin() + r * kWords, all.begin() + (r + 1) * kWords, all.begin())) {
+      continue;
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("ranks disagree before the update of step ", mine.step, ": ",
+                     Difference(all.data(), all.data() + r * kWords, r),
+                     "; the update is not applied on any rank (the window stays pending)"));
+  }
   return absl::OkStatus();
 }
 

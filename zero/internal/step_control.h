@@ -45,6 +45,40 @@ class Hyperparams {
   const std::function<double(int64_t)> schedule_;
 };
 
+// A running digest of the collectives an engine issued since its last optimizer step, one
+// (operation, unit) at a time, so that ranks can check before an update that they took part
+// in the same collectives of the same engine: a stage-3 rank that gathered another unit of
+// equal size, or two engines on one communicator whose calls crossed, return OK from the
+// collective itself with mixed data. Adding is a CRC32C of 5 bytes (no allocation).
+class CollectiveDigest {
+ public:
+  enum Op : uint8_t { kReduce = 1, kGather = 2 };
+  void Add(Op op, int unit);
+  void Reset() { crc_ = 0, count_ = 0; }
+  uint32_t crc() const { return crc_; }
+  uint64_t count() const { return count_; }
+
+ private:
+  uint32_t crc_ = 0;
+  uint64_t count_ = 0;
+};
+
+// What every rank must agree on before it applies an update: the engine stepped (its id,
+// the same on every rank), the collectives issued since the last step, and the step's AdamW
+// scalars.
+struct StepAgreement {
+  uint64_t engine_id = 0;
+  const CollectiveDigest* digest = nullptr;
+  AdamWScalars scalars;
+  int64_t step = 0;  // the step about to be applied (1-based), for the message
+};
+
+// FailedPrecondition on every rank unless every rank's `mine` matches rank 0's, naming the first
+// differing rank and what differed (engine, collectives, lr, weight decay, or betas/eps), in
+// that order: a crossed collective explains any other difference. One all-gather of 6 words.
+// Collective.
+absl::Status AgreeBeforeUpdate(comm::HostExchange& exchange, const StepAgreement& mine);
+
 // FailedPrecondition on every rank, naming rank 0's and the first differing rank's call, unless
 // all ranks chose the same (apply, clip). Collective.
 absl::Status AgreeOnDecision(comm::HostExchange& exchange, bool apply,

@@ -64,6 +64,9 @@ class ForwardingDevice : public Device {
   absl::Status SquaredNorm(const void* x, DType d, size_t n, float* out, Stream s) override {
     return inner_->SquaredNorm(x, d, n, out, s);
   }
+  absl::Status Scale(void* x, DType d, size_t n, float factor, Stream s) override {
+    return inner_->Scale(x, d, n, factor, s);
+  }
   absl::Status AllFinite(const void* x, DType d, size_t n, bool* out, Stream s) override {
     return inner_->AllFinite(x, d, n, out, s);
   }
