@@ -209,6 +209,14 @@ class CudaDevice final : public Device {
                         "Accumulate", n, dtype);
   }
 
+  absl::Status Scale(void* x, DType dtype, size_t n, float factor, Stream stream) override {
+    if (n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    RETURN_IF_ERROR(CheckAccessible(x, "Scale", "x"));
+    return LaunchStatus(cuda_internal::LaunchScale(x, dtype, n, factor, stream), name_, "Scale",
+                        n, dtype);
+  }
+
   absl::Status SquaredNorm(const void* x, DType dtype, size_t n, float* out,
                            Stream stream) override {
     if (n == 0) {

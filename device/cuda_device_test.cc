@@ -473,6 +473,34 @@ TEST_CASE("CudaElementwise: Accumulate chunks equal the CPU device at every offs
 }
 
 template <DType D>
+void CheckScaleReplay() {
+  auto cpu = testing::OneThreadCpuDevice();
+  for (auto [o, unused] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      for (size_t threads : kReplayThreads) {
+        for (float factor : {0.25f, 1.0f / 3.0f, 1.0f / 24.0f}) {
+          INFO(DTypeName(D) << " offset " << o << " n " << n << " threads " << threads
+                            << " factor " << factor);
+          std::vector<char> x = RandomValues(D, n, 300 + static_cast<uint32_t>(n), -14, 4);
+          OffsetBuffer bx(x.size(), o * DTypeSize(D));
+          bx.Fill(x);
+          REQUIRE(cpu->Scale(x.data(), D, n, factor, nullptr).ok());
+          Replay(cuda_internal::ScaleOp<D>{bx.get(), factor}, {OperandOf(bx.get(), D)}, n,
+                 threads);
+          REQUIRE(bx.Bytes(x.size()) == x);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CudaElementwise: Scale chunks equal the CPU device at every offset", "[zero]") {
+  CheckScaleReplay<DType::kF32>();
+  CheckScaleReplay<DType::kBF16>();
+  CheckScaleReplay<DType::kF16>();
+}
+
+template <DType D>
 void CheckFiniteReplay() {
   for (auto [o, unused] : kOffsetPairs) {
     for (size_t n : kReplaySizes) {

@@ -255,6 +255,24 @@ struct AccumulateOp {
   }
 };
 
+// x[i] = round(float(x[i]) * factor): gradient prescaling, one rounding as on the CPU device.
+template <DType D>
+struct ScaleOp {
+  void* x;
+  float factor;
+
+  template <class C>
+  ZERORT_HD void operator()(const C& c) const {
+    Regs<D> a;
+    Load(c, a, x);
+    ZERORT_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      if (c.Has(j)) StoreAs<D>(a.e, j, Mul(LoadAs<D>(a.e, j), factor));
+    }
+    Store(c, a, x);
+  }
+};
+
 // AdamWElement over a chunk. param_out may alias master when P is fp32 (both get p).
 template <DType G, DType P, bool kOut>
 struct AdamWOp {

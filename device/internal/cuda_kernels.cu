@@ -99,7 +99,7 @@ VectorOperand Operand(const void* p, DType d) {
 // ------------------------------------------------------------------ elementwise
 
 // Every elementwise kernel: a grid-stride loop over the chunks of cuda_elementwise.h's schedule,
-// each applied by `op` (CastOp, AccumulateOp, AdamWOp, ReduceRankOrderOp).
+// each applied by `op` (CastOp, AccumulateOp, ScaleOp, AdamWOp, ReduceRankOrderOp).
 template <class Op>
 __global__ void __launch_bounds__(kThreads) ElementwiseKernel(Op op, size_t n, ElementSplit split) {
   ForEachChunk(split, n, GlobalThread(), GridStride(), op);
@@ -258,6 +258,16 @@ int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stre
   int e = 0;
   WithDType(dtype, [&](auto d) {
     e = LaunchElementwise(AccumulateOp<decltype(d)::value>{acc, x}, n, operands, 2,
+                          AsStream(stream));
+  });
+  return e;
+}
+
+int LaunchScale(void* x, DType dtype, size_t n, float factor, void* stream) {
+  const VectorOperand operands[] = {Operand(x, dtype)};
+  int e = 0;
+  WithDType(dtype, [&](auto d) {
+    e = LaunchElementwise(ScaleOp<decltype(d)::value>{x, factor}, n, operands, 1,
                           AsStream(stream));
   });
   return e;

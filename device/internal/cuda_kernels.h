@@ -9,7 +9,7 @@
 // is device-accessible (device memory, pinned host memory, or pageable memory on a device with
 // pageable memory access) and holds n elements of its dtype; n > 0.
 // Pointers need only be aligned to their element size: the elementwise launchers (Cast,
-// Accumulate, AllFinite, AdamW, ReduceRankOrder) use 16-byte vector accesses where all their
+// Accumulate, Scale, AllFinite, AdamW, ReduceRankOrder) use 16-byte vector accesses where all their
 // arrays reach a 16-byte boundary at the same element, and an unaligned path otherwise
 // (cuda_elementwise.h). The grid is at most what the device holds resident; the SM count and
 // each kernel's occupancy are queried once per device and cached.
@@ -32,6 +32,9 @@ int LaunchCast(const void* src, DType src_dtype, void* dst, DType dst_dtype, siz
 
 // acc[i] = round(float(acc[i]) + float(x[i])).
 int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stream);
+
+// x[i] = round(float(x[i]) * factor) (gradient prescaling).
+int LaunchScale(void* x, DType dtype, size_t n, float factor, void* stream);
 
 // Number of partials the squared norm of n elements needs: ceil(n / offload::kNormBlock).
 size_t NormBlocks(size_t n);
