@@ -373,5 +373,15 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view byte
   return file.Commit();
 }
 
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
 }  // namespace safetensors
 }  // namespace zerort

@@ -111,6 +111,11 @@ absl::Status WriteFile(const std::string& path, absl::Span<const OutTensor> tens
 // sharded set goes through.
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes);
 
+// Path tests for weight files and directories. Unlike the checkpoint's FileSystem they follow
+// symlinks: Hugging Face's cache links every file of a snapshot to its blob.
+bool IsDir(const std::string& path);
+bool Exists(const std::string& path);
+
 }  // namespace safetensors
 }  // namespace zerort
 

@@ -20,30 +20,19 @@
 #include "base/json.h"
 #include "base/status.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/safetensors.h"
 #include "comm/agree.h"
 
 namespace zerort {
 namespace {
 
+using ckpt_internal::JoinPath;
+using safetensors::Exists;
 using safetensors::FileHeader;
+using safetensors::IsDir;
 using safetensors::OutTensor;
 using safetensors::TensorInfo;
-
-std::string JoinPath(const std::string& dir, const std::string& name) {
-  if (dir.empty() || dir.back() == '/') return dir + name;
-  return dir + "/" + name;
-}
-
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
 
 // Tensor indices in name order, cut into shards of at most `max_bytes` of data each (0: one).
 std::vector<std::vector<int>> PlanShards(const std::vector<memory::ParamLayout>& specs,

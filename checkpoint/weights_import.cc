@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "base/json.h"
 #include "base/status.h"
+#include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/weights.h"
 #include "comm/agree.h"
@@ -23,27 +24,15 @@
 namespace zerort {
 namespace {
 
+using ckpt_internal::JoinPath;
+using safetensors::Exists;
 using safetensors::FileHeader;
+using safetensors::IsDir;
 using safetensors::TensorInfo;
-
-std::string JoinPath(const std::string& dir, const std::string& name) {
-  if (dir.empty() || dir.back() == '/') return dir + name;
-  return dir + "/" + name;
-}
 
 std::string DirOf(const std::string& path) {
   const size_t slash = path.rfind('/');
   return slash == std::string::npos ? "." : path.substr(0, slash);
-}
-
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-bool Exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
 }
 
 // The files of a sharded set: the index's weight_map, each file a plain name beside the index.
