@@ -60,49 +60,6 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return true;
 }
 
-// The paper's AdamW in double over the trainable parameters only (registration order), with
-// the gradient the mean over ranks and micro-steps; frozen parameters keep their values.
-std::vector<double> SerialLoraAdamW(int world, int steps, int gas, double clip, const Config& c) {
-  const std::vector<ParamSpec> specs = LoraModel();
-  std::vector<double> w;
-  std::vector<std::pair<int, int64_t>> at;
-  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
-    for (int64_t k = 0; k < specs[i].numel(); ++k) {
-      w.push_back(testing::InitValue(i, k));
-      at.push_back({i, k});
-    }
-  }
-  std::vector<double> m(w.size(), 0), v(w.size(), 0);
-  const OptimizerConfig& o = c.optimizer;
-  for (int t = 1; t <= steps; ++t) {
-    std::vector<double> g(w.size(), 0);
-    double norm = 0;
-    for (size_t j = 0; j < w.size(); ++j) {
-      if (specs[at[j].first].frozen) continue;
-      for (int micro = 0; micro < gas; ++micro) {
-        for (int r = 0; r < world; ++r) {
-          g[j] += testing::GradValue(r, t - 1, micro, at[j].first, at[j].second);
-        }
-      }
-      g[j] /= world * gas;
-      norm += g[j] * g[j];
-    }
-    norm = std::sqrt(norm);
-    const double coef = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
-    for (size_t j = 0; j < w.size(); ++j) {
-      if (specs[at[j].first].frozen) continue;
-      const double gj = g[j] * coef;
-      m[j] = o.beta1 * m[j] + (1 - o.beta1) * gj;
-      v[j] = o.beta2 * v[j] + (1 - o.beta2) * gj * gj;
-      const double mhat = m[j] / (1 - std::pow(o.beta1, t));
-      const double vhat = v[j] / (1 - std::pow(o.beta2, t));
-      w[j] -= o.lr * o.weight_decay * w[j];
-      w[j] -= o.lr * mhat / (std::sqrt(vhat) + o.eps);
-    }
-  }
-  return w;
-}
-
 TEST_CASE("Frozen: a LoRA-shaped model trains bitwise alike on stages 0-3 and 1, 2, 4 ranks",
           "[zero]") {
   for (DType precision : {DType::kF32, DType::kBF16}) {
@@ -141,7 +98,8 @@ TEST_CASE("Frozen: fp32 training matches a serial AdamW that never touches froze
     for (double clip : {0.0, 0.05}) {
       const Config c = LoraConfig(2, DType::kF32, 2, clip);
       const std::vector<testing::TrainResult> runs = Train(c, world, 8);
-      const std::vector<double> ref = SerialLoraAdamW(world, 8, 2, clip, c);
+      const std::vector<double> ref =
+          testing::SerialAdamW(LoraModel(), world, 8, 2, clip, c.optimizer);
       REQUIRE(runs[0].master.size() == ref.size());
       double worst = 0;
       size_t j = 0;

@@ -118,32 +118,6 @@ TEST_CASE("Local accumulation: syncing every micro-step is the reducing mode, bi
   }
 }
 
-// The paper's AdamW in double (as zero/engine_test.cc's reference): the gradient is the mean
-// over ranks and micro-steps of what the ranks wrote.
-std::vector<double> SerialAdamW(int world, int steps, int gas, const Config& c) {
-  auto [w, at] = testing::SmallModelFlatInit();
-  std::vector<double> m(w.size(), 0), v(w.size(), 0);
-  const OptimizerConfig& o = c.optimizer;
-  for (int t = 1; t <= steps; ++t) {
-    for (size_t j = 0; j < w.size(); ++j) {
-      double g = 0;
-      for (int micro = 0; micro < gas; ++micro) {
-        for (int r = 0; r < world; ++r) {
-          g += testing::GradValue(r, t - 1, micro, at[j].first, at[j].second);
-        }
-      }
-      g /= world * gas;
-      m[j] = o.beta1 * m[j] + (1 - o.beta1) * g;
-      v[j] = o.beta2 * v[j] + (1 - o.beta2) * g * g;
-      const double mhat = m[j] / (1 - std::pow(o.beta1, t));
-      const double vhat = v[j] / (1 - std::pow(o.beta2, t));
-      w[j] -= o.lr * o.weight_decay * w[j];
-      w[j] -= o.lr * mhat / (std::sqrt(vhat) + o.eps);
-    }
-  }
-  return w;
-}
-
 double Gamma(double n) {
   const double u = std::ldexp(1.0, -24);
   return n * u / (1 - n * u);
@@ -191,7 +165,8 @@ TEST_CASE("Local accumulation: several ranks stay within the derived bound of th
         CHECK(reducing.stats[t].comm_bytes - local.stats[t].comm_bytes ==
               (gas - 1) * one_reduction);
       }
-      const std::vector<double> ref = SerialAdamW(world, steps, gas, reducing_config);
+      const std::vector<double> ref = testing::SerialAdamW(testing::SmallModel(), world, steps, gas,
+                                                           0.0, reducing_config.optimizer);
       for (const Run* run : {&reducing, &local, &mixed}) {
         double worst = 0;
         for (size_t j = 0; j < ref.size(); ++j) {

@@ -633,41 +633,6 @@ TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[z
   CHECK(engine.status().message().find("'nccl'") != std::string::npos);
 }
 
-// An AdamW written from the paper's formulas, in double, with no sharding: the gradient is the
-// mean over ranks of what each rank wrote (summed over micro-steps, divided by their count).
-std::vector<double> SerialAdamW(int world, int steps, int gas, double clip, const Config& c) {
-  auto [w, index] = testing::SmallModelFlatInit();  // index: (param, element)
-  std::vector<double> m, v;
-  m.assign(w.size(), 0);
-  v.assign(w.size(), 0);
-  const auto& o = c.optimizer;
-  for (int t = 1; t <= steps; ++t) {
-    std::vector<double> g(w.size(), 0);
-    for (size_t j = 0; j < w.size(); ++j) {
-      for (int micro = 0; micro < gas; ++micro) {
-        for (int r = 0; r < world; ++r) {
-          g[j] += GradValue(r, t - 1, micro, index[j].first, index[j].second);
-        }
-      }
-      g[j] /= world * gas;
-    }
-    double norm = 0;
-    for (double x : g) norm += x * x;
-    norm = std::sqrt(norm);
-    const double coef = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
-    for (size_t j = 0; j < w.size(); ++j) {
-      const double gj = g[j] * coef;
-      m[j] = o.beta1 * m[j] + (1 - o.beta1) * gj;
-      v[j] = o.beta2 * v[j] + (1 - o.beta2) * gj * gj;
-      const double mhat = m[j] / (1 - std::pow(o.beta1, t));
-      const double vhat = v[j] / (1 - std::pow(o.beta2, t));
-      w[j] -= o.lr * o.weight_decay * w[j];
-      w[j] -= o.lr * mhat / (std::sqrt(vhat) + o.eps);
-    }
-  }
-  return w;
-}
-
 TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 1e-6",
           "[zero]") {
   for (int world : {1, 3}) {
@@ -676,7 +641,8 @@ TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 
         const Config c = MakeConfig(2, DType::kF32, gas, clip, false);
         RunResult run = Train(c, world, 20);
         RequireOk(run);
-        const std::vector<double> ref = SerialAdamW(world, 20, gas, clip, c);
+        const std::vector<double> ref =
+            testing::SerialAdamW(SmallModel(), world, 20, gas, clip, c.optimizer);
         REQUIRE(run.master[0].size() == ref.size());
         double worst = 0;
         for (size_t j = 0; j < ref.size(); ++j) {
@@ -740,7 +706,8 @@ TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit a
     c.prescale_gradients = true;
     RunResult run = Train(c, world, 20);
     RequireOk(run);
-    const std::vector<double> ref = SerialAdamW(world, 20, 3, 0.05, c);
+    const std::vector<double> ref =
+        testing::SerialAdamW(SmallModel(), world, 20, 3, 0.05, c.optimizer);
     REQUIRE(run.master[0].size() == ref.size());
     double worst = 0;
     for (size_t j = 0; j < ref.size(); ++j) {

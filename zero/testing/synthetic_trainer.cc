@@ -45,6 +45,46 @@ FlatInit SmallModelFlatInit() {
   return out;
 }
 
+std::vector<double> SerialAdamW(const std::vector<memory::ParamSpec>& specs, int world,
+                                int steps, int gas, double clip, const OptimizerConfig& o) {
+  std::vector<double> w;
+  std::vector<std::pair<int, int64_t>> at;
+  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
+    for (int64_t k = 0; k < specs[i].numel(); ++k) {
+      w.push_back(InitValue(i, k));
+      at.push_back({i, k});
+    }
+  }
+  std::vector<double> m(w.size(), 0), v(w.size(), 0);
+  for (int t = 1; t <= steps; ++t) {
+    std::vector<double> g(w.size(), 0);
+    double norm = 0;
+    for (size_t j = 0; j < w.size(); ++j) {
+      if (specs[at[j].first].frozen) continue;
+      for (int micro = 0; micro < gas; ++micro) {
+        for (int r = 0; r < world; ++r) {
+          g[j] += GradValue(r, t - 1, micro, at[j].first, at[j].second);
+        }
+      }
+      g[j] /= world * gas;
+      norm += g[j] * g[j];
+    }
+    norm = std::sqrt(norm);
+    const double coef = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
+    for (size_t j = 0; j < w.size(); ++j) {
+      if (specs[at[j].first].frozen) continue;
+      const double gj = g[j] * coef;
+      m[j] = o.beta1 * m[j] + (1 - o.beta1) * gj;
+      v[j] = o.beta2 * v[j] + (1 - o.beta2) * gj * gj;
+      const double mhat = m[j] / (1 - std::pow(o.beta1, t));
+      const double vhat = v[j] / (1 - std::pow(o.beta2, t));
+      w[j] -= o.lr * o.weight_decay * w[j];
+      w[j] -= o.lr * mhat / (std::sqrt(vhat) + o.eps);
+    }
+  }
+  return w;
+}
+
 float GradValue(int rank, int step, int micro, int param, int64_t e) {
   return 0.5f * Noise(rank, step * 16 + micro, param, static_cast<uint64_t>(e));
 }

@@ -38,6 +38,13 @@ struct FlatInit {
 };
 FlatInit SmallModelFlatInit();
 
+// The paper's AdamW in double with no sharding, the tests' independent reference: parameters
+// of `specs` start at InitValue, the gradient is the mean over `world` ranks and `gas`
+// micro-steps of GradValue, clipped to global norm `clip` (0: none) over the trainable
+// parameters; frozen parameters keep their values. Flattened in registration order.
+std::vector<double> SerialAdamW(const std::vector<memory::ParamSpec>& specs, int world,
+                                int steps, int gas, double clip, const OptimizerConfig& o);
+
 // A config for tests: several units (reduce_bucket_size 200), small persistent units, lr 1e-2,
 // weight decay 0.1, one host thread.
 Config TestConfig(int stage, DType precision, int gas, double clip, bool offload);
