@@ -803,9 +803,14 @@ zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n,
       return absl::InvalidArgumentError(absl::StrCat(
           "zr_engine_allreduce_scalars: n=", n, " with values ", values == nullptr ? "NULL" : "set"));
     }
-    if (op != ZR_REDUCE_SUM && op != ZR_REDUCE_AVG && op != ZR_REDUCE_MAX) {
+    // Read as the int C passed (as zr_convert does): a value outside the enum is not a valid
+    // zr_reduce_op in C++, and UBSan stops a load of one.
+    static_assert(sizeof(zr_reduce_op) == sizeof(int), "C passes zr_reduce_op as an int");
+    int raw_op = 0;
+    std::memcpy(&raw_op, &op, sizeof raw_op);
+    if (raw_op != ZR_REDUCE_SUM && raw_op != ZR_REDUCE_AVG && raw_op != ZR_REDUCE_MAX) {
       return absl::InvalidArgumentError(
-          absl::StrCat("zr_engine_allreduce_scalars: op=", static_cast<int>(op),
+          absl::StrCat("zr_engine_allreduce_scalars: op=", raw_op,
                        " is not ZR_REDUCE_SUM, ZR_REDUCE_AVG or ZR_REDUCE_MAX"));
     }
     static_assert(static_cast<int>(zerort::comm::ReduceOp::kAvg) == ZR_REDUCE_AVG &&

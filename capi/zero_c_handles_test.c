@@ -61,6 +61,11 @@ static void UseAfterDestroy(void) {
   CHECK(zr_comm_group_create(1, 0, &comm) == ZR_OK, "%s", zr_last_error());
   CHECK(zr_cpu_device_create(1, &device) == ZR_OK, "%s", zr_last_error());
   zr_engine* e = MakeEngine(comm, device);
+  /* A reduce op outside the enum is refused by value (UBSan stopped its load before). */
+  double scalar = 1.0;
+  CHECK(zr_engine_allreduce_scalars(e, &scalar, 1, (zr_reduce_op)7) == ZR_INVALID_ARGUMENT &&
+            strstr(zr_last_error(), "op=7") != NULL && scalar == 1.0,
+        "allreduce_scalars with op 7: %s", zr_last_error());
   zr_engine_destroy(e);
   zr_status st = zr_engine_step(e, NULL);
   CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "zr_engine_step") != NULL &&
