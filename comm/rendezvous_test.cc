@@ -198,15 +198,7 @@ class FakeTorchStore {
     REQUIRE(probe.ok());
     port_ = (*probe)->port();
     probe->reset();
-    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
-    const int one = 1;
-    setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons(static_cast<uint16_t>(port_));
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    REQUIRE(bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0);
-    REQUIRE(listen(listen_fd_, 16) == 0);
+    listen_fd_ = ListenAt(port_);
     acceptor_ = std::thread([this] {
       for (;;) {
         const int c = accept(listen_fd_, nullptr, nullptr);

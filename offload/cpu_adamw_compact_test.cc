@@ -15,6 +15,7 @@
 #include "offload/compact_state.h"
 #include "offload/cpu_adamw.h"
 #include "offload/simd.h"
+#include "offload/testing/simd_levels.h"
 
 namespace zerort {
 namespace offload {
@@ -28,20 +29,8 @@ AdamWStepParams Params(int t, double lr = 1e-3, double wd = kWd) {
   return *p;
 }
 
-std::vector<SimdLevel> AvailableLevels() {
-  std::vector<SimdLevel> levels = {SimdLevel::kScalar};
-  if (DetectSimd() >= SimdLevel::kAvx2) levels.push_back(SimdLevel::kAvx2);
-  if (DetectSimd() >= SimdLevel::kAvx512) {
-    levels.push_back(SimdLevel::kAvx512);
-  } else {
-    WARN("AVX-512 not available on this CPU: its path is compiled but not tested here");
-  }
-  return levels;
-}
-
-struct SimdGuard {
-  ~SimdGuard() { ResetSimd(); }
-};
+using testing::AvailableLevels;
+using testing::SimdGuard;
 
 // Masters that stress the encodings: ties with even and odd lower neighbours, the carry into
 // the largest finite value, subnormals, zeros, infinities and a quiet NaN.

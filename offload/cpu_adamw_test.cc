@@ -11,6 +11,7 @@
 
 #include "base/dtype.h"
 #include "offload/simd.h"
+#include "offload/testing/simd_levels.h"
 
 namespace zerort {
 namespace offload {
@@ -107,21 +108,8 @@ bool SameBits(const void* a, const void* b, size_t bytes) {
   return bytes == 0 || std::memcmp(a, b, bytes) == 0;
 }
 
-std::vector<SimdLevel> AvailableLevels() {
-  std::vector<SimdLevel> levels = {SimdLevel::kScalar};
-  if (DetectSimd() >= SimdLevel::kAvx2) levels.push_back(SimdLevel::kAvx2);
-  if (DetectSimd() >= SimdLevel::kAvx512) {
-    levels.push_back(SimdLevel::kAvx512);
-  } else {
-    WARN("AVX-512 not available on this CPU: its path is compiled but not tested here");
-  }
-  return levels;
-}
-
-// Restores automatic dispatch however the test exits.
-struct SimdGuard {
-  ~SimdGuard() { ResetSimd(); }
-};
+using testing::AvailableLevels;
+using testing::SimdGuard;
 
 const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 
