@@ -91,7 +91,7 @@ def build_model(torch, args):
             for block in self.blocks:
                 x = block(x)
             logits = self.ln_f(x) @ self.wte.weight.t()  # tied output projection
-            return F.cross_entropy(logits.float().view(-1, args.vocab), targets.view(-1))
+            return F.cross_entropy(logits.float().reshape(-1, args.vocab), targets.reshape(-1))
 
     return Gpt()
 

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -315,6 +316,27 @@ TEST_CASE("Demo: --device cuda without a GPU fails with the reason; auto falls b
     CHECK(out.str().find("d_model 128") != std::string::npos);  // the CPU default model
     CHECK(out.str().find("every rank allocated exactly its plan") != std::string::npos);
   }
+}
+
+TEST_CASE("Demo: --corpus trains on the named file and names a missing one", "[zero]") {
+  const std::string dir = TempDir("demo_corpus");
+  REQUIRE(std::filesystem::create_directories(dir));
+  const std::string corpus = dir + "/corpus.txt";
+  {
+    std::ofstream f(corpus);
+    for (int i = 0; i < 200; ++i) f << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  std::ostringstream out;
+  absl::Status status = RunDemoCommand(
+      {"--ranks", "1", "--steps", "2", "--sample_tokens", "0", "--corpus", corpus}, out);
+  INFO(out.str() << status.message());
+  REQUIRE(status.ok());
+  CHECK(out.str().find("corpus " + corpus + "\n") != std::string::npos);
+
+  std::ostringstream none;
+  status = RunDemoCommand({"--ranks", "1", "--steps", "2", "--corpus", dir + "/absent.txt"}, none);
+  CHECK(absl::IsNotFound(status));
+  CHECK(status.message().find(dir + "/absent.txt") != absl::string_view::npos);
 }
 
 TEST_CASE("Demo: --device is checked and applies to the GPT only", "[zero]") {

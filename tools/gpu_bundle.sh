@@ -10,12 +10,16 @@
 #                         libstdc++, libgcc_s), the driver (libcuda.so.1, loaded by cudart) and
 #                         NCCL (218 MB: run.sh takes the machine's, see there); RUNPATH $ORIGIN
 #   DIR/runfiles/NAME/    a target's data files, when it has any (run.sh points TEST_SRCDIR there)
-#   DIR/python/           benchmarks/adamw_torch_ref.py (torch's fused AdamW on the same sizes)
+#   DIR/python/           benchmarks/adamw_torch_ref.py (torch's fused AdamW on the same sizes) and
+#                         benchmarks/gpt_torch_ref.py (the demo's GPT in PyTorch)
+#   DIR/data/corpus.txt   the demo's training text (the machine may lack /usr/share/common-licenses)
 #
 # The targets: every cc_test and cc_binary tagged gpu, plus every benchmark or example binary
-# that links the CUDA device; minus those that link OpenMPI (it does not bundle: its MCA
+# that links the CUDA device, and the `zerort` command (its `demo --device cuda` trains the example
+# GPT on the GPU; manifest kind "demo"); minus those that link OpenMPI (it does not bundle: its MCA
 # components are found through its install prefix), which manifest.txt lists as excluded.
-# Fails if the bundle exceeds 32 MiB (what may travel with a command is 64 MiB).
+# Fails if the bundle exceeds 48 MiB: what may travel with a command is 64 MiB, the source tree
+# about 4 MiB of it; the `zerort` command, with the demo's kernels, takes 9 MiB of the 38.
 #
 # Usage: tools/gpu_bundle.sh DIR   (DIR: absent, empty, or an earlier bundle, which is replaced)
 # Needs patchelf (tools/setup.sh installs it).
@@ -34,12 +38,13 @@ if [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/manifest.txt" ]; then
 fi
 command -v patchelf >/dev/null || { echo "gpu_bundle: needs patchelf (tools/setup.sh)" >&2; exit 2; }
 cd "$root"
-readonly max_bytes=$((32 << 20))
+readonly max_bytes=$((48 << 20))
 
 # ---------------------------------------------------------------- targets
 query() { bazel query --noshow_progress "$1" 2>/dev/null | sort; }
 candidates='kind("cc_(test|binary)", attr(tags, "\bgpu\b", //...))
-  + kind(cc_binary, rdeps(//benchmarks/... + //examples/..., //device:cuda_device))'
+  + kind(cc_binary, rdeps(//benchmarks/... + //examples/..., //device:cuda_device))
+  + //cli:zerort'
 mapfile -t all < <(query "$candidates")
 mapfile -t mpi < <(query "let c = $candidates in \$c intersect rdeps(\$c, @openmpi//:mpi)")
 mapfile -t gpu_other < <(query 'attr(tags, "\bgpu\b", //...) except kind("cc_(test|binary)", //...)')
@@ -59,8 +64,8 @@ echo "gpu_bundle: building ${targets[*]}" >&2
 bazel build --noshow_progress "${targets[@]}" >&2
 
 # ---------------------------------------------------------------- layout
-rm -rf "$dir"/bin "$dir"/lib "$dir"/runfiles "$dir"/python "$dir"/run.sh "$dir"/manifest.txt \
-  "$dir"/bundle.txt
+rm -rf "$dir"/bin "$dir"/lib "$dir"/runfiles "$dir"/python "$dir"/data "$dir"/run.sh \
+  "$dir"/manifest.txt "$dir"/bundle.txt
 mkdir -p "$dir/bin" "$dir/lib" "$dir/python"
 bin_dir=$(bazel info bazel-bin 2>/dev/null)
 
@@ -117,6 +122,7 @@ for t in "${targets[@]}"; do
   fi
   kind=bench
   [[ " ${tests[*]} " == *" $t "* ]] && kind=test
+  [ "$t" = //cli:zerort ] && kind=demo
   f="${flags[*]:--}"
   echo "$kind $t $file ${f// /,}" >>"$dir/manifest.txt"
 done
@@ -138,7 +144,10 @@ for f in "$dir"/bin/*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
 for f in "$dir"/lib/*; do patchelf --set-rpath '$ORIGIN' "$f"; done
 
 cp tools/gpu_bundle/run.sh "$dir/run.sh"
-cp benchmarks/adamw_torch_ref.py "$dir/python/"
+cp benchmarks/adamw_torch_ref.py benchmarks/gpt_torch_ref.py "$dir/python/"
+# The demo's training text (examples/gpt/corpus.cc's default), for a machine that lacks it.
+mkdir -p "$dir/data"
+cp /usr/share/common-licenses/GPL-3 "$dir/data/corpus.txt"
 chmod +x "$dir/run.sh"
 {
   echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
