@@ -1,5 +1,6 @@
 #include "cli/demo.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -18,6 +19,8 @@
 #include "examples/mlp/mlp.h"
 #include "memory/plan.h"
 #include "zero/config.h"
+#include "zero/model_spec.h"
+#include "zero/planner.h"
 
 namespace zerort {
 namespace {
@@ -263,6 +266,36 @@ absl::Status ChooseDevice(const Flags& flags, std::ostream& out,
   return absl::OkStatus();
 }
 
+// The plan's whole device budget for this run (model states, activations by Korthikanti et al.'s
+// formula for the GPT's shape, micro-batch and context, reserves) beside what the driver counted
+// in use at the highest, for all ranks together (they share the GPU).
+absl::Status PrintDeviceBudgetCheck(const Config& config, const examples::gpt::RunOptions& options,
+                                    const examples::gpt::RunResult& result, int64_t peak_in_use,
+                                    const absl::Status& in_use_status, std::ostream& out) {
+  Workload workload;
+  workload.micro_batch = options.batch;
+  workload.seq = options.shape.context;
+  workload.shape = TransformerShape{options.shape.layers, options.shape.d_model,
+                                    options.shape.heads, options.shape.vocab};
+  ASSIGN_OR_RETURN(const DeviceBudget budget, MakeDeviceBudget(result.plan, config, workload));
+  const int64_t ranks = options.world_size;
+  auto gib = [](int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / 1073741824.0); };
+  out << "device budget planned per rank: " << gib(budget.total_bytes) << " = model states "
+      << gib(budget.model_state_bytes) << " + activations " << gib(budget.activation_bytes)
+      << " (" << budget.activation_source << ") + reserves " << gib(budget.reserve_bytes) << "\n";
+  if (!in_use_status.ok()) {
+    out << "device memory in use: not measured (" << in_use_status.message() << ")\n";
+    return absl::OkStatus();
+  }
+  out << "device memory in use (the driver's count, cudaMemGetInfo), highest after a step: "
+      << gib(peak_in_use) << " for " << ranks << " rank(s); planned "
+      << gib(budget.total_bytes * ranks) << ": measured / planned = "
+      << absl::StrFormat("%.3f", static_cast<double>(peak_in_use) /
+                                     static_cast<double>(budget.total_bytes * ranks))
+      << "\n";
+  return absl::OkStatus();
+}
+
 absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
   std::optional<examples::gpt::GpuInfo> gpu;
   std::unique_ptr<examples::gpt::Backend> backend;
@@ -280,7 +313,20 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
     return peak > 0 ? absl::StrFormat("%5.1f%%", 100 * tokens_per_s * flops_per_token / peak)
                     : std::string("-");
   };
-  options.on_step = [&out, &gpu, &mfu](const examples::gpt::StepReport& r) {
+  // The driver's count of device memory in use, at its highest after any step: what the plan's
+  // device budget (model states + activations + reserves) claims to hold.
+  int64_t peak_in_use = 0;
+  absl::Status in_use_status;
+  options.on_step = [&out, &gpu, &mfu, &peak_in_use,
+                     &in_use_status](const examples::gpt::StepReport& r) {
+    if (gpu && in_use_status.ok()) {
+      absl::StatusOr<int64_t> in_use = examples::gpt::DeviceMemoryInUse(gpu->ordinal);
+      if (in_use.ok()) {
+        peak_in_use = std::max(peak_in_use, *in_use);
+      } else {
+        in_use_status = in_use.status();
+      }
+    }
     if (!r.evaluated && (r.step + 1) % 10 != 0 && r.step != 0) return;
     out << absl::StrFormat("%6d %9.4f %9s %10.4f %9.0f %9.1f", r.step + 1, r.loss,
                            r.evaluated ? absl::StrFormat("%.4f", r.val_loss) : "", r.stats.grad_norm,
@@ -322,6 +368,8 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
     out << "activations and scratch of each rank's trainer (GPU memory outside the plan):";
     for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
     out << "\n";
+    RETURN_IF_ERROR(PrintDeviceBudgetCheck(config, options, result, peak_in_use, in_use_status,
+                                           out));
   }
   return absl::OkStatus();
 }

@@ -146,6 +146,17 @@ absl::StatusOr<GpuInfo> ProbeGpu(int device_ordinal) {
   return info;
 }
 
+absl::StatusOr<int64_t> DeviceMemoryInUse(int device_ordinal) {
+  int current = 0;
+  RETURN_IF_CUDA_ERROR(cudaGetDevice(&current));
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(device_ordinal));
+  size_t free_bytes = 0, total_bytes = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  RETURN_IF_CUDA_ERROR(cudaSetDevice(current));
+  RETURN_IF_CUDA_ERROR(e);
+  return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal) {
   ASSIGN_OR_RETURN(GpuInfo info, ProbeGpu(device_ordinal));
   (void)info;

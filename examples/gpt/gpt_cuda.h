@@ -50,6 +50,11 @@ struct GpuInfo {
 // runtime's reason (no driver, no device, compute capability below 8.0).
 absl::StatusOr<GpuInfo> ProbeGpu(int device_ordinal = 0);
 
+// Bytes in use on GPU `device_ordinal` by the driver's count (cudaMemGetInfo: total - free):
+// every allocation of every process on that GPU, the CUDA context, NCCL's and cuBLAS's buffers
+// and allocator caches included. What a plan's device budget must hold, measured.
+absl::StatusOr<int64_t> DeviceMemoryInUse(int device_ordinal = 0);
+
 // The backend on GPU `device_ordinal`: CUDA device; world 1 over NCCL, 2 to 16 in-process ranks
 // sharing the GPU (comm::CreateInProcessGroup with CudaInProcessBufferOps; NCCL refuses two
 // ranks on one GPU). FailedPrecondition as ProbeGpu.
