@@ -148,6 +148,17 @@ cp benchmarks/adamw_torch_ref.py benchmarks/gpt_torch_ref.py "$dir/python/"
 # The demo's training text (examples/gpt/corpus.cc's default), for a machine that lacks it.
 mkdir -p "$dir/data"
 cp /usr/share/common-licenses/GPL-3 "$dir/data/corpus.txt"
+# The demo's GPU config (cli/demo.cc) at stage 3 with the optimizer state on the CPU: the GPU
+# path's other end (parameter gathers, host AdamW, offload transfers).
+cat >"$dir/data/demo_stage3_offload.json" <<'JSON'
+{
+  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true}},
+  "bf16": {"enabled": true},
+  "optimizer": {"type": "AdamW", "params": {"lr": 0.0006, "weight_decay": 0.1}},
+  "gradient_clipping": 1.0,
+  "comm_timeout_ms": 600000
+}
+JSON
 chmod +x "$dir/run.sh"
 {
   echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"

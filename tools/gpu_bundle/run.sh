@@ -295,6 +295,16 @@ run_demo() {  # run_demo TIMEOUT FILE STEPS
     return
   fi
   result PASSED "$name (ran on GPU: $(grep -m1 '^val loss' "$step_log" | oneline))"
+  if [ $quick -eq 0 ] && [ -f "$bundle/data/demo_stage3_offload.json" ]; then
+    local name3="//cli:zerort demo --device cuda --config demo_stage3_offload.json"
+    run_step "$name3" "$limit" "" "$bundle/$file" demo --device cuda --steps 10 \
+      --config "$bundle/data/demo_stage3_offload.json" "${corpus[@]}"
+    if [ $rc -eq 0 ]; then
+      result PASSED "$name3 (ran on GPU: $(grep -m1 '^val loss' "$step_log" | oneline))"
+    else
+      not_passed "$name3"
+    fi
+  fi
   local python=${ZERORT_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
   if [ ! -x "$python" ]; then
     result SKIPPED "gpt_torch_ref: no $python (set ZERORT_TORCH_PYTHON)"
@@ -307,6 +317,17 @@ run_demo() {  # run_demo TIMEOUT FILE STEPS
     not_passed "gpt_torch_ref"
   else
     result PASSED "gpt_torch_ref (ran on GPU; JSON in benchmarks.json)"
+  fi
+  rm -f "$scratch/bench.json"
+  [ $quick -eq 1 ] && return
+  # With torch's fused attention (flash): what zerort's written-out attention leaves behind.
+  run_step "gpt_torch_ref --sdpa" "$limit" "$scratch/bench.json" env -u LD_LIBRARY_PATH \
+    "$python" "$bundle/python/gpt_torch_ref.py" --steps "$steps" --sdpa
+  cat "$scratch/bench.json" >>"$json" 2>/dev/null
+  if [ $rc -ne 0 ]; then
+    not_passed "gpt_torch_ref --sdpa"
+  else
+    result PASSED "gpt_torch_ref --sdpa (ran on GPU; JSON in benchmarks.json)"
   fi
   rm -f "$scratch/bench.json"
 }
