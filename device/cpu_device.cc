@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status.h"
 #include "memory/pinned_pool.h"
 #include "offload/cpu_kernels.h"
 
@@ -24,10 +26,17 @@ struct CpuEvent {
   uint64_t recorded ABSL_GUARDED_BY(mu) = 0;
   uint64_t completed ABSL_GUARDED_BY(mu) = 0;
   absl::Status status ABSL_GUARDED_BY(mu);  // the first failure of the stream it recorded
+  // When record `completed` completed: the stream's worker reached it (asynchronous streams), or
+  // the Record call itself (work on a null stream is done when its call returns).
+  std::chrono::steady_clock::time_point completed_at ABSL_GUARDED_BY(mu);
 
   void Complete(uint64_t n, const absl::Status& s) {
+    const auto now = std::chrono::steady_clock::now();
     absl::MutexLock lock(&mu);
-    if (n > completed) completed = n;
+    if (n > completed) {
+      completed = n;
+      completed_at = now;
+    }
     if (status.ok() && !s.ok()) status = s;
   }
   // Blocks until record `n` has completed.
@@ -221,6 +230,15 @@ class CpuDevice final : public Device {
 
   void DestroyEvent(Event event) override { delete static_cast<CpuEvent*>(event); }
 
+  // Every CPU event keeps its completion time; a timing event is an event.
+  absl::StatusOr<Event> CreateTimingEvent() override { return CreateEvent(); }
+
+  absl::StatusOr<double> ElapsedMs(Event start, Event end) override {
+    ASSIGN_OR_RETURN(const auto t0, CompletedAt(start, "start"));
+    ASSIGN_OR_RETURN(const auto t1, CompletedAt(end, "end"));
+    return std::chrono::duration<double, std::milli>(t1 - t0).count();
+  }
+
   absl::Status Record(Event event, Stream stream) override {
     CpuEvent* e = static_cast<CpuEvent*>(event);
     uint64_t n;
@@ -264,6 +282,18 @@ class CpuDevice final : public Device {
 
  private:
   bool Async(Stream stream) const { return async_ && stream != nullptr; }
+
+  static absl::StatusOr<std::chrono::steady_clock::time_point> CompletedAt(Event event,
+                                                                           const char* which) {
+    CpuEvent* e = static_cast<CpuEvent*>(event);
+    absl::MutexLock lock(&e->mu);
+    if (e->recorded == 0 || e->completed < e->recorded) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ElapsedMs: the ", which, " event ",
+          e->recorded == 0 ? "was never recorded" : "has not completed (WaitHost first)"));
+    }
+    return e->completed_at;
+  }
 
   // Runs `fn` now (nullptr stream, or streams without threads) or enqueues it on its stream.
   // Enqueued work is skipped once its stream has failed: a CUDA stream stops likewise.

@@ -350,6 +350,28 @@ class CudaDevice final : public Device {
     if (event != nullptr && Use().ok()) Cleared(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
   }
 
+  absl::StatusOr<Event> CreateTimingEvent() override {
+    RETURN_IF_ERROR(Use());
+    cudaEvent_t e = nullptr;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaEventCreate(&e)), "(", name_, ": CreateTimingEvent)");
+    return static_cast<Event>(e);
+  }
+
+  absl::StatusOr<double> ElapsedMs(Event start, Event end) override {
+    RETURN_IF_ERROR(Use());
+    float ms = 0;
+    const cudaError_t e = Cleared(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start),
+                                                       static_cast<cudaEvent_t>(end)));
+    if (e == cudaErrorNotReady || e == cudaErrorInvalidResourceHandle) {
+      // Not yet completed, or never recorded (the runtime's answers for the two cases).
+      return absl::FailedPreconditionError(
+          absl::StrCat(name_, ": ElapsedMs: an event has not completed or was never recorded (",
+                       cudaGetErrorString(e), ")"));
+    }
+    RETURN_IF_CUDA_ERROR(e, "(", name_, ": ElapsedMs)");
+    return static_cast<double>(ms);
+  }
+
   absl::Status Record(Event event, Stream stream) override {
     RETURN_IF_ERROR(Use());
     RETURN_IF_CUDA_ERROR(

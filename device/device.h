@@ -88,6 +88,22 @@ class Device {
   virtual absl::Status Record(Event event, Stream stream) = 0;
   virtual absl::Status Wait(Stream stream, Event event) = 0;
   virtual absl::Status WaitHost(Event event) = 0;
+
+  // Device time, for statistics that measure the work rather than its enqueueing. A timing
+  // event is a separate kind because on CUDA timing makes every Record and wait dearer
+  // (cudaEventDisableTiming is the default of CreateEvent). Both Unimplemented on a device
+  // without a clock.
+  virtual absl::StatusOr<Event> CreateTimingEvent() {
+    return absl::UnimplementedError(absl::StrCat(name(), ": no timing events"));
+  }
+  // Milliseconds between the completion of the last Record of `start` and of `end` (negative
+  // when `end` completed first), both timing events. FailedPrecondition when either has never
+  // been recorded or its last Record has not completed (WaitHost first).
+  virtual absl::StatusOr<double> ElapsedMs(Event start, Event end) {
+    (void)start;
+    (void)end;
+    return absl::UnimplementedError(absl::StrCat(name(), ": no timing events"));
+  }
 };
 
 }  // namespace zerort

@@ -232,6 +232,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
                                      std::move(choice.plan), comm, device);
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
+  if (options.device_timing) {
+    absl::StatusOr<std::unique_ptr<zero_internal::DeviceStepTimer>> timer =
+        zero_internal::DeviceStepTimer::Create(device);
+    if (!timer.ok()) {
+      return absl::Status(timer.status().code(),
+                          absl::StrCat("EngineOptions::device_timing: ", timer.status().message()));
+    }
+    impl->dtimer_ = *std::move(timer);
+  }
   RETURN_IF_ERROR(ConfigurePrescale(impl->config_, comm->size(), device,
                                     impl->streams_->compute(), impl->grads_.get()));
   impl->groups_ = std::make_unique<zero_internal::AdamWGroups>(impl->plan_, *impl->layout_,

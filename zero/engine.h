@@ -149,6 +149,21 @@ struct EngineOptions {
   // SetLearningRate / SetHyperparams and the config has no scheduler block; null = the config's
   // optimizer.lr. Must give the same value on every rank. Called once per applied step.
   std::function<double(int64_t step)> lr_schedule;
+  // Times every optimizer step's phases on the device's clock (timing events on the engine's
+  // streams), for Engine::DeviceTimes. Off by default: timing events make each record and wait
+  // slightly dearer on CUDA. Unimplemented at Create on a device without timing events.
+  bool device_timing = false;
+};
+
+// One optimizer step's phases on the device's own clock (EngineOptions::device_timing). On a
+// stream-ordered device Step() returns once its work is enqueued, so StepStats' host timings
+// hold the enqueueing; these hold the work.
+struct DeviceStepTimes {
+  int64_t step = 0;        // the optimizer step these are of (StepStats::step of that Step())
+  double norm_ms = 0;      // the window's norm and finite checks
+  double update_ms = 0;    // AdamW on the device, or the offload pipeline (transfers + host AdamW)
+  double gather_ms = 0;    // from the end of the update to the end of the parameter gathers
+  double total_ms = 0;     // from the start of the norm to the end of the step's device work
 };
 
 // A stacked tensor ([L, ...], e.g. per-layer weights) declared as L parameters
@@ -265,6 +280,11 @@ class Engine {
   // (ComputeGradNorm, then SkipStep on overflow, else ApplyStep). FailedPrecondition naming the
   // first parameter whose GradReady is missing, or while a split step is pending.
   absl::StatusOr<StepStats> Step();
+
+  // The last optimizer step's phases on the device's clock; waits for that step's device work.
+  // FailedPrecondition without EngineOptions::device_timing, or before the first optimizer step
+  // (applied or skipped).
+  absl::StatusOr<DeviceStepTimes> DeviceTimes();
 
   // --- split step ---------------------------------------------------------------------------
   // True when the next Step() / ComputeGradNorm() ends an accumulation window.

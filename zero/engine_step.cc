@@ -93,6 +93,7 @@ absl::StatusOr<StepStats> Engine::Impl::RunStep(const StepRequest& request) {
     if (micro_ != 0) return MicroStepStats();
     // 2. The window's global gradient norm, overflow flag and clip coefficient: the same on
     //    every rank and stage, so no agreement round is needed.
+    RETURN_IF_ERROR(MarkDevice(zero_internal::DeviceStepTimer::kStart));
     RETURN_IF_ERROR(MeasureWindow());
     pending_.norm_ms = measure.ElapsedMs();
   }
@@ -116,12 +117,15 @@ absl::StatusOr<StepStats> Engine::Impl::RunStep(const StepRequest& request) {
   pending_.active = false;
   ++step_;
   // 6. AdamW on every owned region, where the optimizer runs (device, or host pipeline).
+  RETURN_IF_ERROR(MarkDevice(zero_internal::DeviceStepTimer::kUpdateStart));
   ASSIGN_OR_RETURN(const double pipeline_gather_ms,
                    UpdateOwnedShards(*ranges, grad_scale, &stats));
+  RETURN_IF_ERROR(MarkDevice(zero_internal::DeviceStepTimer::kUpdateDone));
   stats.optimizer_ms = pending_.norm_ms + optimizer.ElapsedMs() - pipeline_gather_ms;
   // 7. The updated parameters all-gathered; stale stage-3 copies dropped.
   const Stopwatch gather;
   RETURN_IF_ERROR(GatherUpdatedParams());
+  RETURN_IF_ERROR(MarkDeviceStepDone());
   stats.gather_ms += pipeline_gather_ms + gather.ElapsedMs();
   // 8. The loss scaler's update; gradients cleared for the next window.
   RETURN_IF_ERROR(FinishStep(/*overflow=*/false, /*update_scaler=*/true, &stats));
@@ -165,7 +169,11 @@ absl::Status Engine::Impl::MeasureWindow() {
                           ? comm_->size() / config_.gradient_predivide_factor
                           : 1.0;
   p.g.scale = scaler_.scale() * gas_ * post;
-  ASSIGN_OR_RETURN(const zero_internal::GradNorm::Result r, norm_->Measure(p.g.scale));
+  ASSIGN_OR_RETURN(
+      const zero_internal::GradNorm::Result r,
+      norm_->Measure(p.g.scale, dtimer_ == nullptr
+                                    ? nullptr
+                                    : dtimer_->event(zero_internal::DeviceStepTimer::kNormDone)));
   p.g.norm = r.norm;
   p.g.overflow = r.overflow;
   const double clip = config_.gradient_clipping;
@@ -183,6 +191,10 @@ absl::StatusOr<StepStats> Engine::Impl::Skip(double elapsed_ms) {
   stats.grad_norm = overflow ? std::numeric_limits<double>::infinity() : pending_.g.norm;
   stats.clip_coef = pending_.clip_coef;
   pending_.active = false;
+  // No update and no gathers: their phases have zero length.
+  RETURN_IF_ERROR(MarkDevice(zero_internal::DeviceStepTimer::kUpdateStart));
+  RETURN_IF_ERROR(MarkDevice(zero_internal::DeviceStepTimer::kUpdateDone));
+  RETURN_IF_ERROR(MarkDeviceStepDone());
   // An overflow is the scaler's business; a trainer's skip of finite gradients is not.
   RETURN_IF_ERROR(FinishStep(overflow, /*update_scaler=*/overflow, &stats));
   stats.optimizer_ms = pending_.norm_ms + elapsed_ms + optimizer.ElapsedMs();
@@ -237,6 +249,36 @@ absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, floa
   RETURN_IF_ERROR(streams_->JoinComm());
   RETURN_IF_ERROR(pipeline_->JoinUploads(streams_->compute()));
   return t.gather_ms;
+}
+
+absl::Status Engine::Impl::MarkDevice(zero_internal::DeviceStepTimer::Point p) {
+  if (dtimer_ == nullptr) return absl::OkStatus();
+  return dtimer_->Mark(p, streams_->compute());
+}
+
+absl::Status Engine::Impl::MarkDeviceStepDone() {
+  if (dtimer_ == nullptr) return absl::OkStatus();
+  RETURN_IF_ERROR(dtimer_->Mark(zero_internal::DeviceStepTimer::kDoneCompute, streams_->compute()));
+  RETURN_IF_ERROR(dtimer_->Mark(zero_internal::DeviceStepTimer::kDoneSide, streams_->side()));
+  // A skipped step does not advance step_; it is still the step these times are of.
+  dtimer_->StepMarked(step_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DeviceStepTimes> Engine::DeviceTimes() {
+  if (impl_->dtimer_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "DeviceTimes() needs EngineOptions::device_timing (zr_engine_options.device_timing)");
+  }
+  int64_t step = 0;
+  ASSIGN_OR_RETURN(const zero_internal::DevicePhaseTimes t, impl_->dtimer_->Read(&step));
+  DeviceStepTimes out;
+  out.step = step;
+  out.norm_ms = t.norm_ms;
+  out.update_ms = t.update_ms;
+  out.gather_ms = t.gather_ms;
+  out.total_ms = t.total_ms;
+  return out;
 }
 
 absl::Status Engine::Impl::GatherUpdatedParams() {

@@ -15,6 +15,7 @@
 #include "offload/cpu_adamw.h"
 #include "offload/pipeline.h"
 #include "zero/internal/adamw_groups.h"
+#include "zero/internal/device_step_timer.h"
 #include "zero/internal/step_control.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/grad_buckets.h"
@@ -79,6 +80,10 @@ class Engine::Impl {
   StepStats MicroStepStats() const;
   absl::Status MeasureWindow();
   absl::StatusOr<StepStats> Skip(double elapsed_ms);
+  // DeviceStepTimer's point `p` on the compute stream (no-op without device timing).
+  absl::Status MarkDevice(zero_internal::DeviceStepTimer::Point p);
+  // The step's last points (on compute and side()): the step DeviceTimes reports.
+  absl::Status MarkDeviceStepDone();
   using RangeLists = std::vector<std::vector<offload::AdamWRange>>;
   absl::StatusOr<const RangeLists*> StepConstants(StepStats* stats);
   // AdamW on every owned region; returns the time the pipeline spent in all-gathers.
@@ -148,6 +153,7 @@ class Engine::Impl {
   std::unique_ptr<offload::OffloadPipeline> pipeline_;  // with offload_optimizer only
 
   std::unique_ptr<zero_internal::GradNorm> norm_;
+  std::unique_ptr<zero_internal::DeviceStepTimer> dtimer_;  // EngineOptions::device_timing only
   std::unique_ptr<zero_internal::AdamWGroups> groups_;
   std::unique_ptr<zero_internal::OwnedSnapshot> snapshot_;
 };

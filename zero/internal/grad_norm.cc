@@ -10,7 +10,7 @@
 namespace zerort {
 namespace zero_internal {
 
-absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
+absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event device_done) {
   const int nu = layout_.num_units();
   const int world = plan_.options.world_size, rank = plan_.options.rank;
   // (world, units + 1) fp32
@@ -35,6 +35,7 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale) {
           dev_->SquaredNorm(reg.grad, cdt, reg.n, &table[rank * (nu + 1) + u], compute_));
     }
   }
+  if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
   const bool finite =
       std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });

@@ -33,8 +33,9 @@ class GradNorm {
     bool overflow = false;  // an Inf/NaN on some rank, or an infinite norm
   };
   // `scale`: what the gradients are multiplied by (loss scale x accumulation steps).
-  // Collective; synchronizes the compute stream.
-  absl::StatusOr<Result> Measure(double scale);
+  // Collective; synchronizes the compute stream. `device_done`, if not null, is recorded on the
+  // compute stream after the device work, before the host waits for it (DeviceStepTimer).
+  absl::StatusOr<Result> Measure(double scale, Device::Event device_done = nullptr);
 
  private:
   const memory::Plan& plan_;

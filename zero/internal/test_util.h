@@ -83,6 +83,8 @@ class ForwardingDevice : public Device {
   absl::Status Record(Event e, Stream s) override { return inner_->Record(e, s); }
   absl::Status Wait(Stream s, Event e) override { return inner_->Wait(s, e); }
   absl::Status WaitHost(Event e) override { return inner_->WaitHost(e); }
+  absl::StatusOr<Event> CreateTimingEvent() override { return inner_->CreateTimingEvent(); }
+  absl::StatusOr<double> ElapsedMs(Event a, Event b) override { return inner_->ElapsedMs(a, b); }
 
  protected:
   Device* const inner_;
