@@ -336,7 +336,12 @@ class ConfigRun {
       const cudaStream_t cs = static_cast<cudaStream_t>(stream_);
       const Clock::time_point t0 = Clock::now();
       CheckCuda(cudaEventRecord(ev_start, cs), "cudaEventRecord");
-      for (int i = 0; i < engine->num_params() && status.ok(); ++i) status = engine->GradReady(i);
+      // In backward order (plan().units), as a trainer's backward marks them.
+      for (const memory::Unit& unit : engine->plan().units) {
+        for (int i : unit.params) {
+          if (status.ok()) status = engine->GradReady(i);
+        }
+      }
       if (!status.ok()) break;
       absl::StatusOr<StepStats> stats = engine->Step();
       if (!stats.ok()) {
