@@ -432,13 +432,16 @@ int Main(int argc, char** argv) {
   const Clock::time_point start = Clock::now();
   Options opt;
   if (!ParseArgs(argc, argv, &opt)) {
-    std::fprintf(stderr, "usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S]\n");
+    std::fprintf(stderr,
+                 "usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S]\n");
     return 2;
   }
   absl::StatusOr<std::unique_ptr<Device>> gpu = CreateCudaDevice(0);
   if (!gpu.ok()) {
     const std::string reason(gpu.status().message());
-    std::printf("%s\n", json({{"benchmark", "gpu_step_bench"}, {"skipped", reason}}).dump().c_str());
+    // Indented, one key a line: tools/gpu_bundle/run.sh reads the reason off the "skipped" line.
+    std::printf("%s\n",
+                json({{"benchmark", "gpu_step_bench"}, {"skipped", reason}}).dump(2).c_str());
     return 0;
   }
   Device* const dev = gpu->get();
