@@ -24,6 +24,9 @@
 //                                first GradReady and after Step() returns
 //   stats                        medians of the engine's StepStats host timings (reduce, optimizer,
 //                                gather, offload_wait, total), and its comm_bytes, grad_norm
+//   device_times                 medians of Engine::DeviceTimes (EngineOptions::device_timing:
+//                                timing events on the engine's streams): norm_ms, update_ms,
+//                                gather_ms, total_ms of the optimizer step on the GPU's clock
 //   create_s, init_s             Engine::Create and InitParams (all parameters zero: cheap)
 //
 // The floor: bytes the step's kernels must read + write, over the bandwidth they are limited by.
@@ -273,6 +276,8 @@ absl::Status FillGradients(Device* dev, Device::Stream stream, char* grads, size
 // What a config's steps measured.
 struct Timings {
   std::vector<double> wall_ms, event_ms, reduce, optimizer, gather, offload_wait, total;
+  // Engine::DeviceTimes: the step's phases on the GPU's clock.
+  std::vector<double> dev_norm, dev_update, dev_gather, dev_total;
   StepStats last;
   int overflow_steps = 0;  // steps the engine dropped for an Inf/NaN (none expected)
 };
@@ -303,6 +308,7 @@ class ConfigRun {
     Clock::time_point t = Clock::now();
     EngineOptions options;
     options.compute_stream = stream_;
+    options.device_timing = true;
     absl::StatusOr<std::unique_ptr<Engine>> created =
         Engine::Create(MakeConfig(stage, offload), specs, comm_, dev_, options);
     if (absl::IsInvalidArgument(created.status())) {
@@ -364,6 +370,15 @@ class ConfigRun {
       float event_ms = 0;
       CheckCuda(cudaEventElapsedTime(&event_ms, ev_start, ev_stop), "cudaEventElapsedTime");
       if (s < warmup) continue;
+      absl::StatusOr<DeviceStepTimes> dt = engine->DeviceTimes();
+      if (!dt.ok()) {
+        status = dt.status();
+        break;
+      }
+      tm.dev_norm.push_back(dt->norm_ms);
+      tm.dev_update.push_back(dt->update_ms);
+      tm.dev_gather.push_back(dt->gather_ms);
+      tm.dev_total.push_back(dt->total_ms);
       tm.wall_ms.push_back(wall_ms);
       tm.event_ms.push_back(event_ms);
       tm.reduce.push_back(stats->reduce_ms);
@@ -419,6 +434,12 @@ class ConfigRun {
         {"grad_norm", tm.last.grad_norm},
         {"optimizer_steps", tm.last.step},
         {"overflow_steps", tm.overflow_steps},
+    };
+    (*row)["device_times"] = {
+        {"norm_ms", Median(tm.dev_norm)},
+        {"update_ms", Median(tm.dev_update)},
+        {"gather_ms", Median(tm.dev_gather)},
+        {"total_ms", Median(tm.dev_total)},
     };
   }
 
@@ -523,11 +544,15 @@ int Main(int argc, char** argv) {
         } else if (row.contains("step_ms_median")) {
           std::fprintf(stderr,
                        "%-5s stage %d offload %-4s: step %8.2f ms (min %8.2f, events %8.2f), "
-                       "floor %8.2f ms, ratio %6.2f; create %.1f s, init %.1f s\n",
+                       "floor %8.2f ms, ratio %6.2f; device: norm %.2f update %.2f gather "
+                       "%.2f ms; create %.1f s, init %.1f s\n",
                        shape_name.c_str(), stage, offload ? "cpu" : "none",
                        row["step_ms_median"].get<double>(), row["step_ms_min"].get<double>(),
                        row["event_ms_median"].get<double>(), row["floor_ms"].get<double>(),
-                       row["ratio_to_floor"].get<double>(), row["create_s"].get<double>(),
+                       row["ratio_to_floor"].get<double>(),
+                       row["device_times"]["norm_ms"].get<double>(),
+                       row["device_times"]["update_ms"].get<double>(),
+                       row["device_times"]["gather_ms"].get<double>(), row["create_s"].get<double>(),
                        row["init_s"].get<double>());
         } else {
           std::fprintf(stderr, "%-5s stage %d offload %-4s: %s\n", shape_name.c_str(), stage,
