@@ -55,7 +55,8 @@ int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* scratch, floa
                       void* stream);
 
 // *out = offload::NormTreeSum(values, count) (values are not modified), for the tests of the
-// tree levels beyond what a test-sized norm reaches. REQUIRES: values holds count >= 1 floats;
+// tree levels beyond what a test-sized norm reaches. For count == 1 it enqueues a 4-byte
+// cudaMemcpyAsync and returns that call's error. REQUIRES: values holds count >= 1 floats;
 // scratch holds NormTreeScratch(count) floats; no overlaps.
 int LaunchNormTreeSum(const float* values, size_t count, float* scratch, float* out, void* stream);
 
