@@ -24,6 +24,7 @@ namespace {
 constexpr size_t kRawAlignment = 4096;
 
 static_assert(offload::kNormBlock == 1024, "cuda_kernels.cu hard-codes the norm block");
+static_assert(offload::kNormTreeChunk == 1024, "cuda_kernels.cu hard-codes the norm tree chunk");
 
 // A failed runtime call also records itself as the thread's "last error"; clear it so that the
 // next launch's cudaGetLastError() does not report it again against an innocent kernel.
@@ -226,20 +227,22 @@ class CudaDevice final : public Device {
     RETURN_IF_ERROR(Use());
     RETURN_IF_ERROR(CheckAccessible(x, "SquaredNorm", "x"));
     const cudaStream_t s = AsStream(stream);
-    const size_t nblocks = cuda_internal::NormBlocks(n);
-    // (nblocks + 1) fp32: the block partials, then the total. Stream-ordered allocation from
-    // the device's pool (kept cached, see CreateCudaDevice), so concurrent calls on other
-    // streams never share scratch and no call waits for another.
+    const size_t floats = cuda_internal::NormScratch(n);
+    // (floats + 1) fp32: the block partials and the tree levels above them (about n / 1023),
+    // then the total. Stream-ordered allocation from the device's pool (kept cached, see
+    // CreateCudaDevice), so concurrent calls on other streams never share scratch and no call
+    // waits for another.
     void* scratch = nullptr;
-    RETURN_IF_CUDA_ERROR(Cleared(cudaMallocAsync(&scratch, (nblocks + 1) * sizeof(float), s)),
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMallocAsync(&scratch, (floats + 1) * sizeof(float), s)),
                          "(", name_, ": SquaredNorm scratch for ", n, " elements)");
-    float* partials = static_cast<float*>(scratch);
-    absl::Status status = LaunchStatus(
-        cuda_internal::LaunchSquaredNorm(x, dtype, n, partials, partials + nblocks, stream),
-        name_, "SquaredNorm", n, dtype);
+    float* levels = static_cast<float*>(scratch);
+    float* total = levels + floats;
+    absl::Status status =
+        LaunchStatus(cuda_internal::LaunchSquaredNorm(x, dtype, n, levels, total, stream), name_,
+                     "SquaredNorm", n, dtype);
     if (status.ok()) {
-      const cudaError_t e = Cleared(
-          cudaMemcpyAsync(out, partials + nblocks, sizeof(float), cudaMemcpyDefault, s));
+      const cudaError_t e =
+          Cleared(cudaMemcpyAsync(out, total, sizeof(float), cudaMemcpyDefault, s));
       if (e != cudaSuccess) status = CudaFailure(e, absl::StrCat(name_, ": SquaredNorm result"));
     }
     Cleared(cudaFreeAsync(scratch, s));

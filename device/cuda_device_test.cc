@@ -33,6 +33,7 @@
 #include "offload/cpu_kernels.h"
 #include "device/testing/one_thread.h"
 #include "device/internal/cuda_elementwise.h"
+#include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
 
 namespace zerort {
@@ -42,7 +43,7 @@ using cuda_internal::AdamWConstants;
 
 constexpr DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
 // Around every boundary the kernels have: warps, 256-thread blocks, 1024-element norm blocks,
-// the 1024-partial chunks of the in-order sum (2^20 + 3 elements = 1025 partials).
+// the 1024-value chunks of the norm's tree (2^20 + 3 elements = 1025 partials: two levels).
 constexpr size_t kSizes[] = {1, 7, 31, 255, 1023, 1024, 1025, 8 * 1024 + 9, 100003,
                              (size_t{1} << 20) + 3};
 
@@ -204,11 +205,53 @@ TEST_CASE("CudaMath: the AdamW element equals offload::CpuAdamW bitwise", "[zero
   }
 }
 
+// One block of NormTreeLevelKernel, replayed on the host: 512 threads each add in[t] and
+// in[t + 512] (+0 past count), halve through shared memory down to 64 slots, then warp 0 adds
+// slot[l] + slot[l + 32] and shuffles down by 16, 8, 4, 2, 1 (__shfl_down_sync hands lane l
+// the value of lane l + k, or its own where l + k >= 32). Returns lane 0's value.
+float ReplayTreeBlock(const float* in, size_t count, size_t block) {
+  constexpr size_t kThreads = 512;
+  float slot[kThreads];
+  for (size_t t = 0; t < kThreads; ++t) {
+    const size_t i = block * 2 * kThreads + t;
+    const float lo = i < count ? in[i] : 0.0f;
+    const float hi = i + kThreads < count ? in[i + kThreads] : 0.0f;
+    slot[t] = cuda_internal::Add(lo, hi);
+  }
+  for (size_t stride = kThreads / 2; stride > 32; stride /= 2) {
+    for (size_t t = 0; t < stride; ++t) slot[t] = cuda_internal::Add(slot[t], slot[t + stride]);
+  }
+  float lane[32];
+  for (int l = 0; l < 32; ++l) lane[l] = cuda_internal::Add(slot[l], slot[l + 32]);
+  for (int k : {16, 8, 4, 2, 1}) {
+    float next[32];
+    for (int l = 0; l < 32; ++l) {
+      next[l] = cuda_internal::Add(lane[l], lane[l + k < 32 ? l + k : l]);
+    }
+    std::copy(next, next + 32, lane);
+  }
+  return lane[0];
+}
+
+// LaunchNormTreeSum replayed: one launch of ReplayTreeBlock's blocks per level, 1024 values
+// per block, until one value is left.
+float ReplayTreeLevels(std::vector<float> level) {
+  while (level.size() > 1) {
+    std::vector<float> next((level.size() + 1023) / 1024);
+    for (size_t c = 0; c < next.size(); ++c) {
+      next[c] = ReplayTreeBlock(level.data(), level.size(), c);
+    }
+    level = std::move(next);
+  }
+  return level[0];
+}
+
 // The kernels' norm, replayed on the host: 8 lanes per block, the warp's xor-shuffle tree
-// (each lane adds its partner's value: lane l sees acc[l] + acc[l ^ k]), then the in-order sum.
+// (each lane adds its partner's value: lane l sees acc[l] + acc[l ^ k]), then the tree levels
+// (ReplayTreeLevels).
 template <DType D>
 float ReplayKernelNorm(const void* x, size_t n) {
-  float total = 0.0f;
+  std::vector<float> level;
   for (size_t b = 0; b * offload::kNormBlock < n; ++b) {
     const size_t begin = b * offload::kNormBlock;
     const size_t end = std::min(n, begin + offload::kNormBlock);
@@ -219,14 +262,39 @@ float ReplayKernelNorm(const void* x, size_t n) {
       for (int l = 0; l < 8; ++l) next[l] = cuda_internal::Add(acc[l], acc[l ^ k]);
       std::copy(next, next + 8, acc);
     }
-    total = cuda_internal::Add(total, acc[0]);
+    level.push_back(acc[0]);
   }
-  return total;
+  return ReplayTreeLevels(std::move(level));
+}
+
+// Tree values as the norm's partials are: >= +0, of many magnitudes.
+std::vector<float> RandomPartials(size_t count, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f), ex(-30, 30);
+  std::vector<float> out(count);
+  for (float& v : out) v = rng() % 97 == 0 ? 0.0f : mant(rng) * std::exp2(std::floor(ex(rng)));
+  return out;
+}
+
+// Value counts of the tree: one chunk, a padded one, one full level, several levels (2^20 + 7:
+// 1025 chunks, then 2, then 1), beyond what a test-sized norm reaches.
+constexpr size_t kTreeCounts[] = {1, 2, 33, 511, 512, 513, 1023, 1024, 1025, 70001,
+                                  (size_t{1} << 20) + 7};
+
+TEST_CASE("CudaMath: the kernel's tree levels equal NormTreeSum bitwise", "[zero]") {
+  for (size_t count : kTreeCounts) {
+    std::vector<float> values = RandomPartials(count, static_cast<uint32_t>(count));
+    const float replay = ReplayTreeLevels(values);
+    INFO("count=" << count);
+    REQUIRE(Bits(replay) == Bits(offload::NormTreeSum(values.data(), count)));
+  }
 }
 
 TEST_CASE("CudaMath: the kernel's norm order equals SquaredNormF32 bitwise", "[zero]") {
+  std::vector<size_t> sizes(std::begin(kSizes), std::end(kSizes));
+  sizes.push_back(2 * 1024 * 1024 + 5);  // 2049 partials: three chunks, then one
   for (DType d : kDTypes) {
-    for (size_t n : kSizes) {
+    for (size_t n : sizes) {
       const std::vector<char> x = RandomValues(d, n, static_cast<uint32_t>(n), -12, 3);
       float replay = 0;
       switch (d) {
@@ -787,7 +855,7 @@ TEST_CASE("CudaDevice: Accumulate equals the CPU device bitwise", "[zero][gpu]")
 TEST_CASE("CudaDevice: SquaredNorm equals SquaredNormF32 bitwise", "[zero][gpu]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  // Over 1024 blocks: the in-order sum then stages several chunks.
+  // Over 1024 blocks: two tree levels, the first of three chunks (the last padded).
   std::vector<size_t> sizes(std::begin(kSizes), std::end(kSizes));
   sizes.push_back(3000 * 1024 + 17);
   for (DType d : kDTypes) {
@@ -809,6 +877,31 @@ TEST_CASE("CudaDevice: SquaredNorm equals SquaredNormF32 bitwise", "[zero][gpu]"
   REQUIRE(gpu->Synchronize(nullptr).ok());
   REQUIRE(Bits(*out.as<float>()) ==
           Bits(offload::SquaredNormF32(x.data(), DType::kBF16, 77777, 1)));
+}
+
+TEST_CASE("CudaDevice: the norm's tree levels equal NormTreeSum bitwise", "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  for (size_t count : kTreeCounts) {
+    INFO("count=" << count);
+    std::vector<float> values = RandomPartials(count, 500 + static_cast<uint32_t>(count));
+    std::vector<char> bytes(count * sizeof(float));
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+    auto dvalues = Upload(gpu, bytes);
+    // (scratch levels, then the total) fp32
+    const size_t floats = cuda_internal::NormTreeScratch(count);
+    memory::Allocation scratch =
+        Alloc(gpu, memory::MemoryKind::kDevice, (floats + 1) * sizeof(float));
+    float* total = scratch.as<float>() + floats;
+    REQUIRE(cuda_internal::LaunchNormTreeSum(dvalues->as<float>(), count, scratch.as<float>(),
+                                             total, nullptr) == 0);
+    const std::vector<char> got = Download(gpu, total, sizeof(float));
+    float g = 0;
+    std::memcpy(&g, got.data(), sizeof(float));
+    REQUIRE(Bits(g) == Bits(offload::NormTreeSum(values.data(), count)));
+    // The input is left as it was.
+    REQUIRE(Download(gpu, dvalues->get(), bytes.size()) == bytes);
+  }
 }
 
 TEST_CASE("CudaDevice: AllFinite finds one Inf or NaN anywhere", "[zero][gpu]") {

@@ -175,9 +175,28 @@ float SquaredNormF32(const void* x, DType dtype, size_t n, int threads) {
       BlockNorms<DType::kF16>(x, n, threads, partials.data());
       break;
   }
-  float total = 0.0f;
-  for (float p : partials) total += p;
-  return total;
+  return NormTreeSum(partials.data(), partials.size());
+}
+
+float NormTreeSum(float* values, size_t count) {
+  assert(values != nullptr || count == 0);
+  if (count == 0) return 0.0f;
+  while (count > 1) {
+    const size_t chunks = (count + kNormTreeChunk - 1) / kNormTreeChunk;
+    for (size_t c = 0; c < chunks; ++c) {
+      float v[kNormTreeChunk];
+      const size_t begin = c * kNormTreeChunk;
+      const size_t len = std::min(kNormTreeChunk, count - begin);
+      std::copy(values + begin, values + begin + len, v);
+      std::fill(v + len, v + kNormTreeChunk, 0.0f);
+      for (size_t stride = kNormTreeChunk / 2; stride >= 1; stride /= 2) {
+        for (size_t i = 0; i < stride; ++i) v[i] = v[i] + v[i + stride];
+      }
+      values[c] = v[0];  // c <= begin: chunk c's inputs are already read
+    }
+    count = chunks;
+  }
+  return values[0];
 }
 
 bool AllFinite(const void* x, DType dtype, size_t n, int threads) {

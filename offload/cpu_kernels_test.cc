@@ -1,5 +1,6 @@
 #include "offload/cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,30 +46,61 @@ std::vector<uint8_t> RandomArray(size_t n, DType d, uint32_t seed) {
   return buf;
 }
 
-// The documented order, written from the header's definition.
-float ReferenceSquaredNorm(const std::vector<uint8_t>& buf, DType d, size_t n) {
-  float total = 0.0f;
+// The documented tree of NormTreeSum, written from the header's definition but recursively:
+// after the steps of strides 512 down to s, slot i of a chunk holds
+// Slot(i, s) = Slot(i, 2s) + Slot(i + s, 2s), and before any step Slot(i, 1024) is value i
+// (or +0 past the end). The chunk's sum is Slot(0, 1).
+float Slot(const std::vector<float>& chunk, size_t i, size_t s) {
+  if (s == 1024) return i < chunk.size() ? chunk[i] : 0.0f;
+  return Slot(chunk, i, 2 * s) + Slot(chunk, i + s, 2 * s);
+}
+
+float ReferenceTreeSum(std::vector<float> level) {
+  if (level.empty()) return 0.0f;
+  while (level.size() > 1) {
+    std::vector<float> next;
+    for (size_t begin = 0; begin < level.size(); begin += 1024) {
+      const size_t end = std::min(level.size(), begin + 1024);
+      next.push_back(Slot(std::vector<float>(level.begin() + begin, level.begin() + end), 0, 1));
+    }
+    level = std::move(next);
+  }
+  return level[0];
+}
+
+// The block partials of the documented order, written from the header's definition.
+std::vector<float> ReferencePartials(const std::vector<uint8_t>& buf, DType d, size_t n) {
+  std::vector<float> partials;
   for (size_t block = 0; block < n; block += 1024) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (size_t j = 0; block + j < n && j < 1024; ++j) {
       const float x = ToFloat(buf, d, block + j);
       acc[j % 8] = std::fma(x, x, acc[j % 8]);
     }
-    const float partial =
-        ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    total += partial;
+    partials.push_back(((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                       ((acc[4] + acc[5]) + (acc[6] + acc[7])));
   }
-  return total;
+  return partials;
 }
 
 TEST_CASE("SquaredNormF32: the documented fixed order, independent of SIMD level and threads",
           "[offload]") {
   SimdGuard guard;
+  // 1024 * 1024 + 1 elements: 1025 partials, two tree levels with a padded chunk in each;
+  // 2 * 1024 * 1024 + 5: 2049 partials, three chunks at the first level.
+  int distinct_from_in_order = 0;
   for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{1023},
-                   size_t{1024}, size_t{1025}, size_t{100003}}) {
+                   size_t{1024}, size_t{1025}, size_t{100003}, size_t{1024 * 1024},
+                   size_t{1024 * 1024 + 1}, size_t{2 * 1024 * 1024 + 5}}) {
     for (DType d : kDTypes) {
       const std::vector<uint8_t> x = RandomArray(n, d, static_cast<uint32_t>(n));
-      const float expected = ReferenceSquaredNorm(x, d, n);
+      const std::vector<float> partials = ReferencePartials(x, d, n);
+      const float expected = ReferenceTreeSum(partials);
+      if (n > 1024 * 1024) {  // the serial sum the tree replaced: the tests must tell them apart
+        float in_order = 0.0f;
+        for (float p : partials) in_order += p;
+        distinct_from_in_order += FloatBits(in_order) != FloatBits(expected);
+      }
       double exact = 0;
       for (size_t i = 0; i < n; ++i) exact += double(ToFloat(x, d, i)) * ToFloat(x, d, i);
       INFO("n=" << n << " dtype " << DTypeName(d));
@@ -83,6 +115,37 @@ TEST_CASE("SquaredNormF32: the documented fixed order, independent of SIMD level
       }
     }
   }
+  CHECK(distinct_from_in_order > 0);
+}
+
+TEST_CASE("NormTreeSum: the documented tree over every level, padding included", "[offload]") {
+  // By hand: [2^-24, 2^-24, 1] pads to 1024; stride 2 gives v0 = 2^-24 + 1 = 1 (a tie, to even),
+  // v1 = 2^-24; stride 1 gives 1 + 2^-24 = 1. In order it would be 1 + 2^-23.
+  std::vector<float> tiny = {std::ldexp(1.0f, -24), std::ldexp(1.0f, -24), 1.0f};
+  CHECK(FloatBits(NormTreeSum(tiny.data(), tiny.size())) == FloatBits(1.0f));
+  float one = 3.5f;
+  CHECK(FloatBits(NormTreeSum(&one, 1)) == FloatBits(3.5f));
+  CHECK(FloatBits(NormTreeSum(nullptr, 0)) == FloatBits(0.0f));
+  // 1024 * 1024 + 7 values: three levels (1025 chunks, then 2, then 1).
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  for (size_t count : {size_t{2}, size_t{3}, size_t{511}, size_t{512}, size_t{513}, size_t{1023},
+                       size_t{1024}, size_t{1025}, size_t{4097}, size_t{1024 * 1024},
+                       size_t{1024 * 1024 + 7}}) {
+    std::vector<float> values(count);
+    for (float& v : values) v = std::ldexp(unit(rng), exponent(rng));
+    const float expected = ReferenceTreeSum(values);
+    INFO("count " << count);
+    CHECK(FloatBits(NormTreeSum(values.data(), count)) == FloatBits(expected));
+  }
+  // Inf and NaN partials reach the result.
+  std::vector<float> special(3000, 1.0f);
+  special[2999] = INFINITY;
+  CHECK(std::isinf(NormTreeSum(special.data(), special.size())));
+  special.assign(3000, 1.0f);
+  special[1500] = std::nanf("");
+  CHECK(std::isnan(NormTreeSum(special.data(), special.size())));
 }
 
 TEST_CASE("AllFinite: finds one Inf or NaN anywhere, on every path", "[offload]") {

@@ -144,25 +144,57 @@ __global__ void NormBlocksKernel(const void* __restrict__ x, size_t n, size_t nb
   if (lane == 0 && b < nblocks) partials[b] = acc;
 }
 
-constexpr int kSumThreads = 1024;
+// offload::NormTreeSum's chunk (offload::kNormTreeChunk, checked in cuda_device.cc) and the
+// threads that sum one: each thread adds its pair of the first step (stride 512).
+constexpr size_t kTreeChunk = 1024;
+constexpr int kTreeThreads = kTreeChunk / 2;
 
-// The block order of the reference is a serial chain of additions: one thread adds, the block
-// only stages the partials through shared memory so that its loads are coalesced. At 1024
-// elements per partial this is 1/1024 of the first kernel's loads.
-__global__ void SumInOrderKernel(const float* __restrict__ partials, size_t count,
-                                 float* __restrict__ out) {
-  __shared__ float chunk[kSumThreads];
-  float total = 0.0f;
-  for (size_t base = 0; base < count; base += kSumThreads) {
-    const size_t len = count - base < kSumThreads ? count - base : kSumThreads;
-    if (threadIdx.x < len) chunk[threadIdx.x] = partials[base + threadIdx.x];
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      for (size_t i = 0; i < len; ++i) total = Add(total, chunk[i]);
-    }
+// One level of offload::NormTreeSum: block c writes the tree sum of in[c * 1024, +1024) (+0 past
+// `count`) to out[c]. Thread i starts with in[i] + in[i + 512] (the stride-512 step, coalesced
+// loads), strides 256, 128 and 64 pair slots through shared memory, warp 0 adds stride 32 from
+// shared memory and the last five with shfl_down by `stride`, which hands lane i the value of
+// lane i + stride: exactly the definition's pairs (fp addition is commutative, so only the
+// pairing matters). Lanes at or past `stride` compute values nobody reads.
+__global__ void __launch_bounds__(kTreeThreads)
+    NormTreeLevelKernel(const float* __restrict__ in, size_t count, float* __restrict__ out) {
+  __shared__ float slot[kTreeThreads];
+  const int t = threadIdx.x;
+  const size_t base = static_cast<size_t>(blockIdx.x) * kTreeChunk;
+  const size_t i = base + static_cast<size_t>(t);
+  const float lo = i < count ? in[i] : 0.0f;
+  const float hi = i + kTreeThreads < count ? in[i + kTreeThreads] : 0.0f;
+  slot[t] = Add(lo, hi);
+  __syncthreads();
+  for (int stride = kTreeThreads / 2; stride > 32; stride /= 2) {
+    if (t < stride) slot[t] = Add(slot[t], slot[t + stride]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) *out = total;
+  if (t < 32) {
+    float v = Add(slot[t], slot[t + 32]);
+    for (int stride = 16; stride >= 1; stride /= 2) {
+      v = Add(v, __shfl_down_sync(0xffffffffu, v, stride));
+    }
+    if (t == 0) out[blockIdx.x] = v;
+  }
+}
+
+size_t TreeChunks(size_t count) { return (count + kTreeChunk - 1) / kTreeChunk; }
+
+// Enqueues every level of offload::NormTreeSum over values[0, count): the levels above the
+// first go to scratch (each right after the previous), the single last value to *out.
+// REQUIRES: count >= 2; scratch holds NormTreeScratch(count) floats.
+cudaError_t LaunchTreeLevels(const float* values, size_t count, float* scratch, float* out,
+                             cudaStream_t s) {
+  while (count > 1) {
+    const size_t chunks = TreeChunks(count);
+    float* next = chunks == 1 ? out : scratch;
+    NormTreeLevelKernel<<<static_cast<unsigned>(chunks), kTreeThreads, 0, s>>>(values, count, next);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    values = next;
+    scratch += chunks;
+    count = chunks;
+  }
+  return cudaSuccess;
 }
 
 // ------------------------------------------------------------------ finite check
@@ -275,19 +307,39 @@ int LaunchScale(void* x, DType dtype, size_t n, float factor, void* stream) {
 
 size_t NormBlocks(size_t n) { return (n + kNormBlockElems - 1) / kNormBlockElems; }
 
-int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, float* out,
+size_t NormTreeScratch(size_t count) {
+  size_t floats = 0;
+  for (count = TreeChunks(count); count > 1; count = TreeChunks(count)) floats += count;
+  return floats;
+}
+
+size_t NormScratch(size_t n) {
+  const size_t nblocks = NormBlocks(n);
+  return nblocks == 1 ? 0 : nblocks + NormTreeScratch(nblocks);
+}
+
+int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* scratch, float* out,
                       void* stream) {
   const cudaStream_t s = AsStream(stream);
   const size_t nblocks = NormBlocks(n);
+  // One block: its partial is the result (the tree of one value is that value).
+  float* partials = nblocks == 1 ? out : scratch;
   const size_t threads = nblocks * kNormLanes;
   const unsigned grid = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
   WithDType(dtype, [&](auto d) {
     NormBlocksKernel<decltype(d)::value><<<grid, kThreads, 0, s>>>(x, n, nblocks, partials);
   });
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return static_cast<int>(e);
-  SumInOrderKernel<<<1, kSumThreads, 0, s>>>(partials, nblocks, out);
-  return static_cast<int>(cudaGetLastError());
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
+  if (nblocks == 1) return static_cast<int>(cudaSuccess);
+  return static_cast<int>(LaunchTreeLevels(partials, nblocks, scratch + nblocks, out, s));
+}
+
+int LaunchNormTreeSum(const float* values, size_t count, float* scratch, float* out, void* stream) {
+  const cudaStream_t s = AsStream(stream);
+  if (count == 1) {
+    return static_cast<int>(cudaMemcpyAsync(out, values, sizeof(float), cudaMemcpyDefault, s));
+  }
+  return static_cast<int>(LaunchTreeLevels(values, count, scratch, out, s));
 }
 
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream) {

@@ -36,14 +36,29 @@ int LaunchAccumulate(void* acc, const void* x, DType dtype, size_t n, void* stre
 // x[i] = round(float(x[i]) * factor) (gradient prescaling).
 int LaunchScale(void* x, DType dtype, size_t n, float factor, void* stream);
 
-// Number of partials the squared norm of n elements needs: ceil(n / offload::kNormBlock).
+// Number of block partials of the squared norm of n elements: ceil(n / offload::kNormBlock).
 size_t NormBlocks(size_t n);
 
-// partials[b] = offload::SquaredNormF32's partial of block b, for b < NormBlocks(n); then
-// *out = (((0 + partials[0]) + partials[1]) + ...), in block order.
-// REQUIRES: partials holds NormBlocks(n) floats; out is device-accessible.
-int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* partials, float* out,
+// Floats of scratch LaunchSquaredNorm needs for n elements: the block partials, then every tree
+// level above them but the last (0 when n <= offload::kNormBlock; about n / 1023 otherwise).
+size_t NormScratch(size_t n);
+
+// Floats of scratch LaunchNormTreeSum needs for `count` values: every tree level but the last.
+size_t NormTreeScratch(size_t count);
+
+// *out = offload::SquaredNormF32(x, dtype, n), bitwise: one kernel writes the block partials to
+// scratch, then one launch per level of offload::NormTreeSum (1024 values per 512-thread block)
+// writes the next level after them, until the last writes *out.
+// REQUIRES: scratch holds NormScratch(n) floats (may be null when that is 0); out does not
+// overlap scratch.
+int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* scratch, float* out,
                       void* stream);
+
+// *out = offload::NormTreeSum(values, count) (values are not modified), for the tests of the
+// tree levels beyond what a test-sized norm reaches. For count == 1 it enqueues a 4-byte
+// cudaMemcpyAsync and returns that call's error. REQUIRES: values holds count >= 1 floats;
+// scratch holds NormTreeScratch(count) floats; no overlaps.
+int LaunchNormTreeSum(const float* values, size_t count, float* scratch, float* out, void* stream);
 
 // Clears *finite (a byte preset to 1 by the caller) if any element is Inf or NaN.
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream);
