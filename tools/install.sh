@@ -2,15 +2,24 @@
 # Builds libzerort with Bazel and installs it for trainers built with CMake, pkg-config or by
 # hand, outside this tree:
 #   PREFIX/include/zerort/zero_c.h                 the C ABI (self-contained C99)
-#   PREFIX/lib/libzerort.so.MAJOR, libzerort.so     exports only zr_* (capi/zerort.lds)
+#   PREFIX/lib/libzerort.so.MAJOR, libzerort.so     exports only zr_* (capi/zerort.lds); RUNPATH
+#                                                   $ORIGIN; liburing and the CUDA runtime linked
+#                                                   in, NCCL loaded at run time (comm/nccl_dlopen.h)
+#   PREFIX/lib/libabsl_*.so.20220623                the Abseil libraries it and bin/zerort load
+#   PREFIX/bin/zerort                               the command (plan, demo, ckpt); RUNPATH
+#                                                   $ORIGIN/../lib
 #   PREFIX/lib/libzerort.a                          the same objects, for static linking
 #   PREFIX/lib/pkgconfig/zerort.pc                  pkg-config --cflags --libs [--static] zerort
 #   PREFIX/lib/cmake/zerort/zerortConfig.cmake      find_package(zerort): zerort::zerort,
 #   PREFIX/lib/cmake/zerort/zerortConfigVersion.cmake       zerort::zerort_static
 # Only the C ABI is installed: the C++ headers depend on this tree's layout and on the exact
 # Abseil build, so C++ trainers outside Bazel use the C ABI too (docs/embedding.md).
+# The tree needs nothing of the build machine but OpenMPI's libmpi.so.40 (libzerort only): every
+# other library is inside PREFIX/lib or part of glibc and the C++ runtime (tests/consumers/run.sh
+# checks it from an empty environment). NCCL is found at run time (docs/embedding.md).
 #
 # Usage: tools/install.sh PREFIX
+# Needs patchelf (tools/setup.sh installs it).
 set -euo pipefail
 if [ $# -ne 1 ]; then
   echo "usage: $0 PREFIX" >&2
@@ -19,8 +28,9 @@ fi
 mkdir -p "$1"
 prefix=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
+command -v patchelf >/dev/null || { echo "install: needs patchelf (tools/setup.sh)" >&2; exit 2; }
 
-bazel build //capi:libzerort.so.0 2>&1 | grep -v 'linux-sandbox' >&2
+bazel build //capi:libzerort.so.0 //cli:zerort_installed 2>&1 | grep -v 'linux-sandbox' >&2
 execroot=$(bazel info execution_root 2>/dev/null)
 bin=$(bazel info bazel-bin 2>/dev/null)
 params="$bin/capi/libzerort.so.0-2.params"
@@ -29,21 +39,56 @@ ver() { sed -n "s/^#define ZR_VERSION_$1 \([0-9]*\)$/\1/p" capi/zero_c.h; }
 major=$(ver MAJOR)
 version="$major.$(ver MINOR).$(ver PATCH)"
 
-install -d "$prefix/include/zerort" "$prefix/lib/pkgconfig" "$prefix/lib/cmake/zerort"
+install -d "$prefix/include/zerort" "$prefix/lib/pkgconfig" "$prefix/lib/cmake/zerort" \
+  "$prefix/bin"
 install -m 644 capi/zero_c.h "$prefix/include/zerort/zero_c.h"
 rm -f "$prefix/lib/libzerort.so.$major" "$prefix/lib/libzerort.so"
 install -m 755 "$bin/capi/libzerort.so.$major" "$prefix/lib/libzerort.so.$major"
 ln -s "libzerort.so.$major" "$prefix/lib/libzerort.so"
+rm -f "$prefix/bin/zerort"
+install -m 755 "$bin/cli/zerort_installed" "$prefix/bin/zerort"
+strip --strip-debug "$prefix/lib/libzerort.so.$major" "$prefix/bin/zerort"
+
+# The shared libraries they load that are neither glibc, the C++ runtime nor OpenMPI and what it
+# loads (that is: Abseil): copied next to libzerort, found through RUNPATH $ORIGIN. Bazel's
+# RUNPATH (the build machine's /usr/local/cuda/lib64) is replaced.
+mpi_closure=" $(ldd "$(ldd "$bin/capi/libzerort.so.$major" | awk '$1 ~ /^libmpi\.so/ {print $3}')" |
+  awk '$2 == "=>" {print $1}' | tr '\n' ' ') "
+copy_libs() {  # copy_libs ELF
+  local name arrow path rest
+  while read -r name arrow path rest; do
+    [ "$arrow" = "=>" ] || continue
+    [[ "$mpi_closure" == *" $name "* ]] && continue
+    case "$name" in
+      linux-vdso.so.* | ld-linux-*.so.* | libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | \
+        librt.so.* | libstdc++.so.* | libgcc_s.so.* | libmpi.so.* | libzerort.so.*) continue ;;
+    esac
+    if [ "$path" = not ]; then
+      echo "install: $1 needs $name, which is not found here" >&2
+      exit 1
+    fi
+    rm -f "$prefix/lib/$name"
+    cp -L "$path" "$prefix/lib/$name"
+    chmod 755 "$prefix/lib/$name"
+    patchelf --set-rpath '$ORIGIN' "$prefix/lib/$name"
+  done < <(ldd "$1")
+}
+copy_libs "$bin/capi/libzerort.so.$major"
+copy_libs "$bin/cli/zerort_installed"
+patchelf --set-rpath '$ORIGIN' "$prefix/lib/libzerort.so.$major"
+patchelf --set-rpath '$ORIGIN/../lib' "$prefix/bin/zerort"
 
 # The static archive: every object the shared library's link saw (its params file), renamed
-# after its path so that equal basenames from different packages do not collide.
+# after its path so that equal basenames from different packages do not collide. NCCL's run-time
+# loader (comm/nccl_dlopen.cc) is left out: a static link takes -lnccl from Libs.private, as
+# before, and so the system's NCCL, CUDA runtime, liburing and Abseil shared libraries.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 n=0
 while read -r obj; do
   n=$((n + 1))
   cp "$execroot/$obj" "$work/$(printf '%03d' $n)_$(basename "$obj" | sed 's/\.pic\.o$/.o/')"
-done < <(grep -E '^[^-].*\.o$' "$params")
+done < <(grep -E '^[^-].*\.o$' "$params" | grep -v '/nccl_dlopen\.')
 rm -f "$prefix/lib/libzerort.a"
 ar rcs "$prefix/lib/libzerort.a" "$work"/*.o
 

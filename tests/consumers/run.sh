@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Builds the consumer trainer against an installed zerort (tools/install.sh PREFIX), outside
 # Bazel: with CMake's find_package (shared and static) and with make + pkg-config (shared and
-# static); runs each on 2 in-process ranks and under mpirun -np 2; and checks that
-# libzerort.so exports nothing but zr_*. Prints one "PASSED <check>" or "FAILED <check>" line per
+# static); runs each on 2 in-process ranks and under mpirun -np 2; checks that libzerort.so
+# exports nothing but zr_*, and that the tree is self-contained: from an empty environment every
+# library its ELF files load is inside PREFIX/lib or one every Linux machine has (glibc, the C++
+# runtime), OpenMPI's libmpi (and what it loads) for libzerort.so.0 alone; the CUDA runtime,
+# liburing and NCCL are never loaded as libraries (linked in, or dlopen-ed at run time); and
+# PREFIX/bin/zerort plans a model from that empty environment. Prints one "PASSED <check>" or "FAILED <check>" line per
 # check (tools/test.sh counts them) and exits non-zero if any failed.
 #
 # Usage: tests/consumers/run.sh PREFIX
@@ -28,6 +32,60 @@ result "exports-only-zr" $?
 soname=$(readelf -d "$lib" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$soname" = libzerort.so.0 ]
 result "soname-$soname" $?
+
+# The closure of each installed ELF file, resolved from an empty environment (no
+# LD_LIBRARY_PATH): inside PREFIX/lib, or glibc / the C++ runtime; libzerort.so.0 may also load
+# OpenMPI (libmpi.so.40 and its own dependencies, resolved by the system).
+machine_lib() {
+  case "$1" in
+    linux-vdso.so.* | ld-linux-*.so.* | libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | \
+      librt.so.* | libstdc++.so.* | libgcc_s.so.*) return 0 ;;
+  esac
+  return 1
+}
+mpi_lib=$(env -i PATH=/usr/bin:/bin ldd "$lib" | awk '$1 ~ /^libmpi\.so/ {print $3}')
+mpi_closure=" libmpi.so.40 $([ -n "$mpi_lib" ] && ldd "$mpi_lib" | awk '$2 == "=>" {print $1}' | tr '\n' ' ') "
+libdir=$(readlink -f "$prefix/lib")
+closure_ok() {  # closure_ok ELF [mpi]: prints each library that is not where it may be
+  local name arrow path rest bad=0
+  while read -r name arrow path rest; do
+    [ "$arrow" = "=>" ] || continue
+    machine_lib "$name" && continue
+    [ "${2:-}" = mpi ] && [[ "$mpi_closure" == *" $name "* ]] && continue
+    if [ "$path" = not ] || [ "$(dirname "$(readlink -f "$path")")" != "$libdir" ]; then
+      echo "  $(basename "$1") loads $name from ${path/not/nowhere (not found)}"
+      bad=1
+    fi
+  done < <(env -i PATH=/usr/bin:/bin ldd "$1")
+  return $bad
+}
+closure_ok "$lib" mpi
+result "closure-libzerort" $?
+closure_ok "$prefix/bin/zerort"
+result "closure-bin-zerort" $?
+st=0
+for f in "$prefix"/lib/*.so.*; do
+  [ "$f" = "$lib" ] || closure_ok "$f" || st=1
+done
+result "closure-bundled-libs" $st
+needed=$(readelf -d "$lib" "$prefix/bin/zerort" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' |
+  grep -E '^lib(cudart|nccl|uring)\.' | sort -u)
+echo "CUDA runtime, NCCL, liburing among NEEDED: ${needed:-none}"
+[ -z "$needed" ]
+result "no-cudart-nccl-uring-needed" $?
+runpath=$(readelf -d "$lib" | sed -n 's/.*(RUNPATH).*\[\(.*\)\]/\1/p')
+[ "$runpath" = '$ORIGIN' ]
+result "runpath-origin" $?
+
+# The command from an empty environment: its help, and a plan.
+env -i PATH=/usr/bin:/bin "$prefix/bin/zerort" plan --help >"$work/plan-help.txt" 2>&1 &&
+  grep -q 'usage: zerort plan' "$work/plan-help.txt"
+result "bin-zerort-plan-help" $?
+env -i PATH=/usr/bin:/bin "$prefix/bin/zerort" plan --model gpt2-124m --world 8 --stage 2 \
+  >"$work/plan.txt" 2>&1
+st=$?
+head -5 "$work/plan.txt"
+result "bin-zerort-plan" $st
 
 # The header alone, as strict C99 and as C++.
 echo '#include <zerort/zero_c.h>' >"$work/h.c"
