@@ -10,6 +10,8 @@
 #   PREFIX/lib/libabsl_*.so.20220623                the Abseil libraries they and bin/zerort load
 #   PREFIX/bin/zerort                               the command (plan, demo, ckpt); RUNPATH
 #                                                   $ORIGIN/../lib
+#   PREFIX/bin/zerort_c_smoke                       tests/consumers/gpu_trainer.c, for
+#                                                   tests/consumers/gpu_smoke.sh on a GPU machine
 #   PREFIX/lib/libzerort.a                          the same objects with MPI linked in, for static
 #                                                   linking
 #   PREFIX/lib/pkgconfig/zerort.pc                  pkg-config --cflags --libs [--static] zerort
@@ -87,6 +89,12 @@ copy_libs "$bin/cli/zerort_installed"
 patchelf --set-rpath '$ORIGIN' "$prefix/lib/libzerort.so.$major"
 patchelf --set-rpath '$ORIGIN' "$prefix/lib/libzerort_mpi.so.$major"
 patchelf --set-rpath '$ORIGIN/../lib' "$prefix/bin/zerort"
+
+# The GPU smoke test's C program, built here against the tree just installed: the machine it is
+# meant for may have no compiler (tests/consumers/gpu_smoke.sh).
+rm -f "$prefix/bin/zerort_c_smoke"
+${CC:-cc} -std=c99 -O2 -I"$prefix/include" tests/consumers/gpu_trainer.c \
+  -o "$prefix/bin/zerort_c_smoke" -L"$prefix/lib" -lzerort -ldl -lm -Wl,-rpath,'$ORIGIN/../lib'
 
 # The static archive: every object that //capi:libzerort_archive.so's link saw (its params file:
 # the C ABI with MPI linked in, and NCCL as -lnccl), renamed after its path so that equal
