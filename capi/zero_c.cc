@@ -22,9 +22,9 @@
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "capi/internal/mpi_backend.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
-#include "comm/mpi.h"
 #include "comm/nccl.h"
 #include "comm/rendezvous.h"
 #include "device/cpu_device.h"
@@ -320,15 +320,6 @@ absl::Status PublishDevice(absl::StatusOr<std::unique_ptr<zerort::Device>> creat
   return absl::OkStatus();
 }
 
-// The session zr_mpi_init opened, until zr_mpi_finalize. Never destroyed at exit: MPI_Finalize
-// from a static destructor could run after MPI's own teardown.
-ABSL_CONST_INIT absl::Mutex g_mpi_mu(absl::kConstInit);
-std::unique_ptr<zerort::comm::MpiSession>& MpiSessionSlot()
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_mpi_mu) {
-  static auto* slot = new std::unique_ptr<zerort::comm::MpiSession>();
-  return *slot;
-}
-
 // The parameter array, read with the caller's element size as the stride.
 // `groups` receives each parameter's own group (has_group), if any.
 absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
@@ -492,18 +483,15 @@ int zr_comm_size(const zr_comm* comm) {
 
 zr_status zr_mpi_init(void) {
   return Guard([&]() -> absl::Status {
-    absl::MutexLock lock(&g_mpi_mu);
-    if (MpiSessionSlot() != nullptr) return absl::OkStatus();
-    ASSIGN_OR_RETURN(MpiSessionSlot(), zerort::comm::MpiSession::Init(nullptr, nullptr));
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(const zerort::capi::MpiBackend* mpi, zerort::capi::GetMpiBackend());
+    return mpi->init();
   });
 }
 
 zr_status zr_mpi_finalize(void) {
   return Guard([&]() -> absl::Status {
-    absl::MutexLock lock(&g_mpi_mu);
-    MpiSessionSlot().reset();
-    return absl::OkStatus();
+    ASSIGN_OR_RETURN(const zerort::capi::MpiBackend* mpi, zerort::capi::GetMpiBackend());
+    return mpi->finalize();
   });
 }
 
@@ -512,17 +500,8 @@ zr_status zr_mpi_comm_create(const void* mpi_comm, int64_t timeout_ms, zr_comm**
     RETURN_IF_ERROR(NotNull(comm, "zr_mpi_comm_create", "comm"));
     ASSIGN_OR_RETURN(zerort::comm::CommOptions options,
                      MakeCommOptions(timeout_ms, "zr_mpi_comm_create"));
-    int initialized = 0, finalized = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (!initialized || finalized) {
-      return absl::FailedPreconditionError(
-          "zr_mpi_comm_create: MPI is not initialized (call zr_mpi_init or MPI_Init_thread "
-          "first)");
-    }
-    const MPI_Comm base =
-        mpi_comm == nullptr ? MPI_COMM_WORLD : *static_cast<const MPI_Comm*>(mpi_comm);
-    return PublishComm(zerort::comm::CreateMpiCommunicator(base, options), comm);
+    ASSIGN_OR_RETURN(const zerort::capi::MpiBackend* mpi, zerort::capi::GetMpiBackend());
+    return PublishComm(mpi->create(mpi_comm, options), comm);
   });
 }
 

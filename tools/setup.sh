@@ -6,7 +6,7 @@ set -euo pipefail
 # clang-14 + libclang-rt-14-dev: the libFuzzer targets of tools/fuzz.sh (--config=fuzz).
 # slurm-wlm, python3-venv: the launch tests under srun and torchrun (tests/launch/).
 # liburing-dev: NVMe offload's io_uring I/O; fio: nvme_bench's reference measurement.
-# patchelf: tools/gpu_bundle.sh sets the bundled binaries' RUNPATH.
+# patchelf: tools/gpu_bundle.sh and tools/install.sh set the copied binaries' RUNPATH.
 packages=(bazel-bootstrap libabsl-dev catch2 openmpi-bin libopenmpi-dev nlohmann-json3-dev
           libbenchmark-dev clang-14 libclang-rt-14-dev python3-matplotlib
           slurm-wlm python3-venv liburing-dev fio patchelf)

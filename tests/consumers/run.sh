@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Builds the consumer trainer against an installed zerort (tools/install.sh PREFIX), outside
 # Bazel: with CMake's find_package (shared and static) and with make + pkg-config (shared and
-# static); runs each on 2 in-process ranks and under mpirun -np 2; and checks that
-# libzerort.so exports nothing but zr_*. Prints one "PASSED <check>" or "FAILED <check>" line per
+# static); runs each on 2 in-process ranks and under mpirun -np 2; checks that libzerort.so
+# exports nothing but zr_*, and that the tree is self-contained: from an empty environment every
+# library its ELF files load is inside PREFIX/lib or one every Linux machine has (glibc, the C++
+# runtime), OpenMPI's libmpi (and what it loads) for the MPI plugin libzerort_mpi.so.0 alone;
+# the CUDA runtime, liburing and NCCL are never loaded as libraries (linked in, or dlopen-ed at
+# run time); and PREFIX/bin/zerort plans a model from that empty environment. Prints one "PASSED <check>" or "FAILED <check>" line per
 # check (tools/test.sh counts them) and exits non-zero if any failed.
 #
 # Usage: tests/consumers/run.sh PREFIX
@@ -28,6 +32,64 @@ result "exports-only-zr" $?
 soname=$(readelf -d "$lib" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [ "$soname" = libzerort.so.0 ]
 result "soname-$soname" $?
+
+# The closure of each installed ELF file, resolved from an empty environment (no
+# LD_LIBRARY_PATH): inside PREFIX/lib, or glibc / the C++ runtime; libzerort_mpi.so.0 may also
+# load OpenMPI (libmpi.so.40 and its own dependencies, resolved by the system). So a trainer that
+# never calls zr_mpi_* loads libzerort.so.0 on a machine without MPI.
+machine_lib() {
+  case "$1" in
+    linux-vdso.so.* | ld-linux-*.so.* | libc.so.* | libm.so.* | libpthread.so.* | libdl.so.* | \
+      librt.so.* | libstdc++.so.* | libgcc_s.so.*) return 0 ;;
+  esac
+  return 1
+}
+mpi_plugin="$prefix/lib/libzerort_mpi.so.0"
+mpi_lib=$(env -i PATH=/usr/bin:/bin ldd "$mpi_plugin" | awk '$1 ~ /^libmpi\.so/ {print $3}')
+mpi_closure=" libmpi.so.40 $([ -n "$mpi_lib" ] && ldd "$mpi_lib" | awk '$2 == "=>" {print $1}' | tr '\n' ' ') "
+libdir=$(readlink -f "$prefix/lib")
+closure_ok() {  # closure_ok ELF [mpi]: prints each library that is not where it may be
+  local name arrow path rest bad=0
+  while read -r name arrow path rest; do
+    [ "$arrow" = "=>" ] || continue
+    machine_lib "$name" && continue
+    [ "${2:-}" = mpi ] && [[ "$mpi_closure" == *" $name "* ]] && continue
+    if [ "$path" = not ] || [ "$(dirname "$(readlink -f "$path")")" != "$libdir" ]; then
+      echo "  $(basename "$1") loads $name from ${path/not/nowhere (not found)}"
+      bad=1
+    fi
+  done < <(env -i PATH=/usr/bin:/bin ldd "$1")
+  return $bad
+}
+closure_ok "$lib"
+result "closure-libzerort" $?
+closure_ok "$mpi_plugin" mpi
+result "closure-libzerort_mpi" $?
+closure_ok "$prefix/bin/zerort"
+result "closure-bin-zerort" $?
+st=0
+for f in "$prefix"/lib/*.so.*; do
+  [ "$f" = "$lib" ] || [ "$f" = "$mpi_plugin" ] || closure_ok "$f" || st=1
+done
+result "closure-bundled-libs" $st
+needed=$(readelf -d "$lib" "$mpi_plugin" "$prefix/bin/zerort" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' |
+  grep -E '^lib(cudart|nccl|uring)\.' | sort -u)
+echo "CUDA runtime, NCCL, liburing among NEEDED: ${needed:-none}"
+[ -z "$needed" ]
+result "no-cudart-nccl-uring-needed" $?
+runpath=$(readelf -d "$lib" | sed -n 's/.*(RUNPATH).*\[\(.*\)\]/\1/p')
+[ "$runpath" = '$ORIGIN' ]
+result "runpath-origin" $?
+
+# The command from an empty environment: its help, and a plan.
+env -i PATH=/usr/bin:/bin "$prefix/bin/zerort" plan --help >"$work/plan-help.txt" 2>&1 &&
+  grep -q 'usage: zerort plan' "$work/plan-help.txt"
+result "bin-zerort-plan-help" $?
+env -i PATH=/usr/bin:/bin "$prefix/bin/zerort" plan --model gpt2-124m --world 8 --stage 2 \
+  >"$work/plan.txt" 2>&1
+st=$?
+head -5 "$work/plan.txt"
+result "bin-zerort-plan" $st
 
 # The header alone, as strict C99 and as C++.
 echo '#include <zerort/zero_c.h>' >"$work/h.c"
@@ -87,6 +149,25 @@ if PKG_CONFIG_PATH="$moved/lib/pkgconfig" make -s -C "$here" OUT="$work/moved" \
 else
   cat "$work/moved.log"; ldd "$work/moved/trainer" 2>&1 | grep zerort
   result "pkgconfig-relocated-build" 1
+fi
+# The tree without its MPI plugin (as on a machine without OpenMPI, where libzerort_mpi.so.0
+# cannot load): a trainer on in-process ranks runs, and zr_mpi_init fails naming the plugin.
+nompi="$work/nompi/zerort"
+mkdir -p "$work/nompi" && cp -a "$prefix" "$nompi" && rm "$nompi/lib/libzerort_mpi.so.0"
+if PKG_CONFIG_PATH="$nompi/lib/pkgconfig" make -s -C "$here" OUT="$work/nompi" \
+    "$work/nompi/trainer" >"$work/nompi.log" 2>&1; then
+  echo "== no-mpi-plugin: 2 in-process ranks"
+  timeout 300 "$work/nompi/trainer"
+  result "no-mpi-plugin-inprocess" $?
+  echo "== no-mpi-plugin: mpirun -np 1 (must fail, naming libzerort_mpi.so.0)"
+  timeout 300 mpirun "${MPIRUN_FLAGS[@]}" -np 1 "$work/nompi/trainer" >"$work/nompi-mpi.log" 2>&1
+  st=$?
+  grep 'MPI setup' "$work/nompi-mpi.log"
+  [ $st -ne 0 ] && grep -q 'MPI setup: .*libzerort_mpi.so.0' "$work/nompi-mpi.log"
+  result "no-mpi-plugin-error-names-it" $?
+else
+  cat "$work/nompi.log"
+  result "no-mpi-plugin-build" 1
 fi
 b="$work/cmake-relocated"
 cmake -S "$here/cmake" -B "$b" -DCMAKE_PREFIX_PATH="$moved" >"$b.log" 2>&1 &&
