@@ -585,6 +585,7 @@ zr_status zr_engine_create(const char* config_json, const zr_param_spec* params,
                        ReadSized(options, "zr_engine_create", "zr_engine_options"));
       engine_options.compute_stream = o.compute_stream;
       engine_options.no_decay_1d = o.no_decay_1d != 0;
+      engine_options.device_timing = o.device_timing != 0;
       if (o.auto_fill_json != nullptr) {
         ASSIGN_OR_RETURN(fill, zerort::ParseAutoFill(o.auto_fill_json));
       }
@@ -708,6 +709,19 @@ zr_status zr_engine_release_params(zr_engine* engine, const int* params, int cou
 
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats) {
   return RunStep(engine, stats, "zr_engine_step", [&] { return engine->engine->Step(); });
+}
+
+zr_status zr_engine_device_times(zr_engine* engine, zr_device_times* out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(engine, "zr_engine_device_times", "engine"));
+    RETURN_IF_ERROR(NotNull(out, "zr_engine_device_times", "out"));
+    RETURN_IF_ERROR(CheckStructSize<zr_device_times>(out->struct_size, "zr_engine_device_times",
+                                                     "zr_device_times"));
+    ASSIGN_OR_RETURN(const zerort::DeviceStepTimes t, engine->engine->DeviceTimes());
+    const zr_device_times value{sizeof(zr_device_times), t.step,      t.norm_ms,
+                                t.update_ms,             t.gather_ms, t.total_ms};
+    return WriteSized(value, out, "zr_engine_device_times", "zr_device_times");
+  });
 }
 
 zr_status zr_engine_set_hyperparams(zr_engine* engine, const zr_adamw_scalars* scalars) {

@@ -234,6 +234,9 @@ typedef struct zr_engine_options {
    * else by the documented rule; the world size is the communicator's), and each resolution is
    * one line of zr_engine_config_notes. Appended in 0.2. */
   const char* auto_fill_json;
+  /* Appended in 0.2: != 0 times every optimizer step's phases on the device's clock, for
+   * zr_engine_device_times (timing events make each record and wait slightly dearer on CUDA). */
+  int device_timing;
 } zr_engine_options;
 
 /* Parses `config_json` (DeepSpeed-style keys, docs/config.md), plans and allocates exactly the
@@ -309,6 +312,22 @@ typedef struct zr_step_stats {
  * NULL; else its struct_size must be set (checked before the step is taken). Collective.
  * ZR_FAILED_PRECONDITION names the first parameter whose grad_ready is missing. */
 zr_status zr_engine_step(zr_engine* engine, zr_step_stats* stats);
+
+/* The last optimizer step's phases on the device's clock (zerort::DeviceStepTimes). The
+ * zr_step_stats times are the host's: on a GPU, zr_engine_step returns once its work is
+ * enqueued, before AdamW runs. */
+typedef struct zr_device_times {
+  size_t struct_size;  /* sizeof(zr_device_times) */
+  int64_t step;        /* the optimizer step these are of (zr_step_stats.step of that call) */
+  double norm_ms;      /* the window's norm and finite checks */
+  double update_ms;    /* AdamW on the device, or the offload pipeline (transfers, host AdamW) */
+  double gather_ms;    /* from the end of the update to the end of the parameter gathers */
+  double total_ms;     /* from the start of the norm to the end of the step's device work */
+} zr_device_times;
+
+/* Waits for the last optimizer step's device work and fills `out`. ZR_FAILED_PRECONDITION
+ * without zr_engine_options.device_timing, or before the first optimizer step. Not collective. */
+zr_status zr_engine_device_times(zr_engine* engine, zr_device_times* out);
 
 /* ---- Optimizer: hyperparameters and the split step (zerort::Engine, zero/engine.h) ---- */
 

@@ -189,7 +189,52 @@ static void Convert(void) {
         zr_status_name(st), dst[0], dst[1]);
 }
 
+/* zr_engine_device_times: refused without the option (naming it) and before a step; after a
+ * step, the step it is of and phases that add up (the CPU device's clock). */
+static void DeviceTimes(void) {
+  zr_comm* comm = NULL;
+  zr_device* device = NULL;
+  CHECK(zr_comm_group_create(1, 0, &comm) == ZR_OK, "%s", zr_last_error());
+  CHECK(zr_cpu_device_create(1, &device) == ZR_OK, "%s", zr_last_error());
+  zr_engine* plain = MakeEngine(comm, device);
+  StepOnce(plain);
+  zr_device_times t = {sizeof t};
+  zr_status st = zr_engine_device_times(plain, &t);
+  CHECK(st == ZR_FAILED_PRECONDITION && strstr(zr_last_error(), "device_timing") != NULL,
+        "device_times without the option: %s: %s", zr_status_name(st), zr_last_error());
+  zr_engine_destroy(plain);
+
+  static const int64_t shape[1] = {N};
+  const zr_param_spec params[1] = {{sizeof(zr_param_spec), "w", 1, shape, "m"}};
+  zr_engine_options options;
+  memset(&options, 0, sizeof options);
+  options.struct_size = sizeof options;
+  options.device_timing = 1;
+  zr_engine* e = NULL;
+  CHECK(zr_engine_create(CONFIG, params, 1, comm, device, &options, &e) == ZR_OK, "create: %s",
+        zr_last_error());
+  if (e != NULL) {
+    CHECK(zr_engine_init_params(e, Init, NULL, 0) == ZR_OK, "init: %s", zr_last_error());
+    st = zr_engine_device_times(e, &t);
+    CHECK(st == ZR_FAILED_PRECONDITION, "device_times before a step: %s", zr_status_name(st));
+    StepOnce(e);
+    StepOnce(e);
+    CHECK(zr_engine_device_times(e, NULL) == ZR_INVALID_ARGUMENT, "NULL out");
+    st = zr_engine_device_times(e, &t);
+    CHECK(st == ZR_OK, "device_times: %s", zr_last_error());
+    CHECK(t.struct_size == sizeof t && t.step == 2 && t.step == zr_engine_step_count(e) &&
+              t.norm_ms >= 0 && t.update_ms >= 0 && t.gather_ms >= 0 &&
+              t.total_ms >= t.norm_ms + t.update_ms - 1e-6,
+          "step %lld: norm %g update %g gather %g total %g", (long long)t.step, t.norm_ms,
+          t.update_ms, t.gather_ms, t.total_ms);
+    zr_engine_destroy(e);
+  }
+  zr_device_destroy(device);
+  zr_comm_destroy(comm);
+}
+
 int main(void) {
+  DeviceTimes();
   UseAfterDestroy();
   NeverAHandle();
   WrongTeardownOrder();
