@@ -12,6 +12,9 @@
 // NaN with its payload's top bits and the quiet bit set (as F16C's vcvtph2ps / vcvtps2ph do).
 // Integer bit manipulation only, plus one multiplication that is exact (see HalfToFloat), so
 // neither compiler flags nor fused multiply-adds can change a result.
+// One exception, in device code only: the fp16 conversions of a non-NaN use the GPU's cvt
+// instruction, which computes the same IEEE result (see each function); NaNs still take these
+// lines. The host lines stay the reference.
 //
 // Thread safety: pure functions.
 #ifndef ZERORT_BASE_HALF_H_
@@ -61,6 +64,16 @@ ZERORT_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
 }
 
 ZERORT_HOST_DEVICE inline float HalfToFloat(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  // The device uses the hardware conversion (one instruction instead of about fifteen integer
+  // ops: fp16 Accumulate ran at 0.52 of a device-to-device copy with the code below, compute
+  // bound). cvt.f32.f16 widens exactly: every binary16 value, subnormals included, is an fp32
+  // value, and without .ftz nothing is flushed. Only a NaN differs, which the hardware returns
+  // as a canonical NaN: for those the selected result is the reference's own expression.
+  float hw;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hw) : "h"(h));
+  if ((h & 0x7fffu) <= 0x7c00u) return hw;  // not a NaN
+#endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
@@ -80,6 +93,17 @@ ZERORT_HOST_DEVICE inline uint16_t FloatToHalf(float f) {
   if (abs > 0x7f800000u) {  // NaN: quiet, top payload bits kept
     return static_cast<uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));
   }
+#if defined(__CUDA_ARCH__)
+  // The device uses the hardware conversion for everything but a NaN (handled above, as the
+  // hardware would return a canonical NaN). cvt.rn.f16.f32 is IEEE 754 binary32 -> binary16
+  // conversion rounding to nearest, ties to even: subnormal results are produced (no .ftz),
+  // a magnitude that rounds to 65520 or more becomes Inf (no .satfinite), one below half the
+  // smallest subnormal becomes a signed zero. That is the code below, case for case; every
+  // fp32 pattern is compared on the GPU by cuda_device_test.
+  uint16_t hw;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(hw) : "f"(f));
+  return hw;
+#endif
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520
   if (abs < 0x38800000u) {
     // Result is subnormal (or zero): shift the full mantissa and round to nearest even.
