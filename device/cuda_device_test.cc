@@ -837,8 +837,9 @@ TEST_CASE("CudaDevice: Cast equals the CPU device bitwise, NaN payloads included
 // The kernels convert fp16 with the GPU's cvt instructions (base/half.h, device code): every
 // fp32 bit pattern to fp16, and every fp16 pattern to fp32, must give the CPU device's bits.
 // 2^32 elements in slices of 2^26 (256 MiB of fp32): seconds on a GPU machine.
+// [sanitizer_slow]: 2^32 patterns; compute-sanitizer's racecheck and synccheck skip it.
 TEST_CASE("CudaDevice: fp16 conversions equal the CPU device on every bit pattern",
-          "[zero][gpu]") {
+          "[zero][gpu][sanitizer_slow]") {
   Device* gpu = GpuOrSkip();
   if (gpu == nullptr) return;
   auto cpu = testing::OneThreadCpuDevice();
