@@ -14,6 +14,8 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "base/testing/temp_dir.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "comm/nccl.h"
 #include "device/testing/one_thread.h"
@@ -117,6 +119,79 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
           CHECK(got[r]->params == want[r]->params);
         }
       }
+    }
+  }
+}
+
+// A fresh engine with the test's initial values, on `comm` and `device`.
+std::unique_ptr<Engine> NewEngine(const Config& c, comm::Communicator* comm, Device* device) {
+  auto e = Engine::Create(c, SmallModel(), comm, device);
+  INFO(e.status().message());
+  REQUIRE(e.ok());
+  REQUIRE(testing::SetInitValues(**e).ok());
+  return *std::move(e);
+}
+
+std::vector<float> Masters(Engine& e) {
+  auto m = e.GatherMasterWeights();
+  INFO(m.status().message());
+  REQUIRE(m.ok());
+  return *std::move(m);
+}
+
+// Checkpoints of an NCCL engine (the first GPU run found every save failing there): saved
+// synchronously and asynchronously at step 3, loaded into a fresh GPU engine and into the CPU
+// device, each resumed to step 6 and compared bit for bit with the uninterrupted GPU run (which
+// equals the CPU device's, first case).
+TEST_CASE("EngineGpu: checkpoints of an NCCL engine save, load on GPU and CPU, and resume "
+          "bitwise", "[zero][gpu]") {
+  Device* const gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
+  REQUIRE(nccl.ok());
+  auto cpu_comms = comm::CreateInProcessGroup(1).value();
+  auto cpu = testing::OneThreadCpuDevice();
+  for (int stage : {2, 3}) {
+    for (bool offload : {false, true}) {
+      INFO("stage=" << stage << " offload=" << offload);
+      const Config c = TestConfig(stage, DType::kBF16, /*gas=*/1, /*clip=*/0.05, offload);
+      const std::string sync_root = testing::TempDir("gpu_ckpt_sync_");
+      const std::string async_root = testing::TempDir("gpu_ckpt_async_");
+
+      std::unique_ptr<Engine> a = NewEngine(c, nccl->get(), gpu);
+      REQUIRE(testing::TrainSteps(*a, 0, 3).ok());
+      absl::StatusOr<std::string> saved = SaveCheckpoint(*a, sync_root);
+      INFO(saved.status().message());
+      REQUIRE(saved.ok());
+      AsyncCheckpointer async;
+      absl::Status started = async.Start(*a, async_root);
+      INFO(started.message());
+      REQUIRE(started.ok());
+      REQUIRE(testing::TrainSteps(*a, 3, 3).ok());  // training goes on during the save
+      absl::StatusOr<std::string> finished = async.Finish();
+      INFO(finished.status().message());
+      REQUIRE(finished.ok());
+      const std::vector<float> want = Masters(*a);
+      a.reset();
+
+      for (const std::string& root : {sync_root, async_root}) {
+        INFO("loading " << root);
+        std::unique_ptr<Engine> g = NewEngine(c, nccl->get(), gpu);
+        absl::Status loaded = LoadCheckpoint(*g, root);
+        INFO(loaded.message());
+        REQUIRE(loaded.ok());
+        CHECK(g->step() == 3);
+        REQUIRE(testing::TrainSteps(*g, 3, 3).ok());
+        CHECK(Masters(*g) == want);
+      }
+      std::unique_ptr<Engine> h = NewEngine(c, cpu_comms[0].get(), cpu.get());
+      absl::Status loaded = LoadCheckpoint(*h, sync_root);
+      INFO(loaded.message());
+      REQUIRE(loaded.ok());
+      REQUIRE(testing::TrainSteps(*h, 3, 3).ok());
+      CHECK(Masters(*h) == want);
     }
   }
 }
