@@ -5,6 +5,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -21,6 +22,7 @@ namespace {
 
 // A recorded point of some stream. `recorded` counts Record calls; `completed` is the highest
 // record number whose work has finished. Waits capture `recorded` when they are made.
+// Shared (EventRef): a Record or Wait queued on a stream holds the event as the handle does.
 struct CpuEvent {
   absl::Mutex mu;
   uint64_t recorded ABSL_GUARDED_BY(mu) = 0;
@@ -120,6 +122,14 @@ class CpuStream {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;  // last: starts after the members it uses
 };
+
+// What an Event handle points to. DestroyEvent deletes the handle only: the closures that Record
+// and Wait queue on a stream hold references of their own, so an event destroyed with a record
+// or wait still queued lives until that work has run, as cudaEventDestroy allows. (Deleting the
+// CpuEvent at once let a stream's worker lock the mutex of freed memory: "Mutex corrupt".)
+using EventRef = std::shared_ptr<CpuEvent>;
+
+EventRef& Ref(Device::Event event) { return *static_cast<EventRef*>(event); }
 
 class CpuDevice final : public Device {
  public:
@@ -226,9 +236,12 @@ class CpuDevice final : public Device {
     if (async_ && stream != nullptr) delete static_cast<CpuStream*>(stream);
   }
 
-  absl::StatusOr<Event> CreateEvent() override { return static_cast<Event>(new CpuEvent()); }
+  absl::StatusOr<Event> CreateEvent() override {
+    return static_cast<Event>(new EventRef(std::make_shared<CpuEvent>()));
+  }
 
-  void DestroyEvent(Event event) override { delete static_cast<CpuEvent*>(event); }
+  // The event itself goes when the last queued record of it or wait on it has run.
+  void DestroyEvent(Event event) override { delete static_cast<EventRef*>(event); }
 
   // Every CPU event keeps its completion time; a timing event is an event.
   absl::StatusOr<Event> CreateTimingEvent() override { return CreateEvent(); }
@@ -240,7 +253,7 @@ class CpuDevice final : public Device {
   }
 
   absl::Status Record(Event event, Stream stream) override {
-    CpuEvent* e = static_cast<CpuEvent*>(event);
+    EventRef e = Ref(event);  // the queued completion keeps it alive
     uint64_t n;
     {
       absl::MutexLock lock(&e->mu);
@@ -251,7 +264,7 @@ class CpuDevice final : public Device {
       return absl::OkStatus();
     }
     CpuStream* s = static_cast<CpuStream*>(stream);
-    s->Enqueue([e, n, s] {
+    s->Enqueue([e = std::move(e), n, s] {
       e->Complete(n, s->status());
       return absl::OkStatus();
     });
@@ -260,18 +273,18 @@ class CpuDevice final : public Device {
 
   absl::Status Wait(Stream stream, Event event) override {
     if (!Async(stream)) return WaitHost(event);
-    CpuEvent* e = static_cast<CpuEvent*>(event);
+    EventRef e = Ref(event);  // the queued wait keeps it alive
     uint64_t n;
     {
       absl::MutexLock lock(&e->mu);
       n = e->recorded;
     }
-    static_cast<CpuStream*>(stream)->Enqueue([e, n] { return e->Await(n); });
+    static_cast<CpuStream*>(stream)->Enqueue([e = std::move(e), n] { return e->Await(n); });
     return absl::OkStatus();
   }
 
   absl::Status WaitHost(Event event) override {
-    CpuEvent* e = static_cast<CpuEvent*>(event);
+    CpuEvent* e = Ref(event).get();
     uint64_t n;
     {
       absl::MutexLock lock(&e->mu);
@@ -285,7 +298,7 @@ class CpuDevice final : public Device {
 
   static absl::StatusOr<std::chrono::steady_clock::time_point> CompletedAt(Event event,
                                                                            const char* which) {
-    CpuEvent* e = static_cast<CpuEvent*>(event);
+    CpuEvent* e = Ref(event).get();
     absl::MutexLock lock(&e->mu);
     if (e->recorded == 0 || e->completed < e->recorded) {
       return absl::FailedPreconditionError(absl::StrCat(

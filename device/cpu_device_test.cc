@@ -1,6 +1,7 @@
 #include "device/cpu_device.h"
 #include "device/testing/one_thread.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -39,6 +40,35 @@ TEST_CASE("CpuDevice streams: work runs in order and events order streams and th
   CHECK(norm == 0.0f);
 
   dev->DestroyEvent(e);
+  dev->DestroyStream(a);
+  dev->DestroyStream(b);
+}
+
+// As cudaEventDestroy allows: an event may be destroyed while a Record of it or a Wait on it is
+// still queued on a stream; the queued work still runs, and touches no freed memory. (The
+// engine's destructor used to free its events under a Record still queued on the trainer's
+// stream: "Mutex corrupt" under load in //zero:engine_stream_ordered_test.)
+TEST_CASE("CpuDevice streams: an event destroyed while queued work still records or waits on "
+          "it", "[zero][streams]") {
+  // Each queued operation starts 20 ms late, so the records and waits below are still queued
+  // when their events are destroyed.
+  auto dev = testing::AsyncOneThreadCpuDevice(20000);
+  Device::Stream a = dev->CreateStream().value();
+  Device::Stream b = dev->CreateStream().value();
+  std::vector<float> src(256, 3.0f), mid(256, 0.0f), dst(256, 0.0f);
+  for (int round = 0; round < 8; ++round) {
+    Device::Event e = dev->CreateEvent().value();
+    REQUIRE(dev->Copy(mid.data(), src.data(), 1024, a).ok());
+    REQUIRE(dev->Record(e, a).ok());
+    REQUIRE(dev->Wait(b, e).ok());
+    REQUIRE(dev->Copy(dst.data(), mid.data(), 1024, b).ok());
+    dev->DestroyEvent(e);  // a's record and b's wait are still queued
+    REQUIRE(dev->Synchronize(b).ok());
+    REQUIRE(dev->Synchronize(a).ok());
+    CHECK(dst[255] == 3.0f);  // b still waited for a's copy
+    std::fill(mid.begin(), mid.end(), 0.0f);
+    std::fill(dst.begin(), dst.end(), 0.0f);
+  }
   dev->DestroyStream(a);
   dev->DestroyStream(b);
 }

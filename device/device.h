@@ -84,6 +84,9 @@ class Device {
   // REQUIRES: no work pending on `stream` (Synchronize it first).
   virtual void DestroyStream(Stream stream) = 0;
   virtual absl::StatusOr<Event> CreateEvent() = 0;
+  // May be called while a Record of `event` or a Wait on it is still queued on a stream (as
+  // cudaEventDestroy allows): that work still runs, and the event's resources go once it has.
+  // REQUIRES: no host call (WaitHost, ElapsedMs) on `event` is running or follows.
   virtual void DestroyEvent(Event event) = 0;
   virtual absl::Status Record(Event event, Stream stream) = 0;
   virtual absl::Status Wait(Stream stream, Event event) = 0;

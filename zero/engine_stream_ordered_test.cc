@@ -79,6 +79,53 @@ TEST_CASE("Engine: over a stream-ordered communicator on delayed streams, stages
   }
 }
 
+// The engine records events on the trainer's stream (a stage-3 Release records its slot's
+// event there), and may be destroyed before that stream gets to them: the records still run
+// afterwards, on no freed event. Before the CPU device kept a destroyed event alive for its
+// queued records, this crashed ("Mutex corrupt", a segfault or a hang) on every run, and the
+// training test above crashed under load.
+TEST_CASE("Engine: destroyed while the trainer's stream has not yet reached the records of "
+          "its stage-3 Releases",
+          "[engine][stream_ordered]") {
+  // Every operation on a stream starts 20 ms late: the records are still queued at the reset.
+  auto device = testing::AsyncOneThreadCpuDevice(20000);
+  auto comms = comm::testing::CreateStreamOrderedGroup(2, device.get());
+  REQUIRE(comms.ok());
+  const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
+  std::vector<absl::Status> status(2);
+  std::vector<int> gathered(2, 0);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Device::Stream s = device->CreateStream().value();
+      status[r] = [&]() -> absl::Status {
+        EngineOptions options;
+        options.compute_stream = s;
+        ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                         Engine::Create(config, testing::SmallModel(), (*comms)[r].get(),
+                                        device.get(), options));
+        float from = 1, to = 0;  // the trainer's own work, on its stream, in its own memory
+        for (int u = 0; u < engine->num_units(); ++u) {
+          if (!engine->plan().units[u].persistent) ++gathered[r];
+          RETURN_IF_ERROR(engine->Gather(u));
+          RETURN_IF_ERROR(device->Copy(&to, &from, sizeof(float), s));
+          RETURN_IF_ERROR(engine->Release(u));  // its record waits behind the copy
+        }
+        engine.reset();
+        return device->Synchronize(s);  // runs the records of the destroyed engine's events
+      }();
+      (void)device->Synchronize(s);
+      device->DestroyStream(s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    INFO(status[r].ToString());
+    CHECK(status[r].ok());
+    CHECK(gathered[r] > 0);
+  }
+}
+
 TEST_CASE("Engine: its host exchange stages through device memory where DirectHostExchange "
           "fails, and outlives the engine",
           "[engine][stream_ordered]") {
