@@ -134,6 +134,10 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
+  // Work still queued on the compute stream (the engine's own, like a stage-3 Release's record,
+  // and the trainer's before it) runs before the engine's memory goes: cudaFree would wait for
+  // it, the CPU device's arenas do not. A failed stream has nothing left to run.
+  if (impl_->streams_ != nullptr) (void)impl_->dev_->Synchronize(impl_->streams_->compute());
   // A checkpoint writer may still hold a SnapshotWaiter: cut it loose after the copies landed.
   impl_->snapshot_->Detach();
 }

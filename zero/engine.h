@@ -192,6 +192,8 @@ class Engine {
                                                         std::vector<memory::ParamSpec> params,
                                                         comm::Communicator* comm, Device* device,
                                                         const EngineOptions& options);
+  // Waits for the compute stream first, so that work queued there (the engine's and the
+  // trainer's before it) has run before the engine's memory is released.
   ~Engine();
 
   const memory::Plan& plan() const;
