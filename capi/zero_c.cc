@@ -481,6 +481,28 @@ int zr_comm_size(const zr_comm* comm) {
   return UsableOrSetError(comm, "zr_comm_size") ? comm->comm->size() : -1;
 }
 
+zr_status zr_comm_split(zr_comm* comm, int color, int key, zr_comm** out) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(comm, "zr_comm_split", "comm"));
+    RETURN_IF_ERROR(NotNull(out, "zr_comm_split", "out"));
+    absl::StatusOr<std::unique_ptr<zerort::comm::Communicator>> split =
+        comm->comm->Split(color, key);
+    if (!split.ok()) {
+      return absl::Status(split.status().code(),
+                          absl::StrCat("zr_comm_split(color=", color, ", key=", key,
+                                       "): ", split.status().message()));
+    }
+    if (*split == nullptr) {  // a negative color: in no sub-group
+      *out = nullptr;
+      return absl::OkStatus();
+    }
+    auto wrapper = std::make_unique<zr_comm>();
+    wrapper->comm = *std::move(split);
+    *out = Register(std::move(wrapper));
+    return absl::OkStatus();
+  });
+}
+
 zr_status zr_mpi_init(void) {
   return Guard([&]() -> absl::Status {
     ASSIGN_OR_RETURN(const zerort::capi::MpiBackend* mpi, zerort::capi::GetMpiBackend());

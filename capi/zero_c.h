@@ -142,6 +142,18 @@ void zr_comm_destroy(zr_comm* comm); /* NULL is a no-op; a dead handle sets zr_l
 int zr_comm_rank(const zr_comm* comm); /* -1 for NULL or a dead handle */
 int zr_comm_size(const zr_comm* comm); /* -1 for NULL or a dead handle */
 
+/* Splits `comm`'s ranks into disjoint sub-groups, as MPI_Comm_split does
+ * (zerort::comm::Communicator::Split): the ranks that pass the same color >= 0 form one new
+ * communicator, ranked by (key, rank in comm); a rank passing a negative color joins none and
+ * gets ZR_OK with *out = NULL. For HSDP-style layouts, e.g. world 4 as 2 x 2:
+ *   zr_comm_split(c, rank / 2, rank, &shard);    // {0,1} {2,3}
+ *   zr_comm_split(c, rank % 2, rank, &replica);  // {0,2} {1,3}
+ * Collective over `comm`, in its operation order, with its timeout: a rank that never calls it
+ * makes the others fail with ZR_DEADLINE_EXCEEDED naming the split and the missing ranks. The
+ * new communicator has comm's backend and timeout and is independent of it (destroy each with
+ * zr_comm_destroy, in any order). ZR_UNIMPLEMENTED for a backend that cannot split. */
+zr_status zr_comm_split(zr_comm* comm, int color, int key, zr_comm** out);
+
 /* Initializes MPI with MPI_THREAD_SERIALIZED unless it already is (then it checks the thread
  * level), for programs that do not call MPI_Init_thread themselves. Not collective by itself,
  * but MPI_Init is: every process of the job calls it. Idempotent. After MPI was finalized
