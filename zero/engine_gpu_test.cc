@@ -18,6 +18,7 @@
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
 #include "comm/nccl.h"
+#include "comm/testing/stream_ordered.h"
 #include "device/testing/one_thread.h"
 #include "device/cuda_device.h"
 #include "zero/engine.h"
@@ -118,6 +119,54 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
           CHECK(got[r]->master == want[r]->master);
           CHECK(got[r]->params == want[r]->params);
         }
+      }
+    }
+  }
+}
+
+// The engine's NCCL-shaped path (collectives only enqueued, comm stream, events) with world 2
+// on one GPU: the stream-ordered test group over the CUDA device, each rank on a stream of its
+// own, against the CPU device with the in-process group, bit for bit.
+TEST_CASE("EngineGpu: two stream-ordered ranks sharing one GPU equal the CPU device",
+          "[zero][gpu]") {
+  Device* const gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  const int world = 2, steps = 5;
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (bool offload : {false, true}) {
+      if (stage == 0 && offload) continue;
+      const Config c = TestConfig(stage, DType::kBF16, /*gas=*/2, /*clip=*/0.05, offload);
+      INFO("stage=" << stage << " offload=" << offload);
+      auto run = [&](Device* dev, std::vector<std::unique_ptr<comm::Communicator>> comms) {
+        std::vector<absl::StatusOr<TrainResult>> out(world, absl::UnknownError("not run"));
+        std::vector<std::thread> threads;
+        for (int r = 0; r < world; ++r) {
+          threads.emplace_back([&, r] {
+            auto stream = dev->CreateStream();
+            if (!stream.ok()) {
+              out[r] = stream.status();
+              return;
+            }
+            out[r] = TrainRank(c, SmallModel(), comms[r].get(), dev, steps, -1, -1, *stream);
+            (void)dev->Synchronize(*stream);
+            dev->DestroyStream(*stream);
+          });
+        }
+        for (auto& t : threads) t.join();
+        return out;
+      };
+      auto cpu = testing::OneThreadCpuDevice();
+      auto want = run(cpu.get(), comm::CreateInProcessGroup(world, {c.comm_timeout_ms}).value());
+      auto group = comm::testing::CreateStreamOrderedGroup(world, gpu, {c.comm_timeout_ms});
+      INFO(group.status().message());
+      REQUIRE(group.ok());
+      auto got = run(gpu, *std::move(group));
+      for (int r = 0; r < world; ++r) {
+        INFO("rank " << r << ": " << got[r].status().message());
+        REQUIRE(want[r].ok());
+        REQUIRE(got[r].ok());
+        CHECK(got[r]->master == want[r]->master);
+        CHECK(got[r]->params == want[r]->params);
       }
     }
   }

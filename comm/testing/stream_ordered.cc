@@ -11,6 +11,7 @@
 #include "base/status.h"
 #include "comm/inprocess.h"
 #include "comm/internal/common.h"
+#include "memory/arena.h"
 
 namespace zerort {
 namespace comm {
@@ -61,7 +62,7 @@ class StreamOrderedComm final : public Communicator {
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
   absl::string_view backend() const override { return "stream-ordered-test"; }
-  bool device_memory() const override { return false; }
+  bool device_memory() const override { return dev_->device_memory(); }
   bool stream_ordered() const override { return true; }
 
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
@@ -246,10 +247,17 @@ class StreamOrderedComm final : public Communicator {
   absl::Status Reserve(size_t count) {
     if (count <= cap_) return absl::OkStatus();
     RETURN_IF_ERROR(dev_->WaitHost(group_->done[rank()]));
+    cap_ = 0;
+    // The device's own memory (host memory on the CPU device, GPU memory on a GPU), where the
+    // kernels below may read and write it.
+    memory::RawAllocator* const alloc = dev_->allocator(memory::MemoryKind::kDevice);
     for (auto* a : {&acc_, &tmp_, &v_, &master_, &neg_zero_}) {
-      a->reset(new float[count]());
+      ASSIGN_OR_RETURN(*a, memory::Allocation::Create(alloc, count * sizeof(float)));
+      RETURN_IF_ERROR(dev_->Zero(a->get(), count * sizeof(float), nullptr));
     }
-    for (size_t i = 0; i < count; ++i) neg_zero_[i] = -0.0f;
+    const std::vector<float> neg_zero(count, -0.0f);
+    RETURN_IF_ERROR(dev_->Copy(neg_zero_.get(), neg_zero.data(), count * sizeof(float), nullptr));
+    RETURN_IF_ERROR(dev_->Synchronize(nullptr));  // `neg_zero` goes out of scope
     cap_ = count;
     return absl::OkStatus();
   }
@@ -258,8 +266,8 @@ class StreamOrderedComm final : public Communicator {
   absl::Status Reduce(const std::vector<const char*>& srcs, size_t count, DType dtype,
                       ReduceOp op, Stream stream) {
     RETURN_IF_ERROR(Reserve(count));
-    float* acc = acc_.get();
-    float* tmp = tmp_.get();
+    float* acc = acc_.as<float>();
+    float* tmp = tmp_.as<float>();
     for (size_t q = 0; q < srcs.size(); ++q) {
       if (dtype == DType::kF32) {
         if (q == 0) {
@@ -279,11 +287,11 @@ class StreamOrderedComm final : public Communicator {
     // beta1 = 0, one_minus_beta1 = 1 and m = -0: m = fma(0, -0, 1 * g) = g, bit for bit
     // (-0 keeps a zero sum's sign). master and v are scratch. 1/N is exact for N a power of
     // two (Begin refuses others), so g is the correctly rounded acc / N of the contract.
-    RETURN_IF_ERROR(dev_->Copy(tmp, neg_zero_.get(), count * sizeof(float), stream));
+    RETURN_IF_ERROR(dev_->Copy(tmp, neg_zero_.as<float>(), count * sizeof(float), stream));
     offload::AdamWArrays arrays;
-    arrays.master = master_.get();
+    arrays.master = master_.as<float>();
     arrays.m = tmp;
-    arrays.v = v_.get();
+    arrays.v = v_.as<float>();
     arrays.grad = acc;
     arrays.grad_dtype = DType::kF32;
     arrays.param_out = nullptr;
@@ -304,27 +312,26 @@ class StreamOrderedComm final : public Communicator {
 
   // dst = acc_ rounded once to dtype, enqueued.
   absl::Status Store(void* dst, size_t count, DType dtype, Stream stream) {
-    if (dtype == DType::kF32) return dev_->Copy(dst, acc_.get(), count * sizeof(float), stream);
-    return dev_->Cast(acc_.get(), DType::kF32, dst, dtype, count, stream);
+    if (dtype == DType::kF32) return dev_->Copy(dst, acc_.as<float>(), count * sizeof(float), stream);
+    return dev_->Cast(acc_.as<float>(), DType::kF32, dst, dtype, count, stream);
   }
 
   const std::unique_ptr<Communicator> host_;  // the inner group: host rendezvous only
   const std::shared_ptr<Group> group_;
   Device* const dev_;
   int64_t seq_ = 0;
-  // (cap_) fp32 each, host memory (the CPU device's device memory), touched only by this
-  // rank's stream work: the accumulator, a converted source, AdamW's scratch, a -0 fill.
+  // (cap_) fp32 each, the device's memory, touched only by this rank's stream work: the
+  // accumulator, a converted source, AdamW's scratch, a -0 fill.
   size_t cap_ = 0;
-  std::unique_ptr<float[]> acc_, tmp_, v_, master_, neg_zero_;
+  memory::Allocation acc_, tmp_, v_, master_, neg_zero_;
 };
 
 }  // namespace
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateStreamOrderedGroup(
     int world_size, Device* device, CommOptions options) {
-  if (device == nullptr || device->device_memory()) {
-    return absl::InvalidArgumentError(
-        "CreateStreamOrderedGroup needs the CPU device (device_memory() == false)");
+  if (device == nullptr) {
+    return absl::InvalidArgumentError("CreateStreamOrderedGroup: device is null");
   }
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Communicator>> hosts,
                    CreateInProcessGroup(world_size, options));

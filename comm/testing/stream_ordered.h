@@ -1,7 +1,8 @@
-// A stream-ordered in-process group for tests on the CPU: N ranks as N threads, like
-// comm/inprocess.h's group, except that every operation is only ENQUEUED on the stream it is
-// given (a stream of the CPU device, device/cpu_device.h) and completes in stream order, as
-// NCCL's do. Code that treats a communicator as NCCL does (no host wait before a collective,
+// A stream-ordered in-process group for tests: N ranks as N threads, like comm/inprocess.h's
+// group, except that every operation is only ENQUEUED on the stream it is given (a stream of
+// the CPU device, device/cpu_device.h, or of one GPU that every rank shares) and completes in
+// stream order, as NCCL's do (NCCL refuses two ranks on one GPU; this group is how the engine's
+// NCCL-shaped path runs with world > 1 on one GPU). Code that treats a communicator as NCCL does (no host wait before a collective,
 // results read only after the stream is synchronized or joined through an event) is thereby
 // exercised without a GPU; with AsyncOneThreadCpuDevice's delayed streams, a missing event
 // wait or a host read before the stream sync gives a wrong result, not a rare one.
@@ -12,8 +13,8 @@
 //   RETURN_IF_ERROR(comms[r]->AllGather(send, recv, n, DType::kF32, s));  // enqueued
 //   RETURN_IF_ERROR(comms[r]->Synchronize(s));                          // now recv holds it
 //
-// stream_ordered() is true and device_memory() is false, matching the CPU device, so that
-// Engine::Create pairs them; comm::DirectHostExchange refuses it as it refuses NCCL.
+// stream_ordered() is true and device_memory() is the device's, so that Engine::Create pairs
+// them; comm::DirectHostExchange refuses it as it refuses NCCL.
 //
 // How (the Device API has no host callback, so nothing but device operations and events can
 // run on a stream): at the call, each rank records an event `ready` on its stream and the
@@ -58,8 +59,9 @@ namespace zerort {
 namespace comm {
 namespace testing {
 
-// `device` must outlive the group and report device_memory() == false (the CPU device);
-// InvalidArgument otherwise, or for world_size < 1 or an invalid `options`.
+// `device` must outlive the group; every rank's buffers must be that device's memory (on a GPU:
+// one GPU for all ranks, whose streams read each other's buffers directly). InvalidArgument for a
+// null device, world_size < 1 or an invalid `options`.
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> CreateStreamOrderedGroup(
     int world_size, Device* device, CommOptions options = {});
 
