@@ -50,6 +50,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "benchmarks/bench_util.h"
+#include "benchmarks/cuda_timing.h"
 #include "comm/inprocess.h"
 #include "device/cuda_device.h"
 #include "device/device.h"
@@ -61,6 +62,8 @@ namespace zerort {
 namespace {
 
 using json = nlohmann::ordered_json;
+using bench::CheckCuda;
+using bench::EventTimes;
 using bench::Median;
 
 constexpr DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
@@ -110,12 +113,6 @@ void Check(const absl::Status& s, const char* what) {
   }
 }
 
-void CheckCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "cuda_bench: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
   auto a = memory::Allocation::Create(dev->allocator(kind), bytes);
@@ -123,30 +120,6 @@ memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
   return std::move(*a);
 }
 
-// Seconds of each repetition of fn(), sorted, from CUDA events recorded on the legacy default
-// stream before and after it (every Device call here runs on that stream, or synchronizes its
-// own). The first call is a warm-up.
-std::vector<double> Time(int reps, const std::function<void()>& fn) {
-  cudaEvent_t start, stop;
-  CheckCuda(cudaEventCreate(&start), "cudaEventCreate");
-  CheckCuda(cudaEventCreate(&stop), "cudaEventCreate");
-  fn();
-  CheckCuda(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> s;
-  for (int r = 0; r < reps; ++r) {
-    CheckCuda(cudaEventRecord(start, nullptr), "cudaEventRecord");
-    fn();
-    CheckCuda(cudaEventRecord(stop, nullptr), "cudaEventRecord");
-    CheckCuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    CheckCuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    s.push_back(ms / 1e3);
-  }
-  CheckCuda(cudaEventDestroy(start), "cudaEventDestroy");
-  CheckCuda(cudaEventDestroy(stop), "cudaEventDestroy");
-  std::sort(s.begin(), s.end());
-  return s;
-}
 
 std::string Name(DType d) { return std::string(DTypeName(d)); }
 
@@ -167,7 +140,7 @@ class SizeBench {
 
   json Run() {
     json out = {{"elements", n_}, {"reps", reps_}};
-    const std::vector<double> copy = Time(reps_, [&] {
+    const std::vector<double> copy = EventTimes(reps_, [&] {
       CheckCuda(cudaMemcpyAsync(a(1), a(0), 4 * n_, cudaMemcpyDeviceToDevice, nullptr),
                 "cudaMemcpyAsync d2d");
     });
@@ -285,7 +258,7 @@ class SizeBench {
 
   json Row(const char* kernel, json args, size_t bytes_per_element,
            const std::function<void()>& fn) {
-    const std::vector<double> t = Time(reps_, fn);
+    const std::vector<double> t = EventTimes(reps_, fn);
     const double gbps = static_cast<double>(bytes_per_element) * n_ / Median(t) / 1e9;
     json row = {{"kernel", kernel}};
     for (auto it = args.begin(); it != args.end(); ++it) row[it.key()] = it.value();
@@ -327,9 +300,9 @@ json BenchTransfers(Device* dev, size_t bytes, int reps) {
       const void* src = h2d ? host : dbuf.get();
       return [=] { Check(dev->Copy(dst, src, bytes, nullptr), "Copy"); };
     };
-    const std::vector<double> pin = Time(reps, copy(pinned.get()));
-    const std::vector<double> page = Time(reps, copy(pageable.get()));
-    const std::vector<double> raw = Time(reps, [&] {
+    const std::vector<double> pin = EventTimes(reps, copy(pinned.get()));
+    const std::vector<double> page = EventTimes(reps, copy(pageable.get()));
+    const std::vector<double> raw = EventTimes(reps, [&] {
       CheckCuda(h2d ? cudaMemcpyAsync(dbuf.get(), pinned.get(), bytes, cudaMemcpyHostToDevice,
                                       nullptr)
                     : cudaMemcpyAsync(pinned.get(), dbuf.get(), bytes, cudaMemcpyDeviceToHost,

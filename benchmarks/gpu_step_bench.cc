@@ -83,6 +83,7 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "benchmarks/bench_util.h"
+#include "benchmarks/cuda_timing.h"
 #include "comm/nccl.h"
 #include "device/cuda_device.h"
 #include "device/device.h"
@@ -96,6 +97,8 @@ namespace zerort {
 namespace {
 
 using json = nlohmann::ordered_json;
+using bench::CheckCuda;
+using bench::EventTimes;
 using bench::Median;
 using Clock = std::chrono::steady_clock;
 
@@ -132,14 +135,6 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
   return true;
 }
 
-// Aborts the benchmark: this is a tool, and a failed CUDA call outside a config means the
-// measurement cannot go on.
-void CheckCuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "gpu_step_bench: %s: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
@@ -165,28 +160,6 @@ examples::gpt::GptShape ShapeOf(const std::string& name) {
   return s;
 }
 
-// Median seconds of `reps` runs of fn() (after one warm-up) between CUDA events on stream 0.
-template <typename Fn>
-double EventSeconds(int reps, Fn fn) {
-  cudaEvent_t start, stop;
-  CheckCuda(cudaEventCreate(&start), "cudaEventCreate");
-  CheckCuda(cudaEventCreate(&stop), "cudaEventCreate");
-  fn();
-  CheckCuda(cudaDeviceSynchronize(), "warm-up");
-  std::vector<double> s;
-  for (int r = 0; r < reps; ++r) {
-    CheckCuda(cudaEventRecord(start, nullptr), "cudaEventRecord");
-    fn();
-    CheckCuda(cudaEventRecord(stop, nullptr), "cudaEventRecord");
-    CheckCuda(cudaEventSynchronize(stop), "cudaEventSynchronize");
-    float ms = 0;
-    CheckCuda(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    s.push_back(ms / 1e3);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return Median(s);
-}
 
 // The limits the floors are computed from, in GB/s (1e9 bytes).
 struct Limits {
@@ -224,20 +197,20 @@ Limits MeasureLimits(bool quick) {
   CheckCuda(cudaMalloc(&a, d2d_bytes), "cudaMalloc");
   CheckCuda(cudaMalloc(&b, d2d_bytes), "cudaMalloc");
   CheckCuda(cudaMemset(a, 0, d2d_bytes), "cudaMemset");
-  l.d2d = 2.0 * d2d_bytes / EventSeconds(10, [&] {
+  l.d2d = 2.0 * d2d_bytes / Median(EventTimes(10, [&] {
             CheckCuda(cudaMemcpyAsync(b, a, d2d_bytes, cudaMemcpyDeviceToDevice, nullptr),
                       "cudaMemcpyAsync d2d");
-          }) / 1e9;
+          })) / 1e9;
   CheckCuda(cudaMallocHost(&host, xfer_bytes), "cudaMallocHost");
   std::memset(host, 0, xfer_bytes);
-  l.h2d = xfer_bytes / EventSeconds(5, [&] {
+  l.h2d = xfer_bytes / Median(EventTimes(5, [&] {
             CheckCuda(cudaMemcpyAsync(a, host, xfer_bytes, cudaMemcpyHostToDevice, nullptr),
                       "cudaMemcpyAsync h2d");
-          }) / 1e9;
-  l.d2h = xfer_bytes / EventSeconds(5, [&] {
+          })) / 1e9;
+  l.d2h = xfer_bytes / Median(EventTimes(5, [&] {
             CheckCuda(cudaMemcpyAsync(host, a, xfer_bytes, cudaMemcpyDeviceToHost, nullptr),
                       "cudaMemcpyAsync d2h");
-          }) / 1e9;
+          })) / 1e9;
   CheckCuda(cudaFreeHost(host), "cudaFreeHost");
   CheckCuda(cudaFree(a), "cudaFree");
   CheckCuda(cudaFree(b), "cudaFree");
