@@ -51,6 +51,43 @@ TrainResult CpuReference(const Config& c, int steps) {
   return *std::move(run);
 }
 
+// TrainRank on every rank of `comms`, one thread each, each rank on a compute stream of its own
+// on `dev`, as trainers sharing a GPU would be: every rank's result.
+std::vector<absl::StatusOr<TrainResult>> TrainOnStreams(
+    const Config& c, Device* dev, const std::vector<std::unique_ptr<comm::Communicator>>& comms,
+    int steps) {
+  const int world = static_cast<int>(comms.size());
+  std::vector<absl::StatusOr<TrainResult>> out(world, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto stream = dev->CreateStream();
+      if (!stream.ok()) {
+        out[r] = stream.status();
+        return;
+      }
+      out[r] = TrainRank(c, SmallModel(), comms[r].get(), dev, steps, -1, -1, *stream);
+      (void)dev->Synchronize(*stream);
+      dev->DestroyStream(*stream);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// Every rank's masters and parameters, bit for bit.
+void CheckRanksEqual(const std::vector<absl::StatusOr<TrainResult>>& want,
+                     const std::vector<absl::StatusOr<TrainResult>>& got) {
+  REQUIRE(got.size() == want.size());
+  for (size_t r = 0; r < want.size(); ++r) {
+    INFO("rank " << r << ": " << got[r].status().message());
+    REQUIRE(want[r].ok());
+    REQUIRE(got[r].ok());
+    CHECK(got[r]->master == want[r]->master);
+    CHECK(got[r]->params == want[r]->params);
+  }
+}
+
 TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 0-3",
           "[zero][gpu]") {
   Device* const gpu = GpuOrSkip();
@@ -90,35 +127,15 @@ TEST_CASE("EngineGpu: two and four in-process ranks sharing one GPU equal the CP
         if (stage == 0 && offload) continue;
         const Config c = TestConfig(stage, DType::kBF16, /*gas=*/2, /*clip=*/0.05, offload);
         INFO("world=" << world << " stage=" << stage << " offload=" << offload);
-        auto run = [&](Device* dev, comm::InProcessBufferOps ops) {
-          auto comms = comm::CreateInProcessGroup(world, {c.comm_timeout_ms}, ops).value();
-          std::vector<absl::StatusOr<TrainResult>> out(world, absl::UnknownError("not run"));
-          std::vector<std::thread> threads;
-          for (int r = 0; r < world; ++r) {
-            threads.emplace_back([&, r] {
-              // Each rank on a compute stream of its own, as trainers sharing a GPU would be.
-              auto stream = dev->CreateStream();
-              if (!stream.ok()) {
-                out[r] = stream.status();
-                return;
-              }
-              out[r] = TrainRank(c, SmallModel(), comms[r].get(), dev, steps, -1, -1, *stream);
-              dev->DestroyStream(*stream);
-            });
-          }
-          for (auto& t : threads) t.join();
-          return out;
-        };
         auto cpu = testing::OneThreadCpuDevice();
-        auto want = run(cpu.get(), {});
-        auto got = run(gpu, CudaInProcessBufferOps(0));
-        for (int r = 0; r < world; ++r) {
-          INFO("rank " << r << ": " << got[r].status().message());
-          REQUIRE(want[r].ok());
-          REQUIRE(got[r].ok());
-          CHECK(got[r]->master == want[r]->master);
-          CHECK(got[r]->params == want[r]->params);
-        }
+        auto want = TrainOnStreams(
+            c, cpu.get(), comm::CreateInProcessGroup(world, {c.comm_timeout_ms}).value(), steps);
+        auto got = TrainOnStreams(
+            c, gpu,
+            comm::CreateInProcessGroup(world, {c.comm_timeout_ms}, CudaInProcessBufferOps(0))
+                .value(),
+            steps);
+        CheckRanksEqual(want, got);
       }
     }
   }
@@ -137,37 +154,13 @@ TEST_CASE("EngineGpu: two stream-ordered ranks sharing one GPU equal the CPU dev
       if (stage == 0 && offload) continue;
       const Config c = TestConfig(stage, DType::kBF16, /*gas=*/2, /*clip=*/0.05, offload);
       INFO("stage=" << stage << " offload=" << offload);
-      auto run = [&](Device* dev, std::vector<std::unique_ptr<comm::Communicator>> comms) {
-        std::vector<absl::StatusOr<TrainResult>> out(world, absl::UnknownError("not run"));
-        std::vector<std::thread> threads;
-        for (int r = 0; r < world; ++r) {
-          threads.emplace_back([&, r] {
-            auto stream = dev->CreateStream();
-            if (!stream.ok()) {
-              out[r] = stream.status();
-              return;
-            }
-            out[r] = TrainRank(c, SmallModel(), comms[r].get(), dev, steps, -1, -1, *stream);
-            (void)dev->Synchronize(*stream);
-            dev->DestroyStream(*stream);
-          });
-        }
-        for (auto& t : threads) t.join();
-        return out;
-      };
       auto cpu = testing::OneThreadCpuDevice();
-      auto want = run(cpu.get(), comm::CreateInProcessGroup(world, {c.comm_timeout_ms}).value());
+      auto want = TrainOnStreams(
+          c, cpu.get(), comm::CreateInProcessGroup(world, {c.comm_timeout_ms}).value(), steps);
       auto group = comm::testing::CreateStreamOrderedGroup(world, gpu, {c.comm_timeout_ms});
       INFO(group.status().message());
       REQUIRE(group.ok());
-      auto got = run(gpu, *std::move(group));
-      for (int r = 0; r < world; ++r) {
-        INFO("rank " << r << ": " << got[r].status().message());
-        REQUIRE(want[r].ok());
-        REQUIRE(got[r].ok());
-        CHECK(got[r]->master == want[r]->master);
-        CHECK(got[r]->params == want[r]->params);
-      }
+      CheckRanksEqual(want, TrainOnStreams(c, gpu, *group, steps));
     }
   }
 }
