@@ -4,18 +4,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "capi/testing/check.h"
 #include "zerort/zero_c.h"
 
-static int failures = 0;
-
-#define EXPECT(cond)                                                        \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "%s:%d: expected %s (%s)\n", __FILE__, __LINE__, #cond, \
-              zr_last_error());                                             \
-      ++failures;                                                           \
-    }                                                                       \
-  } while (0)
+/* The library's last message with every failed expectation. */
+#define EXPECT(cond) CHECK(cond, "%s", zr_last_error())
 
 static zr_engine* Create(const char* config, zr_comm* comm, zr_device* device) {
   static const int64_t base_shape[2] = {16, 8}, lora_shape[2] = {2, 8}, bias_shape[1] = {16};
@@ -67,6 +60,6 @@ int main(void) {
   zr_engine_destroy(reducing);
   zr_device_destroy(device);
   zr_comm_destroy(comm);
-  if (failures == 0) printf("all passed\n");
-  return failures == 0 ? 0 : 1;
+  if (g_failures == 0) printf("all passed\n");
+  return g_failures == 0 ? 0 : 1;
 }

@@ -8,19 +8,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "capi/testing/check.h"
 #include "zerort/zero_c.h"
 
-static int g_failures = 0;
-
-#define CHECK(cond, ...)                                                      \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                           \
-      fprintf(stderr, "\n");                                                  \
-      ++g_failures;                                                           \
-    }                                                                         \
-  } while (0)
 
 #define CONFIG "{\"zero_optimization\": {\"stage\": 2}}"
 #define N 8

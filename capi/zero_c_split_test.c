@@ -9,24 +9,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "capi/testing/check.h"
 #include "zerort/zero_c.h"
 
 #define WORLD 4
 
-static int g_failures = 0;
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                                                        \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      pthread_mutex_lock(&g_mu);                                                \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);  \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      ++g_failures;                                                             \
-      pthread_mutex_unlock(&g_mu);                                              \
-    }                                                                           \
-  } while (0)
 
 static zr_comm* g_world[WORLD];
 static zr_device* g_device;

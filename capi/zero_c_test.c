@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "capi/testing/check.h"
 #include "zerort/zero_c.h"
 
 #define IN 6
@@ -24,20 +25,6 @@
 #define NUM_ELEMENTS (OUT * IN + OUT)
 #define CKPT_STEP 10 /* the async checkpoint starts after this step and finishes 2 steps later */
 
-static int g_failures = 0;
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                                                      \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      pthread_mutex_lock(&g_mu);                                              \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                           \
-      fprintf(stderr, "\n");                                                  \
-      ++g_failures;                                                           \
-      pthread_mutex_unlock(&g_mu);                                            \
-    }                                                                         \
-  } while (0)
 
 /* A call that must succeed; on failure records it and leaves the enclosing function. */
 #define MUST(call)                                                                       \
