@@ -253,10 +253,11 @@ run_bench() {  # run_bench NAME TIMEOUT FILE ARGS...
   rm -f "$scratch/bench.json"
 }
 
-run_torch_ref() {  # run_torch_ref TIMEOUT ELEMENTS...
-  local limit=$1 python=${ZERORT_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
-  shift
-  local name="adamw_torch_ref $*"
+# run_python_ref NAME TIMEOUT SCRIPT ARGS...: a PyTorch reference of python/ with
+# /opt/torch/.venv/bin/python (or $ZERORT_TORCH_PYTHON); its JSON goes to benchmarks.json.
+run_python_ref() {
+  local name=$1 limit=$2 script=$3 python=${ZERORT_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
+  shift 3
   if [ ! -x "$python" ]; then
     result SKIPPED "$name: no $python (set ZERORT_TORCH_PYTHON)"
     return
@@ -267,7 +268,7 @@ run_torch_ref() {  # run_torch_ref TIMEOUT ELEMENTS...
   fi
   # torch brings its own NCCL and CUDA libraries.
   run_step "$name" "$limit" "$scratch/bench.json" env -u LD_LIBRARY_PATH "$python" \
-    "$bundle/python/adamw_torch_ref.py" --elements "$@"
+    "$bundle/python/$script" "$@"
   cat "$scratch/bench.json" >>"$json" 2>/dev/null
   if [ $rc -ne 0 ]; then
     not_passed "$name"
@@ -277,6 +278,12 @@ run_torch_ref() {  # run_torch_ref TIMEOUT ELEMENTS...
     result PASSED "$name (ran on GPU; JSON in benchmarks.json)"
   fi
   rm -f "$scratch/bench.json"
+}
+
+run_torch_ref() {  # run_torch_ref TIMEOUT ELEMENTS...: torch's fused AdamW on those sizes
+  local limit=$1
+  shift
+  run_python_ref "adamw_torch_ref $*" "$limit" adamw_torch_ref.py --elements "$@"
 }
 
 # The example GPT trained on the GPU by `zerort demo --device cuda` (GPT-2 124M shapes, byte
@@ -305,31 +312,10 @@ run_demo() {  # run_demo TIMEOUT FILE STEPS
       not_passed "$name3"
     fi
   fi
-  local python=${ZERORT_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
-  if [ ! -x "$python" ]; then
-    result SKIPPED "gpt_torch_ref: no $python (set ZERORT_TORCH_PYTHON)"
-    return
-  fi
-  run_step "gpt_torch_ref" "$limit" "$scratch/bench.json" env -u LD_LIBRARY_PATH "$python" \
-    "$bundle/python/gpt_torch_ref.py" --steps "$steps"
-  cat "$scratch/bench.json" >>"$json" 2>/dev/null
-  if [ $rc -ne 0 ]; then
-    not_passed "gpt_torch_ref"
-  else
-    result PASSED "gpt_torch_ref (ran on GPU; JSON in benchmarks.json)"
-  fi
-  rm -f "$scratch/bench.json"
+  run_python_ref gpt_torch_ref "$limit" gpt_torch_ref.py --steps "$steps"
   [ $quick -eq 1 ] && return
   # With torch's fused attention (flash): what zerort's written-out attention leaves behind.
-  run_step "gpt_torch_ref --sdpa" "$limit" "$scratch/bench.json" env -u LD_LIBRARY_PATH \
-    "$python" "$bundle/python/gpt_torch_ref.py" --steps "$steps" --sdpa
-  cat "$scratch/bench.json" >>"$json" 2>/dev/null
-  if [ $rc -ne 0 ]; then
-    not_passed "gpt_torch_ref --sdpa"
-  else
-    result PASSED "gpt_torch_ref --sdpa (ran on GPU; JSON in benchmarks.json)"
-  fi
-  rm -f "$scratch/bench.json"
+  run_python_ref "gpt_torch_ref --sdpa" "$limit" gpt_torch_ref.py --steps "$steps" --sdpa
 }
 
 run_sanitizer() {  # run_sanitizer TOOL TIMEOUT LABEL FILE
