@@ -162,7 +162,8 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
 }
 
 // Fills plan->units and plan->params (all but flat_offset) one parameter at a time: whole modules
-// are merged up to the target and an oversized module is split at parameter bounds.
+// are merged up to the target and an oversized module is split at parameter bounds, or, with
+// unit_per_module, each module is a unit.
 class UnitBuilder {
  public:
   UnitBuilder(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan,
@@ -171,15 +172,17 @@ class UnitBuilder {
 
   void AddModule(const std::vector<int>& module) {
     const std::string& module_name = specs_[module.front()].module;
+    const bool whole = o_.unit_per_module;
     int64_t size = 0;
     for (int i : module) size = math_.Add(Aligned(size), numel_[i], "unit size");
-    if (WouldOverflow(size)) Close();
+    if (whole || WouldOverflow(size)) Close();
     for (int i : module) {
-      if (WouldOverflow(numel_[i])) Close();
+      if (!whole && WouldOverflow(numel_[i])) Close();
       if (current_.params.empty()) first_module_ = module_name;
       last_module_ = module_name;
       AddParam(i);
     }
+    if (whole) Close();
   }
 
   // Ends the unit being filled, if any.

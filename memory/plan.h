@@ -9,7 +9,8 @@
 //  - Parameters are grouped into units: flat, contiguous groups following the trainer's modules
 //    in reverse registration order (the order backward produces gradients). Consecutive modules
 //    are merged while the unit stays within `unit_target_elements`; a module larger than that is
-//    split at parameter boundaries. A parameter never spans two units, so param(i) is contiguous.
+//    split at parameter boundaries. With `unit_per_module` each module is one unit instead.
+//    A parameter never spans two units, so param(i) is contiguous.
 //  - Each parameter starts at a multiple of `param_alignment` elements inside its unit; each unit
 //    is padded to a multiple of world_size * shard_alignment and split into world_size equal
 //    shards; rank r owns shard r of every unit. A parameter may straddle shards.

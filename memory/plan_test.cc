@@ -181,6 +181,23 @@ TEST_CASE("Planner: units follow modules in reverse registration order", "[memor
   CHECK(plan->units[2].name == "embed");
   CHECK(plan->params[4].unit == 0);
   CHECK(plan->params[0].unit == 2);
+
+  // unit_per_module: every module one unit, small ones not merged, large ones not split,
+  // whatever the target; a module's parameters stay together even when registered apart.
+  specs.push_back({"l0.c", {7}, "l0"});
+  o.unit_per_module = true;
+  for (int64_t target : {1, 120, 1000000}) {
+    o.unit_target_elements = target;
+    auto per_module = MakePlan(specs, o);
+    REQUIRE(per_module.ok());
+    REQUIRE(per_module->units.size() == 4);
+    CHECK(per_module->units[0].name == "head");
+    CHECK(per_module->units[1].name == "l1");
+    CHECK(per_module->units[2].name == "l0");
+    CHECK(per_module->units[2].params == std::vector<int>{1, 2, 5});
+    CHECK(per_module->units[2].numel == 62);
+    CHECK(per_module->units[3].name == "embed");
+  }
 }
 
 TEST_CASE("Planner: working buffers per stage", "[memory]") {

@@ -278,17 +278,20 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
     REQUIRE(specs.ok());
     const UnitSizes sizes = ResolveUnitSizes(*specs, Config{});
     CHECK(sizes.hidden == h);
-    CHECK(sizes.reduce_bucket_size == std::max(h * h, sizes.largest_module));
+    CHECK(sizes.per_module);
+    CHECK(sizes.reduce_bucket_size == sizes.largest_module);
     CHECK(sizes.prefetch_bucket_size == h * h * 9 / 10);
     CHECK(sizes.persistence_threshold == 10 * h);
-    CHECK_THAT(sizes.reason, Catch::Contains("reduce_bucket_size = max(h*h, largest module) = " +
-                                             std::to_string(sizes.reduce_bucket_size)));
+    CHECK_THAT(sizes.reason, Catch::Contains("reduce_bucket_size = one unit per module (the "
+                                             "largest " +
+                                             std::to_string(sizes.largest_module) + " elements)"));
   }
   const std::vector<memory::ParamSpec> vector_only = {{"v", {10000}, "m"}};
   CHECK(ResolveUnitSizes(vector_only, Config{}).hidden == 100);
-  // Units never split a module: h = 4, but module m1 holds 20 elements.
+  // Units never split a module: h = 4, but module m1 holds 20 elements, wherever they were
+  // registered.
   const std::vector<memory::ParamSpec> small = {
-      {"a", {4, 4}, "m1"}, {"b", {4}, "m1"}, {"c", {2, 2}, "m2"}};
+      {"a", {4, 4}, "m1"}, {"c", {2, 2}, "m2"}, {"b", {4}, "m1"}};
   CHECK(ResolveUnitSizes(small, Config{}).hidden == 4);
   CHECK(ResolveUnitSizes(small, Config{}).largest_module == 20);
   CHECK(ResolveUnitSizes(small, Config{}).reduce_bucket_size == 20);
@@ -305,6 +308,7 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
   REQUIRE(specs.ok());
   const UnitSizes kept = ResolveUnitSizes(*specs, c);
   CHECK(kept.reduce_bucket_size == 123);
+  CHECK(!kept.per_module);
   CHECK(kept.prefetch_bucket_size == 0);
   CHECK(kept.persistence_threshold == 7);
   CHECK(kept.reason.empty());
@@ -313,7 +317,8 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
   c.zero.stage = 3;
   auto choice = ChoosePlan(*specs, c, 8, 0);
   REQUIRE(choice.ok());
-  CHECK(choice->plan.options.unit_target_elements == (50257 + 1024) * 1600);
+  CHECK(choice->plan.options.unit_per_module);
+  CHECK(choice->plan.units.size() == 48 + 2);  // one unit per block, ln_f, the embeddings
   CHECK(choice->plan.options.prefetch_elements == 2304000);
   CHECK(choice->plan.options.persistence_threshold == 16000);
   CHECK_THAT(choice->reason, Catch::Contains("hidden size h = 1600"));
@@ -390,12 +395,12 @@ TEST_CASE("ResolveAuto: the trainer's fill replaces every auto, each with a note
   CHECK(c.scheduler.warmup_num_steps == 100);
   CHECK(c.scheduler.total_num_steps == 5000);
   CHECK(c.gradient_accumulation_steps == 8);  // 256 / (4 * 8)
-  // Hugging Face's rule for the unit sizes, h = 1024 (no parameters: no module bound).
-  CHECK(c.zero.reduce_bucket_size == 1024 * 1024);
+  // Hugging Face's rule for the sizes that follow h = 1024; the units follow the modules.
+  CHECK(c.zero.reduce_bucket_size == kAutoSize);
   CHECK(c.zero.stage3_prefetch_bucket_size == 943718);  // floor(0.9 * 1048576)
   CHECK(c.zero.stage3_param_persistence_threshold == 10240);
-  CHECK(HasNote(c, "zero_optimization.reduce_bucket_size: auto -> 1048576 (max(h*h, largest "
-                   "module), h = 1024 from the trainer)"));
+  CHECK(HasNote(c, "zero_optimization.reduce_bucket_size: auto -> one unit per module (the "
+                   "largest 0 elements)"));
   CHECK(HasNote(c, "bf16.enabled: auto -> true (the trainer computes in bf16)"));
   CHECK(HasNote(c, "fp16.enabled: auto -> false (the trainer computes in bf16)"));
   CHECK(HasNote(c, "scheduler.params.warmup_max_lr: auto -> 3e-05 (optimizer.params.lr)"));
@@ -492,7 +497,7 @@ TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse
     REQUIRE(s.ok());
     CHECK(config->auto_keys.empty());
     CHECK(config->compute_dtype == c.dtype);
-    CHECK(config->zero.reduce_bucket_size != kAutoSize);
+    CHECK(config->zero.stage3_prefetch_bucket_size != kAutoSize);
     CHECK(ValidateConfig(*config).ok());
     absl::StatusOr<PlanChoice> plan = ChoosePlan(*llama, *config, static_cast<int>(c.world), 0);
     INFO(plan.status().ToString());
