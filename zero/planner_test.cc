@@ -267,6 +267,59 @@ TEST_CASE("Planner: auto puts the optimizer state on NVMe when host memory is to
   CHECK(big->plan.nvme_bytes() == 0);
 }
 
+// Device bytes per rank of `specs` in fp32 at `world` for stages 0-3, with the default config.
+std::vector<int64_t> Fp32DeviceBytes(const std::vector<memory::ParamSpec>& specs, int world) {
+  std::vector<int64_t> out;
+  for (int stage = 0; stage <= 3; ++stage) {
+    Config c;
+    c.compute_dtype = DType::kF32;
+    c.zero.stage = stage;
+    absl::StatusOr<PlanChoice> choice = ChoosePlan(specs, c, world, 0);
+    REQUIRE(choice.ok());
+    out.push_back(choice->plan.device_bytes());
+  }
+  return out;
+}
+
+TEST_CASE("Planner: with default sizes one large unit does not erase stage 2-3 savings",
+          "[zero]") {
+  // GPT-2 124M in fp32 at world 2: stages 2 and 3 used to plan above stage 1 (1487 and 1550
+  // MiB against 1424), every bucket and slot the size of the tied embedding's 39.4M-element
+  // unit. One unit per block and a slot class of its own for the embedding put them below.
+  auto gpt2 = ModelPreset("gpt2-124m");
+  REQUIRE(gpt2.ok());
+  const std::vector<int64_t> b = Fp32DeviceBytes(*gpt2, 2);
+  CHECK(b[3] < b[2]);
+  CHECK(b[2] < b[1]);
+  CHECK(b[1] < b[0]);
+  // Stage 2 exactly: the parameters, the shards of gradients and Adam's moments, and three
+  // buckets (two of a block, one of the embeddings) instead of two of the embeddings.
+  const int64_t P = 124439808, block = 12 * 768 * 768 + 13 * 768, embed = (50257 + 1024) * 768;
+  CHECK(b[2] == 4 * P + 3 * 4 * (P / 2) + 4 * (2 * block + embed) + 4 * 2 * 15);
+
+  // llm.c's CPU GPT-2 (L = 4, C = 128, vocabulary 50304, 64 positions), one module per layer:
+  // 82.9 / 118.2 / 153.5 MiB for stages 1-3 before, now the embedding's gradient bucket is the
+  // only slot of its size in stage 2 and adds one gather slot of its size in stage 3.
+  const int64_t C = 128;
+  std::vector<memory::ParamSpec> llmc = {{"wte", {50304, C}, "wte"}, {"wpe", {64, C}, "wpe"}};
+  for (int l = 0; l < 4; ++l) {
+    const std::string m = absl::StrCat("h", l);
+    for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"ln1w", {C}}, {"ln1b", {C}}, {"qkvw", {3 * C, C}}, {"qkvb", {3 * C}},
+             {"attprojw", {C, C}}, {"attprojb", {C}}, {"ln2w", {C}}, {"ln2b", {C}},
+             {"fcw", {4 * C, C}}, {"fcb", {4 * C}}, {"fcprojw", {C, 4 * C}}, {"fcprojb", {C}}}) {
+      llmc.push_back({m + "." + name, shape, m});
+    }
+  }
+  llmc.push_back({"lnfw", {C}, "lnf"});
+  llmc.push_back({"lnfb", {C}, "lnf"});
+  const std::vector<int64_t> l = Fp32DeviceBytes(llmc, 2);
+  CHECK(l[2] < int64_t{96} << 20);   // 95.13 MiB (118.18 before)
+  CHECK(l[3] < int64_t{108} << 20);  // 107.40 MiB (153.49 before)
+  // The embedding's gradient alone is 24.6 MiB: at world 2, stage 2 cannot save that much.
+  CHECK(l[2] - l[1] < 50304 * C * 4);
+}
+
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
   // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
   // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.
