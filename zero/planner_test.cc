@@ -301,19 +301,11 @@ TEST_CASE("Planner: with default sizes one large unit does not erase stage 2-3 s
   // 82.9 / 118.2 / 153.5 MiB for stages 1-3 before, now the embedding's gradient bucket is the
   // only slot of its size in stage 2 and adds one gather slot of its size in stage 3.
   const int64_t C = 128;
-  std::vector<memory::ParamSpec> llmc = {{"wte", {50304, C}, "wte"}, {"wpe", {64, C}, "wpe"}};
-  for (int l = 0; l < 4; ++l) {
-    const std::string m = absl::StrCat("h", l);
-    for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
-             {"ln1w", {C}}, {"ln1b", {C}}, {"qkvw", {3 * C, C}}, {"qkvb", {3 * C}},
-             {"attprojw", {C, C}}, {"attprojb", {C}}, {"ln2w", {C}}, {"ln2b", {C}},
-             {"fcw", {4 * C, C}}, {"fcb", {4 * C}}, {"fcprojw", {C, 4 * C}}, {"fcprojb", {C}}}) {
-      llmc.push_back({m + "." + name, shape, m});
-    }
-  }
-  llmc.push_back({"lnfw", {C}, "lnf"});
-  llmc.push_back({"lnfb", {C}, "lnf"});
-  const std::vector<int64_t> l = Fp32DeviceBytes(llmc, 2);
+  absl::StatusOr<std::vector<memory::ParamSpec>> llmc =
+      LoadModelFile("zero/testdata/llmc_gpt2_l4_c128.json");
+  REQUIRE(llmc.ok());
+  REQUIRE(llmc->size() == 2 + 4 * 12 + 2);
+  const std::vector<int64_t> l = Fp32DeviceBytes(*llmc, 2);
   CHECK(l[2] < int64_t{96} << 20);   // 95.13 MiB (118.18 before)
   CHECK(l[3] < int64_t{108} << 20);  // 107.40 MiB (153.49 before)
   // The embedding's gradient alone is 24.6 MiB: at world 2, stage 2 cannot save that much.
