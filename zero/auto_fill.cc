@@ -91,7 +91,9 @@ UnitSizes ResolveUnitSizes(absl::Span<const memory::ParamSpec> specs, const Conf
                                             : " (the largest parameter's smaller dimension): ",
                                  absl::StrJoin(derived, ", "), " elements"));
   }
-  if (!parts.empty()) out.reason = absl::StrCat("\"auto\" unit sizes: ", absl::StrJoin(parts, "; "));
+  if (!parts.empty()) {
+    out.reason = absl::StrCat("\"auto\" unit sizes: ", absl::StrJoin(parts, "; "));
+  }
   return out;
 }
 

@@ -71,17 +71,17 @@ struct AutoFill {
 // `zerort plan --fill`.
 absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
 
-// Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with
-// a value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
-// docs/config.md: the prefetch and persistence sizes from the fill's hidden_size (without one
-// they stay kAutoSize and the planner derives h from `specs`); reduce_bucket_size stays
-// kAutoSize, one unit per module, noted when the fill has a hidden_size; bf16/fp16.enabled from fill.compute_dtype (false
-// without one); optimizer and gradient-clipping values from the fill, else zerort's defaults;
-// gradient_accumulation_steps from the fill, else train / (micro * world) when all are known,
-// else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else the
-// optimizer's lr; warmup_num_steps from the fill, else DeepSpeed's 1000; total_num_steps from the
-// fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when all
-// four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
+// Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with a
+// value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
+// docs/config.md: the prefetch and persistence sizes from the fill's hidden_size (without one they
+// stay kAutoSize and the planner derives h from `specs`); reduce_bucket_size stays kAutoSize, one
+// unit per module, noted when the fill has a hidden_size; bf16/fp16.enabled from fill.compute_dtype
+// (false without one); optimizer and gradient-clipping values from the fill, else zerort's
+// defaults; gradient_accumulation_steps from the fill, else train / (micro * world) when all are
+// known, else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else
+// the optimizer's lr; warmup_num_steps from the fill, else DeepSpeed's 1000; total_num_steps from
+// the fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when
+// all four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
 // "auto" no rule fills, inconsistent batch sizes, bf16 and fp16 both enabled.
 //
 // `purpose` kPlan is for a plan alone (`zerort plan`): an "auto" that no rule fills but that
