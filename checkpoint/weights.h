@@ -78,8 +78,11 @@ absl::StatusOr<std::vector<std::string>> ExportWeights(Engine& engine, const std
                                                        const WeightsExportOptions& options = {});
 
 // The masters of a saved checkpoint (a step directory, or a root whose `latest` names one),
-// read without an engine and written as WriteWeights does. Errors: those of ReadCheckpoint,
-// then those of WriteWeights.
+// read without an engine and written as WriteWeights does, byte for byte. Streams
+// (StreamCheckpointMasters): each piece goes from the checkpoint's 8 MiB read buffer into its
+// place in its output file, so memory stays bounded whatever the model's size; every output
+// file is open at once (one descriptor per shard). Nothing is published unless every shard's
+// checksum holds. Errors: those of VerifyCheckpoint, then those of WriteWeights.
 absl::StatusOr<std::vector<std::string>> ExportCheckpointWeights(
     const std::string& checkpoint, const std::string& out,
     const WeightsExportOptions& options = {});

@@ -12,8 +12,8 @@
 //                                      gets model.safetensors, or shards of at most SIZE
 //                                      ("5GB") and model.safetensors.index.json
 //
-// inspect and consolidate stream the checkpoint (bounded memory); export holds its state in
-// memory. Names, paths and file contents are printed escaped (bytes outside printable ASCII as \xNN) and bounded; --json replaces bytes that are
+// inspect, consolidate and export stream the checkpoint: memory stays at one 8 MiB read buffer
+// whatever its size. Names, paths and file contents are printed escaped (bytes outside printable ASCII as \xNN) and bounded; --json replaces bytes that are
 // not UTF-8 with U+FFFD. Output goes to `out`; errors come back as a Status (main prints
 // them). Thread-safe.
 #ifndef ZERORT_CLI_CKPT_COMMAND_H_
