@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <set>
 
@@ -175,37 +176,82 @@ absl::StatusOr<FileHeader> ParseHeader(absl::string_view json, int64_t file_byte
   return h;
 }
 
-absl::StatusOr<FileHeader> ReadHeader(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return IoError("cannot open safetensors file", path, errno);
-  struct stat st;
-  std::string json;
-  absl::Status s;
-  unsigned char len[8];
-  if (::fstat(fd, &st) != 0) {
-    s = IoError("cannot stat", path, errno);
-  } else if (!S_ISREG(st.st_mode)) {
-    s = Bad(path, "not a regular file");
-  } else if (st.st_size < 8 || ::pread(fd, len, 8, 0) != 8) {
-    s = Bad(path, absl::StrCat("too short for a header length (", st.st_size, " bytes)"));
-  } else {
-    uint64_t n = 0;
-    for (int b = 7; b >= 0; --b) n = (n << 8) | len[b];
-    if (n > static_cast<uint64_t>(kMaxHeaderBytes)) {
-      s = Bad(path, absl::StrCat("header length ", n, " exceeds the limit of ", kMaxHeaderBytes,
-                                 " bytes"));
-    } else if (static_cast<int64_t>(n) > st.st_size - 8) {
-      s = Bad(path, absl::StrCat("header length ", n, " runs past the end of the file (",
-                                 st.st_size, " bytes)"));
-    } else {
-      json.resize(n);
-      const ssize_t got = ::pread(fd, json.data(), n, 8);
-      if (got != static_cast<ssize_t>(n)) s = IoError("cannot read", path, got < 0 ? errno : EIO);
-    }
+namespace {
+
+class PosixFileReader : public FileReader {
+ public:
+  ~PosixFileReader() override {
+    for (const auto& [path, fd] : fds_) ::close(fd);
   }
-  ::close(fd);
-  RETURN_IF_ERROR(s);
-  return ParseHeader(json, st.st_size, path);
+
+  absl::StatusOr<int64_t> Size(const std::string& path) override {
+    ASSIGN_OR_RETURN(const int fd, Fd(path));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return IoError("cannot stat", path, errno);
+    if (!S_ISREG(st.st_mode)) return Bad(path, "not a regular file");
+    return static_cast<int64_t>(st.st_size);
+  }
+
+  absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) override {
+    ASSIGN_OR_RETURN(const int fd, Fd(path));
+    for (int64_t got = 0; got < n;) {
+      const ssize_t r = ::pread(fd, dst + got, static_cast<size_t>(n - got), offset + got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        const std::string what =
+            absl::StrCat("bytes [", offset, ", ", offset + n, ") of '", path, "': ");
+        if (r == 0) {
+          return absl::DataLossError(
+              absl::StrCat(what, "the file ends at byte ", offset + got));
+        }
+        return absl::InternalError(absl::StrCat("cannot read ", what, std::strerror(errno)));
+      }
+      got += r;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<int> Fd(const std::string& path) {
+    auto it = fds_.find(path);
+    if (it != fds_.end()) return it->second;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return IoError("cannot open safetensors file", path, errno);
+    fds_.emplace(path, fd);
+    return fd;
+  }
+
+  std::map<std::string, int> fds_;
+};
+
+}  // namespace
+
+std::unique_ptr<FileReader> NewPosixFileReader() { return std::make_unique<PosixFileReader>(); }
+
+absl::StatusOr<FileHeader> ReadHeader(const std::string& path, FileReader* reader) {
+  std::unique_ptr<FileReader> own;
+  if (reader == nullptr) {
+    own = NewPosixFileReader();
+    reader = own.get();
+  }
+  ASSIGN_OR_RETURN(const int64_t size, reader->Size(path));
+  unsigned char len[8];
+  if (size < 8 || !reader->ReadAt(path, 0, 8, reinterpret_cast<char*>(len)).ok()) {
+    return Bad(path, absl::StrCat("too short for a header length (", size, " bytes)"));
+  }
+  uint64_t n = 0;
+  for (int b = 7; b >= 0; --b) n = (n << 8) | len[b];
+  if (n > static_cast<uint64_t>(kMaxHeaderBytes)) {
+    return Bad(path, absl::StrCat("header length ", n, " exceeds the limit of ",
+                                  kMaxHeaderBytes, " bytes"));
+  }
+  if (static_cast<int64_t>(n) > size - 8) {
+    return Bad(path, absl::StrCat("header length ", n, " runs past the end of the file (", size,
+                                  " bytes)"));
+  }
+  std::string json(n, '\0');
+  RETURN_IF_ERROR(reader->ReadAt(path, 8, static_cast<int64_t>(n), json.data()));
+  return ParseHeader(json, size, path);
 }
 
 absl::Status CheckFloatDType(absl::string_view dtype, absl::string_view what) {

@@ -72,10 +72,29 @@ int64_t DTypeBytes(absl::string_view dtype);
 absl::StatusOr<FileHeader> ParseHeader(absl::string_view json, int64_t file_bytes,
                                        const std::string& path);
 
-// Reads and parses the header of the file at `path` (only the header's bytes are read).
+// Where the bytes of weight files come from: the seam every read of ReadHeader and of
+// ImportWeights goes through (POSIX by default), so that a test can count the bytes and ranges
+// each rank reads.
+class FileReader {
+ public:
+  virtual ~FileReader() = default;
+  // The size in bytes of the regular file at `path`: NotFound / PermissionDenied naming it,
+  // InvalidArgument when it is not a regular file.
+  virtual absl::StatusOr<int64_t> Size(const std::string& path) = 0;
+  // Exactly `n` bytes at `offset` into `dst`: DataLoss naming the path and the byte range when
+  // the file ends first, the I/O error naming them otherwise.
+  virtual absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) = 0;
+};
+
+// Positioned reads (pread), each file opened once and kept open until the reader is destroyed.
+// Not thread-safe: one per thread.
+std::unique_ptr<FileReader> NewPosixFileReader();
+
+// Reads and parses the header of the file at `path` (only the header's bytes are read: its 8
+// length bytes, then the JSON), through `reader` (nullptr: a POSIX reader of its own).
 // NotFound / PermissionDenied naming the path; InvalidArgument as ParseHeader, or for a file
 // too short for its header or a header over kMaxHeaderBytes.
-absl::StatusOr<FileHeader> ReadHeader(const std::string& path);
+absl::StatusOr<FileHeader> ReadHeader(const std::string& path, FileReader* reader = nullptr);
 
 // OK for the dtypes ToFloat converts (F64, F32, F16, BF16); InvalidArgument naming `what` and
 // the dtype for any other.

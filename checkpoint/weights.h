@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
+#include "checkpoint/safetensors.h"
 #include "zero/engine.h"
 
 namespace zerort {
@@ -56,6 +57,9 @@ struct WeightsImportOptions {
   // Tensors in the files that name no parameter (buffers such as attention masks, a tied
   // head): false fails naming them; true ignores them and lists them in the report.
   bool allow_extra = false;
+  // Every read of the files goes through this (not owned; used by this rank's thread only);
+  // nullptr: positioned POSIX reads. Tests count what each rank reads through it.
+  safetensors::FileReader* reader = nullptr;
 };
 
 struct WeightsImportReport {

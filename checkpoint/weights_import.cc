@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -67,7 +68,7 @@ struct Sources {
   std::map<std::string, std::string> weight_map;  // empty for a single file
 };
 
-absl::StatusOr<Sources> OpenSources(const std::string& path) {
+absl::StatusOr<Sources> OpenSources(const std::string& path, safetensors::FileReader* reader) {
   std::string target = path;
   if (IsDir(path)) {
     target = JoinPath(path, kWeightsIndexName);
@@ -87,7 +88,7 @@ absl::StatusOr<Sources> OpenSources(const std::string& path) {
     names.erase(std::unique(names.begin(), names.end()), names.end());
   }
   for (const std::string& f : names) {
-    ASSIGN_OR_RETURN(FileHeader h, safetensors::ReadHeader(f));
+    ASSIGN_OR_RETURN(FileHeader h, safetensors::ReadHeader(f, reader));
     s.files.push_back(std::move(h));
   }
   return s;
@@ -179,24 +180,15 @@ absl::StatusOr<std::vector<const TensorInfo*>> MatchParams(
 
 // Elements [e0, e0 + n) of tensor `t` of file `path`, as fp32, into dst: positioned reads in
 // bounded chunks.
-absl::Status ReadElements(int fd, const std::string& path, const TensorInfo& t, int64_t e0,
-                          int64_t n, float* dst) {
+absl::Status ReadElements(safetensors::FileReader& reader, const std::string& path,
+                          const TensorInfo& t, int64_t e0, int64_t n, float* dst) {
   const int64_t es = safetensors::DTypeBytes(t.dtype);
   constexpr int64_t kChunk = int64_t{1} << 20;  // elements per read
   std::vector<char> buf(static_cast<size_t>(std::min(n, kChunk) * es));
   for (int64_t done = 0; done < n;) {
     const int64_t k = std::min(kChunk, n - done);
-    const int64_t at = t.begin + (e0 + done) * es;
-    for (int64_t got = 0; got < k * es;) {
-      const ssize_t r = ::pread(fd, buf.data() + got, k * es - got, at + got);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        return absl::DataLossError(absl::StrCat(
-            "reading tensor '", t.name, "' bytes [", at, ", ", at + k * es, ") of '", path,
-            "': ", r < 0 ? std::strerror(errno) : "the file is shorter than its header says"));
-      }
-      got += r;
-    }
+    RETURN_IF_ERROR(Annotate(reader.ReadAt(path, t.begin + (e0 + done) * es, k * es, buf.data()),
+                             absl::StrCat("reading tensor '", t.name, "'")));
     RETURN_IF_ERROR(safetensors::ToFloat(t.dtype, buf.data(), k, dst + done, t.name));
     done += k;
   }
@@ -207,32 +199,21 @@ absl::Status ReadElements(int fd, const std::string& path, const TensorInfo& t, 
 // reads a checkpoint: only the parameter ranges that fall in the rank's shard.
 absl::Status ReadOwned(const memory::Plan& plan, const std::vector<const TensorInfo*>& of_param,
                        const std::map<std::string, const FileHeader*>& file_of,
-                       std::vector<float>* master) {
+                       safetensors::FileReader& reader, std::vector<float>* master) {
   master->assign(plan.shard_elements, 0.0f);  // padding stays zero
-  std::map<std::string, int> fds;
-  absl::Status s;
   for (const memory::Unit& u : plan.units) {
     const int64_t own0 = plan.options.rank * u.shard, own1 = own0 + u.shard;
     for (int i : u.params) {
       const memory::ParamLayout& p = plan.params[i];
       const int64_t a = std::max(own0, p.offset_in_unit);
       const int64_t b = std::min(own1, p.offset_in_unit + p.numel);
-      if (a >= b || !s.ok()) continue;
+      if (a >= b) continue;
       const std::string& path = file_of.at(of_param[i]->name)->path;
-      if (fds.count(path) == 0) {
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-          s = absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
-          continue;
-        }
-        fds[path] = fd;
-      }
-      s = ReadElements(fds[path], path, *of_param[i], a - p.offset_in_unit, b - a,
-                       master->data() + u.shard_offset + (a - own0));
+      RETURN_IF_ERROR(ReadElements(reader, path, *of_param[i], a - p.offset_in_unit, b - a,
+                                   master->data() + u.shard_offset + (a - own0)));
     }
   }
-  for (const auto& [path, fd] : fds) ::close(fd);
-  return s;
+  return absl::OkStatus();
 }
 
 absl::Status ReadLocal(Engine& engine, const std::string& path,
@@ -242,13 +223,19 @@ absl::Status ReadLocal(Engine& engine, const std::string& path,
     return absl::FailedPreconditionError(
         "ImportWeights inside an accumulation window: load weights between optimizer steps");
   }
-  ASSIGN_OR_RETURN(Sources sources, OpenSources(path));
+  std::unique_ptr<safetensors::FileReader> own;
+  safetensors::FileReader* reader = options.reader;
+  if (reader == nullptr) {
+    own = safetensors::NewPosixFileReader();
+    reader = own.get();
+  }
+  ASSIGN_OR_RETURN(Sources sources, OpenSources(path, reader));
   for (const FileHeader& h : sources.files) report->files.push_back(h.path);
   std::map<std::string, const FileHeader*> file_of;
   ASSIGN_OR_RETURN(auto tensors, TensorsOf(sources, &file_of));
   ASSIGN_OR_RETURN(std::vector<const TensorInfo*> of_param,
                    MatchParams(engine.plan(), tensors, file_of, options, report));
-  return ReadOwned(engine.plan(), of_param, file_of, master);
+  return ReadOwned(engine.plan(), of_param, file_of, *reader, master);
 }
 
 }  // namespace

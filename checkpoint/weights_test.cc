@@ -1,8 +1,11 @@
 #include "checkpoint/weights.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -388,6 +391,141 @@ TEST_CASE("Weights: a sharded set is read through its index, which must agree", 
     RequireError(ImportOn(1, index, {}).status(), absl::StatusCode::kInvalidArgument,
                  "expected a file name beside the index");
   }
+}
+
+// Records every read a rank makes (path, [begin, end)) and forwards it to the POSIX reader.
+class CountingReader : public safetensors::FileReader {
+ public:
+  struct Range {
+    std::string path;
+    int64_t begin, end;
+  };
+  absl::StatusOr<int64_t> Size(const std::string& path) override { return posix_->Size(path); }
+  absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) override {
+    ranges.push_back({path, offset, offset + n});
+    return posix_->ReadAt(path, offset, n, dst);
+  }
+  std::vector<Range> ranges;
+
+ private:
+  std::unique_ptr<safetensors::FileReader> posix_ = safetensors::NewPosixFileReader();
+};
+
+TEST_CASE("Weights: each rank reads only its own shards' bytes, plus the headers", "[weights]") {
+  const int world = GENERATE(2, 4);
+  const int stage = GENERATE(1, 3);
+  const DType dtype = GENERATE(DType::kF32, DType::kBF16);
+  const bool sharded = GENERATE(false, true);
+  INFO("world " << world << " stage " << stage << " " << DTypeName(dtype)
+                << (sharded ? " sharded set" : " one file with an extra tensor"));
+  const std::string dir = testing::TempDir("weights_reads_");
+  // SmallModel's values, as a sharded set (WriteWeights, 1000-byte shards) or as one file
+  // holding one more tensor that names no parameter: it must never be read.
+  std::vector<memory::ParamLayout> specs;
+  std::vector<float> values;
+  for (const memory::ParamSpec& p : SmallModel()) {
+    memory::ParamLayout l;
+    l.name = p.name;
+    l.shape = p.shape;
+    l.numel = p.numel();
+    specs.push_back(l);
+    for (int64_t k = 0; k < p.numel(); ++k) values.push_back(specs.size() + k / 1024.0f);
+  }
+  const std::vector<float> extra(300, 9.0f);
+  std::string path = dir;
+  if (sharded) {
+    REQUIRE(WriteWeights(specs, values, dir, {dtype, 1000}).ok());
+  } else {
+    std::vector<safetensors::OutTensor> ts = {{"rotary.inv_freq", {300}, extra}};
+    int64_t at = 0;
+    for (const auto& l : specs) {
+      ts.push_back({l.name, l.shape, absl::MakeConstSpan(values).subspan(at, l.numel)});
+      at += l.numel;
+    }
+    path = dir + "/m.safetensors";
+    REQUIRE(safetensors::WriteFile(path, ts, dtype, {}).ok());
+  }
+  std::vector<CountingReader> readers(world);
+  std::vector<int64_t> owned(world, 0);  // elements of parameters in each rank's shard
+  std::vector<float> master;
+  auto device = testing::OneThreadCpuDevice();
+  RequireAllOk(comm::testing::OnRanks(world, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(stage, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    WeightsImportOptions options;
+    options.allow_extra = true;
+    options.reader = &readers[rank];
+    RETURN_IF_ERROR(ImportWeights(*engine, path, options).status());
+    owned[rank] = engine->plan().shard_elements;
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) master = m;
+    return absl::OkStatus();
+  }));
+  REQUIRE(BitEqual(master, RoundTo(dtype, values)));
+
+  // The files' layout, read here without the reader under test.
+  std::vector<safetensors::FileHeader> headers;
+  if (sharded) {
+    for (int k = 1; k <= (dtype == DType::kF32 ? 5 : 3); ++k) {
+      char name[64];
+      std::snprintf(name, sizeof name, "/model-%05d-of-%05d.safetensors", k,
+                    dtype == DType::kF32 ? 5 : 3);
+      headers.push_back(safetensors::ReadHeader(dir + name).value());
+    }
+  } else {
+    headers.push_back(safetensors::ReadHeader(path).value());
+  }
+  const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+  for (const safetensors::FileHeader& h : headers) {
+    INFO(h.path);
+    std::vector<std::pair<int64_t, int64_t>> data;  // every rank's reads of tensor bytes
+    for (int r = 0; r < world; ++r) {
+      int header_reads = 0;
+      for (const CountingReader::Range& x : readers[r].ranges) {
+        if (x.path != h.path) continue;
+        if (x.begin < h.data_start) {  // the length, then the JSON: once each
+          REQUIRE(((x.begin == 0 && x.end == 8) || (x.begin == 8 && x.end == h.data_start)));
+          ++header_reads;
+        } else {
+          data.emplace_back(x.begin, x.end);
+        }
+      }
+      REQUIRE(header_reads == 2);
+    }
+    // Disjoint across ranks, and together exactly the parameters' tensors (the extra tensor
+    // never read).
+    std::sort(data.begin(), data.end());
+    int64_t sum = 0;
+    for (size_t k = 0; k < data.size(); ++k) {
+      if (k > 0) REQUIRE(data[k].first >= data[k - 1].second);
+      sum += data[k].second - data[k].first;
+    }
+    int64_t params_bytes = 0;
+    for (const safetensors::TensorInfo& t : h.tensors) {
+      if (t.name == "rotary.inv_freq") {
+        for (const auto& [b, e] : data) REQUIRE((e <= t.begin || b >= t.end));
+      } else {
+        params_bytes += t.end - t.begin;
+      }
+    }
+    REQUIRE(sum == params_bytes);
+  }
+  // Each rank's tensor bytes, over every file, fit its shard; together they are the model.
+  int64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    int64_t bytes = 0;
+    for (const CountingReader::Range& x : readers[r].ranges) {
+      for (const safetensors::FileHeader& h : headers) {
+        if (x.path == h.path && x.begin >= h.data_start) bytes += x.end - x.begin;
+      }
+    }
+    INFO("rank " << r << " read " << bytes << " bytes of tensors; owns " << owned[r]
+                 << " elements");
+    REQUIRE(bytes <= owned[r] * es);
+    REQUIRE(bytes < static_cast<int64_t>(values.size()) * es);
+    total += bytes;
+  }
+  REQUIRE(total == static_cast<int64_t>(values.size()) * es);
 }
 
 TEST_CASE("Weights: the export of a saved checkpoint equals the live engine's", "[weights]") {
