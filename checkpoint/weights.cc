@@ -98,6 +98,34 @@ absl::Status CheckExportOptions(const WeightsExportOptions& options) {
   return absl::OkStatus();
 }
 
+// The parameters under the names they are written as (options.names): two parameters under
+// one name are refused naming both and their rules.
+absl::StatusOr<std::vector<memory::ParamLayout>> Renamed(
+    std::vector<memory::ParamLayout> specs, const WeightsExportOptions& options) {
+  const WeightsNameMap& names = options.names;
+  if (!names.ignore().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "weights export: the name map ignores '", names.ignore()[0],
+        "': ignore patterns apply to import only (every parameter is written)"));
+  }
+  if (names.rules().empty()) return specs;
+  std::map<std::string, std::pair<std::string, int>> by_name;  // written -> (parameter, rule)
+  for (memory::ParamLayout& p : specs) {
+    ASSIGN_OR_RETURN(const WeightsNameMap::Mapped m, names.Map(p.name));
+    auto [it, fresh] = by_name.emplace(m.name, std::make_pair(p.name, m.rule));
+    if (!fresh) {
+      const auto how = [&](int rule) {
+        return rule >= 0 ? absl::StrCat(" by ", names.DescribeRule(rule)) : " as it is";
+      };
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights export: parameters '", it->second.first, "'", how(it->second.second),
+          " and '", p.name, "'", how(m.rule), " would both be written as '", m.name, "'"));
+    }
+    p.name = m.name;
+  }
+  return specs;
+}
+
 // Where each shard goes: `out` itself, or files in the directory `out` (the index last).
 struct OutputLayout {
   bool one_file = false;
@@ -146,17 +174,18 @@ absl::Status FinishSet(const std::vector<memory::ParamLayout>& specs, const Outp
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::string>> WriteWeights(const std::vector<memory::ParamLayout>& specs,
+absl::StatusOr<std::vector<std::string>> WriteWeights(const std::vector<memory::ParamLayout>& given,
                                                       absl::Span<const float> values,
                                                       const std::string& out,
                                                       const WeightsExportOptions& options) {
   RETURN_IF_ERROR(CheckExportOptions(options));
-  std::vector<int64_t> start(specs.size() + 1, 0);  // each parameter's place in `values`
-  for (size_t i = 0; i < specs.size(); ++i) start[i + 1] = start[i] + specs[i].numel;
+  std::vector<int64_t> start(given.size() + 1, 0);  // each parameter's place in `values`
+  for (size_t i = 0; i < given.size(); ++i) start[i + 1] = start[i] + given[i].numel;
   if (start.back() != static_cast<int64_t>(values.size())) {
     return absl::InvalidArgumentError(absl::StrCat("WriteWeights: ", values.size(),
                                                    " values for ", start.back(), " elements"));
   }
+  ASSIGN_OR_RETURN(const std::vector<memory::ParamLayout> specs, Renamed(given, options));
   ASSIGN_OR_RETURN(const OutputLayout layout, LayoutOf(specs, out, options));
   if (!layout.one_file) RETURN_IF_ERROR(MakeDir(out));
   for (size_t k = 0; k < layout.shards.size(); ++k) {
@@ -182,7 +211,9 @@ absl::StatusOr<std::vector<std::string>> ExportWeights(Engine& engine, const std
   // Every rank returns rank 0's verdict; the file list is a pure function of the plan.
   RETURN_IF_ERROR(comm::AgreeOnStatus(*engine.NewHostExchange(), written.status()));
   if (engine.plan().options.rank == 0) return written;
-  ASSIGN_OR_RETURN(const OutputLayout layout, LayoutOf(engine.plan().params, out, options));
+  ASSIGN_OR_RETURN(const std::vector<memory::ParamLayout> specs,
+                   Renamed(engine.plan().params, options));
+  ASSIGN_OR_RETURN(const OutputLayout layout, LayoutOf(specs, out, options));
   return layout.paths;
 }
 
@@ -206,6 +237,7 @@ absl::StatusOr<std::vector<std::string>> ExportCheckpointWeights(
           l.numel = p.numel;
           specs.push_back(std::move(l));
         }
+        ASSIGN_OR_RETURN(specs, Renamed(std::move(specs), options));
         ASSIGN_OR_RETURN(layout, LayoutOf(specs, out, options));
         if (!layout.one_file) RETURN_IF_ERROR(MakeDir(out));
         place.resize(specs.size());

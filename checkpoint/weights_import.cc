@@ -130,24 +130,88 @@ bool SameShape(const std::vector<int64_t>& engine, const std::vector<int64_t>& f
   return engine == file || (file.empty() && engine == std::vector<int64_t>{1});
 }
 
+// A file tensor under its mapped name.
+struct Source {
+  const TensorInfo* t = nullptr;
+  int rule = -1;  // the rule that produced the name; -1: the file's own name
+};
+
+// "tensor 'transformer.h.0.w' in 'a.safetensors' (bytes [8, 72)), renamed 'h0.w' by rule 2
+// (...)": everything a message about a file tensor needs.
+std::string Where(const Source& s, const std::string& target,
+                  const std::map<std::string, const FileHeader*>& file_of,
+                  const WeightsNameMap& names) {
+  const TensorInfo& t = *s.t;
+  std::string out = absl::StrCat("tensor '", t.name, "' in '", file_of.at(t.name)->path,
+                                 "' (bytes [", t.begin, ", ", t.end, "))");
+  if (s.rule >= 0) absl::StrAppend(&out, ", renamed '", target, "' by ", names.DescribeRule(s.rule));
+  return out;
+}
+
+template <typename T>
+std::string FirstFew(const std::vector<T>& v) {
+  return absl::StrCat(absl::StrJoin(v.begin(), v.begin() + std::min<size_t>(v.size(), 8), "; "),
+                      v.size() > 8 ? "; ..." : "");
+}
+
+// Maps every file tensor (but the ignored) to its name for the model: two tensors under one
+// name are refused naming both.
+absl::StatusOr<std::map<std::string, Source>> MapNames(
+    const std::map<std::string, const TensorInfo*>& tensors,
+    const std::map<std::string, const FileHeader*>& file_of, const WeightsNameMap& names,
+    WeightsImportReport* report) {
+  std::map<std::string, Source> out;
+  for (const auto& [name, t] : tensors) {
+    if (names.IgnoredBy(name) != nullptr) {
+      report->ignored.push_back(name);
+      continue;
+    }
+    ASSIGN_OR_RETURN(const WeightsNameMap::Mapped m, names.Map(name));
+    const Source src{t, m.rule};
+    auto [it, fresh] = out.emplace(m.name, src);
+    if (!fresh) {
+      const auto how = [&](const Source& s) {
+        return s.rule >= 0 ? absl::StrCat(" by ", names.DescribeRule(s.rule)) : " as it is";
+      };
+      return absl::InvalidArgumentError(absl::StrCat(
+          "two file tensors map to '", m.name, "': '", it->second.t->name, "' in '",
+          file_of.at(it->second.t->name)->path, "'", how(it->second), ", and '", name, "' in '",
+          file_of.at(name)->path, "'", how(src), "; a parameter takes one tensor"));
+    }
+    if (m.rule >= 0) report->renamed.emplace_back(name, m.name);
+  }
+  return out;
+}
+
 // Every parameter has a tensor of its shape and a loadable dtype; the others are extra.
 absl::StatusOr<std::vector<const TensorInfo*>> MatchParams(
     const memory::Plan& plan, const std::map<std::string, const TensorInfo*>& tensors,
     const std::map<std::string, const FileHeader*>& file_of, const WeightsImportOptions& options,
     WeightsImportReport* report) {
+  const WeightsNameMap& names = options.names;
+  ASSIGN_OR_RETURN(const auto mapped, MapNames(tensors, file_of, names, report));
   std::vector<const TensorInfo*> of_param;
   std::vector<std::string> missing;
   std::map<std::string, bool> used;
   for (const memory::ParamLayout& p : plan.params) {
-    auto it = tensors.find(p.name);
-    if (it == tensors.end()) {
-      missing.push_back(p.name);
+    auto it = mapped.find(p.name);
+    if (it == mapped.end()) {
+      // Say where a file tensor of that very name went, if one exists.
+      std::string note;
+      if (tensors.count(p.name) != 0) {
+        if (const std::string* g = names.IgnoredBy(p.name)) {
+          note = absl::StrCat(" (the file's tensor '", p.name, "' is ignored by '", *g, "')");
+        } else if (absl::StatusOr<WeightsNameMap::Mapped> m = names.Map(p.name); m.ok()) {
+          note = absl::StrCat(" (the file's tensor '", p.name, "' is renamed '", m->name,
+                              "' by ", names.DescribeRule(m->rule), ")");
+        }
+      }
+      missing.push_back(p.name + note);
       of_param.push_back(nullptr);
       continue;
     }
-    const TensorInfo& t = *it->second;
-    const std::string where = absl::StrCat("tensor '", t.name, "' in '", file_of.at(t.name)->path,
-                                           "' (bytes [", t.begin, ", ", t.end, "))");
+    const TensorInfo& t = *it->second.t;
+    const std::string where = Where(it->second, p.name, file_of, names);
     if (!SameShape(p.shape, t.shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, " has shape [", absl::StrJoin(t.shape, ", "), "]; parameter '", p.name,
@@ -160,20 +224,24 @@ absl::StatusOr<std::vector<const TensorInfo*>> MatchParams(
   if (!missing.empty()) {
     return absl::NotFoundError(absl::StrCat(
         missing.size(), " parameter(s) have no tensor in the files (", report->files.size(),
-        " file(s) from '", report->files.empty() ? "" : report->files[0], "'): ",
-        absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 8),
-                      ", "),
-        missing.size() > 8 ? ", ..." : ""));
+        " file(s) from '", report->files.empty() ? "" : report->files[0], "'",
+        names.rules().empty() ? "" : absl::StrCat(", names mapped by ", names.rules().size(),
+                                                  " rule(s)"),
+        "): ", FirstFew(missing)));
   }
-  for (const auto& [name, t] : tensors) {
-    if (!used.count(name)) report->ignored.push_back(name);
+  std::vector<std::string> extra;
+  for (const auto& [name, src] : mapped) {
+    if (used.count(name)) continue;
+    report->ignored.push_back(src.t->name);
+    extra.push_back(src.rule < 0 ? name
+                                 : absl::StrCat(src.t->name, " (renamed '", name, "' by ",
+                                                names.DescribeRule(src.rule), ")"));
   }
-  if (!report->ignored.empty() && !options.allow_extra) {
-    const auto& ig = report->ignored;
+  std::sort(report->ignored.begin(), report->ignored.end());
+  if (!extra.empty() && !options.allow_extra) {
     return absl::InvalidArgumentError(absl::StrCat(
-        ig.size(), " tensor(s) name no parameter (allow extra tensors to ignore them): ",
-        absl::StrJoin(ig.begin(), ig.begin() + std::min<size_t>(ig.size(), 8), ", "),
-        ig.size() > 8 ? ", ..." : ""));
+        extra.size(), " tensor(s) name no parameter (allow extra tensors, or ignore them by "
+        "name, to load without them): ", FirstFew(extra)));
   }
   return of_param;
 }

@@ -1,5 +1,7 @@
 #include "checkpoint/weights.h"
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -549,6 +551,289 @@ TEST_CASE("Weights: the export of a saved checkpoint equals the live engine's", 
   RequireError(ExportCheckpointWeights(root + "/ckpt", root + "/x.safetensors",
                                         {DType::kF16, 0}).status(),
                absl::StatusCode::kInvalidArgument, "use fp32 or bf16");
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+// --- tensor-name mapping ---------------------------------------------------------------------
+
+// SmallModel's parameters under Hugging Face-style names, and the rules both ways.
+constexpr char kImportMap[] = R"(# file -> parameter
+exact  model.embed_tokens.weight   embed.w
+regex  model\.layers\.(\d+)\.weight   l$1.w
+glob   model.layers.*.bias   l*.b
+prefix model.
+ignore lm_head.weight
+ignore *.inv_freq
+)";
+constexpr char kExportMap[] = R"(# parameter -> file
+exact embed.w   model.embed_tokens.weight
+regex l(\d+)\.w   model.layers.$1.weight
+glob  l*.b   model.layers.*.bias
+prefix head.   model.head.
+)";
+
+std::string HfName(const std::string& name) {
+  if (name == "embed.w") return "model.embed_tokens.weight";
+  if (name == "head.w") return "model.head.w";
+  const std::string n = name.substr(1, name.find('.') - 1);
+  return "model.layers." + n + (name.back() == 'w' ? ".weight" : ".bias");
+}
+
+WeightsNameMap MapOf(const char* text) {
+  absl::StatusOr<WeightsNameMap> m = WeightsNameMap::Parse(text, "test.map");
+  INFO(m.status().ToString());
+  REQUIRE(m.ok());
+  return *m;
+}
+
+TEST_CASE("WeightsNameMap: the first matching rule rewrites, others leave names alone",
+          "[weights]") {
+  const WeightsNameMap in = MapOf(kImportMap);
+  const auto map = [&](const char* name) { return in.Map(name).value(); };
+  CHECK(map("model.embed_tokens.weight").name == "embed.w");
+  CHECK(map("model.embed_tokens.weight").rule == 0);
+  CHECK(map("model.layers.12.weight").name == "l12.w");
+  CHECK(map("model.layers.3.bias").name == "l3.b");
+  CHECK(map("model.layers.3.bias").rule == 2);  // not the later prefix rule
+  CHECK(map("model.norm.g").name == "norm.g");
+  CHECK(map("model.norm.g").rule == 3);
+  CHECK(map("other.w").name == "other.w");
+  CHECK(map("other.w").rule == -1);
+  CHECK(in.IgnoredBy("h.0.rotary_emb.inv_freq") != nullptr);
+  CHECK(in.IgnoredBy("lm_head.weight") != nullptr);
+  CHECK(in.IgnoredBy("lm_head.bias") == nullptr);
+  CHECK(in.DescribeRule(1) ==
+        "rule 2 (regex 'model\\.layers\\.(\\d+)\\.weight' -> 'l$1.w', line 3 of test.map)");
+  // A glob whose target drops the captures, and a regex with $&.
+  const WeightsNameMap m = WeightsNameMap::Create({{WeightsNameRule::Kind::kGlob, "a.*.w", "w"},
+                                                    {WeightsNameRule::Kind::kRegex, "b(.)", "$&$1"}})
+                               .value();
+  CHECK(m.Map("a.7.w")->name == "w");
+  CHECK(m.Map("bx")->name == "bxx");
+  CHECK(m.DescribeRule(1) == "rule 2 (regex 'b(.)' -> '$&$1')");
+}
+
+TEST_CASE("WeightsNameMap: bad rules are refused naming the line", "[weights]") {
+  struct Case {
+    const char* text;
+    const char* error;
+  };
+  const std::vector<Case> cases = {
+      {"\n rename a b", "test.map line 2: unknown rule 'rename'"},
+      {"exact a", "test.map line 1: expected 'exact FROM TO'"},
+      {"glob a.* b c d", "expected 'glob FROM TO'"},
+      {"ignore", "expected 'ignore PATTERN'"},
+      {"glob a.*.*.w x*", "rule 1 (glob 'a.*.*.w' -> 'x*', line 1 of test.map): the target has 1"},
+      {"regex a(b x", "rule 1 (regex 'a(b' -> 'x', line 1 of test.map): not a valid regular"},
+      {"# c\nregex a(b) x$2", "line 2 of test.map): the target refers to $2 but the expression has 1"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.text);
+    RequireError(WeightsNameMap::Parse(c.text, "test.map").status(),
+                 absl::StatusCode::kInvalidArgument, c.error);
+  }
+  RequireError(WeightsNameMap::Create({{WeightsNameRule::Kind::kExact, "a", ""}}).status(),
+               absl::StatusCode::kInvalidArgument, "maps to an empty name");
+  const WeightsNameMap strip = MapOf("prefix model.");
+  RequireError(strip.Map("model.").status(), absl::StatusCode::kInvalidArgument,
+               "rule 1 (prefix 'model.' -> '', line 1 of test.map) maps 'model.' to an empty name");
+}
+
+TEST_CASE("Weights: a Hugging Face-named file imports through a name map", "[weights]") {
+  const std::string dir = testing::TempDir("weights_map_");
+  std::vector<RawTensor> ts = SmallModelTensors();
+  for (RawTensor& t : ts) t.name = HfName(t.name);
+  ts.push_back({"lm_head.weight", "F32", {101}, std::string(404, '\0')});  // tied: ignored
+  ts.push_back({"model.layers.0.rotary.inv_freq", "F32", {2}, std::string(8, '\0')});
+  WeightsImportOptions options;
+  options.names = MapOf(kImportMap);
+  const std::string path = dir + "/m.safetensors";
+  SECTION("every parameter found, the ignored listed") {
+    WriteAll(path, Assemble(ts));
+    std::vector<float> want;
+    for (const RawTensor& t : SmallModelTensors()) {
+      for (size_t k = 0; k < t.data.size() / 4; ++k) {
+        float f;
+        std::memcpy(&f, t.data.data() + 4 * k, 4);
+        want.push_back(f);
+      }
+    }
+    for (int world : {1, 2, 4}) {
+      INFO("world " << world);
+      std::vector<float> master;
+      absl::StatusOr<WeightsImportReport> r = ImportOn(world, path, options, &master);
+      INFO(r.status().ToString());
+      REQUIRE(r.ok());
+      REQUIRE(r->ignored ==
+              std::vector<std::string>{"lm_head.weight", "model.layers.0.rotary.inv_freq"});
+      REQUIRE(r->renamed.size() == 7);
+      REQUIRE(r->renamed[0] == std::make_pair(std::string("model.embed_tokens.weight"),
+                                              std::string("embed.w")));
+      REQUIRE(BitEqual(master, want));
+    }
+  }
+  SECTION("two file tensors mapped to one parameter") {
+    ts.push_back({"head.w", "F32", {101}, std::string(404, '\0')});
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "two file tensors map to 'head.w': 'head.w' in '" + path +
+                     "' as it is, and 'model.head.w' in '" + path +
+                     "' by rule 4 (prefix 'model.' -> '', line 5 of test.map)");
+  }
+  SECTION("a misshapen tensor names its file name and rule") {
+    ts[1].shape = {11, 13};
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "tensor 'model.layers.0.weight' in '" + path + "' (bytes [");
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "renamed 'l0.w' by rule 2 (regex 'model\\.layers\\.(\\d+)\\.weight' -> 'l$1.w', "
+                 "line 3 of test.map) has shape [11, 13]; parameter 'l0.w' has [13, 11]");
+  }
+  SECTION("a tensor renamed to no parameter, and the parameter it should have been") {
+    ts[6].name = "model.layers.head.bias";  // glob rule 3 makes it 'lhead.b'
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kNotFound,
+                 "1 parameter(s) have no tensor in the files (1 file(s) from '" + path +
+                     "', names mapped by 4 rule(s)): head.w");
+    options.allow_extra = true;
+    std::vector<RawTensor> more = ts;
+    more[6].name = "model.head.w";
+    more.push_back({"model.layers.x.bias", "F32", {1}, std::string(4, '\0')});
+    WriteAll(path, Assemble(more));
+    absl::StatusOr<WeightsImportReport> r = ImportOn(2, path, options);
+    REQUIRE(r.ok());
+    REQUIRE(std::find(r->ignored.begin(), r->ignored.end(), "model.layers.x.bias") !=
+            r->ignored.end());
+    options.allow_extra = false;
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "1 tensor(s) name no parameter (allow extra tensors, or ignore them by name, to "
+                 "load without them): model.layers.x.bias (renamed 'lx.b' by rule 3 (glob "
+                 "'model.layers.*.bias' -> 'l*.b', line 4 of test.map))");
+  }
+  SECTION("a file tensor of the parameter's own name, ignored or renamed away") {
+    ts[6].name = "head.w";
+    WriteAll(path, Assemble(ts));
+    options.names = MapOf("ignore head.*\nprefix model.");
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kNotFound,
+                 "head.w (the file's tensor 'head.w' is ignored by 'head.*')");
+  }
+}
+
+TEST_CASE("Weights: export -> import -> export through a name map gives identical files",
+          "[weights]") {
+  const DType dtype = GENERATE(DType::kF32, DType::kBF16);
+  const int64_t max_shard = GENERATE(int64_t{0}, int64_t{1000});
+  INFO(DTypeName(dtype) << " shard " << max_shard);
+  WeightsExportOptions out;
+  out.dtype = dtype;
+  out.max_shard_bytes = max_shard;
+  out.names = MapOf(kExportMap);
+  const std::string a = testing::TempDir("weights_map_a_"), b = testing::TempDir("weights_map_b_");
+  const std::string root = testing::TempDir("weights_map_ckpt_");
+  // Trained on 2 ranks, exported with Hugging Face names, and saved as a checkpoint.
+  std::vector<float> trained;
+  auto device = testing::OneThreadCpuDevice();
+  RequireAllOk(comm::testing::OnRanks(2, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    RETURN_IF_ERROR(testing::TrainSteps(*engine, 0, 2));
+    RETURN_IF_ERROR(SaveCheckpoint(*engine, root).status());
+    ASSIGN_OR_RETURN(std::vector<std::string> files, ExportWeights(*engine, a, out));
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) trained = m;
+    return absl::OkStatus();
+  }));
+  // The file holds the mapped names and nothing else.
+  const std::string first = max_shard == 0 ? a + "/model.safetensors"
+                                           : a + "/model-00001-of-0000" +
+                                                 (dtype == DType::kF32 ? "5" : "3") + ".safetensors";
+  const safetensors::FileHeader h = safetensors::ReadHeader(first).value();
+  REQUIRE(h.tensors[0].name == "model.embed_tokens.weight");
+  // Imported on 3 ranks through the inverse map, exported again with the same map.
+  WeightsImportOptions in;
+  in.names = MapOf(kImportMap);
+  std::vector<float> imported;
+  RequireAllOk(comm::testing::OnRanks(3, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(1, DType::kF32, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine, 0.5f));
+    ASSIGN_OR_RETURN(WeightsImportReport report, ImportWeights(*engine, a, in));
+    if (report.renamed.size() != 7) return absl::InternalError("not every tensor renamed");
+    RETURN_IF_ERROR(ExportWeights(*engine, b, out).status());
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) imported = m;
+    return absl::OkStatus();
+  }));
+  REQUIRE(BitEqual(imported, RoundTo(dtype, trained)));
+  // The checkpoint's streamed export through the same map: a third writer, the same bytes.
+  const std::string c = testing::TempDir("weights_map_c_");
+  REQUIRE(ExportCheckpointWeights(root, c, out).ok());
+  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
+  for (const std::string& f : Files(a, shards)) {
+    INFO(f);
+    const std::string there = ReadAll(f);
+    REQUIRE(!there.empty());
+    REQUIRE(there == ReadAll(b + f.substr(a.size())));
+    REQUIRE(there == ReadAll(c + f.substr(a.size())));
+  }
+}
+
+TEST_CASE("Weights: an export map that writes two parameters under one name is refused",
+          "[weights]") {
+  std::vector<memory::ParamLayout> specs(2);
+  specs[0].name = "a.w";
+  specs[1].name = "b.w";
+  specs[0].shape = specs[1].shape = {1};
+  specs[0].numel = specs[1].numel = 1;
+  const std::vector<float> v = {1, 2};
+  const std::string dir = testing::TempDir("weights_map_dup_");
+  WeightsExportOptions out;
+  out.names = MapOf("glob *.w w");
+  RequireError(WriteWeights(specs, v, dir + "/x.safetensors", out).status(),
+               absl::StatusCode::kInvalidArgument,
+               "parameters 'a.w' by rule 1 (glob '*.w' -> 'w', line 1 of test.map) and 'b.w' by "
+               "rule 1 (glob '*.w' -> 'w', line 1 of test.map) would both be written as 'w'");
+  out.names = MapOf("ignore x");
+  RequireError(WriteWeights(specs, v, dir + "/x.safetensors", out).status(),
+               absl::StatusCode::kInvalidArgument, "ignore patterns apply to import only");
+}
+
+TEST_CASE("Weights: a corrupted checkpoint exports nothing", "[weights]") {
+  const std::string root = testing::TempDir("weights_corrupt_");
+  auto device = testing::OneThreadCpuDevice();
+  std::string dir;
+  RequireAllOk(comm::testing::OnRanks(2, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    ASSIGN_OR_RETURN(std::string d, SaveCheckpoint(*engine, root));
+    if (rank == 0) dir = d;
+    return absl::OkStatus();
+  }));
+  // One master byte of the last shard flipped: its CRC fails after the pieces were streamed.
+  std::string shard = ReadAll(dir + "/rank_00001.bin");
+  shard[100] ^= 0x40;
+  WriteAll(dir + "/rank_00001.bin", shard);
+  const std::string out = testing::TempDir("weights_corrupt_out_");
+  RequireError(ExportCheckpointWeights(root, out + "/w.safetensors").status(),
+               absl::StatusCode::kDataLoss, "rank_00001.bin' is corrupted");
+  RequireError(ExportCheckpointWeights(root, out, {DType::kBF16, 1000}).status(),
+               absl::StatusCode::kDataLoss, "is corrupted");
+  DIR* d = opendir(out.c_str());
+  REQUIRE(d != nullptr);
+  int entries = 0;
+  while (const struct dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    entries += name != "." && name != "..";
+  }
+  closedir(d);
+  REQUIRE(entries == 0);  // no file published, no temporary left
 }
 
 }  // namespace
