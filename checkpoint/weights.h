@@ -70,7 +70,7 @@ struct WeightsNameRule {
 // mapped nor read (a tied "lm_head.weight", "*.rotary_emb.inv_freq" buffers).
 //
 // As text (Parse, Load; `zr_engine_import_weights_mapped`), one rule per line, fields
-// separated by blanks, '#' starting a comment line:
+// separated by blanks (so a name holds none), a field starting with '#' starting a comment:
 //
 //   prefix transformer.                                  # strips the prefix
 //   glob   h.*.attn.c_attn.weight   h*.attn.qkv.w

@@ -130,7 +130,14 @@ absl::StatusOr<WeightsNameMap> WeightsNameMap::Parse(absl::string_view text,
     ++line_no;
     std::vector<absl::string_view> tok =
         absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
-    if (tok.empty() || absl::StartsWith(tok[0], "#")) continue;
+    // A field that starts with '#' starts a comment, to the end of the line.
+    for (size_t k = 0; k < tok.size(); ++k) {
+      if (absl::StartsWith(tok[k], "#")) {
+        tok.resize(k);
+        break;
+      }
+    }
+    if (tok.empty()) continue;
     auto bad = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat(source, " line ", line_no, ": ", why));
     };

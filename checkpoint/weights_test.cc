@@ -566,8 +566,8 @@ constexpr char kImportMap[] = R"(# file -> parameter
 exact  model.embed_tokens.weight   embed.w
 regex  model\.layers\.(\d+)\.weight   l$1.w
 glob   model.layers.*.bias   l*.b
-prefix model.
-ignore lm_head.weight
+prefix model.   # strips it
+ignore lm_head.weight	#tied
 ignore *.inv_freq
 )";
 constexpr char kExportMap[] = R"(# parameter -> file
