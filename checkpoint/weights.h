@@ -14,14 +14,16 @@
 // other OUT is a directory (created if missing) holding `model.safetensors`, or, when the
 // weights exceed max_shard_bytes, `model-00001-of-0000N.safetensors`... and
 // `model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {name:
-// file}}). Tensors are named as the parameters and written in name order with metadata
-// {"format": "pt"} only, so the same weights always give the same bytes. Each file appears
-// complete or not at all; the index is written last, so a set with an index is complete.
+// file}}). Tensors are named as the parameters (or as a WeightsNameMap renames them) and
+// written in name order with metadata {"format": "pt"} only, so the same weights always give
+// the same bytes. Each file appears complete or not at all; the index is written last, so a
+// set with an index is complete.
 //
-// Reading: a file, an index, or a directory holding either. Every rank reads only the bytes of
-// the elements it owns (positioned reads), converts them to fp32 and hands them to the engine's
-// restore path: as InitParams, master and compute-dtype parameters are set, m and v zeroed, and
-// the step count and loss scale left as they are.
+// Reading: a file, an index, or a directory holding either; tensors matched to parameters by
+// name, through a WeightsNameMap when the file's names differ. Every rank reads only the bytes
+// of the elements it owns (positioned reads through safetensors::FileReader), converts them to
+// fp32 and hands them to the engine's restore path: as InitParams, master and compute-dtype
+// parameters are set, m and v zeroed, and the step count and loss scale left as they are.
 //
 // Thread safety: free functions; the engine ones follow the engine's rules (the rank's thread).
 #ifndef ZERORT_CHECKPOINT_WEIGHTS_H_

@@ -1,6 +1,6 @@
-// ImportWeights (checkpoint/weights.h): resolve the files, check every header and every
-// parameter against them on every rank, then read this rank's owned elements only and hand
-// them to the engine's restore path.
+// ImportWeights (checkpoint/weights.h): resolve the files, map their tensor names
+// (WeightsNameMap), check every header and every parameter against them on every rank, then
+// read this rank's owned elements only and hand them to the engine's restore path.
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
