@@ -22,6 +22,7 @@
 #include "memory/pinned_pool.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/visible_state.h"
 
 namespace zerort {
 namespace {
@@ -47,30 +48,6 @@ bool Resident(const void* p) {
   void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1));
   unsigned char v = 0;
   return mincore(start, page, &v) == 0 && (v & 1) != 0;
-}
-
-// Every parameter's compute-dtype bytes as forward reads them (stage 3 gathers each unit),
-// then the fp32 masters: the state a trainer can see.
-absl::StatusOr<std::vector<char>> VisibleState(Engine& e) {
-  std::vector<char> out;
-  const size_t c = DTypeSize(e.plan().options.compute_dtype);
-  for (int u = 0; u < e.num_units(); ++u) {
-    RETURN_IF_ERROR(e.Gather(u));
-    for (int i : e.plan().units[u].params) {
-      ASSIGN_OR_RETURN(void* p, e.param(i));
-      const size_t bytes = static_cast<size_t>(e.plan().params[i].numel) * c;
-      const size_t at = out.size();
-      out.resize(at + bytes);
-      RETURN_IF_ERROR(e.device()->Copy(out.data() + at, p, bytes, e.compute_stream()));
-      RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
-    }
-    RETURN_IF_ERROR(e.Release(u));
-  }
-  ASSIGN_OR_RETURN(std::vector<float> master, e.GatherMasterWeights());
-  const size_t at = out.size();
-  out.resize(at + master.size() * 4);
-  std::memcpy(out.data() + at, master.data(), master.size() * 4);
-  return out;
 }
 
 struct Case {
@@ -118,7 +95,7 @@ TEST_CASE("Engine::Park: device memory given back and restored bit for bit; trai
                              Engine::Create(config, testing::SmallModel(), comm, dev));
             RETURN_IF_ERROR(testing::SetInitValues(*engine));
             RETURN_IF_ERROR(testing::TrainSteps(*engine, 0, kBefore));
-            ASSIGN_OR_RETURN(const std::vector<char> before, VisibleState(*engine));
+            ASSIGN_OR_RETURN(const std::vector<char> before, testing::VisibleState(*engine));
             const size_t resident = DeviceResident(dev);
             const int64_t device_bytes =
                 engine->memory_report().allocated[static_cast<int>(MemoryKind::kDevice)];
@@ -147,11 +124,11 @@ TEST_CASE("Engine::Park: device memory given back and restored bit for bit; trai
               RETURN_IF_ERROR(engine->Unpark());
               RETURN_IF_ERROR(Expect(!engine->parked() && DeviceResident(dev) == resident,
                                      "unparked: the device memory is back"));
-              ASSIGN_OR_RETURN(const std::vector<char> after, VisibleState(*engine));
+              ASSIGN_OR_RETURN(const std::vector<char> after, testing::VisibleState(*engine));
               RETURN_IF_ERROR(Expect(after == before, "state after Unpark == before Park"));
             }
             RETURN_IF_ERROR(testing::TrainSteps(*engine, kBefore, kAfter));
-            ASSIGN_OR_RETURN(finals[r], VisibleState(*engine));
+            ASSIGN_OR_RETURN(finals[r], testing::VisibleState(*engine));
             return absl::OkStatus();
           });
       for (int r = 0; r < kWorld; ++r) {
@@ -159,14 +136,7 @@ TEST_CASE("Engine::Park: device memory given back and restored bit for bit; trai
         REQUIRE(st[r].ok());
       }
       // Bit for bit what the engine that never parked holds after the same steps.
-      for (int r = 0; r < kWorld; ++r) {
-        std::vector<char> want = (*ref)[r].params;
-        const std::vector<float>& master = (*ref)[r].master;
-        const size_t at = want.size();
-        want.resize(at + master.size() * 4);
-        std::memcpy(want.data() + at, master.data(), master.size() * 4);
-        CHECK(finals[r] == want);
-      }
+      for (int r = 0; r < kWorld; ++r) CHECK(finals[r] == testing::VisibleState((*ref)[r]));
       // The second cycle's slabs came from the cache: no mmap, no mlock.
       CHECK(after_second[0].os_allocations == after_first_park[0].os_allocations);
       CHECK(after_second[0].reuses >= after_first_park[0].reuses + kWorld);
