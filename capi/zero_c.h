@@ -551,7 +551,7 @@ zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync);
  * DeepSpeed's offload_states / reload_states there). zr_engine_park copies every device buffer
  * of this rank's engine into pinned host memory and returns the device memory (on CUDA, to the
  * driver: another process may use it); zr_engine_unpark brings it back bit for bit at the same
- * addresses, so zr_engine_param pointers and zr_engine_set_grad_buffer buffers stay valid and
+ * addresses, so zr_engine_param and zr_engine_grad pointers are valid again after it and
  * training goes on as if it never parked. The pinned memory is cached: a second park makes no
  * new OS allocation. Not collective (each rank parks its own memory).
  *

@@ -389,9 +389,10 @@ class Engine {
   // process-wide memory::PinnedSlabCache and returns the device memory to the device's
   // allocator (on CUDA, to the driver: another process may use it), so that an RL trainer's
   // generation engine can take the GPU between training phases (DeepSpeed's offload_states).
-  // Unpark() brings it back, bit for bit, at the same addresses: param(i) pointers and buffers
-  // given to SetGradBuffer stay valid across the pair, and training goes on as if nothing had
-  // happened. The second and later Parks make no new OS allocation of pinned memory.
+  // Unpark() brings it back, bit for bit, at the same addresses: param(i) and grad(i) pointers
+  // are valid again after the pair (the trainer's own SetGradBuffer buffers are not the
+  // engine's to move), and training goes on as if nothing had happened. The second and later
+  // Parks make no new OS allocation of pinned memory. See docs/embedding.md, section 10.
   //
   // Park only between optimizer steps: FailedPrecondition, naming it, while a micro-step is in
   // progress (a GradReady since the last Step), inside an accumulation window, while a
