@@ -100,7 +100,10 @@ TEST_CASE("Engine::Park on a GPU: memory to the driver and back bit for bit; tra
         const size_t released = resident - Resident(gpu);
         CHECK(released >= static_cast<size_t>(e.parked_device_bytes()));
         CHECK(e.parked_device_bytes() >= device_bytes);
-        CHECK(DriverFree() >= free0 + released);  // the driver has it back
+        // The driver has it back. Checked from the second cycle on, where Park allocates
+        // nothing (the slab is reused): the first registers a pinned slab, which may cost the
+        // driver some device memory of its own.
+        if (cycle == 1) CHECK(DriverFree() >= free0 + released);
         if (cycle == 0) os_allocations = slabs->stats().os_allocations;
         if (cycle == 1) CHECK(slabs->stats().os_allocations == os_allocations);
         CHECK(e.Step().status().code() == absl::StatusCode::kFailedPrecondition);
