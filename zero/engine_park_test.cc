@@ -57,6 +57,9 @@ struct Case {
   int gas;
   double clip;
   bool offload;
+  // The CPU device's streams on threads, each operation 200 us late: Park must order its
+  // copies after the step's work on every stream of the engine.
+  bool async = false;
 };
 
 constexpr Case kCases[] = {
@@ -66,6 +69,8 @@ constexpr Case kCases[] = {
     {"stage 3 bf16", 3, DType::kBF16, 1, 0, false},
     {"stage 2 bf16, optimizer offload", 2, DType::kBF16, 1, 0, true},
     {"stage 3 bf16, accumulation 2, optimizer offload", 3, DType::kBF16, 2, 0, true},
+    {"stage 2 bf16, optimizer offload, asynchronous streams", 2, DType::kBF16, 1, 0, true, true},
+    {"stage 3 fp32, asynchronous streams", 3, DType::kF32, 1, 0, false, true},
 };
 
 TEST_CASE("Engine::Park: device memory given back and restored bit for bit; training goes on "
@@ -85,7 +90,10 @@ TEST_CASE("Engine::Park: device memory given back and restored bit for bit; trai
 
       // One device per rank, so that each rank's allocator count is its engine's alone.
       std::vector<std::unique_ptr<Device>> devices;
-      for (int r = 0; r < kWorld; ++r) devices.push_back(testing::OneThreadCpuDevice());
+      for (int r = 0; r < kWorld; ++r) {
+        devices.push_back(k.async ? testing::AsyncOneThreadCpuDevice(200)
+                                  : testing::OneThreadCpuDevice());
+      }
       std::vector<std::vector<char>> finals(kWorld);
       std::vector<memory::PinnedSlabCacheStats> after_first_park(kWorld), after_second(kWorld);
       const std::vector<absl::Status> st = comm::testing::OnRanks(
