@@ -1053,6 +1053,49 @@ zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync) {
                          [&](zerort::Engine& e) { return e.SetGradientSync(sync != 0); });
 }
 
+// ---- Parking ----
+
+zr_status zr_engine_park(zr_engine* engine) {
+  return ForwardToEngine(engine, "zr_engine_park", [](zerort::Engine& e) { return e.Park(); });
+}
+
+zr_status zr_engine_unpark(zr_engine* engine) {
+  return ForwardToEngine(engine, "zr_engine_unpark",
+                         [](zerort::Engine& e) { return e.Unpark(); });
+}
+
+int zr_engine_parked(const zr_engine* engine) {
+  if (!UsableOrSetError(engine, "zr_engine_parked")) return 0;
+  return engine->engine->parked() ? 1 : 0;
+}
+
+zr_status zr_engine_parked_bytes(const zr_engine* engine, int64_t* device_bytes,
+                                 int64_t* host_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(engine, "zr_engine_parked_bytes", "engine"));
+    if (device_bytes != nullptr) *device_bytes = engine->engine->parked_device_bytes();
+    if (host_bytes != nullptr) *host_bytes = engine->engine->parked_host_bytes();
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_device_memory(const zr_device* device, int64_t* resident_bytes,
+                           int64_t* reserved_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(device, "zr_device_memory", "device"));
+    const std::optional<zerort::memory::AllocatorUsage> usage =
+        device->device->allocator(zerort::memory::MemoryKind::kDevice)->usage();
+    if (!usage.has_value()) {
+      return absl::UnimplementedError(absl::StrCat("zr_device_memory: device '",
+                                                   device->device->name(),
+                                                   "' does not count its memory"));
+    }
+    if (resident_bytes != nullptr) *resident_bytes = static_cast<int64_t>(usage->resident_bytes);
+    if (reserved_bytes != nullptr) *reserved_bytes = static_cast<int64_t>(usage->reserved_bytes);
+    return absl::OkStatus();
+  });
+}
+
 }  // extern "C"
 
 // ---- Weights as safetensors, and parameter groups ----

@@ -567,6 +567,38 @@ zr_status zr_engine_set_frozen(zr_engine* engine, int i, int frozen);
  * key, sync = 0 is ZR_FAILED_PRECONDITION naming it. */
 zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync);
 
+/* ---- Parking: the device memory given back between RL phases ----
+ *
+ * For RL trainers that share a GPU between training and generation (verl, OpenRLHF call
+ * DeepSpeed's offload_states / reload_states there). zr_engine_park copies every device buffer
+ * of this rank's engine into pinned host memory and returns the device memory (on CUDA, to the
+ * driver: another process may use it); zr_engine_unpark brings it back bit for bit at the same
+ * addresses, so zr_engine_param and zr_engine_grad pointers are valid again after it and
+ * training goes on as if it never parked. The pinned memory is cached: a second park makes no
+ * new OS allocation. Not collective (each rank parks its own memory).
+ *
+ * Park between optimizer steps only: ZR_FAILED_PRECONDITION, naming it, while a micro-step is
+ * in progress, inside an accumulation window, after compute_grad_norm without apply/skip,
+ * while a unit is held (gather / acquire not released), or when already parked. While parked,
+ * every call that touches device memory (param, grad, grad_ready, gather, acquire, step,
+ * compute_grad_norm, init_params, gather_master_weights, checkpoints) is ZR_FAILED_PRECONDITION
+ * saying so; the trainer must not touch the engine's device pointers either.
+ * zr_engine_unpark: ZR_FAILED_PRECONDITION when not parked; ZR_RESOURCE_EXHAUSTED when the
+ * device memory is not available (the engine stays parked: free memory and call it again). */
+zr_status zr_engine_park(zr_engine* engine);
+zr_status zr_engine_unpark(zr_engine* engine);
+/* 1 while parked, 0 otherwise (and for NULL or a dead engine, setting zr_last_error). */
+int zr_engine_parked(const zr_engine* engine);
+/* While parked: *device_bytes = the device memory park released, *host_bytes = the pinned host
+ * memory holding it; both 0 when not parked. Either pointer may be NULL. */
+zr_status zr_engine_parked_bytes(const zr_engine* engine, int64_t* device_bytes,
+                                 int64_t* host_bytes);
+/* The device's own count of its device memory: *resident_bytes backed by memory now,
+ * *reserved_bytes of address space (the two differ by what parked engines released). Either
+ * pointer may be NULL. ZR_UNIMPLEMENTED for a device whose allocator does not count. */
+zr_status zr_device_memory(const zr_device* device, int64_t* resident_bytes,
+                           int64_t* reserved_bytes);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -383,6 +383,38 @@ class Engine {
   absl::Status RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
                                  absl::Span<const float> v, const EngineState& state);
 
+  // --- parking (RL colocation) ----------------------------------------------------------------
+  // Park() moves every device buffer of this rank's engine (parameters, gradients, buckets,
+  // gather slots, and master, m, v unless offloaded) into pinned host memory from the
+  // process-wide memory::PinnedSlabCache and returns the device memory to the device's
+  // allocator (on CUDA, to the driver: another process may use it), so that an RL trainer's
+  // generation engine can take the GPU between training phases (DeepSpeed's offload_states).
+  // Unpark() brings it back, bit for bit, at the same addresses: param(i) and grad(i) pointers
+  // are valid again after the pair (the trainer's own SetGradBuffer buffers are not the
+  // engine's to move), and training goes on as if nothing had happened. The second and later
+  // Parks make no new OS allocation of pinned memory. See docs/embedding.md, section 10.
+  //
+  // Park only between optimizer steps: FailedPrecondition, naming it, while a micro-step is in
+  // progress (a GradReady since the last Step), inside an accumulation window, while a
+  // ComputeGradNorm awaits ApplyStep/SkipStep, or while a unit is held (Gather/AcquireParams
+  // not yet released); and when already parked. It waits for the copies of a BeginSnapshot
+  // still in flight (a checkpoint writer then only works on its host buffers). Not
+  // collective: each rank parks its own memory.
+  // While parked, every call that touches device memory (param, grad, GradReady, Gather,
+  // AcquireParams, Step, ComputeGradNorm, ApplyStep, SkipStep, InitParams, SetGradBuffer,
+  // GatherMasterWeights, BeginSnapshot, RestoreOwnedState) is FailedPrecondition saying so; the
+  // trainer must not touch the engine's device pointers either (on both devices that faults).
+  // Unpark: FailedPrecondition when not parked; ResourceExhausted when the device memory is not
+  // available (the engine stays parked: free the memory and call it again).
+  absl::Status Park();
+  absl::Status Unpark();
+  bool parked() const;
+  // While parked: the bytes of device memory Park released (the device arena's capacity, as
+  // asked of the device's allocator, which may round it up) and the bytes it holds in pinned
+  // host memory instead (what the arena had carved). 0 when not parked.
+  int64_t parked_device_bytes() const;
+  int64_t parked_host_bytes() const;
+
  private:
   class Impl;
   explicit Engine(std::unique_ptr<Impl> impl);

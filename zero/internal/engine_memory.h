@@ -74,6 +74,10 @@ class EngineMemory {
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
   char* grad_local() const { return grad_local_; }
   const ByteCounts& bytes() const { return bytes_; }
+  // The arena of one memory kind (Engine::Park decommits the kDevice one). REQUIRES: not kNvme.
+  memory::Arena* arena(memory::MemoryKind kind) const {
+    return arenas_[static_cast<int>(kind)].get();
+  }
 
  private:
   EngineMemory() = default;
