@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -73,6 +74,12 @@ struct VmmDriver {
   static const VmmDriver* Get(std::string* why) {
     static std::string* const reason = new std::string();
     static const VmmDriver* const driver = [] () -> const VmmDriver* {
+      // A way back to plain cudaMalloc without a rebuild, should a driver or a tool (an older
+      // compute-sanitizer, a profiler) mishandle these mappings; Park is then Unimplemented.
+      if (const char* v = std::getenv("ZERORT_CUDA_VMM"); v != nullptr && std::string(v) == "0") {
+        *reason = "ZERORT_CUDA_VMM=0 turns the driver's virtual memory management off";
+        return nullptr;
+      }
       auto* d = new VmmDriver();
       bool ok = true;
       // 12000: the ABI version of each symbol we were compiled against (all stable since 10.2).
