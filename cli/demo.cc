@@ -371,10 +371,14 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
         << Printable(untrained) << "\nafter training:\n" << Printable(result.sample) << "\n";
   }
   PrintMemoryTable(result.memory, out);
+  // The trainer's activations as it measured them beside what it declared to the plan.
+  out << (gpu ? "activations and scratch of each rank's trainer (GPU memory outside the plan):"
+              : "activations of each rank's trainer (measured by its allocator):");
+  for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
+  out << "; planned (declared per sequence x micro-batch):";
+  for (const MemoryReport& m : result.memory) out << " " << GroupedBytes(m.activation_bytes);
+  out << "\n";
   if (gpu) {
-    out << "activations and scratch of each rank's trainer (GPU memory outside the plan):";
-    for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
-    out << "\n";
     RETURN_IF_ERROR(PrintDeviceBudgetCheck(config, options, result, peak_in_use, in_use_status,
                                            out));
   }

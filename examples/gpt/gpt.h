@@ -217,7 +217,10 @@ struct StepReport {
 struct RunOptions {
   int world_size = 2;  // in-process ranks, one thread each; >= 1
   int steps = 200;     // micro-steps (Step() calls); >= 1
-  int batch = 4;       // sequences per rank per micro-step; >= 1
+  // Sequences per rank per micro-step; >= 1. The engines' config gets it as
+  // train_micro_batch_size_per_gpu (so the plan multiplies the trainer's declared activations
+  // by it); a config naming another micro-batch is InvalidArgument.
+  int batch = 4;
   int seq = 0;         // tokens per sequence; 0 = shape.context; <= shape.context
   GptShape shape;
   int threads = 0;           // kernel threads per rank; 0 = max(1, cores / world_size)
