@@ -1,6 +1,6 @@
-// The GPT's CUDA backend against its CPU backend, on a GPU. Without one every case prints
-// "SKIPPED: no CUDA device: <reason>" and passes (the kernels' per-element arithmetic is
-// tested on every machine by gpt_math_test).
+// The GPT's CUDA backend against its CPU backend, on a GPU. Without one every case but the
+// host-only layout check prints "SKIPPED: no CUDA device: <reason>" and passes (the kernels'
+// per-element arithmetic is tested on every machine by gpt_math_test).
 //
 // What a GPU run checks:
 //  - one pass (forward, backward) on flat fp32 parameters equals the CPU backend's loss within
@@ -197,6 +197,21 @@ TEST_CASE("GptCuda: world 1 over NCCL trains (held-out loss falls), planned == a
     CHECK(run->memory[0].planned[k] == run->memory[0].allocated[k]);
   }
   CHECK(run->activation_bytes[0] > 0);
+}
+
+// Host arithmetic, no GPU needed: the layout the trainer declares reproduces the allocation the
+// H200 run measured for the demo (docs/gpt_cuda.md: 11.63 GB, 10.83 GiB, for GPT-2 124M's shapes
+// with the byte vocabulary, 8 x 1024 tokens, bf16), to the printed rounding.
+TEST_CASE("GptCuda: the declared training layout is the demo's measured allocation", "[gpt]") {
+  GptShape shape = GptShape::Gpt2Small();
+  shape.vocab = 256;
+  const internal::CudaPass::ActivationLayout layout =
+      internal::CudaPass::TrainingLayout(shape, 8, 1024, DType::kBF16);
+  WARN("training layout " << layout.total_bytes() << " bytes (blocks " << layout.blocks_bytes
+                          << ")");
+  CHECK(std::fabs(layout.total_bytes() / 1e9 - 11.63) <= 0.005);
+  CHECK(layout.blocks_bytes > 0);
+  CHECK(layout.other_bytes > 0);
 }
 
 // The demo's GPU run (docs/gpt_cuda.md, docs/memory_budget.md): GPT-2 124M's shapes with the
