@@ -355,6 +355,8 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
     specs[i].module = p.module;
     specs[i].shape.assign(p.shape, p.shape + p.ndim);
     if (p.has_group != 0) (*groups)[i] = zerort::ParamGroup{p.weight_decay, p.lr_scale};
+    // The plan refuses a negative value, naming the parameter.
+    specs[i].activation_bytes_per_sample = p.activation_bytes_per_sample;
   }
   return specs;
 }
@@ -885,6 +887,10 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
     const zerort::MemoryReport report = engine->engine->memory_report();
     zr_memory_report r{};
     FillBytes(report, &r);
+    r.activation_bytes_per_sample = report.activation_bytes_per_sample;
+    r.micro_batch = report.micro_batch;
+    r.activation_bytes = report.activation_bytes;
+    r.device_budget_bytes = report.device_budget_bytes;
     return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
   });
 }

@@ -227,6 +227,12 @@ typedef struct zr_param_spec {
   int has_group;
   double weight_decay;   /* >= 0 */
   double lr_scale;       /* >= 0 */
+  /* Appended in 0.2: >= 0 bytes of activations the parameter's module keeps from forward for
+   * backward, per sample of a micro-batch (zerort::memory::ParamSpec's field of the same name;
+   * 0 = none declared). The plan sums them over the model and counts the sum times the
+   * micro-batch in its device budget (docs/memory_budget.md); the engine allocates none of them.
+   * A negative value is ZR_INVALID_ARGUMENT naming the parameter. */
+  int64_t activation_bytes_per_sample;
 } zr_param_spec;
 
 /* How the engine meets the trainer's device work. */
@@ -431,6 +437,18 @@ typedef struct zr_memory_report {
   /* Appended in 0.2: ZR_MEMORY_NVME. */
   int64_t planned_nvme_bytes;
   int64_t allocated_nvme_bytes;
+  /* Appended in 0.2: what the plan counted on this rank's device besides the engine's buffers,
+   * for a trainer that measures its own peak (zerort::MemoryReport). The activations the
+   * parameters declared (zr_param_spec.activation_bytes_per_sample, summed), the micro-batch
+   * (train_micro_batch_size_per_gpu, else 1) and their product, per rank: the trainer's own
+   * memory, never the engine's. All three are 0 when nothing was declared. */
+  int64_t activation_bytes_per_sample;
+  int64_t micro_batch;
+  int64_t activation_bytes;
+  /* The plan's whole device budget per rank: model-state buffers + declared activations + the
+   * zerort.reserves lines (CUDA context, NCCL, cuBLAS, fragmentation); the model-state buffers
+   * alone when nothing was declared. */
+  int64_t device_budget_bytes;
 } zr_memory_report;
 zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out);
 

@@ -273,6 +273,18 @@ MemoryReport Engine::memory_report() const {
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
   r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
+  // The budget Create fitted: the same plan and resolved config, without a workload, so only
+  // declared activations count. It succeeded there, so it cannot fail here.
+  const absl::StatusOr<DeviceBudget> budget =
+      MakeDeviceBudget(impl_->plan_, impl_->config_, Workload{});
+  if (budget.ok()) {
+    r.device_budget_bytes = budget->total_bytes;
+    if (budget->counted) {
+      r.activation_bytes_per_sample = impl_->plan_.activation_bytes_per_sample;
+      r.micro_batch = budget->micro_batch;
+      r.activation_bytes = budget->activation_bytes;
+    }
+  }
   return r;
 }
 double Engine::loss_scale() const { return impl_->scaler_.scale(); }

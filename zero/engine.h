@@ -103,6 +103,20 @@ struct StepStats {
 struct MemoryReport {
   int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+
+  // What the plan counted on this rank's device besides the engine's buffers, so that a trainer
+  // which measures its own peak can check the plan against it. The activations are the ones the
+  // trainer declared (memory::ParamSpec::activation_bytes_per_sample summed over the model)
+  // times the micro-batch (train_micro_batch_size_per_gpu, else 1): per rank, since every rank
+  // runs its own micro-batch, and held by the trainer's allocator, never by the engine. All
+  // four are 0 and device_budget_bytes is the model-state buffers alone when nothing was
+  // declared (the plan then counts neither activations nor reserves: zero/planner.h).
+  int64_t activation_bytes_per_sample = 0;
+  int64_t micro_batch = 0;
+  int64_t activation_bytes = 0;
+  // The plan's whole device budget per rank (DeviceBudget::total_bytes): model-state buffers +
+  // declared activations + the config's reserves (CUDA context, NCCL, cuBLAS, fragmentation).
+  int64_t device_budget_bytes = 0;
 };
 
 // The engine's scalar training state: what a checkpoint stores besides tensors. The loss
