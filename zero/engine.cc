@@ -221,8 +221,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
   RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  Workload workload;  // declared activations only; the reserves for this communicator
+  workload.nccl_communicator = comm->backend() == "nccl";
   ASSIGN_OR_RETURN(PlanChoice choice,
-                   ChoosePlan(params, with_notes, comm->size(), comm->rank()));
+                   ChoosePlan(params, with_notes, comm->size(), comm->rank(), workload));
   if (!choice.fits) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the plan does not fit zero_optimization.memory_budget: ", choice.reason));
@@ -273,10 +275,12 @@ MemoryReport Engine::memory_report() const {
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
   r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
-  // The budget Create fitted: the same plan and resolved config, without a workload, so only
-  // declared activations count. It succeeded there, so it cannot fail here.
+  // The budget Create fitted: the same plan, resolved config and workload (declared activations
+  // only, this communicator's reserves). It succeeded there, so it cannot fail here.
+  Workload workload;
+  workload.nccl_communicator = impl_->comm_->backend() == "nccl";
   const absl::StatusOr<DeviceBudget> budget =
-      MakeDeviceBudget(impl_->plan_, impl_->config_, Workload{});
+      MakeDeviceBudget(impl_->plan_, impl_->config_, workload);
   if (budget.ok()) {
     r.device_budget_bytes = budget->total_bytes;
     if (budget->counted) {
