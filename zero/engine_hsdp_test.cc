@@ -13,6 +13,9 @@
 
 #include "absl/strings/match.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/weights.h"
 #include "comm/inprocess.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
@@ -218,6 +221,61 @@ TEST_CASE("HSDP: a shard size that does not divide the world, or stage 0, is ref
   auto stage0 = ChoosePlan(SmallModel(), Make(0, v, 2), 4, 0);
   REQUIRE(!stage0.ok());
   CHECK(absl::StrContains(stage0.status().message(), "stage"));
+}
+
+TEST_CASE("HSDP: weights move between shard groups and flat engines exactly; checkpoints are "
+          "refused by name", "[zero][hsdp]") {
+  const Variant v{"plain", false, false, 1};
+  const std::string from_hsdp = testing::TempDir("hsdp_out_");
+  const std::string from_flat = testing::TempDir("flat_out_");
+  auto comms = comm::CreateInProcessGroup(4).value();
+  std::unique_ptr<Device> device = CreateCpuDevice(CpuDeviceOptions());
+  struct Seen {
+    absl::Status status, save, load;
+    std::vector<float> hsdp, flat_imported, flat_trained, hsdp_imported;
+  };
+  std::vector<Seen> seen(4);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      Seen& s = seen[r];
+      comm::Communicator* comm = comms[r].get();
+      s.status = [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(auto h, Engine::Create(Make(3, v, 2), SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(testing::SetInitValues(*h));
+        RETURN_IF_ERROR(testing::TrainSteps(*h, 0, 4));
+        s.save = SaveCheckpoint(*h, from_hsdp + "/ckpt").status();
+        RETURN_IF_ERROR(ExportWeights(*h, from_hsdp).status());
+        ASSIGN_OR_RETURN(s.hsdp, h->GatherMasterWeights());
+        // HSDP -> flat: each flat rank reads its own shard of the exported weights.
+        ASSIGN_OR_RETURN(auto f, Engine::Create(Make(3, v, -1), SmallModel(), comm, device.get()));
+        RETURN_IF_ERROR(ImportWeights(*f, from_hsdp).status());
+        ASSIGN_OR_RETURN(s.flat_imported, f->GatherMasterWeights());
+        // flat -> HSDP: each rank reads its group shard, as its replicas do.
+        RETURN_IF_ERROR(testing::TrainSteps(*f, 4, 2));
+        RETURN_IF_ERROR(ExportWeights(*f, from_flat).status());
+        ASSIGN_OR_RETURN(s.flat_trained, f->GatherMasterWeights());
+        RETURN_IF_ERROR(ImportWeights(*h, from_flat).status());
+        ASSIGN_OR_RETURN(s.hsdp_imported, h->GatherMasterWeights());
+        LoadOptions lo;
+        s.load = LoadCheckpoint(*h, from_hsdp + "/ckpt", lo);
+        return absl::OkStatus();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    INFO(seen[r].status.ToString());
+    REQUIRE(seen[r].status.ok());
+    CHECK(!seen[r].hsdp.empty());
+    CHECK(BitEqual(seen[r].flat_imported, seen[0].hsdp));
+    CHECK(BitEqual(seen[r].hsdp_imported, seen[0].flat_trained));
+    CHECK(!BitEqual(seen[0].flat_trained, seen[0].hsdp));  // training moved them
+    CHECK(seen[r].save.code() == absl::StatusCode::kUnimplemented);
+    CHECK(absl::StrContains(seen[r].save.message(), "mics_shard_size"));
+    CHECK(seen[r].load.code() == absl::StatusCode::kUnimplemented);
+  }
 }
 
 }  // namespace
