@@ -54,7 +54,9 @@ class Engine::Impl {
         gas_(plan_.options.gradient_accumulation_steps),
         offload_(plan_.options.offload_optimizer),
         scaler_(config_),
-        timer_(world_, c_) {}
+        // HSDP: collectives count the shard group's peers, plus the across-group reduction.
+        timer_(memory::ShardGroupSize(plan_.options), c_,
+               world_ / memory::ShardGroupSize(plan_.options)) {}
 
   // Allocates the plan and builds the parts over it.
   absl::Status Build(Device::Stream compute);
