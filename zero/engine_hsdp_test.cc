@@ -150,6 +150,25 @@ TEST_CASE("HSDP: stages 1-3 in shard groups equal flat stage 3 bit for bit (2x2,
   }
 }
 
+TEST_CASE("HSDP: stage 1 with local gradient accumulation equals flat stage 1 with it",
+          "[zero][hsdp]") {
+  // Local accumulation sums the micro-steps before the one reduction of the window, a different
+  // order from reducing each micro-step: its reference is flat stage 1 with it too.
+  const Variant v{"local accumulation", false, false, 3};
+  for (int group : {2, 1}) {
+    Config flat_config = Make(1, v, -1), hsdp_config = Make(1, v, group);
+    flat_config.local_grad_accumulation = hsdp_config.local_grad_accumulation = true;
+    const Run flat = Train(flat_config, 4, 8), hsdp = Train(hsdp_config, 4, 8);
+    RequireOk(flat);
+    RequireOk(hsdp);
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(group, r);
+      CHECK(BitEqual(hsdp.ranks[r].master, flat.ranks[0].master));
+      CHECK(hsdp.ranks[r].params == flat.ranks[0].params);
+    }
+  }
+}
+
 TEST_CASE("HSDP: an overflow on one rank skips the step on every rank, as flat does",
           "[zero][hsdp]") {
   // An Inf in rank 3's gradients at step 2 (in the group that does not hold rank 0): the
