@@ -1075,6 +1075,12 @@ absl::StatusOr<zerort::WeightsExportOptions> ExportOptions(zr_dtype dtype,
   return options;
 }
 
+// The rules of a name map given as text; NULL or "": none.
+absl::StatusOr<zerort::WeightsNameMap> NameMap(const char* text, const char* call) {
+  if (text == nullptr || *text == '\0') return zerort::WeightsNameMap();
+  return zerort::WeightsNameMap::Parse(text, absl::StrCat(call, ": name_map"));
+}
+
 // The names, each followed by '\n', NUL-terminated and cut to `capacity` bytes.
 void CopyNames(const std::vector<std::string>& names, char* out, int64_t capacity) {
   if (out == nullptr || capacity <= 0) return;
@@ -1121,6 +1127,49 @@ zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allo
     CopyNames(report.ignored, ignored, capacity);
     if (ignored_count != nullptr) *ignored_count = static_cast<int64_t>(report.ignored.size());
     return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_import_weights_mapped(zr_engine* engine, const char* path,
+                                          const char* name_map, int allow_extra, char* ignored,
+                                          int64_t capacity, int64_t* ignored_count) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_engine_import_weights_mapped";
+    RETURN_IF_ERROR(Live(engine, kCall, "engine"));
+    RETURN_IF_ERROR(NotNull(path, kCall, "path"));
+    zerort::WeightsImportOptions options;
+    options.allow_extra = allow_extra != 0;
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    ASSIGN_OR_RETURN(zerort::WeightsImportReport report,
+                     zerort::ImportWeights(*engine->engine, path, options));
+    CopyNames(report.ignored, ignored, capacity);
+    if (ignored_count != nullptr) *ignored_count = static_cast<int64_t>(report.ignored.size());
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_export_weights_mapped(zr_engine* engine, const char* out, zr_dtype dtype,
+                                          int64_t max_shard_bytes, const char* name_map) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_engine_export_weights_mapped";
+    RETURN_IF_ERROR(Live(engine, kCall, "engine"));
+    RETURN_IF_ERROR(NotNull(out, kCall, "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    return zerort::ExportWeights(*engine->engine, out, options).status();
+  });
+}
+
+zr_status zr_checkpoint_export_weights_mapped(const char* checkpoint, const char* out,
+                                              zr_dtype dtype, int64_t max_shard_bytes,
+                                              const char* name_map) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_checkpoint_export_weights_mapped";
+    RETURN_IF_ERROR(NotNull(checkpoint, kCall, "checkpoint"));
+    RETURN_IF_ERROR(NotNull(out, kCall, "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    return zerort::ExportCheckpointWeights(checkpoint, out, options).status();
   });
 }
 

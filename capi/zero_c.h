@@ -516,6 +516,28 @@ zr_status zr_checkpoint_export_weights(const char* checkpoint, const char* out, 
  * tensor and byte range), a misshapen tensor, another dtype. Collective. */
 zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allow_extra,
                                    char* ignored, int64_t capacity, int64_t* ignored_count);
+/* The same three calls with a tensor-name map, for checkpoints whose names differ from the
+ * parameters' (Hugging Face's "transformer.h.0.attn.c_attn.weight" for "h0.attn.qkv.w"):
+ * `name_map` is the text of the rules (docs/checkpoints.md, "Name maps"; NULL or "": names as
+ * they are), one per line, the first matching rule rewriting a name:
+ *   "prefix transformer.\n"                       strips the prefix
+ *   "glob h.*.attn.c_attn.weight h*.attn.qkv.w\n"  '*' captured, '?' any one character
+ *   "regex h\\.(\\d+)\\.ln_1\\.(weight|bias) h$1.ln1.$2\n"   whole-name ECMAScript regex
+ *   "exact lm_head.weight head.w\n"
+ *   "ignore *.rotary_emb.inv_freq\n"               import only: never read, listed in `ignored`
+ * On import the rules map file tensor names to parameter names, on export parameter names to
+ * the names written. ZR_INVALID_ARGUMENT naming the line for a bad rule; naming both tensors
+ * (or parameters) and the rule that produced each name when two map to one name; and every
+ * error about a tensor names it as the file does and the rule that renamed it. Collective
+ * (the checkpoint export is not). */
+zr_status zr_engine_import_weights_mapped(zr_engine* engine, const char* path,
+                                          const char* name_map, int allow_extra, char* ignored,
+                                          int64_t capacity, int64_t* ignored_count);
+zr_status zr_engine_export_weights_mapped(zr_engine* engine, const char* out, zr_dtype dtype,
+                                          int64_t max_shard_bytes, const char* name_map);
+zr_status zr_checkpoint_export_weights_mapped(const char* checkpoint, const char* out,
+                                              zr_dtype dtype, int64_t max_shard_bytes,
+                                              const char* name_map);
 
 /* Parameter i's optimizer group as the next step will apply it. */
 typedef struct zr_param_group_info {

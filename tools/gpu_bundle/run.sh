@@ -366,6 +366,11 @@ for i in "${!bench_labels[@]}"; do
     run_bench "$label --elements 1e9" 120 "$file" --elements 1e9 --no-transfers
   elif [ $quick -eq 1 ]; then
     run_bench "$label --quick" 60 "$file" --quick
+  elif [ "${label##*:}" = gpu_step_bench ]; then
+    run_bench "$label" 120 "$file"
+    # The step without the hand-off copies: gradients written into engine.grad(i), 1.3B only.
+    run_bench "$label --shape 1.3b --grads engine" 75 "$file" --shape 1.3b --grads engine \
+      --budget-s 45
   else
     run_bench "$label" 120 "$file"
   fi
