@@ -31,6 +31,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                                 mem.grad_buckets().count,
                                                                 mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
+  if (memory::Hierarchical(plan_.options)) RETURN_IF_ERROR(JoinShardGroup(compute));
   ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem, config_, dev_,
                                                             compute, host_.get()));
   // A pass that has made gradients is a backward one; on the window's last micro-step the
@@ -66,6 +67,19 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::JoinShardGroup(Device::Stream compute) {
+  const int group = memory::ShardGroupSize(plan_.options);
+  // Asked with nothing to reduce, so that a backend without the grouped reduction fails here,
+  // on every rank alike, and not at the first gradient.
+  RETURN_IF_ERROR(comm_->ReduceScatterInGroups(nullptr, nullptr, 0, cdt_, comm::ReduceOp::kSum,
+                                               group, streams_->side()));
+  // Key = rank: the group's ranks keep the world's order, so shard position = rank % group.
+  ASSIGN_OR_RETURN(shard_comm_, comm_->Split(rank_ / group, rank_));
+  streams_->SetShardGroup(shard_comm_.get(), group);
+  shard_host_ = std::make_unique<zero_internal::HostCollectives>(shard_comm_.get(), dev_, compute);
+  return absl::OkStatus();
+}
+
 absl::Status Engine::Impl::CheckPeersAgree() {
   if (world_ == 1) return absl::OkStatus();
   // CRC32C over a canonical description: absl::Hash is seeded per process, which would make
@@ -75,6 +89,7 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
                                    plan_.options.local_grad_accumulation, "|",
+                                   plan_.options.shard_group_size, "|",
                                    config_.prescale_gradients,
                                    absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (const memory::ParamSpec& s : specs_) {
@@ -459,7 +474,8 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
     } else {
       std::vector<float> shard(unit.shard);
       RETURN_IF_ERROR(m.store_->LoadState(u, shard.data(), nullptr, nullptr));
-      RETURN_IF_ERROR(m.host_->AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
+      RETURN_IF_ERROR(
+          m.shard_host().AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
     }
     for (int i : unit.params) {
       const memory::ParamLayout& p = m.plan_.params[i];

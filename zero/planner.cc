@@ -47,6 +47,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.persistence_threshold = sizes.persistence_threshold;
   o.prefetch_elements = sizes.prefetch_bucket_size;
   o.max_live_elements = std::max<int64_t>(1, c.zero.stage3_max_live_parameters);
+  o.shard_group_size = std::max(0, c.zero.mics_shard_size);  // -1 and 0: flat
   return o;
 }
 
@@ -138,6 +139,8 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, boo
   auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
     // Local accumulation needs the full gradients of stages 0-1.
     if (base.local_grad_accumulation && stage >= 2) return;
+    // HSDP shards within groups, which stage 0 does not do.
+    if (memory::Hierarchical(base) && stage == 0) return;
     memory::PlanOptions o = base;
     o.stage = stage;
     o.offload_optimizer = optimizer;

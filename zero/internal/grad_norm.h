@@ -4,7 +4,9 @@
 // Each rank computes the squared norm of its shard of every unit and a finiteness flag; the
 // (world, units + 1) table is exchanged in one all-gather (stages 1-3; stage 0 holds every
 // reduced gradient and computes all partials itself). Every rank then sums the same table in
-// the same order, so every stage gets the same norm bit for bit.
+// the same order, so every stage gets the same norm bit for bit. With HSDP the R replicas of a
+// group shard split it into its R flat shards and measure one each: every element is counted
+// once and the table holds the flat layout's partials (see Measure).
 //
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
