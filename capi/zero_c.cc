@@ -838,6 +838,29 @@ zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n,
   });
 }
 
+zr_status zr_engine_allgather_scalars(zr_engine* engine, const double* values, int n, double* out,
+                                      int64_t capacity) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(engine, "zr_engine_allgather_scalars", "engine"));
+    if (n < 0 || (n > 0 && (values == nullptr || out == nullptr))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zr_engine_allgather_scalars: n=", n, " with values ",
+                       values == nullptr ? "NULL" : "set", " and out ",
+                       out == nullptr ? "NULL" : "set"));
+    }
+    // Checked before the collective so that every rank fails alike when all pass the same size.
+    const int64_t needed = static_cast<int64_t>(n) * engine->engine->communicator()->size();
+    if (capacity < needed) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_allgather_scalars: capacity ",
+                                                capacity, " < ", needed, " (n x world size)"));
+    }
+    ASSIGN_OR_RETURN(std::vector<double> all,
+                     engine->engine->AllGatherScalars(absl::MakeConstSpan(values, n)));
+    if (!all.empty()) std::memcpy(out, all.data(), all.size() * sizeof(double));
+    return absl::OkStatus();
+  });
+}
+
 zr_status zr_engine_barrier(zr_engine* engine) {
   return ForwardToEngine(engine, "zr_engine_barrier",
                          [&](zerort::Engine& e) { return e.Barrier(); });

@@ -398,6 +398,12 @@ typedef enum zr_reduce_op { ZR_REDUCE_SUM = 0, ZR_REDUCE_AVG = 1, ZR_REDUCE_MAX 
 /* values[0..n-1] = op over ranks, reduced in rank order in double: the same bits on every rank.
  * Collective; ZR_INVALID_ARGUMENT on every rank when the ranks pass different n. */
 zr_status zr_engine_allreduce_scalars(zr_engine* engine, double* values, int n, zr_reduce_op op);
+/* Every rank's values[0..n-1] for per-rank logging: out[r * n + k] = rank r's values[k], bit for
+ * bit, the same on every rank. out holds capacity doubles, at least n * world size
+ * (ZR_OUT_OF_RANGE otherwise, on every rank alike when all pass the same capacity). Collective;
+ * ZR_INVALID_ARGUMENT on every rank when the ranks pass different n. Added in 0.2. */
+zr_status zr_engine_allgather_scalars(zr_engine* engine, const double* values, int n, double* out,
+                                      int64_t capacity);
 /* Returns once every rank has called it. Collective. */
 zr_status zr_engine_barrier(zr_engine* engine);
 

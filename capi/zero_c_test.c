@@ -679,6 +679,16 @@ static void* OptimizerRank(void* arg) {
   v[0] = job->rank;
   MUST(zr_engine_allreduce_scalars(e, v, 1, ZR_REDUCE_AVG));
   CHECK(v[0] == 1, "avg %g", v[0]);
+  /* Per-rank values gathered in rank order; too small an output fails before the collective. */
+  const double mine[2] = {job->rank + 0.25, -10.0 * job->rank};
+  double all[2 * OPT_RANKS];
+  MUST(zr_engine_allgather_scalars(e, mine, 2, all, 2 * OPT_RANKS));
+  for (int q = 0; q < OPT_RANKS; ++q) {
+    CHECK(all[2 * q] == q + 0.25 && all[2 * q + 1] == -10.0 * q, "gathered from rank %d: %g %g",
+          q, all[2 * q], all[2 * q + 1]);
+  }
+  CHECK(zr_engine_allgather_scalars(e, mine, 2, all, 2 * OPT_RANKS - 1) == ZR_OUT_OF_RANGE,
+        "a short output must be refused");
   MUST(zr_engine_barrier(e));
   zr_engine_destroy(e);
   return NULL;

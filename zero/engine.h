@@ -4,7 +4,7 @@
 // lists), the collectives and the optimizer step. Every rank creates one Engine over its
 // Communicator; all ranks must make the same sequence of collective-bearing calls (InitParams,
 // Gather, GradReady, Step or ComputeGradNorm + ApplyStep / SkipStep, GatherMasterWeights,
-// AllReduceScalars, Barrier).
+// AllReduceScalars, AllGatherScalars, Barrier).
 //
 // One micro-step (gradient_accumulation_steps of them per optimizer step):
 //
@@ -343,6 +343,10 @@ class Engine {
   // values[k] = op over ranks of values[k] (kSum, kAvg, kMax), reduced in rank order in double,
   // so every rank gets the same bits. Collective; REQUIRES the same values.size() everywhere.
   absl::Status AllReduceScalars(absl::Span<double> values, comm::ReduceOp op);
+  // Every rank's `mine` (per-rank logging: each rank's loss, throughput or memory peak), rank
+  // r's at [r * mine.size(), (r + 1) * mine.size()), bit for bit, the same on every rank.
+  // Collective; InvalidArgument on every rank, naming the counts, when they differ.
+  absl::StatusOr<std::vector<double>> AllGatherScalars(absl::Span<const double> mine);
   // Returns once every rank has called it. Collective.
   absl::Status Barrier();
 

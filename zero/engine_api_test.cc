@@ -631,7 +631,7 @@ TEST_CASE("GlobMatch: '*' and '?' against names", "[zero]") {
   CHECK_FALSE(GlobMatch("a*b*c", "aXbYbZ"));
 }
 
-TEST_CASE("EngineApi: scalar all-reduce and barrier through the engine's communicator, world 3",
+TEST_CASE("EngineApi: scalar all-reduce, all-gather and barrier through the engine's communicator, world 3",
           "[zero]") {
   const Config c = testing::TestConfig(1, DType::kF32, 1, 0, false);
   auto device = testing::OneThreadCpuDevice();
@@ -657,6 +657,25 @@ TEST_CASE("EngineApi: scalar all-reduce and barrier through the engine's communi
     RETURN_IF_ERROR(Expect(bad.code() == absl::StatusCode::kInvalidArgument &&
                                bad.message().find("rank 2 2") != std::string::npos,
                            std::string(bad.message())));
+    // Per-rank values gathered in rank order, bits unchanged (a NaN payload and -0 included).
+    double nan_payload;
+    const uint64_t nan_bits = 0x7ff8000000000abcull;
+    std::memcpy(&nan_payload, &nan_bits, sizeof nan_payload);
+    const std::vector<double> rank_vals = {0.1 * r, r == 1 ? nan_payload : -0.0};
+    ASSIGN_OR_RETURN(std::vector<double> gathered, e->AllGatherScalars(rank_vals));
+    RETURN_IF_ERROR(Expect(gathered.size() == 6, "gathered size"));
+    for (int q = 0; q < 3; ++q) {
+      const double want0 = 0.1 * q;
+      const double want1 = q == 1 ? nan_payload : -0.0;
+      RETURN_IF_ERROR(Expect(std::memcmp(&gathered[2 * q], &want0, 8) == 0 &&
+                                 std::memcmp(&gathered[2 * q + 1], &want1, 8) == 0,
+                             absl::StrCat("gathered from rank ", q)));
+    }
+    absl::StatusOr<std::vector<double>> bad_gather =
+        e->AllGatherScalars(std::vector<double>(r == 1 ? 3 : 2, 0.0));
+    RETURN_IF_ERROR(Expect(absl::IsInvalidArgument(bad_gather.status()) &&
+                               bad_gather.status().message().find("rank 1 3") != std::string::npos,
+                           std::string(bad_gather.status().message())));
     RETURN_IF_ERROR(e->Barrier());
     // The engine still trains after the side traffic.
     RETURN_IF_ERROR(Backward(*e, 0, 0));

@@ -348,6 +348,10 @@ absl::Status Engine::AllReduceScalars(absl::Span<double> values, comm::ReduceOp 
   return zero_internal::AllReduceDoubles(*impl_->host_, values, op);
 }
 
+absl::StatusOr<std::vector<double>> Engine::AllGatherScalars(absl::Span<const double> mine) {
+  return zero_internal::AllGatherDoubles(*impl_->host_, mine, "AllGatherScalars");
+}
+
 absl::Status Engine::Barrier() { return comm::AllGatherU64(*impl_->host_, {0}).status(); }
 
 }  // namespace zerort

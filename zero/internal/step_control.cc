@@ -139,27 +139,37 @@ absl::Status AgreeOnDecision(comm::HostExchange& exchange, bool apply,
   return absl::OkStatus();
 }
 
-absl::Status AllReduceDoubles(comm::HostExchange& exchange, absl::Span<double> values,
-                              comm::ReduceOp op) {
+absl::StatusOr<std::vector<double>> AllGatherDoubles(comm::HostExchange& exchange,
+                                                     absl::Span<const double> mine,
+                                                     absl::string_view caller) {
   const int world = exchange.size();
   // The counts first: a mismatch fails every rank instead of corrupting the exchange.
   ASSIGN_OR_RETURN(const std::vector<uint64_t> counts,
-                   comm::AllGatherU64(exchange, {static_cast<uint64_t>(values.size())}));
+                   comm::AllGatherU64(exchange, {static_cast<uint64_t>(mine.size())}));
   for (int r = 0; r < world; ++r) {
     if (counts[r] != counts[0]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "AllReduceScalars: rank 0 passed ", counts[0], " values and rank ", r, " ",
-          counts[r], ": every rank must pass the same count"));
+          caller, ": rank 0 passed ", counts[0], " values and rank ", r, " ", counts[r],
+          ": every rank must pass the same count"));
     }
   }
-  std::vector<uint64_t> mine(values.size());
-  std::memcpy(mine.data(), values.data(), values.size() * sizeof(double));
-  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(exchange, mine));
+  std::vector<uint64_t> bits(mine.size());
+  std::memcpy(bits.data(), mine.data(), mine.size() * sizeof(double));
+  ASSIGN_OR_RETURN(const std::vector<uint64_t> all, comm::AllGatherU64(exchange, bits));
+  std::vector<double> out(all.size());
+  std::memcpy(out.data(), all.data(), all.size() * sizeof(double));
+  return out;
+}
+
+absl::Status AllReduceDoubles(comm::HostExchange& exchange, absl::Span<double> values,
+                              comm::ReduceOp op) {
+  const int world = exchange.size();
+  ASSIGN_OR_RETURN(const std::vector<double> all,
+                   AllGatherDoubles(exchange, values, "AllReduceScalars"));
   for (size_t k = 0; k < values.size(); ++k) {
     double acc = 0;
     for (int r = 0; r < world; ++r) {  // rank order: the same bits on every rank
-      double x;
-      std::memcpy(&x, &all[r * values.size() + k], sizeof x);
+      const double x = all[r * values.size() + k];
       if (r == 0) {
         acc = x;
       } else if (op == comm::ReduceOp::kMax) {

@@ -89,6 +89,12 @@ absl::Status AgreeOnDecision(comm::HostExchange& exchange, bool apply,
 absl::Status AllReduceDoubles(comm::HostExchange& exchange, absl::Span<double> values,
                               comm::ReduceOp op);
 
+// Every rank's `mine`, rank r's at [r * mine.size(), (r + 1) * mine.size()), bit for bit.
+// InvalidArgument on every rank when the ranks pass different counts. Collective.
+absl::StatusOr<std::vector<double>> AllGatherDoubles(comm::HostExchange& exchange,
+                                                     absl::Span<const double> mine,
+                                                     absl::string_view caller);
+
 }  // namespace zero_internal
 }  // namespace zerort
 
