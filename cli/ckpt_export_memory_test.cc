@@ -203,8 +203,16 @@ TEST_CASE("ckpt export: peak RSS stays at a fixed buffer, not the checkpoint's s
     // One 8 MiB read buffer, a conversion buffer of at most 1 MiB, the manifest and headers:
     // 24 MiB leaves room for the allocator's arenas on a busy machine. A whole-state export
     // adds at least checkpoint_bytes (48 MiB at scale 1).
+#if defined(__SANITIZE_ADDRESS__)
+    // Under AddressSanitizer the child's RSS holds shadow memory and the allocator's quarantine
+    // of freed blocks (25.7 MB here where the optimised build grows by 9.2 MB): not a measure of
+    // what export keeps. The optimised build asserts the bounds; this build checks the files.
+    WARN(c.name << ": RSS bounds not checked under AddressSanitizer (growth " << growth
+                << " B)");
+#else
     CHECK(growth <= (int64_t{24} << 20));
     CHECK(growth * 2 < checkpoint_bytes);
+#endif
   }
 }
 
