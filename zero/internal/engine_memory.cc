@@ -73,6 +73,7 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kNvmeSecondCopy: break;  // a file region
     case BufferClass::kNvmeParamPadding: break;  // a file region
     case BufferClass::kNvmeParamBuffers: nvme_param_buffers_ = slotted; break;
+    case BufferClass::kGradAccumStage: grad_accum_stage_ = p; break;
   }
 }
 

@@ -55,6 +55,9 @@ class EngineMemory {
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
   char* grad_local() const { return grad_local_; }
+  // (max trainable unit / world) reduced-gradient dtype: gradient offload's accumulation stage
+  // (memory::BufferClass::kGradAccumStage), or null.
+  char* grad_accum_stage() const { return grad_accum_stage_; }
   const ByteCounts& bytes() const { return bytes_; }
 
  private:
@@ -68,6 +71,7 @@ class EngineMemory {
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
   char* grad_local_ = nullptr;
+  char* grad_accum_stage_ = nullptr;
   ByteCounts bytes_;
 };
 

@@ -5,10 +5,34 @@
 #include <memory>
 #include <vector>
 
+#include "absl/base/internal/raw_logging.h"
 #include "base/status.h"
 
 namespace zerort {
 namespace zero_internal {
+
+GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
+                   Device::Stream compute, HostCollectives* host, float* device_table)
+    : plan_(plan),
+      layout_(layout),
+      dev_(device),
+      compute_(compute),
+      host_(host),
+      device_table_(device_table),
+      early_(memory::GradOffload(plan.options)) {
+  if (!early_) return;
+  early_sumsq_.assign(plan.units.size(), 0.0f);
+  early_finite_.reset(new bool[plan.units.size()]());
+  early_measured_.assign(plan.units.size(), 0);
+}
+
+absl::Status GradNorm::MeasureUnit(int u, const void* grad, DType dtype, int64_t n,
+                                   Device::Stream stream) {
+  ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
+  early_measured_[u] = 1;
+  RETURN_IF_ERROR(dev_->AllFinite(grad, dtype, n, &early_finite_[u], stream));
+  return dev_->SquaredNorm(grad, dtype, n, &early_sumsq_[u], stream);
+}
 
 absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event device_done) {
   const int nu = layout_.num_units();
@@ -22,6 +46,12 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
     const Region& reg = layout_.region(u);
     unit_finite[u] = true;
     if (reg.frozen) continue;  // no gradient: its partials stay zero
+    if (early_) {
+      // Measured on the device before the shard left it; read after the Synchronize below.
+      ABSL_RAW_CHECK(early_measured_[u], "gradient offload: a unit's shard was never measured");
+      early_measured_[u] = 0;
+      continue;
+    }
     const DType cdt = reg.grad_dtype;
     const size_t c = DTypeSize(cdt);
     RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
@@ -37,6 +67,13 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   }
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
+  if (early_) {
+    for (int u = 0; u < nu; ++u) {
+      if (layout_.region(u).frozen) continue;
+      unit_finite[u] = early_finite_[u];
+      table[rank * (nu + 1) + u] = early_sumsq_[u];
+    }
+  }
   const bool finite =
       std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
   if (plan_.options.stage == 0) {

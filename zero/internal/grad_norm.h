@@ -6,9 +6,18 @@
 // reduced gradient and computes all partials itself). Every rank then sums the same table in
 // the same order, so every stage gets the same norm bit for bit.
 //
+// Gradient offload (memory::GradOffload): the reduced gradients end in host memory, so each
+// unit's partials are computed on the device before its final shard leaves (MeasureUnit, on the
+// window's last micro-step, by GradBuckets), with the same kernels on the same bytes: the same
+// bits, and no pass of the host over the shard. Measure then only exchanges them.
+//
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
 #define ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "device/device.h"
@@ -24,9 +33,14 @@ class GradNorm {
   // Every argument must outlive this object. `device_table`: (world, units + 1) fp32 device
   // memory to stage the exchange through (the plan's norm table; may be null).
   GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-           Device::Stream compute, HostCollectives* host, float* device_table)
-      : plan_(plan), layout_(layout), dev_(device), compute_(compute), host_(host),
-        device_table_(device_table) {}
+           Device::Stream compute, HostCollectives* host, float* device_table);
+
+  // Gradient offload: unit u's final reduced gradient for this window, `n` elements of `dtype`
+  // in device memory at `grad`, is measured on `stream` (enqueued; the results land in this
+  // object when the stream gets there). REQUIRES: memory::GradOffload; called once per
+  // trainable unit in a window's last micro-step, and that stream joined into `compute`
+  // (StreamOrder::JoinComm) before Measure.
+  absl::Status MeasureUnit(int u, const void* grad, DType dtype, int64_t n, Device::Stream stream);
 
   struct Result {
     double norm = 0;        // sqrt(sum of squares) / scale
@@ -44,6 +58,11 @@ class GradNorm {
   const Device::Stream compute_;
   HostCollectives* const host_;
   float* const device_table_;
+  const bool early_ = false;  // gradient offload: the partials come from MeasureUnit
+  // Per unit, MeasureUnit's results (written by the device) and whether it ran this window.
+  std::vector<float> early_sumsq_;
+  std::unique_ptr<bool[]> early_finite_;
+  std::vector<uint8_t> early_measured_;
 };
 
 }  // namespace zero_internal
