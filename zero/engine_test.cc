@@ -663,10 +663,11 @@ TEST_CASE("Engine: on asynchronous streams every storage mode matches its synchr
   }
 }
 
-TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in flight",
+TEST_CASE("Engine: an overflow skips the step cleanly while gradient copies are in flight",
           "[zero][offload]") {
-  // Downloads start during backward; the skipped step must neither apply them nor let the next
-  // window's gradients race them.
+  // The gradient shards go to host memory during backward (gradient offload); the skipped step
+  // must neither apply them nor let the next window's gradients race them. The engine and the
+  // trainer run on an asynchronous stream so that the copies are really in flight.
   const int steps = 8, inject_step = 3;
   RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0, false), 2, steps,
                               inject_step, 1);
@@ -675,7 +676,8 @@ TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in fli
     Config c = MakeConfig(stage, DType::kBF16, 1, 0, true);
     c.zero.offload_optimizer.buffer_count = 2;
     INFO("stage=" << stage);
-    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true);
+    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true,
+                          /*on_compute_stream=*/true);
     RequireOk(run);
     REQUIRE(run.stats.size() == reference.stats.size());
     CHECK(run.stats[inject_step].skipped);
