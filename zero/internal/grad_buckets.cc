@@ -215,7 +215,7 @@ absl::Status GradBuckets::DepositToHost(int u, char* dst, const Reduced& r, bool
     value = accum_stage_;
   }
   if (last_micro_) {
-    RETURN_IF_ERROR(norm_->MeasureUnit(u, value, grad_dtype_, r.n, side));
+    RETURN_IF_ERROR(norm_->MeasureUnit(u, value, side));
   }
   return dev->Copy(dst, value, bytes, side);
 }

@@ -26,12 +26,13 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
   early_measured_.assign(plan.units.size(), 0);
 }
 
-absl::Status GradNorm::MeasureUnit(int u, const void* grad, DType dtype, int64_t n,
-                                   Device::Stream stream) {
+absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {
   ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
+  const Region& reg = layout_.region(u);
+  // Offload needs stage >= 1: the region is this rank's shard, measured whole as in Measure.
   early_measured_[u] = 1;
-  RETURN_IF_ERROR(dev_->AllFinite(grad, dtype, n, &early_finite_[u], stream));
-  return dev_->SquaredNorm(grad, dtype, n, &early_sumsq_[u], stream);
+  RETURN_IF_ERROR(dev_->AllFinite(grad, reg.grad_dtype, reg.n, &early_finite_[u], stream));
+  return dev_->SquaredNorm(grad, reg.grad_dtype, reg.n, &early_sumsq_[u], stream);
 }
 
 absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event device_done) {

@@ -35,12 +35,13 @@ class GradNorm {
   GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
            Device::Stream compute, HostCollectives* host, float* device_table);
 
-  // Gradient offload: unit u's final reduced gradient for this window, `n` elements of `dtype`
-  // in device memory at `grad`, is measured on `stream` (enqueued; the results land in this
-  // object when the stream gets there). REQUIRES: memory::GradOffload; called once per
-  // trainable unit in a window's last micro-step, and that stream joined into `compute`
-  // (StreamOrder::JoinComm) before Measure.
-  absl::Status MeasureUnit(int u, const void* grad, DType dtype, int64_t n, Device::Stream stream);
+  // Gradient offload: unit u's final reduced gradient for this window, a device copy of its
+  // region (region(u).n elements of region(u).grad_dtype at `grad`), is measured on `stream`
+  // exactly as Measure measures the region (enqueued; the results land in this object when the
+  // stream gets there). REQUIRES: memory::GradOffload; called once per trainable unit in a
+  // window's last micro-step, and that stream joined into `compute` (StreamOrder::JoinComm)
+  // before Measure.
+  absl::Status MeasureUnit(int u, const void* grad, Device::Stream stream);
 
   struct Result {
     double norm = 0;        // sqrt(sum of squares) / scale
