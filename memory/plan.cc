@@ -491,6 +491,15 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   }
   if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
   if (o.offload_param_nvme) AddNvmeParamBuffers(plan, math);
+  if (GradOffload(o)) {
+    // The device writes each unit's norm partial and finiteness flag as the shard leaves, in
+    // backward: into pinned memory, so that the copy is asynchronous (a copy into pageable
+    // memory would make the trainer's thread wait for the reduction). Pinned whatever
+    // pin_memory says: it is a few bytes per unit. Flags take a byte each: 2 x units elements.
+    AddBuffer(plan, math, "norm_partials", BufferClass::kNormPartials, MemoryKind::kPinnedHost,
+              DType::kF32, math->Mul(2, static_cast<int64_t>(plan->units.size()),
+                                     "norm_partials size"));
+  }
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
@@ -646,6 +655,8 @@ const char* BufferClassName(BufferClass c) {
       return "norm_table";
     case BufferClass::kGradAccumStage:
       return "grad_accum_stage";
+    case BufferClass::kNormPartials:
+      return "norm_partials";
   }
   return "unknown";
 }

@@ -94,6 +94,8 @@ enum class BufferClass {
   kNvmeParamBuffers, // pinned: offload_param.buffer_count pieces of parameter shards in flight
   kGradAccumStage,   // gradient offload with accumulation: one unit's reduced shard on the
                      // device, where a micro-step adds into the host-resident sum
+  kNormPartials,     // gradient offload, pinned: (units) fp32 squared-norm partials, then one
+                     // finiteness byte per unit, written by the device as each shard leaves
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);

@@ -237,9 +237,11 @@ TEST_CASE("Planner: offload moves optimizer state to host memory", "[memory]") {
   REQUIRE(plan.ok());
   CHECK(plan->Find(BufferClass::kMaster)->kind == MemoryKind::kPinnedHost);
   CHECK(plan->Find(BufferClass::kOffloadStaging)->count == 4);
-  // master, m, v and the bf16 reduced gradient shard (gradient offload), and the chunks.
-  CHECK(plan->pinned_host_bytes() ==
-        14 * plan->shard_elements + plan->Find(BufferClass::kOffloadStaging)->bytes);
+  // master, m, v and the bf16 reduced gradient shard (gradient offload) with its norm
+  // partials and flags (8 bytes a unit), and the chunks.
+  CHECK(plan->pinned_host_bytes() == 14 * plan->shard_elements +
+                                         8 * static_cast<int64_t>(plan->units.size()) +
+                                         plan->Find(BufferClass::kOffloadStaging)->bytes);
   CHECK(plan->model_state_bytes == ClosedForm(2, true, plan->padded_elements, 4));
   o.pin_memory = false;
   auto pageable = MakePlan(specs, o);
@@ -293,6 +295,12 @@ TEST_CASE("Plan: gradient offload keeps the reduced shard in host memory, the de
           // Now in host memory, whole, also at stage 1 without accumulation.
           CHECK(BytesOf(*offloaded, reduced_cls, MemoryKind::kDevice) == 0);
           CHECK(BytesOf(*offloaded, reduced_cls, MemoryKind::kPinnedHost) == shard_bytes);
+          // The device writes each unit's norm partial and flag into pinned memory.
+          REQUIRE(offloaded->Find(BufferClass::kNormPartials) != nullptr);
+          CHECK(offloaded->Find(BufferClass::kNormPartials)->kind == MemoryKind::kPinnedHost);
+          CHECK(offloaded->Find(BufferClass::kNormPartials)->bytes ==
+                8 * static_cast<int64_t>(offloaded->units.size()));
+          CHECK(on_device->Find(BufferClass::kNormPartials) == nullptr);
           // With accumulation, one unit's shard on the device to add in.
           const Buffer* stage_buf = offloaded->Find(BufferClass::kGradAccumStage);
           if (gas == 1) {
@@ -563,7 +571,8 @@ TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", 
   CHECK(plan->Find(BufferClass::kGrads)->kind == MemoryKind::kPinnedHost);
   CHECK(plan->pinned_host_bytes() == plan->Find(BufferClass::kOffloadStaging)->bytes +
                                          plan->Find(BufferClass::kNvmeStaging)->bytes +
-                                         plan->Find(BufferClass::kGrads)->bytes);
+                                         plan->Find(BufferClass::kGrads)->bytes +
+                                         plan->Find(BufferClass::kNormPartials)->bytes);
   CHECK(std::string(MemoryKindName(MemoryKind::kNvme)) == "nvme");
   // Pieces of at most 1024 elements: the slots shrink to one piece, the file pads each piece.
   CHECK(NvmePieces(2500, 1024) == std::vector<int64_t>({1024, 1024, 452}));

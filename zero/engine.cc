@@ -43,7 +43,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
-                                                   mem.norm_table());
+                                                   mem.norm_table(), mem.norm_partials());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
   if (!offload_) return absl::OkStatus();
   // Gradient offload: the reduced shards go to host memory as their reductions complete; the

@@ -58,6 +58,8 @@ class EngineMemory {
   // (max trainable unit / world) reduced-gradient dtype: gradient offload's accumulation stage
   // (memory::BufferClass::kGradAccumStage), or null.
   char* grad_accum_stage() const { return grad_accum_stage_; }
+  // (2 x units) fp32, pinned: gradient offload's norm partials and flags, or null.
+  float* norm_partials() const { return norm_partials_; }
   const ByteCounts& bytes() const { return bytes_; }
 
  private:
@@ -72,6 +74,7 @@ class EngineMemory {
   float* grad_wire_ = nullptr;
   char* grad_local_ = nullptr;
   char* grad_accum_stage_ = nullptr;
+  float* norm_partials_ = nullptr;
   ByteCounts bytes_;
 };
 

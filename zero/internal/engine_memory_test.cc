@@ -77,6 +77,7 @@ const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffe
     case BufferClass::kGradWire: return reinterpret_cast<const char*>(mem.grad_wire());
     case BufferClass::kGradLocal: return mem.grad_local();
     case BufferClass::kGradAccumStage: return mem.grad_accum_stage();
+    case BufferClass::kNormPartials: return reinterpret_cast<const char*>(mem.norm_partials());
     case BufferClass::kGradBucket: *slots = &mem.grad_buckets(); break;
     case BufferClass::kGatherBuffer: *slots = &mem.gather_slots(); break;
     case BufferClass::kPersistentParams: return mem.persistent();

@@ -12,18 +12,20 @@ namespace zerort {
 namespace zero_internal {
 
 GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-                   Device::Stream compute, HostCollectives* host, float* device_table)
+                   Device::Stream compute, HostCollectives* host, float* device_table,
+                   float* partials)
     : plan_(plan),
       layout_(layout),
       dev_(device),
       compute_(compute),
       host_(host),
       device_table_(device_table),
-      early_(memory::GradOffload(plan.options)) {
-  if (!early_) return;
-  early_sumsq_.assign(plan.units.size(), 0.0f);
-  early_finite_.reset(new bool[plan.units.size()]());
-  early_measured_.assign(plan.units.size(), 0);
+      early_(memory::GradOffload(plan.options)),
+      early_sumsq_(partials),
+      early_finite_(partials == nullptr ? nullptr
+                                        : reinterpret_cast<bool*>(partials + plan.units.size())),
+      early_measured_(plan.units.size(), 0) {
+  ABSL_RAW_CHECK(!early_ || partials != nullptr, "gradient offload needs norm_partials");
 }
 
 absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {

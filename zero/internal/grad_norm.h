@@ -31,9 +31,12 @@ namespace zero_internal {
 class GradNorm {
  public:
   // Every argument must outlive this object. `device_table`: (world, units + 1) fp32 device
-  // memory to stage the exchange through (the plan's norm table; may be null).
+  // memory to stage the exchange through (the plan's norm table; may be null). `partials`:
+  // the plan's norm_partials, (2 x units) fp32 pinned host memory; REQUIRES: non-null with
+  // gradient offload (memory::GradOffload), where MeasureUnit writes there.
   GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-           Device::Stream compute, HostCollectives* host, float* device_table);
+           Device::Stream compute, HostCollectives* host, float* device_table,
+           float* partials = nullptr);
 
   // Gradient offload: unit u's final reduced gradient for this window, a device copy of its
   // region (region(u).n elements of region(u).grad_dtype at `grad`), is measured on `stream`
@@ -60,9 +63,10 @@ class GradNorm {
   HostCollectives* const host_;
   float* const device_table_;
   const bool early_ = false;  // gradient offload: the partials come from MeasureUnit
-  // Per unit, MeasureUnit's results (written by the device) and whether it ran this window.
-  std::vector<float> early_sumsq_;
-  std::unique_ptr<bool[]> early_finite_;
+  // Per unit, MeasureUnit's results (written by the device into the plan's norm_partials)
+  // and whether it ran this window.
+  float* const early_sumsq_;   // (units) fp32
+  bool* const early_finite_;   // (units) one byte each, after early_sumsq_
   std::vector<uint8_t> early_measured_;
 };
 
