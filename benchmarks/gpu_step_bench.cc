@@ -15,6 +15,12 @@
 // copies the buffer into the engine's gradient slot (`grad_buffers_direct` counts the others):
 // that copy is the engine's work and counts in the step time. (engine.grad(i) cannot be written
 // once: the engine zero-fills it for every window.)
+// --grads engine: no hand-off; each step writes every gradient into engine.grad(i) as a
+// trainer's backward does (a device copy from the same buffers, unit by unit, just before that
+// unit's GradReady), so the step has no hand-off copies and the engine's zero-fill shows. The
+// trainer's copies are inside the timed step; `trainer_fill_ms` (the same copies alone, timed by
+// events on the stream before the steps) is reported so that step_ms_median - trainer_fill_ms is
+// the engine's share.
 //
 // Per config: 3 warm-up steps, then 10 timed steps (--quick: 1 and 5):
 //   step_ms_median, step_ms_min  host clock around GradReady of every parameter + Step() +
@@ -62,7 +68,9 @@
 // when a config failed (its row has "error").
 //
 // Usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S]
-//   default: --shape all (124M, then 1.3B while the budget lasts), --budget-s 85.
+//                       [--grads handoff|engine]
+//   default: --shape all (124M, then 1.3B while the budget lasts), --budget-s 85,
+//   --grads handoff.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -111,6 +119,7 @@ struct Options {
   bool quick = false;
   std::vector<std::string> shapes = {"small", "1.3b"};
   double budget_s = 85;
+  bool grads_into_engine = false;  // --grads engine
 };
 
 bool ParseArgs(int argc, char** argv, Options* opt) {
@@ -122,6 +131,9 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
     } else if (a == "--shape" && (next == "small" || next == "1.3b" || next == "all")) {
       opt->shapes = next == "all" ? std::vector<std::string>{"small", "1.3b"}
                                   : std::vector<std::string>{next};
+      ++i;
+    } else if (a == "--grads" && (next == "handoff" || next == "engine")) {
+      opt->grads_into_engine = next == "engine";
       ++i;
     } else if (a == "--budget-s" && !next.empty()) {
       char* end = nullptr;
@@ -257,8 +269,13 @@ struct Timings {
 
 class ConfigRun {
  public:
-  ConfigRun(Device* dev, comm::Communicator* comm, Device::Stream stream, const Limits& limits)
-      : dev_(dev), comm_(comm), stream_(stream), limits_(limits) {}
+  ConfigRun(Device* dev, comm::Communicator* comm, Device::Stream stream, const Limits& limits,
+            bool grads_into_engine)
+      : dev_(dev),
+        comm_(comm),
+        stream_(stream),
+        limits_(limits),
+        grads_into_engine_(grads_into_engine) {}
 
   // Runs one config into `row`; `deadline_s` (seconds since `start`) stops the timed steps.
   absl::Status Run(const std::vector<memory::ParamSpec>& specs, int stage, bool offload,
@@ -301,10 +318,20 @@ class ConfigRun {
     (*row)["init_s"] = Seconds(t);
 
     int direct = 0;
-    for (int i = 0; i < engine->num_params(); ++i) {
-      ASSIGN_OR_RETURN(bool d, engine->SetGradBuffer(i, g + 2 * offsets[i]));
-      direct += d;
+    if (!grads_into_engine_) {
+      for (int i = 0; i < engine->num_params(); ++i) {
+        ASSIGN_OR_RETURN(bool d, engine->SetGradBuffer(i, g + 2 * offsets[i]));
+        direct += d;
+      }
     }
+    // Writes parameter i's gradient where the engine wants it (--grads engine) and marks it.
+    auto grad_ready = [&](int i) -> absl::Status {
+      if (grads_into_engine_) {
+        ASSIGN_OR_RETURN(void* dst, engine->grad(i));
+        RETURN_IF_ERROR(dev_->Copy(dst, g + 2 * offsets[i], 2 * specs[i].numel(), stream_));
+      }
+      return engine->GradReady(i);
+    };
 
     const int64_t e = engine->plan().trainable_padded_elements;
     (*row)["padded_elements"] = e;
@@ -314,6 +341,30 @@ class ConfigRun {
     cudaEvent_t ev_start, ev_stop;
     CheckCuda(cudaEventCreate(&ev_start), "cudaEventCreate");
     CheckCuda(cudaEventCreate(&ev_stop), "cudaEventCreate");
+    if (grads_into_engine_) {
+      // The trainer's share of a step: the same copies, into one scratch buffer.
+      int64_t largest = 0;
+      for (const memory::ParamSpec& sp : specs) largest = std::max(largest, sp.numel());
+      ASSIGN_OR_RETURN(memory::Allocation scratch,
+                       memory::Allocation::Create(dev_->allocator(memory::MemoryKind::kDevice),
+                                                  2 * largest));
+      const cudaStream_t cs = static_cast<cudaStream_t>(stream_);
+      std::vector<double> fill_ms;
+      for (int rep = 0; rep < 3; ++rep) {
+        CheckCuda(cudaEventRecord(ev_start, cs), "cudaEventRecord");
+        for (size_t i = 0; i < specs.size(); ++i) {
+          RETURN_IF_ERROR(
+              dev_->Copy(scratch.get(), g + 2 * offsets[i], 2 * specs[i].numel(), stream_));
+        }
+        CheckCuda(cudaEventRecord(ev_stop, cs), "cudaEventRecord");
+        CheckCuda(cudaEventSynchronize(ev_stop), "cudaEventSynchronize");
+        float ms = 0;
+        CheckCuda(cudaEventElapsedTime(&ms, ev_start, ev_stop), "cudaEventElapsedTime");
+        fill_ms.push_back(ms);
+      }
+      (*row)["trainer_fill_ms"] = Median(fill_ms);
+    }
+    (*row)["grads"] = grads_into_engine_ ? "engine" : "handoff";
     Timings tm;
     absl::Status status;
     bool cut = false;
@@ -328,7 +379,7 @@ class ConfigRun {
       // In backward order (plan().units), as a trainer's backward marks them.
       for (const memory::Unit& unit : engine->plan().units) {
         for (int i : unit.params) {
-          if (status.ok()) status = engine->GradReady(i);
+          if (status.ok()) status = grad_ready(i);
         }
       }
       if (!status.ok()) break;
@@ -420,6 +471,7 @@ class ConfigRun {
   comm::Communicator* const comm_;
   const Device::Stream stream_;
   const Limits limits_;
+  const bool grads_into_engine_;
 };
 
 std::string DeviceName() {
@@ -437,7 +489,8 @@ int Main(int argc, char** argv) {
   Options opt;
   if (!ParseArgs(argc, argv, &opt)) {
     std::fprintf(stderr,
-                 "usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S]\n");
+                 "usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S] "
+                 "[--grads handoff|engine]\n");
     return 2;
   }
   absl::StatusOr<std::unique_ptr<Device>> gpu = CreateCudaDevice(0);
@@ -476,7 +529,7 @@ int Main(int argc, char** argv) {
   const std::vector<std::string> shapes =
       opt.quick ? std::vector<std::string>{"tiny"} : opt.shapes;
 
-  ConfigRun runner(dev, nccl->get(), *stream, limits);
+  ConfigRun runner(dev, nccl->get(), *stream, limits, opt.grads_into_engine);
   json configs = json::array();
   double seconds_per_element[2] = {0, 0};  // [offload]: of the last finished config
   bool failed = false;
@@ -543,6 +596,7 @@ int Main(int argc, char** argv) {
       {"device", DeviceName()},
       {"world", 1},
       {"precision", "bf16"},
+      {"grads", opt.grads_into_engine ? "engine" : "handoff"},
       {"warmup_steps", warmup},
       {"measured_steps", measured},
       {"d2d_copy_GBps", limits.d2d},

@@ -355,6 +355,8 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
     specs[i].module = p.module;
     specs[i].shape.assign(p.shape, p.shape + p.ndim);
     if (p.has_group != 0) (*groups)[i] = zerort::ParamGroup{p.weight_decay, p.lr_scale};
+    // The plan refuses a negative value, naming the parameter.
+    specs[i].activation_bytes_per_sample = p.activation_bytes_per_sample;
   }
   return specs;
 }
@@ -885,6 +887,10 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
     const zerort::MemoryReport report = engine->engine->memory_report();
     zr_memory_report r{};
     FillBytes(report, &r);
+    r.activation_bytes_per_sample = report.activation_bytes_per_sample;
+    r.micro_batch = report.micro_batch;
+    r.activation_bytes = report.activation_bytes;
+    r.device_budget_bytes = report.device_budget_bytes;
     return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
   });
 }
@@ -1053,6 +1059,49 @@ zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync) {
                          [&](zerort::Engine& e) { return e.SetGradientSync(sync != 0); });
 }
 
+// ---- Parking ----
+
+zr_status zr_engine_park(zr_engine* engine) {
+  return ForwardToEngine(engine, "zr_engine_park", [](zerort::Engine& e) { return e.Park(); });
+}
+
+zr_status zr_engine_unpark(zr_engine* engine) {
+  return ForwardToEngine(engine, "zr_engine_unpark",
+                         [](zerort::Engine& e) { return e.Unpark(); });
+}
+
+int zr_engine_parked(const zr_engine* engine) {
+  if (!UsableOrSetError(engine, "zr_engine_parked")) return 0;
+  return engine->engine->parked() ? 1 : 0;
+}
+
+zr_status zr_engine_parked_bytes(const zr_engine* engine, int64_t* device_bytes,
+                                 int64_t* host_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(engine, "zr_engine_parked_bytes", "engine"));
+    if (device_bytes != nullptr) *device_bytes = engine->engine->parked_device_bytes();
+    if (host_bytes != nullptr) *host_bytes = engine->engine->parked_host_bytes();
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_device_memory(const zr_device* device, int64_t* resident_bytes,
+                           int64_t* reserved_bytes) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(device, "zr_device_memory", "device"));
+    const std::optional<zerort::memory::AllocatorUsage> usage =
+        device->device->allocator(zerort::memory::MemoryKind::kDevice)->usage();
+    if (!usage.has_value()) {
+      return absl::UnimplementedError(absl::StrCat("zr_device_memory: device '",
+                                                   device->device->name(),
+                                                   "' does not count its memory"));
+    }
+    if (resident_bytes != nullptr) *resident_bytes = static_cast<int64_t>(usage->resident_bytes);
+    if (reserved_bytes != nullptr) *reserved_bytes = static_cast<int64_t>(usage->reserved_bytes);
+    return absl::OkStatus();
+  });
+}
+
 }  // extern "C"
 
 // ---- Weights as safetensors, and parameter groups ----
@@ -1073,6 +1122,12 @@ absl::StatusOr<zerort::WeightsExportOptions> ExportOptions(zr_dtype dtype,
   options.dtype = static_cast<zerort::DType>(dtype);
   options.max_shard_bytes = max_shard_bytes;
   return options;
+}
+
+// The rules of a name map given as text; NULL or "": none.
+absl::StatusOr<zerort::WeightsNameMap> NameMap(const char* text, const char* call) {
+  if (text == nullptr || *text == '\0') return zerort::WeightsNameMap();
+  return zerort::WeightsNameMap::Parse(text, absl::StrCat(call, ": name_map"));
 }
 
 // The names, each followed by '\n', NUL-terminated and cut to `capacity` bytes.
@@ -1121,6 +1176,49 @@ zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allo
     CopyNames(report.ignored, ignored, capacity);
     if (ignored_count != nullptr) *ignored_count = static_cast<int64_t>(report.ignored.size());
     return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_import_weights_mapped(zr_engine* engine, const char* path,
+                                          const char* name_map, int allow_extra, char* ignored,
+                                          int64_t capacity, int64_t* ignored_count) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_engine_import_weights_mapped";
+    RETURN_IF_ERROR(Live(engine, kCall, "engine"));
+    RETURN_IF_ERROR(NotNull(path, kCall, "path"));
+    zerort::WeightsImportOptions options;
+    options.allow_extra = allow_extra != 0;
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    ASSIGN_OR_RETURN(zerort::WeightsImportReport report,
+                     zerort::ImportWeights(*engine->engine, path, options));
+    CopyNames(report.ignored, ignored, capacity);
+    if (ignored_count != nullptr) *ignored_count = static_cast<int64_t>(report.ignored.size());
+    return absl::OkStatus();
+  });
+}
+
+zr_status zr_engine_export_weights_mapped(zr_engine* engine, const char* out, zr_dtype dtype,
+                                          int64_t max_shard_bytes, const char* name_map) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_engine_export_weights_mapped";
+    RETURN_IF_ERROR(Live(engine, kCall, "engine"));
+    RETURN_IF_ERROR(NotNull(out, kCall, "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    return zerort::ExportWeights(*engine->engine, out, options).status();
+  });
+}
+
+zr_status zr_checkpoint_export_weights_mapped(const char* checkpoint, const char* out,
+                                              zr_dtype dtype, int64_t max_shard_bytes,
+                                              const char* name_map) {
+  return Guard([&]() -> absl::Status {
+    constexpr char kCall[] = "zr_checkpoint_export_weights_mapped";
+    RETURN_IF_ERROR(NotNull(checkpoint, kCall, "checkpoint"));
+    RETURN_IF_ERROR(NotNull(out, kCall, "out"));
+    ASSIGN_OR_RETURN(zerort::WeightsExportOptions options, ExportOptions(dtype, max_shard_bytes));
+    ASSIGN_OR_RETURN(options.names, NameMap(name_map, kCall));
+    return zerort::ExportCheckpointWeights(checkpoint, out, options).status();
   });
 }
 

@@ -227,6 +227,12 @@ typedef struct zr_param_spec {
   int has_group;
   double weight_decay;   /* >= 0 */
   double lr_scale;       /* >= 0 */
+  /* Appended in 0.2: >= 0 bytes of activations the parameter's module keeps from forward for
+   * backward, per sample of a micro-batch (zerort::memory::ParamSpec's field of the same name;
+   * 0 = none declared). The plan sums them over the model and counts the sum times the
+   * micro-batch in its device budget (docs/memory_budget.md); the engine allocates none of them.
+   * A negative value is ZR_INVALID_ARGUMENT naming the parameter. */
+  int64_t activation_bytes_per_sample;
 } zr_param_spec;
 
 /* How the engine meets the trainer's device work. */
@@ -431,6 +437,18 @@ typedef struct zr_memory_report {
   /* Appended in 0.2: ZR_MEMORY_NVME. */
   int64_t planned_nvme_bytes;
   int64_t allocated_nvme_bytes;
+  /* Appended in 0.2: what the plan counted on this rank's device besides the engine's buffers,
+   * for a trainer that measures its own peak (zerort::MemoryReport). The activations the
+   * parameters declared (zr_param_spec.activation_bytes_per_sample, summed), the micro-batch
+   * (train_micro_batch_size_per_gpu, else 1) and their product, per rank: the trainer's own
+   * memory, never the engine's. All three are 0 when nothing was declared. */
+  int64_t activation_bytes_per_sample;
+  int64_t micro_batch;
+  int64_t activation_bytes;
+  /* The plan's whole device budget per rank: model-state buffers + declared activations + the
+   * zerort.reserves lines (CUDA context, NCCL, cuBLAS, fragmentation); the model-state buffers
+   * alone when nothing was declared. */
+  int64_t device_budget_bytes;
 } zr_memory_report;
 zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out);
 
@@ -516,6 +534,28 @@ zr_status zr_checkpoint_export_weights(const char* checkpoint, const char* out, 
  * tensor and byte range), a misshapen tensor, another dtype. Collective. */
 zr_status zr_engine_import_weights(zr_engine* engine, const char* path, int allow_extra,
                                    char* ignored, int64_t capacity, int64_t* ignored_count);
+/* The same three calls with a tensor-name map, for checkpoints whose names differ from the
+ * parameters' (Hugging Face's "transformer.h.0.attn.c_attn.weight" for "h0.attn.qkv.w"):
+ * `name_map` is the text of the rules (docs/checkpoints.md, "Name maps"; NULL or "": names as
+ * they are), one per line, the first matching rule rewriting a name:
+ *   "prefix transformer.\n"                       strips the prefix
+ *   "glob h.*.attn.c_attn.weight h*.attn.qkv.w\n"  '*' captured, '?' any one character
+ *   "regex h\\.(\\d+)\\.ln_1\\.(weight|bias) h$1.ln1.$2\n"   whole-name ECMAScript regex
+ *   "exact lm_head.weight head.w\n"
+ *   "ignore *.rotary_emb.inv_freq\n"               import only: never read, listed in `ignored`
+ * On import the rules map file tensor names to parameter names, on export parameter names to
+ * the names written. ZR_INVALID_ARGUMENT naming the line for a bad rule; naming both tensors
+ * (or parameters) and the rule that produced each name when two map to one name; and every
+ * error about a tensor names it as the file does and the rule that renamed it. Collective
+ * (the checkpoint export is not). */
+zr_status zr_engine_import_weights_mapped(zr_engine* engine, const char* path,
+                                          const char* name_map, int allow_extra, char* ignored,
+                                          int64_t capacity, int64_t* ignored_count);
+zr_status zr_engine_export_weights_mapped(zr_engine* engine, const char* out, zr_dtype dtype,
+                                          int64_t max_shard_bytes, const char* name_map);
+zr_status zr_checkpoint_export_weights_mapped(const char* checkpoint, const char* out,
+                                              zr_dtype dtype, int64_t max_shard_bytes,
+                                              const char* name_map);
 
 /* Parameter i's optimizer group as the next step will apply it. */
 typedef struct zr_param_group_info {
@@ -544,6 +584,38 @@ zr_status zr_engine_set_frozen(zr_engine* engine, int i, int frozen);
  * of a window always reduces. Call between micro-steps, the same on every rank. Without the
  * key, sync = 0 is ZR_FAILED_PRECONDITION naming it. */
 zr_status zr_engine_set_gradient_sync(zr_engine* engine, int sync);
+
+/* ---- Parking: the device memory given back between RL phases ----
+ *
+ * For RL trainers that share a GPU between training and generation (verl, OpenRLHF call
+ * DeepSpeed's offload_states / reload_states there). zr_engine_park copies every device buffer
+ * of this rank's engine into pinned host memory and returns the device memory (on CUDA, to the
+ * driver: another process may use it); zr_engine_unpark brings it back bit for bit at the same
+ * addresses, so zr_engine_param and zr_engine_grad pointers are valid again after it and
+ * training goes on as if it never parked. The pinned memory is cached: a second park makes no
+ * new OS allocation. Not collective (each rank parks its own memory).
+ *
+ * Park between optimizer steps only: ZR_FAILED_PRECONDITION, naming it, while a micro-step is
+ * in progress, inside an accumulation window, after compute_grad_norm without apply/skip,
+ * while a unit is held (gather / acquire not released), or when already parked. While parked,
+ * every call that touches device memory (param, grad, grad_ready, gather, acquire, step,
+ * compute_grad_norm, init_params, gather_master_weights, checkpoints) is ZR_FAILED_PRECONDITION
+ * saying so; the trainer must not touch the engine's device pointers either.
+ * zr_engine_unpark: ZR_FAILED_PRECONDITION when not parked; ZR_RESOURCE_EXHAUSTED when the
+ * device memory is not available (the engine stays parked: free memory and call it again). */
+zr_status zr_engine_park(zr_engine* engine);
+zr_status zr_engine_unpark(zr_engine* engine);
+/* 1 while parked, 0 otherwise (and for NULL or a dead engine, setting zr_last_error). */
+int zr_engine_parked(const zr_engine* engine);
+/* While parked: *device_bytes = the device memory park released, *host_bytes = the pinned host
+ * memory holding it; both 0 when not parked. Either pointer may be NULL. */
+zr_status zr_engine_parked_bytes(const zr_engine* engine, int64_t* device_bytes,
+                                 int64_t* host_bytes);
+/* The device's own count of its device memory: *resident_bytes backed by memory now,
+ * *reserved_bytes of address space (the two differ by what parked engines released). Either
+ * pointer may be NULL. ZR_UNIMPLEMENTED for a device whose allocator does not count. */
+zr_status zr_device_memory(const zr_device* device, int64_t* resident_bytes,
+                           int64_t* reserved_bytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

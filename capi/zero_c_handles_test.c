@@ -69,6 +69,14 @@ static void UseAfterDestroy(void) {
   CHECK(zr_engine_is_frozen(e, 0, &frozen) == ZR_INVALID_ARGUMENT && frozen == -1,
         "is_frozen after destroy: %s", zr_last_error());
   CHECK(zr_engine_set_gradient_sync(e, 1) == ZR_INVALID_ARGUMENT, "set_gradient_sync after destroy");
+  CHECK(zr_engine_park(e) == ZR_INVALID_ARGUMENT, "park after destroy");
+  CHECK(zr_engine_unpark(e) == ZR_INVALID_ARGUMENT, "unpark after destroy");
+  CHECK(zr_engine_parked(e) == 0 && strstr(zr_last_error(), "zr_engine_parked") != NULL,
+        "parked after destroy: '%s'", zr_last_error());
+  int64_t parked_bytes = -1;
+  CHECK(zr_engine_parked_bytes(e, &parked_bytes, NULL) == ZR_INVALID_ARGUMENT &&
+            parked_bytes == -1,
+        "parked_bytes after destroy");
   zr_param_group_info info = {sizeof(info)};
   CHECK(zr_engine_param_group(e, 0, &info) == ZR_INVALID_ARGUMENT, "param_group after destroy");
   CHECK(zr_engine_import_weights(e, "/nonexistent", 0, NULL, 0, NULL) == ZR_INVALID_ARGUMENT &&
@@ -84,6 +92,9 @@ static void UseAfterDestroy(void) {
   CHECK(strstr(zr_last_error(), "not a live zr_comm") != NULL, "comm double destroy: '%s'",
         zr_last_error());
   zr_device_destroy(device);
+  int64_t resident = -1;
+  CHECK(zr_device_memory(device, &resident, NULL) == ZR_INVALID_ARGUMENT && resident == -1,
+        "device memory after destroy");
   zr_device_destroy(device);
   CHECK(strstr(zr_last_error(), "not a live zr_device") != NULL, "device double destroy: '%s'",
         zr_last_error());

@@ -39,12 +39,14 @@
 #define ZERORT_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "memory/arena.h"
 #include "zero/engine.h"
 
@@ -183,6 +185,23 @@ struct CheckpointSummary {
 // (8 MiB) whatever the checkpoint's size.
 absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path,
                                                    ckpt_internal::FileSystem* fs = nullptr);
+
+// Receives `values`: consecutive fp32 masters of parameter `param` (registration order)
+// starting at element `elem`. The pieces of all parameters together tile every parameter
+// exactly once, in the order of the shard files, not of the parameters.
+using MasterSink =
+    std::function<absl::Status(int param, int64_t elem, absl::Span<const float> values)>;
+
+// Streams the fp32 masters of the checkpoint at `path` (as for ReadCheckpointInfo) to `sink`
+// without holding them: `begin` gets the verified manifest first (before any data), then every
+// shard is read once through one 8 MiB buffer, so memory stays bounded whatever the
+// checkpoint's size (what `zerort ckpt export` streams through). Each shard's CRC32C is
+// checked after its pieces were handed out: on any error (theirs, or a sink's, which stops
+// the stream) the caller must discard what it received. Errors: those of VerifyCheckpoint.
+absl::Status StreamCheckpointMasters(const std::string& path,
+                                     const std::function<absl::Status(const CheckpointInfo&)>& begin,
+                                     const MasterSink& sink,
+                                     ckpt_internal::FileSystem* fs = nullptr);
 
 struct ConsolidateOptions {
   // false: an existing `out` (a symlink or a directory included) is AlreadyExists. true: it is

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <memory>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -174,37 +176,82 @@ absl::StatusOr<FileHeader> ParseHeader(absl::string_view json, int64_t file_byte
   return h;
 }
 
-absl::StatusOr<FileHeader> ReadHeader(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return IoError("cannot open safetensors file", path, errno);
-  struct stat st;
-  std::string json;
-  absl::Status s;
-  unsigned char len[8];
-  if (::fstat(fd, &st) != 0) {
-    s = IoError("cannot stat", path, errno);
-  } else if (!S_ISREG(st.st_mode)) {
-    s = Bad(path, "not a regular file");
-  } else if (st.st_size < 8 || ::pread(fd, len, 8, 0) != 8) {
-    s = Bad(path, absl::StrCat("too short for a header length (", st.st_size, " bytes)"));
-  } else {
-    uint64_t n = 0;
-    for (int b = 7; b >= 0; --b) n = (n << 8) | len[b];
-    if (n > static_cast<uint64_t>(kMaxHeaderBytes)) {
-      s = Bad(path, absl::StrCat("header length ", n, " exceeds the limit of ", kMaxHeaderBytes,
-                                 " bytes"));
-    } else if (static_cast<int64_t>(n) > st.st_size - 8) {
-      s = Bad(path, absl::StrCat("header length ", n, " runs past the end of the file (",
-                                 st.st_size, " bytes)"));
-    } else {
-      json.resize(n);
-      const ssize_t got = ::pread(fd, json.data(), n, 8);
-      if (got != static_cast<ssize_t>(n)) s = IoError("cannot read", path, got < 0 ? errno : EIO);
-    }
+namespace {
+
+class PosixFileReader : public FileReader {
+ public:
+  ~PosixFileReader() override {
+    for (const auto& [path, fd] : fds_) ::close(fd);
   }
-  ::close(fd);
-  RETURN_IF_ERROR(s);
-  return ParseHeader(json, st.st_size, path);
+
+  absl::StatusOr<int64_t> Size(const std::string& path) override {
+    ASSIGN_OR_RETURN(const int fd, Fd(path));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return IoError("cannot stat", path, errno);
+    if (!S_ISREG(st.st_mode)) return Bad(path, "not a regular file");
+    return static_cast<int64_t>(st.st_size);
+  }
+
+  absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) override {
+    ASSIGN_OR_RETURN(const int fd, Fd(path));
+    for (int64_t got = 0; got < n;) {
+      const ssize_t r = ::pread(fd, dst + got, static_cast<size_t>(n - got), offset + got);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        const std::string what =
+            absl::StrCat("bytes [", offset, ", ", offset + n, ") of '", path, "': ");
+        if (r == 0) {
+          return absl::DataLossError(
+              absl::StrCat(what, "the file ends at byte ", offset + got));
+        }
+        return absl::InternalError(absl::StrCat("cannot read ", what, std::strerror(errno)));
+      }
+      got += r;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::StatusOr<int> Fd(const std::string& path) {
+    auto it = fds_.find(path);
+    if (it != fds_.end()) return it->second;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return IoError("cannot open safetensors file", path, errno);
+    fds_.emplace(path, fd);
+    return fd;
+  }
+
+  std::map<std::string, int> fds_;
+};
+
+}  // namespace
+
+std::unique_ptr<FileReader> NewPosixFileReader() { return std::make_unique<PosixFileReader>(); }
+
+absl::StatusOr<FileHeader> ReadHeader(const std::string& path, FileReader* reader) {
+  std::unique_ptr<FileReader> own;
+  if (reader == nullptr) {
+    own = NewPosixFileReader();
+    reader = own.get();
+  }
+  ASSIGN_OR_RETURN(const int64_t size, reader->Size(path));
+  unsigned char len[8];
+  if (size < 8 || !reader->ReadAt(path, 0, 8, reinterpret_cast<char*>(len)).ok()) {
+    return Bad(path, absl::StrCat("too short for a header length (", size, " bytes)"));
+  }
+  uint64_t n = 0;
+  for (int b = 7; b >= 0; --b) n = (n << 8) | len[b];
+  if (n > static_cast<uint64_t>(kMaxHeaderBytes)) {
+    return Bad(path, absl::StrCat("header length ", n, " exceeds the limit of ",
+                                  kMaxHeaderBytes, " bytes"));
+  }
+  if (static_cast<int64_t>(n) > size - 8) {
+    return Bad(path, absl::StrCat("header length ", n, " runs past the end of the file (", size,
+                                  " bytes)"));
+  }
+  std::string json(n, '\0');
+  RETURN_IF_ERROR(reader->ReadAt(path, 8, static_cast<int64_t>(n), json.data()));
+  return ParseHeader(json, size, path);
 }
 
 absl::Status CheckFloatDType(absl::string_view dtype, absl::string_view what) {
@@ -248,7 +295,7 @@ absl::string_view SafetensorsDTypeName(DType dtype) {
   return "F32";
 }
 
-std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
+std::string EncodeHeader(absl::Span<const TensorSpec> tensors, DType dtype,
                          const std::vector<std::pair<std::string, std::string>>& metadata) {
   Json header = Json::object();
   Json meta = Json::object();
@@ -256,8 +303,10 @@ std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
   header["__metadata__"] = meta;
   int64_t offset = 0;
   const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
-  for (const OutTensor& t : tensors) {
-    const int64_t bytes = static_cast<int64_t>(t.values.size()) * es;
+  for (const TensorSpec& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    const int64_t bytes = numel * es;
     header[t.name] = {{"dtype", SafetensorsDTypeName(dtype)},
                       {"shape", t.shape},
                       {"data_offsets", {offset, offset + bytes}}};
@@ -270,6 +319,14 @@ std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
     out[b] = static_cast<char>((static_cast<uint64_t>(h.size()) >> (8 * b)) & 0xff);
   }
   return out + h;
+}
+
+std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
+                         const std::vector<std::pair<std::string, std::string>>& metadata) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const OutTensor& t : tensors) specs.push_back({t.name, t.shape});
+  return EncodeHeader(specs, dtype, metadata);
 }
 
 namespace {
@@ -303,6 +360,17 @@ class AtomicFile {
     }
     return absl::OkStatus();
   }
+  absl::Status WriteAt(int64_t offset, const char* p, size_t n) {
+    while (n > 0) {
+      const ssize_t w = ::pwrite(fd_, p, n, offset);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return IoError("cannot write", tmp_, w < 0 ? errno : EIO);
+      p += w;
+      offset += w;
+      n -= static_cast<size_t>(w);
+    }
+    return absl::OkStatus();
+  }
   absl::Status Commit() {
     if (::fchmod(fd_, 0644) != 0 || ::fsync(fd_) != 0) return IoError("cannot sync", tmp_, errno);
     if (::close(fd_) != 0) {
@@ -320,16 +388,25 @@ class AtomicFile {
   std::string path_, tmp_;
 };
 
-absl::Status CheckOutTensors(absl::Span<const OutTensor> tensors, const std::string& path) {
+absl::Status CheckNames(absl::Span<const TensorSpec> tensors, const std::string& path) {
   std::set<absl::string_view> seen;
-  for (const OutTensor& t : tensors) {
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
+  for (const TensorSpec& t : tensors) {
     if (t.name == "__metadata__" || !seen.insert(t.name).second) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot write '", path, "': tensor name '", t.name, "' is ",
           t.name == "__metadata__" ? "reserved for the metadata" : "used twice"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckOutTensors(absl::Span<const OutTensor> tensors, const std::string& path) {
+  std::vector<TensorSpec> specs;
+  for (const OutTensor& t : tensors) specs.push_back({t.name, t.shape});
+  RETURN_IF_ERROR(CheckNames(specs, path));
+  for (const OutTensor& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
     if (numel != static_cast<int64_t>(t.values.size())) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot write '", path, "': tensor '", t.name, "' of shape [",
@@ -364,6 +441,83 @@ absl::Status WriteFile(const std::string& path, absl::Span<const OutTensor> tens
     }
   }
   return file.Commit();
+}
+
+struct PieceWriter::State {
+  AtomicFile file;
+  std::string path;
+  DType dtype = DType::kF32;
+  std::vector<TensorSpec> tensors;
+  std::vector<int64_t> numel, begin, written;  // per tensor; begin: absolute byte offset
+};
+
+PieceWriter::PieceWriter(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PieceWriter::~PieceWriter() = default;
+const std::string& PieceWriter::path() const { return state_->path; }
+
+absl::StatusOr<std::unique_ptr<PieceWriter>> PieceWriter::Create(
+    const std::string& path, std::vector<TensorSpec> tensors, DType dtype,
+    const std::vector<std::pair<std::string, std::string>>& metadata) {
+  RETURN_IF_ERROR(CheckNames(tensors, path));
+  auto st = std::make_unique<State>();
+  st->path = path;
+  st->dtype = dtype;
+  const std::string header = EncodeHeader(tensors, dtype, metadata);
+  const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+  int64_t at = static_cast<int64_t>(header.size());
+  for (const TensorSpec& t : tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    st->numel.push_back(numel);
+    st->begin.push_back(at);
+    at += numel * es;
+  }
+  st->written.assign(tensors.size(), 0);
+  st->tensors = std::move(tensors);
+  RETURN_IF_ERROR(st->file.Open(path));
+  RETURN_IF_ERROR(st->file.WriteAt(0, header.data(), header.size()));
+  return std::unique_ptr<PieceWriter>(new PieceWriter(std::move(st)));
+}
+
+absl::Status PieceWriter::Write(int tensor, int64_t elem, absl::Span<const float> values) {
+  State& st = *state_;
+  const int64_t n = static_cast<int64_t>(values.size());
+  if (tensor < 0 || tensor >= static_cast<int>(st.tensors.size()) || elem < 0 ||
+      elem > st.numel[tensor] - n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot write '", st.path, "': elements [", elem, ", ", elem + n, ") of tensor ",
+        tensor, tensor >= 0 && tensor < static_cast<int>(st.tensors.size())
+                    ? absl::StrCat(" '", st.tensors[tensor].name, "' of ", st.numel[tensor])
+                    : std::string(" (no such tensor)")));
+  }
+  const int64_t es = static_cast<int64_t>(DTypeSize(st.dtype));
+  const int64_t at = st.begin[tensor] + elem * es;
+  st.written[tensor] += n;
+  if (st.dtype == DType::kF32) {  // little-endian fp32 already: straight from the caller
+    return st.file.WriteAt(at, reinterpret_cast<const char*>(values.data()),
+                           static_cast<size_t>(n) * 4);
+  }
+  // Converted through a bounded buffer, freed on return: many writers may be open at once.
+  constexpr int64_t kChunk = int64_t{1} << 16;  // elements
+  std::vector<char> buf(static_cast<size_t>(std::min(n, kChunk) * es));
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t k = std::min(kChunk, n - i);
+    for (int64_t j = 0; j < k; ++j) StoreAs(st.dtype, buf.data(), j, values[i + j]);
+    RETURN_IF_ERROR(st.file.WriteAt(at + i * es, buf.data(), static_cast<size_t>(k * es)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PieceWriter::Commit() {
+  State& st = *state_;
+  for (size_t i = 0; i < st.tensors.size(); ++i) {
+    if (st.written[i] != st.numel[i]) {
+      return absl::InternalError(absl::StrCat(
+          "cannot publish '", st.path, "': tensor '", st.tensors[i].name, "' got ",
+          st.written[i], " of its ", st.numel[i], " elements"));
+    }
+  }
+  return st.file.Commit();
 }
 
 absl::Status WriteFileAtomically(const std::string& path, absl::string_view bytes) {

@@ -25,6 +25,7 @@
 #define ZERORT_CHECKPOINT_SAFETENSORS_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,10 +72,29 @@ int64_t DTypeBytes(absl::string_view dtype);
 absl::StatusOr<FileHeader> ParseHeader(absl::string_view json, int64_t file_bytes,
                                        const std::string& path);
 
-// Reads and parses the header of the file at `path` (only the header's bytes are read).
+// Where the bytes of weight files come from: the seam every read of ReadHeader and of
+// ImportWeights goes through (POSIX by default), so that a test can count the bytes and ranges
+// each rank reads.
+class FileReader {
+ public:
+  virtual ~FileReader() = default;
+  // The size in bytes of the regular file at `path`: NotFound / PermissionDenied naming it,
+  // InvalidArgument when it is not a regular file.
+  virtual absl::StatusOr<int64_t> Size(const std::string& path) = 0;
+  // Exactly `n` bytes at `offset` into `dst`: DataLoss naming the path and the byte range when
+  // the file ends first, the I/O error naming them otherwise.
+  virtual absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) = 0;
+};
+
+// Positioned reads (pread), each file opened once and kept open until the reader is destroyed.
+// Not thread-safe: one per thread.
+std::unique_ptr<FileReader> NewPosixFileReader();
+
+// Reads and parses the header of the file at `path` (only the header's bytes are read: its 8
+// length bytes, then the JSON), through `reader` (nullptr: a POSIX reader of its own).
 // NotFound / PermissionDenied naming the path; InvalidArgument as ParseHeader, or for a file
 // too short for its header or a header over kMaxHeaderBytes.
-absl::StatusOr<FileHeader> ReadHeader(const std::string& path);
+absl::StatusOr<FileHeader> ReadHeader(const std::string& path, FileReader* reader = nullptr);
 
 // OK for the dtypes ToFloat converts (F64, F32, F16, BF16); InvalidArgument naming `what` and
 // the dtype for any other.
@@ -101,11 +121,58 @@ absl::string_view SafetensorsDTypeName(DType dtype);
 std::string EncodeHeader(absl::Span<const OutTensor> tensors, DType dtype,
                          const std::vector<std::pair<std::string, std::string>>& metadata);
 
+// A tensor's name and shape without its values: what a header is made of.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;  // [] is a scalar
+};
+
+// The same header from names and shapes alone (each tensor holds the product of its shape).
+std::string EncodeHeader(absl::Span<const TensorSpec> tensors, DType dtype,
+                         const std::vector<std::pair<std::string, std::string>>& metadata);
+
 // Writes `tensors` in this order as one file at `path`, replacing any file there. The file
 // appears complete or not at all. InvalidArgument for a duplicate or reserved name or values
 // whose size is not the shape's; the I/O error naming the path otherwise.
 absl::Status WriteFile(const std::string& path, absl::Span<const OutTensor> tensors, DType dtype,
                        const std::vector<std::pair<std::string, std::string>>& metadata);
+
+// A file of the same bytes as WriteFile's, whose values arrive in pieces, in any order: the
+// header is fixed up front from the names and shapes, and each piece is converted into its
+// place (positioned writes; bf16/f16 through a buffer of at most 128 KiB per call, fp32 with
+// no copy). For sources that produce tensors out of order, such as a checkpoint's shard files,
+// without holding a tensor in memory:
+//
+//   ASSIGN_OR_RETURN(auto w, PieceWriter::Create(path, {{"wte", {50257, 768}}}, DType::kBF16, {}));
+//   RETURN_IF_ERROR(w->Write(0, 1024, values));  // elements [1024, 1024 + values.size())
+//   RETURN_IF_ERROR(w->Commit());                // every element written, else Internal
+//
+// The file appears complete (Commit) or not at all (a temporary beside `path`, fsynced then
+// renamed over it; removed if the writer is destroyed uncommitted). Not thread-safe.
+class PieceWriter {
+ public:
+  // InvalidArgument for a duplicate or reserved name; the I/O error naming the path otherwise.
+  static absl::StatusOr<std::unique_ptr<PieceWriter>> Create(
+      const std::string& path, std::vector<TensorSpec> tensors, DType dtype,
+      const std::vector<std::pair<std::string, std::string>>& metadata);
+  ~PieceWriter();
+  PieceWriter(const PieceWriter&) = delete;
+  PieceWriter& operator=(const PieceWriter&) = delete;
+
+  // Elements [elem, elem + values.size()) of tensor `tensor` (an index into Create's list).
+  // InvalidArgument for a range outside the tensor.
+  absl::Status Write(int tensor, int64_t elem, absl::Span<const float> values);
+  // Internal naming the first tensor whose elements were not all written (nothing is
+  // published then); the I/O error naming the path otherwise.
+  absl::Status Commit();
+
+  const std::string& path() const;
+
+ private:
+  struct State;
+  explicit PieceWriter(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
 
 // Writes `bytes` to `path` the same way (a temporary, fsync, rename): what the index of a
 // sharded set goes through.

@@ -1,6 +1,7 @@
-// VerifyCheckpoint and ConsolidateCheckpoint: offline reads of a whole checkpoint, without an
-// engine, that stream every shard once through one read buffer (`zerort ckpt verify` and
-// `zerort ckpt consolidate`), so memory stays bounded whatever the checkpoint's size.
+// VerifyCheckpoint, StreamCheckpointMasters and ConsolidateCheckpoint: offline reads of a
+// whole checkpoint, without an engine, that stream every shard once through one read buffer
+// (`zerort ckpt verify`, `zerort ckpt export` and `zerort ckpt consolidate`), so memory stays
+// bounded whatever the checkpoint's size.
 #include "checkpoint/checkpoint.h"
 
 #include <dirent.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -83,6 +85,26 @@ absl::StatusOr<CheckpointSummary> VerifyCheckpoint(const std::string& path, File
   }));
   for (double s2 : sum_sq) out.master_norm.push_back(std::sqrt(s2));
   return out;
+}
+
+absl::Status StreamCheckpointMasters(const std::string& path,
+                                     const std::function<absl::Status(const CheckpointInfo&)>& begin,
+                                     const MasterSink& sink, FileSystem* fs) {
+  fs = Fs(fs);
+  ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
+  ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
+  RETURN_IF_ERROR(CheckShardSizes(fs, dir, man));
+  RETURN_IF_ERROR(begin(InfoOf(man, dir)));
+  return StreamShards(fs, dir, man, [&](const Piece& p, int64_t skip, const char* data,
+                                        int64_t n) {
+    if (p.section != 0) return absl::OkStatus();
+    // Pieces start at 4-byte multiples of the file and of the read buffer (a malloc'd block
+    // read in 8 MiB chunks), so the bytes are floats in place.
+    assert(skip % 4 == 0 && n % 4 == 0 && reinterpret_cast<uintptr_t>(data) % alignof(float) == 0);
+    return sink(p.param, p.elem + skip / 4,
+                absl::Span<const float>(reinterpret_cast<const float*>(data),
+                                        static_cast<size_t>(n / 4)));
+  });
 }
 
 namespace {

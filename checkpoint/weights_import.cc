@@ -1,6 +1,6 @@
-// ImportWeights (checkpoint/weights.h): resolve the files, check every header and every
-// parameter against them on every rank, then read this rank's owned elements only and hand
-// them to the engine's restore path.
+// ImportWeights (checkpoint/weights.h): resolve the files, map their tensor names
+// (WeightsNameMap), check every header and every parameter against them on every rank, then
+// read this rank's owned elements only and hand them to the engine's restore path.
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -67,7 +68,7 @@ struct Sources {
   std::map<std::string, std::string> weight_map;  // empty for a single file
 };
 
-absl::StatusOr<Sources> OpenSources(const std::string& path) {
+absl::StatusOr<Sources> OpenSources(const std::string& path, safetensors::FileReader* reader) {
   std::string target = path;
   if (IsDir(path)) {
     target = JoinPath(path, kWeightsIndexName);
@@ -87,7 +88,7 @@ absl::StatusOr<Sources> OpenSources(const std::string& path) {
     names.erase(std::unique(names.begin(), names.end()), names.end());
   }
   for (const std::string& f : names) {
-    ASSIGN_OR_RETURN(FileHeader h, safetensors::ReadHeader(f));
+    ASSIGN_OR_RETURN(FileHeader h, safetensors::ReadHeader(f, reader));
     s.files.push_back(std::move(h));
   }
   return s;
@@ -129,24 +130,88 @@ bool SameShape(const std::vector<int64_t>& engine, const std::vector<int64_t>& f
   return engine == file || (file.empty() && engine == std::vector<int64_t>{1});
 }
 
+// A file tensor under its mapped name.
+struct Source {
+  const TensorInfo* t = nullptr;
+  int rule = -1;  // the rule that produced the name; -1: the file's own name
+};
+
+// "tensor 'transformer.h.0.w' in 'a.safetensors' (bytes [8, 72)), renamed 'h0.w' by rule 2
+// (...)": everything a message about a file tensor needs.
+std::string Where(const Source& s, const std::string& target,
+                  const std::map<std::string, const FileHeader*>& file_of,
+                  const WeightsNameMap& names) {
+  const TensorInfo& t = *s.t;
+  std::string out = absl::StrCat("tensor '", t.name, "' in '", file_of.at(t.name)->path,
+                                 "' (bytes [", t.begin, ", ", t.end, "))");
+  if (s.rule >= 0) absl::StrAppend(&out, ", renamed '", target, "' by ", names.DescribeRule(s.rule));
+  return out;
+}
+
+template <typename T>
+std::string FirstFew(const std::vector<T>& v) {
+  return absl::StrCat(absl::StrJoin(v.begin(), v.begin() + std::min<size_t>(v.size(), 8), "; "),
+                      v.size() > 8 ? "; ..." : "");
+}
+
+// Maps every file tensor (but the ignored) to its name for the model: two tensors under one
+// name are refused naming both.
+absl::StatusOr<std::map<std::string, Source>> MapNames(
+    const std::map<std::string, const TensorInfo*>& tensors,
+    const std::map<std::string, const FileHeader*>& file_of, const WeightsNameMap& names,
+    WeightsImportReport* report) {
+  std::map<std::string, Source> out;
+  for (const auto& [name, t] : tensors) {
+    if (names.IgnoredBy(name) != nullptr) {
+      report->ignored.push_back(name);
+      continue;
+    }
+    ASSIGN_OR_RETURN(const WeightsNameMap::Mapped m, names.Map(name));
+    const Source src{t, m.rule};
+    auto [it, fresh] = out.emplace(m.name, src);
+    if (!fresh) {
+      const auto how = [&](const Source& s) {
+        return s.rule >= 0 ? absl::StrCat(" by ", names.DescribeRule(s.rule)) : " as it is";
+      };
+      return absl::InvalidArgumentError(absl::StrCat(
+          "two file tensors map to '", m.name, "': '", it->second.t->name, "' in '",
+          file_of.at(it->second.t->name)->path, "'", how(it->second), ", and '", name, "' in '",
+          file_of.at(name)->path, "'", how(src), "; a parameter takes one tensor"));
+    }
+    if (m.rule >= 0) report->renamed.emplace_back(name, m.name);
+  }
+  return out;
+}
+
 // Every parameter has a tensor of its shape and a loadable dtype; the others are extra.
 absl::StatusOr<std::vector<const TensorInfo*>> MatchParams(
     const memory::Plan& plan, const std::map<std::string, const TensorInfo*>& tensors,
     const std::map<std::string, const FileHeader*>& file_of, const WeightsImportOptions& options,
     WeightsImportReport* report) {
+  const WeightsNameMap& names = options.names;
+  ASSIGN_OR_RETURN(const auto mapped, MapNames(tensors, file_of, names, report));
   std::vector<const TensorInfo*> of_param;
   std::vector<std::string> missing;
   std::map<std::string, bool> used;
   for (const memory::ParamLayout& p : plan.params) {
-    auto it = tensors.find(p.name);
-    if (it == tensors.end()) {
-      missing.push_back(p.name);
+    auto it = mapped.find(p.name);
+    if (it == mapped.end()) {
+      // Say where a file tensor of that very name went, if one exists.
+      std::string note;
+      if (tensors.count(p.name) != 0) {
+        if (const std::string* g = names.IgnoredBy(p.name)) {
+          note = absl::StrCat(" (the file's tensor '", p.name, "' is ignored by '", *g, "')");
+        } else if (absl::StatusOr<WeightsNameMap::Mapped> m = names.Map(p.name); m.ok()) {
+          note = absl::StrCat(" (the file's tensor '", p.name, "' is renamed '", m->name,
+                              "' by ", names.DescribeRule(m->rule), ")");
+        }
+      }
+      missing.push_back(p.name + note);
       of_param.push_back(nullptr);
       continue;
     }
-    const TensorInfo& t = *it->second;
-    const std::string where = absl::StrCat("tensor '", t.name, "' in '", file_of.at(t.name)->path,
-                                           "' (bytes [", t.begin, ", ", t.end, "))");
+    const TensorInfo& t = *it->second.t;
+    const std::string where = Where(it->second, p.name, file_of, names);
     if (!SameShape(p.shape, t.shape)) {
       return absl::InvalidArgumentError(absl::StrCat(
           where, " has shape [", absl::StrJoin(t.shape, ", "), "]; parameter '", p.name,
@@ -159,44 +224,39 @@ absl::StatusOr<std::vector<const TensorInfo*>> MatchParams(
   if (!missing.empty()) {
     return absl::NotFoundError(absl::StrCat(
         missing.size(), " parameter(s) have no tensor in the files (", report->files.size(),
-        " file(s) from '", report->files.empty() ? "" : report->files[0], "'): ",
-        absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 8),
-                      ", "),
-        missing.size() > 8 ? ", ..." : ""));
+        " file(s) from '", report->files.empty() ? "" : report->files[0], "'",
+        names.rules().empty() ? "" : absl::StrCat(", names mapped by ", names.rules().size(),
+                                                  " rule(s)"),
+        "): ", FirstFew(missing)));
   }
-  for (const auto& [name, t] : tensors) {
-    if (!used.count(name)) report->ignored.push_back(name);
+  std::vector<std::string> extra;
+  for (const auto& [name, src] : mapped) {
+    if (used.count(name)) continue;
+    report->ignored.push_back(src.t->name);
+    extra.push_back(src.rule < 0 ? name
+                                 : absl::StrCat(src.t->name, " (renamed '", name, "' by ",
+                                                names.DescribeRule(src.rule), ")"));
   }
-  if (!report->ignored.empty() && !options.allow_extra) {
-    const auto& ig = report->ignored;
+  std::sort(report->ignored.begin(), report->ignored.end());
+  if (!extra.empty() && !options.allow_extra) {
     return absl::InvalidArgumentError(absl::StrCat(
-        ig.size(), " tensor(s) name no parameter (allow extra tensors to ignore them): ",
-        absl::StrJoin(ig.begin(), ig.begin() + std::min<size_t>(ig.size(), 8), ", "),
-        ig.size() > 8 ? ", ..." : ""));
+        extra.size(), " tensor(s) name no parameter (allow extra tensors, or ignore them by "
+        "name, to load without them): ", FirstFew(extra)));
   }
   return of_param;
 }
 
 // Elements [e0, e0 + n) of tensor `t` of file `path`, as fp32, into dst: positioned reads in
 // bounded chunks.
-absl::Status ReadElements(int fd, const std::string& path, const TensorInfo& t, int64_t e0,
-                          int64_t n, float* dst) {
+absl::Status ReadElements(safetensors::FileReader& reader, const std::string& path,
+                          const TensorInfo& t, int64_t e0, int64_t n, float* dst) {
   const int64_t es = safetensors::DTypeBytes(t.dtype);
   constexpr int64_t kChunk = int64_t{1} << 20;  // elements per read
   std::vector<char> buf(static_cast<size_t>(std::min(n, kChunk) * es));
   for (int64_t done = 0; done < n;) {
     const int64_t k = std::min(kChunk, n - done);
-    const int64_t at = t.begin + (e0 + done) * es;
-    for (int64_t got = 0; got < k * es;) {
-      const ssize_t r = ::pread(fd, buf.data() + got, k * es - got, at + got);
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        return absl::DataLossError(absl::StrCat(
-            "reading tensor '", t.name, "' bytes [", at, ", ", at + k * es, ") of '", path,
-            "': ", r < 0 ? std::strerror(errno) : "the file is shorter than its header says"));
-      }
-      got += r;
-    }
+    RETURN_IF_ERROR(Annotate(reader.ReadAt(path, t.begin + (e0 + done) * es, k * es, buf.data()),
+                             absl::StrCat("reading tensor '", t.name, "'")));
     RETURN_IF_ERROR(safetensors::ToFloat(t.dtype, buf.data(), k, dst + done, t.name));
     done += k;
   }
@@ -207,32 +267,21 @@ absl::Status ReadElements(int fd, const std::string& path, const TensorInfo& t, 
 // reads a checkpoint: only the parameter ranges that fall in the rank's shard.
 absl::Status ReadOwned(const memory::Plan& plan, const std::vector<const TensorInfo*>& of_param,
                        const std::map<std::string, const FileHeader*>& file_of,
-                       std::vector<float>* master) {
+                       safetensors::FileReader& reader, std::vector<float>* master) {
   master->assign(plan.shard_elements, 0.0f);  // padding stays zero
-  std::map<std::string, int> fds;
-  absl::Status s;
   for (const memory::Unit& u : plan.units) {
     const int64_t own0 = plan.options.rank * u.shard, own1 = own0 + u.shard;
     for (int i : u.params) {
       const memory::ParamLayout& p = plan.params[i];
       const int64_t a = std::max(own0, p.offset_in_unit);
       const int64_t b = std::min(own1, p.offset_in_unit + p.numel);
-      if (a >= b || !s.ok()) continue;
+      if (a >= b) continue;
       const std::string& path = file_of.at(of_param[i]->name)->path;
-      if (fds.count(path) == 0) {
-        const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
-          s = absl::NotFoundError(absl::StrCat("cannot open '", path, "': ", std::strerror(errno)));
-          continue;
-        }
-        fds[path] = fd;
-      }
-      s = ReadElements(fds[path], path, *of_param[i], a - p.offset_in_unit, b - a,
-                       master->data() + u.shard_offset + (a - own0));
+      RETURN_IF_ERROR(ReadElements(reader, path, *of_param[i], a - p.offset_in_unit, b - a,
+                                   master->data() + u.shard_offset + (a - own0)));
     }
   }
-  for (const auto& [path, fd] : fds) ::close(fd);
-  return s;
+  return absl::OkStatus();
 }
 
 absl::Status ReadLocal(Engine& engine, const std::string& path,
@@ -242,13 +291,19 @@ absl::Status ReadLocal(Engine& engine, const std::string& path,
     return absl::FailedPreconditionError(
         "ImportWeights inside an accumulation window: load weights between optimizer steps");
   }
-  ASSIGN_OR_RETURN(Sources sources, OpenSources(path));
+  std::unique_ptr<safetensors::FileReader> own;
+  safetensors::FileReader* reader = options.reader;
+  if (reader == nullptr) {
+    own = safetensors::NewPosixFileReader();
+    reader = own.get();
+  }
+  ASSIGN_OR_RETURN(Sources sources, OpenSources(path, reader));
   for (const FileHeader& h : sources.files) report->files.push_back(h.path);
   std::map<std::string, const FileHeader*> file_of;
   ASSIGN_OR_RETURN(auto tensors, TensorsOf(sources, &file_of));
   ASSIGN_OR_RETURN(std::vector<const TensorInfo*> of_param,
                    MatchParams(engine.plan(), tensors, file_of, options, report));
-  return ReadOwned(engine.plan(), of_param, file_of, master);
+  return ReadOwned(engine.plan(), of_param, file_of, *reader, master);
 }
 
 }  // namespace

@@ -1,8 +1,13 @@
 #include "checkpoint/weights.h"
 
+#include <dirent.h>
+
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -390,6 +395,141 @@ TEST_CASE("Weights: a sharded set is read through its index, which must agree", 
   }
 }
 
+// Records every read a rank makes (path, [begin, end)) and forwards it to the POSIX reader.
+class CountingReader : public safetensors::FileReader {
+ public:
+  struct Range {
+    std::string path;
+    int64_t begin, end;
+  };
+  absl::StatusOr<int64_t> Size(const std::string& path) override { return posix_->Size(path); }
+  absl::Status ReadAt(const std::string& path, int64_t offset, int64_t n, char* dst) override {
+    ranges.push_back({path, offset, offset + n});
+    return posix_->ReadAt(path, offset, n, dst);
+  }
+  std::vector<Range> ranges;
+
+ private:
+  std::unique_ptr<safetensors::FileReader> posix_ = safetensors::NewPosixFileReader();
+};
+
+TEST_CASE("Weights: each rank reads only its own shards' bytes, plus the headers", "[weights]") {
+  const int world = GENERATE(2, 4);
+  const int stage = GENERATE(1, 3);
+  const DType dtype = GENERATE(DType::kF32, DType::kBF16);
+  const bool sharded = GENERATE(false, true);
+  INFO("world " << world << " stage " << stage << " " << DTypeName(dtype)
+                << (sharded ? " sharded set" : " one file with an extra tensor"));
+  const std::string dir = testing::TempDir("weights_reads_");
+  // SmallModel's values, as a sharded set (WriteWeights, 1000-byte shards) or as one file
+  // holding one more tensor that names no parameter: it must never be read.
+  std::vector<memory::ParamLayout> specs;
+  std::vector<float> values;
+  for (const memory::ParamSpec& p : SmallModel()) {
+    memory::ParamLayout l;
+    l.name = p.name;
+    l.shape = p.shape;
+    l.numel = p.numel();
+    specs.push_back(l);
+    for (int64_t k = 0; k < p.numel(); ++k) values.push_back(specs.size() + k / 1024.0f);
+  }
+  const std::vector<float> extra(300, 9.0f);
+  std::string path = dir;
+  if (sharded) {
+    REQUIRE(WriteWeights(specs, values, dir, {dtype, 1000}).ok());
+  } else {
+    std::vector<safetensors::OutTensor> ts = {{"rotary.inv_freq", {300}, extra}};
+    int64_t at = 0;
+    for (const auto& l : specs) {
+      ts.push_back({l.name, l.shape, absl::MakeConstSpan(values).subspan(at, l.numel)});
+      at += l.numel;
+    }
+    path = dir + "/m.safetensors";
+    REQUIRE(safetensors::WriteFile(path, ts, dtype, {}).ok());
+  }
+  std::vector<CountingReader> readers(world);
+  std::vector<int64_t> owned(world, 0);  // elements of parameters in each rank's shard
+  std::vector<float> master;
+  auto device = testing::OneThreadCpuDevice();
+  RequireAllOk(comm::testing::OnRanks(world, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(stage, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    WeightsImportOptions options;
+    options.allow_extra = true;
+    options.reader = &readers[rank];
+    RETURN_IF_ERROR(ImportWeights(*engine, path, options).status());
+    owned[rank] = engine->plan().shard_elements;
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) master = m;
+    return absl::OkStatus();
+  }));
+  REQUIRE(BitEqual(master, RoundTo(dtype, values)));
+
+  // The files' layout, read here without the reader under test.
+  std::vector<safetensors::FileHeader> headers;
+  if (sharded) {
+    for (int k = 1; k <= (dtype == DType::kF32 ? 5 : 3); ++k) {
+      char name[64];
+      std::snprintf(name, sizeof name, "/model-%05d-of-%05d.safetensors", k,
+                    dtype == DType::kF32 ? 5 : 3);
+      headers.push_back(safetensors::ReadHeader(dir + name).value());
+    }
+  } else {
+    headers.push_back(safetensors::ReadHeader(path).value());
+  }
+  const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+  for (const safetensors::FileHeader& h : headers) {
+    INFO(h.path);
+    std::vector<std::pair<int64_t, int64_t>> data;  // every rank's reads of tensor bytes
+    for (int r = 0; r < world; ++r) {
+      int header_reads = 0;
+      for (const CountingReader::Range& x : readers[r].ranges) {
+        if (x.path != h.path) continue;
+        if (x.begin < h.data_start) {  // the length, then the JSON: once each
+          REQUIRE(((x.begin == 0 && x.end == 8) || (x.begin == 8 && x.end == h.data_start)));
+          ++header_reads;
+        } else {
+          data.emplace_back(x.begin, x.end);
+        }
+      }
+      REQUIRE(header_reads == 2);
+    }
+    // Disjoint across ranks, and together exactly the parameters' tensors (the extra tensor
+    // never read).
+    std::sort(data.begin(), data.end());
+    int64_t sum = 0;
+    for (size_t k = 0; k < data.size(); ++k) {
+      if (k > 0) REQUIRE(data[k].first >= data[k - 1].second);
+      sum += data[k].second - data[k].first;
+    }
+    int64_t params_bytes = 0;
+    for (const safetensors::TensorInfo& t : h.tensors) {
+      if (t.name == "rotary.inv_freq") {
+        for (const auto& [b, e] : data) REQUIRE((e <= t.begin || b >= t.end));
+      } else {
+        params_bytes += t.end - t.begin;
+      }
+    }
+    REQUIRE(sum == params_bytes);
+  }
+  // Each rank's tensor bytes, over every file, fit its shard; together they are the model.
+  int64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    int64_t bytes = 0;
+    for (const CountingReader::Range& x : readers[r].ranges) {
+      for (const safetensors::FileHeader& h : headers) {
+        if (x.path == h.path && x.begin >= h.data_start) bytes += x.end - x.begin;
+      }
+    }
+    INFO("rank " << r << " read " << bytes << " bytes of tensors; owns " << owned[r]
+                 << " elements");
+    REQUIRE(bytes <= owned[r] * es);
+    REQUIRE(bytes < static_cast<int64_t>(values.size()) * es);
+    total += bytes;
+  }
+  REQUIRE(total == static_cast<int64_t>(values.size()) * es);
+}
+
 TEST_CASE("Weights: the export of a saved checkpoint equals the live engine's", "[weights]") {
   const std::string root = testing::TempDir("weights_ckpt_");
   auto device = testing::OneThreadCpuDevice();
@@ -411,6 +551,289 @@ TEST_CASE("Weights: the export of a saved checkpoint equals the live engine's", 
   RequireError(ExportCheckpointWeights(root + "/ckpt", root + "/x.safetensors",
                                         {DType::kF16, 0}).status(),
                absl::StatusCode::kInvalidArgument, "use fp32 or bf16");
+}
+
+}  // namespace
+}  // namespace zerort
+
+namespace zerort {
+namespace {
+
+// --- tensor-name mapping ---------------------------------------------------------------------
+
+// SmallModel's parameters under Hugging Face-style names, and the rules both ways.
+constexpr char kImportMap[] = R"(# file -> parameter
+exact  model.embed_tokens.weight   embed.w
+regex  model\.layers\.(\d+)\.weight   l$1.w
+glob   model.layers.*.bias   l*.b
+prefix model.   # strips it
+ignore lm_head.weight	#tied
+ignore *.inv_freq
+)";
+constexpr char kExportMap[] = R"(# parameter -> file
+exact embed.w   model.embed_tokens.weight
+regex l(\d+)\.w   model.layers.$1.weight
+glob  l*.b   model.layers.*.bias
+prefix head.   model.head.
+)";
+
+std::string HfName(const std::string& name) {
+  if (name == "embed.w") return "model.embed_tokens.weight";
+  if (name == "head.w") return "model.head.w";
+  const std::string n = name.substr(1, name.find('.') - 1);
+  return "model.layers." + n + (name.back() == 'w' ? ".weight" : ".bias");
+}
+
+WeightsNameMap MapOf(const char* text) {
+  absl::StatusOr<WeightsNameMap> m = WeightsNameMap::Parse(text, "test.map");
+  INFO(m.status().ToString());
+  REQUIRE(m.ok());
+  return *m;
+}
+
+TEST_CASE("WeightsNameMap: the first matching rule rewrites, others leave names alone",
+          "[weights]") {
+  const WeightsNameMap in = MapOf(kImportMap);
+  const auto map = [&](const char* name) { return in.Map(name).value(); };
+  CHECK(map("model.embed_tokens.weight").name == "embed.w");
+  CHECK(map("model.embed_tokens.weight").rule == 0);
+  CHECK(map("model.layers.12.weight").name == "l12.w");
+  CHECK(map("model.layers.3.bias").name == "l3.b");
+  CHECK(map("model.layers.3.bias").rule == 2);  // not the later prefix rule
+  CHECK(map("model.norm.g").name == "norm.g");
+  CHECK(map("model.norm.g").rule == 3);
+  CHECK(map("other.w").name == "other.w");
+  CHECK(map("other.w").rule == -1);
+  CHECK(in.IgnoredBy("h.0.rotary_emb.inv_freq") != nullptr);
+  CHECK(in.IgnoredBy("lm_head.weight") != nullptr);
+  CHECK(in.IgnoredBy("lm_head.bias") == nullptr);
+  CHECK(in.DescribeRule(1) ==
+        "rule 2 (regex 'model\\.layers\\.(\\d+)\\.weight' -> 'l$1.w', line 3 of test.map)");
+  // A glob whose target drops the captures, and a regex with $&.
+  const WeightsNameMap m = WeightsNameMap::Create({{WeightsNameRule::Kind::kGlob, "a.*.w", "w"},
+                                                    {WeightsNameRule::Kind::kRegex, "b(.)", "$&$1"}})
+                               .value();
+  CHECK(m.Map("a.7.w")->name == "w");
+  CHECK(m.Map("bx")->name == "bxx");
+  CHECK(m.DescribeRule(1) == "rule 2 (regex 'b(.)' -> '$&$1')");
+}
+
+TEST_CASE("WeightsNameMap: bad rules are refused naming the line", "[weights]") {
+  struct Case {
+    const char* text;
+    const char* error;
+  };
+  const std::vector<Case> cases = {
+      {"\n rename a b", "test.map line 2: unknown rule 'rename'"},
+      {"exact a", "test.map line 1: expected 'exact FROM TO'"},
+      {"glob a.* b c d", "expected 'glob FROM TO'"},
+      {"ignore", "expected 'ignore PATTERN'"},
+      {"glob a.*.*.w x*", "rule 1 (glob 'a.*.*.w' -> 'x*', line 1 of test.map): the target has 1"},
+      {"regex a(b x", "rule 1 (regex 'a(b' -> 'x', line 1 of test.map): not a valid regular"},
+      {"# c\nregex a(b) x$2", "line 2 of test.map): the target refers to $2 but the expression has 1"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.text);
+    RequireError(WeightsNameMap::Parse(c.text, "test.map").status(),
+                 absl::StatusCode::kInvalidArgument, c.error);
+  }
+  RequireError(WeightsNameMap::Create({{WeightsNameRule::Kind::kExact, "a", ""}}).status(),
+               absl::StatusCode::kInvalidArgument, "maps to an empty name");
+  const WeightsNameMap strip = MapOf("prefix model.");
+  RequireError(strip.Map("model.").status(), absl::StatusCode::kInvalidArgument,
+               "rule 1 (prefix 'model.' -> '', line 1 of test.map) maps 'model.' to an empty name");
+}
+
+TEST_CASE("Weights: a Hugging Face-named file imports through a name map", "[weights]") {
+  const std::string dir = testing::TempDir("weights_map_");
+  std::vector<RawTensor> ts = SmallModelTensors();
+  for (RawTensor& t : ts) t.name = HfName(t.name);
+  ts.push_back({"lm_head.weight", "F32", {101}, std::string(404, '\0')});  // tied: ignored
+  ts.push_back({"model.layers.0.rotary.inv_freq", "F32", {2}, std::string(8, '\0')});
+  WeightsImportOptions options;
+  options.names = MapOf(kImportMap);
+  const std::string path = dir + "/m.safetensors";
+  SECTION("every parameter found, the ignored listed") {
+    WriteAll(path, Assemble(ts));
+    std::vector<float> want;
+    for (const RawTensor& t : SmallModelTensors()) {
+      for (size_t k = 0; k < t.data.size() / 4; ++k) {
+        float f;
+        std::memcpy(&f, t.data.data() + 4 * k, 4);
+        want.push_back(f);
+      }
+    }
+    for (int world : {1, 2, 4}) {
+      INFO("world " << world);
+      std::vector<float> master;
+      absl::StatusOr<WeightsImportReport> r = ImportOn(world, path, options, &master);
+      INFO(r.status().ToString());
+      REQUIRE(r.ok());
+      REQUIRE(r->ignored ==
+              std::vector<std::string>{"lm_head.weight", "model.layers.0.rotary.inv_freq"});
+      REQUIRE(r->renamed.size() == 7);
+      REQUIRE(r->renamed[0] == std::make_pair(std::string("model.embed_tokens.weight"),
+                                              std::string("embed.w")));
+      REQUIRE(BitEqual(master, want));
+    }
+  }
+  SECTION("two file tensors mapped to one parameter") {
+    ts.push_back({"head.w", "F32", {101}, std::string(404, '\0')});
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "two file tensors map to 'head.w': 'head.w' in '" + path +
+                     "' as it is, and 'model.head.w' in '" + path +
+                     "' by rule 4 (prefix 'model.' -> '', line 5 of test.map)");
+  }
+  SECTION("a misshapen tensor names its file name and rule") {
+    ts[1].shape = {11, 13};
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "tensor 'model.layers.0.weight' in '" + path + "' (bytes [");
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "renamed 'l0.w' by rule 2 (regex 'model\\.layers\\.(\\d+)\\.weight' -> 'l$1.w', "
+                 "line 3 of test.map) has shape [11, 13]; parameter 'l0.w' has [13, 11]");
+  }
+  SECTION("a tensor renamed to no parameter, and the parameter it should have been") {
+    ts[6].name = "model.layers.head.bias";  // glob rule 3 makes it 'lhead.b'
+    WriteAll(path, Assemble(ts));
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kNotFound,
+                 "1 parameter(s) have no tensor in the files (1 file(s) from '" + path +
+                     "', names mapped by 4 rule(s)): head.w");
+    options.allow_extra = true;
+    std::vector<RawTensor> more = ts;
+    more[6].name = "model.head.w";
+    more.push_back({"model.layers.x.bias", "F32", {1}, std::string(4, '\0')});
+    WriteAll(path, Assemble(more));
+    absl::StatusOr<WeightsImportReport> r = ImportOn(2, path, options);
+    REQUIRE(r.ok());
+    REQUIRE(std::find(r->ignored.begin(), r->ignored.end(), "model.layers.x.bias") !=
+            r->ignored.end());
+    options.allow_extra = false;
+    RequireError(ImportOn(2, path, options).status(), absl::StatusCode::kInvalidArgument,
+                 "1 tensor(s) name no parameter (allow extra tensors, or ignore them by name, to "
+                 "load without them): model.layers.x.bias (renamed 'lx.b' by rule 3 (glob "
+                 "'model.layers.*.bias' -> 'l*.b', line 4 of test.map))");
+  }
+  SECTION("a file tensor of the parameter's own name, ignored or renamed away") {
+    ts[6].name = "head.w";
+    WriteAll(path, Assemble(ts));
+    options.names = MapOf("ignore head.*\nprefix model.");
+    RequireError(ImportOn(1, path, options).status(), absl::StatusCode::kNotFound,
+                 "head.w (the file's tensor 'head.w' is ignored by 'head.*')");
+  }
+}
+
+TEST_CASE("Weights: export -> import -> export through a name map gives identical files",
+          "[weights]") {
+  const DType dtype = GENERATE(DType::kF32, DType::kBF16);
+  const int64_t max_shard = GENERATE(int64_t{0}, int64_t{1000});
+  INFO(DTypeName(dtype) << " shard " << max_shard);
+  WeightsExportOptions out;
+  out.dtype = dtype;
+  out.max_shard_bytes = max_shard;
+  out.names = MapOf(kExportMap);
+  const std::string a = testing::TempDir("weights_map_a_"), b = testing::TempDir("weights_map_b_");
+  const std::string root = testing::TempDir("weights_map_ckpt_");
+  // Trained on 2 ranks, exported with Hugging Face names, and saved as a checkpoint.
+  std::vector<float> trained;
+  auto device = testing::OneThreadCpuDevice();
+  RequireAllOk(comm::testing::OnRanks(2, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(3, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    RETURN_IF_ERROR(testing::TrainSteps(*engine, 0, 2));
+    RETURN_IF_ERROR(SaveCheckpoint(*engine, root).status());
+    ASSIGN_OR_RETURN(std::vector<std::string> files, ExportWeights(*engine, a, out));
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) trained = m;
+    return absl::OkStatus();
+  }));
+  // The file holds the mapped names and nothing else.
+  const std::string first = max_shard == 0 ? a + "/model.safetensors"
+                                           : a + "/model-00001-of-0000" +
+                                                 (dtype == DType::kF32 ? "5" : "3") + ".safetensors";
+  const safetensors::FileHeader h = safetensors::ReadHeader(first).value();
+  REQUIRE(h.tensors[0].name == "model.embed_tokens.weight");
+  // Imported on 3 ranks through the inverse map, exported again with the same map.
+  WeightsImportOptions in;
+  in.names = MapOf(kImportMap);
+  std::vector<float> imported;
+  RequireAllOk(comm::testing::OnRanks(3, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(1, DType::kF32, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine, 0.5f));
+    ASSIGN_OR_RETURN(WeightsImportReport report, ImportWeights(*engine, a, in));
+    if (report.renamed.size() != 7) return absl::InternalError("not every tensor renamed");
+    RETURN_IF_ERROR(ExportWeights(*engine, b, out).status());
+    ASSIGN_OR_RETURN(std::vector<float> m, engine->GatherMasterWeights());
+    if (rank == 0) imported = m;
+    return absl::OkStatus();
+  }));
+  REQUIRE(BitEqual(imported, RoundTo(dtype, trained)));
+  // The checkpoint's streamed export through the same map: a third writer, the same bytes.
+  const std::string c = testing::TempDir("weights_map_c_");
+  REQUIRE(ExportCheckpointWeights(root, c, out).ok());
+  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
+  for (const std::string& f : Files(a, shards)) {
+    INFO(f);
+    const std::string there = ReadAll(f);
+    REQUIRE(!there.empty());
+    REQUIRE(there == ReadAll(b + f.substr(a.size())));
+    REQUIRE(there == ReadAll(c + f.substr(a.size())));
+  }
+}
+
+TEST_CASE("Weights: an export map that writes two parameters under one name is refused",
+          "[weights]") {
+  std::vector<memory::ParamLayout> specs(2);
+  specs[0].name = "a.w";
+  specs[1].name = "b.w";
+  specs[0].shape = specs[1].shape = {1};
+  specs[0].numel = specs[1].numel = 1;
+  const std::vector<float> v = {1, 2};
+  const std::string dir = testing::TempDir("weights_map_dup_");
+  WeightsExportOptions out;
+  out.names = MapOf("glob *.w w");
+  RequireError(WriteWeights(specs, v, dir + "/x.safetensors", out).status(),
+               absl::StatusCode::kInvalidArgument,
+               "parameters 'a.w' by rule 1 (glob '*.w' -> 'w', line 1 of test.map) and 'b.w' by "
+               "rule 1 (glob '*.w' -> 'w', line 1 of test.map) would both be written as 'w'");
+  out.names = MapOf("ignore x");
+  RequireError(WriteWeights(specs, v, dir + "/x.safetensors", out).status(),
+               absl::StatusCode::kInvalidArgument, "ignore patterns apply to import only");
+}
+
+TEST_CASE("Weights: a corrupted checkpoint exports nothing", "[weights]") {
+  const std::string root = testing::TempDir("weights_corrupt_");
+  auto device = testing::OneThreadCpuDevice();
+  std::string dir;
+  RequireAllOk(comm::testing::OnRanks(2, {20000}, [&](int rank, comm::Communicator* comm) {
+    const Config config = testing::TestConfig(2, DType::kBF16, 1, 0, false);
+    ASSIGN_OR_RETURN(auto engine, Engine::Create(config, SmallModel(), comm, device.get()));
+    RETURN_IF_ERROR(testing::SetInitValues(*engine));
+    ASSIGN_OR_RETURN(std::string d, SaveCheckpoint(*engine, root));
+    if (rank == 0) dir = d;
+    return absl::OkStatus();
+  }));
+  // One master byte of the last shard flipped: its CRC fails after the pieces were streamed.
+  std::string shard = ReadAll(dir + "/rank_00001.bin");
+  shard[100] ^= 0x40;
+  WriteAll(dir + "/rank_00001.bin", shard);
+  const std::string out = testing::TempDir("weights_corrupt_out_");
+  RequireError(ExportCheckpointWeights(root, out + "/w.safetensors").status(),
+               absl::StatusCode::kDataLoss, "rank_00001.bin' is corrupted");
+  RequireError(ExportCheckpointWeights(root, out, {DType::kBF16, 1000}).status(),
+               absl::StatusCode::kDataLoss, "is corrupted");
+  DIR* d = opendir(out.c_str());
+  REQUIRE(d != nullptr);
+  int entries = 0;
+  while (const struct dirent* e = readdir(d)) {
+    const std::string name = e->d_name;
+    entries += name != "." && name != "..";
+  }
+  closedir(d);
+  REQUIRE(entries == 0);  // no file published, no temporary left
 }
 
 }  // namespace

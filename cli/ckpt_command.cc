@@ -17,7 +17,8 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: zerort ckpt inspect DIR [--json] | zerort ckpt consolidate DIR OUT [--force] | "
-    "zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE] OUT";
+    "zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE] "
+    "[--name-map FILE] OUT";
 
 // Names, paths and file contents come from the checkpoint or the command line, not from us:
 // printed with every byte outside printable ASCII escaped (an escape sequence never reaches
@@ -95,7 +96,8 @@ absl::StatusOr<std::string> FlagValue(const std::vector<std::string>& args, size
   return args[++*i];
 }
 
-// `zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE] OUT`.
+// `zerort ckpt export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size SIZE]
+// [--name-map FILE] OUT`.
 absl::Status Export(const std::vector<std::string>& args, std::ostream& out) {
   WeightsExportOptions options;
   std::string format;
@@ -111,6 +113,9 @@ absl::Status Export(const std::vector<std::string>& args, std::ostream& out) {
     } else if (is("--max-shard-size")) {
       ASSIGN_OR_RETURN(std::string size, FlagValue(args, &i, "--max-shard-size"));
       ASSIGN_OR_RETURN(options.max_shard_bytes, ParseBytes(size));
+    } else if (is("--name-map")) {
+      ASSIGN_OR_RETURN(std::string file, FlagValue(args, &i, "--name-map"));
+      ASSIGN_OR_RETURN(options.names, WeightsNameMap::Load(file));
     } else if (!a.empty() && a[0] == '-') {
       return absl::InvalidArgumentError(
           absl::StrCat("ckpt export: unknown flag '", Printable(a), "'; ", kUsage));

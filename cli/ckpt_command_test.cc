@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -18,6 +19,7 @@
 #include "base/testing/temp_dir.h"
 #include "comm/testing/on_ranks.h"
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
 #include "checkpoint/weights.h"
 #include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -116,6 +118,39 @@ TEST_CASE("CkptCommand: export writes bf16 shards that import as the checkpoint'
                                             "--max-shard-size", "lots", out}, err)
                                 .message(),
                             "lots"));
+}
+
+TEST_CASE("CkptCommand: export --name-map writes the mapped names", "[ckpt]") {
+  const std::string dir = MakeCheckpoint();
+  const std::string map = dir + "-out.map", out = dir + "-mapped.safetensors";
+  {
+    std::ofstream f(map);
+    f << "# parameter -> file\nregex l(\\d)\\.(.) model.layers.$1.$2\nprefix embed. model.embed.\n";
+  }
+  std::ostringstream text;
+  const absl::Status s = RunCkptCommand(
+      {"export", dir, "--format", "safetensors", "--name-map", map, out}, text);
+  INFO(s.ToString());
+  REQUIRE(s.ok());
+  absl::StatusOr<safetensors::FileHeader> h = safetensors::ReadHeader(out);
+  REQUIRE(h.ok());
+  std::vector<std::string> names;
+  for (const auto& t : h->tensors) names.push_back(t.name);
+  std::sort(names.begin(), names.end());
+  REQUIRE(names == std::vector<std::string>{"head.w", "model.embed.w", "model.layers.0.b",
+                                            "model.layers.0.w", "model.layers.1.b",
+                                            "model.layers.1.w", "model.layers.2.w"});
+  {
+    std::ofstream f(map);
+    f << "\nglob l* x\n";
+  }
+  std::ostringstream err;
+  const absl::Status dup = RunCkptCommand(
+      {"export", dir, "--format", "safetensors", "--name-map", map, out}, err);
+  REQUIRE(dup.code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(absl::StrContains(dup.message(), "by rule 1 (glob 'l*' -> 'x', line 2 of " + map));
+  REQUIRE(absl::IsNotFound(RunCkptCommand({"export", dir, "--format", "safetensors",
+                                           "--name-map", dir + "-none.map", out}, err)));
 }
 
 TEST_CASE("CkptCommand: bad arguments are InvalidArgument naming the problem", "[ckpt]") {

@@ -243,9 +243,11 @@ constexpr const char* kDemoUsage =
 constexpr const char* kCkptUsage =
     R"(  ckpt   inspect DIR [--json] | consolidate DIR OUT   verify and summarise a checkpoint, or
          write its full fp32 state as one safetensors file (docs/checkpoints.md)
-         export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size 5GB] OUT
+         export DIR --format safetensors [--dtype bf16|fp32] [--max-shard-size 5GB]
+                [--name-map FILE] OUT
                              weights only, as Hugging Face loads them: OUT a .safetensors
-                             file, or a directory (shards + model.safetensors.index.json)
+                             file, or a directory (shards + model.safetensors.index.json);
+                             FILE's rules rename the tensors ("prefix h. transformer.h.")
 )";
 
 }  // namespace

@@ -266,23 +266,30 @@ absl::Status ChooseDevice(const Flags& flags, std::ostream& out,
   return absl::OkStatus();
 }
 
-// The plan's whole device budget for this run (model states, activations by Korthikanti et al.'s
-// formula for the GPT's shape, micro-batch and context, reserves) beside what the driver counted
-// in use at the highest, for all ranks together (they share the GPU).
+// The plan's whole device budget for this run (model states, the activations the trainer
+// declared for its micro-batch, reserves) beside what the driver counted in use at the highest,
+// for all ranks together (they share the GPU); and, for comparison, what Korthikanti et al.'s
+// formula would have counted for the GPT's shape.
 absl::Status PrintDeviceBudgetCheck(const Config& config, const examples::gpt::RunOptions& options,
                                     const examples::gpt::RunResult& result, int64_t peak_in_use,
                                     const absl::Status& in_use_status, std::ostream& out) {
   Workload workload;
   workload.micro_batch = options.batch;
-  workload.seq = options.shape.context;
-  workload.shape = TransformerShape{options.shape.layers, options.shape.d_model,
-                                    options.shape.heads, options.shape.vocab};
   ASSIGN_OR_RETURN(const DeviceBudget budget, MakeDeviceBudget(result.plan, config, workload));
   const int64_t ranks = options.world_size;
   auto gib = [](int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / 1073741824.0); };
   out << "device budget planned per rank: " << gib(budget.total_bytes) << " = model states "
       << gib(budget.model_state_bytes) << " + activations " << gib(budget.activation_bytes)
       << " (" << budget.activation_source << ") + reserves " << gib(budget.reserve_bytes) << "\n";
+  const int seq = options.seq > 0 ? options.seq : options.shape.context;
+  const absl::StatusOr<ActivationEstimate> formula = TransformerActivations(
+      TransformerShape{options.shape.layers, options.shape.d_model, options.shape.heads,
+                       options.shape.vocab},
+      seq, options.batch, config.compute_dtype, Recompute::kNone);
+  if (formula.ok()) {
+    out << "  (Korthikanti et al. 2022 would count " << gib(formula->bytes)
+        << " of activations: this trainer keeps its non-matmul activations in fp32)\n";
+  }
   if (!in_use_status.ok()) {
     out << "device memory in use: not measured (" << in_use_status.message() << ")\n";
     return absl::OkStatus();
@@ -364,10 +371,14 @@ absl::Status RunGptDemo(const Flags& flags, std::ostream& out) {
         << Printable(untrained) << "\nafter training:\n" << Printable(result.sample) << "\n";
   }
   PrintMemoryTable(result.memory, out);
+  // The trainer's activations as it measured them beside what it declared to the plan.
+  out << (gpu ? "activations and scratch of each rank's trainer (GPU memory outside the plan):"
+              : "activations of each rank's trainer (measured by its allocator):");
+  for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
+  out << "; planned (declared per sequence x micro-batch):";
+  for (const MemoryReport& m : result.memory) out << " " << GroupedBytes(m.activation_bytes);
+  out << "\n";
   if (gpu) {
-    out << "activations and scratch of each rank's trainer (GPU memory outside the plan):";
-    for (int64_t bytes : result.activation_bytes) out << " " << GroupedBytes(bytes);
-    out << "\n";
     RETURN_IF_ERROR(PrintDeviceBudgetCheck(config, options, result, peak_in_use, in_use_status,
                                            out));
   }

@@ -1,7 +1,12 @@
 // The CPU device: every buffer in host memory and every kernel from offload/ (SIMD, threaded).
 //
 // It is the embedded default and the reference the CUDA device is tested against. Memory kinds:
-//   kDevice, kPageableHost  memory::HostAllocator() (ordinary host pages)
+//   kDevice                 an allocator of this device's own (memory::NewHostAllocator):
+//                           ordinary host pages, counted apart from the process's other host
+//                           memory (usage()) and decommittable, so that Engine::Park's release
+//                           of "device" memory is measured here as on a GPU. Allocations from
+//                           it must be freed before the device is destroyed.
+//   kPageableHost           memory::HostAllocator() (ordinary host pages)
 //   kPinnedHost             memory::SharedPinnedSlabs(): the process-wide cache of mlock-ed
 //                           slabs (memory/pinned_pool.h), shared with every other engine and
 //                           checkpointer of the process, so that re-creating an engine reuses

@@ -148,5 +148,42 @@ TEST_CASE("CpuDevice copy link model: a copy on a created stream lasts bytes / l
   dev->DestroyStream(s);
 }
 
+
+TEST_CASE("CpuDevice memory: kDevice is an allocator of the device's own, counted and "
+          "decommittable", "[zero][park]") {
+  auto a = testing::OneThreadCpuDevice();
+  auto b = testing::OneThreadCpuDevice();
+  memory::RawAllocator* da = a->allocator(memory::MemoryKind::kDevice);
+  memory::RawAllocator* db = b->allocator(memory::MemoryKind::kDevice);
+  CHECK(da != db);
+  CHECK(da != memory::HostAllocator());
+  CHECK(a->allocator(memory::MemoryKind::kPageableHost) == memory::HostAllocator());
+  REQUIRE(da->usage().has_value());
+  CHECK(da->usage()->resident_bytes == 0);
+
+  constexpr size_t kBytes = 3 << 20;
+  auto buffer = memory::Allocation::Create(da, kBytes);
+  REQUIRE(buffer.ok());
+  std::vector<char> pattern(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) pattern[i] = static_cast<char>(i * 7 + 3);
+  REQUIRE(a->Copy(buffer->get(), pattern.data(), kBytes, nullptr).ok());
+  CHECK(da->usage()->resident_bytes == kBytes);
+  CHECK(db->usage()->resident_bytes == 0);  // the other device counts nothing of it
+
+  // What Engine::Park does with a device buffer: out to the host, decommit, recommit, back.
+  std::vector<char> saved(kBytes);
+  REQUIRE(a->Copy(saved.data(), buffer->get(), kBytes, nullptr).ok());
+  REQUIRE(da->Decommit(buffer->get(), kBytes).ok());
+  CHECK(da->usage()->resident_bytes == 0);
+  CHECK(da->usage()->reserved_bytes == kBytes);
+  REQUIRE(da->Recommit(buffer->get(), kBytes).ok());
+  REQUIRE(a->Copy(buffer->get(), saved.data(), kBytes, nullptr).ok());
+  CHECK(std::memcmp(buffer->get(), pattern.data(), kBytes) == 0);
+  CHECK(da->usage()->resident_bytes == kBytes);
+  *buffer = memory::Allocation();
+  CHECK(da->usage()->allocations == 0);
+  CHECK(a->ReleaseCachedMemory().ok());  // nothing cached on the CPU device
+}
+
 }  // namespace
 }  // namespace zerort

@@ -1,12 +1,17 @@
 #include "device/cuda_device.h"
 
+#include <cuda.h>  // types and constants only: libcuda is reached through the runtime
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
+#include "absl/base/call_once.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -47,46 +52,327 @@ absl::Status LaunchStatus(int code, absl::string_view device, absl::string_view 
                                      " elements"));
 }
 
-// cudaMalloc behind memory::RawAllocator. The runtime gives at least 256-byte alignment;
-// RawAllocator promises 4096, so a misaligned block is retried with 4096 bytes of slack and
-// remembered to free the original pointer.
+// The driver's virtual memory management calls (cuMemAddressReserve, cuMemCreate, cuMemMap,
+// ...), reached through the runtime's cudaGetDriverEntryPointByVersion so that zerort links
+// only cudart, never libcuda (the driver a process finds at run time provides them; vLLM's
+// sleep mode and PyTorch's expandable segments reach them the same way). Null when the driver
+// lacks them or the GPU does not support them; `why` then says which.
+struct VmmDriver {
+  PFN_cuGetErrorName_v6000 error_name = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 address_free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+
+  // Process-wide; `why` (when null) is the reason, for messages.
+  static const VmmDriver* Get(std::string* why) {
+    static std::string* const reason = new std::string();
+    static const VmmDriver* const driver = [] () -> const VmmDriver* {
+      // A way back to plain cudaMalloc without a rebuild, should a driver or a tool (an older
+      // compute-sanitizer, a profiler) mishandle these mappings; Park is then Unimplemented.
+      if (const char* v = std::getenv("ZERORT_CUDA_VMM"); v != nullptr && std::string(v) == "0") {
+        *reason = "ZERORT_CUDA_VMM=0 turns the driver's virtual memory management off";
+        return nullptr;
+      }
+      auto* d = new VmmDriver();
+      bool ok = true;
+      // 12000: the ABI version of each symbol we were compiled against (all stable since 10.2).
+      auto load = [&ok](const char* symbol, auto* fn) {
+        if (!ok) return;
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+        const cudaError_t e =
+            Cleared(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found));
+        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+          *reason = absl::StrCat("the driver has no ", symbol, " (",
+                                 e != cudaSuccess ? cudaGetErrorString(e) : "symbol not found",
+                                 ")");
+          ok = false;
+          return;
+        }
+        *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+      };
+      load("cuGetErrorName", &d->error_name);
+      load("cuDeviceGet", &d->device_get);
+      load("cuDeviceGetAttribute", &d->device_attribute);
+      load("cuMemGetAllocationGranularity", &d->granularity);
+      load("cuMemAddressReserve", &d->reserve);
+      load("cuMemAddressFree", &d->address_free);
+      load("cuMemCreate", &d->create);
+      load("cuMemRelease", &d->release);
+      load("cuMemMap", &d->map);
+      load("cuMemUnmap", &d->unmap);
+      load("cuMemSetAccess", &d->set_access);
+      if (!ok) {
+        delete d;
+        return nullptr;
+      }
+      return d;
+    }();
+    if (driver == nullptr && why != nullptr) *why = *reason;
+    return driver;
+  }
+
+  // `failure`: the code of any error but out of memory (ResourceExhausted): reserving address
+  // space or creating memory fails for want of it, whatever the driver's code.
+  absl::Status Check(CUresult r, absl::string_view what,
+                     absl::StatusCode failure = absl::StatusCode::kInternal) const {
+    if (r == CUDA_SUCCESS) return absl::OkStatus();
+    const char* name = nullptr;
+    if (error_name == nullptr || error_name(r, &name) != CUDA_SUCCESS) name = "unknown";
+    const absl::StatusCode code =
+        r == CUDA_ERROR_OUT_OF_MEMORY ? absl::StatusCode::kResourceExhausted : failure;
+    return absl::Status(code, absl::StrCat(what, ": ", name));
+  }
+};
+
+// kDevice memory behind memory::RawAllocator, counted (usage()).
+//
+// With the driver's virtual memory management (every GPU of compute capability 8.0 on Linux
+// has it), each allocation is an address range reserved with cuMemAddressReserve and backed by
+// one physical allocation (cuMemCreate + cuMemMap + cuMemSetAccess), both rounded up to the
+// allocation granularity (2 MiB on current GPUs). Decommit unmaps and releases the physical
+// allocation and keeps the range; Recommit creates a new one and maps it at the same address:
+// every pointer into the allocation is valid again (Engine::Park). The runtime treats these
+// ranges as device memory of this GPU (cudaPointerGetAttributes, cudaMemcpyAsync, kernels,
+// NCCL).
+//
+// Without it, cudaMalloc: the runtime gives at least 256-byte alignment; RawAllocator promises
+// 4096, so a misaligned block is retried with 4096 bytes of slack and remembered to free the
+// original pointer. Decommit is then Unimplemented, naming why.
 class CudaAllocator final : public memory::RawAllocator {
  public:
-  explicit CudaAllocator(int ordinal) : ordinal_(ordinal), name_(absl::StrCat("cuda:", ordinal)) {}
+  CudaAllocator(int ordinal, const VmmDriver* vmm, std::string no_vmm_reason)
+      : ordinal_(ordinal),
+        name_(absl::StrCat("cuda:", ordinal)),
+        vmm_(vmm),
+        no_vmm_reason_(std::move(no_vmm_reason)) {}
+
+  ~CudaAllocator() override {
+    // Allocations must be freed first (RawAllocator's contract); ranges left are returned so
+    // that a leak does not keep physical memory.
+    absl::MutexLock lock(&mu_);
+    for (auto& [p, a] : live_) {
+      if (a.vmm) FreeVmm(p, a);
+    }
+  }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     if (cudaError_t e = Cleared(cudaSetDevice(ordinal_)); e != cudaSuccess) {
       return CudaFailure(e, absl::StrCat(name_, ": cudaSetDevice"));
     }
+    if (vmm_ != nullptr) return AllocateVmm(bytes);
     ASSIGN_OR_RETURN(void* p, Raw(bytes));
-    if (reinterpret_cast<uintptr_t>(p) % kRawAlignment == 0) return p;
-    Release(p);
-    ASSIGN_OR_RETURN(void* raw, Raw(bytes + kRawAlignment));
-    void* aligned = reinterpret_cast<void*>(
-        memory::AlignUp(reinterpret_cast<uintptr_t>(raw), kRawAlignment));
+    void* raw = nullptr;
+    if (reinterpret_cast<uintptr_t>(p) % kRawAlignment != 0) {
+      Release(p);
+      ASSIGN_OR_RETURN(raw, Raw(bytes + kRawAlignment));
+      p = reinterpret_cast<void*>(
+          memory::AlignUp(reinterpret_cast<uintptr_t>(raw), kRawAlignment));
+    }
     absl::MutexLock lock(&mu_);
-    shifted_[aligned] = raw;
-    return aligned;
+    Live a;
+    a.bytes = bytes;
+    a.raw = raw;
+    Add(p, a);
+    return p;
   }
 
   void Free(void* p, size_t) override {
     if (p == nullptr) return;
+    Live a;
     {
       absl::MutexLock lock(&mu_);
-      auto it = shifted_.find(p);
-      if (it != shifted_.end()) {
-        p = it->second;
-        shifted_.erase(it);
-      }
+      auto it = live_.find(p);
+      if (it == live_.end()) return;  // not ours: RawAllocator's REQUIRES
+      a = it->second;
+      reserved_ -= a.bytes;
+      if (a.committed) resident_ -= a.bytes;
+      live_.erase(it);
     }
     cudaSetDevice(ordinal_);
-    Release(p);
+    if (a.vmm) {
+      FreeVmm(p, a);
+    } else {
+      Release(a.raw != nullptr ? a.raw : p);
+    }
+  }
+
+  absl::Status Decommit(void* p, size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Live * a, Find(p, bytes, /*committed=*/true, "Decommit"));
+    RETURN_IF_ERROR(UseLocked());
+    // Unmap first: the range stays reserved, so no other allocation can take the addresses.
+    const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(p);
+    RETURN_IF_ERROR(vmm_->Check(vmm_->unmap(va, a->bytes),
+                                absl::StrCat(name_, ": cuMemUnmap of ", a->bytes, " bytes")));
+    RETURN_IF_ERROR(vmm_->Check(vmm_->release(a->handle),
+                                absl::StrCat(name_, ": cuMemRelease of ", a->bytes, " bytes")));
+    a->handle = 0;
+    a->committed = false;
+    resident_ -= a->bytes;
+    ++decommits_;
+    return absl::OkStatus();
+  }
+
+  absl::Status Recommit(void* p, size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Live * a, Find(p, bytes, /*committed=*/false, "Recommit"));
+    RETURN_IF_ERROR(UseLocked());
+    ASSIGN_OR_RETURN(a->handle, MapAt(reinterpret_cast<CUdeviceptr>(p), a->bytes));
+    a->committed = true;
+    resident_ += a->bytes;
+    ++recommits_;
+    return absl::OkStatus();
+  }
+
+  std::optional<memory::AllocatorUsage> usage() const override {
+    absl::MutexLock lock(&mu_);
+    memory::AllocatorUsage u;
+    u.allocations = live_.size();
+    u.reserved_bytes = reserved_;
+    u.resident_bytes = resident_;
+    u.decommits = decommits_;
+    u.recommits = recommits_;
+    return u;
   }
 
   absl::string_view name() const override { return name_; }
 
  private:
+  struct Live {
+    size_t bytes = 0;       // as mapped: the granularity-rounded size with VMM
+    bool vmm = false;
+    bool committed = true;
+    CUmemGenericAllocationHandle handle = 0;  // VMM: the physical allocation while committed
+    void* raw = nullptr;    // cudaMalloc: the runtime's pointer of a realigned block, or null
+  };
+
+  void Add(void* p, const Live& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    live_[p] = a;
+    reserved_ += a.bytes;
+    resident_ += a.bytes;
+  }
+
+  absl::Status UseLocked() const {
+    if (cudaError_t e = Cleared(cudaSetDevice(ordinal_)); e != cudaSuccess) {
+      return CudaFailure(e, absl::StrCat(name_, ": cudaSetDevice"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Live*> Find(void* p, size_t bytes, bool committed, const char* op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (vmm_ == nullptr) {
+      return absl::UnimplementedError(absl::StrCat(
+          name_, ": ", op, ": device memory comes from cudaMalloc, which cannot release memory "
+          "while keeping its addresses (no virtual memory management: ", no_vmm_reason_, ")"));
+    }
+    auto it = live_.find(p);
+    if (it == live_.end() || !it->second.vmm || it->second.bytes != Rounded(bytes)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name_, ": ", op, " of ", bytes, " bytes at ", reinterpret_cast<uintptr_t>(p),
+          ": not a live allocation of this allocator with that size"));
+    }
+    if (it->second.committed != committed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name_, ": ", op, " of ", bytes, " bytes: the allocation is already ",
+          committed ? "decommitted" : "committed"));
+    }
+    return &it->second;
+  }
+
+  CUmemAllocationProp Prop() const {
+    CUmemAllocationProp prop;
+    std::memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal_;
+    return prop;
+  }
+
+  // The allocation granularity of this GPU, asked once.
+  size_t Granularity() const {
+    absl::call_once(granularity_once_, [this] {
+      const CUmemAllocationProp prop = Prop();
+      size_t g = 0;
+      if (vmm_->granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS ||
+          g == 0) {
+        g = size_t{2} << 20;  // what every current GPU reports
+      }
+      granularity_ = g;
+    });
+    return granularity_;
+  }
+
+  size_t Rounded(size_t bytes) const { return memory::AlignUp(bytes, Granularity()); }
+
+  // A new physical allocation of `bytes`, mapped read-write at `va` for this GPU. On failure
+  // nothing stays mapped or allocated.
+  absl::StatusOr<CUmemGenericAllocationHandle> MapAt(CUdeviceptr va, size_t bytes) const {
+    const CUmemAllocationProp prop = Prop();
+    CUmemGenericAllocationHandle handle = 0;
+    RETURN_IF_ERROR(vmm_->Check(vmm_->create(&handle, bytes, &prop, 0),
+                                absl::StrCat(name_, ": cuMemCreate of ", bytes, " bytes"),
+                                absl::StatusCode::kResourceExhausted));
+    absl::Status s = vmm_->Check(vmm_->map(va, bytes, 0, handle, 0),
+                                 absl::StrCat(name_, ": cuMemMap of ", bytes, " bytes"));
+    if (s.ok()) {
+      CUmemAccessDesc access;
+      std::memset(&access, 0, sizeof access);
+      access.location = prop.location;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      s = vmm_->Check(vmm_->set_access(va, bytes, &access, 1),
+                      absl::StrCat(name_, ": cuMemSetAccess of ", bytes, " bytes"));
+      if (!s.ok()) vmm_->unmap(va, bytes);
+    }
+    if (!s.ok()) {
+      vmm_->release(handle);
+      return s;
+    }
+    return handle;
+  }
+
+  absl::StatusOr<void*> AllocateVmm(size_t bytes) {
+    const size_t size = Rounded(bytes);
+    CUdeviceptr va = 0;
+    RETURN_IF_ERROR(vmm_->Check(vmm_->reserve(&va, size, Granularity(), 0, 0),
+                                absl::StrCat(name_, ": cuMemAddressReserve of ", size,
+                                             " bytes (allocating ", bytes, ")"),
+                                absl::StatusCode::kResourceExhausted));
+    absl::StatusOr<CUmemGenericAllocationHandle> handle = MapAt(va, size);
+    if (!handle.ok()) {
+      vmm_->address_free(va, size);
+      return absl::Status(handle.status().code(), absl::StrCat(handle.status().message(),
+                                                               " (allocating ", bytes, ")"));
+    }
+    void* p = reinterpret_cast<void*>(va);
+    absl::MutexLock lock(&mu_);
+    Live a;
+    a.bytes = size;
+    a.vmm = true;
+    a.handle = *handle;
+    Add(p, a);
+    return p;
+  }
+
+  // Cannot report (Free's contract): a failure means the context is already broken.
+  void FreeVmm(void* p, const Live& a) const {
+    const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(p);
+    if (a.committed) {
+      vmm_->unmap(va, a.bytes);
+      vmm_->release(a.handle);
+    }
+    vmm_->address_free(va, a.bytes);
+  }
+
   absl::StatusOr<void*> Raw(size_t bytes) {
     void* p = nullptr;
     const cudaError_t e = Cleared(cudaMalloc(&p, bytes));
@@ -102,9 +388,16 @@ class CudaAllocator final : public memory::RawAllocator {
 
   const int ordinal_;
   const std::string name_;
-  absl::Mutex mu_;
-  // aligned pointer handed out -> pointer the runtime returned (only for retried blocks).
-  absl::flat_hash_map<void*, void*> shifted_ ABSL_GUARDED_BY(mu_);
+  const VmmDriver* const vmm_;  // null: cudaMalloc
+  const std::string no_vmm_reason_;
+  mutable absl::once_flag granularity_once_;
+  mutable size_t granularity_ = 0;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<void*, Live> live_ ABSL_GUARDED_BY(mu_);
+  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t resident_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t decommits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t recommits_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // cudaHostRegister behind memory::Locker, for the pinned slab cache. Portable: the pages are
@@ -140,11 +433,11 @@ memory::PinnedSlabCache* CudaPinnedSlabs() {
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int ordinal, bool pageable_access)
+  CudaDevice(int ordinal, bool pageable_access, const VmmDriver* vmm, std::string no_vmm_reason)
       : ordinal_(ordinal),
         name_(absl::StrCat("cuda:", ordinal)),
         pageable_access_(pageable_access),
-        device_alloc_(ordinal) {}
+        device_alloc_(ordinal, vmm, std::move(no_vmm_reason)) {}
 
   absl::string_view name() const override { return name_; }
   bool device_memory() const override { return true; }
@@ -159,6 +452,17 @@ class CudaDevice final : public Device {
         break;
     }
     return memory::HostAllocator();
+  }
+
+  // The default pool keeps what SquaredNorm and AllFinite freed (CreateCudaDevice sets its
+  // release threshold to the maximum); trimming returns what no stream still uses.
+  absl::Status ReleaseCachedMemory() override {
+    RETURN_IF_ERROR(Use());
+    cudaMemPool_t pool;
+    RETURN_IF_CUDA_ERROR(Cleared(cudaDeviceGetDefaultMemPool(&pool, ordinal_)), "(", name_, ")");
+    RETURN_IF_CUDA_ERROR(Cleared(cudaMemPoolTrimTo(pool, 0)), "(", name_,
+                         ": ReleaseCachedMemory)");
+    return absl::OkStatus();
   }
 
   absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) override {
@@ -524,7 +828,24 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int device_ordinal) {
   RETURN_IF_CUDA_ERROR(
       Cleared(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep)), "(", name,
       ")");
-  return std::unique_ptr<Device>(new CudaDevice(device_ordinal, pageable != 0));
+  // Device memory that Engine::Park can release: the driver's virtual memory management,
+  // where the driver and the GPU have it (CudaAllocator).
+  std::string no_vmm;
+  const VmmDriver* vmm = VmmDriver::Get(&no_vmm);
+  if (vmm != nullptr) {
+    CUdevice cu_device = 0;
+    int supported = 0;
+    if (vmm->device_get(&cu_device, device_ordinal) != CUDA_SUCCESS ||
+        vmm->device_attribute(&supported,
+                              CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                              cu_device) != CUDA_SUCCESS ||
+        supported == 0) {
+      no_vmm = absl::StrCat(name, " (", props.name, ") does not support it");
+      vmm = nullptr;
+    }
+  }
+  return std::unique_ptr<Device>(
+      new CudaDevice(device_ordinal, pageable != 0, vmm, std::move(no_vmm)));
 }
 
 }  // namespace zerort

@@ -1291,5 +1291,60 @@ TEST_CASE("CudaDevice: two threads on two streams each get the CPU result", "[ze
   }
 }
 
+
+// Engine::Park's device half: a kDevice allocation gives its GPU memory back to the driver
+// and keeps its address (cuMemUnmap + cuMemRelease), then gets new memory mapped at the same
+// address (cuMemCreate + cuMemMap); the bytes saved to pinned memory come back bit for bit.
+TEST_CASE("CudaDevice: kDevice memory decommits to the driver and recommits at the same address",
+          "[zero][gpu][park]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  memory::RawAllocator* alloc = gpu->allocator(memory::MemoryKind::kDevice);
+  REQUIRE(alloc->usage().has_value());
+  constexpr size_t kBytes = (size_t{64} << 20) + 13;
+  memory::Allocation a = Alloc(gpu, memory::MemoryKind::kDevice, kBytes);
+  const memory::AllocatorUsage before = *alloc->usage();
+  CHECK(before.resident_bytes >= kBytes);
+  const std::vector<char> pattern = RandomBits(kBytes, 77);
+  REQUIRE(gpu->Copy(a.get(), pattern.data(), kBytes, nullptr).ok());
+  memory::Allocation host = Alloc(gpu, memory::MemoryKind::kPinnedHost, kBytes);
+  REQUIRE(gpu->Copy(host.get(), a.get(), kBytes, nullptr).ok());
+  REQUIRE(gpu->Synchronize(nullptr).ok());
+
+  size_t free0 = 0, free1 = 0, total = 0;
+  REQUIRE(cudaMemGetInfo(&free0, &total) == cudaSuccess);
+  const absl::Status parked = alloc->Decommit(a.get(), kBytes);
+  if (parked.code() == absl::StatusCode::kUnimplemented) {
+    WARN("skipping: " << parked.message());
+    return;
+  }
+  REQUIRE(parked.ok());
+  REQUIRE(cudaMemGetInfo(&free1, &total) == cudaSuccess);
+  const memory::AllocatorUsage during = *alloc->usage();
+  const size_t released = before.resident_bytes - during.resident_bytes;
+  CHECK(released >= kBytes);
+  CHECK(during.reserved_bytes == before.reserved_bytes);
+  // The driver's own count: the physical memory is free for another process.
+  CHECK(free1 >= free0 + released);
+  CHECK(alloc->Decommit(a.get(), kBytes).code() == absl::StatusCode::kFailedPrecondition);
+  REQUIRE(gpu->ReleaseCachedMemory().ok());
+
+  REQUIRE(alloc->Recommit(a.get(), kBytes).ok());
+  CHECK(alloc->usage()->resident_bytes == before.resident_bytes);
+  REQUIRE(gpu->Copy(a.get(), host.get(), kBytes, nullptr).ok());
+  REQUIRE(Download(gpu, a.get(), kBytes) == pattern);
+  // Kernels still see it as this GPU's memory.
+  float norm = -1;
+  REQUIRE(gpu->Zero(a.get(), 4096, nullptr).ok());
+  REQUIRE(gpu->SquaredNorm(a.get(), DType::kF32, 1024, &norm, nullptr).ok());
+  REQUIRE(gpu->Synchronize(nullptr).ok());
+  CHECK(norm == 0.0f);
+  // Freed while decommitted: the range goes too.
+  REQUIRE(alloc->Decommit(a.get(), kBytes).ok());
+  a = memory::Allocation();
+  CHECK(alloc->usage()->reserved_bytes == before.reserved_bytes - released);
+  CHECK(alloc->usage()->allocations == before.allocations - 1);
+}
+
 }  // namespace
 }  // namespace zerort

@@ -41,7 +41,13 @@ class Device {
   virtual bool device_memory() const = 0;
 
   // Backing memory for arenas of each kind. The returned allocator outlives the device's users.
+  // The kDevice allocator of both devices can decommit (memory::RawAllocator::Decommit) and
+  // counts what it holds (usage()): Engine::Park releases device memory through it.
   virtual memory::RawAllocator* allocator(memory::MemoryKind kind) = 0;
+  // Returns memory the device keeps cached for itself and is not using (the CUDA device's
+  // stream-ordered pool behind SquaredNorm's scratch) to the driver: Engine::Park calls it so
+  // that a parked engine leaves the GPU to its neighbour. Default: nothing cached, OK.
+  virtual absl::Status ReleaseCachedMemory() { return absl::OkStatus(); }
 
   // Copies between any two buffers the engine holds (device or host).
   virtual absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream) = 0;

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status.h"
 
 namespace zerort {
 namespace memory {
@@ -32,43 +33,153 @@ size_t RoundUpToPage(size_t bytes) {
 
 class MmapAllocator final : public RawAllocator {
  public:
+  explicit MmapAllocator(std::string name) : name_(std::move(name)) {}
+
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     const size_t slack = bytes >= kHugePage ? kHugePage : 0;
     if (bytes > SIZE_MAX / 2) {  // bytes + slack and the page round-up must not wrap
-      return absl::ResourceExhaustedError(absl::StrCat("host mmap of ", bytes, " bytes: too large"));
+      return absl::ResourceExhaustedError(absl::StrCat(name_, " mmap of ", bytes, " bytes: too large"));
     }
     void* p = mmap(nullptr, bytes + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                    -1, 0);
     if (p == MAP_FAILED) {
       const int err = errno;
-      return absl::ResourceExhaustedError(absl::StrCat("host mmap of ", bytes,
+      return absl::ResourceExhaustedError(absl::StrCat(name_, " mmap of ", bytes,
                                                        " bytes failed: ", std::strerror(err)));
     }
-    if (slack == 0) return p;
-    // Keep the huge-page-aligned [start, start + bytes) and return the rest of the slack.
-    char* const base = static_cast<char*>(p);
-    char* const start = reinterpret_cast<char*>(
-        (reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~uintptr_t{kHugePage - 1});
-    char* const end = start + RoundUpToPage(bytes);
-    if (start > base) munmap(base, start - base);
-    if (base + bytes + slack > end) munmap(end, base + bytes + slack - end);
-    madvise(start, bytes, MADV_HUGEPAGE);  // a hint: fails harmlessly where THP is off
-    return start;
+    char* start = static_cast<char*>(p);
+    if (slack > 0) {
+      // Keep the huge-page-aligned [start, start + bytes) and return the rest of the slack.
+      char* const base = static_cast<char*>(p);
+      start = reinterpret_cast<char*>(
+          (reinterpret_cast<uintptr_t>(base) + kHugePage - 1) & ~uintptr_t{kHugePage - 1});
+      char* const end = start + RoundUpToPage(bytes);
+      if (start > base) munmap(base, start - base);
+      if (base + bytes + slack > end) munmap(end, base + bytes + slack - end);
+      madvise(start, bytes, MADV_HUGEPAGE);  // a hint: fails harmlessly where THP is off
+    }
+    absl::MutexLock lock(&mu_);
+    live_[start] = Entry{RoundUpToPage(bytes), true};
+    reserved_ += RoundUpToPage(bytes);
+    resident_ += RoundUpToPage(bytes);
+    return static_cast<void*>(start);
   }
+
   void Free(void* p, size_t bytes) override {
-    if (p != nullptr) munmap(p, bytes);
+    if (p == nullptr) return;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = live_.find(p);
+      if (it != live_.end()) {
+        reserved_ -= it->second.bytes;
+        if (it->second.committed) resident_ -= it->second.bytes;
+        live_.erase(it);
+      }
+    }
+    munmap(p, bytes);
   }
-  absl::string_view name() const override { return "host"; }
+
+  // Inaccessible first, then the pages dropped: a stray write between the two cannot bring a
+  // page back. madvise(MADV_DONTNEED) returns the pages of a private anonymous mapping (huge
+  // pages included) and leaves the range mapped, so Recommit is an mprotect that cannot lose
+  // the range: re-mmapping with MAP_FIXED could, on failure, leave it unmapped for another
+  // mapping to take.
+  absl::Status Decommit(void* p, size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, Find(p, bytes, /*committed=*/true, "Decommit"));
+    if (mprotect(p, e->bytes, PROT_NONE) != 0 || madvise(p, e->bytes, MADV_DONTNEED) != 0) {
+      const int err = errno;
+      mprotect(p, e->bytes, PROT_READ | PROT_WRITE);
+      return absl::InternalError(absl::StrCat(name_, ": Decommit of ", e->bytes,
+                                              " bytes failed: ", std::strerror(err)));
+    }
+    e->committed = false;
+    resident_ -= e->bytes;
+    ++decommits_;
+    return absl::OkStatus();
+  }
+
+  // The pages come back zero-filled, on first touch.
+  absl::Status Recommit(void* p, size_t bytes) override {
+    absl::MutexLock lock(&mu_);
+    ASSIGN_OR_RETURN(Entry * e, Find(p, bytes, /*committed=*/false, "Recommit"));
+    if (mprotect(p, e->bytes, PROT_READ | PROT_WRITE) != 0) {
+      const int err = errno;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          name_, ": Recommit of ", e->bytes, " bytes failed: ", std::strerror(err)));
+    }
+    e->committed = true;
+    resident_ += e->bytes;
+    ++recommits_;
+    return absl::OkStatus();
+  }
+
+  std::optional<AllocatorUsage> usage() const override {
+    absl::MutexLock lock(&mu_);
+    AllocatorUsage u;
+    u.allocations = live_.size();
+    u.reserved_bytes = reserved_;
+    u.resident_bytes = resident_;
+    u.decommits = decommits_;
+    u.recommits = recommits_;
+    return u;
+  }
+
+  absl::string_view name() const override { return name_; }
+
+ private:
+  struct Entry {
+    size_t bytes;  // page-rounded
+    bool committed;
+  };
+
+  absl::StatusOr<Entry*> Find(void* p, size_t bytes, bool committed, const char* op)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = live_.find(p);
+    if (it == live_.end() || it->second.bytes != RoundUpToPage(bytes)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name_, ": ", op, " of ", bytes, " bytes at ", reinterpret_cast<uintptr_t>(p),
+          ": not a live allocation of this allocator with that size"));
+    }
+    if (it->second.committed != committed) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          name_, ": ", op, " of ", bytes, " bytes: the allocation is already ",
+          committed ? "decommitted" : "committed"));
+    }
+    return &it->second;
+  }
+
+  const std::string name_;
+  mutable absl::Mutex mu_;
+  std::map<void*, Entry> live_ ABSL_GUARDED_BY(mu_);
+  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t resident_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t decommits_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t recommits_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 alignas(Arena::kAlignment) char g_empty_sentinel[Arena::kAlignment];
 
 }  // namespace
 
+absl::Status RawAllocator::Decommit(void* p, size_t bytes) {
+  return absl::UnimplementedError(
+      absl::StrCat(name(), ": cannot release memory while keeping its addresses (Decommit)"));
+}
+
+absl::Status RawAllocator::Recommit(void* p, size_t bytes) {
+  return absl::UnimplementedError(
+      absl::StrCat(name(), ": cannot release memory while keeping its addresses (Recommit)"));
+}
+
 RawAllocator* HostAllocator() {
-  static RawAllocator* const allocator = new MmapAllocator();
+  static RawAllocator* const allocator = new MmapAllocator("host");
   return allocator;
+}
+
+std::unique_ptr<RawAllocator> NewHostAllocator(std::string name) {
+  return std::make_unique<MmapAllocator>(std::move(name));
 }
 
 absl::StatusOr<std::unique_ptr<Arena>> Arena::Create(std::string name, size_t capacity,
@@ -131,6 +242,43 @@ absl::StatusOr<void*> Arena::AllocateStaggered(absl::string_view buffer_name, si
     }
   }
   return Allocate(buffer_name, bytes);
+}
+
+absl::Status Arena::Decommit() {
+  absl::MutexLock lock(&mu_);
+  if (!committed_) {
+    return absl::FailedPreconditionError(absl::StrCat("arena '", name_, "' is already decommitted"));
+  }
+  if (capacity_ > 0) {
+    absl::Status s = allocator_->Decommit(base_, capacity_);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("arena '", name_, "' (", capacity_, " bytes on ",
+                                                 allocator_->name(), "): ", s.message()));
+    }
+  }
+  committed_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status Arena::Recommit() {
+  absl::MutexLock lock(&mu_);
+  if (committed_) {
+    return absl::FailedPreconditionError(absl::StrCat("arena '", name_, "' is already committed"));
+  }
+  if (capacity_ > 0) {
+    absl::Status s = allocator_->Recommit(base_, capacity_);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("arena '", name_, "' (", capacity_, " bytes on ",
+                                                 allocator_->name(), "): ", s.message()));
+    }
+  }
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+bool Arena::committed() const {
+  absl::MutexLock lock(&mu_);
+  return committed_;
 }
 
 void Arena::Reset() {

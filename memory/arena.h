@@ -17,7 +17,9 @@
 
 #include <cstddef>
 #include <map>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -30,6 +32,15 @@
 namespace zerort {
 namespace memory {
 
+// What an allocator that counts holds now (RawAllocator::usage()).
+struct AllocatorUsage {
+  size_t allocations = 0;     // live allocations (Allocate not yet matched by Free)
+  size_t reserved_bytes = 0;  // their address space, rounded as the allocator maps it
+  size_t resident_bytes = 0;  // of which backed by memory now: reserved minus decommitted
+  uint64_t decommits = 0;     // Decommit calls that succeeded, since creation
+  uint64_t recommits = 0;     // Recommit calls that succeeded, since creation
+};
+
 // Where an arena's (or the pinned slab cache's) big allocations come from. Implementations must be
 // thread-safe. Allocate(0) is allowed to return nullptr.
 class RawAllocator {
@@ -37,16 +48,39 @@ class RawAllocator {
   virtual ~RawAllocator() = default;
   // Returns memory aligned to at least 4096 bytes, or ResourceExhausted naming `bytes`.
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
-  // REQUIRES: `p` came from Allocate(bytes) on this allocator with the same `bytes`.
+  // REQUIRES: `p` came from Allocate(bytes) on this allocator with the same `bytes`. Also
+  // frees a decommitted allocation.
   virtual void Free(void* p, size_t bytes) = 0;
   // For messages: "host", "cuda:0", ...
   virtual absl::string_view name() const = 0;
+
+  // --- Parking (optional; the defaults are Unimplemented naming the allocator).
+  // Decommit returns the memory behind the whole allocation `p` to the OS or the driver and
+  // keeps its address range reserved, so that pointers into it (the engine's parts hold many)
+  // are valid again after Recommit; in between, the contents are gone and touching them
+  // faults. Recommit backs the same addresses with new memory, contents undefined. This is how
+  // an engine gives its device memory back between RL phases (Engine::Park) without being
+  // rebuilt. Errors: FailedPrecondition for a pointer that is not a live allocation of this
+  // allocator or is already in the asked state; ResourceExhausted from Recommit when the
+  // memory is not available (the allocation stays decommitted: retry later).
+  // REQUIRES: no work reading or writing the allocation is pending.
+  virtual absl::Status Decommit(void* p, size_t bytes);
+  virtual absl::Status Recommit(void* p, size_t bytes);
+  // The counts, for tests and reports; nullopt for an allocator that does not count.
+  virtual std::optional<AllocatorUsage> usage() const { return std::nullopt; }
 };
 
 // Anonymous mmap (zero-filled, never touched until used): page-aligned, and for 2 MiB or more
-// 2 MiB-aligned with transparent huge pages asked for (why: memory/arena.cc). A process-wide
-// instance that is never destroyed.
+// 2 MiB-aligned with transparent huge pages asked for (why: memory/arena.cc). Counts its live
+// allocations (usage()) and can decommit them: the range is replaced by an inaccessible
+// MAP_NORESERVE mapping (pages and commit charge returned, any access faults) and recommitted
+// by mapping fresh zero-filled pages at the same address. A process-wide instance that is
+// never destroyed.
 RawAllocator* HostAllocator();
+// An allocator like HostAllocator() whose counts are its own: the CPU device's kDevice memory,
+// so that what an engine holds on "the device" is measured apart from every other host
+// allocation. REQUIRES: it outlives every allocation made from it.
+std::unique_ptr<RawAllocator> NewHostAllocator(std::string name);
 
 // One allocation from a RawAllocator, freed when the owner goes: for transient buffers outside
 // any arena (tests, benchmarks, cold paths such as exporting weights). Move-only.
@@ -136,6 +170,16 @@ class Arena {
   // Forgets every buffer (the memory stays reserved). REQUIRES: no buffer is in use.
   void Reset();
 
+  // Parking: Decommit returns the arena's memory to its allocator's OS or driver while its
+  // addresses, and every buffer carved from them, stay reserved; Recommit backs them again with
+  // undefined contents (zero/internal/parking.h saves and restores the bytes). Errors: the
+  // allocator's (Unimplemented where it cannot; ResourceExhausted from Recommit), naming the
+  // arena; FailedPrecondition when the arena already is in the asked state. An empty arena
+  // changes state without an allocator call. REQUIRES: no work on the arena is pending.
+  absl::Status Decommit();
+  absl::Status Recommit();
+  bool committed() const;
+
   const std::string& name() const { return name_; }
   char* base() const { return base_; }
   size_t capacity() const { return capacity_; }
@@ -162,6 +206,7 @@ class Arena {
   size_t used_ ABSL_GUARDED_BY(mu_) = 0;
   size_t requested_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, size_t, std::less<>> buffers_ ABSL_GUARDED_BY(mu_);
+  bool committed_ ABSL_GUARDED_BY(mu_) = true;
 };
 
 }  // namespace memory

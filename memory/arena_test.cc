@@ -1,5 +1,8 @@
 #include "memory/arena.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -249,6 +252,109 @@ TEST_CASE("HostAllocator: buffers of 2 MiB or more sit on huge-page boundaries, 
     HostAllocator()->Free(*q, 3 * kHuge + 1);
   }
   CHECK(MappedKib() - before < 16 * 1024);
+}
+
+// Pages of [p, p + bytes) resident in memory, by mincore: the kernel's answer, independent of
+// the allocator's own counts.
+size_t ResidentPages(const void* p, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> vec((bytes + page - 1) / page);
+  REQUIRE(mincore(const_cast<void*>(p), bytes, vec.data()) == 0);
+  size_t n = 0;
+  for (unsigned char c : vec) n += c & 1;
+  return n;
+}
+
+TEST_CASE("NewHostAllocator: Decommit returns the pages and keeps the addresses; Recommit "
+          "backs them again", "[memory][park]") {
+  std::unique_ptr<RawAllocator> alloc = NewHostAllocator("test device");
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  // One huge-page-backed size and one small one (the two paths of Allocate).
+  for (size_t bytes : {size_t{5} << 20, 3 * page + 17}) {
+    CAPTURE(bytes);
+    const size_t rounded = (bytes + page - 1) / page * page;
+    REQUIRE(alloc->usage()->resident_bytes == 0);
+    const uint64_t decommits = alloc->usage()->decommits;
+    auto p = alloc->Allocate(bytes);
+    REQUIRE(p.ok());
+    char* c = static_cast<char*>(*p);
+    std::memset(c, 0x6b, bytes);
+    CHECK(ResidentPages(c, bytes) == rounded / page);
+    AllocatorUsage u = *alloc->usage();
+    CHECK(u.allocations == 1);
+    CHECK(u.reserved_bytes == rounded);
+    CHECK(u.resident_bytes == rounded);
+
+    REQUIRE(alloc->Decommit(c, bytes).ok());
+    CHECK(ResidentPages(c, bytes) == 0);  // the kernel took the pages back
+    u = *alloc->usage();
+    CHECK(u.reserved_bytes == rounded);
+    CHECK(u.resident_bytes == 0);
+    CHECK(u.decommits == decommits + 1);
+    CHECK(alloc->Decommit(c, bytes).code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(alloc->Decommit(c + page, bytes).code() == absl::StatusCode::kFailedPrecondition);
+
+    REQUIRE(alloc->Recommit(c, bytes).ok());
+    CHECK(alloc->Recommit(c, bytes).code() == absl::StatusCode::kFailedPrecondition);
+    CHECK(alloc->usage()->resident_bytes == rounded);
+    // Fresh pages at the same addresses: zero-filled and writable.
+    CHECK(std::all_of(c, c + bytes, [](char x) { return x == 0; }));
+    std::memset(c, 0x2c, bytes);
+
+    // Free works in either state and forgets the allocation.
+    REQUIRE(alloc->Decommit(c, bytes).ok());
+    alloc->Free(c, bytes);
+    u = *alloc->usage();
+    CHECK(u.allocations == 0);
+    CHECK(u.reserved_bytes == 0);
+    CHECK(u.resident_bytes == 0);
+  }
+  // Counts are per allocator: the process-wide one counts on its own.
+  CHECK(HostAllocator()->usage().has_value());
+}
+
+TEST_CASE("Arena: Decommit and Recommit keep every buffer's address, and refuse a repeat",
+          "[memory][park]") {
+  std::unique_ptr<RawAllocator> alloc = NewHostAllocator("test device");
+  auto arena = Arena::Create("device", 1 << 20, alloc.get());
+  REQUIRE(arena.ok());
+  auto a = (*arena)->Allocate("a", 1000);
+  auto b = (*arena)->Allocate("b", 300000);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK((*arena)->committed());
+  REQUIRE((*arena)->Decommit().ok());
+  CHECK(!(*arena)->committed());
+  CHECK(alloc->usage()->resident_bytes == 0);
+  const absl::Status again = (*arena)->Decommit();
+  CHECK(again.code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(std::string(again.message()).find("'device'") != std::string::npos);
+  REQUIRE((*arena)->Recommit().ok());
+  CHECK((*arena)->Recommit().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(alloc->usage()->resident_bytes == alloc->usage()->reserved_bytes);
+  // The bump pointer and the buffers are untouched: the next buffer follows b.
+  CHECK((*arena)->BufferBytes("b").value() == 300000);
+  auto c = (*arena)->Allocate("c", 10);
+  REQUIRE(c.ok());
+  CHECK(static_cast<char*>(*c) == static_cast<char*>(*b) + AlignUp(300000, Arena::kAlignment));
+  std::memset(*a, 1, 1000);
+  std::memset(*b, 2, 300000);
+
+  // An allocator without the calls: Unimplemented, naming the arena and the allocator, and the
+  // arena stays committed.
+  CountingAllocator plain;
+  auto other = Arena::Create("other", 8192, &plain);
+  REQUIRE(other.ok());
+  const absl::Status s = (*other)->Decommit();
+  CHECK(s.code() == absl::StatusCode::kUnimplemented);
+  CHECK(std::string(s.message()).find("'other'") != std::string::npos);
+  CHECK(std::string(s.message()).find("counting") != std::string::npos);
+  CHECK((*other)->committed());
+  // An empty arena parks without its allocator.
+  auto empty = Arena::Create("empty", 0, &plain);
+  REQUIRE(empty.ok());
+  CHECK((*empty)->Decommit().ok());
+  CHECK((*empty)->Recommit().ok());
 }
 
 }  // namespace memory

@@ -162,7 +162,8 @@ absl::StatusOr<std::vector<int64_t>> CountElements(absl::Span<const ParamSpec> s
 }
 
 // Fills plan->units and plan->params (all but flat_offset) one parameter at a time: whole modules
-// are merged up to the target and an oversized module is split at parameter bounds.
+// are merged up to the target and an oversized module is split at parameter bounds, or, with
+// unit_per_module, each module is a unit.
 class UnitBuilder {
  public:
   UnitBuilder(absl::Span<const ParamSpec> specs, const std::vector<int64_t>& numel, Plan* plan,
@@ -171,15 +172,17 @@ class UnitBuilder {
 
   void AddModule(const std::vector<int>& module) {
     const std::string& module_name = specs_[module.front()].module;
+    const bool whole = o_.unit_per_module;
     int64_t size = 0;
     for (int i : module) size = math_.Add(Aligned(size), numel_[i], "unit size");
-    if (WouldOverflow(size)) Close();
+    if (whole || WouldOverflow(size)) Close();
     for (int i : module) {
-      if (WouldOverflow(numel_[i])) Close();
+      if (!whole && WouldOverflow(numel_[i])) Close();
       if (current_.params.empty()) first_module_ = module_name;
       last_module_ = module_name;
       AddParam(i);
     }
+    if (whole) Close();
   }
 
   // Ends the unit being filled, if any.
@@ -282,10 +285,10 @@ absl::Status CheckFrozen(absl::Span<const ParamSpec> specs, const PlanOptions& o
 // What the buffer sizes need to know about the units beyond the plan's own fields.
 struct UnitTotals {
   int64_t persistent_elements = 0;  // padded elements of persistent units (stage 3)
-  int64_t max_gathered_unit = 0;    // largest padded unit that is gathered (not persistent)
-  int64_t gathered_units = 0;
-  int64_t max_trainable_unit = 0;   // largest padded unit with gradients: buckets, wire, staging
+  int64_t max_trainable_unit = 0;   // largest padded unit with gradients: wire, staging
   int64_t trainable_persistent_elements = 0;  // persistent units the optimizer step updates
+  std::vector<int64_t> trainable_sizes;  // padded, of every unit with gradients: buckets
+  std::vector<int64_t> gathered_sizes;   // padded, of every unit gathered into a slot (stage 3)
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
@@ -299,20 +302,55 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
       totals.persistent_elements =
           math->Add(totals.persistent_elements, u.padded, "persistent element count");
       if (!u.frozen) totals.trainable_persistent_elements += u.padded;  // <= the line above
+    } else {
+      totals.gathered_sizes.push_back(u.padded);
     }
-    if (!u.frozen) totals.max_trainable_unit = std::max(totals.max_trainable_unit, u.padded);
+    if (!u.frozen) {
+      totals.max_trainable_unit = std::max(totals.max_trainable_unit, u.padded);
+      totals.trainable_sizes.push_back(u.padded);
+    }
     for (int i : u.params) {
       plan->params[i].flat_offset =
           math->Add(u.flat_offset, plan->params[i].offset_in_unit, "parameter offset");
     }
   }
-  for (const Unit& u : plan->units) {
-    if (!u.persistent) {
-      totals.max_gathered_unit = std::max(totals.max_gathered_unit, u.padded);
-      ++totals.gathered_units;
-    }
-  }
   return totals;
+}
+
+int64_t SatMul(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+}
+
+int64_t SatAdd(int64_t a, int64_t b) {
+  int64_t r;
+  return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+}
+
+// The slots of a buffer that holds one unit per slot, for units of `sizes` (padded elements,
+// not empty): `slots(n, size)` slots of `size` elements for a class of n units whose largest
+// has `size` elements. One class (every slot of the largest unit), or two: the k largest units
+// in slots of the largest size, the others in slots of the (k+1)-th largest, for the k that
+// needs the fewest elements. Two classes are taken only when they need strictly fewer elements
+// than one. Returns the slot sizes, smaller class first.
+template <typename SlotCount>
+std::vector<int64_t> SlotClasses(std::vector<int64_t> sizes, const SlotCount& slots) {
+  std::sort(sizes.rbegin(), sizes.rend());
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  const int64_t largest = sizes[0];
+  int64_t best = SatMul(slots(n, largest), largest);
+  int64_t best_k = 0;  // 0: one class
+  for (int64_t k = 1; k < n; ++k) {
+    if (sizes[k] == sizes[k - 1]) continue;  // a class boundary falls between distinct sizes
+    const int64_t total = SatAdd(SatMul(slots(k, largest), largest),
+                                 SatMul(slots(n - k, sizes[k]), sizes[k]));
+    if (total < best) best = total, best_k = k;
+  }
+  std::vector<int64_t> out;
+  if (best_k > 0) out.assign(static_cast<size_t>(slots(n - best_k, sizes[best_k])), sizes[best_k]);
+  const int64_t large = best_k > 0 ? slots(best_k, largest) : slots(n, largest);
+  out.insert(out.end(), static_cast<size_t>(large), largest);
+  return out;
 }
 
 // Appends a buffer of `elements` (none when that is 0).
@@ -329,6 +367,18 @@ void AddBuffer(Plan* plan, Checked* math, std::string name, BufferClass cls, Mem
   b.bytes = math->Mul(elements, static_cast<int64_t>(DTypeSize(dtype)),
                       absl::StrCat(b.name, " buffer size"));
   plan->buffers.push_back(std::move(b));
+}
+
+// A device buffer of `slot_elements` slots (SlotClasses), one per unit in flight.
+void AddSlottedBuffer(Plan* plan, Checked* math, std::string name, BufferClass cls, DType dtype,
+                      const std::vector<int64_t>& slot_elements) {
+  int64_t elements = 0;
+  for (int64_t e : slot_elements) elements = math->Add(elements, e, absl::StrCat(name, " size"));
+  const int64_t count = static_cast<int64_t>(slot_elements.size());
+  AddBuffer(plan, math, std::move(name), cls, MemoryKind::kDevice, dtype, elements, count);
+  if (slot_elements.front() != slot_elements.back()) {
+    plan->buffers.back().slot_elements = slot_elements;
+  }
 }
 
 MemoryKind HostKind(const PlanOptions& o) {
@@ -459,23 +509,30 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
               plan->trainable_padded_elements);
   }
   if (o.stage >= 2) {
-    const int64_t buckets = std::min<int64_t>(o.grad_bucket_count, plan->trainable_units);
-    AddBuffer(plan, math, "grad_bucket", BufferClass::kGradBucket, MemoryKind::kDevice, c,
-              math->Mul(buckets, totals.max_trainable_unit, "grad_bucket size"), buckets);
+    // Any grad_bucket_count units of one class may be open at once, as with equal buckets.
+    const std::vector<int64_t> slots = SlotClasses(
+        totals.trainable_sizes, [&](int64_t units, int64_t) {
+          return std::min<int64_t>(o.grad_bucket_count, units);
+        });
+    AddSlottedBuffer(plan, math, "grad_bucket", BufferClass::kGradBucket, c, slots);
   }
   if (o.stage == 3) {
-    const int64_t unit = totals.max_gathered_unit;
-    if (totals.gathered_units > 0) {
-      const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
-      // 1 + ceil(prefetch / unit), written so that a prefetch near INT64_MAX cannot wrap.
-      int64_t want = math->Add(1, Checked::CeilDiv(o.prefetch_elements, unit), "gather slots");
+    if (!totals.gathered_sizes.empty()) {
       // Frozen parameters split a module into a trainable and a frozen unit, which a trainer
       // holds together: one more slot.
-      if (plan->trainable_units < static_cast<int>(plan->units.size())) ++want;
-      plan->gather_slots =
-          std::max<int64_t>(1, std::min({want, live_cap, totals.gathered_units}));
-      AddBuffer(plan, math, "gather_buffer", BufferClass::kGatherBuffer, MemoryKind::kDevice, c,
-                math->Mul(plan->gather_slots, unit, "gather_buffer size"), plan->gather_slots);
+      const int64_t frozen_extra =
+          plan->trainable_units < static_cast<int>(plan->units.size()) ? 1 : 0;
+      // Per class: 1 + ceil(prefetch / unit), at most max_live / unit and the class's units;
+      // written so that a prefetch near INT64_MAX cannot wrap.
+      const std::vector<int64_t> slots = SlotClasses(
+          totals.gathered_sizes, [&](int64_t units, int64_t unit) {
+            const int64_t live_cap = std::max<int64_t>(1, o.max_live_elements / unit);
+            const int64_t want =
+                SatAdd(SatAdd(1, Checked::CeilDiv(o.prefetch_elements, unit)), frozen_extra);
+            return std::max<int64_t>(1, std::min({want, live_cap, units}));
+          });
+      plan->gather_slots = static_cast<int64_t>(slots.size());
+      AddSlottedBuffer(plan, math, "gather_buffer", BufferClass::kGatherBuffer, c, slots);
     }
     AddBuffer(plan, math, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
               totals.persistent_elements);
@@ -570,6 +627,14 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
+
+int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padded) {
+  int64_t best = 0;
+  for (int64_t e : slot_elements) {
+    if (e >= padded && (best == 0 || e < best)) best = e;
+  }
+  return best;
+}
 
 bool LocalAccumulation(const PlanOptions& o) {
   return o.local_grad_accumulation && o.gradient_accumulation_steps > 1 && o.stage <= 1;

@@ -9,12 +9,19 @@
 //  - Parameters are grouped into units: flat, contiguous groups following the trainer's modules
 //    in reverse registration order (the order backward produces gradients). Consecutive modules
 //    are merged while the unit stays within `unit_target_elements`; a module larger than that is
-//    split at parameter boundaries. A parameter never spans two units, so param(i) is contiguous.
+//    split at parameter boundaries. With `unit_per_module` each module is one unit instead.
+//    A parameter never spans two units, so param(i) is contiguous.
 //  - Each parameter starts at a multiple of `param_alignment` elements inside its unit; each unit
 //    is padded to a multiple of world_size * shard_alignment and split into world_size equal
 //    shards; rank r owns shard r of every unit. A parameter may straddle shards.
 //  - The same units are the gradient buckets (stages 0-2) and the gather units (stage 3) for
 //    every stage, so every stage reduces each element in the same order: stages are bit-identical.
+//  - The stage 2-3 gradient buckets and stage-3 gather slots come in at most two size classes
+//    (Buffer::slot_elements): when a few units are much larger than the rest (GPT-2's tied
+//    embedding is 31% of the model), they get slots of their own and the others slots of the
+//    largest remaining unit, so one large unit does not size every slot. A unit uses only
+//    slots of its class (SlotClassElements), so each class keeps the full slot count for its
+//    units: what fit before still fits.
 //
 //   std::vector<ParamSpec> specs = {{"fc1.w", {1024, 512}, "fc1"}, ...};
 //   PlanOptions o; o.stage = 2; o.world_size = 8;
@@ -107,9 +114,18 @@ struct Buffer {
   MemoryKind kind;
   DType dtype;
   int64_t elements = 0;  // total elements over all `count` copies
-  int64_t count = 1;     // number of equal slots (buckets, gather slots, staging chunks)
+  int64_t count = 1;     // number of slots (buckets, gather slots, staging chunks)
   int64_t bytes = 0;
+  // Slots of two size classes (grad_bucket, gather_buffer): the elements of each of the
+  // `count` slots, laid out one after the other, smaller class first. Empty when the slots are
+  // equal (elements / count each).
+  std::vector<int64_t> slot_elements;
 };
+
+// The slot size a unit of `padded` elements uses in a buffer of size classes: the smallest
+// slot of `slot_elements` that holds it (0 when none does). A unit never takes a slot of a
+// larger class, so the small units cannot starve the large ones of their slots.
+int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padded);
 
 // Everything that changes the layout. zero/planner fills it from the JSON config.
 struct PlanOptions {
@@ -157,6 +173,9 @@ struct PlanOptions {
   // window instead of one per micro-step. Stages 2-3 are refused (their gradients are shards).
   bool local_grad_accumulation = false;
   int64_t unit_target_elements = 500000000;  // reduce_bucket_size
+  // Each module its own unit: modules are neither merged nor split, and unit_target_elements
+  // is not read. zero/planner sets it when reduce_bucket_size is "auto" (docs/config.md).
+  bool unit_per_module = false;
   int64_t shard_alignment = 128;  // elements; shard starts are multiples of this (256 B in bf16)
   int64_t param_alignment = 8;    // elements; parameter starts inside a unit
   int grad_bucket_count = 2;      // stages 2-3: full-unit gradient buffers in flight
@@ -198,8 +217,8 @@ struct Plan {
   int64_t num_elements = 0;      // elements the trainer registered (P); not a tensor count
   int64_t padded_elements = 0;   // sum of units' padded sizes (E >= P)
   int64_t shard_elements = 0;    // E / world_size: elements this rank owns
-  int64_t max_unit_elements = 0; // largest padded unit: the size of a bucket or gather slot
-  int64_t gather_slots = 0;      // stage 3
+  int64_t max_unit_elements = 0; // largest padded unit: the size of the largest bucket or slot
+  int64_t gather_slots = 0;      // stage 3: all classes together
   // Frozen parameters (ParamSpec::frozen) sit in units [trainable_units, units.size()), after
   // every trainable unit, so that gradients and optimizer state cover a prefix of the flat and
   // shard layouts: the first trainable_padded_elements (trainable_shard_elements per rank).

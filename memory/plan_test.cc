@@ -181,6 +181,23 @@ TEST_CASE("Planner: units follow modules in reverse registration order", "[memor
   CHECK(plan->units[2].name == "embed");
   CHECK(plan->params[4].unit == 0);
   CHECK(plan->params[0].unit == 2);
+
+  // unit_per_module: every module one unit, small ones not merged, large ones not split,
+  // whatever the target; a module's parameters stay together even when registered apart.
+  specs.push_back({"l0.c", {7}, "l0"});
+  o.unit_per_module = true;
+  for (int64_t target : {1, 120, 1000000}) {
+    o.unit_target_elements = target;
+    auto per_module = MakePlan(specs, o);
+    REQUIRE(per_module.ok());
+    REQUIRE(per_module->units.size() == 4);
+    CHECK(per_module->units[0].name == "head");
+    CHECK(per_module->units[1].name == "l1");
+    CHECK(per_module->units[2].name == "l0");
+    CHECK(per_module->units[2].params == std::vector<int>{1, 2, 5});
+    CHECK(per_module->units[2].numel == 62);
+    CHECK(per_module->units[3].name == "embed");
+  }
 }
 
 TEST_CASE("Planner: working buffers per stage", "[memory]") {
@@ -225,6 +242,77 @@ TEST_CASE("Planner: working buffers per stage", "[memory]") {
   auto p3_capped = MakePlan(specs, o);
   REQUIRE(p3_capped.ok());
   CHECK(p3_capped->gather_slots == 2);
+}
+
+TEST_CASE("Planner: one huge unit gets a bucket and a gather slot of its own", "[memory]") {
+  // An embedding of H elements and L layers of S elements each, one unit per module, as GPT-2
+  // shaped: the buckets and slots of the layers are sized by a layer, not by the embedding.
+  constexpr int64_t H = 40000, S = 3000, L = 6;
+  std::vector<ParamSpec> specs = {{"embed.w", {H}, "embed"}};
+  for (int l = 0; l < L; ++l) {
+    specs.push_back({"l" + std::to_string(l) + ".w", {S}, "l" + std::to_string(l)});
+  }
+  PlanOptions o;
+  o.world_size = 2;
+  o.compute_dtype = DType::kF32;
+  o.unit_target_elements = 1;  // one unit per module
+  o.persistence_threshold = 0;
+  o.prefetch_elements = 7000;
+  const int64_t align = o.world_size * o.shard_alignment;
+  const int64_t h = (H + align - 1) / align * align, s = (S + align - 1) / align * align;
+
+  o.stage = 2;
+  auto p2 = MakePlan(specs, o);
+  REQUIRE(p2.ok());
+  const Buffer* buckets = p2->Find(BufferClass::kGradBucket);
+  REQUIRE(buckets != nullptr);
+  // grad_bucket_count (2) layer buckets beside one of the embedding's, instead of 2 of it.
+  CHECK(buckets->slot_elements == std::vector<int64_t>{s, s, h});
+  CHECK(buckets->count == 3);
+  CHECK(buckets->bytes == (2 * s + h) * 4);
+  CHECK(p2->max_unit_elements == h);
+
+  o.stage = 3;
+  auto p3 = MakePlan(specs, o);
+  REQUIRE(p3.ok());
+  // Per class, 1 + ceil(prefetch / its unit) slots, at most its units: 1 + ceil(7000 / s) of
+  // a layer, and 1 for the one embedding (1 + ceil(7000 / h) = 2, but there is one unit).
+  const int64_t layer_slots = 1 + (o.prefetch_elements + s - 1) / s;
+  REQUIRE(layer_slots == 4);
+  const Buffer* gather = p3->Find(BufferClass::kGatherBuffer);
+  REQUIRE(gather != nullptr);
+  std::vector<int64_t> expected(layer_slots, s);
+  expected.push_back(h);
+  CHECK(gather->slot_elements == expected);
+  CHECK(p3->gather_slots == layer_slots + 1);
+  CHECK(gather->bytes == (layer_slots * s + h) * 4);
+  // Against one class (every slot of the embedding's size: 2 slots, 2 buckets).
+  CHECK(gather->bytes + p3->Find(BufferClass::kGradBucket)->bytes < (2 * h + 2 * h) * 4);
+
+  // Each unit uses the smallest class that holds it.
+  CHECK(SlotClassElements(gather->slot_elements, s) == s);
+  CHECK(SlotClassElements(gather->slot_elements, 1) == s);
+  CHECK(SlotClassElements(gather->slot_elements, s + 1) == h);
+  CHECK(SlotClassElements(gather->slot_elements, h + 1) == 0);
+
+  // Equal units, or a large unit that two classes would not make cheaper, keep one class.
+  std::vector<ParamSpec> equal;
+  for (int l = 0; l < L; ++l) {
+    equal.push_back({"l" + std::to_string(l) + ".w", {S}, "l" + std::to_string(l)});
+  }
+  auto flat = MakePlan(equal, o);
+  REQUIRE(flat.ok());
+  CHECK(flat->Find(BufferClass::kGatherBuffer)->slot_elements.empty());
+  CHECK(flat->Find(BufferClass::kGradBucket)->slot_elements.empty());
+  CHECK(flat->Find(BufferClass::kGradBucket)->elements == 2 * s);
+  // Two of the largest size fill both buckets of the large class: a third class of one
+  // smaller unit would only add a bucket.
+  const std::vector<ParamSpec> three = {{"a", {S}, "a"}, {"b", {S}, "b"}, {"c", {S - 500}, "c"}};
+  o.stage = 2;
+  auto p = MakePlan(three, o);
+  REQUIRE(p.ok());
+  CHECK(p->Find(BufferClass::kGradBucket)->slot_elements.empty());
+  CHECK(p->Find(BufferClass::kGradBucket)->elements == 2 * s);
 }
 
 TEST_CASE("Planner: offload moves optimizer state to host memory", "[memory]") {

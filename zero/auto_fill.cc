@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -32,16 +33,22 @@ int64_t HiddenSize(absl::Span<const memory::ParamSpec> specs) {
   return std::max<int64_t>(1, static_cast<int64_t>(std::sqrt(static_cast<double>(dims[0]))));
 }
 
-// The elements of the largest module (consecutive parameters with one module name).
+// The elements of the largest module (every parameter with its module name: the plan keeps
+// them together wherever they were registered).
 int64_t LargestModule(absl::Span<const memory::ParamSpec> specs) {
-  int64_t largest = 0, current = 0;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (i > 0 && specs[i].module != specs[i - 1].module) current = 0;
-    const int64_t n = specs[i].numel();
-    current += n;
-    largest = std::max(largest, current);
+  absl::flat_hash_map<absl::string_view, int64_t> modules;
+  int64_t largest = 0;
+  for (const memory::ParamSpec& p : specs) {
+    int64_t& m = modules[p.module];
+    // Saturating: MakePlan refuses a model this large, naming it.
+    if (__builtin_add_overflow(m, p.numel(), &m)) m = std::numeric_limits<int64_t>::max();
+    largest = std::max(largest, m);
   }
   return largest;
+}
+
+std::string PerModuleWhy(const UnitSizes& sizes) {
+  return absl::StrCat("the largest ", sizes.largest_module, " elements");
 }
 
 }  // namespace
@@ -61,23 +68,31 @@ UnitSizes ResolveUnitSizes(absl::Span<const memory::ParamSpec> specs, const Conf
   };
   // A unit is also the stage-3 gather unit and trainers gather a module at a time: a unit
   // smaller than a module would split it, and its Fetch would need several gather slots at once
-  // (the example GPT's 8h*h MLP module across 4 h*h units). So units never go below the largest
-  // module; in GPT-2 and Llama that is the embedding or an MLP, which sizes the largest unit
-  // (hence buckets and gather slots) anyway.
+  // (the example GPT's 8h*h MLP module across 4 h*h units); a unit of several modules makes
+  // every bucket and slot of its class that much larger (GPT-2 124M: five blocks, 35M elements,
+  // where one is 7.1M). So "auto" is the trainer's own grouping: one unit per module.
   out.largest_module = LargestModule(specs);
+  out.per_module = z.reduce_bucket_size == kAutoSize;
   out.reduce_bucket_size =
-      resolve(z.reduce_bucket_size, std::max<int64_t>({1, h * h, out.largest_module}),
-              "reduce_bucket_size", "max(h*h, largest module)");
+      out.per_module ? std::max<int64_t>(1, out.largest_module) : z.reduce_bucket_size;
   out.prefetch_bucket_size = resolve(z.stage3_prefetch_bucket_size,
                                      static_cast<int64_t>(0.9 * static_cast<double>(h * h)),
                                      "stage3_prefetch_bucket_size", "0.9*h*h");
   out.persistence_threshold = resolve(z.stage3_param_persistence_threshold, 10 * h,
                                       "stage3_param_persistence_threshold", "10*h");
+  std::vector<std::string> parts;
+  if (out.per_module) {
+    parts.push_back(absl::StrCat("reduce_bucket_size = one unit per module (", PerModuleWhy(out),
+                                 ")"));
+  }
   if (!derived.empty()) {
-    out.reason = absl::StrCat("\"auto\" unit sizes from the hidden size h = ", h,
-                              hidden > 0 ? " (given by the trainer): "
-                                         : " (the largest parameter's smaller dimension): ",
-                              absl::StrJoin(derived, ", "), " elements");
+    parts.push_back(absl::StrCat("from the hidden size h = ", h,
+                                 hidden > 0 ? " (given by the trainer): "
+                                            : " (the largest parameter's smaller dimension): ",
+                                 absl::StrJoin(derived, ", "), " elements"));
+  }
+  if (!parts.empty()) {
+    out.reason = absl::StrCat("\"auto\" unit sizes: ", absl::StrJoin(parts, "; "));
   }
   return out;
 }
@@ -170,8 +185,10 @@ void ResolveUnitSizeAutos(AutoResolver* r, absl::Span<const memory::ParamSpec> s
     r->Take(absl::StrCat("zero_optimization.", key));
     r->Note(absl::StrCat("zero_optimization.", key), value, absl::StrCat(rule, ", ", h));
   };
-  set("reduce_bucket_size", &z.reduce_bucket_size, sizes.reduce_bucket_size,
-      "max(h*h, largest module)");
+  // Not a number: "auto" stays, and the planner makes one unit per module (ResolveUnitSizes).
+  if (sizes.per_module) {
+    r->Note("zero_optimization.reduce_bucket_size", "one unit per module", PerModuleWhy(sizes));
+  }
   set("stage3_prefetch_bucket_size", &z.stage3_prefetch_bucket_size, sizes.prefetch_bucket_size,
       "0.9*h*h");
   set("stage3_param_persistence_threshold", &z.stage3_param_persistence_threshold,

@@ -27,18 +27,21 @@
 
 namespace zerort {
 
-// The unit sizes a plan uses. Each size the config leaves "auto" (kAutoSize, the default)
-// follows the model as in DeepSpeed's Hugging Face integration: stage3_prefetch_bucket_size =
-// 0.9 * h * h, stage3_param_persistence_threshold = 10 * h, and reduce_bucket_size = h * h but
-// never less than the largest module (a unit is also the stage-3 gather unit, and a trainer
-// gathers whole modules), where h, the hidden size, is the smaller of the largest parameter's
-// two largest dimensions (a vector's: its square root). So a small model gets small units, and
-// stage-3 buckets and gather slots shrink with the model instead of staying at DeepSpeed's fixed
-// 5e8-element default. Explicit values are kept as written.
+// The unit sizes a plan uses. A reduce_bucket_size left "auto" (kAutoSize, the default) makes
+// one unit per registered module (PlanOptions::unit_per_module): the trainer's modules are what
+// it gathers in stage 3, and merged modules would size every bucket and slot of their class.
+// The other sizes left "auto" follow the model as in DeepSpeed's Hugging Face integration:
+// stage3_prefetch_bucket_size = 0.9 * h * h, stage3_param_persistence_threshold = 10 * h, where
+// h, the hidden size, is the smaller of the largest parameter's two largest dimensions (a
+// vector's: its square root). So a small model gets small units, and stage-3 buckets and gather
+// slots shrink with the model instead of staying at DeepSpeed's fixed 5e8-element default.
+// Explicit values are kept as written (a written reduce_bucket_size merges modules up to it).
 struct UnitSizes {
   int64_t hidden = 0;                 // h (computed whether or not any size is auto)
   int64_t largest_module = 0;         // elements of the largest module
-  int64_t reduce_bucket_size = 0;     // PlanOptions::unit_target_elements
+  bool per_module = false;            // reduce_bucket_size "auto": one unit per module
+  // PlanOptions::unit_target_elements: as written, or the largest module with per_module.
+  int64_t reduce_bucket_size = 0;
   int64_t prefetch_bucket_size = 0;   // PlanOptions::prefetch_elements
   int64_t persistence_threshold = 0;  // PlanOptions::persistence_threshold
   std::string reason;                 // what was derived and from what; "" when nothing was
@@ -68,16 +71,17 @@ struct AutoFill {
 // `zerort plan --fill`.
 absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
 
-// Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with
-// a value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
-// docs/config.md: unit sizes from the fill's hidden_size (the largest module bound read off
-// `specs`; without a hidden_size they stay kAutoSize and the planner derives h from `specs`); bf16/fp16.enabled from fill.compute_dtype (false
-// without one); optimizer and gradient-clipping values from the fill, else zerort's defaults;
-// gradient_accumulation_steps from the fill, else train / (micro * world) when all are known,
-// else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else the
-// optimizer's lr; warmup_num_steps from the fill, else DeepSpeed's 1000; total_num_steps from the
-// fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when all
-// four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
+// Replaces every "auto" of `config` (config->auto_keys, and the unit sizes left kAutoSize) with a
+// value, and adds one note per key: "<path>: auto -> <value> (<why>)". The rules, in
+// docs/config.md: the prefetch and persistence sizes from the fill's hidden_size (without one they
+// stay kAutoSize and the planner derives h from `specs`); reduce_bucket_size stays kAutoSize, one
+// unit per module, noted when the fill has a hidden_size; bf16/fp16.enabled from fill.compute_dtype
+// (false without one); optimizer and gradient-clipping values from the fill, else zerort's
+// defaults; gradient_accumulation_steps from the fill, else train / (micro * world) when all are
+// known, else 1; scheduler warmup_min_lr from the fill, else 0; warmup_max_lr from the fill, else
+// the optimizer's lr; warmup_num_steps from the fill, else DeepSpeed's 1000; total_num_steps from
+// the fill only. Then checks train_batch_size = micro * gradient_accumulation_steps * world when
+// all four are known. Errors (InvalidArgument, all of them in one Status like ParseConfig's): an
 // "auto" no rule fills, inconsistent batch sizes, bf16 and fp16 both enabled.
 //
 // `purpose` kPlan is for a plan alone (`zerort plan`): an "auto" that no rule fills but that

@@ -114,7 +114,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
 
 absl::Status Engine::Impl::CheckRange(const char* call, int index, bool unit) const {
   const int n = unit ? num_units() : static_cast<int>(specs_.size());
-  if (index >= 0 && index < n) return absl::OkStatus();
+  // Every call that checks an index reaches device memory: refused while parked.
+  if (index >= 0 && index < n) return CheckUnparked(call);
   return absl::OutOfRangeError(absl::StrCat(call, "(", index, "): there are ", n,
                                             unit ? " units" : " parameters"));
 }
@@ -272,6 +273,18 @@ MemoryReport Engine::memory_report() const {
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
   r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
+  // The budget Create fitted: the same plan and resolved config, without a workload, so only
+  // declared activations count. It succeeded there, so it cannot fail here.
+  const absl::StatusOr<DeviceBudget> budget =
+      MakeDeviceBudget(impl_->plan_, impl_->config_, Workload{});
+  if (budget.ok()) {
+    r.device_budget_bytes = budget->total_bytes;
+    if (budget->counted) {
+      r.activation_bytes_per_sample = impl_->plan_.activation_bytes_per_sample;
+      r.micro_batch = budget->micro_batch;
+      r.activation_bytes = budget->activation_bytes;
+    }
+  }
   return r;
 }
 double Engine::loss_scale() const { return impl_->scaler_.scale(); }
@@ -287,6 +300,7 @@ std::unique_ptr<comm::HostExchange> Engine::NewHostExchange() const {
 
 absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
   Impl& m = *impl_;
+  RETURN_IF_ERROR(m.CheckUnparked("InitParams"));
   const Device::Stream compute = m.streams_->compute();
   RETURN_IF_ERROR(m.snapshot_->Fence(/*host=*/true));
   for (int u = 0; u < num_units(); ++u) {
@@ -427,6 +441,7 @@ absl::Status Engine::ReleaseParams(absl::Span<const int> params) {
 
 absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
   Impl& m = *impl_;
+  RETURN_IF_ERROR(m.CheckUnparked("GatherMasterWeights"));
   std::vector<int64_t> param_start(m.specs_.size() + 1, 0);  // in the output
   for (size_t i = 0; i < m.specs_.size(); ++i) {
     param_start[i + 1] = param_start[i] + m.plan_.params[i].numel;
@@ -449,6 +464,87 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
     }
   }
   return out;
+}
+
+// --- parking (RL colocation) -----------------------------------------------------------------
+
+// What Park must not interrupt, in the trainer's words: each leaves device state that only the
+// rest of its sequence consumes (a gradient being reduced, a measured window, a gathered unit
+// the trainer reads).
+absl::Status Engine::Park() {
+  Impl& m = *impl_;
+  if (m.parked_ != nullptr) {
+    return absl::FailedPreconditionError("Park: the engine is already parked; Unpark() first");
+  }
+  if (m.pending_.active) {
+    return absl::FailedPreconditionError(
+        "Park between optimizer steps only: a window measured by ComputeGradNorm() awaits "
+        "ApplyStep() or SkipStep()");
+  }
+  if (m.grads_->any_ready()) {
+    return absl::FailedPreconditionError(
+        "Park between optimizer steps only: a micro-step is in progress (GradReady since the "
+        "last Step()): finish it with Step()");
+  }
+  if (m.micro_ != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Park between optimizer steps only: ", m.micro_, " of ", m.gas_,
+        " micro-steps of an accumulation window are done (gradient_accumulation_steps): finish "
+        "the window with Step()"));
+  }
+  std::vector<int> held;
+  for (int u = 0; u < num_units(); ++u) {
+    if (m.gatherer_->holds(u) > 0) held.push_back(u);
+  }
+  if (!held.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Park between optimizer steps only: ", held.size(), " unit(s) are held (Gather or "
+        "AcquireParams not yet released), first unit ", held.front(), " holding parameter '",
+        m.specs_[m.plan_.units[held.front()].params.front()].name, "': Release them first"));
+  }
+  // The copies of an asynchronous checkpoint read device state: let them land (a checkpoint
+  // writer goes on with its host buffers). Then everything queued on the engine's streams,
+  // which the step ordered before the compute stream's end.
+  RETURN_IF_ERROR(m.snapshot_->Fence(/*host=*/true));
+  RETURN_IF_ERROR(m.streams_->JoinComm());
+  const Device::Stream compute = m.streams_->compute();
+  RETURN_IF_ERROR(m.dev_->Synchronize(compute));
+  // The device's own cache first: nothing is parked yet if it fails.
+  RETURN_IF_ERROR(m.dev_->ReleaseCachedMemory());
+  absl::StatusOr<std::unique_ptr<zero_internal::ParkedArenas>> parked =
+      zero_internal::ParkedArenas::Park({m.memory_->arena(memory::MemoryKind::kDevice)}, m.dev_,
+                                        compute);
+  if (!parked.ok()) {
+    return absl::Status(parked.status().code(),
+                        absl::StrCat("Park: ", parked.status().message()));
+  }
+  m.parked_ = *std::move(parked);
+  return absl::OkStatus();
+}
+
+absl::Status Engine::Unpark() {
+  Impl& m = *impl_;
+  if (m.parked_ == nullptr) {
+    return absl::FailedPreconditionError("Unpark: the engine is not parked");
+  }
+  absl::Status s = m.parked_->Unpark();
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("Unpark (the engine stays parked): ", s.message()));
+  }
+  m.parked_.reset();  // the slabs back to the pinned cache, for the next Park
+  return absl::OkStatus();
+}
+
+bool Engine::parked() const { return impl_->parked_ != nullptr; }
+
+int64_t Engine::parked_device_bytes() const {
+  if (impl_->parked_ == nullptr) return 0;
+  return static_cast<int64_t>(impl_->memory_->arena(memory::MemoryKind::kDevice)->capacity());
+}
+
+int64_t Engine::parked_host_bytes() const {
+  if (impl_->parked_ == nullptr) return 0;
+  return static_cast<int64_t>(impl_->parked_->host_bytes());
 }
 
 }  // namespace zerort

@@ -103,6 +103,20 @@ struct StepStats {
 struct MemoryReport {
   int64_t planned[memory::kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
+
+  // What the plan counted on this rank's device besides the engine's buffers, so that a trainer
+  // which measures its own peak can check the plan against it. The activations are the ones the
+  // trainer declared (memory::ParamSpec::activation_bytes_per_sample summed over the model)
+  // times the micro-batch (train_micro_batch_size_per_gpu, else 1): per rank, since every rank
+  // runs its own micro-batch, and held by the trainer's allocator, never by the engine. All
+  // four are 0 and device_budget_bytes is the model-state buffers alone when nothing was
+  // declared (the plan then counts neither activations nor reserves: zero/planner.h).
+  int64_t activation_bytes_per_sample = 0;
+  int64_t micro_batch = 0;
+  int64_t activation_bytes = 0;
+  // The plan's whole device budget per rank (DeviceBudget::total_bytes): model-state buffers +
+  // declared activations + the config's reserves (CUDA context, NCCL, cuBLAS, fragmentation).
+  int64_t device_budget_bytes = 0;
 };
 
 // The engine's scalar training state: what a checkpoint stores besides tensors. The loss
@@ -383,6 +397,38 @@ class Engine {
   // consistent. Collective. REQUIRES: at_step_boundary(); padding elements are zero.
   absl::Status RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
                                  absl::Span<const float> v, const EngineState& state);
+
+  // --- parking (RL colocation) ----------------------------------------------------------------
+  // Park() moves every device buffer of this rank's engine (parameters, gradients, buckets,
+  // gather slots, and master, m, v unless offloaded) into pinned host memory from the
+  // process-wide memory::PinnedSlabCache and returns the device memory to the device's
+  // allocator (on CUDA, to the driver: another process may use it), so that an RL trainer's
+  // generation engine can take the GPU between training phases (DeepSpeed's offload_states).
+  // Unpark() brings it back, bit for bit, at the same addresses: param(i) and grad(i) pointers
+  // are valid again after the pair (the trainer's own SetGradBuffer buffers are not the
+  // engine's to move), and training goes on as if nothing had happened. The second and later
+  // Parks make no new OS allocation of pinned memory. See docs/embedding.md, section 10.
+  //
+  // Park only between optimizer steps: FailedPrecondition, naming it, while a micro-step is in
+  // progress (a GradReady since the last Step), inside an accumulation window, while a
+  // ComputeGradNorm awaits ApplyStep/SkipStep, or while a unit is held (Gather/AcquireParams
+  // not yet released); and when already parked. It waits for the copies of a BeginSnapshot
+  // still in flight (a checkpoint writer then only works on its host buffers). Not
+  // collective: each rank parks its own memory.
+  // While parked, every call that touches device memory (param, grad, GradReady, Gather,
+  // AcquireParams, Step, ComputeGradNorm, ApplyStep, SkipStep, InitParams, SetGradBuffer,
+  // GatherMasterWeights, BeginSnapshot, RestoreOwnedState) is FailedPrecondition saying so; the
+  // trainer must not touch the engine's device pointers either (on both devices that faults).
+  // Unpark: FailedPrecondition when not parked; ResourceExhausted when the device memory is not
+  // available (the engine stays parked: free the memory and call it again).
+  absl::Status Park();
+  absl::Status Unpark();
+  bool parked() const;
+  // While parked: the bytes of device memory Park released (the device arena's capacity, as
+  // asked of the device's allocator, which may round it up) and the bytes it holds in pinned
+  // host memory instead (what the arena had carved). 0 when not parked.
+  int64_t parked_device_bytes() const;
+  int64_t parked_host_bytes() const;
 
  private:
   class Impl;

@@ -30,6 +30,7 @@ EngineState Engine::state() const {
 
 absl::Status Engine::BeginSnapshot(float* master, float* m, float* v, void* param) {
   Impl& e = *impl_;
+  RETURN_IF_ERROR(e.CheckUnparked("BeginSnapshot"));
   if (!at_step_boundary()) {
     return absl::FailedPreconditionError(
         "BeginSnapshot inside an accumulation window: snapshot between optimizer steps");
@@ -81,6 +82,7 @@ absl::Status Engine::Impl::RegatherUnit(int u) {
 absl::Status Engine::RestoreOwnedState(absl::Span<const float> master, absl::Span<const float> m,
                                        absl::Span<const float> v, const EngineState& state) {
   Impl& e = *impl_;
+  RETURN_IF_ERROR(e.CheckUnparked("RestoreOwnedState"));
   const int64_t n = e.plan_.shard_elements;
   if (static_cast<int64_t>(master.size()) != n || static_cast<int64_t>(m.size()) != n ||
       static_cast<int64_t>(v.size()) != n) {

@@ -85,6 +85,7 @@ absl::StatusOr<StepStats> Engine::SkipStep() {
 // The phases of the optimizer step (docs/architecture.md, section 4). A window measured by an
 // earlier ComputeGradNorm (pending_) starts at phase 3.
 absl::StatusOr<StepStats> Engine::Impl::RunStep(const StepRequest& request) {
+  RETURN_IF_ERROR(CheckUnparked(request.measure_only ? "ComputeGradNorm" : "Step"));
   if (!pending_.active) {
     const Stopwatch measure;
     // 1. Every reduction of this micro-step complete; inside an accumulation window the step

@@ -964,6 +964,60 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
   }
 }
 
+TEST_CASE("Engine: buckets and gather slots in two size classes keep stages 2-3 bit-identical "
+          "to stage 1", "[zero]") {
+  // An embedding far larger than the blocks, as GPT-2's: it gets a bucket and a gather slot of
+  // its own, the blocks buckets and slots of a block (memory/plan.h, size classes).
+  std::vector<ParamSpec> specs = {{"embed.w", {61, 47}, "embed"}};
+  for (int l = 0; l < 6; ++l) {
+    const std::string m = "block" + std::to_string(l);
+    specs.push_back({m + ".w", {11, 13}, m});
+    specs.push_back({m + ".b", {13}, m});
+  }
+  for (DType precision : {DType::kF32, DType::kBF16}) {
+    for (int world : {2, 3}) {
+      for (int gas : {1, 2}) {
+        INFO("precision=" << DTypeName(precision) << " world=" << world << " gas=" << gas);
+        RunResult reference =
+            Train(MakeConfig(1, precision, gas, 0.05, false), world, 8, -1, -1, specs);
+        RequireOk(reference);
+        for (int stage = 2; stage <= 3; ++stage) {
+          INFO("stage=" << stage);
+          const Config config = MakeConfig(stage, precision, gas, 0.05, false);
+          absl::StatusOr<PlanChoice> choice = ChoosePlan(specs, config, world, 0);
+          REQUIRE(choice.ok());
+          const memory::Plan& plan = choice->plan;
+          // The classes are in force: the embedding's unit alone sizes the last slot.
+          int64_t largest = 0, block = 0;
+          for (const memory::Unit& u : plan.units) {
+            if (u.params.size() == 1 && u.params[0] == 0) largest = u.padded;
+            if (u.name == "block0") block = u.padded;
+          }
+          REQUIRE(largest > block);
+          const std::vector<int64_t> buckets = {block, block, largest};
+          CHECK(plan.Find(memory::BufferClass::kGradBucket)->slot_elements == buckets);
+          if (stage == 3) {
+            const std::vector<int64_t>& slots =
+                plan.Find(memory::BufferClass::kGatherBuffer)->slot_elements;
+            REQUIRE(slots.size() >= 2);
+            CHECK(slots.back() == largest);
+            CHECK(slots[slots.size() - 2] == block);
+          }
+          RunResult run = Train(config, world, 8, -1, -1, specs);
+          RequireOk(run);
+          for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+            CHECK(run.report.allocated[k] == run.report.planned[k]);
+          }
+          for (int r = 0; r < world; ++r) {
+            CHECK(BitEqual(run.master[r], reference.master[0]));
+            CHECK(run.params[r] == reference.params[0]);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("Engine: ranks that registered different models are told so", "[zero]") {
   auto device = testing::OneThreadCpuDevice();
   const std::vector<absl::Status> errors =

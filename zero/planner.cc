@@ -43,6 +43,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.local_grad_accumulation = c.local_grad_accumulation;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
   o.unit_target_elements = std::max<int64_t>(1, sizes.reduce_bucket_size);
+  o.unit_per_module = sizes.per_module;
   o.persistence_threshold = sizes.persistence_threshold;
   o.prefetch_elements = sizes.prefetch_bucket_size;
   o.max_live_elements = std::max<int64_t>(1, c.zero.stage3_max_live_parameters);

@@ -273,6 +273,51 @@ TEST_CASE("Planner: auto puts the optimizer state on NVMe when host memory is to
   CHECK(big->plan.nvme_bytes() == 0);
 }
 
+// Device bytes per rank of `specs` in fp32 at `world` for stages 0-3, with the default config.
+std::vector<int64_t> Fp32DeviceBytes(const std::vector<memory::ParamSpec>& specs, int world) {
+  std::vector<int64_t> out;
+  for (int stage = 0; stage <= 3; ++stage) {
+    Config c;
+    c.compute_dtype = DType::kF32;
+    c.zero.stage = stage;
+    absl::StatusOr<PlanChoice> choice = ChoosePlan(specs, c, world, 0);
+    REQUIRE(choice.ok());
+    out.push_back(choice->plan.device_bytes());
+  }
+  return out;
+}
+
+TEST_CASE("Planner: with default sizes one large unit does not erase stage 2-3 savings",
+          "[zero]") {
+  // GPT-2 124M in fp32 at world 2: stages 2 and 3 used to plan above stage 1 (1487 and 1550
+  // MiB against 1424), every bucket and slot the size of the tied embedding's 39.4M-element
+  // unit. One unit per block and a slot class of its own for the embedding put them below.
+  auto gpt2 = ModelPreset("gpt2-124m");
+  REQUIRE(gpt2.ok());
+  const std::vector<int64_t> b = Fp32DeviceBytes(*gpt2, 2);
+  CHECK(b[3] < b[2]);
+  CHECK(b[2] < b[1]);
+  CHECK(b[1] < b[0]);
+  // Stage 2 exactly: the parameters, the shards of gradients and Adam's moments, and three
+  // buckets (two of a block, one of the embeddings) instead of two of the embeddings.
+  const int64_t P = 124439808, block = 12 * 768 * 768 + 13 * 768, embed = (50257 + 1024) * 768;
+  CHECK(b[2] == 4 * P + 3 * 4 * (P / 2) + 4 * (2 * block + embed) + 4 * 2 * 15);
+
+  // llm.c's CPU GPT-2 (L = 4, C = 128, vocabulary 50304, 64 positions), one module per layer:
+  // 82.9 / 118.2 / 153.5 MiB for stages 1-3 before, now the embedding's gradient bucket is the
+  // only slot of its size in stage 2 and adds one gather slot of its size in stage 3.
+  const int64_t C = 128;
+  absl::StatusOr<std::vector<memory::ParamSpec>> llmc =
+      LoadModelFile("zero/testdata/llmc_gpt2_l4_c128.json");
+  REQUIRE(llmc.ok());
+  REQUIRE(llmc->size() == 2 + 4 * 12 + 2);
+  const std::vector<int64_t> l = Fp32DeviceBytes(*llmc, 2);
+  CHECK(l[2] < int64_t{96} << 20);   // 95.13 MiB (118.18 before)
+  CHECK(l[3] < int64_t{108} << 20);  // 107.40 MiB (153.49 before)
+  // The embedding's gradient alone is 24.6 MiB: at world 2, stage 2 cannot save that much.
+  CHECK(l[2] - l[1] < 50304 * C * 4);
+}
+
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {
   // h is read off the largest parameter: GPT-2 1.5B's wte is (50257, 1600), Llama 2 7B's
   // embedding (32000, 4096), a lone vector of 10,000 elements has h = 100.
@@ -284,17 +329,20 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
     REQUIRE(specs.ok());
     const UnitSizes sizes = ResolveUnitSizes(*specs, Config{});
     CHECK(sizes.hidden == h);
-    CHECK(sizes.reduce_bucket_size == std::max(h * h, sizes.largest_module));
+    CHECK(sizes.per_module);
+    CHECK(sizes.reduce_bucket_size == sizes.largest_module);
     CHECK(sizes.prefetch_bucket_size == h * h * 9 / 10);
     CHECK(sizes.persistence_threshold == 10 * h);
-    CHECK_THAT(sizes.reason, Catch::Contains("reduce_bucket_size = max(h*h, largest module) = " +
-                                             std::to_string(sizes.reduce_bucket_size)));
+    CHECK_THAT(sizes.reason, Catch::Contains("reduce_bucket_size = one unit per module (the "
+                                             "largest " +
+                                             std::to_string(sizes.largest_module) + " elements)"));
   }
   const std::vector<memory::ParamSpec> vector_only = {{"v", {10000}, "m"}};
   CHECK(ResolveUnitSizes(vector_only, Config{}).hidden == 100);
-  // Units never split a module: h = 4, but module m1 holds 20 elements.
+  // Units never split a module: h = 4, but module m1 holds 20 elements, wherever they were
+  // registered.
   const std::vector<memory::ParamSpec> small = {
-      {"a", {4, 4}, "m1"}, {"b", {4}, "m1"}, {"c", {2, 2}, "m2"}};
+      {"a", {4, 4}, "m1"}, {"c", {2, 2}, "m2"}, {"b", {4}, "m1"}};
   CHECK(ResolveUnitSizes(small, Config{}).hidden == 4);
   CHECK(ResolveUnitSizes(small, Config{}).largest_module == 20);
   CHECK(ResolveUnitSizes(small, Config{}).reduce_bucket_size == 20);
@@ -311,6 +359,7 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
   REQUIRE(specs.ok());
   const UnitSizes kept = ResolveUnitSizes(*specs, c);
   CHECK(kept.reduce_bucket_size == 123);
+  CHECK(!kept.per_module);
   CHECK(kept.prefetch_bucket_size == 0);
   CHECK(kept.persistence_threshold == 7);
   CHECK(kept.reason.empty());
@@ -319,7 +368,8 @@ TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones ar
   c.zero.stage = 3;
   auto choice = ChoosePlan(*specs, c, 8, 0);
   REQUIRE(choice.ok());
-  CHECK(choice->plan.options.unit_target_elements == (50257 + 1024) * 1600);
+  CHECK(choice->plan.options.unit_per_module);
+  CHECK(choice->plan.units.size() == 48 + 2);  // one unit per block, ln_f, the embeddings
   CHECK(choice->plan.options.prefetch_elements == 2304000);
   CHECK(choice->plan.options.persistence_threshold == 16000);
   CHECK_THAT(choice->reason, Catch::Contains("hidden size h = 1600"));
@@ -396,12 +446,12 @@ TEST_CASE("ResolveAuto: the trainer's fill replaces every auto, each with a note
   CHECK(c.scheduler.warmup_num_steps == 100);
   CHECK(c.scheduler.total_num_steps == 5000);
   CHECK(c.gradient_accumulation_steps == 8);  // 256 / (4 * 8)
-  // Hugging Face's rule for the unit sizes, h = 1024 (no parameters: no module bound).
-  CHECK(c.zero.reduce_bucket_size == 1024 * 1024);
+  // Hugging Face's rule for the sizes that follow h = 1024; the units follow the modules.
+  CHECK(c.zero.reduce_bucket_size == kAutoSize);
   CHECK(c.zero.stage3_prefetch_bucket_size == 943718);  // floor(0.9 * 1048576)
   CHECK(c.zero.stage3_param_persistence_threshold == 10240);
-  CHECK(HasNote(c, "zero_optimization.reduce_bucket_size: auto -> 1048576 (max(h*h, largest "
-                   "module), h = 1024 from the trainer)"));
+  CHECK(HasNote(c, "zero_optimization.reduce_bucket_size: auto -> one unit per module (the "
+                   "largest 0 elements)"));
   CHECK(HasNote(c, "bf16.enabled: auto -> true (the trainer computes in bf16)"));
   CHECK(HasNote(c, "fp16.enabled: auto -> false (the trainer computes in bf16)"));
   CHECK(HasNote(c, "scheduler.params.warmup_max_lr: auto -> 3e-05 (optimizer.params.lr)"));
@@ -498,7 +548,7 @@ TEST_CASE("ResolveAuto: configs in the styles of published DeepSpeed users parse
     REQUIRE(s.ok());
     CHECK(config->auto_keys.empty());
     CHECK(config->compute_dtype == c.dtype);
-    CHECK(config->zero.reduce_bucket_size != kAutoSize);
+    CHECK(config->zero.stage3_prefetch_bucket_size != kAutoSize);
     CHECK(ValidateConfig(*config).ok());
     absl::StatusOr<PlanChoice> plan = ChoosePlan(*llama, *config, static_cast<int>(c.world), 0);
     INFO(plan.status().ToString());

@@ -1,12 +1,31 @@
 #include "zero/report.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "base/bytes.h"
 
 namespace zerort {
+
+namespace {
+
+// "    size classes: 2 x 7087872 + 1 x 39383808 elements" (memory/plan.h): runs of equal slots.
+std::string SlotClassesLine(const memory::Buffer& b) {
+  std::vector<std::string> runs;
+  const std::vector<int64_t>& s = b.slot_elements;
+  for (size_t i = 0; i < s.size();) {
+    size_t j = i;
+    while (j < s.size() && s[j] == s[i]) ++j;
+    runs.push_back(absl::StrCat(j - i, " x ", s[i]));
+    i = j;
+  }
+  return absl::StrCat("    size classes: ", absl::StrJoin(runs, " + "), " elements\n");
+}
+
+}  // namespace
 
 std::string PlanTable(const memory::Plan& plan) {
   const memory::PlanOptions& o = plan.options;
@@ -26,6 +45,7 @@ std::string PlanTable(const memory::Plan& plan) {
       if (static_cast<int>(b.kind) != k) continue;
       absl::StrAppendFormat(&out, "  %-18s %-6s %6d %16d %12s\n", b.name, DTypeName(b.dtype),
                             b.count, b.elements, HumanBytes(b.bytes));
+      if (!b.slot_elements.empty()) out += SlotClassesLine(b);
     }
   }
   absl::StrAppendFormat(&out, "\nmodel state per rank (params + grads + master + m + v): %s\n",
@@ -79,6 +99,7 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
                        {"elements", b.elements},
                        {"bytes", b.bytes},
                        {"model_state", memory::IsModelState(b.cls)}});
+    if (!b.slot_elements.empty()) buffers.back()["slot_elements"] = b.slot_elements;
   }
   j["buffers"] = std::move(buffers);
   return j;

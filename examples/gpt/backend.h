@@ -22,9 +22,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "base/dtype.h"
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "examples/gpt/gpt.h"
+#include "memory/plan.h"
 #include "zero/engine.h"
 
 namespace zerort {
@@ -47,6 +49,12 @@ class RankTrainer {
                                                             const TokenBatch& batch) = 0;
   // Device bytes the trainer holds beyond the engine's plan (activations, scratch), as of now.
   virtual int64_t activation_bytes() const { return 0; }
+  // Declares on `specs` (Gpt::ParamSpecs()'s list, in its order) the bytes this trainer keeps
+  // for backward per sequence (memory::ParamSpec::activation_bytes_per_sample) when it trains
+  // on micro-batches of `batch` sequences of `seq` tokens in `dtype`, so that the engine's plan
+  // counts the trainer's own activations. The default declares nothing.
+  virtual void DeclareActivations(int batch, int seq, DType dtype,
+                                  std::vector<memory::ParamSpec>* specs) const {}
 };
 
 class Backend {

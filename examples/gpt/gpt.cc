@@ -96,7 +96,22 @@ class FlatAccess : public internal::ParamAccess {
   std::vector<int64_t> offsets_;
 };
 
+// The meter counting this thread's passes (the innermost one), if any.
+thread_local ActivationMeter* current_meter = nullptr;
+
 }  // namespace
+
+ActivationMeter::ActivationMeter() : outer_(current_meter) { current_meter = this; }
+ActivationMeter::~ActivationMeter() { current_meter = outer_; }
+
+namespace internal {
+void CountActivationBytes(int64_t delta) {
+  ActivationMeter* meter = current_meter;
+  if (meter == nullptr) return;
+  meter->live_ += delta;
+  meter->peak_ = std::max(meter->peak_, meter->live_);
+}
+}  // namespace internal
 
 GptShape GptShape::Gpt2Small() {
   GptShape shape;
@@ -164,6 +179,21 @@ std::vector<memory::ParamSpec> Gpt::ParamSpecs() const {
   }
   specs.push_back({"ln_f.w", {d}, "ln_f"});
   specs.push_back({"ln_f.b", {d}, "ln_f"});
+  return specs;
+}
+
+std::vector<memory::ParamSpec> Gpt::ParamSpecs(int seq) const {
+  std::vector<memory::ParamSpec> specs = ParamSpecs();
+  const int64_t s = seq, d = shape_.d_model, f = sizeof(float);
+  for (int l = 0; l < shape_.layers; ++l) {
+    specs[BlockParamIndex(l, internal::kLn1W)].activation_bytes_per_sample = f * (2 * s * d + 2 * s);
+    specs[BlockParamIndex(l, internal::kQkvW)].activation_bytes_per_sample =
+        f * (4 * s * d + static_cast<int64_t>(shape_.heads) * s * s);
+    specs[BlockParamIndex(l, internal::kLn2W)].activation_bytes_per_sample = f * (2 * s * d + 2 * s);
+    specs[BlockParamIndex(l, internal::kFcW)].activation_bytes_per_sample = f * 8 * s * d;
+  }
+  specs[LnFIndex(shape_.layers)].activation_bytes_per_sample = f * (s * d + 2 * s);
+  specs[internal::kWte].activation_bytes_per_sample = f * (s * d + s * shape_.vocab + 1 + 14 * s * d);
   return specs;
 }
 

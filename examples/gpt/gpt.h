@@ -43,6 +43,10 @@ namespace examples {
 namespace gpt {
 
 class Backend;  // backend.h
+class ActivationMeter;
+namespace internal {
+void CountActivationBytes(int64_t delta);  // internal/model.h
+}  // namespace internal
 
 // The model's shape. The default (0.83M parameters) trains visibly in about a minute on two
 // cores: 2 ranks of 4 sequences of 64 bytes take ~0.27 s of CPU per step (~1,900 tokens per
@@ -117,6 +121,23 @@ class Gpt {
   // "h<l>.attn", h<l>.ln2.{w,b} "h<l>.ln2", h<l>.mlp.{fc.w (d, 4d), fc.b, proj.w (4d, d),
   // proj.b} "h<l>.mlp"; ln_f.{w,b} "ln_f". Linear weights are (in, out) as in GPT-2.
   std::vector<memory::ParamSpec> ParamSpecs() const;
+  // The same list with the bytes a training pass keeps for sequences of `seq` tokens declared
+  // per sample (memory::ParamSpec::activation_bytes_per_sample), so that the engine's plan
+  // counts this trainer's own activations rather than a formula's. Every buffer is fp32:
+  //   each block, 4 (16 s d + 4 s + heads s^2) bytes: on h<l>.ln1.w its input and LayerNorm
+  //     output (2 s d) and statistics (2 s), on h<l>.attn.qkv.w q, k, v (3 s d), the attention
+  //     probabilities (heads s^2) and output (s d), on h<l>.ln2.w the residual, LayerNorm output
+  //     and statistics (2 s d + 2 s), on h<l>.mlp.fc.w the MLP's hidden layer before and after
+  //     the GELU (8 s d);
+  //   on ln_f.w the final LayerNorm's output and statistics, 4 (s d + 2 s);
+  //   on wte the residual stream (s d), the logits and then their gradient (s vocab), the
+  //     sequence's loss (1), and one block's backward working set (14 s d: the gradients of its
+  //     MLP hidden layer, input, LayerNorm, attention output and q, k, v, all alive at once).
+  // The sum times the micro-batch is the peak an ActivationMeter measures over ForwardBackward
+  // and Gradients: the peak falls in the last block's backward, when every block's saved
+  // tensors, the logits' gradient and the working set are held together (gpt_test checks it).
+  // REQUIRES: 1 <= seq <= shape().context.
+  std::vector<memory::ParamSpec> ParamSpecs(int seq) const;
   int64_t num_elements() const;
   // The same values on every rank (works with InitParams(init, /*from_rank0=*/false)).
   Engine::Initializer Initializer() const;
@@ -151,6 +172,37 @@ class Gpt {
   int threads_;
 };
 
+// Measures the CPU backend's activations: while a meter lives, the batch-sized buffers that
+// passes on its thread allocate (activations, the logits and the gradients of both, each at its
+// allocated capacity) are counted, now and at the highest. Not counted: parameter-sized
+// buffers, which do not grow with the micro-batch (fp32 copies of the fetched parameters and
+// the gradients handed to the engine; one block's at a time, plus the (vocab, d) embedding
+// gradient), and a seq-float row of scratch per kernel thread in the attention's backward.
+// Meters nest: the innermost one on the thread counts.
+//
+//   ActivationMeter meter;
+//   gpt.Gradients(params, batch);
+//   meter.peak_bytes();  // == sum of ParamSpecs(batch.seq)'s declarations * batch.batch
+//
+// Thread safety: counts only its own thread. REQUIRES: destroyed on the thread that made it,
+// after the passes it counted have returned.
+class ActivationMeter {
+ public:
+  ActivationMeter();
+  ~ActivationMeter();
+  ActivationMeter(const ActivationMeter&) = delete;
+  ActivationMeter& operator=(const ActivationMeter&) = delete;
+
+  int64_t live_bytes() const { return live_; }
+  int64_t peak_bytes() const { return peak_; }
+
+ private:
+  friend void internal::CountActivationBytes(int64_t delta);
+  ActivationMeter* const outer_;
+  int64_t live_ = 0;
+  int64_t peak_ = 0;
+};
+
 // What happened at one step, over all ranks.
 struct StepReport {
   int step = 0;              // 0-based
@@ -165,7 +217,10 @@ struct StepReport {
 struct RunOptions {
   int world_size = 2;  // in-process ranks, one thread each; >= 1
   int steps = 200;     // micro-steps (Step() calls); >= 1
-  int batch = 4;       // sequences per rank per micro-step; >= 1
+  // Sequences per rank per micro-step; >= 1. The engines' config gets it as
+  // train_micro_batch_size_per_gpu (so the plan multiplies the trainer's declared activations
+  // by it); a config naming another micro-batch is InvalidArgument.
+  int batch = 4;
   int seq = 0;         // tokens per sequence; 0 = shape.context; <= shape.context
   GptShape shape;
   int threads = 0;           // kernel threads per rank; 0 = max(1, cores / world_size)
@@ -213,7 +268,9 @@ struct RunResult {
   std::string sample;                       // prompt + generated text, if sample_tokens > 0
   std::vector<std::string> checkpoints;     // committed checkpoint directories, in order
   std::vector<MemoryReport> memory;         // per rank, after the last step
-  std::vector<int64_t> activation_bytes;    // per rank: the trainer's own device bytes
+  // Per rank: the trainer's own activation bytes at the highest: on the GPU its activation
+  // buffers' allocation, on the CPU what an ActivationMeter measured over the training passes.
+  std::vector<int64_t> activation_bytes;
   std::vector<std::vector<float>> master;   // per rank, if gather_master
   memory::Plan plan;                        // rank 0's
 };

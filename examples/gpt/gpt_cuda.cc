@@ -15,6 +15,7 @@
 #include "comm/nccl.h"
 #include "device/cuda_device.h"
 #include "examples/gpt/internal/cuda_model.h"
+#include "examples/gpt/internal/model.h"
 
 namespace zerort {
 namespace examples {
@@ -82,6 +83,25 @@ class CudaTrainer : public RankTrainer {
   }
 
   int64_t activation_bytes() const override { return pass_->activation_bytes(); }
+
+  // The pass's one activation allocation for this micro-batch, per sequence: the blocks' part
+  // spread over the blocks, the rest (head, logits, working set, the (vocab, d) embedding
+  // gradient) on wte. Each share is rounded up, so the plan counts at most (layers + 1) *
+  // batch bytes more than the allocation. The evaluation passes use a smaller forward-only
+  // layout as long as their batch is not larger than the training one.
+  void DeclareActivations(int batch, int seq, DType dtype,
+                          std::vector<memory::ParamSpec>* specs) const override {
+    const internal::CudaPass::ActivationLayout layout =
+        internal::CudaPass::TrainingLayout(shape_, batch, seq, dtype);
+    auto per_sample = [batch](int64_t bytes, int64_t parts) {
+      return (bytes + parts * batch - 1) / (parts * batch);
+    };
+    for (int l = 0; l < shape_.layers; ++l) {
+      (*specs)[internal::BlockParamIndex(l, internal::kLn1W)].activation_bytes_per_sample =
+          per_sample(layout.blocks_bytes, shape_.layers);
+    }
+    (*specs)[internal::kWte].activation_bytes_per_sample = per_sample(layout.other_bytes, 1);
+  }
 
  private:
   const GptShape shape_;

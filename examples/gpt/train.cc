@@ -50,15 +50,29 @@ class CpuTrainer : public RankTrainer {
   CpuTrainer(const GptShape& shape, int threads) : gpt_(shape, threads) {}
   Device::Stream stream() const override { return nullptr; }
   absl::StatusOr<float> ForwardBackward(Engine& engine, const TokenBatch& batch) override {
-    return gpt_.ForwardBackward(engine, batch);
+    const ActivationMeter meter;
+    absl::StatusOr<float> loss = gpt_.ForwardBackward(engine, batch);
+    peak_ = std::max(peak_, meter.peak_bytes());
+    return loss;
   }
   absl::StatusOr<std::vector<float>> SequenceLosses(Engine& engine,
                                                     const TokenBatch& batch) override {
     return gpt_.SequenceLosses(engine, batch);
   }
+  // The training passes' activations at the highest, as measured (evaluation is not counted:
+  // the plan's activations are those of a training micro-batch).
+  int64_t activation_bytes() const override { return peak_; }
+  void DeclareActivations(int, int seq, DType,
+                          std::vector<memory::ParamSpec>* specs) const override {
+    const std::vector<memory::ParamSpec> declared = gpt_.ParamSpecs(seq);
+    for (size_t i = 0; i < specs->size() && i < declared.size(); ++i) {
+      (*specs)[i].activation_bytes_per_sample = declared[i].activation_bytes_per_sample;
+    }
+  }
 
  private:
   const Gpt gpt_;
+  int64_t peak_ = 0;
 };
 
 class CpuBackend : public Backend {
@@ -225,8 +239,11 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
                    s.backend.CreateTrainer(s.gpt.shape(), s.threads, s.device));
   EngineOptions engine_options;
   engine_options.compute_stream = trainer->stream();
+  // The trainer's own activation bytes, so that the plan's device budget counts them.
+  std::vector<memory::ParamSpec> specs = s.gpt.ParamSpecs();
+  trainer->DeclareActivations(o.batch, s.seq, s.config.compute_dtype, &specs);
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
-                   Engine::Create(s.config, s.gpt.ParamSpecs(), comm, s.device, engine_options));
+                   Engine::Create(s.config, std::move(specs), comm, s.device, engine_options));
   AsyncCheckpointer saver;  // after the engine: destroyed first, as it borrows the engine
   RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
   if (!o.init_from.empty()) {
@@ -326,6 +343,19 @@ absl::StatusOr<Inputs> Prepare(const RunOptions& options, int world) {
                 first_step};
 }
 
+// The config the engines get: its micro-batch is the run's, so that the plan multiplies the
+// declared activations by the batch that runs. InvalidArgument when the config names another.
+absl::StatusOr<Config> RunConfig(const Config& config, const RunOptions& options) {
+  Config c = config;
+  if (c.train_micro_batch_size_per_gpu == 0) c.train_micro_batch_size_per_gpu = options.batch;
+  if (c.train_micro_batch_size_per_gpu != options.batch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RunOptions.batch ", options.batch, " differs from the config's "
+        "train_micro_batch_size_per_gpu ", c.train_micro_batch_size_per_gpu));
+  }
+  return c;
+}
+
 // Sizes the result for `slots` ranks reporting in this process.
 void InitShared(Shared& s, const Inputs& in, int slots) {
   const int steps = s.options.steps - in.first_step;
@@ -348,6 +378,7 @@ double TokensPerSecond(const Shared& s, int world, int seq, int steps) {
 absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& options) {
   const int world = options.world_size;
   ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
+  ASSIGN_OR_RETURN(const Config run_config, RunConfig(config, options));
   const Gpt gpt(options.shape, in.threads);
   const CpuBackend cpu(options.device_threads);
   const Backend& backend = options.backend != nullptr ? *options.backend : cpu;
@@ -356,7 +387,7 @@ absl::StatusOr<RunResult> RunInProcess(const Config& config, const RunOptions& o
   comm_options.timeout_ms = config.comm_timeout_ms;
   ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
                    backend.CreateGroup(world, comm_options));
-  Shared shared{config,       options,          in.corpus,      gpt,
+  Shared shared{run_config,   options,          in.corpus,      gpt,
                 backend,      device.get(),     in.seq,         in.eval_windows,
                 in.first_step, in.threads};
   InitShared(shared, in, world);
@@ -396,11 +427,12 @@ absl::StatusOr<RunResult> RunOnCommunicator(const Config& config, const RunOptio
                                                    world));
   }
   ASSIGN_OR_RETURN(const Inputs in, Prepare(options, world));
+  ASSIGN_OR_RETURN(const Config run_config, RunConfig(config, options));
   const Gpt gpt(options.shape, in.threads);
   const CpuBackend cpu(options.device_threads);
   const Backend& backend = options.backend != nullptr ? *options.backend : cpu;
   ASSIGN_OR_RETURN(std::unique_ptr<Device> device, backend.CreateDevice());
-  Shared shared{config,       options,          in.corpus,      gpt,
+  Shared shared{run_config,   options,          in.corpus,      gpt,
                 backend,      device.get(),     in.seq,         in.eval_windows,
                 in.first_step, in.threads};
   shared.one_rank_per_process = true;

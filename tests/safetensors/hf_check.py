@@ -2,7 +2,8 @@
 safetensors.numpy.load_file (BF16, which numpy lacks, decoded by hand from the raw bytes) and
 hold exactly the masters zerort dumped; files the package writes (F64, F32, F16, an integer
 buffer; one file and a sharded set with its index) import into zerort as the values numpy
-converts them to.
+converts them to; and the same through name maps (Hugging Face's names, a tied head and a
+rotary buffer ignored).
 
 usage: hf_check.py ST_TOOL TMPDIR
 """
@@ -142,7 +143,67 @@ def package_writes():
                   f"{label}: {name} ({tensors[name].dtype}) imports as numpy's float32")
 
 
+# Hugging Face's names for the tool's parameters, and the rules both ways (checkpoint/weights.h).
+HF_NAMES = {"emb": "model.embed_tokens.weight", "w": "model.layers.0.mlp.weight",
+            "b": "model.layers.0.mlp.bias", "h.0.g": "model.layers.0.norm.weight"}
+IN_MAP = r"""# file -> parameter
+exact  model.embed_tokens.weight  emb
+regex  model\.layers\.0\.mlp\.(w|b)\w*  $1
+glob   model.layers.*.norm.weight  h.*.g
+ignore lm_head.weight
+ignore *.inv_freq
+"""
+OUT_MAP = r"""# parameter -> file
+exact emb model.embed_tokens.weight
+exact w   model.layers.0.mlp.weight
+exact b   model.layers.0.mlp.bias
+glob  h.*.g  model.layers.*.norm.weight
+"""
+
+
+def name_maps():
+    in_map, out_map = os.path.join(TMP, "in.map"), os.path.join(TMP, "out.map")
+    for path, text in ((in_map, IN_MAP), (out_map, OUT_MAP)):
+        with open(path, "w") as f:
+            f.write(text)
+    # The package writes HF-named tensors, a tied head and a rotary buffer; zerort imports them
+    # through the map.
+    rng = np.random.default_rng(31)
+    hf = {HF_NAMES[k]: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    extra = dict(hf)
+    extra["lm_head.weight"] = hf["model.embed_tokens.weight"].copy()
+    extra["model.layers.0.rotary_emb.inv_freq"] = np.arange(4, dtype=np.float32)
+    named = os.path.join(TMP, "hf_named.safetensors")
+    save_file(extra, named)
+    dump = os.path.join(TMP, "mapped.dump")
+    tool("read", named, dump, in_map)
+    got, ignored = read_dump(dump)
+    check(ignored == ["lm_head.weight", "model.layers.0.rotary_emb.inv_freq"],
+          "mapped import: the tied head and the inv_freq buffer are ignored and listed")
+    for name in SHAPES:
+        check(np.array_equal(bits(got[name]), bits(hf[HF_NAMES[name]].ravel())),
+              f"mapped import: {HF_NAMES[name]} loads into {name}")
+    # zerort exports through the inverse map: the package's own file of the same tensors under
+    # the same names holds the same bytes.
+    out, wdump = os.path.join(TMP, "zr_named.safetensors"), os.path.join(TMP, "w.dump")
+    tool("write", out, "fp32", "0", wdump, out_map)
+    back = load_file(out)
+    check(sorted(back) == sorted(HF_NAMES.values()), "mapped export: the file holds HF's names")
+    wrote, _ = read_dump(wdump)
+    for k, hf_name in HF_NAMES.items():
+        check(back[hf_name].shape == SHAPES[k] and
+              np.array_equal(bits(back[hf_name].ravel()), bits(wrote[k])),
+              f"mapped export: {hf_name} holds {k}'s masters")
+    again = os.path.join(TMP, "again_named.safetensors")
+    save_file({HF_NAMES[k]: wrote[k].reshape(SHAPES[k]) for k in SHAPES}, again,
+              metadata={"format": "pt"})
+    with open(out, "rb") as a, open(again, "rb") as b:
+        check(a.read() == b.read(),
+              "mapped export: save_file of the same tensors under HF's names gives zerort's bytes")
+
+
 zerort_writes()
 package_writes()
+name_maps()
 print(f"{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)

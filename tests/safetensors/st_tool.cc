@@ -2,8 +2,10 @@
 // weights from a live engine and reads weights into one, dumping the engine's fp32 masters as
 // text so that Python compares them with what its own loader sees.
 //
-//   st_tool write OUT DTYPE MAX_SHARD_BYTES DUMP   init, export (fp32|bf16) to OUT, dump masters
-//   st_tool read IN DUMP                           import IN (extra tensors allowed), dump masters
+//   st_tool write OUT DTYPE MAX_SHARD_BYTES DUMP [MAP]   init, export (fp32|bf16) to OUT (names
+//                                                        through the name map file MAP), dump
+//   st_tool read IN DUMP [MAP]                           import IN (extra tensors allowed; names
+//                                                        through MAP), dump masters
 //
 // Two in-process ranks at stage 3, so that each rank writes and reads only its own shards. The
 // dump is one line per parameter: name, then every value as %.9g (exact for fp32); an import
@@ -64,22 +66,30 @@ absl::Status OnRank(comm::Communicator* comm, Device* device, int argc, char** a
     WeightsExportOptions options;
     ASSIGN_OR_RETURN(options.dtype, ParseDType(argv[3]));
     options.max_shard_bytes = std::atoll(argv[4]);
+    if (argc == 7) {
+      ASSIGN_OR_RETURN(options.names, WeightsNameMap::Load(argv[6]));
+    }
     RETURN_IF_ERROR(ExportWeights(*engine, argv[2], options).status());
   } else {
     WeightsImportOptions options;
     options.allow_extra = true;
+    if (argc == 5) {
+      ASSIGN_OR_RETURN(options.names, WeightsNameMap::Load(argv[4]));
+    }
     ASSIGN_OR_RETURN(WeightsImportReport report, ImportWeights(*engine, argv[2], options));
     ignored = report.ignored;
   }
   ASSIGN_OR_RETURN(std::vector<float> master, engine->GatherMasterWeights());
   if (comm->rank() != 0) return absl::OkStatus();
-  return Dump(master, argv[argc - 1], ignored);
+  return Dump(master, mode == "write" ? argv[5] : argv[3], ignored);
 }
 
 int Main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (!((mode == "write" && argc == 6) || (mode == "read" && argc == 4))) {
-    std::fprintf(stderr, "usage: st_tool write OUT DTYPE MAX_SHARD_BYTES DUMP | read IN DUMP\n");
+  if (!((mode == "write" && (argc == 6 || argc == 7)) ||
+        (mode == "read" && (argc == 4 || argc == 5)))) {
+    std::fprintf(stderr,
+                 "usage: st_tool write OUT DTYPE MAX_SHARD_BYTES DUMP [MAP] | read IN DUMP [MAP]\n");
     return 2;
   }
   auto comms = comm::CreateInProcessGroup(2);

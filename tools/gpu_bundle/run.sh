@@ -334,7 +334,10 @@ run_sanitizer() {  # run_sanitizer TOOL TIMEOUT LABEL FILE
   [ "$tool" = memcheck ] && extra=(--report-api-errors no --leak-check no)
   # racecheck and synccheck slow kernels down tens of times: test cases tagged [sanitizer_slow]
   # (whole training runs whose kernels the other cases already launch) run under memcheck only.
-  [ "$tool" != memcheck ] && filter=("~[sanitizer_slow]")
+  # [no_sanitizer]: cases that measure the device itself (memory in use), which a sanitizer's
+  # own allocations would distort, run under none.
+  filter=("~[no_sanitizer]")
+  [ "$tool" != memcheck ] && filter=("~[sanitizer_slow]~[no_sanitizer]")
   run_step "$name" "$limit" "" "$sanitizer" --tool "$tool" "${extra[@]}" --error-exitcode 86 \
     --print-limit 50 "$bundle/$file" "${filter[@]}"
   # racecheck ends with "RACECHECK SUMMARY: N hazards displayed", the others "ERROR SUMMARY".
@@ -366,6 +369,11 @@ for i in "${!bench_labels[@]}"; do
     run_bench "$label --elements 1e9" 120 "$file" --elements 1e9 --no-transfers
   elif [ $quick -eq 1 ]; then
     run_bench "$label --quick" 60 "$file" --quick
+  elif [ "${label##*:}" = gpu_step_bench ]; then
+    run_bench "$label" 120 "$file"
+    # The step without the hand-off copies: gradients written into engine.grad(i), 1.3B only.
+    run_bench "$label --shape 1.3b --grads engine" 75 "$file" --shape 1.3b --grads engine \
+      --budget-s 45
   else
     run_bench "$label" 120 "$file"
   fi

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "comm/agree.h"
 #include "offload/cpu_adamw.h"
@@ -22,6 +23,7 @@
 #include "zero/internal/grad_norm.h"
 #include "zero/internal/host_collectives.h"
 #include "zero/internal/param_gatherer.h"
+#include "zero/internal/parking.h"
 #include "zero/internal/shard_layout.h"
 #include "zero/internal/snapshot.h"
 #include "zero/internal/step_timer.h"
@@ -156,6 +158,17 @@ class Engine::Impl {
   std::unique_ptr<zero_internal::DeviceStepTimer> dtimer_;  // EngineOptions::device_timing only
   std::unique_ptr<zero_internal::AdamWGroups> groups_;
   std::unique_ptr<zero_internal::OwnedSnapshot> snapshot_;
+  // Set between Engine::Park and Engine::Unpark: the device arena's bytes in pinned memory.
+  // Declared last, destroyed first: its slabs go back to the cache before anything else.
+  std::unique_ptr<zero_internal::ParkedArenas> parked_;
+
+  // FailedPrecondition naming `call` while parked: the device memory is not there.
+  absl::Status CheckUnparked(const char* call) const {
+    if (parked_ == nullptr) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat(call, ": the engine is parked (Engine::Park): its device memory is in "
+                           "pinned host memory; call Unpark() first"));
+  }
 };
 
 }  // namespace zerort

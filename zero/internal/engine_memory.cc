@@ -1,5 +1,6 @@
 #include "zero/internal/engine_memory.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -54,7 +55,10 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
 }
 
 void EngineMemory::Assign(const memory::Buffer& b, char* p) {
-  const SlottedBuffer slotted{p, static_cast<int>(b.count), b.elements / b.count};
+  SlottedBuffer slotted{p, static_cast<int>(b.count), b.elements / b.count, b.slot_elements};
+  if (!b.slot_elements.empty()) {
+    slotted.elements = *std::max_element(b.slot_elements.begin(), b.slot_elements.end());
+  }
   switch (b.cls) {
     case BufferClass::kParams: model_state_.params = p; break;
     case BufferClass::kGrads: model_state_.grads = p; break;

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "device/device.h"
@@ -30,11 +31,28 @@ struct ByteCounts {
   int64_t allocated[memory::kNumMemoryKinds] = {0, 0, 0, 0};
 };
 
-// A buffer split into `count` equal slots of `elements` each (buckets, gather slots, chunks).
+// A buffer split into `count` slots (buckets, gather slots, chunks): equal ones of `elements`
+// each, or, for a plan buffer with memory::Buffer::slot_elements, slots of two size classes.
 struct SlottedBuffer {
   char* base = nullptr;
   int count = 0;
-  int64_t elements = 0;  // per slot
+  int64_t elements = 0;  // per slot; with size classes, of the largest slot
+  std::vector<int64_t> sizes;  // with size classes: each slot's elements, in order; else empty
+
+  // Elements from `base` to slot s, and the elements it holds. REQUIRES: 0 <= s < count.
+  int64_t offset(int s) const {
+    if (sizes.empty()) return s * elements;
+    int64_t off = 0;
+    for (int k = 0; k < s; ++k) off += sizes[k];
+    return off;
+  }
+  int64_t size(int s) const { return sizes.empty() ? elements : sizes[s]; }
+  // Whether a unit of `padded` elements uses slot s: the slot belongs to the unit's size class
+  // (memory::SlotClassElements).
+  bool ForUnit(int s, int64_t padded) const {
+    return sizes.empty() ? padded <= elements
+                         : sizes[s] == memory::SlotClassElements(sizes, padded);
+  }
 };
 
 class EngineMemory {
@@ -61,6 +79,10 @@ class EngineMemory {
   // (2 x units) fp32, pinned: gradient offload's norm partials and flags, or null.
   float* norm_partials() const { return norm_partials_; }
   const ByteCounts& bytes() const { return bytes_; }
+  // The arena of one memory kind (Engine::Park decommits the kDevice one). REQUIRES: not kNvme.
+  memory::Arena* arena(memory::MemoryKind kind) const {
+    return arenas_[static_cast<int>(kind)].get();
+  }
 
  private:
   EngineMemory() = default;

@@ -129,8 +129,17 @@ void CheckCarving(const memory::Plan& plan) {
     }
     if (slots != nullptr) {
       CHECK(slots->count == b.count);
-      CHECK(slots->elements * b.count == b.elements);
-      CHECK(slots->elements * static_cast<int64_t>(DTypeSize(b.dtype)) * b.count == b.bytes);
+      // Slots tile the buffer: each starts where the one before ends, and the last ends with
+      // the buffer, whether they are equal or of two size classes.
+      int64_t end = 0;
+      for (int s = 0; s < slots->count; ++s) {
+        CHECK(slots->offset(s) == end);
+        CHECK(slots->size(s) == (b.slot_elements.empty() ? b.elements / b.count
+                                                          : b.slot_elements[s]));
+        end += slots->size(s);
+      }
+      CHECK(end == b.elements);
+      CHECK(end * static_cast<int64_t>(DTypeSize(b.dtype)) == b.bytes);
     }
     if (b.bytes == 0) continue;
     REQUIRE(p != nullptr);

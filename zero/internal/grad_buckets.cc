@@ -61,22 +61,30 @@ absl::StatusOr<void*> GradBuckets::Slot(int i) {
   if (b < 0) {
     ASSIGN_OR_RETURN(b, AcquireBucket(p.unit, p));
   }
-  return static_cast<void*>(ctx_.At(buckets_.base, b * buckets_.elements + p.offset_in_unit));
+  return static_cast<void*>(ctx_.At(buckets_.base, buckets_.offset(b) + p.offset_in_unit));
 }
 
 absl::StatusOr<int> GradBuckets::AcquireBucket(int unit, const memory::ParamLayout& p) {
-  const auto free = std::find(bucket_busy_.begin(), bucket_busy_.end(), 0);
-  if (free == bucket_busy_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "grad('", p.name, "'): all ", bucket_busy_.size(), " gradient buckets hold units "
-        "whose GradReady is incomplete; finish a unit before starting another"));
+  // Only buckets of the unit's size class (memory/plan.h): a small unit never holds a bucket
+  // that a large one needs.
+  const int64_t padded = ctx_.plan.units[unit].padded;
+  int b = 0, of_class = 0;
+  for (; b < buckets_.count; ++b) {
+    if (!buckets_.ForUnit(b, padded)) continue;
+    ++of_class;
+    if (!bucket_busy_[b]) break;
   }
-  const int b = static_cast<int>(free - bucket_busy_.begin());
+  if (b == buckets_.count) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "grad('", p.name, "'): all ", of_class, " gradient buckets for units of ", padded,
+        " elements hold units whose GradReady is incomplete; finish a unit before starting "
+        "another"));
+  }
   bucket_busy_[b] = 1;
   unit_bucket_[unit] = b;
   // Its previous unit's reduce-scatter (on the comm stream) must have read it.
   RETURN_IF_ERROR(ctx_.streams->BeforeBucketReuse(b));
-  RETURN_IF_ERROR(ctx_.device->Zero(ctx_.At(buckets_.base, b * buckets_.elements),
+  RETURN_IF_ERROR(ctx_.device->Zero(ctx_.At(buckets_.base, buckets_.offset(b)),
                              ctx_.plan.units[unit].padded * ctx_.c, ctx_.streams->compute()));
   return b;
 }
@@ -289,7 +297,7 @@ absl::Status GradBuckets::MergeLocal(const memory::Unit& unit, char* full) {
 absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
   const memory::Unit& unit = ctx_.plan.units[u];
   const int b = unit_bucket_[u];
-  char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, b * buckets_.elements);
+  char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, buckets_.offset(b));
   char* shard = layout_.region(u).grad;
   // The first micro-step reduce-scatters straight into the shard when the dtypes allow.
   // Gradient offload reduces in place: the shard is in host memory.

@@ -4,6 +4,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "device/cpu_device.h"
@@ -77,6 +78,61 @@ TEST_CASE("GradBuckets: each unit's owned region receives the average of every r
       REQUIRE(s.ok());
     }
   }
+}
+
+// One large module and four small ones, one unit each: buckets of two size classes.
+absl::Status RunClasses(comm::Communicator* comm, Device* dev) {
+  std::vector<memory::ParamSpec> specs = {{"big.w", {4000}, "big"}};
+  for (int l = 0; l < 4; ++l) {
+    specs.push_back({absl::StrCat("l", l, ".w"), {100}, absl::StrCat("l", l)});
+  }
+  memory::PlanOptions o;
+  o.stage = 2;
+  o.compute_dtype = DType::kF32;
+  o.unit_per_module = true;
+  o.shard_alignment = 8;
+  ASSIGN_OR_RETURN(const memory::Plan plan, memory::MakePlan(specs, o));
+  // Backward order: l3, l2, l1, l0, big = units 0..4; params 4, 3, 2, 1, 0.
+  const std::vector<int64_t> classes = {104, 104, 4000};
+  if (plan.Find(memory::BufferClass::kGradBucket)->slot_elements != classes) {
+    return absl::InternalError("expected buckets of 104, 104 and 4000 elements");
+  }
+  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
+  ASSIGN_OR_RETURN(auto streams,
+                   StreamOrder::Create(dev, nullptr, comm, mem->grad_buckets().count, 0));
+  StepTimer timer(1, 4);
+  const ShardLayout layout(plan, mem->model_state());
+  GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), layout,
+                    mem->model_state(), mem->grad_buckets(), mem->grad_wire());
+  const SlottedBuffer& b = mem->grad_buckets();
+  auto at = [&](int slot) { return static_cast<void*>(b.base + b.offset(slot) * 4); };
+  ASSIGN_OR_RETURN(void* l3, grads.Grad(4));
+  ASSIGN_OR_RETURN(void* l2, grads.Grad(3));
+  if (l3 != at(0) || l2 != at(1)) return absl::InternalError("small units in the small buckets");
+  // Both small buckets are busy: the third small unit waits although the large bucket is free.
+  absl::StatusOr<void*> l1 = grads.Grad(2);
+  if (l1.ok() || !absl::StrContains(l1.status().message(), "all 2 gradient buckets for units "
+                                                             "of 104 elements")) {
+    return absl::InternalError(absl::StrCat("a third small unit: ", l1.status().ToString()));
+  }
+  ASSIGN_OR_RETURN(void* big, grads.Grad(0));
+  if (big != at(2)) return absl::InternalError("the large unit in the large bucket");
+  // Reducing l3 frees its bucket for l1.
+  ASSIGN_OR_RETURN(const bool complete, grads.MarkReady(4));
+  if (!complete) return absl::InternalError("l3 is one parameter");
+  RETURN_IF_ERROR(grads.Reduce(0, /*first_micro=*/true));
+  ASSIGN_OR_RETURN(void* again, grads.Grad(2));
+  if (again != at(0)) return absl::InternalError("l1 in the bucket l3 freed");
+  return dev->Synchronize(nullptr);
+}
+
+TEST_CASE("GradBuckets: a small unit never takes the large unit's bucket", "[zero]") {
+  auto dev = CreateCpuDevice();
+  const auto statuses = OnRanks(1, [&](int, comm::Communicator* comm) {
+    return RunClasses(comm, dev.get());
+  });
+  INFO(statuses[0].ToString());
+  CHECK(statuses[0].ok());
 }
 
 }  // namespace

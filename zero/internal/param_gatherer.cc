@@ -45,7 +45,7 @@ absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
                                                       ") is not gathered: Acquire it (or Gather(",
                                                       p.unit, ")) first"));
   }
-  return static_cast<void*>(ctx_.At(gather_.base, s * gather_.elements + p.offset_in_unit));
+  return static_cast<void*>(ctx_.At(gather_.base, gather_.offset(s) + p.offset_in_unit));
 }
 
 absl::Status ParamGatherer::Gather(int unit) {
@@ -74,7 +74,7 @@ absl::Status ParamGatherer::Hold(int unit) {
   int s = unit_slot_[unit];
   const int direction = last_gathered_ >= 0 && unit > last_gathered_ ? 1 : -1;
   if (s < 0) {
-    absl::StatusOr<int> acquired = AcquireSlot();
+    absl::StatusOr<int> acquired = AcquireSlot(unit);
     if (acquired.ok()) {
       s = *acquired;
       absl::Status st = GatherIntoSlot(unit, s);
@@ -170,25 +170,31 @@ void ParamGatherer::Evict(int s) {
   slots_[s].unit = -1;
 }
 
-absl::StatusOr<int> ParamGatherer::AcquireSlot() {
+absl::StatusOr<int> ParamGatherer::AcquireSlot(int unit) {
+  const int64_t padded = ctx_.plan.units[unit].padded;
   int best = -1;
   for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
     const Slot& slot = slots_[s];
-    if (slot.held) continue;
+    if (slot.held || !gather_.ForUnit(s, padded)) continue;
     if (slot.unit < 0) return s;
     if (best < 0 || slot.last_use < slots_[best].last_use) best = s;
   }
   if (best < 0) {
     std::vector<int> held;
-    for (const Slot& s : slots_) held.push_back(s.unit);
-    // memory/plan.cc: slots = max(1, min(1 + ceil(prefetch / largest unit),
-    // max_live / largest unit, gathered units)).
+    int64_t slot_elements = 0;
+    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
+      if (!gather_.ForUnit(s, padded)) continue;
+      held.push_back(slots_[s].unit);
+      slot_elements = gather_.size(s);
+    }
+    // memory/plan.cc: per size class, slots = max(1, min(1 + ceil(prefetch / its largest
+    // unit), max_live / its largest unit, its gathered units)).
     return absl::FailedPreconditionError(absl::StrCat(
-        "stage 3: all ", slots_.size(), " gather slots are held (units ",
-        absl::StrJoin(held, ", "), "); Release units after use, or raise "
-        "zero_optimization.stage3_prefetch_bucket_size: the plan makes 1 + ceil("
-        "stage3_prefetch_bucket_size / ", gather_.elements, ") slots (the largest gathered "
-        "unit's padded elements), at most stage3_max_live_parameters / ", gather_.elements));
+        "stage 3: all ", held.size(), " gather slots for units of ", padded,
+        " elements are held (units ", absl::StrJoin(held, ", "), "); Release units after use, "
+        "or raise zero_optimization.stage3_prefetch_bucket_size: the plan makes 1 + ceil("
+        "stage3_prefetch_bucket_size / ", slot_elements, ") such slots (the largest padded "
+        "unit of their size class), at most stage3_max_live_parameters / ", slot_elements));
   }
   Evict(best);
   return best;
@@ -198,7 +204,7 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   const Stopwatch t;
   RETURN_IF_ERROR(ctx_.streams->BeforeComm());
   RETURN_IF_ERROR(ctx_.streams->BeforeSlotGather(s));
-  RETURN_IF_ERROR(GatherShard(u, ctx_.At(gather_.base, s * gather_.elements)));
+  RETURN_IF_ERROR(GatherShard(u, ctx_.At(gather_.base, gather_.offset(s))));
   RETURN_IF_ERROR(ctx_.streams->SlotGathered(s));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
@@ -236,7 +242,7 @@ absl::Status ParamGatherer::Prefetch(int from, int direction) {
     int pick = -1;
     for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
       const Slot& slot = slots_[s];
-      if (slot.held) continue;
+      if (slot.held || !gather_.ForUnit(s, unit.padded)) continue;
       if (slot.unit < 0) {
         pick = s;
         break;

@@ -1,13 +1,14 @@
 // ParamGatherer: turns parameter shards into the full parameters the trainer reads.
 //
 // Stages 1-2 keep every parameter whole: after an optimizer update each unit is all-gathered in
-// place (AllGatherUpdated). Stage 3 keeps only this rank's shard; a unit is all-gathered into
-// one of the plan's gather slots by Gather(unit) and stays there after Release(unit) until its
-// slot is needed again (least recently used first). Gather also prefetches the next units in
-// the same direction (forward or backward) into free slots, up to stage3_prefetch_bucket_size
-// elements. Persistent units (under stage3_param_persistence_threshold) stay whole on every
-// rank in their own buffer and are refreshed by AllGatherUpdated. After an update or a restore
-// the gathered copies are stale: Invalidate() drops every unheld one.
+// place (AllGatherUpdated). Stage 3 keeps only this rank's shard; a unit is all-gathered into one
+// of the plan's gather slots of its size class (memory/plan.h) by Gather(unit) and stays there
+// after Release(unit) until its slot is needed again (least recently used first). Gather also
+// prefetches the next units in the same direction (forward or backward) into free slots of their
+// class, up to stage3_prefetch_bucket_size elements. Persistent units (under
+// stage3_param_persistence_threshold) stay whole on every rank in their own buffer and are
+// refreshed by AllGatherUpdated. After an update or a restore the gathered copies are stale:
+// Invalidate() drops every unheld one.
 //
 // Ordering: collectives run on StreamOrder::side() after BeforeComm; a slot is refilled only
 // after the trainer's work on its previous unit (SlotReleased), and handed to the trainer only
@@ -85,7 +86,8 @@ class ParamGatherer {
   absl::Status Hold(int unit);
   absl::Status Drop(int unit);
   std::vector<int> UnitsOf(absl::Span<const int> params) const;
-  absl::StatusOr<int> AcquireSlot();  // an empty slot, else the least recently used unheld one
+  // A slot of `unit`'s size class: an empty one, else the least recently used unheld one.
+  absl::StatusOr<int> AcquireSlot(int unit);
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
   absl::Status Prefetch(int from, int direction);

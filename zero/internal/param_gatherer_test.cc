@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "device/cpu_device.h"
 #include "zero/internal/engine_memory.h"
@@ -90,6 +91,65 @@ TEST_CASE("ParamGatherer: gathered units equal the concatenated shards; slots ar
   for (const absl::Status& s : statuses) {
     INFO(s);
     REQUIRE(s.ok());
+  }
+}
+
+// One large module and four small ones, one unit each: gather slots of two size classes, two
+// of a small unit (1 + ceil(prefetch 1 / 104)) and one of the large one.
+absl::Status RunClasses(int r, comm::Communicator* comm, Device* dev) {
+  std::vector<memory::ParamSpec> specs = {{"big.w", {4000}, "big"}};
+  for (int l = 0; l < 4; ++l) {
+    specs.push_back({absl::StrCat("l", l, ".w"), {100}, absl::StrCat("l", l)});
+  }
+  memory::PlanOptions o;
+  o.stage = 3;
+  o.world_size = comm->size();
+  o.rank = r;
+  o.compute_dtype = DType::kF32;
+  o.unit_per_module = true;
+  o.shard_alignment = 8;
+  o.persistence_threshold = 0;
+  o.prefetch_elements = 1;
+  const memory::Plan plan = memory::MakePlan(specs, o).value();
+  // Backward order: l3, l2, l1, l0, big = units 0..4, padded to 112 and 4000 at world 2.
+  const std::vector<int64_t> classes = {112, 112, 4000};
+  if (plan.Find(memory::BufferClass::kGatherBuffer)->slot_elements != classes) {
+    return absl::InternalError("expected gather slots of 112, 112 and 4000 elements");
+  }
+  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
+  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, comm, 0, 3));
+  StepTimer timer(comm->size(), 4);
+  float* shard = reinterpret_cast<float*>(mem->model_state().params);
+  for (const memory::Unit& u : plan.units) {
+    for (int64_t e = 0; e < u.shard; ++e) {
+      shard[u.shard_offset + e] = Full(&u - plan.units.data(), r * u.shard + e, 1);
+    }
+  }
+  const ShardLayout layout(plan, mem->model_state());
+  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
+  ParamGatherer g(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state().params,
+                  mem->gather_slots(), mem->persistent(), store.get());
+  RETURN_IF_ERROR(g.Gather(0));
+  RETURN_IF_ERROR(g.Gather(1));
+  // Both small slots are held: a third small unit waits although the large slot is free.
+  const absl::Status held = g.Gather(2);
+  if (!absl::IsFailedPrecondition(held) ||
+      !absl::StrContains(held.message(), "all 2 gather slots for units of 112 elements")) {
+    return absl::InternalError(absl::StrCat("small slots held: ", held.ToString()));
+  }
+  RETURN_IF_ERROR(g.Gather(4));
+  for (int u : {0, 1, 4}) RETURN_IF_ERROR(Expect(plan, g, u, 1));
+  for (int u : {0, 1, 4}) RETURN_IF_ERROR(g.Release(u));
+  return absl::OkStatus();
+}
+
+TEST_CASE("ParamGatherer: units of each size class use slots of their class", "[zero]") {
+  auto dev = CreateCpuDevice();
+  const auto statuses = OnRanks(
+      2, [&](int r, comm::Communicator* comm) { return RunClasses(r, comm, dev.get()); });
+  for (const absl::Status& s : statuses) {
+    INFO(s);
+    CHECK(s.ok());
   }
 }
 

@@ -265,10 +265,22 @@ struct CudaPass::Buffers {
 
 namespace {
 
+// `blocks_bytes`, when not null, receives the bytes the blocks' LayerActs span.
 void LayoutBuffers(const GptShape& s, Carver& c, int batch, int seq, bool fp32, bool backward,
-                   CudaPass::Buffers& b);
+                   CudaPass::Buffers& b, int64_t* blocks_bytes = nullptr);
 
 }  // namespace
+
+CudaPass::ActivationLayout CudaPass::TrainingLayout(const GptShape& shape, int batch, int seq,
+                                                    DType dtype) {
+  Buffers b;
+  Carver count(nullptr, DTypeSize(dtype));
+  ActivationLayout layout;
+  LayoutBuffers(shape, count, batch, seq, dtype == DType::kF32, /*backward=*/true, b,
+                &layout.blocks_bytes);
+  layout.other_bytes = count.bytes() - layout.blocks_bytes;
+  return layout;
+}
 
 CudaPass::CudaPass(const GptShape& shape, int device_ordinal)
     : shape_(shape), device_(device_ordinal) {}
@@ -336,7 +348,7 @@ absl::Status CudaPass::Reserve(const TokenBatch& batch, DType dtype, bool backwa
 namespace {
 
 void LayoutBuffers(const GptShape& s, Carver& c, int batch, int seq, bool fp32, bool backward,
-                   CudaPass::Buffers& b) {
+                   CudaPass::Buffers& b, int64_t* blocks_bytes) {
   const int64_t n = static_cast<int64_t>(batch) * seq, d = s.d_model, vocab = s.vocab;
   const int64_t scores = static_cast<int64_t>(batch) * s.heads * seq * seq;
   // A T copy that fp32 mode does without (its fp32 twin is the operand there).
@@ -347,6 +359,7 @@ void LayoutBuffers(const GptShape& s, Carver& c, int batch, int seq, bool fp32, 
   b.starts = c.I32(n + 1);
   b.rows = c.I32(n);
   b.layers.assign(backward ? s.layers : 1, LayerActs{});
+  const int64_t blocks_start = c.bytes();
   for (LayerActs& a : b.layers) {
     a.x = c.F32(n * d);
     a.ln1 = c.T(n * d);
@@ -365,6 +378,7 @@ void LayoutBuffers(const GptShape& s, Carver& c, int batch, int seq, bool fp32, 
     a.fc = c.F32(n * 4 * d);
     a.gelu = c.T(n * 4 * d);
   }
+  if (blocks_bytes != nullptr) *blocks_bytes = c.bytes() - blocks_start;
   b.xout = backward ? c.F32(n * d) : nullptr;
   b.lnf = c.T(n * d);
   b.meanf = c.F32(n);

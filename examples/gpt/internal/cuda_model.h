@@ -88,6 +88,17 @@ class CudaPass {
   void* stream() const { return stream_; }
   int64_t activation_bytes() const { return capacity_; }
 
+  // The activation buffers a training pass of `batch` sequences of `seq` tokens in `dtype`
+  // allocates (Run's one cudaMalloc, byte for byte, 256-byte alignment included): the blocks'
+  // saved tensors, and the rest (tokens, the head, the logits and their gradient, the backward
+  // working set, the embedding's gradient). Computed without a GPU.
+  struct ActivationLayout {
+    int64_t blocks_bytes = 0;  // every block's saved tensors together
+    int64_t other_bytes = 0;
+    int64_t total_bytes() const { return blocks_bytes + other_bytes; }
+  };
+  static ActivationLayout TrainingLayout(const GptShape& shape, int batch, int seq, DType dtype);
+
   // The pass of model.cc's RunPass: the mean cross-entropy of each sequence; with grad_scale
   // != 0, backward too (every gradient of grad_scale * sum of token losses, each Ready as it
   // is enqueued). Synchronizes the stream once, at the end, to read the losses.

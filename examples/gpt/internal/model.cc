@@ -12,16 +12,17 @@ namespace gpt {
 namespace internal {
 namespace {
 
-// What backward needs of one block's forward, N = batch * seq rows.
+// What backward needs of one block's forward, N = batch * seq rows. Gpt::ParamSpecs(seq)
+// declares these bytes per block: keep the two in step (gpt_test measures both).
 struct BlockCache {
-  std::vector<float> x;               // (N, d) the block's input (the residual stream)
-  std::vector<float> ln1, ln2;        // (N, d) LayerNorm outputs
-  std::vector<float> mean1, rstd1, mean2, rstd2;  // (N)
-  std::vector<float> qkv;             // (N, 3d)
-  std::vector<float> att;             // (batch, heads, seq, seq) softmax probabilities
-  std::vector<float> atty;            // (N, d) attention output, heads concatenated
-  std::vector<float> x2;              // (N, d) residual after attention
-  std::vector<float> fc, gelu;        // (N, 4d) before and after the GELU
+  Acts x;                             // (N, d) the block's input (the residual stream)
+  Acts ln1, ln2;                      // (N, d) LayerNorm outputs
+  Acts mean1, rstd1, mean2, rstd2;    // (N)
+  Acts qkv;                           // (N, 3d)
+  Acts att;                           // (batch, heads, seq, seq) softmax probabilities
+  Acts atty;                          // (N, d) attention output, heads concatenated
+  Acts x2;                            // (N, d) residual after attention
+  Acts fc, gelu;                      // (N, 4d) before and after the GELU
 };
 
 class Pass {
@@ -36,7 +37,7 @@ class Pass {
   std::vector<int> BlockParams(int layer, bool forward) const;
   absl::Status Embed();
   absl::Status BlockForward(int layer, BlockCache& c);
-  absl::StatusOr<std::vector<float>> HeadForward(float grad_scale, std::vector<float>* logits);
+  absl::StatusOr<Acts> HeadForward(float grad_scale, std::vector<float>* logits);
   absl::Status HeadBackward();
   absl::Status BlockBackward(int layer, const BlockCache& c);
   absl::Status EmbedBackward();
@@ -51,9 +52,9 @@ class Pass {
   const TokenBatch& batch_;
   const int64_t n_;
   const int d_;
-  std::vector<float> x_;      // (N, d) the residual stream; in backward, its gradient
-  std::vector<float> xf_, meanf_, rstdf_;  // final LayerNorm output (N, d) and statistics
-  std::vector<float> probs_;  // (N, vocab) logits, then their gradient
+  Acts x_;                    // (N, d) the residual stream; in backward, its gradient
+  Acts xf_, meanf_, rstdf_;   // final LayerNorm output (N, d) and statistics
+  Acts probs_;                // (N, vocab) logits, then their gradient
   std::vector<float> dwte_;   // (vocab, d) the tied embedding's gradient, from both uses
   std::vector<std::vector<float>> grads_ = std::vector<std::vector<float>>(kParamsPerBlock);
 };
@@ -72,15 +73,15 @@ absl::StatusOr<std::vector<float>> Pass::Run(float grad_scale, std::vector<float
   for (int l = 0; l < shape_.layers; ++l) {
     RETURN_IF_ERROR(BlockForward(l, caches[backward ? l : 0]));
   }
-  ASSIGN_OR_RETURN(std::vector<float> losses, HeadForward(grad_scale, logits));
-  if (!backward) {
+  ASSIGN_OR_RETURN(Acts losses, HeadForward(grad_scale, logits));
+  if (backward) {
+    RETURN_IF_ERROR(HeadBackward());
+    for (int l = shape_.layers - 1; l >= 0; --l) RETURN_IF_ERROR(BlockBackward(l, caches[l]));
+    RETURN_IF_ERROR(EmbedBackward());
+  } else {
     RETURN_IF_ERROR(access_.Fetch({}));
-    return losses;
   }
-  RETURN_IF_ERROR(HeadBackward());
-  for (int l = shape_.layers - 1; l >= 0; --l) RETURN_IF_ERROR(BlockBackward(l, caches[l]));
-  RETURN_IF_ERROR(EmbedBackward());
-  return losses;
+  return std::vector<float>(losses.begin(), losses.end());
 }
 
 absl::Status Pass::Embed() {
@@ -126,8 +127,7 @@ absl::Status Pass::BlockForward(int layer, BlockCache& c) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<float>> Pass::HeadForward(float grad_scale,
-                                                     std::vector<float>* logits) {
+absl::StatusOr<Acts> Pass::HeadForward(float grad_scale, std::vector<float>* logits) {
   const int lnf = LnFIndex(shape_.layers);
   // In use order; backward needs the same parameters first, so they stay fetched across.
   RETURN_IF_ERROR(access_.Fetch({lnf, lnf + 1, kWte}));
@@ -137,13 +137,13 @@ absl::StatusOr<std::vector<float>> Pass::HeadForward(float grad_scale,
   probs_.resize(n_ * shape_.vocab);
   ops::HeadForward(xf_.data(), access_.OutputEmbedding(), n_, d_, shape_.vocab, probs_.data(),
                    threads_);
-  if (logits != nullptr) *logits = probs_;
-  std::vector<int32_t> targets(n_);
+  if (logits != nullptr) logits->assign(probs_.begin(), probs_.end());
+  std::vector<int32_t, MeteredAllocator<int32_t>> targets(n_);
   for (int64_t r = 0; r < n_; ++r) targets[r] = token(r, 1);
-  std::vector<float> token_loss(n_);
+  Acts token_loss(n_);
   ops::CrossEntropy(probs_.data(), targets.data(), n_, shape_.vocab, grad_scale,
                     token_loss.data());
-  std::vector<float> losses(batch_.batch);
+  Acts losses(batch_.batch);
   for (int b = 0; b < batch_.batch; ++b) {
     double sum = 0;
     for (int t = 0; t < batch_.seq; ++t) sum += token_loss[static_cast<int64_t>(b) * batch_.seq + t];
@@ -155,7 +155,7 @@ absl::StatusOr<std::vector<float>> Pass::HeadForward(float grad_scale,
 absl::Status Pass::HeadBackward() {
   const int lnf = LnFIndex(shape_.layers);
   RETURN_IF_ERROR(access_.Fetch({kWte, lnf, lnf + 1}));
-  std::vector<float> dxf(n_ * d_);
+  Acts dxf(n_ * d_);
   dwte_.resize(static_cast<int64_t>(shape_.vocab) * d_);
   ops::HeadBackward(probs_.data(), xf_.data(), access_.OutputEmbedding(), n_, d_, shape_.vocab,
                     dxf.data(), dwte_.data(), threads_);
@@ -163,7 +163,7 @@ absl::Status Pass::HeadBackward() {
   std::vector<float>& db = grads_[1];
   dw.resize(d_), db.resize(d_);
   // x_ still holds the last block's output; it becomes the gradient of it.
-  const std::vector<float> x = x_;
+  const Acts x = x_;
   ops::LayerNormBackward(dxf.data(), x.data(), access_.Get(lnf), meanf_.data(), rstdf_.data(),
                          n_, d_, x_.data(), dw.data(), db.data());
   RETURN_IF_ERROR(access_.Put(lnf + 1, db));
@@ -179,7 +179,9 @@ absl::Status Pass::BlockBackward(int layer, const BlockCache& c) {
   };
   const int d = d_;
   // x_ holds dLoss/d(block output) = dLoss/dx2 through the MLP's residual branch.
-  std::vector<float> dgelu(n_ * 4 * d), dfc(n_ * 4 * d), dln(n_ * d), dres(n_ * d);
+  // The backward working set: Gpt::ParamSpecs(seq) declares these 14 (N, d) on top of the
+  // caches, since the first block's backward, with every cache still held, is the pass's peak.
+  Acts dgelu(n_ * 4 * d), dfc(n_ * 4 * d), dln(n_ * d), dres(n_ * d);
   ops::LinearBackward(x_.data(), c.gelu.data(), w(kMlpProjW), n_, 4 * d, d, dgelu.data(),
                       g(kMlpProjW, 4 * d * d), g(kMlpProjB, d), threads_);
   ops::GeluBackward(dgelu.data(), c.fc.data(), n_ * 4 * d, dfc.data());
@@ -188,7 +190,7 @@ absl::Status Pass::BlockBackward(int layer, const BlockCache& c) {
   ops::LayerNormBackward(dln.data(), c.x2.data(), w(kLn2W), c.mean2.data(), c.rstd2.data(), n_,
                          d, dres.data(), g(kLn2W, d), g(kLn2B, d));
   for (int64_t k = 0; k < n_ * d; ++k) x_[k] += dres[k];  // now dLoss/dx2
-  std::vector<float> datty(n_ * d), dqkv(n_ * 3 * d);
+  Acts datty(n_ * d), dqkv(n_ * 3 * d);
   ops::LinearBackward(x_.data(), c.atty.data(), w(kAttnProjW), n_, d, d, datty.data(),
                       g(kAttnProjW, d * d), g(kAttnProjB, d), threads_);
   ops::AttentionBackward(datty.data(), c.qkv.data(), c.att.data(), batch_.batch, batch_.seq, d,

@@ -6,7 +6,9 @@
 #ifndef ZERORT_EXAMPLES_GPT_INTERNAL_MODEL_H_
 #define ZERORT_EXAMPLES_GPT_INTERNAL_MODEL_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -29,6 +31,34 @@ enum BlockParam {
 inline int BlockParamIndex(int layer, int p) { return 2 + kParamsPerBlock * layer + p; }
 inline int LnFIndex(int layers) { return 2 + kParamsPerBlock * layers; }  // w; b is next
 inline int NumParams(int layers) { return LnFIndex(layers) + 2; }
+
+// Adds `delta` bytes (negative: freed) to the ActivationMeter active on this thread, if any.
+void CountActivationBytes(int64_t delta);
+
+// The allocator of every batch-sized buffer of a pass (activations and their gradients), so that
+// an ActivationMeter (gpt.h) sees each at its allocated size. Parameter-sized buffers (gradients,
+// fp32 copies of parameters) stay plain std::vector: they do not grow with the micro-batch.
+template <typename T>
+struct MeteredAllocator {
+  using value_type = T;
+  MeteredAllocator() = default;
+  template <typename U>
+  MeteredAllocator(const MeteredAllocator<U>&) {}
+  T* allocate(size_t n) {
+    T* p = std::allocator<T>().allocate(n);
+    CountActivationBytes(static_cast<int64_t>(n * sizeof(T)));
+    return p;
+  }
+  void deallocate(T* p, size_t n) {
+    CountActivationBytes(-static_cast<int64_t>(n * sizeof(T)));
+    std::allocator<T>().deallocate(p, n);
+  }
+  template <typename U>
+  bool operator==(const MeteredAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const MeteredAllocator<U>&) const { return false; }
+};
+using Acts = std::vector<float, MeteredAllocator<float>>;
 
 // Where a pass reads its fp32 parameters and sends its gradients.
 class ParamAccess {
