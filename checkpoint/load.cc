@@ -41,6 +41,14 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
     return absl::FailedPreconditionError(
         "LoadCheckpoint inside an accumulation window: load between optimizer steps");
   }
+  if (memory::Hierarchical(engine.plan().options)) {
+    // The ranges below are flat shards (rank * shard). Every rank refuses alike; the verdict
+    // still goes through LoadCheckpoint's Agree.
+    return absl::UnimplementedError(absl::StrCat(
+        "LoadCheckpoint into an engine with zero_optimization.mics_shard_size ",
+        engine.plan().options.shard_group_size, " (HSDP): checkpoints are not read into shard "
+        "groups yet; ImportWeights loads fp32 weights"));
+  }
   ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
   ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
   const memory::Plan& plan = engine.plan();

@@ -195,6 +195,14 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
     return absl::FailedPreconditionError(
         "SaveCheckpoint inside an accumulation window: save between optimizer steps");
   }
+  if (memory::Hierarchical(engine.plan().options)) {
+    // The format is one flat shard per rank; R replicas of each group shard would be written
+    // R times and read back as flat shards. Every rank refuses alike, before any collective.
+    return absl::UnimplementedError(absl::StrCat(
+        "SaveCheckpoint with zero_optimization.mics_shard_size ",
+        engine.plan().options.shard_group_size, " (HSDP): checkpoints of shard groups are not "
+        "written yet; ExportWeights saves the fp32 weights"));
+  }
   // Never comm::DirectHostExchange on the engine's communicator: on NCCL it fails.
   std::unique_ptr<comm::HostExchange> exchange = engine.NewHostExchange();
   const int64_t step = engine.step();

@@ -270,7 +270,8 @@ absl::Status ReadOwned(const memory::Plan& plan, const std::vector<const TensorI
                        safetensors::FileReader& reader, std::vector<float>* master) {
   master->assign(plan.shard_elements, 0.0f);  // padding stays zero
   for (const memory::Unit& u : plan.units) {
-    const int64_t own0 = plan.options.rank * u.shard, own1 = own0 + u.shard;
+    // HSDP: the shard of this rank's position in its group, as its replicas read it too.
+    const int64_t own0 = memory::ShardIndex(plan.options) * u.shard, own1 = own0 + u.shard;
     for (int i : u.params) {
       const memory::ParamLayout& p = plan.params[i];
       const int64_t a = std::max(own0, p.offset_in_unit);

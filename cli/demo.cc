@@ -275,6 +275,7 @@ absl::Status PrintDeviceBudgetCheck(const Config& config, const examples::gpt::R
                                     const absl::Status& in_use_status, std::ostream& out) {
   Workload workload;
   workload.micro_batch = options.batch;
+  workload.nccl_communicator = true;  // the CUDA trainer makes one at every world size
   ASSIGN_OR_RETURN(const DeviceBudget budget, MakeDeviceBudget(result.plan, config, workload));
   const int64_t ranks = options.world_size;
   auto gib = [](int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / 1073741824.0); };

@@ -118,6 +118,26 @@ class Communicator {
   virtual absl::Status Broadcast(void* buf, size_t count, DType dtype, int root,
                                  Stream stream = nullptr) = 0;
 
+  // The gradient reduction of a hierarchical (HSDP / MiCS) layout. The ranks form groups of
+  // `group_size` consecutive ranks (rank r sits at position r % group_size of group
+  // r / group_size); send holds group_size*count elements, and every rank receives in recv
+  // (count elements) the reduction over ALL size() ranks of block (rank % group_size) of their
+  // sends. That is a reduce-scatter within each group followed by an all-reduce across the
+  // groups' same-position ranks, except for the order: on the CPU backends element i is summed
+  // in fp32 in global rank order and rounded once, exactly as ReduceScatter says above, so the
+  // result equals block (rank % group_size) of a flat AllReduce of the whole send bit for bit
+  // (a reduce-scatter in the group, rounded, then an all-reduce across groups would add in a
+  // different order and round twice). The ranks of one position receive identical results.
+  // On "nccl" it is ncclReduceScatter within the group then ncclAllReduce across groups: two
+  // roundings, not bitwise equal to the flat reduction (see comm/nccl.h).
+  // group_size == size() is ReduceScatter. In-place when recv == send + (rank % group_size)*count.
+  // REQUIRES: group_size >= 1 divides size() (else InvalidArgument on every rank).
+  // The default implementation serves group_size == size() only; others return Unimplemented
+  // naming the backend.
+  virtual absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count,
+                                             DType dtype, ReduceOp op, int group_size,
+                                             Stream stream = nullptr);
+
   // Returns once every rank has entered Barrier (on NCCL: once every rank's barrier completed).
   virtual absl::Status Barrier() = 0;
 

@@ -248,6 +248,47 @@ class InProcessCommunicator final : public Communicator {
     return Finish();
   }
 
+  absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
+                                     ReduceOp op, int group_size, Stream) override {
+    // Like AllReduce over the replicas of one position: the R = size / group_size ranks that
+    // receive block b = rank % group_size split it into R slices; replica j reduces slice j
+    // of block b from every rank's send, in rank order 0..size-1 (the contract's order), into
+    // its own recv, then copies its replicas' slices. Each element is read and reduced once.
+    // In place, recv is block b of this rank's send: its slice j is read only by this rank
+    // (replica j of b), and the other slices are overwritten only after the Wait below, when
+    // every replica has finished reading them.
+    const size_t es = DTypeSize(dtype);
+    const int n = size();
+    const int g = group_size >= 1 && n % group_size == 0 ? group_size : n;  // bad: Start fails
+    const int replicas = n / g, pos = rank_ % g, j = rank_ / g;
+    const size_t begin = internal::SliceBegin(count, replicas, j);
+    const size_t end = internal::SliceBegin(count, replicas, j + 1);
+    Slot slot;
+    slot.send = send;
+    slot.recv = recv;
+    slot.result = static_cast<char*>(recv) + begin * es;
+    RETURN_IF_ERROR(Start(OpKind::kReduceScatterInGroups, count, dtype, op, group_size, slot));
+    if (end > begin) {
+      const size_t offset = (static_cast<size_t>(pos) * count + begin) * es;
+      srcs_.clear();
+      for (int q = 0; q < n; ++q) {
+        srcs_.push_back(static_cast<const char*>(group_->slot(q).send) + offset);
+      }
+      Reduce(srcs_.data(), n, static_cast<char*>(recv) + begin * es, end - begin, dtype, op);
+    }
+    // Every slice is reduced and nobody reads a send buffer any more.
+    group_->Wait(rank_, ++arrivals_);
+    for (int i = 1; i < replicas; ++i) {
+      const int k = (j + i) % replicas;  // replica k of this position: rank k * g + pos
+      const size_t b = internal::SliceBegin(count, replicas, k);
+      const size_t e = internal::SliceBegin(count, replicas, k + 1);
+      if (e > b) {
+        Copy(static_cast<char*>(recv) + b * es, group_->slot(k * g + pos).result, (e - b) * es);
+      }
+    }
+    return Finish();
+  }
+
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream) override {
     Slot slot;
     slot.send = buf;

@@ -66,6 +66,9 @@ constexpr size_t kExchangeChunkBytes = size_t{1} << 20;
 constexpr int kCheckTag = 100;
 // Tag of the notice a rank sends every peer when a collective's data phase times out on it.
 constexpr int kStuckTag = 101;
+// Tag of ReduceScatterInGroups's second phase (replicas swap their reduced slices), apart from
+// its first phase's data tag so that the two can never match each other's messages.
+constexpr int kReplicaTag = 102;
 // The longest a timed-out rank waits to learn where its peers are (Survey).
 constexpr int64_t kSurveyMaxMs = 5000;
 
@@ -118,6 +121,7 @@ class MpiCommunicator final : public Communicator {
     RETURN_IF_ERROR(Start(d, send, recv));
     bounds_.resize(size_ + 1);
     for (int q = 0; q <= size_; ++q) bounds_[q] = static_cast<size_t>(q) * count;
+    RangesFromBounds();
     RETURN_IF_ERROR(ExchangeReduce(send, recv, dtype, op, d));
     return Done();
   }
@@ -133,6 +137,7 @@ class MpiCommunicator final : public Communicator {
     displs_.resize(size_);
     bounds_.resize(size_ + 1);
     for (int q = 0; q <= size_; ++q) bounds_[q] = SliceBegin(count, q);
+    RangesFromBounds();
     for (int q = 0; q < size_; ++q) {
       counts_[q] = static_cast<int>(bounds_[q + 1] - bounds_[q]);
       displs_[q] = static_cast<int>(bounds_[q]);
@@ -147,6 +152,49 @@ class MpiCommunicator final : public Communicator {
                                           &req),
                           "MPI_Iallgatherv", d));
     RETURN_IF_ERROR(Wait(&req, "MPI_Iallgatherv", d));
+    return Done();
+  }
+
+  // Like AllReduce over the replicas of one position: the R = size / group_size ranks that
+  // receive block b = rank % group_size split it into R slices, replica j receiving slice j of
+  // block b from every rank and reducing it in rank order (ExchangeReduce, as ReduceScatter
+  // does: the contract's order and one rounding), then the replicas swap their slices point to
+  // point. Every rank sends each element of its send once, to the one rank that reduces it,
+  // plus (R-1)/R of its result; in place, a slice is overwritten only after this rank has sent
+  // it (ExchangeReduce waits for its sends) and is read by no one else.
+  absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
+                                     ReduceOp op, int group_size, Stream) override {
+    OpDesc d = Desc(OpKind::kReduceScatterInGroups, count, dtype, op, group_size);
+    RETURN_IF_ERROR(Start(d, send, recv));  // validates group_size on every rank
+    const int g = group_size, replicas = size_ / g, pos = rank_ % g, j = rank_ / g;
+    const size_t es = DTypeSize(dtype);
+    auto slice = [&](int k) { return internal::SliceBegin(count, replicas, k); };
+    begin_.resize(size_);
+    end_.resize(size_);
+    for (int q = 0; q < size_; ++q) {
+      const size_t block = static_cast<size_t>(q % g) * count;
+      begin_[q] = block + slice(q / g);
+      end_[q] = block + slice(q / g + 1);
+    }
+    char* out = static_cast<char*>(recv);
+    RETURN_IF_ERROR(ExchangeReduce(send, out + slice(j) * es, dtype, op, d));
+    ClearRequests();
+    for (int i = 1; i < replicas; ++i) {
+      const int k = (j + i) % replicas, peer = k * g + pos;
+      const size_t theirs = slice(k + 1) - slice(k), mine = slice(j + 1) - slice(j);
+      if (theirs > 0) {
+        const int bytes = static_cast<int>(theirs * es);
+        RETURN_IF_ERROR(Check(MPI_Irecv(out + slice(k) * es, bytes, MPI_BYTE, peer, kReplicaTag,
+                                        comm_, AddRequest(peer, bytes)),
+                              "MPI_Irecv(replica slice)", d));
+      }
+      if (mine > 0) {
+        RETURN_IF_ERROR(Check(MPI_Isend(out + slice(j) * es, static_cast<int>(mine * es),
+                                        MPI_BYTE, peer, kReplicaTag, comm_, AddRequest(peer, -1)),
+                              "MPI_Isend(replica slice)", d));
+      }
+    }
+    RETURN_IF_ERROR(WaitAll("MPI_Isend/MPI_Irecv(replica slices)", d));
     return Done();
   }
 
@@ -203,20 +251,26 @@ class MpiCommunicator final : public Communicator {
     return internal::MakeOpDesc(++seq_, kind, count, dtype, op, root);
   }
 
-  // The reduce-scatter step shared by ReduceScatter and AllReduce. bounds_ (size_+1 element
-  // offsets) splits every rank's send into blocks; rank q receives the reduction of block q of
-  // every rank's send into dst. Our own block is read in place (no self copy); the peers'
+  // Rank q's range is bounds_[q]..bounds_[q+1]: consecutive blocks.
+  void RangesFromBounds() {
+    begin_.assign(bounds_.begin(), bounds_.end() - 1);
+    end_.assign(bounds_.begin() + 1, bounds_.end());
+  }
+
+  // The reduce-scatter step shared by ReduceScatter, AllReduce and ReduceScatterInGroups.
+  // [begin_[q], end_[q]) (element offsets) is rank q's range of every rank's send; rank q
+  // receives the reduction of that range of every rank's send into dst. Our own block is read in place (no self copy); the peers'
   // blocks come by point-to-point messages in chunks of kExchangeChunkBytes, each reduced as
   // soon as it has arrived, so the received copy is read back from cache rather than memory.
   absl::Status ExchangeReduce(const void* send, void* dst, DType dtype, ReduceOp op,
                               const OpDesc& d) {
     const size_t es = DTypeSize(dtype);
     const size_t chunk = std::max<size_t>(1, kExchangeChunkBytes / es);
-    auto chunks = [&](int q) { return (bounds_[q + 1] - bounds_[q] + chunk - 1) / chunk; };
+    auto chunks = [&](int q) { return (end_[q] - begin_[q] + chunk - 1) / chunk; };
     // Every rank computes the same number of steps, so every message is matched in its step.
     size_t steps = 0;
     for (int q = 0; q < size_; ++q) steps = std::max(steps, chunks(q));
-    const size_t mine = bounds_[rank_ + 1] - bounds_[rank_];
+    const size_t mine = end_[rank_] - begin_[rank_];
     const char* my_send = static_cast<const char*>(send);
     // (size, chunk) dtype: this step's chunk of our block from each peer (our own row unused).
     scratch_.resize(static_cast<size_t>(size_) * std::min(chunk, mine) * es);
@@ -233,10 +287,10 @@ class MpiCommunicator final : public Communicator {
                                           tag, comm_, AddRequest(q, bytes)),
                                 "MPI_Irecv", d));
         }
-        const size_t qlen = bounds_[q + 1] - bounds_[q];
+        const size_t qlen = end_[q] - begin_[q];
         if (begin < qlen) {
           RETURN_IF_ERROR(Check(
-              MPI_Isend(my_send + (bounds_[q] + begin) * es,
+              MPI_Isend(my_send + (begin_[q] + begin) * es,
                         static_cast<int>(std::min(chunk, qlen - begin) * es), MPI_BYTE, q, tag,
                         comm_, AddRequest(q, -1)),
               "MPI_Isend", d));
@@ -246,7 +300,7 @@ class MpiCommunicator final : public Communicator {
       if (len == 0) continue;
       ptrs_.clear();
       for (int q = 0; q < size_; ++q) {
-        ptrs_.push_back(q == rank_ ? my_send + (bounds_[rank_] + begin) * es
+        ptrs_.push_back(q == rank_ ? my_send + (begin_[rank_] + begin) * es
                                    : scratch_.data() + q * len * es);
       }
       // Streaming stores as ReduceBlocks would choose them for the whole block, not the chunk.
@@ -504,7 +558,8 @@ class MpiCommunicator final : public Communicator {
   std::vector<char> scratch_;
   std::vector<const void*> ptrs_;
   std::vector<int> counts_, displs_;
-  std::vector<size_t> bounds_;  // ExchangeReduce's blocks, size_+1 element offsets
+  std::vector<size_t> bounds_;  // consecutive blocks, size_+1 element offsets
+  std::vector<size_t> begin_, end_;  // ExchangeReduce's range of each rank
   // The point-to-point requests in flight, the rank at the other end of each, and the bytes
   // each receive expects (-1 for sends); statuses_ gets their statuses.
   std::vector<MPI_Request> reqs_;

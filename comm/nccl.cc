@@ -122,6 +122,33 @@ class NcclCommunicator final : public Communicator {
                                  AsStream(stream)));
   }
 
+  // A reduce-scatter within the group, then an all-reduce of the result across the groups'
+  // same-position ranks, both enqueued on `stream`, on two sub-communicators split off at the
+  // first call with this group size (a collective every rank makes at the same point of its
+  // sequence, since every rank calls this operation alike). NCCL rounds each partial to the
+  // dtype and picks its own summation order, so unlike the CPU backends this is not bitwise
+  // equal to the flat reduction (communicator.h); kAvg divides by the group size, then by the
+  // number of groups. A failure of either sub-communicator surfaces in its own calls here.
+  absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
+                                     ReduceOp op, int group_size, Stream stream) override {
+    OpDesc d = Desc(OpKind::kReduceScatterInGroups, count, dtype, op, group_size);
+    RETURN_IF_ERROR(Start(d, send, recv));  // validates group_size
+    history_.End();
+    if (group_size == size_) return ReduceScatter(send, recv, count, dtype, op, stream);
+    if (grouped_size_ != group_size) {
+      group_comm_.reset();
+      replica_comm_.reset();
+      grouped_size_ = 0;
+      // Key = rank: a group's ranks keep this communicator's order, so the group rank is the
+      // position rank % group_size and the in-place layout carries over.
+      ASSIGN_OR_RETURN(group_comm_, Split(rank_ / group_size, rank_));
+      ASSIGN_OR_RETURN(replica_comm_, Split(rank_ % group_size, rank_));
+      grouped_size_ = group_size;
+    }
+    RETURN_IF_ERROR(group_comm_->ReduceScatter(send, recv, count, dtype, op, stream));
+    return replica_comm_->AllReduce(recv, recv, count, dtype, op, stream);
+  }
+
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream stream) override {
     OpDesc d = Desc(OpKind::kBroadcast, count, dtype, ReduceOp::kSum, root);
     if (root < 0 || root >= size_) {
@@ -283,6 +310,9 @@ class NcclCommunicator final : public Communicator {
   const CommOptions options_;
   internal::OpHistory history_;
   absl::Status poison_;
+  // ReduceScatterInGroups: its sub-communicators for groups of grouped_size_ (0: none yet).
+  int grouped_size_ = 0;
+  std::unique_ptr<Communicator> group_comm_, replica_comm_;
   bool aborted_ = false;
   int64_t seq_ = 0;
   cudaStream_t barrier_stream_ = nullptr;

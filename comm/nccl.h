@@ -19,6 +19,10 @@
 // that), non-blocking and polled like creation; the sub-communicator is owned (destroyed with
 // it), on the same device. NCCL cannot say which peer is missing: the timeout names the split
 // and this rank.
+// ReduceScatterInGroups is ncclReduceScatter within the group then ncclAllReduce across the
+// groups, on two sub-communicators split off at its first call: two roundings to the dtype,
+// not bitwise equal to the flat reduction (HSDP on NCCL differs from flat sharding in the last
+// bits, as any two NCCL algorithms do). Not run yet: NCCL refuses two ranks on one GPU.
 // Each Communicator binds the CUDA device current (external) or given (created) at creation.
 // Thread safety: one thread at a time.
 #ifndef ZERORT_COMM_NCCL_H_

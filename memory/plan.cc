@@ -89,6 +89,16 @@ absl::Status ValidateOptions(const PlanOptions& o) {
   }
   if (o.unit_target_elements < 1) return bad("unit_target_elements", o.unit_target_elements, ">= 1");
   if (o.shard_alignment < 1) return bad("shard_alignment", o.shard_alignment, ">= 1");
+  if (o.shard_group_size < 0 || o.shard_group_size > o.world_size ||
+      (o.shard_group_size > 0 && o.world_size % o.shard_group_size != 0)) {
+    return bad("shard_group_size (mics_shard_size)", o.shard_group_size,
+               absl::StrCat("a divisor of world_size ", o.world_size, " (or -1: flat)"));
+  }
+  if (Hierarchical(o) && o.stage == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "mics_shard_size ", o.shard_group_size, " requires stage 1, 2 or 3 (zero_optimization."
+        "stage is 0): stage 0 shards nothing, so there is no group to shard within"));
+  }
   if (o.param_alignment < 1) return bad("param_alignment", o.param_alignment, ">= 1");
   if (o.grad_bucket_count < 1) return bad("grad_bucket_count", o.grad_bucket_count, ">= 1");
   if (o.persistence_threshold < 0) return bad("persistence_threshold", o.persistence_threshold, ">= 0");
@@ -194,7 +204,8 @@ class UnitBuilder {
                         : absl::StrCat(first_module_, "..", last_module_);
     current_.padded = math_.RoundUp(
         current_.numel, math_.Mul(world, o_.shard_alignment, "shard alignment"), "padded unit");
-    current_.shard = current_.padded / world;
+    // HSDP: padded for the whole world all the same (see PlanOptions::shard_group_size).
+    current_.shard = current_.padded / ShardGroupSize(o_);
     current_.flat_offset = plan_->padded_elements;
     current_.shard_offset = plan_->shard_elements;
     plan_->padded_elements =
@@ -494,7 +505,7 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     // device, one unit at a time: sum up, Accumulate (the kernel of device accumulation, so the
     // bits are the same), sum down, all on the comm stream.
     AddBuffer(plan, math, "grad_accum_stage", BufferClass::kGradAccumStage, MemoryKind::kDevice,
-              reduced, totals.max_trainable_unit / world);
+              reduced, totals.max_trainable_unit / ShardGroupSize(o));
   }
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
@@ -502,7 +513,8 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     // Local accumulation converts whole units too.
     const bool whole = GradWireDType(o) != c || o.stage == 0 || LocalAccumulation(o);
     AddBuffer(plan, math, "grad_wire", BufferClass::kGradWire, MemoryKind::kDevice, DType::kF32,
-              whole ? totals.max_trainable_unit : totals.max_trainable_unit / world);
+              whole ? totals.max_trainable_unit
+                    : totals.max_trainable_unit / ShardGroupSize(o));
   }
   if (LocalAccumulation(o)) {
     AddBuffer(plan, math, "grad_local", BufferClass::kGradLocal, MemoryKind::kDevice, reduced,
@@ -542,7 +554,7 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     // file); the gradients are in host memory already (gradient offload). A parameter shard in
     // host memory is updated in place and needs none.
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
-              math->Mul(o.offload_buffer_count, totals.max_trainable_unit / world,
+              math->Mul(o.offload_buffer_count, totals.max_trainable_unit / ShardGroupSize(o),
                         "offload_staging size"),
               o.offload_buffer_count);
   }
@@ -589,26 +601,38 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   constexpr absl::string_view kComm = "communication bytes per step";
   auto add = [&](int64_t x, int64_t y) { return math->Add(x, y, kComm); };
   auto mul = [&](int64_t x, int64_t y) { return math->Mul(x, y, kComm); };
-  auto collective = [&](int64_t elements) { return mul(mul(elements / world, world - 1), cb); };
+  // HSDP: G ranks per shard group, R groups. Parameter all-gathers stay within the group; a
+  // gradient reduction is a reduce-scatter within the group plus an all-reduce, across the R
+  // groups, of the 1/G shard (2(R-1)/R of it). Flat: G = world, R = 1, nothing crosses.
+  const int64_t G = ShardGroupSize(o), R = world / G;
+  auto collective = [&](int64_t elements) { return mul(mul(elements / G, G - 1), cb); };
   // Gradient reductions move the wire dtype (fp32 with fp32_grad_comm).
   const int64_t wb = static_cast<int64_t>(DTypeSize(GradWireDType(o)));
-  auto reduction = [&](int64_t elements) { return mul(mul(elements / world, world - 1), wb); };
+  auto reduction = [&](int64_t elements) { return mul(mul(elements / G, G - 1), wb); };
+  auto across = [&](int64_t elements) {
+    return mul(2, mul(mul(elements / G / R, R - 1), wb));
+  };
+  int64_t within = 0, crossing = 0;
   switch (o.stage) {
     case 0:
-      plan->comm_bytes_per_step = mul(reductions, mul(2, reduction(Et)));
+      within = mul(reductions, mul(2, reduction(Et)));
       break;
     case 1:
     case 2:
-      plan->comm_bytes_per_step = add(mul(reductions, reduction(Et)), collective(Et));
+      within = add(mul(reductions, reduction(Et)), collective(Et));
+      crossing = mul(reductions, across(Et));
       break;
     case 3:
       // Forward and backward gather every non-persistent unit; persistent trainable units are
       // gathered once after the step.
-      plan->comm_bytes_per_step =
-          add(mul(gas, add(mul(2, collective(E - persistent)), reduction(Et))),
-              collective(totals.trainable_persistent_elements));
+      within = add(mul(gas, add(mul(2, collective(E - persistent)), reduction(Et))),
+                   collective(totals.trainable_persistent_elements));
+      crossing = mul(gas, across(Et));
       break;
   }
+  plan->comm_bytes_within_group_per_step = within;
+  plan->comm_bytes_across_groups_per_step = crossing;
+  plan->comm_bytes_per_step = add(within, crossing);
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {

@@ -182,6 +182,14 @@ struct PlanOptions {
   int64_t persistence_threshold = 100000;   // stage 3: units this small stay whole
   int64_t prefetch_elements = 50000000;     // stage 3: stage3_prefetch_bucket_size
   int64_t max_live_elements = 1000000000;   // stage 3: stage3_max_live_parameters
+  // HSDP / MiCS (zero_optimization.mics_shard_size): ranks are cut into groups of this many
+  // consecutive ranks; stages 1-3 shard within a group and replicate across groups (rank r
+  // owns shard r % shard_group_size of every unit; its replicas r +- k * shard_group_size own
+  // the same). 0 or world_size: flat. Units stay padded to a multiple of world_size *
+  // shard_alignment, so a group shard is exactly world_size / shard_group_size
+  // consecutive flat shards, which keeps the gradient norm's partials those of
+  // the flat layout (bitwise the same norm). REQUIRES: divides world_size; stages 1-3.
+  int shard_group_size = 0;
 };
 
 // Where parameter i lives.
@@ -200,7 +208,7 @@ struct Unit {
   std::vector<int> params;       // indices into Plan::params, in layout order
   int64_t numel = 0;             // elements including gaps between parameters
   int64_t padded = 0;            // multiple of world_size * shard_alignment
-  int64_t shard = 0;             // padded / world_size
+  int64_t shard = 0;             // padded / ShardGroupSize (padded / world_size when flat)
   int64_t flat_offset = 0;       // start in the full buffer (sum of earlier units' padded)
   int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
   bool persistent = false;       // stage 3 only: kept whole on every rank
@@ -216,7 +224,7 @@ struct Plan {
 
   int64_t num_elements = 0;      // elements the trainer registered (P); not a tensor count
   int64_t padded_elements = 0;   // sum of units' padded sizes (E >= P)
-  int64_t shard_elements = 0;    // E / world_size: elements this rank owns
+  int64_t shard_elements = 0;    // E / ShardGroupSize: elements this rank owns
   int64_t max_unit_elements = 0; // largest padded unit: the size of the largest bucket or slot
   int64_t gather_slots = 0;      // stage 3: all classes together
   // Frozen parameters (ParamSpec::frozen) sit in units [trainable_units, units.size()), after
@@ -233,6 +241,11 @@ struct Plan {
   int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
   int64_t comm_bytes_per_step = 0; // bytes this rank sends per optimizer step (nccl-tests'
                                    // convention: (n-1)/n of each reduce-scatter/all-gather)
+  // comm_bytes_per_step by link class: between ranks of one shard group (all of it when flat)
+  // and between groups. HSDP counts its gradient reduction as NCCL runs it: a reduce-scatter
+  // in the group, then an all-reduce of the shard across the groups' same-position ranks.
+  int64_t comm_bytes_within_group_per_step = 0;
+  int64_t comm_bytes_across_groups_per_step = 0;
   // Offload: device<->host copies per step: gradient shards down in every micro-step (and,
   // accumulating, the running sum up for each after the first), parameter shards up.
   int64_t host_transfer_bytes_per_step = 0;
@@ -247,6 +260,15 @@ struct Plan {
   // First buffer of this class, or nullptr.
   const Buffer* Find(BufferClass cls) const;
 };
+
+// HSDP: the ranks that shard a unit between them (world_size when flat), and this rank's shard
+// (its position in its group: rank % ShardGroupSize).
+inline int ShardGroupSize(const PlanOptions& o) {
+  return o.shard_group_size > 0 ? o.shard_group_size : o.world_size;
+}
+inline int ShardIndex(const PlanOptions& o) { return o.rank % ShardGroupSize(o); }
+// More than one shard group: stages 1-3 replicate the group's shards across groups.
+inline bool Hierarchical(const PlanOptions& o) { return ShardGroupSize(o) < o.world_size; }
 
 // The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
 // precision, else the compute dtype), and the dtype gradients are reduced in on the wire.

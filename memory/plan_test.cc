@@ -777,6 +777,68 @@ TEST_CASE("Planner: declared activation bytes add up per unit and per plan, outs
             "': activation_bytes_per_sample = -1 is negative: expected >= 0 bytes");
 }
 
+TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class",
+          "[memory][hsdp]") {
+  // One 4096-element unit (a multiple of 8 * 128: no padding) on 8 ranks, groups of 4.
+  std::vector<ParamSpec> specs = {{"w", {64, 64}, "m"}};
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = 8;
+  o.rank = 5;  // group 1, shard 1
+  o.persistence_threshold = 0;
+  o.compute_dtype = DType::kBF16;
+  auto flat = MakePlan(specs, o);
+  o.shard_group_size = 4;
+  auto hsdp = MakePlan(specs, o);
+  REQUIRE(flat.ok());
+  REQUIRE(hsdp.ok());
+  CHECK(hsdp->padded_elements == 4096);
+  CHECK(hsdp->shard_elements == 1024);  // 4096 / 4, twice flat's 512
+  CHECK(flat->shard_elements == 512);
+  // Per rank: params, gradient and fp32 master + m + v of the 1024-element shard.
+  CHECK(hsdp->model_state_bytes == 1024 * (2 + 2 + 12));
+  // Within the group, bf16: forward and backward gathers 2 x 3/4 x 4096 x 2 B, the gradient
+  // reduce-scatter 3/4 x 4096 x 2 B; across the 2 groups, the all-reduce of the 1024-element
+  // shard: 2 x 1/2 x 1024 x 2 B.
+  CHECK(hsdp->comm_bytes_within_group_per_step == 3 * 3072 * 2);
+  CHECK(hsdp->comm_bytes_across_groups_per_step == 2048);
+  CHECK(hsdp->comm_bytes_per_step == 3 * 3072 * 2 + 2048);
+  // Flat: everything within the one group, (7/8) of each collective.
+  CHECK(flat->comm_bytes_within_group_per_step == 3 * 3584 * 2);
+  CHECK(flat->comm_bytes_across_groups_per_step == 0);
+  CHECK(flat->comm_bytes_per_step == flat->comm_bytes_within_group_per_step);
+
+  // Gradient offload's per-unit buffers hold a group shard (1024 elements), not a flat one.
+  {
+    PlanOptions g = o;
+    g.offload_optimizer = true;
+    g.gradient_accumulation_steps = 2;
+    for (int stage = 1; stage <= 3; ++stage) {
+      INFO("stage " << stage);
+      g.stage = stage;
+      auto off = MakePlan(specs, g);
+      REQUIRE(off.ok());
+      const Buffer* accum_stage = off->Find(BufferClass::kGradAccumStage);
+      REQUIRE(accum_stage != nullptr);
+      CHECK(accum_stage->elements == 1024);
+      const Buffer* staging = off->Find(BufferClass::kOffloadStaging);
+      REQUIRE(staging != nullptr);
+      CHECK(staging->elements == staging->count * 1024);
+      // The 1024-element shard down twice and up once (the running sum), parameters up once.
+      CHECK(off->host_transfer_bytes_per_step == 3 * 1024 * 2 + 1024 * 2);
+    }
+  }
+
+  for (int bad : {3, 16, -1}) {
+    o.shard_group_size = bad;
+    auto refused = MakePlan(specs, o);
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+  }
+  o.shard_group_size = 4;
+  o.stage = 0;
+  CHECK(MakePlan(specs, o).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace memory
 }  // namespace zerort

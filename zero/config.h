@@ -90,6 +90,10 @@ struct ZeroConfig {
   // >= 0 elements; kAutoSize = 10 * h
   int64_t stage3_param_persistence_threshold = kAutoSize;
   int64_t stage3_max_live_parameters = 1000000000;      // >= 1 elements
+  // HSDP / MiCS: shard within groups of this many consecutive ranks, replicate across groups
+  // (stages 1-3). -1 (DeepSpeed's default) or 0: flat, one group of every rank. Otherwise it
+  // must divide the world size (checked when the plan is made).
+  int mics_shard_size = -1;
   MemoryBudget memory_budget;
 };
 

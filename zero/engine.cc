@@ -31,6 +31,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                                 mem.grad_buckets().count,
                                                                 mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
+  if (memory::Hierarchical(plan_.options)) RETURN_IF_ERROR(JoinShardGroup(compute));
   ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem, config_, dev_,
                                                             compute, host_.get()));
   // A pass that has made gradients is a backward one; on the window's last micro-step the
@@ -69,6 +70,19 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::JoinShardGroup(Device::Stream compute) {
+  const int group = memory::ShardGroupSize(plan_.options);
+  // Asked with nothing to reduce, so that a backend without the grouped reduction fails here,
+  // on every rank alike, and not at the first gradient.
+  RETURN_IF_ERROR(comm_->ReduceScatterInGroups(nullptr, nullptr, 0, cdt_, comm::ReduceOp::kSum,
+                                               group, streams_->side()));
+  // Key = rank: the group's ranks keep the world's order, so shard position = rank % group.
+  ASSIGN_OR_RETURN(shard_comm_, comm_->Split(rank_ / group, rank_));
+  streams_->SetShardGroup(shard_comm_.get(), group);
+  shard_host_ = std::make_unique<zero_internal::HostCollectives>(shard_comm_.get(), dev_, compute);
+  return absl::OkStatus();
+}
+
 absl::Status Engine::Impl::CheckPeersAgree() {
   if (world_ == 1) return absl::OkStatus();
   // CRC32C over a canonical description: absl::Hash is seeded per process, which would make
@@ -78,6 +92,7 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
                                    plan_.options.local_grad_accumulation, "|",
+                                   plan_.options.shard_group_size, "|",
                                    config_.prescale_gradients,
                                    absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (const memory::ParamSpec& s : specs_) {
@@ -221,8 +236,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
   RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  Workload workload;  // declared activations only; the reserves for this communicator
+  workload.nccl_communicator = comm->backend() == "nccl";
   ASSIGN_OR_RETURN(PlanChoice choice,
-                   ChoosePlan(params, with_notes, comm->size(), comm->rank()));
+                   ChoosePlan(params, with_notes, comm->size(), comm->rank(), workload));
   if (!choice.fits) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the plan does not fit zero_optimization.memory_budget: ", choice.reason));
@@ -273,10 +290,12 @@ MemoryReport Engine::memory_report() const {
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
   r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
-  // The budget Create fitted: the same plan and resolved config, without a workload, so only
-  // declared activations count. It succeeded there, so it cannot fail here.
+  // The budget Create fitted: the same plan, resolved config and workload (declared activations
+  // only, this communicator's reserves). It succeeded there, so it cannot fail here.
+  Workload workload;
+  workload.nccl_communicator = impl_->comm_->backend() == "nccl";
   const absl::StatusOr<DeviceBudget> budget =
-      MakeDeviceBudget(impl_->plan_, impl_->config_, Workload{});
+      MakeDeviceBudget(impl_->plan_, impl_->config_, workload);
   if (budget.ok()) {
     r.device_budget_bytes = budget->total_bytes;
     if (budget->counted) {
@@ -455,7 +474,8 @@ absl::StatusOr<std::vector<float>> Engine::GatherMasterWeights() {
     } else {
       std::vector<float> shard(unit.shard);
       RETURN_IF_ERROR(m.store_->LoadState(u, shard.data(), nullptr, nullptr));
-      RETURN_IF_ERROR(m.host_->AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
+      RETURN_IF_ERROR(
+          m.shard_host().AllGatherHost(shard.data(), full.data(), unit.shard, DType::kF32));
     }
     for (int i : unit.params) {
       const memory::ParamLayout& p = m.plan_.params[i];

@@ -47,6 +47,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.persistence_threshold = sizes.persistence_threshold;
   o.prefetch_elements = sizes.prefetch_bucket_size;
   o.max_live_elements = std::max<int64_t>(1, c.zero.stage3_max_live_parameters);
+  o.shard_group_size = std::max(0, c.zero.mics_shard_size);  // -1 and 0: flat
   return o;
 }
 
@@ -138,6 +139,8 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, boo
   auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
     // Local accumulation needs the full gradients of stages 0-1.
     if (base.local_grad_accumulation && stage >= 2) return;
+    // HSDP shards within groups, which stage 0 does not do.
+    if (memory::Hierarchical(base) && stage == 0) return;
     memory::PlanOptions o = base;
     o.stage = stage;
     o.offload_optimizer = optimizer;
@@ -212,7 +215,8 @@ absl::StatusOr<DeviceBudget> MakeDeviceBudget(const memory::Plan& plan, const Co
   }
   const ReservesConfig& r = config.reserves;
   const int64_t world = plan.options.world_size;
-  // A single rank needs no communicator: the engine runs its collectives in place.
+  // A single rank needs no communicator unless the trainer made one (Workload).
+  const bool nccl = workload.nccl_communicator.value_or(world > 1);
   const int64_t peers = std::min<int64_t>(world - 1, 2);
   const int64_t allocated = SatAdd(d.model_state_bytes, d.activation_bytes);
   // Rounded up; a double's rounding error is far below a byte's worth of margin at these sizes,
@@ -220,7 +224,7 @@ absl::StatusOr<DeviceBudget> MakeDeviceBudget(const memory::Plan& plan, const Co
   const double fragmentation = std::ceil(r.fragmentation_fraction * static_cast<double>(allocated));
   d.reserves = {
       {"cuda context", r.cuda_context_bytes},
-      {"nccl communicator", world > 1 ? r.nccl_communicator_bytes : 0},
+      {"nccl communicator", nccl ? r.nccl_communicator_bytes : 0},
       {"nccl buffers", SatMul(SatMul(r.nccl_channels, peers), r.nccl_buffsize)},
       {"cublas workspace", r.cublas_workspace_bytes},
       {"fragmentation", fragmentation >= 9.2e18 ? std::numeric_limits<int64_t>::max()

@@ -48,6 +48,11 @@ struct Workload {
   int64_t seq = 0;  // >= 0 tokens per sequence; the formula needs it (0: not counted)
   std::optional<TransformerShape> shape;  // REQUIRES: not together with declared activations
   Recompute recompute = Recompute::kNone;
+  // Whether the rank holds an NCCL communicator (its reserve line). Unset: assumed exactly when
+  // the world has more than one rank, which is all `zerort plan` can know; the engine says what
+  // its communicator is, since a trainer on one GPU often creates one anyway (the GPT demo does,
+  // and the H200 measurement behind the default was at world 1).
+  std::optional<bool> nccl_communicator;
 };
 
 // One named line of the device budget.

@@ -756,6 +756,20 @@ TEST_CASE("Planner: reserves have their documented defaults, follow the config, 
   REQUIRE(d1.ok());
   CHECK(line(*d1, "nccl communicator") == 0);
   CHECK(line(*d1, "nccl buffers") == 0);
+  // One rank that made an NCCL communicator anyway (the engine says so): its bytes count, with
+  // no peers to buffer for; and eight ranks told they have none count none.
+  Workload one_nccl = w;
+  one_nccl.nccl_communicator = true;
+  auto d1n = MakeDeviceBudget(*plan1, defaults, one_nccl);
+  REQUIRE(d1n.ok());
+  CHECK(line(*d1n, "nccl communicator") == 612 * kMiB);
+  CHECK(line(*d1n, "nccl buffers") == 0);
+  CHECK(d1n->total_bytes == d1->total_bytes + 612 * kMiB);
+  Workload eight_none = w;
+  eight_none.nccl_communicator = false;
+  auto d8n = MakeDeviceBudget(*plan8, defaults, eight_none);
+  REQUIRE(d8n.ok());
+  CHECK(line(*d8n, "nccl communicator") == 0);
 
   auto parsed = ParseConfig(R"({"zerort": {"reserves": {"cuda_context_bytes": 1000,
       "nccl_communicator_bytes": 2000, "nccl_buffsize": 10, "nccl_channels": 3,

@@ -34,6 +34,12 @@ std::string PlanTable(const memory::Plan& plan) {
       plan.num_elements, absl::StrCat(plan.padded_elements), plan.units.size(), o.world_size,
       o.stage, DTypeName(o.compute_dtype), o.offload_optimizer ? ", optimizer offload" : "",
       o.offload_param ? ", parameter offload" : "");
+  if (memory::Hierarchical(o)) {
+    absl::StrAppendFormat(&out,
+                          "HSDP: shard groups of %d consecutive ranks, %d replicas of each shard "
+                          "(per-rank figures below are at the group size)\n",
+                          memory::ShardGroupSize(o), o.world_size / memory::ShardGroupSize(o));
+  }
   for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
     if (plan.bytes_by_kind[k] == 0) continue;
     absl::StrAppendFormat(&out, "\n%s memory per rank: %s\n",
@@ -58,6 +64,11 @@ std::string PlanTable(const memory::Plan& plan) {
                           HumanBytes(plan.frozen_state_bytes_saved));
   }
   absl::StrAppendFormat(&out, "sent per rank per step: %s", HumanBytes(plan.comm_bytes_per_step));
+  if (memory::Hierarchical(o)) {
+    absl::StrAppendFormat(&out, " (within the shard group %s, across groups %s)",
+                          HumanBytes(plan.comm_bytes_within_group_per_step),
+                          HumanBytes(plan.comm_bytes_across_groups_per_step));
+  }
   if (plan.host_transfer_bytes_per_step > 0) {
     absl::StrAppendFormat(&out, "; device<->host copies per step: %s",
                           HumanBytes(plan.host_transfer_bytes_per_step));
@@ -88,6 +99,10 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
                    {"frozen_params", plan.frozen_elements},
                    {"frozen_state_bytes_saved", plan.frozen_state_bytes_saved}};
   j["comm_bytes_per_step"] = plan.comm_bytes_per_step;
+  // HSDP: the same bytes by link class (flat: all within the one group of every rank).
+  j["shard_group_size"] = memory::ShardGroupSize(o);
+  j["comm_bytes_within_group_per_step"] = plan.comm_bytes_within_group_per_step;
+  j["comm_bytes_across_groups_per_step"] = plan.comm_bytes_across_groups_per_step;
   j["host_transfer_bytes_per_step"] = plan.host_transfer_bytes_per_step;
   nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
   for (const memory::Buffer& b : plan.buffers) {

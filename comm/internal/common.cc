@@ -21,6 +21,8 @@ absl::string_view OpKindName(OpKind kind) {
       return "barrier";
     case OpKind::kSplit:
       return "split";
+    case OpKind::kReduceScatterInGroups:
+      return "reduce_scatter_in_groups";
   }
   return "unknown";
 }
@@ -30,10 +32,11 @@ std::string Args(const OpDesc& d) {
   std::string s = absl::StrCat(OpKindName(d.kind), " #", d.seq);
   if (d.kind == OpKind::kBarrier || d.kind == OpKind::kSplit) return s;
   absl::StrAppend(&s, " (count=", d.count, ", dtype=", DTypeName(static_cast<DType>(d.dtype)));
-  if (d.kind == OpKind::kReduceScatter || d.kind == OpKind::kAllReduce) {
+  if (IsReduction(d.kind)) {
     absl::StrAppend(&s, ", op=", ReduceOpName(static_cast<ReduceOp>(d.reduce_op)));
   }
   if (d.kind == OpKind::kBroadcast) absl::StrAppend(&s, ", root=", d.root);
+  if (d.kind == OpKind::kReduceScatterInGroups) absl::StrAppend(&s, ", group_size=", d.root);
   return s + ")";
 }
 }  // namespace
@@ -44,10 +47,9 @@ std::string CompareOps(const OpDesc& a, int rank_a, const OpDesc& b, int rank_b,
   bool same = a.kind == b.kind && a.seq == b.seq;
   if (full && same) {
     same = a.count == b.count && a.dtype == b.dtype &&
-           (a.kind != OpKind::kReduceScatter && a.kind != OpKind::kAllReduce
-                ? true
-                : a.reduce_op == b.reduce_op) &&
-           (a.kind != OpKind::kBroadcast || a.root == b.root);
+           (!IsReduction(a.kind) || a.reduce_op == b.reduce_op) &&
+           ((a.kind != OpKind::kBroadcast && a.kind != OpKind::kReduceScatterInGroups) ||
+            a.root == b.root);
   }
   if (same) return "";
   return absl::StrCat("collective argument mismatch: rank ", rank_a, " called ", Args(a),
@@ -84,6 +86,15 @@ absl::Status ValidateBuffers(const OpDesc& d, const void* send, const void* recv
   } else if (d.kind == OpKind::kReduceScatter) {
     send_bytes *= size;
     in_place = r == s + static_cast<size_t>(rank) * block;
+  } else if (d.kind == OpKind::kReduceScatterInGroups) {
+    const int g = d.root;
+    if (g < 1 || size % g != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": ", Args(d),
+                                                     ": group_size must be >= 1 and divide ",
+                                                     "the communicator's size ", size));
+    }
+    send_bytes *= g;
+    in_place = r == s + static_cast<size_t>(rank % g) * block;
   }
   const bool overlap = s < r + recv_bytes && r < s + send_bytes;
   if (overlap && !in_place) {

@@ -26,9 +26,12 @@ enum class OpKind : int32_t {
   kBroadcast,
   kBarrier,
   kSplit,
+  // Communicator::ReduceScatterInGroups; OpDesc::root carries its group_size.
+  kReduceScatterInGroups,
 };
 
-// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "split".
+// "all_gather", "reduce_scatter", "all_reduce", "broadcast", "barrier", "split",
+// "reduce_scatter_in_groups".
 absl::string_view OpKindName(OpKind kind);
 
 // What one rank asked for; ranks must agree on everything here. Plain data so that the MPI
@@ -38,7 +41,7 @@ struct OpDesc {
   OpKind kind = OpKind::kBarrier;
   int32_t dtype = 0;  // DType as int
   int32_t reduce_op = 0;  // ReduceOp as int
-  int32_t root = 0;
+  int32_t root = 0;  // Broadcast's root; ReduceScatterInGroups's group_size
   uint64_t count = 0;
 };
 
@@ -62,6 +65,12 @@ inline size_t SliceBegin(size_t count, int world, int r) {
   const size_t base = count / n, rem = count % n;
   const size_t rr = static_cast<size_t>(r);
   return rr * base + (rr < rem ? rr : rem);
+}
+
+// Reductions: ReduceScatter, AllReduce, ReduceScatterInGroups.
+inline bool IsReduction(OpKind k) {
+  return k == OpKind::kReduceScatter || k == OpKind::kAllReduce ||
+         k == OpKind::kReduceScatterInGroups;
 }
 
 // "all_reduce #7 (count=1000, dtype=bf16, op=sum)".

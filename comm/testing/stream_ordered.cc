@@ -94,6 +94,24 @@ class StreamOrderedComm final : public Communicator {
     return End(stream);
   }
 
+  absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
+                                     ReduceOp op, int group_size, Stream stream) override {
+    const size_t block = count * DTypeSize(dtype);
+    ASSIGN_OR_RETURN(std::vector<Peer> peers,
+                     Begin(OpKind::kReduceScatterInGroups, send, recv, count, dtype, op,
+                           group_size, stream));
+    // Every rank of this position reduces block (rank % group_size) of every rank's send in
+    // rank order, as the contract says. In place, recv is that block of this rank's send,
+    // which the other replicas of the position read too: write only once they all have.
+    const size_t pos = static_cast<size_t>(rank() % group_size);
+    std::vector<const char*> srcs;
+    for (const Peer& p : peers) srcs.push_back(p.send + pos * block);
+    RETURN_IF_ERROR(Reduce(srcs, count, dtype, op, stream));
+    RETURN_IF_ERROR(Meet(group_->mid, stream));
+    RETURN_IF_ERROR(Store(recv, count, dtype, stream));
+    return End(stream);
+  }
+
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                          Stream stream) override {
     ASSIGN_OR_RETURN(std::vector<Peer> peers,
@@ -210,14 +228,14 @@ class StreamOrderedComm final : public Communicator {
                   reinterpret_cast<char*>(static_cast<uintptr_t>(w[kRecv]))};
     }
     if ((op == ReduceOp::kAvg && (world & (world - 1)) != 0) &&
-        (kind == OpKind::kReduceScatter || kind == OpKind::kAllReduce)) {
+        internal::IsReduction(kind)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "stream-ordered test group, rank ", me, ": ", internal::DescribeOp(d), " on ", world,
           " ranks: kAvg is exact here only on a power-of-two world size (the CPU Device has no "
           "division kernel)"));
     }
     if (op == ReduceOp::kMax &&
-        (kind == OpKind::kReduceScatter || kind == OpKind::kAllReduce)) {
+        internal::IsReduction(kind)) {
       return absl::UnimplementedError(absl::StrCat(
           "stream-ordered test group, rank ", me, ": ", internal::DescribeOp(d),
           ": the CPU Device has no max kernel to run it in stream order"));

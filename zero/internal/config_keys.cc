@@ -186,7 +186,7 @@ absl::Span<const KeyDef> ZeroKeys() {
       Foreign("zero_optimization.zero_quantized_gradients", "quantized communication", "false"),
       Foreign("zero_optimization.zeropp_loco_param", "quantized communication", "null"),
       Foreign("zero_optimization.zero_hpz_partition_size", "hierarchical partitioning", "1"),
-      Foreign("zero_optimization.mics_shard_size", "MiCS sharding", "-1"),
+      Int("zero_optimization.mics_shard_size", M(zero.mics_shard_size), -1),
       Foreign("zero_optimization.mics_hierarchical_params_gather", "MiCS sharding", "false"),
       Foreign("zero_optimization.zenflow",
               "ZenFlow, DeepSpeed's split of the offloaded update between device and host, is not "

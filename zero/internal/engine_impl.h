@@ -56,7 +56,9 @@ class Engine::Impl {
         gas_(plan_.options.gradient_accumulation_steps),
         offload_(plan_.options.offload_optimizer),
         scaler_(config_),
-        timer_(world_, c_) {}
+        // HSDP: collectives count the shard group's peers, plus the across-group reduction.
+        timer_(memory::ShardGroupSize(plan_.options), c_,
+               world_ / memory::ShardGroupSize(plan_.options)) {}
 
   // Allocates the plan and builds the parts over it.
   absl::Status Build(Device::Stream compute);
@@ -98,6 +100,14 @@ class Engine::Impl {
   absl::Status FinishStep(bool overflow, bool update_scaler, StepStats* stats);
   absl::Status CheckGradsReady() const;
   absl::Status CheckPending(const char* call, bool want) const;
+
+  // HSDP (memory::Hierarchical): splits this rank's shard group off the communicator and hands
+  // it to StreamOrder; an error on a backend without ReduceScatterInGroups. Collective.
+  absl::Status JoinShardGroup(Device::Stream compute);
+  // Host all-gathers of unit shards: over the shard group with HSDP, else the communicator.
+  zero_internal::HostCollectives& shard_host() const {
+    return shard_host_ != nullptr ? *shard_host_ : *host_;
+  }
 
   absl::Status ReduceUnit(int unit);
   absl::Status RestoreUnit(int unit, const float* const src[3]);
@@ -146,6 +156,11 @@ class Engine::Impl {
   // Declared first, destroyed last: every stream below that may still write into the arenas
   // is synchronized by its owner's destructor before they go.
   std::unique_ptr<zero_internal::EngineMemory> memory_;
+  // HSDP only: this rank's shard group (Split of comm_) and host collectives over it. Declared
+  // before the parts that use them, so that those (StreamOrder's destructor waits for the comm
+  // stream) are gone before the group is.
+  std::unique_ptr<comm::Communicator> shard_comm_;
+  std::unique_ptr<zero_internal::HostCollectives> shard_host_;
   std::unique_ptr<zero_internal::ShardLayout> layout_;
   std::unique_ptr<zero_internal::UnitStore> store_;  // where owned state lives
   std::unique_ptr<zero_internal::StreamOrder> streams_;

@@ -73,7 +73,7 @@ class EngineMemory {
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
   char* grad_local() const { return grad_local_; }
-  // (max trainable unit / world) reduced-gradient dtype: gradient offload's accumulation stage
+  // (max trainable unit / shard group size) reduced-gradient dtype: gradient offload's accumulation stage
   // (memory::BufferClass::kGradAccumStage), or null.
   char* grad_accum_stage() const { return grad_accum_stage_; }
   // (2 x units) fp32, pinned: gradient offload's norm partials and flags, or null.

@@ -177,6 +177,7 @@ absl::StatusOr<GradBuckets::Reduced> GradBuckets::Collective(char* full, const m
   r.data = out != nullptr ? out : buf + ctx_.rank * unit.shard * static_cast<int64_t>(es);
   RETURN_IF_ERROR(ctx_.streams->ReduceScatter(buf, r.data, unit.shard, r.dtype, op));
   ctx_.timer->Sent(unit.shard, 1, es);
+  ctx_.timer->SentAcrossGroups(unit.shard, es);  // HSDP only
   return r;
 }
 

@@ -31,15 +31,37 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
 absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {
   ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
   const Region& reg = layout_.region(u);
-  // Offload needs stage >= 1: the region is this rank's shard, measured whole as in Measure.
+  // Offload needs stage >= 1: the region is this rank's (group) shard, of which this rank
+  // measures exactly what Measure would (OwnSlice: with HSDP only its replica's flat slice).
   early_measured_[u] = 1;
-  RETURN_IF_ERROR(dev_->AllFinite(grad, reg.grad_dtype, reg.n, &early_finite_[u], stream));
-  return dev_->SquaredNorm(grad, reg.grad_dtype, reg.n, &early_sumsq_[u], stream);
+  const Slice s = OwnSlice(u, static_cast<const char*>(grad));
+  RETURN_IF_ERROR(dev_->AllFinite(s.data, reg.grad_dtype, s.n, &early_finite_[u], stream));
+  return dev_->SquaredNorm(s.data, reg.grad_dtype, s.n, &early_sumsq_[u], stream);
+}
+
+// HSDP: a region is a group shard, R consecutive flat shards (the plan pads units for the whole
+// world), held alike by the R replicas of its position s. Replica j measures the j-th of them,
+// flat shard s*R + j, so that each element is counted once. Flat: R = 1, the whole region.
+GradNorm::Slice GradNorm::OwnSlice(int u, const char* shard) const {
+  const memory::Unit& unit = plan_.units[u];
+  const int world = plan_.options.world_size;
+  const int replica = plan_.options.rank / memory::ShardGroupSize(plan_.options);
+  const int64_t flat_shard = unit.padded / world;  // region(u).n when flat
+  const int64_t c = static_cast<int64_t>(DTypeSize(layout_.region(u).grad_dtype));
+  return Slice{shard + replica * flat_shard * c, flat_shard};
 }
 
 absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event device_done) {
   const int nu = layout_.num_units();
   const int world = plan_.options.world_size, rank = plan_.options.rank;
+  // HSDP: replica j of group position s measures flat shard s*R + j of each unit (OwnSlice):
+  // each element is counted once, and the table holds exactly the flat layout's partials,
+  // summed below in the flat order, so the norm is the flat one bit for bit. row_of(q): the
+  // table row (rank) that measured flat shard q. Flat: R = 1, row q.
+  // (A double sum of float partials is exact in practice, so the order seldom shows; it is
+  // kept anyway, so that equality with the flat norm does not rest on that.)
+  const int group = memory::ShardGroupSize(plan_.options), replicas = world / group;
+  auto row_of = [&](int q) { return (q % replicas) * group + q / replicas; };
   // (world, units + 1) fp32
   std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
   // Written by the device when its stream gets there: valid after the Synchronize below.
@@ -57,15 +79,17 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
     }
     const DType cdt = reg.grad_dtype;
     const size_t c = DTypeSize(cdt);
-    RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
     if (reg.whole_unit) {
+      RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
       for (int q = 0; q < world; ++q) {
         RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c, cdt, unit.shard,
                                           &table[q * (nu + 1) + u], compute_));
       }
     } else {
+      const Slice mine = OwnSlice(u, reg.grad);
+      RETURN_IF_ERROR(dev_->AllFinite(mine.data, cdt, mine.n, &unit_finite[u], compute_));
       RETURN_IF_ERROR(
-          dev_->SquaredNorm(reg.grad, cdt, reg.n, &table[rank * (nu + 1) + u], compute_));
+          dev_->SquaredNorm(mine.data, cdt, mine.n, &table[rank * (nu + 1) + u], compute_));
     }
   }
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
@@ -92,7 +116,7 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   bool all_finite = true;
   for (int q = 0; q < world; ++q) all_finite = all_finite && table[q * (nu + 1) + nu] == 1.0f;
   for (int u = 0; u < nu; ++u) {
-    for (int q = 0; q < world; ++q) sumsq += table[q * (nu + 1) + u];
+    for (int q = 0; q < world; ++q) sumsq += table[row_of(q) * (nu + 1) + u];
   }
   Result r;
   r.norm = std::sqrt(sumsq) / scale;

@@ -4,7 +4,9 @@
 // Each rank computes the squared norm of its shard of every unit and a finiteness flag; the
 // (world, units + 1) table is exchanged in one all-gather (stages 1-3; stage 0 holds every
 // reduced gradient and computes all partials itself). Every rank then sums the same table in
-// the same order, so every stage gets the same norm bit for bit.
+// the same order, so every stage gets the same norm bit for bit. With HSDP the R replicas of a
+// group shard split it into its R flat shards and measure one each: every element is counted
+// once and the table holds the flat layout's partials (see Measure).
 //
 // Gradient offload (memory::GradOffload): the reduced gradients end in host memory, so each
 // unit's partials are computed on the device before its final shard leaves (MeasureUnit, on the
@@ -40,8 +42,8 @@ class GradNorm {
 
   // Gradient offload: unit u's final reduced gradient for this window, a device copy of its
   // region (region(u).n elements of region(u).grad_dtype at `grad`), is measured on `stream`
-  // exactly as Measure measures the region (enqueued; the results land in this object when the
-  // stream gets there). REQUIRES: memory::GradOffload; called once per trainable unit in a
+  // exactly as Measure measures the region, so with HSDP only this replica's flat slice of it
+  // (enqueued; the results land in this object when the stream gets there). REQUIRES: memory::GradOffload; called once per trainable unit in a
   // window's last micro-step, and that stream joined into `compute` (StreamOrder::JoinComm)
   // before Measure.
   absl::Status MeasureUnit(int u, const void* grad, Device::Stream stream);
@@ -62,6 +64,15 @@ class GradNorm {
   const Device::Stream compute_;
   HostCollectives* const host_;
   float* const device_table_;
+  struct Slice {
+    const char* data;
+    int64_t n;
+  };
+  // The part of unit u's reduced shard at `shard` (region(u).n elements of its grad dtype)
+  // that this rank measures: all of it when flat, its replica's flat slice with HSDP.
+  // REQUIRES: stage >= 1.
+  Slice OwnSlice(int u, const char* shard) const;
+
   const bool early_ = false;  // gradient offload: the partials come from MeasureUnit
   // Per unit, MeasureUnit's results (written by the device into the plan's norm_partials)
   // and whether it ran this window.

@@ -19,8 +19,10 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   r.grad_dtype = gdt;
   r.whole_unit = o.stage == 0;
   r.n = r.whole_unit ? unit.padded : unit.shard;
-  r.unit_begin = r.whole_unit ? 0 : o.rank * unit.shard;
-  r.owned_begin = r.whole_unit ? o.rank * unit.shard : 0;
+  // HSDP: the shard of this rank's position in its group, the same as its replicas'.
+  const int64_t shard_index = memory::ShardIndex(o);
+  r.unit_begin = r.whole_unit ? 0 : shard_index * unit.shard;
+  r.owned_begin = r.whole_unit ? shard_index * unit.shard : 0;
   r.frozen = unit.frozen;
   if (b.params != nullptr) {
     r.param = o.stage == 3 ? at(b.params, unit.shard_offset)

@@ -3,7 +3,8 @@
 // For each unit the table holds the region the optimizer updates on this rank: the reduced
 // gradient it reads, the fp32 master, m and v, and the compute-dtype parameters it writes,
 // with their element count. Stage 0 holds every unit whole on every rank, so its region is the
-// whole padded unit; stages 1-3 own shard `rank` of each unit (unit.shard elements). Where the
+// whole padded unit; stages 1-3 own shard `rank` of each unit (unit.shard elements); with HSDP
+// (memory::Hierarchical) shard rank % shard_group_size, which its replicas own too. Where the
 // reduced gradient sits depends on the stage and on gradient accumulation:
 //
 // (the accumulator, and with fp32_grad_accum also used without accumulation, is in

@@ -43,7 +43,10 @@ class StepTimer {
   };
 
   // `element_bytes`: the compute dtype's size, in which every counted collective moves.
-  StepTimer(int world, size_t element_bytes) : world_(world), element_bytes_(element_bytes) {}
+  // `world`: the ranks of the counted collectives; with HSDP the shard group, and `replicas`
+  // the number of groups (1 when flat).
+  StepTimer(int world, size_t element_bytes, int replicas = 1)
+      : world_(world), element_bytes_(element_bytes), replicas_(replicas) {}
 
   // Counts one collective of `passes` passes over blocks of `block` elements per rank, in
   // nccl-tests' convention: a rank sends (n-1)/n of the buffer per pass (an all-reduce is two).
@@ -51,6 +54,13 @@ class StepTimer {
   // A collective in another dtype (fp32 gradient reductions).
   void Sent(int64_t block, int passes, size_t element_bytes) {
     window_.comm_bytes += passes * block * (world_ - 1) * static_cast<int64_t>(element_bytes);
+  }
+  // HSDP: the across-group part of a gradient reduction that gave this rank `block` elements,
+  // counted as memory::Plan counts it (an all-reduce of the block over the replicas: two
+  // passes of (R-1)/R). Nothing when flat.
+  void SentAcrossGroups(int64_t block, size_t element_bytes) {
+    window_.comm_bytes += 2 * (block / replicas_) * (replicas_ - 1) *
+                          static_cast<int64_t>(element_bytes);
   }
   void AddReduceMs(double ms) { window_.reduce_ms += ms; }
   void AddGatherMs(double ms) { window_.gather_ms += ms; }
@@ -63,6 +73,7 @@ class StepTimer {
  private:
   const int world_;
   const size_t element_bytes_;
+  const int replicas_;
   Window window_;
 };
 

@@ -91,12 +91,15 @@ absl::Status StreamOrder::BeforeCall() {
 
 absl::Status StreamOrder::AllGather(const void* send, void* recv, size_t count, DType dtype) {
   RETURN_IF_ERROR(BeforeCall());
-  return comm_group_->AllGather(send, recv, count, dtype, side_);
+  return gather_comm_->AllGather(send, recv, count, dtype, side_);
 }
 
 absl::Status StreamOrder::ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
                                         comm::ReduceOp op) {
   RETURN_IF_ERROR(BeforeCall());
+  if (group_size_ < comm_group_->size()) {
+    return comm_group_->ReduceScatterInGroups(send, recv, count, dtype, op, group_size_, side_);
+  }
   return comm_group_->ReduceScatter(send, recv, count, dtype, op, side_);
 }
 

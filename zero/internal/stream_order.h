@@ -66,6 +66,17 @@ class StreamOrder {
   // waits for it, or, for communicators that read memory when called, the host does.
   absl::Status BeforeCommAfter(Device::Event event);
 
+  // HSDP (memory::Hierarchical): AllGather then runs on `shard_group`, this rank's group of
+  // `group_size` consecutive ranks (parameters are gathered within the group only), and
+  // ReduceScatter becomes the world communicator's ReduceScatterInGroups (every rank's
+  // gradients, reduced in the flat order, scattered within the group). Call before the first
+  // collective. `shard_group` must outlive this object and be stream-ordered when the world
+  // communicator is (a Split of it is).
+  void SetShardGroup(comm::Communicator* shard_group, int group_size) {
+    gather_comm_ = shard_group;
+    group_size_ = group_size;
+  }
+
   // The communicator's collectives on side(), with the buffer contracts of comm/
   // communicator.h; see above for what they wait for first. Collective.
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype);
@@ -76,12 +87,19 @@ class StreamOrder {
 
  private:
   StreamOrder(Device* device, Device::Stream compute, comm::Communicator* comm)
-      : dev_(device), comm_group_(comm), compute_(compute), side_(compute) {}
+      : dev_(device),
+        comm_group_(comm),
+        gather_comm_(comm),
+        group_size_(comm->size()),
+        compute_(compute),
+        side_(compute) {}
   // Complete-on-return communicators: the device work on side() that feeds the next call.
   absl::Status BeforeCall();
 
   Device* const dev_;
   comm::Communicator* const comm_group_;
+  comm::Communicator* gather_comm_;  // comm_group_, or with HSDP the shard group
+  int group_size_;                   // ranks per shard group: comm_group_'s size when flat
   const Device::Stream compute_;
   Device::Stream comm_ = nullptr;          // null unless the communicator is stream-ordered
   Device::Stream side_;

@@ -27,7 +27,7 @@ struct UnitContext {
         device(device),
         streams(streams),
         timer(timer),
-        rank(plan.options.rank),
+        rank(memory::ShardIndex(plan.options)),
         stage(plan.options.stage),
         cdt(plan.options.compute_dtype),
         c(DTypeSize(cdt)) {}
@@ -40,6 +40,8 @@ struct UnitContext {
   Device* const device;
   StreamOrder* const streams;
   StepTimer* const timer;
+  // rank: the shard of every unit this rank owns, its block in a unit-wide buffer: its rank,
+  // or with HSDP its position in its shard group (memory::ShardIndex).
   const int rank, stage;
   const DType cdt;  // compute dtype
   const size_t c;   // its size in bytes
