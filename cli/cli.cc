@@ -237,7 +237,7 @@ constexpr const char* kDemoUsage =
     R"(  demo   train the example GPT (or --model mlp) on in-process ranks: loss, sample, memory
          [--model gpt|mlp] [--ranks N (4)] [--steps S (gpt 150, mlp 30)] [--stage 0-3] [--config FILE]
          [--precision P (bf16)] [--checkpoint DIR [--checkpoint_every N (50)]] [--resume DIR]
-         [--init-from FILE (safetensors weights to start from)] [--corpus FILE (text to train on)]
+         [--init-from FILE (safetensors weights to start from)] [--init-map FILE (their names -> the GPT's: checkpoint/weights.h)] [--corpus FILE (text to train on)]
          [--device cpu|cuda|auto (cpu)] [--batch B] [--layers L] [--d_model D] [--eval_every N]
 )";
 constexpr const char* kCkptUsage =

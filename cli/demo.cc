@@ -192,6 +192,7 @@ absl::StatusOr<examples::gpt::RunOptions> GptOptions(const Flags& flags, bool cu
   o.checkpoint_dir = flags.Get("checkpoint");
   o.resume_from = flags.Get("resume");
   o.init_from = flags.Get("init-from");
+  o.init_map = flags.Get("init-map");
   o.corpus_path = flags.Get("corpus");  // "": DefaultCorpusPath()
   o.sample_temperature = 0.8f;  // greedy decoding of a small model repeats "the the the"
   o.device_threads = 1;
@@ -393,7 +394,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
                    Flags::Parse(args, {"model", "config", "ranks", "steps", "stage", "precision",
                                        "batch", "eval_every", "sample_tokens", "checkpoint",
                                        "checkpoint_every", "resume", "layers", "d_model",
-                                       "device", "init-from", "corpus"}));
+                                       "device", "init-from", "init-map", "corpus"}));
   const std::string model = flags.Get("model", "gpt");
   if (model == "mlp") {
     if (flags.Has("device") && flags.Get("device") != "cpu") {
@@ -401,7 +402,7 @@ absl::Status RunDemoCommand(const std::vector<std::string>& args, std::ostream& 
     }
     for (const char* gpt_only : {"batch", "eval_every", "sample_tokens", "checkpoint",
                                  "checkpoint_every", "resume", "layers", "d_model",
-                                 "init-from", "corpus"}) {
+                                 "init-from", "init-map", "corpus"}) {
       if (flags.Has(gpt_only)) {
         return absl::InvalidArgumentError(
             absl::StrCat("--", gpt_only, " applies to --model gpt only"));

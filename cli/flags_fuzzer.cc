@@ -18,9 +18,21 @@
 
 namespace {
 
+// Keys whose DeepSpeed spelling of "off" is -1 (written back as such by --resolved-config).
+bool MinusOneMeansOff(const std::string& key, const nlohmann::json& v) {
+  return key == "mics_shard_size" && v.is_number_integer() && v.get<int64_t>() == -1;
+}
+
 bool AnyNegative(const nlohmann::json& j) {
   if (j.is_number_integer()) return j.get<int64_t>() < 0;
   if (j.is_number_float()) return j.get<double>() < 0;
+  if (j.is_object()) {
+    for (const auto& [key, v] : j.items()) {
+      if (MinusOneMeansOff(key, v)) continue;
+      if ((v.is_structured() || v.is_number()) && AnyNegative(v)) return true;
+    }
+    return false;
+  }
   for (const auto& v : j) {
     if ((v.is_structured() || v.is_number()) && AnyNegative(v)) return true;
   }

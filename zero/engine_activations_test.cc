@@ -46,14 +46,16 @@ Config TestConfig(int stage, int64_t micro_batch) {
   return c;
 }
 
-int64_t ExpectedBudget(const MemoryReport& r, int64_t activations, int world,
+// `nccl`: whether the engine's communicator is NCCL; only then do its communicator and buffers
+// count (these engines run on the in-process group: never).
+int64_t ExpectedBudget(const MemoryReport& r, int64_t activations, int world, bool nccl,
                        const ReservesConfig& res) {
   const int64_t buffers = r.planned[static_cast<int>(memory::MemoryKind::kDevice)];
   const int64_t peers = world - 1 < 2 ? world - 1 : 2;
   int64_t total = buffers + activations + res.cuda_context_bytes + res.cublas_workspace_bytes +
                   static_cast<int64_t>(std::ceil(res.fragmentation_fraction *
                                                  static_cast<double>(buffers + activations)));
-  if (world > 1) total += res.nccl_communicator_bytes + res.nccl_channels * peers * res.nccl_buffsize;
+  if (nccl) total += res.nccl_communicator_bytes + res.nccl_channels * peers * res.nccl_buffsize;
   return total;
 }
 
@@ -92,7 +94,7 @@ TEST_CASE("EngineActivations: the report holds the declared bytes times the micr
           CHECK(r.micro_batch == batch);
           CHECK(r.activation_bytes == (a + b + c) * batch);
           CHECK(r.device_budget_bytes ==
-                ExpectedBudget(r, (a + b + c) * batch, world, config.reserves));
+                ExpectedBudget(r, (a + b + c) * batch, world, /*nccl=*/false, config.reserves));
         }
       }
     }

@@ -217,7 +217,8 @@ absl::StatusOr<DeviceBudget> MakeDeviceBudget(const memory::Plan& plan, const Co
   const int64_t world = plan.options.world_size;
   // A single rank needs no communicator unless the trainer made one (Workload).
   const bool nccl = workload.nccl_communicator.value_or(world > 1);
-  const int64_t peers = std::min<int64_t>(world - 1, 2);
+  // NCCL's buffers are per peer connection (one ring neighbour each way at most).
+  const int64_t peers = nccl ? std::min<int64_t>(world - 1, 2) : 0;
   const int64_t allocated = SatAdd(d.model_state_bytes, d.activation_bytes);
   // Rounded up; a double's rounding error is far below a byte's worth of margin at these sizes,
   // and ceil of a product of non-negative values is monotone in `allocated`, as --fit needs.

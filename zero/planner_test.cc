@@ -770,6 +770,7 @@ TEST_CASE("Planner: reserves have their documented defaults, follow the config, 
   auto d8n = MakeDeviceBudget(*plan8, defaults, eight_none);
   REQUIRE(d8n.ok());
   CHECK(line(*d8n, "nccl communicator") == 0);
+  CHECK(line(*d8n, "nccl buffers") == 0);
 
   auto parsed = ParseConfig(R"({"zerort": {"reserves": {"cuda_context_bytes": 1000,
       "nccl_communicator_bytes": 2000, "nccl_buffsize": 10, "nccl_channels": 3,

@@ -250,6 +250,10 @@ struct RunOptions {
   // InitParams and before resume_from, by parameter name ("wte", "h0.attn.qkv.w", ...): a
   // fine-tuning run from exported weights. Tensors that name no parameter are an error.
   std::string init_from;
+  // A name map file for init_from (checkpoint/weights.h WeightsNameMap: rules from the file's
+  // tensor names to the parameters', and tensors to ignore), for weights another tool named;
+  // "": the names as they are.
+  std::string init_map;
   // Where the ranks compute (backend.h); nullptr = the CPU backend: Gpt's kernels with
   // `threads` threads per rank on one CPU device of `device_threads`. Not owned; outlives the run.
   const Backend* backend = nullptr;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -287,6 +288,36 @@ TEST_CASE("Gpt: init_from starts from exported weights", "[gpt]") {
   REQUIRE(b.ok());
   CHECK(b->first_step == 0);  // weights only: a fresh run
   CHECK(b->initial_val_loss == a->final_val_loss);  // it starts where the first one ended
+  // Weights another tool named ("model." before every name, as Hugging Face's checkpoints of a
+  // bare model do) start the same run through a name map.
+  absl::StatusOr<WeightsNameMap> out_names = WeightsNameMap::Parse("regex (.*) model.$1\n");
+  REQUIRE(out_names.ok());
+  WeightsExportOptions renamed;
+  renamed.names = *out_names;
+  REQUIRE(ExportCheckpointWeights(root + "/ckpt", root + "/hf.safetensors", renamed).ok());
+  {
+    std::ofstream map(root + "/hf.map");
+    map << "prefix model.   # the bare model's prefix\n";
+  }
+  RunOptions mapped = TinyRun(3);
+  mapped.init_from = root + "/hf.safetensors";
+  absl::StatusOr<RunResult> m = RunInProcess(config, mapped);
+  CHECK(!m.ok());  // without the map no name matches
+  mapped.init_map = root + "/hf.map";
+  m = RunInProcess(config, mapped);
+  INFO(m.status());
+  REQUIRE(m.ok());
+  CHECK(m->initial_val_loss == a->final_val_loss);
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(m->master[r].size() == b->master[r].size());
+    CHECK(std::memcmp(m->master[r].data(), b->master[r].data(),
+                      b->master[r].size() * sizeof(float)) == 0);
+  }
+  mapped.init_map = root + "/missing.map";
+  m = RunInProcess(config, mapped);
+  CHECK(absl::IsNotFound(m.status()));
+  CHECK(m.status().message().find("--init-map") != absl::string_view::npos);
+
   second.init_from = root + "/missing.safetensors";
   absl::StatusOr<RunResult> c = RunInProcess(config, second);
   CHECK(absl::IsNotFound(c.status()));

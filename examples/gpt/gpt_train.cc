@@ -24,6 +24,7 @@ constexpr char kUsage[] =
     "  [--preset default|gpt2] [--layers N] [--heads N] [--d_model N] [--context N] [--vocab N]\n"
     "  [--threads N] [--print_every N] [--sample_tokens N] [--prompt TEXT] [--temperature X]\n"
     "  [--corpus PATH] [--seed N] [--init-from FILE (safetensors weights to start from)]\n"
+    "  [--init-map FILE (their tensor names -> the GPT's, checkpoint/weights.h)]\n"
     "  [--freeze GLOB[,GLOB...] (zerort.frozen_params)]\n";
 
 struct Args {
@@ -98,6 +99,7 @@ bool Apply(Args& a, const std::string& flag, const char* value) {
   } else if (flag == "temperature") { r.sample_temperature = static_cast<float>(ToDouble(flag, value));
   } else if (flag == "corpus") { r.corpus_path = v;
   } else if (flag == "init-from") { r.init_from = v;
+  } else if (flag == "init-map") { r.init_map = v;
   } else if (flag == "freeze") { a.config.frozen_params = v;
   } else if (flag == "seed") { r.data_seed = s.seed = ToInt(flag, value);
   } else {

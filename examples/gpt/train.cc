@@ -247,8 +247,16 @@ absl::Status RunRank(Shared& s, int rank, comm::Communicator* comm) {
   AsyncCheckpointer saver;  // after the engine: destroyed first, as it borrows the engine
   RETURN_IF_ERROR(engine->InitParams(s.gpt.Initializer(), o.from_rank0));
   if (!o.init_from.empty()) {
-    RETURN_IF_ERROR(Annotate(ImportWeights(*engine, o.init_from).status(),
+    WeightsImportOptions import;
+    if (!o.init_map.empty()) {
+      absl::StatusOr<WeightsNameMap> names = WeightsNameMap::Load(o.init_map);
+      RETURN_IF_ERROR(Annotate(names.status(), "--init-map"));
+      import.names = *std::move(names);
+    }
+    RETURN_IF_ERROR(Annotate(ImportWeights(*engine, o.init_from, import).status(),
                              absl::StrCat("--init-from ", o.init_from)));
+  } else if (!o.init_map.empty()) {
+    return absl::InvalidArgumentError("--init-map " + o.init_map + " needs --init-from");
   }
   if (!o.resume_from.empty()) {
     LoadOptions load;
