@@ -636,10 +636,11 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    // The trainable gradient shard down in every micro-step, the running sum up before each
-    // micro-step's addition after the first (gradient offload), its parameters up once.
+    // The trainable gradient shard down after every reduction, the running sum up before each
+    // reduction's addition after the first (gradient offload), its parameters up once. Local
+    // accumulation reduces once per window: one copy down.
     const int64_t gb = static_cast<int64_t>(DTypeSize(ReducedGradDType(o)));
-    const int64_t grad_moves = math->Add(math->Mul(2, gas, kHost), -1, kHost);
+    const int64_t grad_moves = math->Add(math->Mul(2, reductions, kHost), -1, kHost);
     plan->host_transfer_bytes_per_step = math->Add(
         math->Mul(math->Mul(grad_moves, St, kHost), gb, kHost), math->Mul(St, cb, kHost), kHost);
   }

@@ -581,6 +581,14 @@ TEST_CASE("Planner: gradient_accumulation_steps 2^31-1 gives exact or refused co
   // step, and the parameter shard up twice in every micro-step; 2 bytes each (bf16).
   const int64_t gas = 2147483647, shard = 512 * 2, both_ways = 2 * shard;
   CHECK(transfer->host_transfer_bytes_per_step == (2 * gas - 1) * shard + shard + gas * both_ways);
+  // Stage 1 with local accumulation reduces once per window: its shard goes down once.
+  o.stage = 1;
+  o.offload_param = false;
+  o.gradient_accumulation_steps = 4;
+  o.local_grad_accumulation = true;
+  auto local = MakePlan({{"w", {1024}, "m"}}, o);
+  REQUIRE(local.ok());
+  CHECK(local->host_transfer_bytes_per_step == shard + shard);
 }
 
 TEST_CASE("Planner: a prefetch of INT64_MAX elements gathers every unit it may", "[memory]") {
