@@ -48,6 +48,12 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
     mem->Assign(b, static_cast<char*>(p));
   }
+  // The zero-fills are enqueued on `stream`, but the host writes host and pinned buffers
+  // directly from here on, with no stream between (the NVMe state slots and parameter buffers
+  // in UnitStore::Create and InitParams, the offload staging chunks): a fill still in flight
+  // would land on what the host wrote (the first units' initial master read back as zeros).
+  // They land before any buffer is handed out.
+  RETURN_IF_ERROR(device->Synchronize(stream));
   for (int k = 0; k < kNumArenas; ++k) {
     mem->bytes_.allocated[k] = static_cast<int64_t>(mem->arenas_[k]->requested());
   }

@@ -57,7 +57,8 @@ struct SlottedBuffer {
 
 class EngineMemory {
  public:
-  // Allocates and zero-fills (on `stream`) every buffer of `plan` that lives in memory.
+  // Allocates and zero-fills (on `stream`) every buffer of `plan` that lives in memory; the
+  // fills have landed when it returns (the host writes host and pinned buffers directly).
   static absl::StatusOr<std::unique_ptr<EngineMemory>> Allocate(const memory::Plan& plan,
                                                                 Device* device,
                                                                 Device::Stream stream);

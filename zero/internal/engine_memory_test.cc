@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
+#include "device/cpu_device.h"
 #include "device/testing/one_thread.h"
 #include "zero/internal/test_util.h"
 
@@ -91,11 +93,17 @@ const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffe
   return (*slots)->base;
 }
 
-void CheckCarving(const memory::Plan& plan) {
-  auto cpu = testing::OneThreadCpuDevice();
-  DirtyDevice dev(cpu.get());
+// `cpu` and `stream`: where Allocate zero-fills (default: inline, on the calling thread).
+void CheckCarving(const memory::Plan& plan, Device* cpu = nullptr,
+                  Device::Stream stream = nullptr) {
+  std::unique_ptr<Device> own;
+  if (cpu == nullptr) {
+    own = testing::OneThreadCpuDevice();
+    cpu = own.get();
+  }
+  DirtyDevice dev(cpu);
   absl::StatusOr<std::unique_ptr<EngineMemory>> allocated =
-      EngineMemory::Allocate(plan, &dev, nullptr);
+      EngineMemory::Allocate(plan, &dev, stream);
   REQUIRE(allocated.ok());
   const EngineMemory& mem = **allocated;
 
@@ -220,6 +228,30 @@ TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in thei
       }
     }
   }
+}
+
+TEST_CASE("EngineMemory: the zero-fills have landed when Allocate returns, on an asynchronous "
+          "stream", "[zero][streams]") {
+  // The host writes host and pinned buffers directly right after (NVMe state slots and
+  // parameter buffers at creation and InitParams): a fill still in flight would overwrite what
+  // it wrote. Every operation of the stream starts 2 ms late, so a fill that Allocate does not
+  // wait for is still pending when the buffers are checked.
+  CpuDeviceOptions options;
+  options.threads = 1;
+  options.async_streams = true;
+  options.stream_delay_us = 2000;
+  std::unique_ptr<Device> cpu = CreateCpuDevice(options);
+  absl::StatusOr<Device::Stream> stream = cpu->CreateStream();
+  REQUIRE(stream.ok());
+  memory::PlanOptions o = SmallPlan(3, 1, 0, 1, DType::kBF16).options;
+  o.offload_optimizer = true;
+  o.offload_optimizer_nvme = true;
+  o.offload_param = true;
+  o.offload_param_nvme = true;
+  const absl::StatusOr<memory::Plan> plan = memory::MakePlan(testing::SmallModel(), o);
+  REQUIRE(plan.ok());
+  CheckCarving(*plan, cpu.get(), *stream);
+  cpu->DestroyStream(*stream);
 }
 
 }  // namespace
