@@ -418,10 +418,12 @@ void AddModelState(Plan* plan, Checked* math) {
               c, S);
   }
   const bool full_grads = o.stage <= 1;
-  // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum.
+  // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum. Gradient
+  // offload keeps it in host memory; the device holds only the buckets it is reduced in.
   const DType grad_dtype = full_grads ? c : ReducedGradDType(o);
   AddBuffer(plan, math, full_grads ? "grads" : "grad_shard", BufferClass::kGrads,
-            MemoryKind::kDevice, grad_dtype, full_grads ? Et : St);
+            full_grads || !GradOffload(o) ? MemoryKind::kDevice : HostKind(o), grad_dtype,
+            full_grads ? Et : St);
   // fp32 training updates the parameters in place, unless the optimizer state is offloaded
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
   // (AdamW then runs on the master and the new shard is written to the file after it).
@@ -489,13 +491,21 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t world = o.world_size;
   const DType c = o.compute_dtype;
   const DType reduced = ReducedGradDType(o);
-  if ((o.gradient_accumulation_steps > 1 || reduced != c) && o.stage <= 1) {
+  if ((o.gradient_accumulation_steps > 1 || reduced != c || GradOffload(o)) && o.stage <= 1) {
     // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
-    // An fp32 accumulator is needed even without accumulation: it holds the fp32 result.
-    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator, MemoryKind::kDevice,
-              reduced,
+    // An fp32 accumulator is needed even without accumulation: it holds the fp32 result. With
+    // gradient offload it is where stage 1's reduced shard lives, in host memory, always.
+    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator,
+              GradOffload(o) ? HostKind(o) : MemoryKind::kDevice, reduced,
               o.stage == 0 ? plan->trainable_padded_elements : plan->trainable_shard_elements);
+  }
+  if (GradOffload(o) && o.gradient_accumulation_steps > 1) {
+    // A micro-step after the first adds its reduced shard to the host-resident sum on the
+    // device, one unit at a time: sum up, Accumulate (the kernel of device accumulation, so the
+    // bits are the same), sum down, all on the comm stream.
+    AddBuffer(plan, math, "grad_accum_stage", BufferClass::kGradAccumStage, MemoryKind::kDevice,
+              reduced, totals.max_trainable_unit / ShardGroupSize(o));
   }
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
@@ -539,21 +549,26 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     AddBuffer(plan, math, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
               totals.persistent_elements);
   }
-  if (o.offload_optimizer) {
-    // Each chunk carries one unit's gradient shard in and its new parameter shard out: in
-    // elements of the compute dtype, 2 per shard element, 3 with fp32 gradients beside 2-byte
-    // parameters.
-    const int64_t per_element =
-        1 + static_cast<int64_t>(DTypeSize(ReducedGradDType(o)) / DTypeSize(c));
-    const int64_t chunk =
-        math->Mul(per_element, totals.max_trainable_unit / ShardGroupSize(o),
-                  "offload_staging size");
+  if (o.offload_optimizer && (!o.offload_param || o.offload_param_nvme)) {
+    // Each chunk carries one unit's new parameter shard up to the device (or into the NVMe
+    // file); the gradients are in host memory already (gradient offload). A parameter shard in
+    // host memory is updated in place and needs none.
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
-              math->Mul(o.offload_buffer_count, chunk, "offload_staging size"),
+              math->Mul(o.offload_buffer_count, totals.max_trainable_unit / ShardGroupSize(o),
+                        "offload_staging size"),
               o.offload_buffer_count);
   }
   if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
   if (o.offload_param_nvme) AddNvmeParamBuffers(plan, math);
+  if (GradOffload(o)) {
+    // The device writes each unit's norm partial and finiteness flag as the shard leaves, in
+    // backward: into pinned memory, so that the copy is asynchronous (a copy into pageable
+    // memory would make the trainer's thread wait for the reduction). Pinned whatever
+    // pin_memory says: it is a few bytes per unit. Flags take a byte each: 2 x units elements.
+    AddBuffer(plan, math, "norm_partials", BufferClass::kNormPartials, MemoryKind::kPinnedHost,
+              DType::kF32, math->Mul(2, static_cast<int64_t>(plan->units.size()),
+                                     "norm_partials size"));
+  }
   if (o.stage >= 1 && world > 1) {
     // Every rank's norm partials meet in one all-gather per step, in device memory because a
     // GPU communicator moves nothing else.
@@ -621,8 +636,13 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    // The trainable gradient shard down, its parameters up.
-    plan->host_transfer_bytes_per_step = math->Mul(math->Mul(2, St, kHost), cb, kHost);
+    // The trainable gradient shard down after every reduction, the running sum up before each
+    // reduction's addition after the first (gradient offload), its parameters up once. Local
+    // accumulation reduces once per window: one copy down.
+    const int64_t gb = static_cast<int64_t>(DTypeSize(ReducedGradDType(o)));
+    const int64_t grad_moves = math->Add(math->Mul(2, reductions, kHost), -1, kHost);
+    plan->host_transfer_bytes_per_step = math->Add(
+        math->Mul(math->Mul(grad_moves, St, kHost), gb, kHost), math->Mul(St, cb, kHost), kHost);
   }
   if (o.offload_param) {
     // The shard goes up for forward and for backward in every micro-step.
@@ -723,6 +743,10 @@ const char* BufferClassName(BufferClass c) {
       return "nvme_param_buffers";
     case BufferClass::kNormTable:
       return "norm_table";
+    case BufferClass::kGradAccumStage:
+      return "grad_accum_stage";
+    case BufferClass::kNormPartials:
+      return "norm_partials";
   }
   return "unknown";
 }

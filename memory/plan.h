@@ -81,11 +81,13 @@ const char* MemoryKindName(MemoryKind kind);  // "device", "pinned_host", "host"
 // counts); the other classes are the working buffers that estimators usually forget.
 enum class BufferClass {
   kParams,           // compute-dtype parameters (full, or the owned shard in stage 3)
-  kGrads,            // compute-dtype gradients (full, or the owned shard in stages 2-3)
+  kGrads,            // compute-dtype gradients (full, or the owned shard in stages 2-3; the
+                     // shard in host memory with offload_optimizer: gradient offload)
   kMaster,           // fp32 master weights of the owned shard (mixed precision only)
   kExpAvg,           // Adam m of the owned shard, fp32
   kExpAvgSq,         // Adam v of the owned shard, fp32
-  kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32)
+  kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32;
+                     // stage 1 with offload_optimizer: always, in host memory)
   kGradWire,         // fp32 scratch of one unit: fp32 reduction on the wire / fp32 accumulation
   kGradLocal,        // full gradients summed locally over a window's micro-steps (stages 0-1)
   kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
@@ -97,6 +99,10 @@ enum class BufferClass {
   kNvmeSecondCopy,   // nvme: the copy of master|m|v a step writes into, and 4 KiB padding
   kNvmeParamPadding, // nvme: the 4 KiB padding of each unit's parameter shard in the file
   kNvmeParamBuffers, // pinned: offload_param.buffer_count pieces of parameter shards in flight
+  kGradAccumStage,   // gradient offload with accumulation: one unit's reduced shard on the
+                     // device, where a micro-step adds into the host-resident sum
+  kNormPartials,     // gradient offload, pinned: (units) fp32 squared-norm partials, then one
+                     // finiteness byte per unit, written by the device as each shard leaves
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);
@@ -128,7 +134,12 @@ struct PlanOptions {
   int rank = 0;                   // 0..world_size-1
   DType compute_dtype = DType::kBF16;  // kF32: plain fp32 training, no master copy (unless
                                        // offloaded or offload_param_nvme)
-  bool offload_optimizer = false;      // master + m + v in host memory (stages 1-3)
+  // Stages 1-3: master + m + v in host memory, and the reduced gradient shard too (gradient
+  // offload, as DeepSpeed does): each unit's shard is copied to the host as its reduction
+  // completes, so the device keeps only the reduction buckets (stage 1: its full gradients).
+  // With gradient_accumulation_steps > 1 the sum lives on the host and each micro-step adds on
+  // the device through grad_accum_stage (one unit's shard), so the arithmetic is unchanged.
+  bool offload_optimizer = false;
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
   // With offload_param: the parameter shard lives in the swap file (MemoryKind::kNvme), each
   // unit's padded to kNvmeAlignment, after the optimizer state if that is on NVMe too; it moves
@@ -145,7 +156,9 @@ struct PlanOptions {
   // down to a multiple of 1024, at least 1024; 0: whole shards), bounding the pinned slots.
   int64_t nvme_piece_elements = 0;
   bool pin_memory = true;              // offloaded state in pinned (true) or pageable host memory
-  int offload_buffer_count = 4;        // pinned staging chunks for the offload pipeline
+  // Pinned staging chunks of the offload pipeline, one unit's new parameter shard each (none
+  // when offload_param keeps the shard in host memory: AdamW writes it in place).
+  int offload_buffer_count = 4;
   int gradient_accumulation_steps = 1;
   // data_types.grad_accum_dtype == fp32 (mixed precision only): the reduced gradients of the
   // owned shard are kept and accumulated across micro-steps in fp32; the optimizer reads them
@@ -233,7 +246,9 @@ struct Plan {
   // in the group, then an all-reduce of the shard across the groups' same-position ranks.
   int64_t comm_bytes_within_group_per_step = 0;
   int64_t comm_bytes_across_groups_per_step = 0;
-  int64_t host_transfer_bytes_per_step = 0;  // offload: device<->host copies per step
+  // Offload: device<->host copies per step: gradient shards down in every micro-step (and,
+  // accumulating, the running sum up for each after the first), parameter shards up.
+  int64_t host_transfer_bytes_per_step = 0;
   // Sum of ParamSpec::activation_bytes_per_sample: 0 when the trainer declared none. Not part of
   // bytes_by_kind, which holds only what the engine allocates.
   int64_t activation_bytes_per_sample = 0;
@@ -260,6 +275,9 @@ inline bool Hierarchical(const PlanOptions& o) { return ShardGroupSize(o) < o.wo
 DType ReducedGradDType(const PlanOptions& o);
 // Whether the plan holds grad_local: local_grad_accumulation with more than one micro-step.
 bool LocalAccumulation(const PlanOptions& o);
+// Whether the reduced gradient shard lives in host memory (gradient offload): with
+// offload_optimizer, always, as in DeepSpeed; there is no key to keep it on the device.
+inline bool GradOffload(const PlanOptions& o) { return o.offload_optimizer && o.stage >= 1; }
 DType GradWireDType(const PlanOptions& o);
 
 // NVMe offload: direct I/O needs offsets and sizes in multiples of 4 KiB.

@@ -325,13 +325,114 @@ TEST_CASE("Planner: offload moves optimizer state to host memory", "[memory]") {
   REQUIRE(plan.ok());
   CHECK(plan->Find(BufferClass::kMaster)->kind == MemoryKind::kPinnedHost);
   CHECK(plan->Find(BufferClass::kOffloadStaging)->count == 4);
-  CHECK(plan->pinned_host_bytes() ==
-        12 * plan->shard_elements + plan->Find(BufferClass::kOffloadStaging)->bytes);
+  // master, m, v and the bf16 reduced gradient shard (gradient offload) with its norm
+  // partials and flags (8 bytes a unit), and the chunks.
+  CHECK(plan->pinned_host_bytes() == 14 * plan->shard_elements +
+                                         8 * static_cast<int64_t>(plan->units.size()) +
+                                         plan->Find(BufferClass::kOffloadStaging)->bytes);
   CHECK(plan->model_state_bytes == ClosedForm(2, true, plan->padded_elements, 4));
   o.pin_memory = false;
   auto pageable = MakePlan(specs, o);
   REQUIRE(pageable.ok());
   CHECK(pageable->Find(BufferClass::kMaster)->kind == MemoryKind::kPageableHost);
+}
+
+// Bytes of the buffers of class `cls` in memory kind `kind`.
+int64_t BytesOf(const Plan& plan, BufferClass cls, MemoryKind kind) {
+  int64_t bytes = 0;
+  for (const Buffer& b : plan.buffers) {
+    if (b.cls == cls && b.kind == kind) bytes += b.bytes;
+  }
+  return bytes;
+}
+
+TEST_CASE("Plan: gradient offload keeps the reduced shard in host memory, the device only "
+          "the reduction buffers", "[memory]") {
+  std::mt19937 rng(26);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 12, 300);
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      for (bool fp32_accum : {false, true}) {
+        for (int gas : {1, 2}) {
+          if (fp32_accum && dtype == DType::kF32) continue;
+          INFO("stage " << stage << " " << DTypeName(dtype) << " fp32_accum " << fp32_accum
+                        << " gas " << gas);
+          PlanOptions o;
+          o.stage = stage;
+          o.world_size = 4;
+          o.rank = 1;
+          o.compute_dtype = dtype;
+          o.fp32_grad_accum = fp32_accum;
+          o.gradient_accumulation_steps = gas;
+          o.unit_target_elements = 20000;
+          o.persistence_threshold = 1000;
+          auto on_device = MakePlan(specs, o);
+          o.offload_optimizer = true;
+          auto offloaded = MakePlan(specs, o);
+          REQUIRE(on_device.ok());
+          REQUIRE(offloaded.ok());
+          const int64_t S = offloaded->shard_elements;
+          const int64_t gb = fp32_accum ? 4 : static_cast<int64_t>(DTypeSize(dtype));
+          const int64_t shard_bytes = S * gb;
+          // Where the reduced shard was on the device: grad_shard (stages 2-3), or the stage-1
+          // accumulator when one was needed (accumulation, or fp32 results).
+          const BufferClass reduced_cls =
+              stage == 1 ? BufferClass::kGradAccumulator : BufferClass::kGrads;
+          const int64_t was_on_device = BytesOf(*on_device, reduced_cls, MemoryKind::kDevice);
+          CHECK(was_on_device == (stage >= 2 || gas > 1 || fp32_accum ? shard_bytes : 0));
+          // Now in host memory, whole, also at stage 1 without accumulation.
+          CHECK(BytesOf(*offloaded, reduced_cls, MemoryKind::kDevice) == 0);
+          CHECK(BytesOf(*offloaded, reduced_cls, MemoryKind::kPinnedHost) == shard_bytes);
+          // The device writes each unit's norm partial and flag into pinned memory.
+          REQUIRE(offloaded->Find(BufferClass::kNormPartials) != nullptr);
+          CHECK(offloaded->Find(BufferClass::kNormPartials)->kind == MemoryKind::kPinnedHost);
+          CHECK(offloaded->Find(BufferClass::kNormPartials)->bytes ==
+                8 * static_cast<int64_t>(offloaded->units.size()));
+          CHECK(on_device->Find(BufferClass::kNormPartials) == nullptr);
+          // With accumulation, one unit's shard on the device to add in.
+          const Buffer* stage_buf = offloaded->Find(BufferClass::kGradAccumStage);
+          if (gas == 1) {
+            CHECK(stage_buf == nullptr);
+          } else {
+            REQUIRE(stage_buf != nullptr);
+            CHECK(stage_buf->kind == MemoryKind::kDevice);
+            int64_t largest = 0;
+            for (const Unit& u : offloaded->units) largest = std::max(largest, u.shard);
+            CHECK(stage_buf->bytes == largest * gb);
+          }
+          // The device drops exactly the optimizer state and the reduced shard; what remains
+          // is the reduction buffers (buckets / full gradients, wire), parameters, norm table.
+          int64_t optimizer_on_device = 0;
+          for (BufferClass c : {BufferClass::kMaster, BufferClass::kExpAvg, BufferClass::kExpAvgSq}) {
+            optimizer_on_device += BytesOf(*on_device, c, MemoryKind::kDevice);
+          }
+          CHECK(offloaded->device_bytes() ==
+                on_device->device_bytes() - optimizer_on_device - was_on_device +
+                    (stage_buf == nullptr ? 0 : stage_buf->bytes));
+          // Host transfers: the shard down per micro-step, the sum up per later micro-step,
+          // the compute-dtype parameters up once.
+          CHECK(offloaded->host_transfer_bytes_per_step ==
+                (2 * gas - 1) * shard_bytes + S * static_cast<int64_t>(DTypeSize(dtype)));
+        }
+      }
+    }
+  }
+  // The staging chunks carry parameter shards only, and none when AdamW writes them in host
+  // memory (offload_param "cpu").
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = 4;
+  o.offload_optimizer = true;
+  o.unit_target_elements = 20000;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  const Buffer* staging = plan->Find(BufferClass::kOffloadStaging);
+  REQUIRE(staging != nullptr);
+  CHECK(staging->bytes == staging->count * (plan->max_unit_elements / 4) * 2);
+  o.offload_param = true;
+  plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->Find(BufferClass::kOffloadStaging) == nullptr);
 }
 
 TEST_CASE("Planner: bad input is an error naming the problem", "[memory]") {
@@ -475,10 +576,19 @@ TEST_CASE("Planner: gradient_accumulation_steps 2^31-1 gives exact or refused co
   ExpectTooLarge(MakePlan({{"w", {int64_t{1} << 40}, "m"}}, o), "communication bytes per step");
   auto transfer = MakePlan({{"w", {1024}, "m"}}, o);
   REQUIRE(transfer.ok());
-  // Each rank owns 512 of the 1024 elements: the gradient shard down and the parameters up once
-  // per step, and the parameter shard up twice in every micro-step; 2 bytes each (bf16).
-  const int64_t both_ways = 2 * 512 * 2;
-  CHECK(transfer->host_transfer_bytes_per_step == both_ways + int64_t{2147483647} * both_ways);
+  // Each rank owns 512 of the 1024 elements: the gradient shard down in every micro-step and
+  // its running sum up in all but the first (gradient offload), the parameters up once per
+  // step, and the parameter shard up twice in every micro-step; 2 bytes each (bf16).
+  const int64_t gas = 2147483647, shard = 512 * 2, both_ways = 2 * shard;
+  CHECK(transfer->host_transfer_bytes_per_step == (2 * gas - 1) * shard + shard + gas * both_ways);
+  // Stage 1 with local accumulation reduces once per window: its shard goes down once.
+  o.stage = 1;
+  o.offload_param = false;
+  o.gradient_accumulation_steps = 4;
+  o.local_grad_accumulation = true;
+  auto local = MakePlan({{"w", {1024}, "m"}}, o);
+  REQUIRE(local.ok());
+  CHECK(local->host_transfer_bytes_per_step == shard + shard);
 }
 
 TEST_CASE("Planner: a prefetch of INT64_MAX elements gathers every unit it may", "[memory]") {
@@ -553,8 +663,12 @@ TEST_CASE("Plan: NVMe offload puts two padded copies of master, m, v in files", 
   CHECK(plan->nvme_bytes() % 4096 == 0);
   CHECK(plan->Find(BufferClass::kNvmeStaging)->bytes == 3 * largest);
   CHECK(plan->Find(BufferClass::kNvmeStaging)->count == 3);
+  // Gradient offload: the reduced shard goes to host memory, then the pipeline.
+  CHECK(plan->Find(BufferClass::kGrads)->kind == MemoryKind::kPinnedHost);
   CHECK(plan->pinned_host_bytes() == plan->Find(BufferClass::kOffloadStaging)->bytes +
-                                         plan->Find(BufferClass::kNvmeStaging)->bytes);
+                                         plan->Find(BufferClass::kNvmeStaging)->bytes +
+                                         plan->Find(BufferClass::kGrads)->bytes +
+                                         plan->Find(BufferClass::kNormPartials)->bytes);
   CHECK(std::string(MemoryKindName(MemoryKind::kNvme)) == "nvme");
   // Pieces of at most 1024 elements: the slots shrink to one piece, the file pads each piece.
   CHECK(NvmePieces(2500, 1024) == std::vector<int64_t>({1024, 1024, 452}));
@@ -701,6 +815,27 @@ TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class
   CHECK(flat->comm_bytes_within_group_per_step == 3 * 3584 * 2);
   CHECK(flat->comm_bytes_across_groups_per_step == 0);
   CHECK(flat->comm_bytes_per_step == flat->comm_bytes_within_group_per_step);
+
+  // Gradient offload's per-unit buffers hold a group shard (1024 elements), not a flat one.
+  {
+    PlanOptions g = o;
+    g.offload_optimizer = true;
+    g.gradient_accumulation_steps = 2;
+    for (int stage = 1; stage <= 3; ++stage) {
+      INFO("stage " << stage);
+      g.stage = stage;
+      auto off = MakePlan(specs, g);
+      REQUIRE(off.ok());
+      const Buffer* accum_stage = off->Find(BufferClass::kGradAccumStage);
+      REQUIRE(accum_stage != nullptr);
+      CHECK(accum_stage->elements == 1024);
+      const Buffer* staging = off->Find(BufferClass::kOffloadStaging);
+      REQUIRE(staging != nullptr);
+      CHECK(staging->elements == staging->count * 1024);
+      // The 1024-element shard down twice and up once (the running sum), parameters up once.
+      CHECK(off->host_transfer_bytes_per_step == 3 * 1024 * 2 + 1024 * 2);
+    }
+  }
 
   for (int bad : {3, 16, -1}) {
     o.shard_group_size = bad;

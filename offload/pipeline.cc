@@ -45,17 +45,23 @@ OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> reg
 absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
     Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
     Device::Stream grads_stream) {
-  if (options.chunks < 1) {
+  // Chunks carry parameter shards up, or into the NVMe file.
+  const bool needs_chunks = !options.param_on_host || options.nvme_params != nullptr;
+  if (options.chunks < (needs_chunks ? 1 : 0)) {
     return absl::InvalidArgumentError("OffloadPipeline: needs at least one staging chunk");
+  }
+  for (const PipelineRegion& r : regions) {
+    if (needs_chunks && r.n > options.chunk_elements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "OffloadPipeline: a region of ", r.n, " elements exceeds the staging chunk's ",
+          options.chunk_elements));
+    }
   }
   std::unique_ptr<OffloadPipeline> p(
       new OffloadPipeline(device, std::move(regions), options, grads_stream));
-  ASSIGN_OR_RETURN(p->d2h_, device->CreateStream());
   ASSIGN_OR_RETURN(p->h2d_, device->CreateStream());
   ASSIGN_OR_RETURN(p->grads_ready_, device->CreateEvent());
   for (int k = 0; k < options.chunks; ++k) {
-    ASSIGN_OR_RETURN(Device::Event in, device->CreateEvent());
-    p->chunk_in_.push_back(in);
     ASSIGN_OR_RETURN(Device::Event out, device->CreateEvent());
     p->chunk_out_.push_back(out);
   }
@@ -64,42 +70,18 @@ absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
 
 OffloadPipeline::~OffloadPipeline() {
   // Pending copies write into buffers that are freed after this object.
-  for (Device::Stream s : {d2h_, h2d_}) {
-    if (s != nullptr) {
-      dev_->Synchronize(s).IgnoreError();  // a failure was reported by the step that caused it
-      dev_->DestroyStream(s);
-    }
+  if (h2d_ != nullptr) {
+    dev_->Synchronize(h2d_).IgnoreError();  // a failure was reported by the step that caused it
+    dev_->DestroyStream(h2d_);
   }
   if (grads_ready_ != nullptr) dev_->DestroyEvent(grads_ready_);
-  for (Device::Event e : chunk_in_) dev_->DestroyEvent(e);
   for (Device::Event e : chunk_out_) dev_->DestroyEvent(e);
 }
 
-char* OffloadPipeline::GradChunk(int u) const {
+// REQUIRES: chunks >= 1 (a parameter shard that leaves through a chunk).
+char* OffloadPipeline::ParamChunk(int u) const {
   const int64_t chunk = u % options_.chunks;
   return options_.staging + chunk * options_.chunk_elements * static_cast<int64_t>(c_);
-}
-
-// The gradient takes gc_ / (gc_ + c_) of the chunk, the parameter the rest.
-char* OffloadPipeline::ParamChunk(int u) const {
-  const int64_t chunk_bytes = options_.chunk_elements * static_cast<int64_t>(c_);
-  return GradChunk(u) + chunk_bytes / static_cast<int64_t>(gc_ + c_) * static_cast<int64_t>(gc_);
-}
-
-absl::Status OffloadPipeline::GradFinal(int u) {
-  if (u != downloads_issued_ || downloads_issued_ >= options_.chunks) return absl::OkStatus();
-  RETURN_IF_ERROR(Download(u));
-  ++downloads_issued_;
-  return absl::OkStatus();
-}
-
-// Enqueues unit u's reduced gradient into its staging chunk on the d2h stream.
-absl::Status OffloadPipeline::Download(int u) {
-  const PipelineRegion& r = regions_[u];
-  RETURN_IF_ERROR(dev_->Record(grads_ready_, grads_stream_));
-  RETURN_IF_ERROR(dev_->Wait(d2h_, grads_ready_));
-  RETURN_IF_ERROR(dev_->Copy(GradChunk(u), r.grad, r.n * gc_, d2h_));
-  return dev_->Record(chunk_in_[u % options_.chunks], d2h_);
 }
 
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
@@ -148,10 +130,13 @@ absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
 absl::Status OffloadPipeline::UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges,
                                         float grad_scale, const Hooks& hooks, Times* times) {
   const int nu = static_cast<int>(regions_.size());
-  const int chunks = options_.chunks;
-  // The first downloads may have started during backward (GradFinal).
-  for (int u = downloads_issued_; u < std::min(chunks, nu); ++u) RETURN_IF_ERROR(Download(u));
-  downloads_issued_ = 0;
+  // The copies into the host gradients (enqueued on grads_stream_ during backward) have landed
+  // before the host reads them. The engine's Step has synchronized already; this keeps the
+  // pipeline right on its own, at the cost of one event.
+  const auto tw = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(dev_->Record(grads_ready_, grads_stream_));
+  RETURN_IF_ERROR(dev_->WaitHost(grads_ready_));
+  times->wait_ms += MsSince(tw);
   for (int u = 0; u < nu; ++u) {
     RETURN_IF_ERROR(UpdateUnit(u, ranges[u], grad_scale, times));
     if (u > 0) RETURN_IF_ERROR(Gather(u - 1, hooks, times));
@@ -164,12 +149,13 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
                                          float grad_scale, Times* times) {
   const PipelineRegion& r = regions_[u];
   const int chunks = options_.chunks;
-  const int nu = static_cast<int>(regions_.size());
   const bool on_host = options_.param_on_host;
-  const auto tw = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(dev_->WaitHost(chunk_in_[u % chunks]));
-  if (u >= chunks && !on_host) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
-  times->wait_ms += MsSince(tw);
+  // Unit u - B's upload has left the chunk before AdamW overwrites it.
+  if (u >= chunks && !on_host) {
+    const auto tw = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
+    times->wait_ms += MsSince(tw);
+  }
   nvme::NvmeParams* params_file = options_.nvme_params;
   void* out = on_host && params_file == nullptr ? r.param : ParamChunk(u);
   if (options_.nvme != nullptr) {
@@ -177,7 +163,7 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
     // nominally (the chunk holds stale bytes); the engine re-derives them from the state.
     if (nvme_error_.ok()) nvme_error_ = UpdateNvmePieces(u, out, ranges, grad_scale, times);
   } else {
-    AdamWArrays a{r.master, r.m, r.v, GradChunk(u), GradDType(), out, options_.dtype,
+    AdamWArrays a{r.master, r.m, r.v, r.grad, GradDType(), out, options_.dtype,
                   static_cast<size_t>(r.n)};
     RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
   }
@@ -188,7 +174,6 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
     nvme_error_ = params_file->Write(u, static_cast<const char*>(out));
     times->nvme_wait_ms += MsSince(tp);
   }
-  if (u + chunks < nu) RETURN_IF_ERROR(Download(u + chunks));
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));
   return dev_->Record(chunk_out_[u % chunks], h2d_);
@@ -206,7 +191,7 @@ absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
     const auto tn = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(const nvme::NvmeState::Arrays s, state->Acquire(k));
     times->nvme_wait_ms += MsSince(tn);
-    AdamWArrays a{s.master, s.m, s.v, GradChunk(u) + p.begin * static_cast<int64_t>(gc_),
+    AdamWArrays a{s.master, s.m, s.v, Grad(u) + p.begin * static_cast<int64_t>(gc_),
                   GradDType(), static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
                   options_.dtype, static_cast<size_t>(p.n)};
     SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n), &piece_ranges_);
@@ -230,12 +215,6 @@ absl::Status OffloadPipeline::JoinUploads(Device::Stream stream) {
   if (options_.param_on_host) return absl::OkStatus();
   for (Device::Event e : chunk_out_) RETURN_IF_ERROR(dev_->Wait(stream, e));
   return absl::OkStatus();
-}
-
-absl::Status OffloadPipeline::AbandonDownloads() {
-  if (downloads_issued_ == 0) return absl::OkStatus();
-  downloads_issued_ = 0;
-  return dev_->Synchronize(d2h_);
 }
 
 }  // namespace offload

@@ -1,18 +1,17 @@
 // OffloadPipeline: the offloaded optimizer step. AdamW runs on the host over every owned
-// region while the reduced gradients stream down and the new parameters stream back up,
-// through the plan's `buffer_count` pinned staging chunks:
+// region, reading the reduced gradients where gradient offload left them (host memory, copied
+// there during backward), while the new parameters stream back up through the plan's
+// `buffer_count` pinned staging chunks:
 //
-//   d2h stream:  grad(0) grad(1) ... grad(B-1)   grad(B) ...       (B chunks ahead of the host)
-//   host:               AdamW(0)   AdamW(1)  gather(0)  AdamW(2)  gather(1) ...
-//   h2d stream:                 param(0)  param(1)         param(2) ...
+//   host:        AdamW(0)  AdamW(1)  gather(0)  AdamW(2)  gather(1) ...
+//   h2d stream:        param(0)  param(1)         param(2) ...
 //
-// Chunk k = u mod B carries unit u's gradient shard down (first half) and its new parameter
-// shard up (second half). The host waits for the chunk's download before reading a gradient
-// and for unit u - B's upload before overwriting the parameter half; unit u's all-gather
-// (a hook of the caller's) runs once unit u + 1 has been updated, so it overlaps the next
-// copies. With param_on_host (ZeRO-3 offload_param) the parameter shard lives on the host and
-// AdamW writes it in place. The first downloads may start during backward (GradFinal), as each
-// unit's gradient becomes final.
+// Chunk k = u mod B carries unit u's new parameter shard. The host waits once for the
+// gradients' stream (the copies into the host shards are enqueued there) before the first
+// AdamW, and for unit u - B's upload before overwriting its chunk; unit u's all-gather (a hook
+// of the caller's) runs once unit u + 1 has been updated, so it overlaps the next copies. With
+// param_on_host (ZeRO-3 offload_param) the parameter shard lives on the host and AdamW writes
+// it in place: no chunk is used.
 //
 // With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
 // file, and AdamW runs piece by piece (a unit is one piece or several) on pinned slots that
@@ -22,7 +21,7 @@
 // before the step, and an Update with the same gradients gives what a fault-free one would.
 //
 //   ASSIGN_OR_RETURN(auto pipeline, OffloadPipeline::Create(device, regions, options, stream));
-//   // backward, last micro-step: pipeline->GradFinal(u) after unit u's reduction
+//   // backward: each region's gradient copied into its host buffer on `stream`
 //   ASSIGN_OR_RETURN(OffloadPipeline::Times t, pipeline->Update(params, grad_scale, hooks));
 //   RETURN_IF_ERROR(pipeline->JoinUploads(compute_stream));
 //
@@ -50,7 +49,7 @@ namespace offload {
 
 // One unit's owned region.
 struct PipelineRegion {
-  const void* grad = nullptr;  // (n) grad dtype, device: the reduced gradient
+  const void* grad = nullptr;  // (n) grad dtype, host: the reduced gradient (gradient offload)
   float* master = nullptr;     // (n) fp32, host (null with PipelineOptions::nvme)
   float* m = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
   float* v = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
@@ -62,10 +61,9 @@ struct PipelineOptions {
   DType dtype = DType::kBF16;    // of parameters, and of gradients unless grad_dtype is set
   std::optional<DType> grad_dtype;  // fp32 gradients (grad_accum_dtype) beside 2-byte params
   char* staging = nullptr;       // (chunks, chunk_elements) dtype, pinned host
-  int chunks = 0;                // >= 1
-  // >= the largest region's gradient and parameter bytes, in elements of `dtype`: 2 x its
-  // elements, 3 x with fp32 gradients and 2-byte parameters
-  int64_t chunk_elements = 0;
+  // >= 1; 0 (and staging null) only with param_on_host and no nvme_params: no chunk is used
+  int chunks = 0;
+  int64_t chunk_elements = 0;    // >= the largest region's n: one parameter shard
   bool param_on_host = false;
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
   nvme::NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
@@ -76,18 +74,14 @@ struct PipelineOptions {
 
 class OffloadPipeline {
  public:
-  // `grads_stream`: where the reduced gradients are written (the downloads wait for it).
-  // `device` and the buffers must outlive the pipeline.
+  // `grads_stream`: where the copies into the regions' host gradients are enqueued (Update
+  // waits for it before the first AdamW). `device` and the buffers must outlive the pipeline.
   static absl::StatusOr<std::unique_ptr<OffloadPipeline>> Create(
       Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
       Device::Stream grads_stream);
   ~OffloadPipeline();
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
-
-  // Unit u's reduced gradient is final: starts its download now if u is the next unit of the
-  // prefix that fits the chunks (units arrive in plan order; only that prefix is taken).
-  absl::Status GradFinal(int unit);
 
   struct Hooks {
     // Orders unit's upload (recorded on `uploaded`; null with param_on_host) before the
@@ -100,7 +94,7 @@ class OffloadPipeline {
     std::function<absl::Status(const absl::Status& local)> agree;
   };
   struct Times {
-    double wait_ms = 0;    // host time waiting for gradient downloads and chunk reuse
+    double wait_ms = 0;    // host time waiting for the gradients and for chunk reuse
     double gather_ms = 0;  // in hooks.gather
     double nvme_wait_ms = 0;  // NVMe offload: host time waiting for state reads and writes
   };
@@ -113,17 +107,13 @@ class OffloadPipeline {
                                float grad_scale, const Hooks& hooks);
   // Orders the uploads before `stream`'s next work (no-op with param_on_host).
   absl::Status JoinUploads(Device::Stream stream);
-  // After a skipped step: waits for downloads begun during backward, whose gradients are about
-  // to be overwritten.
-  absl::Status AbandonDownloads();
 
  private:
   OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
                   const PipelineOptions& options, Device::Stream grads_stream);
-  char* GradChunk(int u) const;
   DType GradDType() const { return options_.grad_dtype.value_or(options_.dtype); }
+  const char* Grad(int u) const { return static_cast<const char*>(regions_[u].grad); }
   char* ParamChunk(int u) const;
-  absl::Status Download(int u);
   absl::Status UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale,
                          const Hooks& hooks, Times* times);
   absl::Status UpdateUnit(int u, absl::Span<const AdamWRange> ranges, float grad_scale,
@@ -141,12 +131,9 @@ class OffloadPipeline {
   const size_t c_;   // bytes of a parameter element
   const size_t gc_;  // bytes of a gradient element
   const Device::Stream grads_stream_;
-  Device::Stream d2h_ = nullptr;           // gradient shards down into staging chunks
   Device::Stream h2d_ = nullptr;           // new parameter shards back up
-  Device::Event grads_ready_ = nullptr;    // recorded on grads_stream_ before the copies
-  std::vector<Device::Event> chunk_in_;    // per chunk: its gradient has arrived
+  Device::Event grads_ready_ = nullptr;    // recorded on grads_stream_: the gradients landed
   std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
-  int downloads_issued_ = 0;  // units 0..n-1 already downloading for this boundary
   // Kept across steps so that a step builds no range list. Per unit, the one range {0, n} that
   // Update(params) fills with the step's constants.
   std::vector<std::vector<AdamWRange>> whole_ranges_;

@@ -44,9 +44,12 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
       units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
-                                                   mem.norm_table());
+                                                   mem.norm_table(), mem.norm_partials());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
   if (!offload_) return absl::OkStatus();
+  // Gradient offload: the reduced shards go to host memory as their reductions complete; the
+  // norm is taken on the device before they leave.
+  grads_->SetGradOffload(norm_.get(), mem.grad_accum_stage());
   std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
   for (int u = 0; u < plan_.trainable_units; ++u) {
     const Region& r = region(u);
@@ -56,12 +59,12 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   o.dtype = cdt_;
   o.grad_dtype = memory::ReducedGradDType(plan_.options);
   o.staging = mem.staging().base;
-  o.chunks = mem.staging().count;
+  o.chunks = mem.staging().count;  // 0 when the parameter shards are updated in host memory
   o.chunk_elements = mem.staging().elements;
   o.param_on_host = plan_.options.offload_param;
   o.cpu_threads = config_.cpu_threads;
   store_->PipelineStorage(&o);
-  // The reduced gradients are written where the collectives run.
+  // The reduced gradients are copied to the host where the collectives run.
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
   return absl::OkStatus();
@@ -138,11 +141,8 @@ absl::Status Engine::Impl::ReduceUnit(int u) {
   // for every one (SetGradientSync(true)).
   const bool local = memory::LocalAccumulation(plan_.options);
   grads_->set_sync(!local || sync_every_micro_ || micro_ == gas_ - 1);
-  RETURN_IF_ERROR(grads_->Reduce(u, /*first_micro=*/!synced_in_window_));
-  // On the last micro-step the reduced shard is final: its download to the first free staging
-  // chunk overlaps the rest of backward.
-  if (pipeline_ != nullptr && micro_ == gas_ - 1) return pipeline_->GradFinal(u);
-  return absl::OkStatus();
+  return grads_->Reduce(u, /*first_micro=*/!synced_in_window_,
+                        /*last_micro=*/micro_ == gas_ - 1);
 }
 
 

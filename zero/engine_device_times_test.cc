@@ -89,7 +89,10 @@ TEST_CASE("DeviceTimes: each phase lasts at least its operations' injected delay
                      << " total " << t->total_ms << " ms, " << units << " units");
         CHECK(t->step == stats->step);
         // Per unit at least a finite check and a squared norm, each one delayed operation.
-        CHECK(t->norm_ms >= 2 * units * kDelayMs);
+        // With optimizer offload they ran in backward, on the comm side, before each shard left
+        // for host memory (gradient offload): the step's norm phase has no device work left.
+        if (!offload) CHECK(t->norm_ms >= 2 * units * kDelayMs);
+        CHECK(t->norm_ms >= 0);
         // On the device, AdamW: one delayed call per unit, all on the compute stream between the
         // phase's events. Offloaded, the uploads run on the pipeline's own stream, which may
         // start them before the compute stream's thread records the phase's first event (a

@@ -3,6 +3,7 @@
 // equal to flat stage 3 on the same world, with clipping (the global norm over exactly one copy
 // of every element), optimizer offload, fp32 accumulation and gradient accumulation; on the
 // in-process group and on the stream-ordered test group (the engine's NCCL-shaped path).
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -104,6 +105,9 @@ TEST_CASE("HSDP: stages 1-3 in shard groups equal flat stage 3 bit for bit (2x2,
       {"plain", false, false, 1},
       {"offload", true, false, 1},
       {"fp32 accumulation, 3 micro-steps", false, true, 3},
+      // Gradient offload accumulating through grad_accum_stage (a group shard long).
+      {"offload, 2 micro-steps", true, false, 2},
+      {"offload, fp32 accumulation, 2 micro-steps", true, true, 2},
   };
   for (Shape sh : {Shape{4, 2}, Shape{8, 4}, Shape{8, 2}}) {
     for (const Variant& v : variants) {
@@ -244,6 +248,27 @@ TEST_CASE("HSDP: each rank holds the shard group's share of the state", "[zero][
   CHECK(flat4.comm_bytes_across_groups_per_step == 0);
   CHECK(hsdp.comm_bytes_per_step ==
         hsdp.comm_bytes_within_group_per_step + hsdp.comm_bytes_across_groups_per_step);
+}
+
+TEST_CASE("HSDP: gradient offload's per-unit buffers are a group shard long", "[zero][hsdp]") {
+  // grad_accum_stage holds one unit's reduced group shard and offload_staging's chunks one
+  // unit's parameter shard: max trainable unit / G, not / world.
+  const Variant v{"offload, 2 micro-steps", true, false, 2};
+  for (int stage = 1; stage <= 3; ++stage) {
+    INFO("stage " << stage);
+    auto choice = ChoosePlan(SmallModel(), Make(stage, v, 2), /*world=*/8, /*rank=*/5);
+    REQUIRE(choice.ok());
+    const memory::Plan& p = choice->plan;
+    int64_t max_unit = 0;
+    for (int u = 0; u < p.trainable_units; ++u) max_unit = std::max(max_unit, p.units[u].padded);
+    const memory::Buffer* stage_buf = p.Find(memory::BufferClass::kGradAccumStage);
+    REQUIRE(stage_buf != nullptr);
+    CHECK(stage_buf->elements == max_unit / 2);
+    const memory::Buffer* staging = p.Find(memory::BufferClass::kOffloadStaging);
+    REQUIRE(staging != nullptr);
+    CHECK(staging->elements == staging->count * (max_unit / 2));
+    for (int u = 0; u < p.trainable_units; ++u) CHECK(p.units[u].shard == p.units[u].padded / 2);
+  }
 }
 
 TEST_CASE("HSDP: a shard size that does not divide the world, or stage 0, is refused by name",

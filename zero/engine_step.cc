@@ -297,9 +297,6 @@ absl::Status Engine::Impl::GatherUpdatedParams() {
 }
 
 absl::Status Engine::Impl::FinishStep(bool overflow, bool update_scaler, StepStats* stats) {
-  // A skipped step leaves the downloads begun in backward: the gradients they read are about
-  // to be overwritten.
-  if (pipeline_ != nullptr) RETURN_IF_ERROR(pipeline_->AbandonDownloads());
   if (update_scaler) RETURN_IF_ERROR(scaler_.Update(overflow));
   // Reset gradient state for the next window.
   RETURN_IF_ERROR(grads_->ClearFullGradients());

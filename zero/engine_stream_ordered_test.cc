@@ -79,6 +79,33 @@ TEST_CASE("Engine: over a stream-ordered communicator on delayed streams, stages
   }
 }
 
+TEST_CASE("Engine: gradient offload over a stream-ordered communicator matches the device "
+          "optimizer over the in-process group bit for bit",
+          "[engine][stream_ordered][offload]") {
+  // The copies of the reduced shards to host memory run on the comm stream, NCCL's place: the
+  // step's reads of them (norm, host AdamW) and the bucket reuse wait for them through events.
+  auto inline_dev = testing::OneThreadCpuDevice();
+  auto async_dev = testing::AsyncOneThreadCpuDevice(200);
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (DType precision : {DType::kBF16, DType::kF32}) {
+      for (int gas : {1, 2}) {
+        INFO("stage " << stage << " " << DTypeName(precision) << " gas " << gas);
+        Config config = testing::TestConfig(stage, precision, gas, 1.0, false);
+        auto want = testing::TrainRanks(config, testing::SmallModel(), 2, inline_dev.get(), 4);
+        REQUIRE(want.ok());
+        config.zero.offload_optimizer.device = OffloadDevice::kCpu;
+        auto got = TrainStreamOrdered(config, 2, async_dev.get(), 4, /*own_stream=*/true);
+        INFO(got.status().ToString());
+        REQUIRE(got.ok());
+        for (int r = 0; r < 2; ++r) {
+          REQUIRE((*got)[r].master == (*want)[r].master);
+          REQUIRE((*got)[r].params == (*want)[r].params);
+        }
+      }
+    }
+  }
+}
+
 // The engine records events on the trainer's stream (a stage-3 Release records its slot's
 // event there), and may be destroyed before that stream gets to them: the records still run
 // afterwards, on no freed event. Before the CPU device kept a destroyed event alive for its

@@ -166,6 +166,96 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
   }
 }
 
+// Device bytes of the reduced gradients in `plan`: the stage 2-3 shard, a stage-1 accumulator.
+int64_t ReducedGradDeviceBytes(const memory::Plan& plan) {
+  int64_t bytes = 0;
+  for (const memory::Buffer& b : plan.buffers) {
+    const bool reduced = (b.cls == memory::BufferClass::kGrads && plan.options.stage >= 2) ||
+                         b.cls == memory::BufferClass::kGradAccumulator;
+    if (reduced && b.kind == memory::MemoryKind::kDevice) bytes += b.bytes;
+  }
+  return bytes;
+}
+
+TEST_CASE("Engine: gradient offload gives bit-identical masters, on asynchronous streams",
+          "[zero][offload]") {
+  // With optimizer offload every reduced shard is copied to host memory as its reduction
+  // completes (accumulating on the device through one unit's stage) and measured for the norm
+  // on the device before it leaves. Streams on threads with a 200 us delay (the engine and the
+  // trainer on a stream of their own: the null stream runs inline) make every copy race the
+  // next reduction, the bucket's reuse, the accumulation and the host AdamW unless the stream
+  // order holds. The reference is stage 0 on the device, run synchronously.
+  const int steps = 6;
+  const double clip = 0.05;
+  for (DType precision : {DType::kF32, DType::kBF16}) {
+    for (int world : {1, 2, 3, 4}) {
+      for (int gas : {1, 2}) {
+        RunResult reference = Train(MakeConfig(0, precision, gas, clip, false), world, steps);
+        RequireOk(reference);
+        for (int stage = 1; stage <= 3; ++stage) {
+          INFO("precision=" << DTypeName(precision) << " world=" << world << " gas=" << gas
+                            << " stage=" << stage);
+          const Config c = MakeConfig(stage, precision, gas, clip, true);
+          RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
+                                /*on_compute_stream=*/true);
+          RequireOk(run);
+          for (int r = 0; r < world; ++r) {
+            CHECK(BitEqual(run.master[r], reference.master[0]));
+            CHECK(run.params[r] == reference.params[0]);
+          }
+          bool clipped = false;
+          for (const StepStats& st : run.stats) clipped = clipped || st.clip_coef < 1;
+          CHECK(clipped);
+          for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+            CHECK(run.report.allocated[k] == run.report.planned[k]);
+          }
+          // The plan says where the shard went: no reduced gradient in device memory.
+          auto offloaded = ChoosePlan(SmallModel(), c, world, 0);
+          auto on_device = ChoosePlan(SmallModel(), MakeConfig(stage, precision, gas, clip,
+                                                               false), world, 0);
+          REQUIRE(offloaded.ok());
+          REQUIRE(on_device.ok());
+          CHECK(ReducedGradDeviceBytes(offloaded->plan) == 0);
+          CHECK(offloaded->plan.device_bytes() < on_device->plan.device_bytes());
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Engine: gradient offload with fp32 accumulation, an fp32 wire or local accumulation "
+          "matches the device optimizer bit for bit", "[zero][offload]") {
+  const int steps = 6;
+  for (int world : {1, 3}) {
+    for (int gas : {1, 2}) {
+      for (int variant = 0; variant < 4; ++variant) {
+        for (int stage = 1; stage <= 3; ++stage) {
+          if (variant == 3 && (stage != 1 || gas == 1)) continue;  // stages 0-1, GAS > 1
+          INFO("world=" << world << " gas=" << gas << " stage=" << stage << " variant="
+                        << variant);
+          Config c = MakeConfig(stage, DType::kBF16, gas, 0.05, false);
+          if (variant == 0 || variant == 2) c.grad_accum_dtype = DType::kF32;
+          if (variant == 1 || variant == 2) c.communication_dtype = DType::kF32;
+          if (variant == 3) c.local_grad_accumulation = true;
+          RunResult reference = Train(c, world, steps);
+          RequireOk(reference);
+          c.zero.offload_optimizer.device = OffloadDevice::kCpu;
+          RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
+                                /*on_compute_stream=*/true);
+          RequireOk(run);
+          for (int r = 0; r < world; ++r) {
+            CHECK(BitEqual(run.master[r], reference.master[r]));
+            CHECK(run.params[r] == reference.params[r]);
+          }
+          for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+            CHECK(run.report.allocated[k] == run.report.planned[k]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // NVMe offload on the test's temporary directory (the machine's disk); null when the config
 // layer does not accept "nvme" yet.
 bool NvmeConfig(Config* c, int chunks) {
@@ -573,10 +663,11 @@ TEST_CASE("Engine: on asynchronous streams every storage mode matches its synchr
   }
 }
 
-TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in flight",
+TEST_CASE("Engine: an overflow skips the step cleanly while gradient copies are in flight",
           "[zero][offload]") {
-  // Downloads start during backward; the skipped step must neither apply them nor let the next
-  // window's gradients race them.
+  // The gradient shards go to host memory during backward (gradient offload); the skipped step
+  // must neither apply them nor let the next window's gradients race them. The engine and the
+  // trainer run on an asynchronous stream so that the copies are really in flight.
   const int steps = 8, inject_step = 3;
   RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0, false), 2, steps,
                               inject_step, 1);
@@ -585,7 +676,8 @@ TEST_CASE("Engine: an overflow skips the step cleanly while downloads are in fli
     Config c = MakeConfig(stage, DType::kBF16, 1, 0, true);
     c.zero.offload_optimizer.buffer_count = 2;
     INFO("stage=" << stage);
-    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true);
+    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true,
+                          /*on_compute_stream=*/true);
     RequireOk(run);
     REQUIRE(run.stats.size() == reference.stats.size());
     CHECK(run.stats[inject_step].skipped);

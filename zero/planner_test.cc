@@ -154,12 +154,14 @@ TEST_CASE("Planner: when nothing fits the error names the smallest need and a wo
   const std::string msg(none.status().message());
   CHECK_THAT(msg, Catch::Contains("smallest requirement found"));
   CHECK_THAT(msg, Catch::Contains("no world size up to 65536 fits"));
-  auto bigger_world = ChoosePlan(*specs, AutoConfig(12 << 20), 2, 0);
+  // Gradient offload leaves the device only per-unit buffers, which no world size shrinks: the
+  // host budget is what a bigger world meets (its share of the offloaded state is smaller).
+  auto bigger_world = ChoosePlan(*specs, AutoConfig(12 << 20, 40 << 20), 2, 0);
   REQUIRE_FALSE(bigger_world.ok());
   CHECK_THAT(std::string(bigger_world.status().message()), Catch::Contains("it would fit on"));
 }
 
-TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradients",
+TEST_CASE("Planner: fp32 gradient accumulation with offload keeps 4-byte gradients on the host",
           "[zero]") {
   auto specs = SyntheticModel(10000000, 10);
   REQUIRE(specs.ok());
@@ -172,10 +174,14 @@ TEST_CASE("Planner: fp32 gradient accumulation with offload stages 4-byte gradie
     REQUIRE(choice.ok());
     const memory::Buffer* staging = choice->plan.Find(memory::BufferClass::kOffloadStaging);
     REQUIRE(staging != nullptr);
-    // Each chunk holds a unit's gradient shard (4 or 2 bytes an element) and its bf16
-    // parameter shard (2 bytes).
+    // Each chunk holds a unit's bf16 parameter shard (2 bytes an element); the gradient shard
+    // (4 or 2 bytes an element) is in host memory whole (gradient offload).
     const int64_t shard = choice->plan.max_unit_elements / 8;
-    CHECK(staging->bytes == staging->count * shard * ((fp32 ? 4 : 2) + 2));
+    CHECK(staging->bytes == staging->count * shard * 2);
+    const memory::Buffer* grads = choice->plan.Find(memory::BufferClass::kGrads);
+    REQUIRE(grads != nullptr);
+    CHECK(grads->kind == memory::MemoryKind::kPinnedHost);
+    CHECK(grads->bytes == choice->plan.shard_elements * (fp32 ? 4 : 2));
   }
   // "auto" may pick offload with fp32 accumulation too: a device budget that only stage 3
   // with the optimizer state on the host fits.

@@ -83,6 +83,8 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kNvmeSecondCopy: break;  // a file region
     case BufferClass::kNvmeParamPadding: break;  // a file region
     case BufferClass::kNvmeParamBuffers: nvme_param_buffers_ = slotted; break;
+    case BufferClass::kGradAccumStage: grad_accum_stage_ = p; break;
+    case BufferClass::kNormPartials: norm_partials_ = reinterpret_cast<float*>(p); break;
   }
 }
 

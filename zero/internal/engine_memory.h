@@ -74,6 +74,11 @@ class EngineMemory {
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
   char* grad_local() const { return grad_local_; }
+  // (max trainable unit / shard group size) reduced-gradient dtype: gradient offload's accumulation stage
+  // (memory::BufferClass::kGradAccumStage), or null.
+  char* grad_accum_stage() const { return grad_accum_stage_; }
+  // (2 x units) fp32, pinned: gradient offload's norm partials and flags, or null.
+  float* norm_partials() const { return norm_partials_; }
   const ByteCounts& bytes() const { return bytes_; }
   // The arena of one memory kind (Engine::Park decommits the kDevice one). REQUIRES: not kNvme.
   memory::Arena* arena(memory::MemoryKind kind) const {
@@ -91,6 +96,8 @@ class EngineMemory {
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
   char* grad_local_ = nullptr;
+  char* grad_accum_stage_ = nullptr;
+  float* norm_partials_ = nullptr;
   ByteCounts bytes_;
 };
 

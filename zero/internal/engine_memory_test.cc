@@ -78,6 +78,8 @@ const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffe
     case BufferClass::kGradAccumulator: return s.accum;
     case BufferClass::kGradWire: return reinterpret_cast<const char*>(mem.grad_wire());
     case BufferClass::kGradLocal: return mem.grad_local();
+    case BufferClass::kGradAccumStage: return mem.grad_accum_stage();
+    case BufferClass::kNormPartials: return reinterpret_cast<const char*>(mem.norm_partials());
     case BufferClass::kGradBucket: *slots = &mem.grad_buckets(); break;
     case BufferClass::kGatherBuffer: *slots = &mem.gather_slots(); break;
     case BufferClass::kPersistentParams: return mem.persistent();
@@ -176,6 +178,12 @@ TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in thei
        }},
       {"optimizer offloaded (pinned)", 1,
        [](memory::PlanOptions* o) { o->offload_optimizer = true; }},
+      {"optimizer offloaded, accumulating in fp32 (gradient offload's stage)", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->gradient_accumulation_steps = 2;
+         o->fp32_grad_accum = o->compute_dtype != DType::kF32;
+       }},
       {"optimizer offloaded (pageable)", 1,
        [](memory::PlanOptions* o) {
          o->offload_optimizer = true;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
@@ -16,6 +17,7 @@ GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
       gas_(ctx.plan.options.gradient_accumulation_steps),
       grad_dtype_(memory::ReducedGradDType(ctx.plan.options)),
       wire_dtype_(memory::GradWireDType(ctx.plan.options)),
+      host_grads_(memory::GradOffload(ctx.plan.options)),
       wire_(wire),
       local_(local),
       grads_(state.grads),
@@ -128,8 +130,10 @@ bool GradBuckets::direct(int u) const {
          !(wire_dtype_ != ctx_.cdt && grad_dtype_ == ctx_.cdt);
 }
 
-absl::Status GradBuckets::Reduce(int u, bool first_micro) {
+absl::Status GradBuckets::Reduce(int u, bool first_micro, bool last_micro) {
+  ABSL_RAW_CHECK(!host_grads_ || norm_ != nullptr, "gradient offload without SetGradOffload");
   ++reduced_;
+  last_micro_ = last_micro;
   const Stopwatch t;
   RETURN_IF_ERROR(ctx_.streams->BeforeComm());
   if (ctx_.stage <= 1) {
@@ -197,6 +201,34 @@ absl::Status GradBuckets::Deposit(char* dst, const Reduced& r, bool first, char*
   return dev->Accumulate(dst, x, grad_dtype_, r.n, side);
 }
 
+// Deposit for a host-resident `dst` (gradient offload), with the same device operations: the
+// value to store is made on the device (the reduced block itself, or its conversion in
+// `spare`), or the host sum is brought up into the stage and added to there; then it goes
+// down. Everything runs in order on the comm side, so the copy follows the reduction, and the
+// next unit's stage use, the bucket's reuse and Step (JoinComm) follow the copy.
+absl::Status GradBuckets::DepositToHost(int u, char* dst, const Reduced& r, bool first,
+                                        char* spare) {
+  Device* dev = ctx_.device;
+  const Device::Stream side = ctx_.streams->side();
+  const size_t bytes = r.n * DTypeSize(grad_dtype_);
+  const char* value = r.data;  // (r.n) grad dtype, device: what the host shard becomes
+  if (first) {
+    if (r.dtype != grad_dtype_) {
+      RETURN_IF_ERROR(dev->Cast(r.data, r.dtype, spare, grad_dtype_, r.n, side));
+      value = spare;
+    }
+  } else {
+    ABSL_RAW_CHECK(accum_stage_ != nullptr, "gradient offload accumulates without its stage");
+    RETURN_IF_ERROR(dev->Copy(accum_stage_, dst, bytes, side));
+    RETURN_IF_ERROR(Deposit(accum_stage_, r, /*first=*/false, spare));
+    value = accum_stage_;
+  }
+  if (last_micro_) {
+    RETURN_IF_ERROR(norm_->MeasureUnit(u, value, side));
+  }
+  return dev->Copy(dst, value, bytes, side);
+}
+
 // Where the fp32 / compute-dtype conversion of a unit's reduced block goes: the fp32 scratch
 // when the destination is fp32, else the compute-dtype block of `full`, which the fp32 wire
 // copy has already consumed.
@@ -221,8 +253,14 @@ absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first
     return ctx_.device->Zero(g, unit.padded * ctx_.c, ctx_.streams->side());
   }
   if (local_micros_ > 0) RETURN_IF_ERROR(MergeLocal(unit, full));
-  ASSIGN_OR_RETURN(const Reduced r, Collective(full, unit, to_accum ? nullptr : dst));
-  RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
+  // The collective cannot write host memory: with gradient offload it reduces in place.
+  ASSIGN_OR_RETURN(const Reduced r,
+                   Collective(full, unit, to_accum || host_grads_ ? nullptr : dst));
+  if (host_grads_) {
+    RETURN_IF_ERROR(DepositToHost(u, dst, r, first_micro || !to_accum, Spare(full, unit)));
+  } else {
+    RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
+  }
   if (!to_accum || src != nullptr) return absl::OkStatus();
   return ctx_.device->Zero(g, unit.padded * ctx_.c, ctx_.streams->side());
 }
@@ -263,9 +301,14 @@ absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
   char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, buckets_.offset(b));
   char* shard = layout_.region(u).grad;
   // The first micro-step reduce-scatters straight into the shard when the dtypes allow.
-  const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt;
+  // Gradient offload reduces in place: the shard is in host memory.
+  const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt && !host_grads_;
   ASSIGN_OR_RETURN(const Reduced r, Collective(bucket, unit, into_shard ? shard : nullptr));
-  RETURN_IF_ERROR(Deposit(shard, r, first_micro, Spare(bucket, unit)));
+  if (host_grads_) {
+    RETURN_IF_ERROR(DepositToHost(u, shard, r, first_micro, Spare(bucket, unit)));
+  } else {
+    RETURN_IF_ERROR(Deposit(shard, r, first_micro, Spare(bucket, unit)));
+  }
   if (b < 0) return absl::OkStatus();  // the trainer's buffer: no bucket to hand back
   RETURN_IF_ERROR(ctx_.streams->BucketReduced(b));
   bucket_busy_[b] = 0;

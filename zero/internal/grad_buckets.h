@@ -19,6 +19,14 @@
 // micro-step adds its own gradients there too, writes the sum back into the unit and reduces
 // it once. The sum order over micro-steps changes (rank-local first, then across ranks).
 //
+// Gradient offload (memory::GradOffload, with offload_optimizer): the reduced gradient lives in
+// host memory (ShardLayout's Region::grad). Each unit is reduced in place in its device buffer
+// (bucket, or stage 1's full gradients) and its block copied down on the comm side right after,
+// so the bucket's reuse waits for the copy too. A later micro-step of the window adds on the
+// device, through the plan's grad_accum_stage: the host sum up, Accumulate, the sum down, so the
+// arithmetic is device accumulation's, bit for bit. On the window's last micro-step the final
+// shard is measured (GradNorm::MeasureUnit) on the device before it leaves.
+//
 // Frozen parameters (memory::ParamSpec::frozen) have no gradient: grad, GradReady and
 // SetSource fail naming them, and Step never waits for them.
 //
@@ -35,6 +43,7 @@
 #include "device/device.h"
 #include "memory/plan.h"
 #include "zero/internal/engine_memory.h"
+#include "zero/internal/grad_norm.h"
 #include "zero/internal/shard_layout.h"
 #include "zero/internal/step_timer.h"
 #include "zero/internal/stream_order.h"
@@ -58,8 +67,17 @@ class GradBuckets {
   // FailedPrecondition when it already is.
   absl::StatusOr<bool> MarkReady(int i);
   // Reduces `unit` (see above); `first_micro`: no earlier micro-step of its accumulation
-  // window reduced it (the reduced result is stored, not added). Collective when synced.
-  absl::Status Reduce(int unit, bool first_micro);
+  // window reduced it (the reduced result is stored, not added); `last_micro`: this is the
+  // window's last micro-step (gradient offload measures the final shard). Collective when
+  // synced.
+  absl::Status Reduce(int unit, bool first_micro, bool last_micro = true);
+  // Gradient offload: where the final shards are measured, and the plan's grad_accum_stage
+  // (device; null without accumulation). REQUIRES: called before any Reduce when
+  // memory::GradOffload(plan.options); `norm` outlives this object.
+  void SetGradOffload(GradNorm* norm, char* accum_stage) {
+    norm_ = norm;
+    accum_stage_ = accum_stage;
+  }
   // Whether this micro-step's units are reduced (true) or added into grad_local (false).
   // REQUIRES: a grad_local buffer for false; the same value for every unit of a micro-step.
   void set_sync(bool sync) { sync_ = sync; }
@@ -102,6 +120,7 @@ class GradBuckets {
   bool direct(int unit) const;        // reduced straight from a SetSource buffer
   absl::StatusOr<Reduced> Collective(char* full, const memory::Unit& unit, char* out);
   absl::Status Deposit(char* dst, const Reduced& r, bool first, char* spare);
+  absl::Status DepositToHost(int u, char* dst, const Reduced& r, bool first, char* spare);
   char* Spare(char* full, const memory::Unit& unit) const;
   absl::Status ReduceFull(const memory::Unit& unit, int u, bool first_micro);  // stages 0-1
   absl::Status AddLocal(const memory::Unit& unit, const char* full, bool first);
@@ -113,6 +132,7 @@ class GradBuckets {
   const int gas_;
   const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
   const DType wire_dtype_;  // gradients are reduced in
+  const bool host_grads_;   // gradient offload: Region::grad is in host memory
   float* const wire_;
   char* const local_;  // grad_local, or null
   char* const grads_;
@@ -125,6 +145,9 @@ class GradBuckets {
   std::vector<int> pending_;        // per unit: params not yet ready
   std::vector<int> unit_bucket_;    // per unit: bucket index, or -1
   std::vector<uint8_t> bucket_busy_;  // per bucket
+  GradNorm* norm_ = nullptr;          // SetGradOffload
+  char* accum_stage_ = nullptr;       // SetGradOffload: (max shard) grad dtype, device
+  bool last_micro_ = true;            // of the Reduce running
   float prescale_ = 1.0f;             // SetPrescale
   comm::ReduceOp op_ = comm::ReduceOp::kAvg;
 };

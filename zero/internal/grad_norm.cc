@@ -5,23 +5,62 @@
 #include <memory>
 #include <vector>
 
+#include "absl/base/internal/raw_logging.h"
 #include "base/status.h"
 
 namespace zerort {
 namespace zero_internal {
 
+GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
+                   Device::Stream compute, HostCollectives* host, float* device_table,
+                   float* partials)
+    : plan_(plan),
+      layout_(layout),
+      dev_(device),
+      compute_(compute),
+      host_(host),
+      device_table_(device_table),
+      early_(memory::GradOffload(plan.options)),
+      early_sumsq_(partials),
+      early_finite_(partials == nullptr ? nullptr
+                                        : reinterpret_cast<bool*>(partials + plan.units.size())),
+      early_measured_(plan.units.size(), 0) {
+  ABSL_RAW_CHECK(!early_ || partials != nullptr, "gradient offload needs norm_partials");
+}
+
+absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {
+  ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
+  const Region& reg = layout_.region(u);
+  // Offload needs stage >= 1: the region is this rank's (group) shard, of which this rank
+  // measures exactly what Measure would (OwnSlice: with HSDP only its replica's flat slice).
+  early_measured_[u] = 1;
+  const Slice s = OwnSlice(u, static_cast<const char*>(grad));
+  RETURN_IF_ERROR(dev_->AllFinite(s.data, reg.grad_dtype, s.n, &early_finite_[u], stream));
+  return dev_->SquaredNorm(s.data, reg.grad_dtype, s.n, &early_sumsq_[u], stream);
+}
+
+// HSDP: a region is a group shard, R consecutive flat shards (the plan pads units for the whole
+// world), held alike by the R replicas of its position s. Replica j measures the j-th of them,
+// flat shard s*R + j, so that each element is counted once. Flat: R = 1, the whole region.
+GradNorm::Slice GradNorm::OwnSlice(int u, const char* shard) const {
+  const memory::Unit& unit = plan_.units[u];
+  const int world = plan_.options.world_size;
+  const int replica = plan_.options.rank / memory::ShardGroupSize(plan_.options);
+  const int64_t flat_shard = unit.padded / world;  // region(u).n when flat
+  const int64_t c = static_cast<int64_t>(DTypeSize(layout_.region(u).grad_dtype));
+  return Slice{shard + replica * flat_shard * c, flat_shard};
+}
+
 absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event device_done) {
   const int nu = layout_.num_units();
   const int world = plan_.options.world_size, rank = plan_.options.rank;
-  // HSDP: a region is a group shard, R consecutive flat shards (the plan pads units for the
-  // whole world), held alike by the R replicas of its position s. Replica j measures the j-th
-  // of them, flat shard s*R + j: each element is counted once, and the table holds exactly the
-  // flat layout's partials, summed below in the flat order, so the norm is the flat one bit for
-  // bit. row_of(q): the table row (rank) that measured flat shard q. Flat: R = 1, row q.
+  // HSDP: replica j of group position s measures flat shard s*R + j of each unit (OwnSlice):
+  // each element is counted once, and the table holds exactly the flat layout's partials,
+  // summed below in the flat order, so the norm is the flat one bit for bit. row_of(q): the
+  // table row (rank) that measured flat shard q. Flat: R = 1, row q.
   // (A double sum of float partials is exact in practice, so the order seldom shows; it is
   // kept anyway, so that equality with the flat norm does not rest on that.)
   const int group = memory::ShardGroupSize(plan_.options), replicas = world / group;
-  const int replica = rank / group;
   auto row_of = [&](int q) { return (q % replicas) * group + q / replicas; };
   // (world, units + 1) fp32
   std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
@@ -32,6 +71,12 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
     const Region& reg = layout_.region(u);
     unit_finite[u] = true;
     if (reg.frozen) continue;  // no gradient: its partials stay zero
+    if (early_) {
+      // Measured on the device before the shard left it; read after the Synchronize below.
+      ABSL_RAW_CHECK(early_measured_[u], "gradient offload: a unit's shard was never measured");
+      early_measured_[u] = 0;
+      continue;
+    }
     const DType cdt = reg.grad_dtype;
     const size_t c = DTypeSize(cdt);
     if (reg.whole_unit) {
@@ -41,15 +86,21 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
                                           &table[q * (nu + 1) + u], compute_));
       }
     } else {
-      const int64_t flat_shard = unit.padded / world;  // reg.n when flat
-      const char* mine = reg.grad + replica * flat_shard * static_cast<int64_t>(c);
-      RETURN_IF_ERROR(dev_->AllFinite(mine, cdt, flat_shard, &unit_finite[u], compute_));
+      const Slice mine = OwnSlice(u, reg.grad);
+      RETURN_IF_ERROR(dev_->AllFinite(mine.data, cdt, mine.n, &unit_finite[u], compute_));
       RETURN_IF_ERROR(
-          dev_->SquaredNorm(mine, cdt, flat_shard, &table[rank * (nu + 1) + u], compute_));
+          dev_->SquaredNorm(mine.data, cdt, mine.n, &table[rank * (nu + 1) + u], compute_));
     }
   }
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
+  if (early_) {
+    for (int u = 0; u < nu; ++u) {
+      if (layout_.region(u).frozen) continue;
+      unit_finite[u] = early_finite_[u];
+      table[rank * (nu + 1) + u] = early_sumsq_[u];
+    }
+  }
   const bool finite =
       std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
   if (plan_.options.stage == 0) {

@@ -8,9 +8,18 @@
 // group shard split it into its R flat shards and measure one each: every element is counted
 // once and the table holds the flat layout's partials (see Measure).
 //
+// Gradient offload (memory::GradOffload): the reduced gradients end in host memory, so each
+// unit's partials are computed on the device before its final shard leaves (MeasureUnit, on the
+// window's last micro-step, by GradBuckets), with the same kernels on the same bytes: the same
+// bits, and no pass of the host over the shard. Measure then only exchanges them.
+//
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
 #define ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "device/device.h"
@@ -24,11 +33,20 @@ namespace zero_internal {
 class GradNorm {
  public:
   // Every argument must outlive this object. `device_table`: (world, units + 1) fp32 device
-  // memory to stage the exchange through (the plan's norm table; may be null).
+  // memory to stage the exchange through (the plan's norm table; may be null). `partials`:
+  // the plan's norm_partials, (2 x units) fp32 pinned host memory; REQUIRES: non-null with
+  // gradient offload (memory::GradOffload), where MeasureUnit writes there.
   GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-           Device::Stream compute, HostCollectives* host, float* device_table)
-      : plan_(plan), layout_(layout), dev_(device), compute_(compute), host_(host),
-        device_table_(device_table) {}
+           Device::Stream compute, HostCollectives* host, float* device_table,
+           float* partials = nullptr);
+
+  // Gradient offload: unit u's final reduced gradient for this window, a device copy of its
+  // region (region(u).n elements of region(u).grad_dtype at `grad`), is measured on `stream`
+  // exactly as Measure measures the region, so with HSDP only this replica's flat slice of it
+  // (enqueued; the results land in this object when the stream gets there). REQUIRES: memory::GradOffload; called once per trainable unit in a
+  // window's last micro-step, and that stream joined into `compute` (StreamOrder::JoinComm)
+  // before Measure.
+  absl::Status MeasureUnit(int u, const void* grad, Device::Stream stream);
 
   struct Result {
     double norm = 0;        // sqrt(sum of squares) / scale
@@ -46,6 +64,21 @@ class GradNorm {
   const Device::Stream compute_;
   HostCollectives* const host_;
   float* const device_table_;
+  struct Slice {
+    const char* data;
+    int64_t n;
+  };
+  // The part of unit u's reduced shard at `shard` (region(u).n elements of its grad dtype)
+  // that this rank measures: all of it when flat, its replica's flat slice with HSDP.
+  // REQUIRES: stage >= 1.
+  Slice OwnSlice(int u, const char* shard) const;
+
+  const bool early_ = false;  // gradient offload: the partials come from MeasureUnit
+  // Per unit, MeasureUnit's results (written by the device into the plan's norm_partials)
+  // and whether it ran this window.
+  float* const early_sumsq_;   // (units) fp32
+  bool* const early_finite_;   // (units) one byte each, after early_sumsq_
+  std::vector<uint8_t> early_measured_;
 };
 
 }  // namespace zero_internal

@@ -12,6 +12,9 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   const int64_t gs = static_cast<int64_t>(DTypeSize(gdt));
   auto at_grad = [gs](char* base, int64_t elems) { return base + elems * gs; };
   const bool accumulate = o.gradient_accumulation_steps > 1 || gdt != o.compute_dtype;
+  // Gradient offload: stage 1's reduced shard lives in the (host) accumulator even without
+  // accumulation; stages 2-3 keep it in grad_shard, which is then in host memory.
+  const bool stage1_accum = accumulate || memory::GradOffload(o);
   Region r;
   r.grad_dtype = gdt;
   r.whole_unit = o.stage == 0;
@@ -31,7 +34,7 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
       r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : at(b.grads, unit.flat_offset);
       break;
     case 1:
-      r.grad = accumulate ? at_grad(b.accum, unit.shard_offset)
+      r.grad = stage1_accum ? at_grad(b.accum, unit.shard_offset)
                           : at(b.grads, unit.flat_offset + r.unit_begin);
       break;
     default:

@@ -11,8 +11,12 @@
 // memory::ReducedGradDType):
 //
 //   stage 0:  the full gradients, or the full accumulator when accumulating
-//   stage 1:  this rank's block of the full gradients, or the shard accumulator
+//   stage 1:  this rank's block of the full gradients, or the shard accumulator (always with
+//             offload_optimizer)
 //   stage 2-3: the gradient shard (accumulated in place)
+//
+// With offload_optimizer (memory::GradOffload) the reduced gradient is in host memory: the
+// reductions run in device buffers and GradBuckets copies each result there.
 //
 // Frozen units (plan.units[u].frozen, after every trainable unit) have parameters only.
 //
@@ -51,7 +55,8 @@ struct Region {
   int64_t unit_begin = 0;    // where the region starts inside the padded unit
   int64_t owned_begin = 0;   // where this rank's shard starts inside the region
   bool whole_unit = false;   // the region is the whole unit (stage 0)
-  char* grad = nullptr;        // (n) grad_dtype: the reduced gradient (the reduction writes it)
+  char* grad = nullptr;        // (n) grad_dtype: the reduced gradient (the reduction writes it;
+                               // host memory with gradient offload)
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
   float* master = nullptr;     // (n) fp32; master, m, v null when they live in a file
   float* m = nullptr;          // (n) fp32
