@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/status.h"
 #include "memory/pinned_pool.h"
+#include "offload/cpu_adamw_compact.h"
 #include "offload/cpu_kernels.h"
 
 namespace zerort {
@@ -220,6 +221,16 @@ class CpuDevice final : public Device {
     std::vector<offload::AdamWRange> copy(ranges.begin(), ranges.end());
     return Run(stream, [=, copy = std::move(copy)] {
       return offload::CpuAdamW(arrays, copy, grad_scale, threads);
+    });
+  }
+
+  absl::Status CompactAdamWRanges(const offload::CompactAdamWArrays& arrays,
+                                  absl::Span<const offload::AdamWRange> ranges,
+                                  float grad_scale, Stream stream) override {
+    const int threads = threads_;
+    std::vector<offload::AdamWRange> copy(ranges.begin(), ranges.end());
+    return Run(stream, [=, copy = std::move(copy)] {
+      return offload::CpuAdamWCompact(arrays, copy, grad_scale, threads);
     });
   }
 

@@ -18,14 +18,15 @@
 #include <cstddef>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_cat.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 
 namespace zerort {
 
@@ -83,6 +84,18 @@ class Device {
                      float grad_scale, Stream stream) {
     const offload::AdamWRange all{0, arrays.n, params};
     return AdamWRanges(arrays, absl::MakeConstSpan(&all, 1), grad_scale, stream);
+  }
+  // AdamW over compact optimizer state (offload/cpu_adamw_compact.h: the bf16 + remainder
+  // master, the stochastically rounded bf16 master, bf16 moments) in this device's memory,
+  // bitwise equal to offload::CpuAdamWCompact for the same arrays, ranges and rounding seed.
+  // Same contract as AdamWRanges. A device without the kernel returns Unimplemented naming
+  // itself (the engine asks with n = 0 when a compact form is configured).
+  virtual absl::Status CompactAdamWRanges(const offload::CompactAdamWArrays& arrays,
+                                          absl::Span<const offload::AdamWRange> ranges,
+                                          float grad_scale, Stream stream) {
+    return absl::UnimplementedError(absl::StrCat(
+        "device '", name(), "' has no compact-state AdamW kernel (",
+        offload::MasterFormName(arrays.master_form), " master)"));
   }
   virtual absl::Status Synchronize(Stream stream) = 0;
 
