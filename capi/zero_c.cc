@@ -73,6 +73,8 @@ static_assert(static_cast<int>(ZR_BF16) == static_cast<int>(zerort::DType::kBF16
 static_assert(ZR_NUM_MEMORY_KINDS + 1 == zerort::memory::kNumMemoryKinds &&
                   ZR_MEMORY_NVME == static_cast<int>(zerort::memory::MemoryKind::kNvme),
               "zr_memory_kind must mirror memory::MemoryKind");
+static_assert(ZR_GRAD_BUFFER_PACKED == zerort::memory::kGradBufferPacked,
+              "ZR_GRAD_BUFFER_PACKED must mirror memory::kGradBufferPacked");
 
 std::string& LastError() {
   thread_local std::string message;
@@ -357,6 +359,11 @@ absl::StatusOr<std::vector<zerort::memory::ParamSpec>> ReadParams(
     if (p.has_group != 0) (*groups)[i] = zerort::ParamGroup{p.weight_decay, p.lr_scale};
     // The plan refuses a negative value, naming the parameter.
     specs[i].activation_bytes_per_sample = p.activation_bytes_per_sample;
+    if (p.grad_buffer != nullptr) {
+      specs[i].grad_buffer = p.grad_buffer;
+      // The plan refuses an offset below ZR_GRAD_BUFFER_PACKED, naming the parameter.
+      specs[i].grad_buffer_offset = p.grad_buffer_offset;
+    }
   }
   return specs;
 }
@@ -699,6 +706,19 @@ zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int*
   });
 }
 
+zr_status zr_engine_grad_copy_reason(const zr_engine* engine, int i, const char** reason) {
+  return Guard([&]() -> absl::Status {
+    RETURN_IF_ERROR(Live(engine, "zr_engine_grad_copy_reason", "engine"));
+    RETURN_IF_ERROR(NotNull(reason, "zr_engine_grad_copy_reason", "reason"));
+    if (i < 0 || i >= engine->engine->num_params()) {
+      return absl::OutOfRangeError(absl::StrCat("zr_engine_grad_copy_reason(", i, "): there are ",
+                                                engine->engine->num_params(), " parameters"));
+    }
+    *reason = engine->engine->grad_copy_reason(i).c_str();
+    return absl::OkStatus();
+  });
+}
+
 int zr_engine_reduced_units(const zr_engine* engine) {
   return UsableOrSetError(engine, "zr_engine_reduced_units") ? engine->engine->reduced_units() : 0;
 }
@@ -914,6 +934,10 @@ zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out
     r.micro_batch = report.micro_batch;
     r.activation_bytes = report.activation_bytes;
     r.device_budget_bytes = report.device_budget_bytes;
+    r.trainer_grad_bytes = report.trainer_grad_bytes;
+    r.trainer_grad_in_place_bytes = report.trainer_grad_in_place_bytes;
+    r.trainer_grad_copied_bytes = report.trainer_grad_copied_bytes;
+    r.engine_grad_bytes = report.engine_grad_bytes;
     return WriteSized(r, out, "zr_engine_memory_report", "zr_memory_report");
   });
 }

@@ -233,7 +233,22 @@ typedef struct zr_param_spec {
    * micro-batch in its device budget (docs/memory_budget.md); the engine allocates none of them.
    * A negative value is ZR_INVALID_ARGUMENT naming the parameter. */
   int64_t activation_bytes_per_sample;
+  /* Appended in 0.2: gradient hand-off declared before the plan (zerort::memory::ParamSpec's
+   * fields of the same names, docs/embedding.md "Gradients without a copy"). Non-NULL
+   * grad_buffer names a device buffer of the trainer's that holds this parameter's gradient
+   * (compute dtype) at element grad_buffer_offset, or, with ZR_GRAD_BUFFER_PACKED, right after
+   * the previous parameter declared in the same buffer (a buffer packed in registration order,
+   * as llm.c's grads_memory). The trainer hands it over with zr_engine_set_grad_buffer; the plan
+   * reduces each unit straight from it where the layout allows and then allocates no gradient
+   * memory of the engine's for it (zr_engine_grad_copy_reason says why another is copied).
+   * Declared ranges of one buffer must not overlap (ZR_INVALID_ARGUMENT naming both). NULL:
+   * the engine's zr_engine_grad(), grad_buffer_offset unread. */
+  const char* grad_buffer;
+  int64_t grad_buffer_offset;
 } zr_param_spec;
+
+/* zr_param_spec.grad_buffer_offset: right after the previous parameter of the same buffer. */
+#define ZR_GRAD_BUFFER_PACKED (-1)
 
 /* How the engine meets the trainer's device work. */
 typedef struct zr_engine_options {
@@ -286,11 +301,19 @@ zr_status zr_engine_grad_ready_unit(zr_engine* engine, int unit);
 /* Gradient hand-off (zerort::Engine::SetGradBuffer): grad_ready(i) reads parameter i's
  * gradient from `buffer` (compute dtype, numel elements, the device's memory; NULL undoes it)
  * instead of zr_engine_grad(i), which then fails. *direct (may be NULL) is set to 1 when the
- * unit is reduced straight from `buffer` (i alone fills its unit), 0 when grad_ready copies
- * it. From grad_ready(i) until zr_engine_step returns the engine may read and overwrite the
- * buffer; write it in full for each micro-step. ZR_FAILED_PRECONDITION part-way through the
- * unit's gradients in a micro-step. */
+ * unit is reduced straight from `buffer`, 0 when grad_ready copies it. Declared in
+ * zr_param_spec.grad_buffer: as the plan decided, and `buffer` must be the declared element of
+ * a buffer whose other parameters were handed over from the same start (else
+ * ZR_FAILED_PRECONDITION naming both). Not declared: direct when i alone fills its unit.
+ * From grad_ready(i) until zr_engine_step returns the engine may read and overwrite the
+ * buffer (declared: up to its unit's padding past it); write it in full for each
+ * micro-step. ZR_FAILED_PRECONDITION part-way through the unit's gradients in a micro-step
+ * (declared: after any grad_ready), and between compute_grad_norm and apply/skip. */
 zr_status zr_engine_set_grad_buffer(zr_engine* engine, int i, void* buffer, int* direct);
+/* Why parameter i's declared gradient (zr_param_spec.grad_buffer) is copied into the engine's
+ * memory rather than reduced in place, naming the tensor and the rule, into *reason; "" when it
+ * is reduced in place or not declared. Owned by the engine, valid until zr_engine_destroy. */
+zr_status zr_engine_grad_copy_reason(const zr_engine* engine, int i, const char** reason);
 /* Units whose reduction has been issued in this micro-step (0 for NULL or a dead engine). */
 int zr_engine_reduced_units(const zr_engine* engine);
 /* Stage 3: make `unit`'s parameters readable / let its buffer be reused. No-ops in stages 0-2.
@@ -455,6 +478,15 @@ typedef struct zr_memory_report {
    * zerort.reserves lines (CUDA context, NCCL, cuBLAS, fragmentation); the model-state buffers
    * alone when nothing was declared. */
   int64_t device_budget_bytes;
+  /* Appended in 0.2: the gradients declared in the trainer's buffers
+   * (zr_param_spec.grad_buffer), in bytes of the compute dtype: all of them, those reduced
+   * straight from there, those copied into the engine's memory at grad_ready; and the engine's
+   * own gradient memory (full gradients, reduced shard, accumulators, buckets), as planned and
+   * allocated. */
+  int64_t trainer_grad_bytes;
+  int64_t trainer_grad_in_place_bytes;
+  int64_t trainer_grad_copied_bytes;
+  int64_t engine_grad_bytes;
 } zr_memory_report;
 zr_status zr_engine_memory_report(const zr_engine* engine, zr_memory_report* out);
 

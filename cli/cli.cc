@@ -230,6 +230,9 @@ constexpr const char* kPlanUsage =
          --micro-batch B     sequences per micro-batch (config's, else 1)
          --recompute none|selective|full   activation recomputation (none)
          --fit micro-batch   the largest micro-batch that fits --budget, per stage and offload
+         --grad-buffer NAME  the trainer keeps every gradient in its own buffer NAME, packed in
+                             registration order (as llm.c's grads_memory): which are reduced
+                             in place, which copied and why (a model file may declare its own)
          --json              machine-readable output
          --resolved-config   print the effective config (every default filled in) and exit
 )";
@@ -276,7 +279,7 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
                    Flags::Parse(args,
                                 {"model", "params", "layers", "world", "rank", "stage", "offload",
                                  "precision", "config", "budget", "fill", "seq", "micro-batch",
-                                 "recompute", "fit"},
+                                 "recompute", "fit", "grad-buffer"},
                                 {"json", "resolved-config", "strict"}));
   ASSIGN_OR_RETURN(Config config, PlanConfig(flags));
   if (flags.Has("resolved-config")) {
@@ -284,6 +287,14 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(std::vector<memory::ParamSpec> specs, PlanModel(flags));
+  if (flags.Has("grad-buffer")) {
+    const std::string buffer = flags.Get("grad-buffer");
+    if (buffer.empty()) return absl::InvalidArgumentError("--grad-buffer needs a buffer name");
+    for (memory::ParamSpec& spec : specs) {
+      spec.grad_buffer = buffer;
+      spec.grad_buffer_offset = memory::kGradBufferPacked;
+    }
+  }
   // Plan options hold int ranks: a larger value is refused, never truncated.
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   ASSIGN_OR_RETURN(int64_t world, flags.GetInt("world", 1, 1, kIntMax));

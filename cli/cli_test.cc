@@ -224,6 +224,54 @@ TEST_CASE("CLI: a model file summing past 2^63 elements is refused", "[zero]") {
   Refusal({"--model", path}, "the plan's parameter count exceeds 2^63-1");
 }
 
+TEST_CASE("CLI: zerort plan says which declared trainer gradients are reduced in place, which "
+          "are copied and why",
+          "[zero]") {
+  // llm.c's 16 tensors, each a module, packed in one buffer of the trainer's (model-file keys).
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {
+      {"wte", {50304, 128}}, {"wpe", {64, 128}}, {"h", {4, 12 * 128 * 128 + 13 * 128}},
+      {"lnfw", {128}},       {"lnfb", {128}}};
+  nlohmann::json modules = nlohmann::json::array();
+  for (const auto& [name, shape] : tensors) {
+    modules.push_back({{"name", name},
+                       {"params", {{{"name", "t"}, {"shape", shape}, {"grad_buffer", "grads"}}}}});
+  }
+  const std::string path = TempPath("llmc_declared.json");
+  std::ofstream(path) << nlohmann::json{{"modules", modules}}.dump();
+  std::ostringstream json;
+  REQUIRE(RunPlanCommand({"--model", path, "--world", "2", "--stage", "2", "--precision", "fp32",
+                          "--json"},
+                         json)
+              .ok());
+  const auto h = nlohmann::json::parse(json.str())["grad_handoff"];
+  CHECK(h["buffers"] == nlohmann::json::array({"grads"}));
+  CHECK(h["tensors"] == 5);
+  CHECK(h["tensors_in_place"] == 4);
+  CHECK(h["bytes_copied"] == 128 * 4);
+  REQUIRE(h["copied"].size() == 1);
+  CHECK(h["copied"][0]["tensor"] == "lnfb.t");
+  CHECK_THAT(h["copied"][0]["reason"].get<std::string>(),
+             Catch::Contains("would run past the last gradient declared in 'grads'"));
+  CHECK(h["engine_grad_bytes"].get<int64_t>() < h["engine_grad_bytes_undeclared"].get<int64_t>());
+  // The text says the same; --grad-buffer declares a preset's parameters, packed.
+  std::ostringstream text;
+  REQUIRE(RunPlanCommand({"--model", path, "--world", "2", "--stage", "2"}, text).ok());
+  CHECK_THAT(text.str(), Catch::Contains("gradients in the trainer's buffers (grad_buffer grads): "
+                                         "5 tensors") &&
+                             Catch::Contains("copied: 'lnfb.t' (unit 'lnfb'):"));
+  std::ostringstream preset;
+  REQUIRE(RunPlanCommand({"--model", "gpt2-124m", "--world", "8", "--stage", "1", "--json",
+                          "--grad-buffer", "g"},
+                         preset)
+              .ok());
+  const auto p = nlohmann::json::parse(preset.str())["grad_handoff"];
+  CHECK(p["tensors"] == 148);
+  CHECK(p["tensors_in_place"] == 146);
+  std::ostringstream none;
+  REQUIRE(RunPlanCommand({"--model", "gpt2-124m", "--json"}, none).ok());
+  CHECK(nlohmann::json::parse(none.str())["grad_handoff"]["tensors"] == 0);
+}
+
 TEST_CASE("CLI: config values at the int limits plan exactly or are refused", "[zero]") {
   const std::string gas = TempPath("gas.json");
   std::ofstream(gas) << R"({"gradient_accumulation_steps": 2147483647})";

@@ -293,13 +293,215 @@ absl::Status CheckFrozen(absl::Span<const ParamSpec> specs, const PlanOptions& o
   return absl::OkStatus();
 }
 
+// One declared gradient range of a trainer's buffer: [begin, end) elements, of `param`.
+struct GradRange {
+  int64_t begin, end;
+  int param;
+  bool operator<(const GradRange& r) const { return begin < r.begin; }
+};
+
+// Resolves the declared gradient buffers (ParamSpec::grad_buffer) into plan->grad_buffers and
+// each parameter's grad_buffer / grad_buffer_offset; returns every buffer's ranges, sorted.
+// Refuses a bad offset and overlapping ranges. A frozen parameter keeps its place, no range.
+absl::StatusOr<std::vector<std::vector<GradRange>>> ResolveGradBuffers(
+    absl::Span<const ParamSpec> specs, Plan* plan) {
+  std::vector<std::vector<GradRange>> ranges;
+  std::vector<int64_t> next;  // per buffer: where a packed parameter starts
+  absl::flat_hash_map<std::string, int> index;
+  for (int i = 0; i < static_cast<int>(specs.size()); ++i) {
+    const ParamSpec& spec = specs[i];
+    if (spec.grad_buffer.empty()) continue;
+    if (spec.grad_buffer_offset < kGradBufferPacked) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", spec.name, "': grad_buffer_offset = ", spec.grad_buffer_offset,
+          ": expected an element offset >= 0, or ", kGradBufferPacked,
+          " (packed after the previous parameter of the buffer)"));
+    }
+    auto [it, inserted] = index.emplace(spec.grad_buffer, static_cast<int>(ranges.size()));
+    if (inserted) {
+      plan->grad_buffers.push_back(spec.grad_buffer);
+      ranges.emplace_back();
+      next.push_back(0);
+    }
+    const int b = it->second;
+    const int64_t offset =
+        spec.grad_buffer_offset == kGradBufferPacked ? next[b] : spec.grad_buffer_offset;
+    if (offset > (int64_t{1} << 52)) {  // numel <= 2^50: the end cannot wrap
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameter '", spec.name, "': grad_buffer_offset ", offset,
+          " is larger than any buffer (2^52 elements)"));
+    }
+    ParamLayout& p = plan->params[i];
+    next[b] = offset + p.numel;
+    // A frozen parameter (zerort.frozen_params may freeze a declared one) has no gradient: it
+    // keeps its place in the packing, so the others keep theirs, and declares nothing.
+    if (spec.frozen) continue;
+    p.grad_buffer = b;
+    p.grad_buffer_offset = offset;
+    ranges[b].push_back({offset, next[b], i});
+  }
+  for (size_t b = 0; b < ranges.size(); ++b) {
+    std::vector<GradRange>& r = ranges[b];
+    std::sort(r.begin(), r.end());
+    for (size_t k = 1; k < r.size(); ++k) {
+      if (r[k].begin >= r[k - 1].end) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters '", specs[r[k - 1].param].name, "' (elements ", r[k - 1].begin, "..",
+          r[k - 1].end - 1, ") and '", specs[r[k].param].name, "' (elements ", r[k].begin, "..",
+          r[k].end - 1, ") overlap in gradient buffer '", plan->grad_buffers[b],
+          "': give each its own range (grad_buffer_offset), or pack them (",
+          kGradBufferPacked, ")"));
+    }
+  }
+  return ranges;
+}
+
+std::string PaddingText(const PlanOptions& o, const Unit& unit) {
+  return absl::StrCat("its ", unit.padded - unit.numel, " padding elements (a unit is padded to "
+                      "a multiple of world_size x shard_alignment = ",
+                      o.world_size * o.shard_alignment, ")");
+}
+
+// Why unit `u`'s declared gradients cannot be reduced straight from the trainer's buffer, or
+// "" when they can; then `room` receives the parameters under its padding.
+std::string GradCopyReason(const Plan& plan, const Unit& unit,
+                           const std::vector<std::vector<GradRange>>& ranges,
+                           std::vector<int>* room) {
+  const PlanOptions& o = plan.options;
+  const ParamLayout& first = plan.params[unit.params.front()];
+  auto buffer = [&](const ParamLayout& p) {
+    return absl::StrCat("'", plan.grad_buffers[p.grad_buffer], "'");
+  };
+  for (int i : unit.params) {
+    const ParamLayout& p = plan.params[i];
+    if (p.grad_buffer < 0) {
+      return absl::StrCat("'", p.name, "' shares the unit and declares no gradient buffer: a "
+                          "unit is reduced from one buffer, so its declared tensors are copied "
+                          "into the engine's");
+    }
+    if (p.grad_buffer != first.grad_buffer) {
+      return absl::StrCat("'", first.name, "' is in gradient buffer ", buffer(first), " and '",
+                          p.name, "' in ", buffer(p), ": a unit is reduced from one buffer");
+    }
+  }
+  for (size_t k = 1; k < unit.params.size(); ++k) {
+    const ParamLayout& prev = plan.params[unit.params[k - 1]];
+    const ParamLayout& p = plan.params[unit.params[k]];
+    if (p.offset_in_unit != prev.offset_in_unit + prev.numel) {
+      return absl::StrCat("the unit starts '", p.name, "' at element ", p.offset_in_unit,
+                          ", not right after '", prev.name, "' (", prev.numel,
+                          " elements): each parameter starts at a multiple of param_alignment (",
+                          o.param_alignment, ")");
+    }
+    if (p.grad_buffer_offset != prev.grad_buffer_offset + prev.numel) {
+      return absl::StrCat("'", p.name, "' starts at element ", p.grad_buffer_offset, " of ",
+                          buffer(p), ", not right after '", prev.name, "' (elements ",
+                          prev.grad_buffer_offset, "..", prev.grad_buffer_offset + prev.numel - 1,
+                          "), where the unit lays it out: the unit's tensors are not consecutive "
+                          "in the trainer's buffer");
+    }
+  }
+  if (unit.padded == unit.numel) return "";
+  // Padding: the reduction reads (and may write) `padded` elements from the unit's start, over
+  // other declared gradients, which the trainer has handed over: once their units are reduced
+  // the engine may use them as scratch until the step.
+  const int64_t end = first.grad_buffer_offset + unit.numel;
+  const int64_t room_end = first.grad_buffer_offset + unit.padded;
+  const std::string padding = PaddingText(o, unit);
+  const std::vector<GradRange>& r = ranges[first.grad_buffer];
+  auto at = std::lower_bound(r.begin(), r.end(), GradRange{end, end, -1});
+  int64_t pos = end;
+  for (; pos < room_end && at != r.end(); ++at) {
+    if (at->begin > pos) break;
+    room->push_back(at->param);
+    pos = at->end;
+  }
+  if (pos >= room_end) return "";
+  room->clear();
+  if (at == r.end()) {
+    return absl::StrCat(padding, " would run past the last gradient declared in ",
+                        buffer(first), " (element ", r.back().end - 1, ")");
+  }
+  return absl::StrCat(padding, " would lie over elements ", pos, "..",
+                      std::min(at->begin, room_end) - 1, " of ",
+                      buffer(first), ", which no parameter declares");
+}
+
+// Decides, for every trainable unit with declared gradients, whether it is reduced in place in
+// the trainer's buffer or copied (and why), and counts plan->grad_handoff.
+absl::Status PlanGradHandoff(absl::Span<const ParamSpec> specs, Plan* plan) {
+  absl::StatusOr<std::vector<std::vector<GradRange>>> ranges = ResolveGradBuffers(specs, plan);
+  if (!ranges.ok()) return ranges.status();
+  if (plan->grad_buffers.empty()) return absl::OkStatus();
+  const int64_t c = static_cast<int64_t>(DTypeSize(plan->options.compute_dtype));
+  GradHandoff& h = plan->grad_handoff;
+  for (int u = 0; u < plan->trainable_units; ++u) {
+    Unit& unit = plan->units[u];
+    const bool declared = std::any_of(unit.params.begin(), unit.params.end(),
+                                      [&](int i) { return plan->params[i].grad_buffer >= 0; });
+    if (!declared) continue;
+    unit.grad_copy_reason = GradCopyReason(*plan, unit, *ranges, &unit.grad_room_params);
+    unit.grad_source =
+        unit.grad_copy_reason.empty() ? GradSource::kInPlace : GradSource::kCopied;
+  }
+  // Stages 0-1 without accumulation keep a reduced gradient where it is reduced: a unit that
+  // fills its padded size keeps it in the trainer's buffer. A unit with padding is reduced over
+  // the gradients after it, whose units then must not keep theirs there: stage 1 keeps its
+  // reduced shard in the engine's memory instead (Unit::grad_shard_offset); stage 0 would keep
+  // the whole unit there, as much as a copy, so it is copied.
+  const PlanOptions& o = plan->options;
+  for (int u = 0; u < plan->trainable_units && GradResultsInTrainerBuffer(o); ++u) {
+    Unit& unit = plan->units[u];
+    if (unit.grad_source != GradSource::kInPlace || unit.padded == unit.numel) continue;
+    const std::string where =
+        absl::StrCat("'", plan->grad_buffers[plan->params[unit.params[0]].grad_buffer], "'");
+    if (o.stage == 0) {
+      unit.grad_copy_reason = absl::StrCat(
+          PaddingText(o, unit), " would lie over the gradients after it in ", where,
+          ", and stage 0 without gradient accumulation keeps the whole reduced unit where it "
+          "was reduced until the step: only a unit that fills its padded size exactly is "
+          "reduced in place here");
+    }
+    for (int q : unit.grad_room_params) {
+      if (!unit.grad_copy_reason.empty()) break;
+      if (!ReducedInTrainerBuffer(*plan, plan->units[plan->params[q].unit])) continue;
+      unit.grad_copy_reason = absl::StrCat(
+          PaddingText(o, unit), " would lie over '", plan->params[q].name, "''s gradient in ",
+          where, ", which its unit keeps there as its reduced gradient until the step (stage ",
+          o.stage, " without gradient accumulation)");
+    }
+    if (unit.grad_copy_reason.empty()) continue;
+    unit.grad_source = GradSource::kCopied;
+    unit.grad_room_params.clear();
+  }
+  for (int u = 0; u < plan->trainable_units; ++u) {
+    const Unit& unit = plan->units[u];
+    for (int i : unit.params) {
+      const ParamLayout& p = plan->params[i];
+      if (p.grad_buffer < 0) continue;
+      ++h.tensors;
+      h.bytes += p.numel * c;  // numel <= 2^50: no overflow
+      if (unit.grad_source == GradSource::kInPlace) {
+        ++h.tensors_in_place;
+        h.bytes_in_place += p.numel * c;
+      }
+    }
+  }
+  h.bytes_copied = h.bytes - h.bytes_in_place;
+  return absl::OkStatus();
+}
+
 // What the buffer sizes need to know about the units beyond the plan's own fields.
 struct UnitTotals {
   int64_t persistent_elements = 0;  // padded elements of persistent units (stage 3)
   int64_t max_trainable_unit = 0;   // largest padded unit with gradients: wire, staging
   int64_t trainable_persistent_elements = 0;  // persistent units the optimizer step updates
-  std::vector<int64_t> trainable_sizes;  // padded, of every unit with gradients: buckets
+  // padded, of every unit whose gradients backward writes into a bucket (stages 2-3): those
+  // with gradients, less those reduced in place in the trainer's buffer
+  std::vector<int64_t> bucket_sizes;
   std::vector<int64_t> gathered_sizes;   // padded, of every unit gathered into a slot (stage 3)
+  int64_t full_grad_elements = 0;        // stages 0-1: the `grads` buffer (Unit::grad_offset)
+  int64_t reduced_shard_elements = 0;    // stage 1: `grad_reduced` (Unit::grad_shard_offset)
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
@@ -318,7 +520,19 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
     }
     if (!u.frozen) {
       totals.max_trainable_unit = std::max(totals.max_trainable_unit, u.padded);
-      totals.trainable_sizes.push_back(u.padded);
+      // A unit reduced in place has no gradient storage of the engine's: no bucket, and no
+      // range of the full gradients.
+      if (u.grad_source != GradSource::kInPlace) {
+        totals.bucket_sizes.push_back(u.padded);
+        if (o.stage <= 1) {
+          u.grad_offset = totals.full_grad_elements;
+          totals.full_grad_elements =
+              math->Add(totals.full_grad_elements, u.padded, "gradient elements");
+        }
+      } else if (o.stage == 1 && GradResultsInTrainerBuffer(o) && u.padded > u.numel) {
+        u.grad_shard_offset = totals.reduced_shard_elements;
+        totals.reduced_shard_elements += u.shard;  // <= shard_elements
+      }
     }
     for (int i : u.params) {
       plan->params[i].flat_offset =
@@ -398,7 +612,7 @@ MemoryKind HostKind(const PlanOptions& o) {
 
 // params + grads + master + m + v. E: padded elements (all units), S: this rank's shard; Et and
 // St the trainable prefix of them: frozen units have parameters only.
-void AddModelState(Plan* plan, Checked* math) {
+void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t E = plan->padded_elements, Et = plan->trainable_padded_elements;
   const int64_t S = plan->shard_elements, St = plan->trainable_shard_elements;
@@ -421,9 +635,10 @@ void AddModelState(Plan* plan, Checked* math) {
   // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum. Gradient
   // offload keeps it in host memory; the device holds only the buckets it is reduced in.
   const DType grad_dtype = full_grads ? c : ReducedGradDType(o);
+  // Stages 0-1: the full gradients of the units not reduced in place in the trainer's buffer.
   AddBuffer(plan, math, full_grads ? "grads" : "grad_shard", BufferClass::kGrads,
             full_grads || !GradOffload(o) ? MemoryKind::kDevice : HostKind(o), grad_dtype,
-            full_grads ? Et : St);
+            full_grads ? totals.full_grad_elements : St);
   // fp32 training updates the parameters in place, unless the optimizer state is offloaded
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
   // (AdamW then runs on the master and the new shard is written to the file after it).
@@ -500,6 +715,12 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
               GradOffload(o) ? HostKind(o) : MemoryKind::kDevice, reduced,
               o.stage == 0 ? plan->trainable_padded_elements : plan->trainable_shard_elements);
   }
+  if (totals.reduced_shard_elements > 0) {
+    // Stage 1 without accumulation: the reduced shards of units reduced in place whose padding
+    // lies over other gradients of the trainer's buffer (Unit::grad_shard_offset).
+    AddBuffer(plan, math, "grad_reduced", BufferClass::kGradAccumulator, MemoryKind::kDevice,
+              reduced, totals.reduced_shard_elements);
+  }
   if (GradOffload(o) && o.gradient_accumulation_steps > 1) {
     // A micro-step after the first adds its reduced shard to the host-resident sum on the
     // device, one unit at a time: sum up, Accumulate (the kernel of device accumulation, so the
@@ -520,10 +741,10 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     AddBuffer(plan, math, "grad_local", BufferClass::kGradLocal, MemoryKind::kDevice, reduced,
               plan->trainable_padded_elements);
   }
-  if (o.stage >= 2) {
+  if (o.stage >= 2 && !totals.bucket_sizes.empty()) {
     // Any grad_bucket_count units of one class may be open at once, as with equal buckets.
     const std::vector<int64_t> slots = SlotClasses(
-        totals.trainable_sizes, [&](int64_t units, int64_t) {
+        totals.bucket_sizes, [&](int64_t units, int64_t) {
           return std::min<int64_t>(o.grad_bucket_count, units);
         });
     AddSlottedBuffer(plan, math, "grad_bucket", BufferClass::kGradBucket, c, slots);
@@ -661,6 +882,47 @@ int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padde
   return best;
 }
 
+int64_t GradStorageBytes(const Plan& plan) {
+  int64_t bytes = 0;
+  for (const Buffer& b : plan.buffers) {
+    switch (b.cls) {
+      case BufferClass::kGrads:
+      case BufferClass::kGradAccumulator:
+      case BufferClass::kGradWire:
+      case BufferClass::kGradLocal:
+      case BufferClass::kGradBucket:
+      case BufferClass::kGradAccumStage:
+        bytes = SatAdd(bytes, b.bytes);
+        break;
+      default:
+        break;
+    }
+  }
+  return bytes;
+}
+
+bool GradResultsInTrainerBuffer(const PlanOptions& o) {
+  return o.stage <= 1 && o.gradient_accumulation_steps == 1 &&
+         ReducedGradDType(o) == o.compute_dtype && !GradOffload(o);
+}
+
+bool ReducedInTrainerBuffer(const Plan& plan, const Unit& unit) {
+  return GradResultsInTrainerBuffer(plan.options) && unit.grad_source == GradSource::kInPlace &&
+         unit.padded == unit.numel;
+}
+
+const char* GradSourceName(GradSource s) {
+  switch (s) {
+    case GradSource::kEngine:
+      return "engine";
+    case GradSource::kInPlace:
+      return "in_place";
+    case GradSource::kCopied:
+      return "copied";
+  }
+  return "unknown";
+}
+
 bool LocalAccumulation(const PlanOptions& o) {
   return o.local_grad_accumulation && o.gradient_accumulation_steps > 1 && o.stage <= 1;
 }
@@ -775,11 +1037,23 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
   if (!numel.ok()) return numel.status();
   if (!math.status().ok()) return math.status();
   BuildUnits(specs, *numel, &plan, &math);
+  if (absl::Status s = PlanGradHandoff(specs, &plan); !s.ok()) return s;
   const UnitTotals totals = PlaceUnits(&plan, &math);
-  AddModelState(&plan, &math);
+  AddModelState(totals, &plan, &math);
   AddWorkingBuffers(totals, &plan, &math);
   CountBytes(totals, &plan, &math);
   if (!math.status().ok()) return math.status();
+  GradHandoff& h = plan.grad_handoff;
+  h.engine_grad_bytes = GradStorageBytes(plan);
+  h.engine_grad_bytes_undeclared = h.engine_grad_bytes;
+  if (h.tensors > 0) {
+    // The same model with nothing declared: what the engine would hold without the hand-off.
+    std::vector<ParamSpec> undeclared(specs.begin(), specs.end());
+    for (ParamSpec& spec : undeclared) spec.grad_buffer.clear();
+    absl::StatusOr<Plan> without = MakePlan(undeclared, o);
+    if (!without.ok()) return without.status();
+    h.engine_grad_bytes_undeclared = GradStorageBytes(*without);
+  }
   return plan;
 }
 

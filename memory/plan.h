@@ -23,6 +23,10 @@
 //    slots of its class (SlotClassElements), so each class keeps the full slot count for its
 //    units: what fit before still fits.
 //
+//  - Gradients the trainer keeps in its own buffers (ParamSpec::grad_buffer, declared before the
+//    plan) are reduced straight from there where the layout allows (Unit::grad_source): such a
+//    unit gets no gradient storage of the engine's. The layout itself never depends on it.
+//
 //   std::vector<ParamSpec> specs = {{"fc1.w", {1024, 512}, "fc1"}, ...};
 //   PlanOptions o; o.stage = 2; o.world_size = 8;
 //   absl::StatusOr<Plan> plan = MakePlan(specs, o);
@@ -58,6 +62,18 @@ struct ParamSpec {
   // v) and is never reduced; it is still sharded, gathered and offloaded as any other. Frozen
   // parameters are placed in units of their own, after every trainable unit (see Plan).
   bool frozen = false;
+  // Gradient hand-off declared before the plan (Engine::SetGradBuffer): the trainer keeps this
+  // parameter's gradient in a device buffer of its own, in the compute dtype, and hands it over
+  // every micro-step. `grad_buffer` names that buffer (any name; the parameters that share one
+  // allocation give the same one) and `grad_buffer_offset` is the element at which this
+  // gradient starts in it, or kGradBufferPacked: right after the previous parameter declared
+  // in the same buffer (0 for the first), a buffer packed in registration order as llm.c's
+  // grads_memory is. The plan reduces a unit straight from the trainer's buffer where the
+  // layout allows (Unit::grad_source) and then allocates no gradient storage of the engine's
+  // for it; where it must copy, Unit::grad_copy_reason says why. Empty: the engine's grad(i).
+  // Declared ranges of one buffer must not overlap; a frozen parameter declares none.
+  std::string grad_buffer;
+  int64_t grad_buffer_offset = -1;  // kGradBufferPacked
 
   // The product of the dimensions, saturating at INT64_MAX instead of overflowing, so that code
   // running before MakePlan (which refuses such shapes, naming them) never has undefined
@@ -70,6 +86,9 @@ struct ParamSpec {
     return n;
   }
 };
+
+// ParamSpec::grad_buffer_offset: packed after the previous parameter of the same buffer.
+constexpr int64_t kGradBufferPacked = -1;
 
 // Where a buffer lives. On the CPU device, kDevice is ordinary host memory owned by the engine.
 // kNvme: a swap file under nvme_path (NVMe offload, nvme/io.h), not memory at all.
@@ -87,7 +106,9 @@ enum class BufferClass {
   kExpAvg,           // Adam m of the owned shard, fp32
   kExpAvgSq,         // Adam v of the owned shard, fp32
   kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32;
-                     // stage 1 with offload_optimizer: always, in host memory)
+                     // stage 1 with offload_optimizer: always, in host memory); stage 1
+                     // without either, "grad_reduced": the reduced shards of units reduced in
+                     // place in the trainer's buffer with padding (Unit::grad_shard_offset)
   kGradWire,         // fp32 scratch of one unit: fp32 reduction on the wire / fp32 accumulation
   kGradLocal,        // full gradients summed locally over a window's micro-steps (stages 0-1)
   kGradBucket,       // full-unit gradient buffers that backward writes into (stages 2-3)
@@ -200,7 +221,22 @@ struct ParamLayout {
   int unit = 0;
   int64_t offset_in_unit = 0;  // elements from the unit's start
   int64_t flat_offset = 0;     // elements from the start of the full (all-units) buffer
+  // Gradient hand-off (ParamSpec::grad_buffer): the trainer's buffer, an index into
+  // Plan::grad_buffers (-1: none declared), and the element where this gradient starts in it
+  // (kGradBufferPacked resolved).
+  int grad_buffer = -1;
+  int64_t grad_buffer_offset = 0;
 };
+
+// Where a unit's gradients come from in backward (ParamSpec::grad_buffer).
+enum class GradSource {
+  kEngine,    // grad(i), the engine's buffers (or a SetGradBuffer the plan was not told of)
+  kInPlace,   // reduced straight from the trainer's declared buffer: its parameters are
+              // consecutive there, as the unit lays them out, and the engine holds no
+              // gradient storage for it (no full gradients in stages 0-1, no bucket in 2-3)
+  kCopied,    // declared, but copied into the engine's buffer at GradReady (grad_copy_reason)
+};
+const char* GradSourceName(GradSource s);  // "engine", "in_place", "copied"
 
 // A flat group of parameters: a gradient bucket and a gather unit.
 struct Unit {
@@ -214,6 +250,33 @@ struct Unit {
   bool persistent = false;       // stage 3 only: kept whole on every rank
   int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
   bool frozen = false;           // holds frozen parameters only (no gradient, no optimizer state)
+  // Gradient hand-off (ParamSpec::grad_buffer). kInPlace with padding (padded > numel): the
+  // padding lies over the trainer's buffer past the unit's last element, over the gradients
+  // of `grad_room_params` (other units' parameters declared there): the engine zero-fills it
+  // and reduces the unit only after theirs, in any order the trainer calls GradReady.
+  GradSource grad_source = GradSource::kEngine;
+  std::string grad_copy_reason;         // kCopied: why, naming the tensor and the rule
+  std::vector<int> grad_room_params;    // kInPlace: parameters under its padding
+  // Stages 0-1: where the unit's full gradients start in the `grads` buffer, which holds only
+  // the units not reduced in place; -1 for none (kInPlace, frozen, stages 2-3).
+  int64_t grad_offset = -1;
+  // Stage 1 without accumulation, kInPlace with padding: where its reduced shard starts in the
+  // `grad_reduced` buffer (the padding lies over gradients of other units, so the reduced
+  // gradient cannot stay in the trainer's buffer); -1 otherwise.
+  int64_t grad_shard_offset = -1;
+};
+
+// What the trainer declared of its gradients (ParamSpec::grad_buffer), per rank.
+struct GradHandoff {
+  int tensors = 0;              // parameters with a declared gradient buffer
+  int tensors_in_place = 0;     // of them, in units reduced straight from the trainer's buffer
+  int64_t bytes = 0;            // their gradients, compute dtype: the trainer's memory
+  int64_t bytes_in_place = 0;
+  int64_t bytes_copied = 0;     // bytes - bytes_in_place: copied at GradReady
+  // The engine's gradient storage (GradStorageBytes) of this plan, and of the same plan with
+  // nothing declared: what the declaration saves.
+  int64_t engine_grad_bytes = 0;
+  int64_t engine_grad_bytes_undeclared = 0;
 };
 
 struct Plan {
@@ -252,6 +315,10 @@ struct Plan {
   // Sum of ParamSpec::activation_bytes_per_sample: 0 when the trainer declared none. Not part of
   // bytes_by_kind, which holds only what the engine allocates.
   int64_t activation_bytes_per_sample = 0;
+  // The trainer's gradient buffers (ParamSpec::grad_buffer), in order of first declaration,
+  // and what they hold.
+  std::vector<std::string> grad_buffers;
+  GradHandoff grad_handoff;
 
   int64_t device_bytes() const { return bytes_by_kind[0]; }
   int64_t pinned_host_bytes() const { return bytes_by_kind[1]; }
@@ -260,6 +327,17 @@ struct Plan {
   // First buffer of this class, or nullptr.
   const Buffer* Find(BufferClass cls) const;
 };
+
+// Bytes of the engine's gradient storage in `plan`, every memory kind: full gradients, the
+// reduced shard, accumulators, buckets, the fp32 wire, local sums, the offload stage.
+int64_t GradStorageBytes(const Plan& plan);
+
+// Stages 0-1 without accumulation (and without gradient offload) keep a unit's reduced
+// gradient where it was reduced: for a unit reduced in place that fills its padded size, in the
+// trainer's buffer (ReducedInTrainerBuffer), which then stays the engine's until the step has
+// read it. Elsewhere the trainer's buffer is only read (and used as scratch) by the reduction.
+bool GradResultsInTrainerBuffer(const PlanOptions& o);
+bool ReducedInTrainerBuffer(const Plan& plan, const Unit& unit);
 
 // HSDP: the ranks that shard a unit between them (world_size when flat), and this rank's shard
 // (its position in its group: rank % ShardGroupSize).
@@ -304,9 +382,11 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
 // offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
-// model in which every parameter is frozen, frozen parameters with NVMe offload, and a
-// model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
-// 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.
+// model in which every parameter is frozen, frozen parameters with NVMe offload, a
+// grad_buffer_offset below kGradBufferPacked, declared gradients that overlap in one trainer
+// buffer (naming both), and a model or options so large that a size would exceed 2^63-1 ("the
+// plan's <quantity> exceeds 2^63-1: ..."); every size is computed with overflow checks, so none
+// is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
 
 }  // namespace memory

@@ -847,6 +847,277 @@ TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class
   CHECK(MakePlan(specs, o).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
+// llm.c's CPU GPT-2 (L = 4, C = 128, V = 50304, 64 positions) as its trainer holds it: 16
+// tensors (per-layer ones stacked [L, ...]) packed in one gradient buffer in this order, each
+// registered as a module of its own.
+std::vector<ParamSpec> LlmcTensors(const std::string& buffer = "grads") {
+  const int64_t L = 4, C = 128, V = 50304, T = 64;
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {
+      {"wte", {V, C}},           {"wpe", {T, C}},          {"ln1w", {L, C}},
+      {"ln1b", {L, C}},          {"qkvw", {L, 3 * C, C}},  {"qkvb", {L, 3 * C}},
+      {"attprojw", {L, C, C}},   {"attprojb", {L, C}},     {"ln2w", {L, C}},
+      {"ln2b", {L, C}},          {"fcw", {L, 4 * C, C}},   {"fcb", {L, 4 * C}},
+      {"fcprojw", {L, C, 4 * C}}, {"fcprojb", {L, C}},     {"lnfw", {C}},
+      {"lnfb", {C}}};
+  std::vector<ParamSpec> specs;
+  for (const auto& [name, shape] : tensors) {
+    ParamSpec s{name, shape, name};
+    s.grad_buffer = buffer;
+    specs.push_back(s);
+  }
+  return specs;
+}
+
+const Unit& UnitOf(const Plan& plan, const std::string& param) {
+  for (const ParamLayout& p : plan.params) {
+    if (p.name == param) return plan.units[p.unit];
+  }
+  FAIL("no parameter " << param);
+  return plan.units[0];
+}
+
+TEST_CASE("Plan: gradients declared in the trainer's buffer are reduced in place where the "
+          "layout allows, and get no storage of the engine's",
+          "[memory]") {
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = 2;
+  const std::vector<ParamSpec> declared = LlmcTensors();
+  auto plan = MakePlan(declared, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->grad_buffers == std::vector<std::string>{"grads"});
+  // Every tensor but the last fills a multiple of 2 x 128 elements, or (lnfw) its padding lies
+  // over lnfb's gradient; lnfb's padding would run past the buffer's end.
+  const GradHandoff& h = plan->grad_handoff;
+  CHECK(h.tensors == 16);
+  CHECK(h.tensors_in_place == 15);
+  CHECK(h.bytes == 7240448 * 4);
+  CHECK(h.bytes_copied == 128 * 4);
+  CHECK(UnitOf(*plan, "wte").grad_source == GradSource::kInPlace);
+  const Unit& lnfw = UnitOf(*plan, "lnfw");
+  CHECK(lnfw.grad_source == GradSource::kInPlace);
+  REQUIRE(lnfw.grad_room_params.size() == 1);
+  CHECK(plan->params[lnfw.grad_room_params[0]].name == "lnfb");
+  const Unit& lnfb = UnitOf(*plan, "lnfb");
+  CHECK(lnfb.grad_source == GradSource::kCopied);
+  CHECK_THAT(lnfb.grad_copy_reason,
+             Catch::Contains("128 padding elements") &&
+                 Catch::Contains("past the last gradient declared in 'grads' (element 7240447)"));
+  // Stage 2: one bucket, lnfb's, instead of one of the embedding's and two of the MLP's.
+  const Buffer* bucket = plan->Find(BufferClass::kGradBucket);
+  REQUIRE(bucket != nullptr);
+  CHECK(bucket->count == 1);
+  CHECK(bucket->elements == 256);
+  std::vector<ParamSpec> undeclared = declared;
+  for (ParamSpec& s : undeclared) s.grad_buffer.clear();
+  auto before = MakePlan(undeclared, o);
+  REQUIRE(before.ok());
+  CHECK(before->Find(BufferClass::kGradBucket)->elements == 6438912 + 2 * 262144);
+  const int64_t shard = (7240448 + 2 * 128) / 2 * 4;  // grad_shard, fp32: lnfw, lnfb padded
+  CHECK(h.engine_grad_bytes == shard + 256 * 4);
+  CHECK(h.engine_grad_bytes_undeclared == shard + (6438912 + 2 * 262144) * 4);
+  CHECK(before->grad_handoff.engine_grad_bytes == h.engine_grad_bytes_undeclared);
+  CHECK(before->device_bytes() - plan->device_bytes() == (6438912 + 2 * 262144 - 256) * 4);
+
+  // The layout never depends on the declaration, at any stage or world size.
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (int world : {1, 2, 3, 5}) {
+      CAPTURE(stage, world);
+      o.stage = stage;
+      o.world_size = world;
+      auto a = MakePlan(declared, o), b = MakePlan(undeclared, o);
+      REQUIRE(a.ok());
+      REQUIRE(b.ok());
+      REQUIRE(a->units.size() == b->units.size());
+      for (size_t u = 0; u < a->units.size(); ++u) {
+        CHECK(a->units[u].padded == b->units[u].padded);
+        CHECK(a->units[u].flat_offset == b->units[u].flat_offset);
+      }
+      for (size_t i = 0; i < a->params.size(); ++i) {
+        CHECK(a->params[i].flat_offset == b->params[i].flat_offset);
+      }
+      CHECK(GradStorageBytes(*a) <= GradStorageBytes(*b));
+      CHECK(a->grad_handoff.engine_grad_bytes_undeclared == GradStorageBytes(*b));
+      CHECK(a->comm_bytes_per_step == b->comm_bytes_per_step);
+    }
+  }
+}
+
+TEST_CASE("Plan: stages 0-1 without accumulation keep reduced gradients in the trainer's "
+          "buffer, or, with padding, stage 1 in a shard of the engine's",
+          "[memory]") {
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = 0;
+  auto plan = MakePlan(LlmcTensors(), o);
+  REQUIRE(plan.ok());
+  // Stage 0 would keep lnfw's whole padded unit where it is reduced: over lnfb's gradient.
+  CHECK(plan->grad_handoff.tensors_in_place == 14);
+  const Unit* lnfw = &UnitOf(*plan, "lnfw");
+  CHECK(lnfw->grad_source == GradSource::kCopied);
+  CHECK_THAT(lnfw->grad_copy_reason, Catch::Contains("keeps the whole reduced unit"));
+  CHECK(ReducedInTrainerBuffer(*plan, UnitOf(*plan, "wte")));
+  // The full gradients hold the two copied units only, one after the other.
+  CHECK(plan->Find(BufferClass::kGrads)->elements == 2 * 256);
+  CHECK(UnitOf(*plan, "lnfb").grad_offset == 0);
+  CHECK(lnfw->grad_offset == 256);
+  CHECK(UnitOf(*plan, "wte").grad_offset == -1);
+  CHECK(plan->Find(BufferClass::kGradAccumulator) == nullptr);
+
+  // Stage 1 keeps lnfw's reduced shard (128 elements) in grad_reduced instead.
+  o.stage = 1;
+  plan = MakePlan(LlmcTensors(), o);
+  REQUIRE(plan.ok());
+  CHECK(plan->grad_handoff.tensors_in_place == 15);
+  lnfw = &UnitOf(*plan, "lnfw");
+  CHECK(lnfw->grad_source == GradSource::kInPlace);
+  CHECK_FALSE(ReducedInTrainerBuffer(*plan, *lnfw));
+  CHECK(lnfw->grad_shard_offset == 0);
+  const Buffer* reduced = plan->Find(BufferClass::kGradAccumulator);
+  REQUIRE(reduced != nullptr);
+  CHECK(reduced->name == "grad_reduced");
+  CHECK(reduced->elements == 128);
+  CHECK(plan->Find(BufferClass::kGrads)->elements == 256);  // lnfb
+  CHECK(plan->grad_handoff.engine_grad_bytes == (128 + 256) * 4);
+
+  // Unless a gradient under its padding is one that stays in the trainer's buffer.
+  std::vector<ParamSpec> exact_after = {{"a.w", {200}, "a"}, {"b.w", {256}, "b"}};
+  for (ParamSpec& p : exact_after) p.grad_buffer = "g";
+  plan = MakePlan(exact_after, o);
+  REQUIRE(plan.ok());
+  CHECK(UnitOf(*plan, "b.w").grad_source == GradSource::kInPlace);
+  CHECK_THAT(UnitOf(*plan, "a.w").grad_copy_reason,
+             Catch::Contains("would lie over 'b.w''s gradient in 'g', which its unit keeps there "
+                             "as its reduced gradient until the step (stage 1"));
+
+  // Accumulating, the reduced gradients live in the engine's accumulator: lnfw's padding may
+  // lie over lnfb's gradient, and the full gradients hold only lnfb.
+  for (int stage : {0, 1}) {
+    CAPTURE(stage);
+    o.stage = stage;
+    o.gradient_accumulation_steps = 2;
+    auto accumulating = MakePlan(LlmcTensors(), o);
+    REQUIRE(accumulating.ok());
+    CHECK(accumulating->grad_handoff.tensors_in_place == 15);
+    CHECK(accumulating->Find(BufferClass::kGrads)->elements == 256);
+    CHECK(accumulating->Find(BufferClass::kGradAccumulator)->name == "grad_accumulator");
+  }
+}
+
+TEST_CASE("Plan: a unit of per-layer slices of stacked tensors is copied, saying why",
+          "[memory]") {
+  // llm.c's buffer declared per layer (ln1w[l], ln1b[l], ... in module h[l]): a layer's
+  // slices lie L slices apart in the trainer's buffer, not consecutive as its unit lays them.
+  const int64_t L = 4;
+  std::vector<ParamSpec> specs;
+  int64_t offset = 0;
+  for (const ParamSpec& t : LlmcTensors()) {
+    const bool stacked = t.shape.size() >= 2 && t.shape[0] == L;
+    const int64_t n = t.numel() / (stacked ? L : 1);
+    for (int64_t l = 0; l < (stacked ? L : 1); ++l) {
+      ParamSpec s = t;
+      if (stacked) {
+        s.shape.erase(s.shape.begin());
+        s.name = "h." + t.name + "[" + std::to_string(l) + "]";
+        s.module = "h[" + std::to_string(l) + "]";
+      }
+      if (t.name == "lnfw" || t.name == "lnfb") s.module = "lnf";
+      s.grad_buffer_offset = offset + l * n;
+      specs.push_back(s);
+    }
+    offset += t.numel();
+  }
+  REQUIRE(specs.size() == 52);
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = 2;
+  auto plan = MakePlan(specs, o);
+  REQUIRE(plan.ok());
+  // wte, wpe and the final LayerNorm (two consecutive [C] tensors: 256 elements) are in place.
+  CHECK(plan->grad_handoff.tensors_in_place == 4);
+  CHECK(plan->grad_handoff.bytes_in_place == (6438912 + 8192 + 256) * 4);
+  const Unit& h0 = UnitOf(*plan, "h.ln1w[0]");
+  CHECK(h0.grad_source == GradSource::kCopied);
+  CHECK_THAT(h0.grad_copy_reason,
+             Catch::Contains("'h.ln1b[0]' starts at element 6447616 of 'grads', not right after "
+                             "'h.ln1w[0]' (elements 6447104..6447231)"));
+  // The buckets hold a layer (198272 elements, padded to 198400), no longer the embedding.
+  CHECK(plan->Find(BufferClass::kGradBucket)->elements == 2 * 198400);
+}
+
+TEST_CASE("Plan: declared gradient buffers: mixed units, explicit offsets, gaps and errors",
+          "[memory]") {
+  PlanOptions o;
+  o.compute_dtype = DType::kBF16;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = 3;
+  // One module, two tensors, one of them undeclared: the unit is copied.
+  std::vector<ParamSpec> mixed = {{"a.w", {16, 16}, "a"}, {"a.b", {256}, "a"}};
+  mixed[0].grad_buffer = "g";
+  auto plan = MakePlan(mixed, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->units[0].grad_source == GradSource::kCopied);
+  CHECK_THAT(plan->units[0].grad_copy_reason, Catch::Contains("'a.b' shares the unit and "
+                                                              "declares no gradient buffer"));
+  CHECK(plan->grad_handoff.tensors == 1);
+  // Both in one buffer, consecutive: in place, whatever the order of declaration.
+  mixed[1].grad_buffer = "g";
+  mixed[0].grad_buffer_offset = 1000;
+  mixed[1].grad_buffer_offset = 1256;
+  plan = MakePlan(mixed, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->units[0].grad_source == GradSource::kInPlace);
+  CHECK(plan->params[1].grad_buffer_offset == 1256);
+  // In two buffers: copied.
+  mixed[1].grad_buffer = "h";
+  plan = MakePlan(mixed, o);
+  REQUIRE(plan.ok());
+  CHECK_THAT(plan->units[0].grad_copy_reason, Catch::Contains("'a.w' is in gradient buffer 'g' "
+                                                              "and 'a.b' in 'h'"));
+  CHECK(plan->grad_buffers == std::vector<std::string>{"g", "h"});
+  // A tensor whose size is not a multiple of param_alignment leaves a gap in its unit.
+  std::vector<ParamSpec> odd = {{"b.w", {13}, "b"}, {"b.b", {243}, "b"}};
+  for (ParamSpec& s : odd) s.grad_buffer = "g";
+  plan = MakePlan(odd, o);
+  REQUIRE(plan.ok());
+  CHECK_THAT(plan->units[0].grad_copy_reason,
+             Catch::Contains("the unit starts 'b.b' at element 16, not right after 'b.w'"));
+  // Padding over elements no parameter declares (a gap the trainer left): copied.
+  std::vector<ParamSpec> gap = {{"c.w", {200}, "c"}, {"d.w", {256}, "d"}};
+  for (ParamSpec& s : gap) s.grad_buffer = "g";
+  gap[1].grad_buffer_offset = 300;
+  plan = MakePlan(gap, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->units[0].grad_source == GradSource::kInPlace);  // d.w: 256 elements
+  CHECK_THAT(plan->units[1].grad_copy_reason,
+             Catch::Contains("over elements 200..255 of 'g', which no parameter declares"));
+  // Overlapping ranges and a bad offset are refused, naming the parameters.
+  gap[1].grad_buffer_offset = 100;
+  auto overlap = MakePlan(gap, o);
+  CHECK(overlap.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(overlap.status().message()),
+             Catch::Contains("'c.w' (elements 0..199) and 'd.w' (elements 100..355) overlap in "
+                             "gradient buffer 'g'"));
+  gap[1].grad_buffer_offset = -2;
+  CHECK(MakePlan(gap, o).status().code() == absl::StatusCode::kInvalidArgument);
+  // A frozen parameter keeps its place in a packed buffer and declares nothing.
+  std::vector<ParamSpec> frozen = LlmcTensors();
+  frozen[1].frozen = true;  // wpe
+  o.compute_dtype = DType::kF32;
+  plan = MakePlan(frozen, o);
+  REQUIRE(plan.ok());
+  CHECK(plan->grad_handoff.tensors == 15);
+  CHECK(plan->params[2].grad_buffer_offset == 6438912 + 8192);  // ln1w, after wpe's place
+  CHECK(plan->params[1].grad_buffer == -1);
+}
+
 }  // namespace
 }  // namespace memory
 }  // namespace zerort

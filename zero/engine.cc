@@ -95,9 +95,15 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    plan_.options.shard_group_size, "|",
                                    config_.prescale_gradients,
                                    absl::StrFormat("|%a", config_.gradient_predivide_factor));
-  for (const memory::ParamSpec& s : specs_) {
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const memory::ParamSpec& s = specs_[i];
     absl::StrAppend(&canon, "|", s.name, ":", absl::StrJoin(s.shape, "x"), "@", s.module,
                     s.frozen ? "#frozen" : "");
+    // Declared gradient buffers change the plan's buffers and the order of reductions.
+    const memory::ParamLayout& p = plan_.params[i];
+    if (p.grad_buffer >= 0) {
+      absl::StrAppend(&canon, "<", plan_.grad_buffers[p.grad_buffer], "+", p.grad_buffer_offset);
+    }
   }
   // Groups too: ranks that decay a parameter differently would drift apart without a sign.
   const zero_internal::GroupChoice& groups = groups_->choice();
@@ -296,6 +302,11 @@ MemoryReport Engine::memory_report() const {
   workload.nccl_communicator = impl_->comm_->backend() == "nccl";
   const absl::StatusOr<DeviceBudget> budget =
       MakeDeviceBudget(impl_->plan_, impl_->config_, workload);
+  const memory::GradHandoff& h = impl_->plan_.grad_handoff;
+  r.trainer_grad_bytes = h.bytes;
+  r.trainer_grad_in_place_bytes = h.bytes_in_place;
+  r.trainer_grad_copied_bytes = h.bytes_copied;
+  r.engine_grad_bytes = h.engine_grad_bytes;
   if (budget.ok()) {
     r.device_budget_bytes = budget->total_bytes;
     if (budget->counted) {
@@ -363,8 +374,10 @@ absl::StatusOr<void*> Engine::grad(int i) {
 
 absl::Status Engine::GradReady(int i) {
   RETURN_IF_ERROR(impl_->CheckRange("GradReady", i, /*unit=*/false));
-  ASSIGN_OR_RETURN(const bool unit_complete, impl_->grads_->MarkReady(i));
-  if (unit_complete) return impl_->ReduceUnit(impl_->plan_.params[i].unit);
+  // i's unit when that completes it, and units that waited for it (a unit reduced in place in
+  // the trainer's buffer, whose padding lies over gradients reduced just now).
+  ASSIGN_OR_RETURN(const std::vector<int> units, impl_->grads_->MarkReady(i));
+  for (int u : units) RETURN_IF_ERROR(impl_->ReduceUnit(u));
   return absl::OkStatus();
 }
 
@@ -387,7 +400,15 @@ absl::Status Engine::SetGradientSync(bool sync) {
 
 absl::StatusOr<bool> Engine::SetGradBuffer(int i, void* buffer) {
   RETURN_IF_ERROR(impl_->CheckRange("SetGradBuffer", i, /*unit=*/false));
+  // The measured window's gradients may be in the trainer's buffers, read by ApplyStep.
+  RETURN_IF_ERROR(impl_->CheckPending("SetGradBuffer", /*want=*/false));
   return impl_->grads_->SetSource(i, buffer);
+}
+
+const std::string& Engine::grad_copy_reason(int i) const {
+  static const std::string* const kNone = new std::string();
+  if (i < 0 || i >= num_params() || impl_->plan_.params[i].grad_buffer < 0) return *kNone;
+  return impl_->plan_.units[impl_->plan_.params[i].unit].grad_copy_reason;
 }
 
 int Engine::reduced_units() const { return impl_->grads_->reduced_units(); }
@@ -399,6 +420,12 @@ std::vector<memory::ParamSpec> StackedSlices(const memory::ParamSpec& stacked) {
   for (int64_t l = 0; l < stacked.shape.at(0); ++l) {
     const std::string suffix = absl::StrCat("[", l, "]");
     out.push_back({stacked.name + suffix, slice, stacked.module + suffix});
+    // A declared stacked gradient: the slices follow one another in it.
+    out.back().grad_buffer = stacked.grad_buffer;
+    if (!stacked.grad_buffer.empty() && stacked.grad_buffer_offset != memory::kGradBufferPacked) {
+      const int64_t n = out.back().numel();
+      out.back().grad_buffer_offset = stacked.grad_buffer_offset + l * n;
+    }
   }
   return out;
 }

@@ -117,6 +117,16 @@ struct MemoryReport {
   // The plan's whole device budget per rank (DeviceBudget::total_bytes): model-state buffers +
   // declared activations + the config's reserves (CUDA context, NCCL, cuBLAS, fragmentation).
   int64_t device_budget_bytes = 0;
+
+  // Gradient hand-off declared before the plan (memory::ParamSpec::grad_buffer): the declared
+  // gradients' bytes (the trainer's memory, in the compute dtype), those reduced straight from
+  // the trainer's buffers and those copied into the engine's at GradReady
+  // (Engine::grad_copy_reason says why); and the engine's own gradient storage, planned and
+  // allocated (memory::GradStorageBytes: full gradients, reduced shard, accumulators, buckets).
+  int64_t trainer_grad_bytes = 0;
+  int64_t trainer_grad_in_place_bytes = 0;
+  int64_t trainer_grad_copied_bytes = 0;
+  int64_t engine_grad_bytes = 0;
 };
 
 // The engine's scalar training state: what a checkpoint stores besides tensors. The loss
@@ -241,16 +251,37 @@ class Engine {
   // Gradient hand-off from the trainer's own buffer: from now on GradReady(i) reads parameter
   // i's gradient from `buffer` (compute dtype, numel elements, in the engine's device memory,
   // written on the compute stream) instead of grad(i), which then fails. Returns true when
-  // the unit is reduced straight from `buffer`, without a copy: i is alone in its unit and
-  // fills it without padding (numel a multiple of world_size * 128 elements, the plan's
-  // shard alignment; alone in its unit when it reaches reduce_bucket_size), and not an fp32 wire without fp32
-  // accumulation; false when GradReady copies it into the engine's buffer (on the compute
-  // stream) first. Lifetime: the trainer writes `buffer` before GradReady(i); from
-  // GradReady(i) until Step() returns, the engine may read and overwrite it (the reduction
-  // may run in place), so the trainer writes it again, in full, for the next micro-step.
-  // nullptr goes back to grad(i). FailedPrecondition while i's unit is part-way through
-  // this micro-step; register between micro-steps.
+  // the unit is reduced straight from `buffer`, without a copy; false when GradReady copies it
+  // into the engine's buffer (on the compute stream) first.
+  //
+  // Declared before the plan (memory::ParamSpec::grad_buffer, grad_buffer_offset): the plan
+  // decided (plan().units[u].grad_source), and a unit reduced in place has no gradient storage
+  // of the engine's at all; grad_copy_reason(i) says why another is copied. `buffer` must be
+  // the declared element of the trainer's buffer: every parameter declared in one buffer is
+  // handed over from one base address (else FailedPrecondition naming both; to move a
+  // buffer, hand all its parameters back with nullptr first). A unit whose padding lies over
+  // other declared gradients of the buffer is reduced once their units are, and the engine
+  // zero-fills that padding then. Every declared parameter of a unit reduced in place must be
+  // handed over before its GradReady.
+  // Not declared: in place when i is alone in its unit and fills it without padding (numel a
+  // multiple of world_size * 128 elements, the plan's shard alignment; alone in its unit when
+  // it reaches reduce_bucket_size), and not an fp32 wire without fp32 accumulation; the plan
+  // keeps the engine's storage for it all the same.
+  //
+  // Lifetime: the trainer writes `buffer` before GradReady(i); from GradReady(i) until Step()
+  // returns (ApplyStep/SkipStep after ComputeGradNorm), the engine may read and overwrite it
+  // (the reduction may run in place; stages 0-1 without accumulation keep the reduced gradient
+  // there for the step), and, declared, also the trainer's buffer past it up to its unit's
+  // padding; so the trainer writes it again, in full, for the next micro-step.
+  // nullptr goes back to grad(i) (declared and reduced in place: to no buffer at all).
+  // FailedPrecondition while i's unit is part-way through this micro-step (declared: after
+  // any GradReady of the micro-step), and between ComputeGradNorm and ApplyStep/SkipStep;
+  // register between micro-steps.
   absl::StatusOr<bool> SetGradBuffer(int i, void* buffer);
+  // Why parameter i's declared gradient (memory::ParamSpec::grad_buffer) is copied into the
+  // engine's buffer rather than reduced in place, naming the tensor and the rule; "" when it is
+  // reduced in place or not declared. Valid for the engine's lifetime.
+  const std::string& grad_copy_reason(int i) const;
   // Accumulation without communication (FSDP2's set_requires_gradient_sync, Megatron's
   // no_sync). With zerort.local_grad_accumulation (stages 0-1, gradient_accumulation_steps > 1)
   // the micro-steps of a window add their gradients into a local full-size buffer and only the

@@ -87,7 +87,8 @@ constexpr size_t kMaxRank = 1024;
 absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
                                     const std::string& module) {
   JsonFields p(param, path);
-  RETURN_IF_ERROR(CheckJsonKeys(param, path, {"name", "shape"}));
+  RETURN_IF_ERROR(
+      CheckJsonKeys(param, path, {"name", "shape", "grad_buffer", "grad_buffer_offset"}));
   ASSIGN_OR_RETURN(std::string name, p.String("name"));
   ASSIGN_OR_RETURN(const Json* shape, p.Array("shape", kMaxRank));
   if (shape->empty()) return JsonExpected(p.Path("shape"), "a non-empty array of dimensions", *shape);
@@ -99,6 +100,22 @@ absl::StatusOr<ParamSpec> ReadParam(const Json& param, const std::string& path,
                                             std::numeric_limits<int64_t>::max(),
                                             IntegralFloats::kRefuse, "a dimension >= 1"));
     spec.shape.push_back(dim);
+  }
+  // Gradient hand-off (ParamSpec::grad_buffer): the trainer's buffer and, optionally, where in
+  // it (else packed after the previous parameter of that buffer).
+  if (p.Find("grad_buffer") != nullptr) {
+    ASSIGN_OR_RETURN(spec.grad_buffer, p.String("grad_buffer"));
+    if (spec.grad_buffer.empty()) {
+      return JsonExpected(p.Path("grad_buffer"), "a non-empty buffer name", *p.Find("grad_buffer"));
+    }
+  }
+  if (p.Find("grad_buffer_offset") != nullptr) {
+    if (spec.grad_buffer.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p.Path("grad_buffer_offset"), ": needs grad_buffer (the buffer it is an offset in)"));
+    }
+    ASSIGN_OR_RETURN(spec.grad_buffer_offset,
+                     p.Int("grad_buffer_offset", 0, int64_t{1} << 52));
   }
   return spec;
 }

@@ -35,6 +35,9 @@ absl::StatusOr<std::vector<memory::ParamSpec>> ModelPreset(absl::string_view nam
 // A module may declare "activation_bytes_per_sample": N (an integer >= 0): the bytes of
 // activations it keeps for backward per sample of a micro-batch (memory::ParamSpec's field of the
 // same name, set on the module's first parameter).
+// A parameter may declare "grad_buffer": "NAME" and "grad_buffer_offset": N (memory::ParamSpec's
+// fields: the trainer keeps its gradient in buffer NAME at element N, or packed after the
+// previous parameter of NAME when N is left out).
 // Parameter names become "<module>.<param>". Parsed strictly by base/json (duplicate keys, trailing
 // bytes refused; an unknown key at any level is refused with the nearest valid one suggested); errors are InvalidArgument naming the file and the JSON path
 // ("m.json: modules[0].params[1].shape[0]: expected a dimension >= 1, got 0"). LoadModelFile

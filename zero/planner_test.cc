@@ -73,7 +73,8 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
            {R"({"modules": [], "extra": 1})", "m.json: extra: unknown key (expected modules)"},
            {R"({"modulez": []})", "m.json: modulez: unknown key; did you mean \"modules\"?"},
            {R"({"modules": [{"name": "l", "params": [{"name": "w", "shape": [3], "dtype": 1}]}]})",
-            "m.json: modules[0].params[0].dtype: unknown key (expected name, shape)"},
+            "m.json: modules[0].params[0].dtype: unknown key (expected name, shape, "
+            "grad_buffer, grad_buffer_offset)"},
            {R"({"modules": [{"name": "l", "params": [{"name": "w", "shap": [3]}]}]})",
             "m.json: modules[0].params[0].shap: unknown key; did you mean \"shape\"?"},
            {R"({"modules": [{"name": "l", "parms": []}]})",
@@ -83,6 +84,21 @@ TEST_CASE("Models: JSON model files are parsed and errors name the path", "[zero
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK(std::string(refused.status().message()) == message);
   }
+  // A declared gradient buffer (memory::ParamSpec::grad_buffer), packed or at an offset.
+  auto declared = ParseModelJson(
+      R"({"modules": [{"name": "l", "params": [{"name": "w", "shape": [3], "grad_buffer": "g"},)"
+      R"( {"name": "b", "shape": [3], "grad_buffer": "g", "grad_buffer_offset": 8}]}]})",
+      "m.json");
+  REQUIRE(declared.ok());
+  CHECK((*declared)[0].grad_buffer == "g");
+  CHECK((*declared)[0].grad_buffer_offset == memory::kGradBufferPacked);
+  CHECK((*declared)[1].grad_buffer_offset == 8);
+  auto offset_alone = ParseModelJson(
+      R"({"modules": [{"name": "l", "params": [{"name": "w", "shape": [3],)"
+      R"( "grad_buffer_offset": 0}]}]})",
+      "m.json");
+  CHECK_THAT(std::string(offset_alone.status().message()),
+             Catch::Contains("modules[0].params[0].grad_buffer_offset: needs grad_buffer"));
   auto device = LoadModelFile("/dev/zero");
   CHECK(device.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK_THAT(std::string(device.status().message()), Catch::Contains("not a regular file"));
@@ -316,6 +332,24 @@ TEST_CASE("Planner: with default sizes one large unit does not erase stage 2-3 s
   CHECK(l[3] < int64_t{108} << 20);  // 107.40 MiB (153.49 before)
   // The embedding's gradient alone is 24.6 MiB: at world 2, stage 2 cannot save that much.
   CHECK(l[2] - l[1] < 50304 * C * 4);
+
+  // The same model as llm.c's trainer holds it: 16 tensors (stacked per layer), each a module,
+  // their gradients declared in its one buffer. Stage 0-1 lose the full gradients, stages 2-3
+  // the buckets (docs/embedding.md: 82.87 / 55.24 / 69.05 / 81.82 MiB, from 110.48 / 82.86 /
+  // 95.62 / 108.38).
+  absl::StatusOr<std::vector<memory::ParamSpec>> tensors =
+      LoadModelFile("zero/testdata/llmc_gpt2_l4_c128_tensors.json");
+  REQUIRE(tensors.ok());
+  REQUIRE(tensors->size() == 16);
+  std::vector<memory::ParamSpec> undeclared = *tensors;
+  for (memory::ParamSpec& s : undeclared) s.grad_buffer.clear();
+  const std::vector<int64_t> with = Fp32DeviceBytes(*tensors, 2);
+  const std::vector<int64_t> without = Fp32DeviceBytes(undeclared, 2);
+  const int64_t elements = 7240448;
+  CHECK(without[0] - with[0] == (elements + 256 - 512) * 4);  // all but lnfw's and lnfb's units
+  CHECK(without[1] - with[1] == (elements + 256 - 256 - 128) * 4);  // lnfb's unit, lnfw's shard
+  CHECK(without[2] - with[2] == (6438912 + 2 * 262144 - 256) * 4);  // one bucket of lnfb's
+  CHECK(without[3] - with[3] == without[2] - with[2]);
 }
 
 TEST_CASE("Planner: \"auto\" unit sizes follow the hidden size; explicit ones are kept", "[zero]") {

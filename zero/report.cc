@@ -1,6 +1,7 @@
 #include "zero/report.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,21 @@ std::string SlotClassesLine(const memory::Buffer& b) {
     i = j;
   }
   return absl::StrCat("    size classes: ", absl::StrJoin(runs, " + "), " elements\n");
+}
+
+// The declared parameters of each unit whose trainer gradients are copied, with the reason.
+std::vector<std::pair<std::string, const memory::Unit*>> CopiedTensors(const memory::Plan& plan) {
+  std::vector<std::pair<std::string, const memory::Unit*>> out;
+  for (const memory::Unit& u : plan.units) {
+    if (u.grad_source != memory::GradSource::kCopied) continue;
+    std::vector<std::string> names;
+    for (int i : u.params) {
+      if (plan.params[i].grad_buffer < 0) continue;
+      names.push_back(absl::StrCat("'", plan.params[i].name, "'"));
+    }
+    out.push_back({absl::StrJoin(names, ", "), &u});
+  }
+  return out;
 }
 
 }  // namespace
@@ -62,6 +78,22 @@ std::string PlanTable(const memory::Plan& plan) {
                           "%s saved per rank\n",
                           plan.frozen_elements, plan.units.size() - plan.trainable_units,
                           HumanBytes(plan.frozen_state_bytes_saved));
+  }
+  const memory::GradHandoff& h = plan.grad_handoff;
+  if (h.tensors > 0) {
+    absl::StrAppendFormat(
+        &out,
+        "gradients in the trainer's buffers (grad_buffer %s): %d tensors, %s: %d reduced in "
+        "place (%s), %d copied (%s); the engine's gradient storage %s (%s without the "
+        "declaration)\n",
+        absl::StrJoin(plan.grad_buffers, ", "), h.tensors, HumanBytes(h.bytes),
+        h.tensors_in_place, HumanBytes(h.bytes_in_place), h.tensors - h.tensors_in_place,
+        HumanBytes(h.bytes_copied), HumanBytes(h.engine_grad_bytes),
+        HumanBytes(h.engine_grad_bytes_undeclared));
+    for (const auto& [names, unit] : CopiedTensors(plan)) {
+      absl::StrAppend(&out, "  copied: ", names, " (unit '", unit->name, "'): ",
+                      unit->grad_copy_reason, "\n");
+    }
   }
   absl::StrAppendFormat(&out, "sent per rank per step: %s", HumanBytes(plan.comm_bytes_per_step));
   if (memory::Hierarchical(o)) {
@@ -117,6 +149,27 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
     if (!b.slot_elements.empty()) buffers.back()["slot_elements"] = b.slot_elements;
   }
   j["buffers"] = std::move(buffers);
+  // Gradients the trainer declared in its own buffers (memory::ParamSpec::grad_buffer).
+  const memory::GradHandoff& h = plan.grad_handoff;
+  nlohmann::ordered_json copied = nlohmann::ordered_json::array();
+  for (const memory::Unit& u : plan.units) {
+    if (u.grad_source != memory::GradSource::kCopied) continue;
+    for (int i : u.params) {
+      if (plan.params[i].grad_buffer < 0) continue;
+      copied.push_back(nlohmann::ordered_json{
+          {"tensor", plan.params[i].name}, {"unit", u.name}, {"reason", u.grad_copy_reason}});
+    }
+  }
+  j["grad_handoff"] = nlohmann::ordered_json{
+      {"buffers", plan.grad_buffers},
+      {"tensors", h.tensors},
+      {"tensors_in_place", h.tensors_in_place},
+      {"bytes", h.bytes},
+      {"bytes_in_place", h.bytes_in_place},
+      {"bytes_copied", h.bytes_copied},
+      {"engine_grad_bytes", h.engine_grad_bytes},
+      {"engine_grad_bytes_undeclared", h.engine_grad_bytes_undeclared},
+      {"copied", std::move(copied)}};
   return j;
 }
 

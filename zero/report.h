@@ -13,11 +13,14 @@
 
 namespace zerort {
 
-// A table per memory kind with a row per buffer, then totals and communication per step.
+// A table per memory kind with a row per buffer, then totals, the gradients the trainer declared
+// in its own buffers (each copied tensor with the reason), and communication per step.
 std::string PlanTable(const memory::Plan& plan);
 
 // params, world_size, stage, per_rank.{model_state_bytes, device_bytes, pinned_host_bytes,
-// host_bytes, nvme_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[].
+// host_bytes, nvme_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[],
+// grad_handoff.{buffers, tensors, tensors_in_place, bytes, bytes_in_place, bytes_copied,
+// engine_grad_bytes, engine_grad_bytes_undeclared, copied[{tensor, unit, reason}]}.
 nlohmann::ordered_json PlanJson(const memory::Plan& plan);
 
 // The device budget beside the plan: model-state buffers, each activation and reserve line, the

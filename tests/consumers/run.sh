@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the consumer trainer against an installed zerort (tools/install.sh PREFIX), outside
 # Bazel: with CMake's find_package (shared and static) and with make + pkg-config (shared and
-# static); runs each on 2 in-process ranks and under mpirun -np 2; checks that libzerort.so
-# exports nothing but zr_*, and that the tree is self-contained: from an empty environment every
+# static); runs each on 2 in-process ranks and under mpirun -np 2; builds and runs llm.c's
+# GPT-2 shape handing its gradient buffer over (llmc_trainer.c, make + pkg-config, in-process);
+# checks that libzerort.so exports nothing but zr_*, and that the tree is self-contained: from an empty environment every
 # library its ELF files load is inside PREFIX/lib or one every Linux machine has (glibc, the C++
 # runtime), OpenMPI's libmpi (and what it loads) for the MPI plugin libzerort_mpi.so.0 alone;
 # the CUDA runtime, liburing and NCCL are never loaded as libraries (linked in, or dlopen-ed at
@@ -130,6 +131,19 @@ for target in trainer trainer_static; do
     result "pkgconfig-$target-build" 1
   fi
 done
+# llm.c's GPT-2 shape handing its one gradient buffer over (llmc_trainer.c): the tensors reduced
+# in place and the engine's gradient memory, handed over after Create and declared before the
+# plan (zr_param_spec.grad_buffer); the masters of the two runs must be bitwise equal.
+if PKG_CONFIG_PATH="$prefix/lib/pkgconfig" make -s -C "$here" OUT="$work" \
+    "$work/llmc_trainer" >"$work/llmc_trainer.log" 2>&1; then
+  result "pkgconfig-llmc_trainer-build" 0
+  echo "== llmc_trainer: 2 in-process ranks"
+  timeout 600 "$work/llmc_trainer" --steps 3
+  result "llmc_trainer-inprocess" $?
+else
+  cat "$work/llmc_trainer.log"
+  result "pkgconfig-llmc_trainer-build" 1
+fi
 # The installed tree moved elsewhere: pkg-config and CMake resolve the new place (prefix is
 # relative to the .pc file and to zerortConfig.cmake), and the trainer loads the moved library.
 moved="$work/moved/zerort"

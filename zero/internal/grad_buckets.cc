@@ -4,12 +4,22 @@
 
 #include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status.h"
 
 namespace zerort {
 namespace zero_internal {
 
-GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
+namespace {
+
+int64_t FullGradElements(const memory::Plan& plan) {
+  const memory::Buffer* b = plan.Find(memory::BufferClass::kGrads);
+  return plan.options.stage <= 1 && b != nullptr ? b->elements : 0;
+}
+
+}  // namespace
+
+GradBuckets::GradBuckets(const UnitContext& ctx, ShardLayout& layout,
                          const ModelStateBuffers& state, const SlottedBuffer& buckets, float* wire,
                          char* local)
     : ctx_(ctx),
@@ -21,9 +31,13 @@ GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
       wire_(wire),
       local_(local),
       grads_(state.grads),
+      full_grad_elements_(FullGradElements(ctx.plan)),
       buckets_(buckets),
       ready_(ctx.plan.params.size(), 0),
       source_(ctx.plan.params.size(), nullptr),
+      base_(ctx.plan.grad_buffers.size(), 0),
+      base_users_(ctx.plan.grad_buffers.size(), 0),
+      issued_(ctx.plan.units.size(), 0),
       pending_(ctx.plan.units.size()),
       unit_bucket_(ctx.plan.units.size(), -1),
       bucket_busy_(buckets.count, 0) {
@@ -51,12 +65,22 @@ absl::StatusOr<void*> GradBuckets::Grad(int i) {
         "grad('", p.name, "'): its gradient is read from the buffer given to SetGradBuffer; "
         "write there, or SetGradBuffer(i, nullptr) first"));
   }
+  if (ctx_.plan.units[p.unit].grad_source == memory::GradSource::kInPlace) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "grad('", p.name, "'): its gradient is declared in the trainer's buffer '",
+        ctx_.plan.grad_buffers[p.grad_buffer], "' (ParamSpec::grad_buffer) and reduced straight "
+        "from there, so the engine holds no buffer for it: hand yours over with SetGradBuffer"));
+  }
   return Slot(i);
 }
 
 absl::StatusOr<void*> GradBuckets::Slot(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
-  if (ctx_.stage <= 1) return static_cast<void*>(ctx_.At(grads_, p.flat_offset));
+  if (ctx_.stage <= 1) {
+    const int64_t unit_start = ctx_.plan.units[p.unit].grad_offset;
+    ABSL_RAW_CHECK(unit_start >= 0, "a unit reduced in place has no full gradients");
+    return static_cast<void*>(ctx_.At(grads_, unit_start + p.offset_in_unit));
+  }
   int b = unit_bucket_[p.unit];
   if (b < 0) {
     ASSIGN_OR_RETURN(b, AcquireBucket(p.unit, p));
@@ -89,13 +113,21 @@ absl::StatusOr<int> GradBuckets::AcquireBucket(int unit, const memory::ParamLayo
   return b;
 }
 
-absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
+absl::StatusOr<std::vector<int>> GradBuckets::MarkReady(int i) {
   const memory::ParamLayout& p = ctx_.plan.params[i];
+  const memory::Unit& unit = ctx_.plan.units[p.unit];
   RETURN_IF_ERROR(CheckTrainable(i, "GradReady"));
   if (ready_[i]) {
     return absl::FailedPreconditionError(
         absl::StrCat("GradReady('", p.name, "') called twice in one micro-step"));
   }
+  if (unit.grad_source == memory::GradSource::kInPlace && source_[i] == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "GradReady('", p.name, "'): its gradient is declared in the trainer's buffer '",
+        ctx_.plan.grad_buffers[p.grad_buffer], "' and reduced from there, but that buffer was "
+        "not handed over: SetGradBuffer first"));
+  }
+  if (pending_[p.unit] == 1) RETURN_IF_ERROR(CheckRoomHandedOver(p.unit));
   if (source_[i] != nullptr && !direct(p.unit)) {
     // The trainer's buffer cannot be reduced in place: copy it into the engine's slot.
     ASSIGN_OR_RETURN(void* slot, Slot(i));
@@ -105,7 +137,45 @@ absl::StatusOr<bool> GradBuckets::MarkReady(int i) {
     RETURN_IF_ERROR(Grad(i).status());
   }
   ready_[i] = 1;
-  return --pending_[p.unit] == 0;
+  std::vector<int> now;
+  if (--pending_[p.unit] > 0) return now;
+  // Complete: reduced now, or, when its padding lies over trainer gradients whose units are
+  // not reduced yet, as soon as they are. Each unit that becomes free may free others.
+  waiting_.push_back(p.unit);
+  for (bool freed = true; freed;) {
+    freed = false;
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      if (!RoomFree(*it)) continue;
+      issued_[*it] = 1;  // the caller reduces the returned units in order
+      now.push_back(*it);
+      waiting_.erase(it);
+      freed = true;
+      break;
+    }
+  }
+  return now;
+}
+
+bool GradBuckets::RoomFree(int u) const {
+  for (int q : ctx_.plan.units[u].grad_room_params) {
+    if (!issued_[ctx_.plan.params[q].unit]) return false;
+  }
+  return true;
+}
+
+// The reduction of a unit reduced in place with padding writes over the gradients under it:
+// they must be the trainer's handed-over buffers, at their declared places.
+absl::Status GradBuckets::CheckRoomHandedOver(int u) const {
+  for (int q : ctx_.plan.units[u].grad_room_params) {
+    if (source_[q] != nullptr) continue;
+    const memory::ParamLayout& p = ctx_.plan.params[q];
+    return absl::FailedPreconditionError(absl::StrCat(
+        "unit '", ctx_.plan.units[u].name, "' is reduced in place in the trainer's buffer '",
+        ctx_.plan.grad_buffers[p.grad_buffer], "' with its padding over '", p.name,
+        "''s declared gradient, which was not handed over: SetGradBuffer('", p.name,
+        "') too (hand over every parameter declared in the buffer)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<bool> GradBuckets::SetSource(int i, void* buffer) {
@@ -117,12 +187,58 @@ absl::StatusOr<bool> GradBuckets::SetSource(int i, void* buffer) {
         "SetGradBuffer('", p.name, "') while its unit's gradients are being written in this "
         "micro-step: register buffers between micro-steps"));
   }
-  source_[i] = static_cast<char*>(buffer);
+  if (p.grad_buffer >= 0) {
+    RETURN_IF_ERROR(SetDeclaredSource(i, static_cast<char*>(buffer)));
+  } else {
+    source_[i] = static_cast<char*>(buffer);
+  }
   return buffer != nullptr && direct(p.unit);
+}
+
+// A parameter declared at element grad_buffer_offset of trainer buffer b: every one handed over
+// puts b's start at the same address, since padding may lie over another's gradient.
+absl::Status GradBuckets::SetDeclaredSource(int i, char* buffer) {
+  const memory::ParamLayout& p = ctx_.plan.params[i];
+  const int b = p.grad_buffer;
+  const std::string& name = ctx_.plan.grad_buffers[b];
+  if (any_ready()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "SetGradBuffer('", p.name, "') inside a micro-step: its gradient is declared in the "
+        "trainer's buffer '", name, "', which the micro-step's reductions use until Step(): "
+        "hand buffers over between micro-steps"));
+  }
+  const uintptr_t offset_bytes = static_cast<uintptr_t>(p.grad_buffer_offset) * ctx_.c;
+  if (buffer != nullptr) {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(buffer) - offset_bytes;
+    const int others = base_users_[b] - (source_[i] != nullptr ? 1 : 0);
+    if (others > 0 && base != base_[b]) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "SetGradBuffer('%s', %p): declared at element %d of the trainer's buffer '%s', "
+          "whose start the parameters handed over so far put at %#x, so it belongs at %#x: "
+          "hand every parameter of '%s' over from one allocation (to move it, hand them all "
+          "back with nullptr first)",
+          p.name, buffer, p.grad_buffer_offset, name, base_[b], base_[b] + offset_bytes, name));
+    }
+    if (source_[i] == nullptr) ++base_users_[b];
+    base_[b] = base;
+  } else if (source_[i] != nullptr && --base_users_[b] == 0) {
+    base_[b] = 0;
+  }
+  source_[i] = buffer;
+  const memory::Unit& unit = ctx_.plan.units[p.unit];
+  if (memory::ReducedInTrainerBuffer(ctx_.plan, unit)) {
+    // The reduced gradient stays where it is reduced: the step reads it there.
+    layout_.SetGradInTrainerBuffer(p.unit, source_[unit.params.front()]);
+  }
+  return absl::OkStatus();
 }
 
 bool GradBuckets::direct(int u) const {
   const memory::Unit& unit = ctx_.plan.units[u];
+  // Declared: as planned (MarkReady has checked that every buffer was handed over).
+  if (unit.grad_source != memory::GradSource::kEngine) {
+    return unit.grad_source == memory::GradSource::kInPlace;
+  }
   // The buffer must be the whole padded unit; an fp32 wire without fp32 accumulation needs a
   // compute-dtype block of the engine's to convert back into (Spare).
   return unit.params.size() == 1 && source_[unit.params[0]] != nullptr &&
@@ -136,6 +252,13 @@ absl::Status GradBuckets::Reduce(int u, bool first_micro, bool last_micro) {
   last_micro_ = last_micro;
   const Stopwatch t;
   RETURN_IF_ERROR(ctx_.streams->BeforeComm());
+  const memory::Unit& unit = ctx_.plan.units[u];
+  if (unit.grad_source == memory::GradSource::kInPlace && unit.padded > unit.numel) {
+    // The padding, over trainer gradients already reduced (MarkReady's order), reads as zero.
+    // On the comm side, after their reductions and before this one.
+    RETURN_IF_ERROR(ctx_.device->Zero(ctx_.At(source_[unit.params.front()], unit.numel),
+                                      (unit.padded - unit.numel) * ctx_.c, ctx_.streams->side()));
+  }
   if (ctx_.stage <= 1) {
     RETURN_IF_ERROR(ReduceFull(ctx_.plan.units[u], u, first_micro));
   } else {
@@ -238,7 +361,8 @@ char* GradBuckets::Spare(char* full, const memory::Unit& unit) const {
 }
 
 absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first_micro) {
-  char* g = ctx_.At(grads_, unit.flat_offset);
+  // The unit's full gradients: none for a unit reduced in place in the trainer's buffer.
+  char* g = unit.grad_offset < 0 ? nullptr : ctx_.At(grads_, unit.grad_offset);
   char* src = direct(u) ? source_[unit.params[0]] : nullptr;  // the trainer's, read in place
   // Accumulate after the reduction so that every stage sums in the same order; without
   // accumulation (and in the compute dtype) the reduced block stays where it was reduced, which
@@ -334,6 +458,9 @@ void GradBuckets::StartMicroStep() {
   if (!sync_ && reduced_ > 0) ++local_micros_;
   if (sync_) local_micros_ = 0;  // a synced micro-step consumed the local sums
   reduced_ = 0;
+  // Every unit was complete (Step checks every GradReady) and so reduced.
+  ABSL_RAW_CHECK(waiting_.empty(), "a unit reduced in place was never reduced");
+  std::fill(issued_.begin(), issued_.end(), 0);
   std::fill(ready_.begin(), ready_.end(), 0);
   for (size_t u = 0; u < ctx_.plan.units.size(); ++u) {
     pending_[u] = static_cast<int>(ctx_.plan.units[u].params.size());
@@ -341,9 +468,8 @@ void GradBuckets::StartMicroStep() {
 }
 
 absl::Status GradBuckets::ClearFullGradients() {
-  if (ctx_.stage > 1) return absl::OkStatus();
-  return ctx_.device->Zero(grads_, ctx_.plan.trainable_padded_elements * ctx_.c,
-                           ctx_.streams->compute());
+  if (ctx_.stage > 1 || full_grad_elements_ == 0) return absl::OkStatus();
+  return ctx_.device->Zero(grads_, full_grad_elements_ * ctx_.c, ctx_.streams->compute());
 }
 
 }  // namespace zero_internal

@@ -30,6 +30,14 @@
 // Frozen parameters (memory::ParamSpec::frozen) have no gradient: grad, GradReady and
 // SetSource fail naming them, and Step never waits for them.
 //
+// Trainer-owned gradients (memory::ParamSpec::grad_buffer, declared before the plan): a unit
+// the plan reduces in place (memory::GradSource::kInPlace) has no slot of the engine's; it is
+// reduced straight from the trainer's buffer, which SetSource hands over, and with padding
+// the padding lies over other declared gradients of that buffer (Unit::grad_room_params): it
+// is zero-filled on the comm side just before the reduction, which therefore waits until those
+// gradients' units are reduced (MarkReady returns the units in an order that respects this).
+// Every parameter of one declared buffer is handed over from one base address.
+//
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
 #define ZERORT_ZERO_INTERNAL_GRAD_BUCKETS_H_
@@ -57,15 +65,18 @@ class GradBuckets {
   // Every pointer, and `layout`, must outlive this object. The reduced gradients go where
   // `layout` says (Region::grad); `wire`: the plan's fp32 grad_wire scratch (null when neither
   // fp32 option is set).
-  GradBuckets(const UnitContext& ctx, const ShardLayout& layout, const ModelStateBuffers& state,
+  GradBuckets(const UnitContext& ctx, ShardLayout& layout, const ModelStateBuffers& state,
               const SlottedBuffer& buckets, float* wire, char* local = nullptr);
 
   // The compute-dtype gradient buffer of parameter i for this micro-step (zero-filled).
   // FailedPrecondition after its GradReady, or when every bucket holds an unfinished unit.
   absl::StatusOr<void*> Grad(int i);
-  // Marks parameter i ready; returns true when that completes its unit (reduce it next).
-  // FailedPrecondition when it already is.
-  absl::StatusOr<bool> MarkReady(int i);
+  // Marks parameter i ready; returns the units to Reduce now, in this order: i's unit when
+  // that completes it, unless its padding lies over trainer gradients whose units are not yet
+  // reduced (it then comes later), and units that were waiting for i's unit. FailedPrecondition
+  // when i already is ready, or when a gradient the reduction reads from the trainer's buffer
+  // was not handed over (naming it).
+  absl::StatusOr<std::vector<int>> MarkReady(int i);
   // Reduces `unit` (see above); `first_micro`: no earlier micro-step of its accumulation
   // window reduced it (the reduced result is stored, not added); `last_micro`: this is the
   // window's last micro-step (gradient offload measures the final shard). Collective when
@@ -85,8 +96,11 @@ class GradBuckets {
 
   // Parameter i's gradient is read from `buffer` (compute dtype, its numel elements; null
   // undoes it) at MarkReady instead of the engine's slot. Returns true when its unit is reduced
-  // straight from it (the parameter alone fills its padded unit), false when MarkReady copies
-  // it into the slot. FailedPrecondition while its unit is being written in this micro-step.
+  // straight from it, false when MarkReady copies it into the slot. Declared in a trainer
+  // buffer (ParamLayout::grad_buffer): the plan decides (kInPlace), and `buffer` must lie at
+  // the declared offset from where that buffer's other handed-over parameters put its start.
+  // Undeclared: in place when the parameter alone fills its padded unit. FailedPrecondition
+  // while its unit is being written in this micro-step (a declared one: after any GradReady).
   absl::StatusOr<bool> SetSource(int i, void* buffer);
   // DeepSpeed's prescale_gradients / gradient_predivide_factor: every unit is multiplied by
   // `factor` (in the wire dtype, on the comm side, in place) before a reduction that sums
@@ -115,6 +129,9 @@ class GradBuckets {
     int64_t n;
   };
   absl::Status CheckTrainable(int i, const char* call) const;
+  absl::Status SetDeclaredSource(int i, char* buffer);
+  absl::Status CheckRoomHandedOver(int unit) const;
+  bool RoomFree(int unit) const;  // every gradient under its padding has its reduction issued
   absl::StatusOr<int> AcquireBucket(int unit, const memory::ParamLayout& p);
   absl::StatusOr<void*> Slot(int i);  // the engine's buffer for parameter i
   bool direct(int unit) const;        // reduced straight from a SetSource buffer
@@ -128,7 +145,7 @@ class GradBuckets {
   absl::Status ReduceBucket(int u, bool first_micro);                      // stages 2-3
 
   const UnitContext ctx_;
-  const ShardLayout& layout_;
+  ShardLayout& layout_;
   const int gas_;
   const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
   const DType wire_dtype_;  // gradients are reduced in
@@ -136,9 +153,14 @@ class GradBuckets {
   float* const wire_;
   char* const local_;  // grad_local, or null
   char* const grads_;
+  const int64_t full_grad_elements_;  // of grads_ in stages 0-1
   const SlottedBuffer buckets_;
   std::vector<uint8_t> ready_;      // per param
   std::vector<char*> source_;       // per param: SetSource buffer, or null
+  std::vector<uintptr_t> base_;     // per declared trainer buffer: its start, or 0
+  std::vector<int> base_users_;     // per declared trainer buffer: parameters handed over
+  std::vector<uint8_t> issued_;     // per unit: Reduce returned to the caller this micro-step
+  std::vector<int> waiting_;        // complete units whose padding is not free yet
   int reduced_ = 0;                 // units reduced in this micro-step
   bool sync_ = true;                // this micro-step reduces
   int local_micros_ = 0;            // micro-steps of this window summed into grad_local

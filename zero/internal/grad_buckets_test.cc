@@ -27,7 +27,7 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
   ASSIGN_OR_RETURN(auto streams,
                    StreamOrder::Create(dev, nullptr, comm, mem->grad_buckets().count, 0));
   StepTimer timer(world, 4);
-  const ShardLayout layout(plan, mem->model_state());
+  ShardLayout layout(plan, mem->model_state());
   GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), layout,
                     mem->model_state(), mem->grad_buckets(), mem->grad_wire());
   for (int u = 0; u < static_cast<int>(plan.units.size()); ++u) {
@@ -37,8 +37,9 @@ absl::Status Run(int stage, int r, comm::Communicator* comm, Device* dev) {
       for (int64_t k = 0; k < p.numel; ++k) {
         static_cast<float*>(g)[k] = G(r, u, p.offset_in_unit + k);
       }
-      ASSIGN_OR_RETURN(const bool complete, grads.MarkReady(i));
-      if (complete != (i == plan.units[u].params.back())) {
+      ASSIGN_OR_RETURN(const std::vector<int> complete, grads.MarkReady(i));
+      if (complete != (i == plan.units[u].params.back() ? std::vector<int>{u}
+                                                        : std::vector<int>{})) {
         return absl::InternalError("unit completion reported at the wrong parameter");
       }
       if (grads.Grad(i).ok() || grads.MarkReady(i).ok()) {
@@ -101,7 +102,7 @@ absl::Status RunClasses(comm::Communicator* comm, Device* dev) {
   ASSIGN_OR_RETURN(auto streams,
                    StreamOrder::Create(dev, nullptr, comm, mem->grad_buckets().count, 0));
   StepTimer timer(1, 4);
-  const ShardLayout layout(plan, mem->model_state());
+  ShardLayout layout(plan, mem->model_state());
   GradBuckets grads(UnitContext(plan, comm, dev, streams.get(), &timer), layout,
                     mem->model_state(), mem->grad_buckets(), mem->grad_wire());
   const SlottedBuffer& b = mem->grad_buckets();
@@ -118,8 +119,8 @@ absl::Status RunClasses(comm::Communicator* comm, Device* dev) {
   ASSIGN_OR_RETURN(void* big, grads.Grad(0));
   if (big != at(2)) return absl::InternalError("the large unit in the large bucket");
   // Reducing l3 frees its bucket for l1.
-  ASSIGN_OR_RETURN(const bool complete, grads.MarkReady(4));
-  if (!complete) return absl::InternalError("l3 is one parameter");
+  ASSIGN_OR_RETURN(const std::vector<int> complete, grads.MarkReady(4));
+  if (complete != std::vector<int>{0}) return absl::InternalError("l3 is one parameter");
   RETURN_IF_ERROR(grads.Reduce(0, /*first_micro=*/true));
   ASSIGN_OR_RETURN(void* again, grads.Grad(2));
   if (again != at(0)) return absl::InternalError("l1 in the bucket l3 freed");

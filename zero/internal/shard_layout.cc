@@ -29,13 +29,19 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
                            : at(b.params, unit.flat_offset + r.unit_begin);
   }
   if (r.frozen) return r;  // parameters only
+  // The full gradients hold only the units not reduced in place (grad_offset < 0): without
+  // accumulation those keep their result in the trainer's buffer (SetGradInTrainerBuffer).
+  auto full = [&](int64_t within) {
+    return unit.grad_offset < 0 ? nullptr : at(b.grads, unit.grad_offset + within);
+  };
   switch (o.stage) {
     case 0:
-      r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : at(b.grads, unit.flat_offset);
+      r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : full(0);
       break;
     case 1:
-      r.grad = stage1_accum ? at_grad(b.accum, unit.shard_offset)
-                          : at(b.grads, unit.flat_offset + r.unit_begin);
+      r.grad = stage1_accum                 ? at_grad(b.accum, unit.shard_offset)
+               : unit.grad_shard_offset >= 0 ? at_grad(b.accum, unit.grad_shard_offset)
+                                             : full(r.unit_begin);
       break;
     default:
       r.grad = at_grad(b.grads, unit.shard_offset);
@@ -52,6 +58,13 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
 }
 
 }  // namespace
+
+void ShardLayout::SetGradInTrainerBuffer(int unit, char* unit_base) {
+  Region& r = regions_[unit];
+  // Stage 0 reduces the whole unit there; stage 1 this rank's block of it.
+  const int64_t es = static_cast<int64_t>(DTypeSize(r.grad_dtype));
+  r.grad = unit_base == nullptr ? nullptr : unit_base + r.unit_begin * es;
+}
 
 ShardLayout::ShardLayout(const memory::Plan& plan, const ModelStateBuffers& buffers) {
   regions_.reserve(plan.units.size());

@@ -18,12 +18,19 @@
 // With offload_optimizer (memory::GradOffload) the reduced gradient is in host memory: the
 // reductions run in device buffers and GradBuckets copies each result there.
 //
+// Stages 0-1 hold full gradients only for units not reduced in place in the trainer's buffer
+// (memory::Unit::grad_offset). Without accumulation the reduced gradient of a unit reduced in
+// place that fills its padded size stays in the trainer's buffer (memory::
+// ReducedInTrainerBuffer): its `grad` is null until the trainer hands the buffer over
+// (SetGradInTrainerBuffer); stage 1 keeps that of one with padding in the plan's grad_reduced
+// (memory::Unit::grad_shard_offset).
+//
 // Frozen units (plan.units[u].frozen, after every trainable unit) have parameters only.
 //
 // Every engine path that touches owned state (InitParams, the optimizer, snapshots, restore,
 // GatherMasterWeights, the offload pipeline) reads this table instead of redoing the arithmetic.
 //
-// Thread safety: immutable after construction.
+// Thread safety: immutable after construction but for SetGradInTrainerBuffer; not thread-safe.
 #ifndef ZERORT_ZERO_INTERNAL_SHARD_LAYOUT_H_
 #define ZERORT_ZERO_INTERNAL_SHARD_LAYOUT_H_
 
@@ -75,6 +82,12 @@ class ShardLayout {
 
   const Region& region(int unit) const { return regions_[unit]; }
   int num_units() const { return static_cast<int>(regions_.size()); }
+
+  // A unit reduced in place whose reduced gradient stays in the trainer's buffer (see above):
+  // `unit_base` is where the unit's first element lies there (null: not handed over). Set
+  // by GradBuckets when the trainer hands its buffer over; read by the step.
+  // REQUIRES: memory::ReducedInTrainerBuffer(plan, its unit).
+  void SetGradInTrainerBuffer(int unit, char* unit_base);
 
  private:
   std::vector<Region> regions_;
