@@ -261,7 +261,7 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   // the group shard, world / G times the file's); the file takes flat shard file_rank's range
   // of every unit from it, adjacent ranges merged (flat: one piece per file).
   const size_t owned = static_cast<size_t>(plan.shard_elements);
-  const int replica = p->file_rank % (plan.options.world_size / memory::ShardGroupSize(plan.options));
+  const int replica = plan.options.rank / memory::ShardGroupSize(plan.options);
   for (int k = 0; k < m.num_sections(); ++k) {
     const size_t es = k == 3 ? DTypeSize(m.compute_dtype) : 4;
     for (size_t u = 0; u < plan.units.size(); ++u) {

@@ -143,7 +143,9 @@ TEST_CASE("Engine 2-D: 2 tensor-parallel x 2 data-parallel ranks match the seria
       testing::SerialAdamW(WholeModel(), kDp, kSteps, 1, kClip, config.optimizer);
   const std::vector<memory::ParamSpec> whole = WholeModel();
   std::vector<int64_t> whole_offset(whole.size() + 1, 0);
-  for (size_t i = 0; i < whole.size(); ++i) whole_offset[i + 1] = whole_offset[i] + whole[i].numel();
+  for (size_t i = 0; i < whole.size(); ++i) {
+    whole_offset[i + 1] = whole_offset[i] + whole[i].numel();
+  }
   const std::vector<memory::ParamSpec> halves = HalfModel();
 
   for (int stage = 1; stage <= 3; ++stage) {
