@@ -43,8 +43,9 @@ struct Layout {
   int stage;
 };
 
+// "HSDP GxR": shard groups of G ranks, R of them (engine_hsdp_test's naming).
 std::string Name(const Layout& l) {
-  return l.mics > 0 ? absl::StrCat("HSDP ", l.world / l.mics, "x", l.mics, " stage ", l.stage)
+  return l.mics > 0 ? absl::StrCat("HSDP ", l.mics, "x", l.world / l.mics, " stage ", l.stage)
                     : absl::StrCat("flat ", l.world, " stage ", l.stage);
 }
 

@@ -17,11 +17,15 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
+#include "checkpoint/checkpoint.h"
 #include "comm/agree.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
@@ -65,10 +69,12 @@ struct Half {
   std::vector<float> master;
   std::vector<double> norms;
   std::vector<double> coefs;
+  std::vector<float> reloaded;  // from this half's checkpoint
 };
 
 absl::StatusOr<Half> TrainHalf(int stage, int tp, int dp, comm::Communicator* tp_comm,
-                               comm::Communicator* dp_comm, Device* device) {
+                               comm::Communicator* dp_comm, Device* device,
+                               const std::string& ckpt_root) {
   Config c = testing::TestConfig(stage, DType::kF32, /*gas=*/1, /*clip=*/kClip, false);
   ASSIGN_OR_RETURN(auto e, Engine::Create(c, HalfModel(), dp_comm, device));
   RETURN_IF_ERROR(e->InitParams([tp](int i, const memory::ParamSpec& spec, float* v) {
@@ -118,6 +124,13 @@ absl::StatusOr<Half> TrainHalf(int stage, int tp, int dp, comm::Communicator* tp
     out.coefs.push_back(coef);
   }
   ASSIGN_OR_RETURN(out.master, e->GatherMasterWeights());
+  // Each tensor-parallel rank checkpoints its engine into a root of its own (the engines hold
+  // different slices), and a fresh engine of the same slices reads it back.
+  const std::string root = absl::StrCat(ckpt_root, "/tp_", tp);
+  RETURN_IF_ERROR(SaveCheckpoint(*e, root).status());
+  ASSIGN_OR_RETURN(auto fresh, Engine::Create(c, HalfModel(), dp_comm, device));
+  RETURN_IF_ERROR(LoadCheckpoint(*fresh, root));
+  ASSIGN_OR_RETURN(out.reloaded, fresh->GatherMasterWeights());
   return out;
 }
 
@@ -151,6 +164,7 @@ TEST_CASE("Engine 2-D: 2 tensor-parallel x 2 data-parallel ranks match the seria
   for (int stage = 1; stage <= 3; ++stage) {
     INFO("stage " << stage);
     auto device = CreateCpuDevice();
+    const std::string root = testing::TempDir("tp_dp_ckpt_");
     std::vector<Half> runs(kTp * kDp);
     // Rank = dp * kTp + tp: the tensor-parallel ranks of one replica are neighbours (as on one
     // node's fast links), the data-parallel group is every kTp-th rank.
@@ -163,7 +177,7 @@ TEST_CASE("Engine 2-D: 2 tensor-parallel x 2 data-parallel ranks match the seria
             return absl::InternalError("unexpected split");
           }
           ASSIGN_OR_RETURN(runs[r], TrainHalf(stage, tp, dp, tp_comm.get(), dp_comm.get(),
-                                              device.get()));
+                                              device.get(), root));
           return absl::OkStatus();
         });
     for (int r = 0; r < kTp * kDp; ++r) {
@@ -184,6 +198,7 @@ TEST_CASE("Engine 2-D: 2 tensor-parallel x 2 data-parallel ranks match the seria
     for (int r = 0; r < kTp * kDp; ++r) {
       const int tp = r % kTp;
       REQUIRE(runs[r].master == runs[tp].master);
+      CHECK(runs[r].reloaded == runs[r].master);
       int64_t at = 0;
       for (int i = 0; i < static_cast<int>(halves.size()); ++i) {
         for (int64_t k = 0; k < halves[i].numel(); ++k, ++at) {
