@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "base/status.h"
 #include "comm/inprocess.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
@@ -87,13 +88,56 @@ struct Run {
   std::vector<testing::TrainResult> ranks;
   std::vector<absl::Status> errors;
   std::vector<CountingComm::Log> logs;
+  // Per rank: every parameter byte the trainer read after a Gather, in order (read_gathers).
+  std::vector<std::vector<char>> seen;
 };
+
+// Gathers `u`, appends its parameters' bytes to `seen`, releases it.
+absl::Status ReadUnit(Engine& e, int u, std::vector<char>* seen) {
+  RETURN_IF_ERROR(e.Gather(u));
+  const size_t c = DTypeSize(e.plan().options.compute_dtype);
+  for (int i : e.plan().units[u].params) {
+    ASSIGN_OR_RETURN(void* p, e.param(i));
+    const size_t bytes = static_cast<size_t>(e.plan().params[i].numel) * c;
+    const size_t at = seen->size();
+    seen->resize(at + bytes);
+    RETURN_IF_ERROR(e.device()->Copy(seen->data() + at, p, bytes, e.compute_stream()));
+    RETURN_IF_ERROR(e.device()->Synchronize(e.compute_stream()));
+  }
+  return e.Release(u);
+}
+
+// The synthetic trainer's gradients do not depend on the parameters, so a wrong re-gather
+// would not show in the masters: this loop reads what every gather hands the trainer. Each
+// micro-step reads every unit in forward order, again in backward order (re-gathers: with hpZ
+// from the node's secondary blocks), then runs the synthetic forward and backward and steps.
+absl::Status TrainReading(const Config& config, comm::Communicator* comm, Device* device,
+                          int steps, Device::Stream stream, std::vector<char>* seen) {
+  EngineOptions options;
+  options.compute_stream = stream;
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
+                   Engine::Create(config, SmallModel(), comm, device, options));
+  RETURN_IF_ERROR(testing::SetInitValues(*e));
+  std::vector<std::vector<char>> host;
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < config.gradient_accumulation_steps; ++micro) {
+      for (int u = e->num_units() - 1; u >= 0; --u) RETURN_IF_ERROR(ReadUnit(*e, u, seen));
+      for (int u = 0; u < e->num_units(); ++u) RETURN_IF_ERROR(ReadUnit(*e, u, seen));
+      RETURN_IF_ERROR(testing::Backward(*e, step, micro, &host));
+      RETURN_IF_ERROR(e->Step().status());
+      RETURN_IF_ERROR(e->device()->Synchronize(e->compute_stream()));
+      host.clear();
+    }
+  }
+  return absl::OkStatus();
+}
 
 // `steps` optimizer steps of the synthetic trainer on `world` ranks (one thread each), on the
 // in-process group, or with `stream_ordered` on the stream-ordered test group over a CPU device
 // whose streams run late on threads of their own (the secondary blocks are then written and
 // read by delayed stream work).
-Run Train(const Config& config, int world, int steps, bool stream_ordered = false) {
+Run Train(const Config& config, int world, int steps, bool stream_ordered = false,
+          bool read_gathers = false) {
   CpuDeviceOptions o;
   o.threads = 1;
   o.async_streams = stream_ordered;
@@ -108,12 +152,18 @@ Run Train(const Config& config, int world, int steps, bool stream_ordered = fals
   run.ranks.resize(world);
   run.errors.resize(world);
   run.logs.resize(world);
+  run.seen.resize(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       CountingComm counted((*comms)[r].get(), &run.logs[r]);
       Device::Stream stream = nullptr;
       if (stream_ordered) stream = device->CreateStream().value();
+      if (read_gathers) {
+        run.errors[r] = TrainReading(config, &counted, device.get(), steps, stream, &run.seen[r]);
+        if (stream != nullptr) device->DestroyStream(stream);
+        return;
+      }
       auto result = testing::TrainRank(config, SmallModel(), &counted, device.get(), steps, -1,
                                        -1, stream);
       if (stream != nullptr) device->DestroyStream(stream);
@@ -293,6 +343,43 @@ TEST_CASE("MiCS hierarchical gather on the stream-ordered group with delayed str
       CAPTURE(r);
       CHECK(BitEqual(mics.ranks[r].master, flat.ranks[0].master));
       CHECK(mics.ranks[r].params == flat.ranks[0].params);
+    }
+  }
+}
+
+TEST_CASE("hpZ and the hierarchical gather: every gather hands the trainer flat stage 3's "
+          "parameters", "[zero][hpz]") {
+  // Re-gathers within a step (hpZ's node gathers) and every two-step gather are compared, byte
+  // for byte, with what flat stage 3 hands the trainer at the same point; on the in-process
+  // group and on the stream-ordered one with delayed streams.
+  for (bool stream_ordered : {false, true}) {
+    for (int gas : {1, 2}) {
+      const Variant v{"", false, false, gas};
+      INFO((stream_ordered ? "stream-ordered" : "in-process") << ", " << gas << " micro-steps");
+      const Run flat = Train(Make(3, v), 8, 3, stream_ordered, /*read_gathers=*/true);
+      RequireOk(flat);
+      REQUIRE(!flat.seen[0].empty());
+      struct Layout {
+        const char* name;
+        int hpz, mics, per_node;
+      };
+      for (Layout l : {Layout{"hpZ 4", 4, -1, 0}, Layout{"hpZ 2", 2, -1, 0},
+                       Layout{"MiCS 8, hierarchical over 2 per node", 1, 8, 2},
+                       Layout{"MiCS 4, hierarchical over 2 per node", 1, 4, 2}}) {
+        INFO(l.name);
+        Config c = Make(3, v);
+        c.zero.zero_hpz_partition_size = l.hpz;
+        c.zero.mics_shard_size = l.mics;
+        c.zero.mics_hierarchical_params_gather = l.mics > 0;
+        c.ranks_per_node = l.per_node;
+        const Run run = Train(c, 8, 3, stream_ordered, /*read_gathers=*/true);
+        RequireOk(run);
+        for (int r = 0; r < 8; ++r) {
+          CAPTURE(r);
+          CHECK(run.seen[r] == flat.seen[0]);
+        }
+        if (l.hpz > 1) CHECK(run.logs[0].calls.at(l.hpz) > 0);
+      }
     }
   }
 }
