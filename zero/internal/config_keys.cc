@@ -185,10 +185,10 @@ absl::Span<const KeyDef> ZeroKeys() {
               "false"),
       Foreign("zero_optimization.zero_quantized_gradients", "quantized communication", "false"),
       Foreign("zero_optimization.zeropp_loco_param", "quantized communication", "null"),
-      Int("zero_optimization.zero_hpz_partition_size", M(zero.zero_hpz_partition_size), 1),
       Int("zero_optimization.mics_shard_size", M(zero.mics_shard_size), -1),
       Scalar("zero_optimization.mics_hierarchical_params_gather",
              M(zero.mics_hierarchical_params_gather)),
+      Int("zero_optimization.zero_hpz_partition_size", M(zero.zero_hpz_partition_size), 1),
       Foreign("zero_optimization.zenflow",
               "ZenFlow, DeepSpeed's split of the offloaded update between device and host, is not "
               "zerort's: its offloaded step updates every owned shard with the host AdamW"),
