@@ -132,10 +132,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
   }
   if (o.hierarchical_gather) {
     const int G = o.shard_group_size, L = o.ranks_per_node;
-    if (G <= 0) {
-      return absl::InvalidArgumentError(
-          "mics_hierarchical_params_gather requires mics_shard_size (it splits the all-gather "
-          "within a MiCS shard group)");
+    if (G <= 0 || o.stage == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather requires mics_shard_size and stage 1, 2 or 3 "
+          "(mics_shard_size is ", G, ", zero_optimization.stage ", o.stage, "): it splits the "
+          "parameter all-gather within a MiCS shard group"));
     }
     if (L <= 0) {
       return absl::InvalidArgumentError(absl::StrCat(
