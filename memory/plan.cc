@@ -99,6 +99,58 @@ absl::Status ValidateOptions(const PlanOptions& o) {
         "mics_shard_size ", o.shard_group_size, " requires stage 1, 2 or 3 (zero_optimization."
         "stage is 0): stage 0 shards nothing, so there is no group to shard within"));
   }
+  if (o.ranks_per_node < 0 || (o.ranks_per_node > 0 && o.world_size % o.ranks_per_node != 0)) {
+    return bad("ranks_per_node (zerort.ranks_per_node)", o.ranks_per_node,
+               absl::StrCat("0 (not known) or a divisor of world_size ", o.world_size));
+  }
+  if (o.hpz_partition_size < 1 || o.world_size % o.hpz_partition_size != 0) {
+    return bad("hpz_partition_size (zero_hpz_partition_size)", o.hpz_partition_size,
+               absl::StrCat("a divisor of world_size ", o.world_size, " (1: off)"));
+  }
+  if (o.hpz_partition_size > 1) {
+    const std::string k = absl::StrCat("zero_hpz_partition_size ", o.hpz_partition_size);
+    if (o.stage != 3) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " requires stage 3 (zero_optimization.stage is ", o.stage,
+          "): hpZ keeps a secondary partition of the stage-3 parameters"));
+    }
+    if (o.shard_group_size > 0 && o.shard_group_size < o.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with mics_shard_size ", o.shard_group_size, ": hpZ's primary partition is "
+          "flat over the world; use one of the two"));
+    }
+    if (o.hierarchical_gather) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with mics_hierarchical_params_gather: use one of the two"));
+    }
+    if (o.offload_param) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with offload_param: not supported (the secondary partition would keep 1/",
+          o.hpz_partition_size, " of the parameters on the device that offload_param moves "
+          "off it); set zero_hpz_partition_size 1 or offload_param.device none"));
+    }
+  }
+  if (o.hierarchical_gather) {
+    const int G = o.shard_group_size, L = o.ranks_per_node;
+    if (G <= 0 || o.stage == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather requires mics_shard_size and stage 1, 2 or 3 "
+          "(mics_shard_size is ", G, ", zero_optimization.stage ", o.stage, "): it splits the "
+          "parameter all-gather within a MiCS shard group"));
+    }
+    if (L <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather needs the ranks per node: set zerort.ranks_per_node "
+          "(torchrun: $LOCAL_WORLD_SIZE; mpirun: $OMPI_COMM_WORLD_LOCAL_SIZE) with "
+          "mics_shard_size ", G));
+    }
+    if (G <= L || G % L != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather with mics_shard_size ", G, " and zerort.ranks_per_node ",
+          L, ": the shard group must span whole nodes (a multiple of ranks_per_node larger "
+          "than it); a group within one node has no across-node step"));
+    }
+  }
   if (o.param_alignment < 1) return bad("param_alignment", o.param_alignment, ">= 1");
   if (o.grad_bucket_count < 1) return bad("grad_bucket_count", o.grad_bucket_count, ">= 1");
   if (o.persistence_threshold < 0) return bad("persistence_threshold", o.persistence_threshold, ">= 0");
@@ -548,6 +600,20 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     }
     AddBuffer(plan, math, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
               totals.persistent_elements);
+    if (Hpz(o)) {
+      // Every gathered unit's secondary block stays until the next update: 1/K of each.
+      int64_t secondary = 0;
+      for (int64_t padded : totals.gathered_sizes) {
+        secondary = math->Add(secondary, padded / o.hpz_partition_size, "hpz_secondary size");
+      }
+      AddBuffer(plan, math, "hpz_secondary", BufferClass::kHpzSecondary, MemoryKind::kDevice, c,
+                secondary);
+    }
+  }
+  if (o.hierarchical_gather && o.stage >= 1) {
+    // Every all-gather goes through it, the largest unit's included (stage 1-2 updates).
+    AddBuffer(plan, math, "gather_stage", BufferClass::kGatherStage, MemoryKind::kDevice, c,
+              plan->max_unit_elements / o.ranks_per_node);
   }
   if (o.offload_optimizer && (!o.offload_param || o.offload_param_nvme)) {
     // Each chunk carries one unit's new parameter shard up to the device (or into the NVMe
@@ -612,27 +678,81 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   auto across = [&](int64_t elements) {
     return mul(2, mul(mul(elements / G / R, R - 1), wb));
   };
-  int64_t within = 0, crossing = 0;
+  // Link classes (ranks_per_node L known): a collective is intra-node when every rank of this
+  // rank's group for it sits in this rank's node.
+  const int64_t L = o.ranks_per_node, r = o.rank;
+  auto spans = [&](int64_t first, int64_t stride, int64_t n) {
+    return L > 0 && first / L != (first + stride * (n - 1)) / L;
+  };
+  auto consecutive_spans = [&](int64_t n) { return spans(r - r % n, 1, n); };
+  int64_t within = 0, crossing = 0, intra = 0, inter = 0;
+  auto place = [&](int64_t bytes, bool spanning) {
+    if (spanning) {
+      inter = add(inter, bytes);
+    } else {
+      intra = add(intra, bytes);
+    }
+  };
+  // `times` reductions of `elements`: in the group, then (HSDP) across the groups.
+  auto reduce = [&](int64_t times, int64_t elements, int passes) {
+    const int64_t in_group = mul(times, mul(passes, reduction(elements)));
+    within = add(within, in_group);
+    place(in_group, consecutive_spans(G));
+    if (R == 1) return;
+    const int64_t across_groups = mul(times, across(elements));
+    crossing = add(crossing, across_groups);
+    place(across_groups, spans(r % G, G, R));
+  };
+  // `times` all-gathers of `elements` within the shard group; MiCS's hierarchical gather sends
+  // 1/G of them to each of the G/L - 1 other nodes, then G/L blocks within the node.
+  auto gather = [&](int64_t times, int64_t elements) {
+    if (o.hierarchical_gather) {
+      const int64_t c = elements / G, nodes = G / L;
+      const int64_t across_nodes = mul(times, mul(mul(c, nodes - 1), cb));
+      const int64_t in_node = mul(times, mul(mul(mul(c, nodes), L - 1), cb));
+      within = add(within, add(across_nodes, in_node));
+      inter = add(inter, across_nodes);
+      intra = add(intra, in_node);
+      return;
+    }
+    const int64_t bytes = mul(times, collective(elements));
+    within = add(within, bytes);
+    place(bytes, consecutive_spans(G));
+  };
   switch (o.stage) {
     case 0:
-      within = mul(reductions, mul(2, reduction(Et)));
+      reduce(reductions, Et, 2);
       break;
     case 1:
     case 2:
-      within = add(mul(reductions, reduction(Et)), collective(Et));
-      crossing = mul(reductions, across(Et));
+      reduce(reductions, Et, 1);
+      gather(1, Et);
       break;
-    case 3:
+    case 3: {
       // Forward and backward gather every non-persistent unit; persistent trainable units are
-      // gathered once after the step.
-      within = add(mul(gas, add(mul(2, collective(E - persistent)), reduction(Et))),
-                   collective(totals.trainable_persistent_elements));
-      crossing = mul(gas, across(Et));
+      // gathered once after the step. hpZ: a unit's first gather after the update runs over
+      // the world, the 2 x gas - 1 others over its K ranks (K - 1 blocks of 1/K each).
+      reduce(gas, Et, 1);
+      gather(1, totals.trainable_persistent_elements);
+      if (!Hpz(o)) {
+        gather(mul(2, gas), E - persistent);
+        break;
+      }
+      gather(1, E - persistent);
+      const int64_t K = o.hpz_partition_size;
+      const int64_t node = mul(mul(2, gas) - 1, mul(mul((E - persistent) / K, K - 1), cb));
+      within = add(within, node);
+      place(node, consecutive_spans(K));
       break;
+    }
   }
   plan->comm_bytes_within_group_per_step = within;
   plan->comm_bytes_across_groups_per_step = crossing;
   plan->comm_bytes_per_step = add(within, crossing);
+  if (L > 0) {
+    plan->comm_bytes_intra_node_per_step = intra;
+    plan->comm_bytes_inter_node_per_step = inter;
+  }
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
@@ -747,6 +867,10 @@ const char* BufferClassName(BufferClass c) {
       return "grad_accum_stage";
     case BufferClass::kNormPartials:
       return "norm_partials";
+    case BufferClass::kHpzSecondary:
+      return "hpz_secondary";
+    case BufferClass::kGatherStage:
+      return "gather_stage";
   }
   return "unknown";
 }

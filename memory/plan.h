@@ -103,6 +103,10 @@ enum class BufferClass {
                      // device, where a micro-step adds into the host-resident sum
   kNormPartials,     // gradient offload, pinned: (units) fp32 squared-norm partials, then one
                      // finiteness byte per unit, written by the device as each shard leaves
+  kHpzSecondary,     // hpZ (stage 3): this rank's 1/K of every gathered unit, kept from its
+                     // first all-gather after an update for the gathers that stay in the node
+  kGatherStage,      // MiCS hierarchical gather: the across-node step's output of the largest
+                     // unit (padded / ranks_per_node), before it moves to its place in the unit
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);
@@ -190,6 +194,22 @@ struct PlanOptions {
   // consecutive flat shards, which keeps the gradient norm's partials those of
   // the flat layout (bitwise the same norm). REQUIRES: divides world_size; stages 1-3.
   int shard_group_size = 0;
+  // hpZ (ZeRO++'s zero_hpz_partition_size K, stage 3): the primary partition stays flat over
+  // the world; a unit's first all-gather after an update also keeps this rank's 1/K of it
+  // (rank r: block r % K of K) in hpz_secondary, and every later gather of the unit before the
+  // next update all-gathers those blocks within the K consecutive ranks r - r % K ... (a node).
+  // 1: off. REQUIRES: divides world_size; stage 3; flat (shard_group_size 0 or world_size);
+  // no offload_param.
+  int hpz_partition_size = 1;
+  // MiCS's mics_hierarchical_params_gather: each all-gather within a shard group runs in two
+  // steps, across nodes among the group's ranks of one node position (into gather_stage), then
+  // within the node. REQUIRES: shard_group_size > 0 and a multiple of ranks_per_node > 0
+  // larger than it (the group spans nodes).
+  bool hierarchical_gather = false;
+  // Consecutive ranks per node (zerort.ranks_per_node), 0: not known. When known the plan
+  // splits comm_bytes_per_step by link class (comm_bytes_intra/inter_node_per_step).
+  // REQUIRES: 0 or a divisor of world_size.
+  int ranks_per_node = 0;
 };
 
 // Where parameter i lives.
@@ -246,6 +266,11 @@ struct Plan {
   // in the group, then an all-reduce of the shard across the groups' same-position ranks.
   int64_t comm_bytes_within_group_per_step = 0;
   int64_t comm_bytes_across_groups_per_step = 0;
+  // With options.ranks_per_node: comm_bytes_per_step again, by whether a collective's ranks
+  // all sit in one node (intra) or not (inter; its every byte counted there, as the slowest
+  // link it uses sets its time). Both 0 when ranks_per_node is 0.
+  int64_t comm_bytes_intra_node_per_step = 0;
+  int64_t comm_bytes_inter_node_per_step = 0;
   // Offload: device<->host copies per step: gradient shards down in every micro-step (and,
   // accumulating, the running sum up for each after the first), parameter shards up.
   int64_t host_transfer_bytes_per_step = 0;
@@ -269,6 +294,8 @@ inline int ShardGroupSize(const PlanOptions& o) {
 inline int ShardIndex(const PlanOptions& o) { return o.rank % ShardGroupSize(o); }
 // More than one shard group: stages 1-3 replicate the group's shards across groups.
 inline bool Hierarchical(const PlanOptions& o) { return ShardGroupSize(o) < o.world_size; }
+// hpZ: stage-3 gathers after a unit's first one since an update stay within K ranks.
+inline bool Hpz(const PlanOptions& o) { return o.hpz_partition_size > 1 && o.stage == 3; }
 
 // The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
 // precision, else the compute dtype), and the dtype gradients are reduced in on the wire.

@@ -9,6 +9,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
+
 namespace zerort {
 namespace memory {
 namespace {
@@ -845,6 +847,96 @@ TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class
   o.shard_group_size = 4;
   o.stage = 0;
   CHECK(MakePlan(specs, o).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gather and hpZ",
+          "[memory][hsdp][hpz]") {
+  // One 8192-element unit (a multiple of 16 * 128: no padding) on 16 ranks, 4 nodes of 4,
+  // bf16, one micro-step, rank 6 (node 1). In nccl-tests' convention a gather or reduce-scatter
+  // of n over g ranks sends n (g - 1) / g; a collective whose ranks span nodes counts whole
+  // as inter-node.
+  std::vector<ParamSpec> specs = {{"w", {64, 128}, "m"}};
+  PlanOptions o;
+  o.stage = 3;
+  o.world_size = 16;
+  o.rank = 6;
+  o.persistence_threshold = 0;
+  o.compute_dtype = DType::kBF16;
+  o.ranks_per_node = 4;
+  const int64_t n = 8192, b = 2;
+  auto plan = [&](const PlanOptions& p) {
+    absl::StatusOr<Plan> made = MakePlan(specs, p);
+    REQUIRE(made.ok());
+    return *made;
+  };
+  {
+    INFO("flat: two gathers and a reduce-scatter over 16 ranks, all across nodes");
+    const Plan p = plan(o);
+    CHECK(p.comm_bytes_intra_node_per_step == 0);
+    CHECK(p.comm_bytes_inter_node_per_step == 3 * n / 16 * 15 * b);
+    CHECK(p.comm_bytes_per_step == p.comm_bytes_inter_node_per_step);
+  }
+  {
+    INFO("HSDP in groups of one node: gathers and reduce-scatter within it, the all-reduce of "
+         "the 2048-element shard across the 4 groups");
+    PlanOptions h = o;
+    h.shard_group_size = 4;
+    const Plan p = plan(h);
+    CHECK(p.comm_bytes_intra_node_per_step == 3 * n / 4 * 3 * b);
+    CHECK(p.comm_bytes_inter_node_per_step == 2 * 2048 / 4 * 3 * b);
+    CHECK(p.comm_bytes_intra_node_per_step + p.comm_bytes_inter_node_per_step ==
+          p.comm_bytes_per_step);
+  }
+  {
+    INFO("MiCS in groups of 8 (2 nodes) with the hierarchical gather: of each gather, 1/8 of "
+         "the unit to the group's other node, then 2 blocks of 1/8 within the node of 4");
+    PlanOptions h = o;
+    h.shard_group_size = 8;
+    const Plan flat_gather = plan(h);
+    h.hierarchical_gather = true;
+    const Plan p = plan(h);
+    const int64_t across = n / 8 * 1 * b, within = n / 8 * 2 * 3 * b;
+    const int64_t reduce = n / 8 * 7 * b, allreduce = 2 * 1024 / 2 * 1 * b;
+    CHECK(p.comm_bytes_inter_node_per_step == 2 * across + reduce + allreduce);
+    CHECK(p.comm_bytes_intra_node_per_step == 2 * within);
+    // The same total as the flat gather over the group: the gather only moves differently.
+    CHECK(p.comm_bytes_per_step == flat_gather.comm_bytes_per_step);
+    CHECK(flat_gather.comm_bytes_intra_node_per_step == 0);
+    const Buffer* stage = p.Find(BufferClass::kGatherStage);
+    REQUIRE(stage != nullptr);
+    CHECK(stage->elements == n / 4);  // 2 blocks of 1/8: the across-node step's output
+    CHECK(p.device_bytes() == flat_gather.device_bytes() + stage->bytes);
+  }
+  {
+    INFO("hpZ over the node (K = 4), 3 micro-steps: the first gather over 16 ranks, the 5 "
+         "others within the node; the secondary blocks are 1/4 of the unit");
+    PlanOptions h = o;
+    h.gradient_accumulation_steps = 3;
+    const Plan flat = plan(h);
+    h.hpz_partition_size = 4;
+    const Plan p = plan(h);
+    CHECK(p.comm_bytes_inter_node_per_step == (1 + 3) * n / 16 * 15 * b);
+    CHECK(p.comm_bytes_intra_node_per_step == 5 * n / 4 * 3 * b);
+    CHECK(p.comm_bytes_per_step ==
+          p.comm_bytes_inter_node_per_step + p.comm_bytes_intra_node_per_step);
+    const Buffer* secondary = p.Find(BufferClass::kHpzSecondary);
+    REQUIRE(secondary != nullptr);
+    CHECK(secondary->elements == n / 4);
+    CHECK(p.device_bytes() == flat.device_bytes() + n / 4 * b);
+    CHECK(flat.Find(BufferClass::kHpzSecondary) == nullptr);
+  }
+  {
+    INFO("without ranks_per_node no link classes; a bad one is refused by name");
+    PlanOptions h = o;
+    h.ranks_per_node = 0;
+    const Plan p = plan(h);
+    CHECK(p.comm_bytes_intra_node_per_step == 0);
+    CHECK(p.comm_bytes_inter_node_per_step == 0);
+    h.ranks_per_node = 3;
+    auto refused = MakePlan(specs, h);
+    CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
+    CHECK(absl::StrContains(refused.status().message(), "ranks_per_node"));
+  }
 }
 
 }  // namespace

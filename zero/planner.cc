@@ -48,6 +48,9 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.prefetch_elements = sizes.prefetch_bucket_size;
   o.max_live_elements = std::max<int64_t>(1, c.zero.stage3_max_live_parameters);
   o.shard_group_size = std::max(0, c.zero.mics_shard_size);  // -1 and 0: flat
+  o.hpz_partition_size = c.zero.zero_hpz_partition_size;
+  o.hierarchical_gather = c.zero.mics_hierarchical_params_gather;
+  o.ranks_per_node = c.ranks_per_node;
   return o;
 }
 

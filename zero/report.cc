@@ -40,6 +40,18 @@ std::string PlanTable(const memory::Plan& plan) {
                           "(per-rank figures below are at the group size)\n",
                           memory::ShardGroupSize(o), o.world_size / memory::ShardGroupSize(o));
   }
+  if (o.hierarchical_gather) {
+    absl::StrAppendFormat(&out,
+                          "MiCS hierarchical gather: across %d nodes of the group, then within "
+                          "%d ranks per node\n",
+                          memory::ShardGroupSize(o) / o.ranks_per_node, o.ranks_per_node);
+  }
+  if (memory::Hpz(o)) {
+    absl::StrAppendFormat(&out,
+                          "hpZ: secondary partition over %d consecutive ranks (hpz_secondary); "
+                          "a unit's gathers after its first since the update stay within them\n",
+                          o.hpz_partition_size);
+  }
   for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
     if (plan.bytes_by_kind[k] == 0) continue;
     absl::StrAppendFormat(&out, "\n%s memory per rank: %s\n",
@@ -68,6 +80,11 @@ std::string PlanTable(const memory::Plan& plan) {
     absl::StrAppendFormat(&out, " (within the shard group %s, across groups %s)",
                           HumanBytes(plan.comm_bytes_within_group_per_step),
                           HumanBytes(plan.comm_bytes_across_groups_per_step));
+  }
+  if (o.ranks_per_node > 0) {
+    absl::StrAppendFormat(&out, " (%d ranks per node: intra-node %s, inter-node %s)",
+                          o.ranks_per_node, HumanBytes(plan.comm_bytes_intra_node_per_step),
+                          HumanBytes(plan.comm_bytes_inter_node_per_step));
   }
   if (plan.host_transfer_bytes_per_step > 0) {
     absl::StrAppendFormat(&out, "; device<->host copies per step: %s",
@@ -103,6 +120,12 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
   j["shard_group_size"] = memory::ShardGroupSize(o);
   j["comm_bytes_within_group_per_step"] = plan.comm_bytes_within_group_per_step;
   j["comm_bytes_across_groups_per_step"] = plan.comm_bytes_across_groups_per_step;
+  // With zerort.ranks_per_node: by whether a collective stays within one node.
+  j["hpz_partition_size"] = o.hpz_partition_size;
+  j["hierarchical_gather"] = o.hierarchical_gather;
+  j["ranks_per_node"] = o.ranks_per_node;
+  j["comm_bytes_intra_node_per_step"] = plan.comm_bytes_intra_node_per_step;
+  j["comm_bytes_inter_node_per_step"] = plan.comm_bytes_inter_node_per_step;
   j["host_transfer_bytes_per_step"] = plan.host_transfer_bytes_per_step;
   nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
   for (const memory::Buffer& b : plan.buffers) {

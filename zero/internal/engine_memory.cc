@@ -85,6 +85,8 @@ void EngineMemory::Assign(const memory::Buffer& b, char* p) {
     case BufferClass::kNvmeParamBuffers: nvme_param_buffers_ = slotted; break;
     case BufferClass::kGradAccumStage: grad_accum_stage_ = p; break;
     case BufferClass::kNormPartials: norm_partials_ = reinterpret_cast<float*>(p); break;
+    case BufferClass::kHpzSecondary: hpz_secondary_ = p; break;
+    case BufferClass::kGatherStage: gather_stage_ = p; break;
   }
 }
 

@@ -70,6 +70,10 @@ class EngineMemory {
   const SlottedBuffer& nvme_staging() const { return nvme_staging_; }    // NVMe state
   const SlottedBuffer& nvme_param_buffers() const { return nvme_param_buffers_; }  // NVMe params
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
+  // hpZ: (sum of gathered units' padded / K) stage 3, or null.
+  char* hpz_secondary() const { return hpz_secondary_; }
+  // MiCS hierarchical gather: (largest padded unit / ranks_per_node), or null.
+  char* gather_stage() const { return gather_stage_; }
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
@@ -93,6 +97,8 @@ class EngineMemory {
   ModelStateBuffers model_state_;
   SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_, nvme_param_buffers_;
   char* persistent_ = nullptr;
+  char* hpz_secondary_ = nullptr;
+  char* gather_stage_ = nullptr;
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
   char* grad_local_ = nullptr;
