@@ -239,8 +239,12 @@ struct CompactState {
     return a;
   }
 
+  // Bit for bit (memcmp, not float ==); an empty master's data() may be null, which memcmp
+  // must not see.
   bool operator==(const CompactState& o) const {
-    return std::memcmp(master.data(), o.master.data(), 4 * master.size()) == 0 &&
+    return master.size() == o.master.size() &&
+           (master.empty() ||
+            std::memcmp(master.data(), o.master.data(), 4 * master.size()) == 0) &&
            param == o.param && remainder == o.remainder && m == o.m && v == o.v;
   }
 };
