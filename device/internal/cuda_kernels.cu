@@ -210,25 +210,6 @@ __global__ void __launch_bounds__(kThreads)
   if (__syncthreads_or(bad) && threadIdx.x == 0) *finite = 0;
 }
 
-// ------------------------------------------------------------------ dispatch
-
-// Calls f(std::integral_constant<DType, D>{}) for the run-time dtype d = D: the one switch
-// from a launcher's dtype argument to the kernel instance (decltype(tag)::value).
-template <typename F>
-void WithDType(DType d, F&& f) {
-  switch (d) {
-    case DType::kF32:
-      f(std::integral_constant<DType, DType::kF32>{});
-      break;
-    case DType::kBF16:
-      f(std::integral_constant<DType, DType::kBF16>{});
-      break;
-    case DType::kF16:
-      f(std::integral_constant<DType, DType::kF16>{});
-      break;
-  }
-}
-
 // ------------------------------------------------------------------ rank-order reduction
 
 template <DType D, int kOp>
@@ -377,6 +358,16 @@ int LaunchAdamW(const AdamWConstants& c, float* master, float* m, float* v, cons
       e = LaunchElementwise(AdamWOp<G, decltype(p)::value, true>{c, master, m, v, grad, param_out},
                             n, operands, count, s);
     });
+  });
+  return e;
+}
+
+int LaunchCompactAdamW(const AdamWConstants& c, const CompactAdamWArgs& a, void* stream) {
+  VectorOperand operands[kMaxCompactOperands];
+  const int count = CompactOperands(a, operands);
+  int e = 0;
+  WithCompactAdamWOp(c, a, [&](const auto& op) {
+    e = LaunchElementwise(op, a.n, operands, count, AsStream(stream));
   });
   return e;
 }
