@@ -48,15 +48,22 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table(), mem.norm_partials());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
-  if (!offload_) return absl::OkStatus();
+  // Trainable units (frozen ones come after): those the host step updates (offload_optimizer)
+  // and those the device does (every one without offload; with offload_optimizer.ratio < 1
+  // the ones kept on the device).
+  for (int u = 0; u < plan_.trainable_units; ++u) {
+    (region(u).offloaded ? offloaded_units_ : kept_units_).push_back(u);
+  }
+  if (offloaded_units_.empty()) return absl::OkStatus();
   // Gradient offload: the reduced shards go to host memory as their reductions complete; the
   // norm is taken on the device before they leave.
   grads_->SetGradOffload(norm_.get(), mem.grad_accum_stage());
-  std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
-  for (int u = 0; u < plan_.trainable_units; ++u) {
+  std::vector<offload::PipelineRegion> regions;
+  for (int u : offloaded_units_) {
     const Region& r = region(u);
-    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n});
+    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n, u});
   }
+  offloaded_ranges_.resize(offloaded_units_.size());
   offload::PipelineOptions o;
   o.dtype = cdt_;
   o.grad_dtype = memory::ReducedGradDType(plan_.options);
@@ -112,7 +119,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   // identical models on two MPI processes look different.
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
-                                   "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
+                                   "|", offload_, "|", plan_.offloaded_state_elements, "|",
+                                   plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
                                    plan_.options.local_grad_accumulation, "|",
                                    plan_.options.shard_group_size, "|",

@@ -20,7 +20,7 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
       compute_(compute),
       host_(host),
       device_table_(device_table),
-      early_(memory::GradOffload(plan.options)),
+      early_(memory::GradOffload(plan.options) && plan.offloaded_state_elements > 0),
       early_sumsq_(partials),
       early_finite_(partials == nullptr ? nullptr
                                         : reinterpret_cast<bool*>(partials + plan.units.size())),
@@ -29,8 +29,8 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
 }
 
 absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {
-  ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
   const Region& reg = layout_.region(u);
+  ABSL_RAW_CHECK(early_ && reg.offloaded, "GradNorm::MeasureUnit of a unit not offloaded");
   // Offload needs stage >= 1: the region is this rank's (group) shard, of which this rank
   // measures exactly what Measure would (OwnSlice: with HSDP only its replica's flat slice).
   early_measured_[u] = 1;
@@ -71,7 +71,7 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
     const Region& reg = layout_.region(u);
     unit_finite[u] = true;
     if (reg.frozen) continue;  // no gradient: its partials stay zero
-    if (early_) {
+    if (reg.offloaded) {
       // Measured on the device before the shard left it; read after the Synchronize below.
       ABSL_RAW_CHECK(early_measured_[u], "gradient offload: a unit's shard was never measured");
       early_measured_[u] = 0;
@@ -96,7 +96,7 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
   if (early_) {
     for (int u = 0; u < nu; ++u) {
-      if (layout_.region(u).frozen) continue;
+      if (!layout_.region(u).offloaded) continue;  // measured above, or frozen
       unit_finite[u] = early_finite_[u];
       table[rank * (nu + 1) + u] = early_sumsq_[u];
     }

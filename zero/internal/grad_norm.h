@@ -11,7 +11,9 @@
 // Gradient offload (memory::GradOffload): the reduced gradients end in host memory, so each
 // unit's partials are computed on the device before its final shard leaves (MeasureUnit, on the
 // window's last micro-step, by GradBuckets), with the same kernels on the same bytes: the same
-// bits, and no pass of the host over the shard. Measure then only exchanges them.
+// bits, and no pass of the host over the shard. Measure then only exchanges them. With
+// offload_optimizer.ratio < 1 that is so for the offloaded units (Region::offloaded); Measure
+// measures the units kept on the device itself, as without offload.
 //
 // Thread safety: not thread-safe; one per engine.
 #ifndef ZERORT_ZERO_INTERNAL_GRAD_NORM_H_
@@ -73,7 +75,8 @@ class GradNorm {
   // REQUIRES: stage >= 1.
   Slice OwnSlice(int u, const char* shard) const;
 
-  const bool early_ = false;  // gradient offload: the partials come from MeasureUnit
+  // Gradient offload of some unit: the offloaded units' partials come from MeasureUnit.
+  const bool early_ = false;
   // Per unit, MeasureUnit's results (written by the device into the plan's norm_partials)
   // and whether it ran this window.
   float* const early_sumsq_;   // (units) fp32
