@@ -12,6 +12,10 @@
 //                cast        every ordered pair of distinct dtypes
 //                accumulate  each dtype (acc read + written, x read)
 //                squared_norm, all_finite  each dtype (x read once)
+//                adamw_compact  each compact optimizer-state form (offload/cpu_adamw_compact.h:
+//                            fp32 master + bf16 param copy, bf16 + remainder, stochastic bf16)
+//                            x fp32 / bf16 moments, bf16 grads, counted as
+//                            CompactAdamWBytesPerElement counts them (14 to 28 bytes)
 //                rows with "offset": bf16 AdamW, bf16->fp32 cast, bf16 accumulate and the bf16
 //                            finite check on ranges starting one element into the arrays,
 //                            "offset1" (every array moved: vector path after a scalar head) and
@@ -57,6 +61,7 @@
 #include "memory/arena.h"
 #include "nlohmann/json.hpp"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 
 namespace zerort {
 namespace {
@@ -152,6 +157,7 @@ class SizeBench {
     Progress("d2d_copy", "", copy);
     json rows = json::array();
     AdamW(&rows);
+    CompactAdamW(&rows);
     for (DType s : kDTypes) {
       for (DType d : kDTypes) {
         if (s == d) continue;
@@ -212,6 +218,42 @@ class SizeBench {
                             24 + DTypeSize(g) + (out ? DTypeSize(pd) : 0), [&] {
                               Check(dev_->AdamW(arrays, *step, 1.0f, nullptr), "AdamW");
                             }));
+      }
+    }
+  }
+
+  // Each compact form with bf16 gradients, as the engine runs it: master, param and remainder
+  // in arrays 0 and 4, m, v and grad in 1, 2, 3 (every array from a 16-byte boundary).
+  void CompactAdamW(json* rows) {
+    auto step = offload::MakeAdamWStepParams(1e-3, 0.9, 0.95, 1e-8, 0.1, 10);
+    Check(step.status(), "MakeAdamWStepParams");
+    const offload::AdamWRange all{0, n_, *step};
+    for (offload::MasterForm form :
+         {offload::MasterForm::kF32, offload::MasterForm::kBf16Remainder,
+          offload::MasterForm::kBf16Stochastic}) {
+      for (DType moments : {DType::kF32, DType::kBF16}) {
+        offload::CompactAdamWArrays c;
+        c.master_form = form;
+        const bool f32 = form == offload::MasterForm::kF32;
+        c.master = f32 ? arrays_[0].as<float>() : nullptr;
+        c.param = f32 ? a(4) : a(0);
+        c.param_dtype = DType::kBF16;
+        c.remainder =
+            form == offload::MasterForm::kBf16Remainder ? arrays_[4].as<uint16_t>() : nullptr;
+        c.m = a(1);
+        c.v = a(2);
+        c.moment_dtype = moments;
+        c.grad = a(3);
+        c.grad_dtype = DType::kBF16;
+        c.n = n_;
+        c.rounding = {1234, 10, 0};
+        const json args = {{"master", offload::MasterFormName(form)},
+                           {"moments", Name(moments)},
+                           {"grad", "bf16"}};
+        rows->push_back(Row("adamw_compact", args, offload::CompactAdamWBytesPerElement(c), [&] {
+          Check(dev_->CompactAdamWRanges(c, absl::MakeConstSpan(&all, 1), 1.0f, nullptr),
+                "CompactAdamWRanges");
+        }));
       }
     }
   }

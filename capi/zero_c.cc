@@ -3,6 +3,7 @@
 // point that can allocate runs inside Guard().
 #include "capi/zero_c.h"
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,7 @@
 #include "base/status.h"
 #include "capi/internal/mpi_backend.h"
 #include "checkpoint/checkpoint.h"
+#include "comm/agree.h"
 #include "comm/inprocess.h"
 #include "comm/nccl.h"
 #include "comm/rendezvous.h"
@@ -884,6 +886,53 @@ zr_status zr_engine_allgather_scalars(zr_engine* engine, const double* values, i
 zr_status zr_engine_barrier(zr_engine* engine) {
   return ForwardToEngine(engine, "zr_engine_barrier",
                          [&](zerort::Engine& e) { return e.Barrier(); });
+}
+
+zr_status zr_comm_allreduce_scalars(zr_comm* comm, double* values, int n, zr_reduce_op op) {
+  return Guard([&]() -> absl::Status {
+    const char* fn = "zr_comm_allreduce_scalars";
+    RETURN_IF_ERROR(Live(comm, fn, "comm"));
+    if (n < 0 || (n > 0 && values == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fn, ": n=", n, " with values ", values == nullptr ? "NULL" : "set"));
+    }
+    int raw_op = 0;  // read as the int C passed, as zr_engine_allreduce_scalars does
+    std::memcpy(&raw_op, &op, sizeof raw_op);
+    if (raw_op != ZR_REDUCE_SUM && raw_op != ZR_REDUCE_AVG && raw_op != ZR_REDUCE_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          fn, ": op=", raw_op, " is not ZR_REDUCE_SUM, ZR_REDUCE_AVG or ZR_REDUCE_MAX"));
+    }
+    // Values travel as their bits (comm/agree.h), so the reduction below sees exactly each
+    // rank's doubles; the counts first, so that a mismatch fails every rank alike.
+    zerort::comm::DirectHostExchange exchange(comm->comm.get());
+    ASSIGN_OR_RETURN(std::vector<uint64_t> counts,
+                     zerort::comm::AllGatherU64(exchange, {static_cast<uint64_t>(n)}));
+    for (int r = 0; r < exchange.size(); ++r) {
+      if (counts[r] != counts[0]) {
+        return absl::InvalidArgumentError(absl::StrCat(fn, ": rank ", r, " passed n=",
+                                                       counts[r], ", rank 0 n=", counts[0]));
+      }
+    }
+    std::vector<uint64_t> mine(n);
+    if (n > 0) std::memcpy(mine.data(), values, n * sizeof(double));
+    ASSIGN_OR_RETURN(std::vector<uint64_t> all, zerort::comm::AllGatherU64(exchange, mine));
+    for (int k = 0; k < n; ++k) {
+      double acc = 0;
+      for (int r = 0; r < exchange.size(); ++r) {  // rank order: the same bits on every rank
+        double x;
+        std::memcpy(&x, &all[static_cast<size_t>(r) * n + k], sizeof x);
+        if (r == 0) {
+          acc = x;
+        } else if (raw_op == ZR_REDUCE_MAX) {
+          if (std::isnan(x) || x > acc) acc = x;
+        } else {
+          acc += x;
+        }
+      }
+      values[k] = raw_op == ZR_REDUCE_AVG ? acc / exchange.size() : acc;
+    }
+    return absl::OkStatus();
+  });
 }
 
 zr_status zr_engine_gather_master_weights(zr_engine* engine, float* out, int64_t capacity) {

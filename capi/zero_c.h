@@ -429,6 +429,15 @@ zr_status zr_engine_allgather_scalars(zr_engine* engine, const double* values, i
                                       int64_t capacity);
 /* Returns once every rank has called it. Collective. */
 zr_status zr_engine_barrier(zr_engine* engine);
+/* zr_engine_allreduce_scalars over any communicator, with or without an engine on it: what a
+ * trainer needs over the groups the engine does not see, e.g. its tensor-parallel group, to
+ * combine each tensor-parallel rank's gradient norm (zr_engine_compute_grad_norm) into the
+ * whole model's before zr_engine_apply_step with its clip coefficient (docs/embedding.md,
+ * section 11). The same rank-order reduction in double: the same bits on every rank. Host
+ * values only: ZR_FAILED_PRECONDITION on a stream-ordered communicator (NCCL; use the
+ * trainer's own group there). Collective; ZR_INVALID_ARGUMENT on every rank when the ranks
+ * pass different n. Added in 0.2. */
+zr_status zr_comm_allreduce_scalars(zr_comm* comm, double* values, int n, zr_reduce_op op);
 
 /* The full fp32 master weights, concatenated in registration order, into out[0..capacity-1].
  * Collective. ZR_OUT_OF_RANGE when capacity < zr_plan_summary.num_elements. */

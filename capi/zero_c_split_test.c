@@ -4,6 +4,7 @@
  * (closed form). A reversed key reverses the new ranks; a negative color gives NULL; a dead
  * handle and a NULL out are refused by name. Plain C: a failed check prints its line and the test
  * exits non-zero. */
+#include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -72,6 +73,24 @@ static void* Rank(void* arg) {
     const double want_replica = r % 2 == 0 ? 4.0 : 6.0;
     CHECK(replica_sum == want_replica, "rank %d: replica sum %g, want %g", r, replica_sum,
           want_replica);
+    /* Without an engine: sum, max and avg over the replica group (as a tensor-parallel trainer
+     * combines its squared gradient norms), and a NaN wins a max. */
+    double v[3] = {r + 1.0, r == 2 ? NAN : (double)r, 0.25 * r};
+    CHECK(zr_comm_allreduce_scalars(replica, v, 1, ZR_REDUCE_SUM) == ZR_OK, "comm sum: %s",
+          zr_last_error());
+    CHECK(v[0] == want_replica, "rank %d: comm sum %g, want %g", r, v[0], want_replica);
+    CHECK(zr_comm_allreduce_scalars(replica, v + 1, 1, ZR_REDUCE_MAX) == ZR_OK, "comm max: %s",
+          zr_last_error());
+    CHECK(r % 2 == 0 ? v[1] != v[1] : v[1] == 3.0, "rank %d: comm max %g", r, v[1]);
+    CHECK(zr_comm_allreduce_scalars(replica, v + 2, 1, ZR_REDUCE_AVG) == ZR_OK, "comm avg: %s",
+          zr_last_error());
+    const double want_avg = r % 2 == 0 ? 0.25 : 0.5; /* (0 + 0.5) / 2, (0.25 + 0.75) / 2 */
+    CHECK(v[2] == want_avg, "rank %d: comm avg %g, want %g", r, v[2], want_avg);
+    /* Ranks passing different counts fail alike, naming them. */
+    double w[2] = {1, 2};
+    const zr_status st = zr_comm_allreduce_scalars(shard, w, r % 2 == 0 ? 1 : 2, ZR_REDUCE_SUM);
+    CHECK(st == ZR_INVALID_ARGUMENT && strstr(zr_last_error(), "passed n=") != NULL,
+          "rank %d: mismatched n gave %d: %s", r, (int)st, zr_last_error());
   }
   if (r == 3) {
     CHECK(none == NULL, "a negative color must give NULL");

@@ -30,6 +30,12 @@
 //    reason and leaves every engine unchanged.
 //  - A checkpoint saved at world size N with any stage loads at world size M with any stage
 //    (allow_reshard when N != M), giving the same fp32 master, m and v element for element.
+//  - Layouts: an HSDP engine (zero_optimization.mics_shard_size) writes the flat checkpoint of
+//    its world (each of a group shard's replicas writes one of its flat shards: file q once,
+//    by one rank), and any engine loads its own owned range (its group shard with HSDP); so a
+//    checkpoint saved flat or in shard groups of any size loads into any other layout. State
+//    an engine derives from the owned shards (gathered or secondary parameter copies) is not
+//    saved: the load's all-gather rebuilds it.
 //
 // Collective: SaveCheckpoint, LoadCheckpoint and AsyncCheckpointer's Start/Finish must be called
 // by every rank of the engine's communicator, in the same order. The directory must be shared

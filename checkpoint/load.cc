@@ -41,19 +41,14 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
     return absl::FailedPreconditionError(
         "LoadCheckpoint inside an accumulation window: load between optimizer steps");
   }
-  if (memory::Hierarchical(engine.plan().options)) {
-    // The ranges below are flat shards (rank * shard). Every rank refuses alike; the verdict
-    // still goes through LoadCheckpoint's Agree.
-    return absl::UnimplementedError(absl::StrCat(
-        "LoadCheckpoint into an engine with zero_optimization.mics_shard_size ",
-        engine.plan().options.shard_group_size, " (HSDP): checkpoints are not read into shard "
-        "groups yet; ImportWeights loads fp32 weights"));
-  }
   ASSIGN_OR_RETURN(std::string dir, ResolveDir(fs, path));
   ASSIGN_OR_RETURN(Manifest man, ReadManifest(fs, dir));
   const memory::Plan& plan = engine.plan();
   const int world = plan.options.world_size;
   const int rank = plan.options.rank;
+  // The range of each unit this rank owns: its shard, or with HSDP its group's shard
+  // (u.shard is then padded / G), which its replicas read too.
+  const int64_t owned_shard = memory::ShardIndex(plan.options);
   if (man.world_size != world && !options.allow_reshard) {
     return absl::FailedPreconditionError(absl::StrCat(
         "checkpoint '", dir, "' was saved by ", man.world_size, " ranks; this engine has ", world,
@@ -80,7 +75,7 @@ absl::Status ReadOwned(Engine& engine, const std::string& path, const LoadOption
   v->assign(n, 0.0f);
   std::vector<std::vector<Piece>> per_file(man.world_size);
   for (const memory::Unit& u : plan.units) {
-    const int64_t own0 = rank * u.shard, own1 = own0 + u.shard;
+    const int64_t own0 = owned_shard * u.shard, own1 = own0 + u.shard;
     for (int i : u.params) {
       const memory::ParamLayout& p = plan.params[i];
       const int64_t a = std::max(own0, p.offset_in_unit);

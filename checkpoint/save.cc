@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/crc32c.h"
+#include "base/dtype.h"
 #include "base/status.h"
 #include "checkpoint/internal/ckpt_common.h"
 #include "checkpoint/internal/ckpt_fs.h"
@@ -50,10 +51,12 @@ struct AsyncCheckpointer::Pending {
   std::unique_ptr<ckpt_internal::DirLock> lock;  // rank 0: the root's, until the commit
   std::string root, tmp_dir, final_dir;
   Manifest manifest;  // without files
+  int file_rank = 0;              // the flat shard this rank writes (SavedShard)
   std::string header;            // this rank's shard file: header, then
-  char* body = nullptr;          // the sections, filled by Engine::BeginSnapshot (the
-                                 // staging buffer of BeginSave's caller)
-  size_t body_bytes = 0;
+  char* body = nullptr;          // the engine's owned state, filled by Engine::BeginSnapshot
+                                 // (the staging buffer of BeginSave's caller), of which
+  std::vector<std::pair<size_t, size_t>> pieces;  // (offset in body, bytes) in file order
+  size_t body_bytes = 0;         // are written: the file's payload bytes
   uint32_t crc = 0;              // of header + body, computed by the writer
   absl::Status status;  // snapshot or write failure on this rank
   std::thread writer;
@@ -62,6 +65,17 @@ struct AsyncCheckpointer::Pending {
 namespace {
 
 std::string StepDirName(int64_t step) { return absl::StrCat("step_", step); }
+
+// The flat shard (of world_size) whose file this rank writes. Flat: its own. HSDP
+// (memory::Hierarchical): a group shard is R = world / G consecutive flat shards, held by the
+// R replicas r % G + k * G (k = r / G); replica k writes the group shard's k-th flat shard, as
+// GradNorm has it measure that piece. Every flat shard is written exactly once, each rank
+// writes 1/world of the state, and the checkpoint is the one a flat engine of the same world
+// writes: no new format, and nothing else reads it differently.
+int SavedShard(const memory::PlanOptions& o) {
+  const int g = memory::ShardGroupSize(o);
+  return memory::ShardIndex(o) * (o.world_size / g) + o.rank / g;
+}
 
 // Through comm/agree.h, which moves integers as such.
 std::vector<uint64_t> AllGatherU64(comm::HostExchange& exchange,
@@ -114,11 +128,16 @@ Manifest ManifestOf(const Engine& engine, uint64_t id) {
   m.beta2 = st.hyperparams.beta2;
   m.eps = st.hyperparams.eps;
   m.weight_decay = st.hyperparams.weight_decay;
-  m.shard_elements = plan.shard_elements;
   m.has_param_section = plan.options.stage == 3;
+  // The flat layout of the whole world whatever the engine's (with HSDP, u.shard is a group
+  // shard: world / G flat shards).
+  int64_t offset = 0;
   for (const memory::Unit& u : plan.units) {
-    m.units.push_back({u.name, u.padded, u.shard, u.shard_offset});
+    const int64_t shard = u.padded / plan.options.world_size;
+    m.units.push_back({u.name, u.padded, shard, offset});
+    offset += shard;
   }
+  m.shard_elements = offset;
   for (const memory::ParamLayout& p : plan.params) {
     ckpt_internal::ManifestParam mp;
     mp.name = p.name;
@@ -195,14 +214,6 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
     return absl::FailedPreconditionError(
         "SaveCheckpoint inside an accumulation window: save between optimizer steps");
   }
-  if (memory::Hierarchical(engine.plan().options)) {
-    // The format is one flat shard per rank; R replicas of each group shard would be written
-    // R times and read back as flat shards. Every rank refuses alike, before any collective.
-    return absl::UnimplementedError(absl::StrCat(
-        "SaveCheckpoint with zero_optimization.mics_shard_size ",
-        engine.plan().options.shard_group_size, " (HSDP): checkpoints of shard groups are not "
-        "written yet; ExportWeights saves the fp32 weights"));
-  }
   // Never comm::DirectHostExchange on the engine's communicator: on NCCL it fails.
   std::unique_ptr<comm::HostExchange> exchange = engine.NewHostExchange();
   const int64_t step = engine.step();
@@ -232,7 +243,6 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   id = ids[0];  // rank 0's
   auto p = std::make_unique<AsyncCheckpointer::Pending>();
   p->fs = fs;
-  const int rank = exchange->rank();
   p->exchange = std::move(exchange);
   p->engine = &engine;
   p->wait_snapshot = engine.SnapshotWaiter();
@@ -243,12 +253,35 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
   p->manifest = std::move(manifest);
   p->manifest.checkpoint_id = id;
   const Manifest& m = p->manifest;
-  p->header = ckpt_internal::EncodeShardHeader(m, rank);
+  const memory::Plan& plan = engine.plan();
+  p->file_rank = SavedShard(plan.options);
+  p->header = ckpt_internal::EncodeShardHeader(m, p->file_rank);
   p->body_bytes = static_cast<size_t>(m.ShardFileBytes()) - p->header.size();
+  // The snapshot holds the engine's owned state (plan.shard_elements per section: with HSDP
+  // the group shard, world / G times the file's); the file takes flat shard file_rank's range
+  // of every unit from it, adjacent ranges merged (flat: one piece per file).
+  const size_t owned = static_cast<size_t>(plan.shard_elements);
+  const int replica = plan.options.rank / memory::ShardGroupSize(plan.options);
+  for (int k = 0; k < m.num_sections(); ++k) {
+    const size_t es = k == 3 ? DTypeSize(m.compute_dtype) : 4;
+    for (size_t u = 0; u < plan.units.size(); ++u) {
+      const size_t at = k * owned * 4 +
+                        (plan.units[u].shard_offset + replica * m.units[u].shard) * es;
+      const size_t n = m.units[u].shard * es;
+      if (n == 0) continue;
+      if (!p->pieces.empty() && p->pieces.back().first + p->pieces.back().second == at) {
+        p->pieces.back().second += n;
+      } else {
+        p->pieces.emplace_back(at, n);
+      }
+    }
+  }
+  const size_t staged_bytes =
+      owned * (3 * 4 + (m.has_param_section ? DTypeSize(m.compute_dtype) : 0));
   // A failure here stays local (like a write failure): CommitSave agrees on it.
-  if (staging->bytes() < p->body_bytes) {
+  if (staging->bytes() < staged_bytes) {
     *staging = memory::Allocation();
-    absl::StatusOr<memory::Allocation> a = memory::Allocation::Create(allocator, p->body_bytes);
+    absl::StatusOr<memory::Allocation> a = memory::Allocation::Create(allocator, staged_bytes);
     if (!a.ok()) {
       p->status = absl::Status(a.status().code(),
                                absl::StrCat("checkpoint snapshot buffer: ", a.status().message()));
@@ -257,9 +290,7 @@ absl::StatusOr<std::unique_ptr<AsyncCheckpointer::Pending>> BeginSave(
     *staging = *std::move(a);
   }
   p->body = staging->as<char>();
-  auto section = [&](int k) {
-    return reinterpret_cast<float*>(p->body + m.SectionOffset(k) - p->header.size());
-  };
+  auto section = [&](int k) { return reinterpret_cast<float*>(p->body + k * owned * 4); };
   void* param = m.has_param_section ? static_cast<void*>(section(3)) : nullptr;
   p->status = engine.BeginSnapshot(section(0), section(1), section(2), param);
   return p;
@@ -273,11 +304,13 @@ absl::Status WriteShard(AsyncCheckpointer::Pending* p) {
   RETURN_IF_ERROR(p->status);
   RETURN_IF_ERROR(copied);
   p->crc = Crc32c(0, p->header.data(), p->header.size());
-  p->crc = Crc32c(p->crc, p->body, p->body_bytes);
-  const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->exchange->rank()));
+  for (const auto& [at, n] : p->pieces) p->crc = Crc32c(p->crc, p->body + at, n);
+  const std::string path = JoinPath(p->tmp_dir, ckpt_internal::ShardFileName(p->file_rank));
   ASSIGN_OR_RETURN(std::unique_ptr<ckpt_internal::WritableFile> f, p->fs->NewWritableFile(path));
   RETURN_IF_ERROR(WriteAll(f.get(), p->header));
-  RETURN_IF_ERROR(WriteAll(f.get(), absl::string_view(p->body, p->body_bytes)));
+  for (const auto& [at, n] : p->pieces) {
+    RETURN_IF_ERROR(WriteAll(f.get(), absl::string_view(p->body + at, n)));
+  }
   RETURN_IF_ERROR(f->Sync());
   RETURN_IF_ERROR(f->Close());
   return p->fs->SyncDir(p->tmp_dir);
@@ -289,7 +322,10 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
   absl::Status agreed = Agree(exchange, p->status);
   std::vector<uint64_t> sizes;
   if (agreed.ok()) {
-    sizes = AllGatherU64(exchange, {p->header.size() + p->body_bytes, p->crc}, &agreed);
+    sizes = AllGatherU64(
+        exchange,
+        {p->header.size() + p->body_bytes, p->crc, static_cast<uint64_t>(p->file_rank)},
+        &agreed);
   }
   if (!agreed.ok()) {
     Abandon(p->fs, p->tmp_dir, &p->lock);
@@ -298,10 +334,12 @@ absl::StatusOr<std::string> CommitSave(AsyncCheckpointer::Pending* p) {
   absl::Status s;
   if (exchange.rank() == 0) {
     Manifest m = p->manifest;
+    // Indexed by the shard each rank wrote (SavedShard: a permutation of the ranks).
+    m.files.resize(exchange.size());
     for (int r = 0; r < exchange.size(); ++r) {
-      m.files.push_back({ckpt_internal::ShardFileName(r), r,
-                         static_cast<int64_t>(sizes[2 * r]),
-                         static_cast<uint32_t>(sizes[2 * r + 1])});
+      const int q = static_cast<int>(sizes[3 * r + 2]);
+      m.files[q] = {ckpt_internal::ShardFileName(q), q, static_cast<int64_t>(sizes[3 * r]),
+                    static_cast<uint32_t>(sizes[3 * r + 1])};
     }
     FileSystem* fs = p->fs;
     s = [&]() -> absl::Status {

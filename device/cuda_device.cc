@@ -20,6 +20,7 @@
 #include "base/cuda_status.h"
 #include "base/status.h"
 #include "offload/cpu_kernels.h"
+#include "device/internal/cuda_compact_plan.h"
 #include "device/internal/cuda_kernels.h"
 #include "memory/pinned_pool.h"
 
@@ -605,12 +606,8 @@ class CudaDevice final : public Device {
     const size_t gsize = DTypeSize(a.grad_dtype), psize = DTypeSize(a.param_dtype);
     for (const offload::AdamWRange& r : ranges) {
       if (r.end == r.begin) continue;
-      const offload::AdamWStepParams& p = r.params;
-      // -step_size is exact (a sign flip), so negating once here is the reference's
-      // fma(-step_size, ...).
-      const cuda_internal::AdamWConstants c{p.beta1,        p.beta2,          p.one_minus_beta1,
-                                            p.one_minus_beta2, p.eps,         -p.step_size,
-                                            p.inv_sqrt_bias2,  p.decay,       grad_scale};
+      const cuda_internal::AdamWConstants c =
+          cuda_internal::AdamWConstantsOf(r.params, grad_scale);
       void* out = a.param_out == nullptr
                       ? nullptr
                       : static_cast<char*>(a.param_out) + r.begin * psize;
@@ -622,6 +619,35 @@ class CudaDevice final : public Device {
           name_, "AdamW", n, a.grad_dtype));
     }
     return absl::OkStatus();
+  }
+
+  // The ranges and the stochastic form's 2^32 index blocks become launches as in
+  // cuda_compact_plan.h; each launch takes its constants and key by value, so nothing is copied
+  // to the device first and `ranges` need not outlive the call.
+  absl::Status CompactAdamWRanges(const offload::CompactAdamWArrays& a,
+                                  absl::Span<const offload::AdamWRange> ranges, float grad_scale,
+                                  Stream stream) override {
+    const std::string who = absl::StrCat(name_, ": CompactAdamW");
+    RETURN_IF_ERROR(offload::CheckCompactAdamW(a, ranges, who.c_str()));
+    if (a.n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    const std::pair<const void*, const char*> arrays[] = {
+        {a.master, "master"}, {a.param, "param"}, {a.remainder, "remainder"},
+        {a.m, "m"},           {a.v, "v"},         {a.grad, "grad"}};
+    for (const auto& [p, what] : arrays) {
+      if (p != nullptr) RETURN_IF_ERROR(CheckAccessible(p, "CompactAdamW", what));
+    }
+    size_t failed_n = 0;
+    const int e = cuda_internal::ForEachCompactLaunch(
+        a, ranges, grad_scale,
+        [&](const cuda_internal::AdamWConstants& c, const cuda_internal::CompactAdamWArgs& piece) {
+          failed_n = piece.n;
+          return cuda_internal::LaunchCompactAdamW(c, piece, stream);
+        });
+    return LaunchStatus(e, name_,
+                        absl::StrCat("CompactAdamW (", offload::MasterFormName(a.master_form),
+                                     " master, ", DTypeName(a.moment_dtype), " moments)"),
+                        failed_n, a.grad_dtype);
   }
 
   absl::Status Synchronize(Stream stream) override {

@@ -12,9 +12,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
@@ -25,13 +27,17 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "catch2/catch.hpp"
 #include "comm/inprocess.h"
 #include "memory/arena.h"
+#include "offload/compact_state.h"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 #include "offload/cpu_kernels.h"
 #include "device/testing/one_thread.h"
+#include "device/internal/cuda_compact_plan.h"
 #include "device/internal/cuda_elementwise.h"
 #include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
@@ -679,6 +685,260 @@ TEST_CASE("CudaElementwise: AdamW chunks equal CpuAdamW at every offset", "[zero
   }
 }
 
+// ------------------------------------------------------------------ compact-state AdamW
+
+// One combination of CpuAdamWCompact's template arguments: grad dtype, master form, moment dtype
+// and (kF32 form only) the parameter copy.
+struct CompactCase {
+  DType grad;
+  offload::MasterForm form;
+  DType moments;
+  bool out;     // kF32: a parameter copy is written; the bf16 forms always have their param
+  DType param;  // kF32 with out: its dtype; the bf16 forms: kBF16
+};
+
+std::string CompactName(const CompactCase& k) {
+  return absl::StrCat("grad ", DTypeName(k.grad), " master ", offload::MasterFormName(k.form),
+                      " moments ", DTypeName(k.moments), " param ",
+                      k.out ? DTypeName(k.param) : "none");
+}
+
+// Every combination: 3 grad dtypes x (kF32 with 4 param choices, kBf16Remainder,
+// kBf16Stochastic) x 2 moment dtypes = 36.
+std::vector<CompactCase> AllCompactCases() {
+  std::vector<CompactCase> cases;
+  for (DType g : kDTypes) {
+    for (DType mo : {DType::kF32, DType::kBF16}) {
+      cases.push_back({g, offload::MasterForm::kF32, mo, false, DType::kF32});
+      for (DType p : kDTypes) cases.push_back({g, offload::MasterForm::kF32, mo, true, p});
+      cases.push_back({g, offload::MasterForm::kBf16Remainder, mo, true, DType::kBF16});
+      cases.push_back({g, offload::MasterForm::kBf16Stochastic, mo, true, DType::kBF16});
+    }
+  }
+  return cases;
+}
+
+// The arrays of one compact update as bytes, in CompactAdamWArrays' field order; an array the
+// form does not use is empty.
+constexpr int kCompactArrays = 6;
+constexpr const char* kCompactArrayNames[kCompactArrays] = {"master", "param", "remainder",
+                                                           "m",      "v",     "grad"};
+using CompactBytes = std::array<std::vector<char>, kCompactArrays>;
+
+// Element size of array k, and whether the case uses it.
+size_t CompactElemSize(const CompactCase& k, int array) {
+  const size_t sizes[kCompactArrays] = {4, DTypeSize(k.param), 2, DTypeSize(k.moments),
+                                        DTypeSize(k.moments), DTypeSize(k.grad)};
+  return sizes[array];
+}
+bool CompactUses(const CompactCase& k, int array) {
+  const bool f32 = k.form == offload::MasterForm::kF32;
+  const bool used[kCompactArrays] = {f32, !f32 || k.out,
+                                     k.form == offload::MasterForm::kBf16Remainder,
+                                     true, true, true};
+  return used[array];
+}
+
+// A starting state of n elements: masters of every magnitude AdamW meets (the remainder form's
+// split from fp32 masters, so the remainders are arbitrary), moments rounded to their dtype,
+// v >= 0, a gradient of every magnitude, the parameter copy zeroed.
+CompactBytes CompactInitial(const CompactCase& k, size_t n, uint32_t seed) {
+  CompactBytes b;
+  const std::vector<char> master = RandomValues(DType::kF32, n, seed, -12, 1);
+  if (k.form == offload::MasterForm::kF32) {
+    b[0] = master;
+    if (k.out) b[1].assign(n * DTypeSize(k.param), 0);
+  } else {
+    b[1].resize(2 * n);
+    b[2].resize(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      float x;
+      std::memcpy(&x, master.data() + 4 * i, 4);
+      uint16_t p, r;
+      offload::SplitMaster(x, &p, &r);
+      if (k.form == offload::MasterForm::kBf16Stochastic) p = FloatToBf16(x);
+      std::memcpy(b[1].data() + 2 * i, &p, 2);
+      std::memcpy(b[2].data() + 2 * i, &r, 2);
+    }
+    if (k.form != offload::MasterForm::kBf16Remainder) b[2].clear();
+  }
+  b[3] = RandomValues(k.moments, n, seed + 1, -30, 2);
+  b[4] = RandomValues(k.moments, n, seed + 2, -40, 2);
+  for (size_t i = 0; i < n; ++i) {  // a second moment is never negative: clear the sign bit
+    const size_t size = DTypeSize(k.moments);
+    b[4][i * size + size - 1] = static_cast<char>(b[4][i * size + size - 1] & 0x7f);
+  }
+  b[5] = RandomValues(k.grad, n, seed + 3, -30, 8);
+  return b;
+}
+
+// The CompactAdamWArrays of a case over arrays at `p` (an unused array's pointer is ignored).
+offload::CompactAdamWArrays CompactArraysAt(const CompactCase& k, size_t n,
+                                            const std::array<char*, kCompactArrays>& p,
+                                            const offload::StochasticRounding& rounding) {
+  auto use = [&](int a) { return CompactUses(k, a) ? p[a] : nullptr; };
+  offload::CompactAdamWArrays a;
+  a.master_form = k.form;
+  a.master = reinterpret_cast<float*>(use(0));
+  a.param = use(1);
+  a.param_dtype = k.param;
+  a.remainder = reinterpret_cast<uint16_t*>(use(2));
+  a.m = use(3);
+  a.v = use(4);
+  a.moment_dtype = k.moments;
+  a.grad = use(5);
+  a.grad_dtype = k.grad;
+  a.n = n;
+  a.rounding = rounding;
+  return a;
+}
+
+offload::CompactAdamWArrays CompactArraysOf(const CompactCase& k, size_t n, CompactBytes& b,
+                                            const offload::StochasticRounding& rounding) {
+  std::array<char*, kCompactArrays> p;
+  for (int a = 0; a < kCompactArrays; ++a) p[a] = b[a].data();
+  return CompactArraysAt(k, n, p, rounding);
+}
+
+// Ranges with their own constants over [0, n), cut at the given points (clamped into
+// [previous cut, n]; equal cuts give empty ranges, which the kernels must skip).
+std::vector<offload::AdamWRange> CompactRanges(size_t n, const std::vector<size_t>& cuts,
+                                               int step) {
+  std::vector<offload::AdamWRange> ranges;
+  size_t begin = 0;
+  for (size_t k = 0; k <= cuts.size(); ++k) {
+    const size_t end = k < cuts.size() ? std::min(std::max(cuts[k], begin), n) : n;
+    auto p = offload::MakeAdamWStepParams(1e-3 * (k + 1), 0.9, k % 2 ? 0.95 : 0.999, 1e-8,
+                                          0.1 * (k % 3), step);
+    REQUIRE(p.ok());
+    ranges.push_back({begin, end, *p});
+    begin = end;
+  }
+  return ranges;
+}
+
+// Replays every launch ForEachCompactLaunch makes of the call, each through the kernel's chunk
+// code over a simulated grid of `threads`; returns the number of launches.
+int ReplayCompact(const offload::CompactAdamWArrays& a,
+                  const std::vector<offload::AdamWRange>& ranges, float grad_scale,
+                  size_t threads) {
+  int launches = 0;
+  const int e = cuda_internal::ForEachCompactLaunch(
+      a, ranges, grad_scale,
+      [&](const AdamWConstants& c, const cuda_internal::CompactAdamWArgs& piece) {
+        VectorOperand ops[cuda_internal::kMaxCompactOperands];
+        const int count = cuda_internal::CompactOperands(piece, ops);
+        cuda_internal::WithCompactAdamWOp(c, piece, [&](const auto& op) {
+          Replay(op, std::vector<VectorOperand>(ops, ops + count), piece.n, threads);
+        });
+        ++launches;
+        return 0;
+      });
+  REQUIRE(e == 0);
+  return launches;
+}
+
+// Places each array of `b` at an element offset from a 64-byte boundary: the state arrays
+// (master, remainder, m, v) at `state_off`, grad and param at `io_off` (as the AdamW replay).
+struct CompactOffsetArrays {
+  std::vector<std::unique_ptr<OffsetBuffer>> bufs;
+  std::array<char*, kCompactArrays> p{};
+
+  CompactOffsetArrays(const CompactCase& k, const CompactBytes& b, size_t state_off,
+                      size_t io_off) {
+    for (int a = 0; a < kCompactArrays; ++a) {
+      const size_t off = (a == 1 || a == 5) ? io_off : state_off;
+      bufs.push_back(std::make_unique<OffsetBuffer>(b[a].size(), off * CompactElemSize(k, a)));
+      bufs.back()->Fill(b[a]);
+      p[a] = bufs.back()->get();
+    }
+  }
+  std::vector<char> Bytes(int a, size_t size) const { return bufs[a]->Bytes(size); }
+};
+
+void CheckCompactReplay(const CompactCase& k) {
+  const float grad_scale = 1.0f / 1024;
+  for (auto [os, oi] : kOffsetPairs) {
+    for (size_t n : kReplaySizes) {
+      // Ranges cut at odd points, and (stochastic form) the global index crossing 2^32 inside
+      // the second range.
+      const std::vector<offload::AdamWRange> ranges = CompactRanges(n, {3, 3, n / 2 + 1}, 7);
+      const offload::StochasticRounding rounding{0x1234567890abcdefull, 7,
+                                                 (uint64_t{5} << 32) - n / 3 - 4};
+      const CompactBytes init = CompactInitial(k, n, 100 + static_cast<uint32_t>(n + os));
+      CompactBytes want = init;
+      REQUIRE(offload::CpuAdamWCompact(CompactArraysOf(k, n, want, rounding), ranges, grad_scale,
+                                       1)
+                  .ok());
+      for (size_t threads : kReplayThreads) {
+        INFO(CompactName(k) << " offsets " << os << "," << oi << " n " << n << " threads "
+                            << threads);
+        CompactOffsetArrays got(k, init, os, oi);
+        ReplayCompact(CompactArraysAt(k, n, got.p, rounding), ranges, grad_scale, threads);
+        for (int a = 0; a < kCompactArrays; ++a) {
+          INFO("array " << kCompactArrayNames[a]);
+          REQUIRE(got.Bytes(a, want[a].size()) == want[a]);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("CudaElementwise: compact AdamW launches equal CpuAdamWCompact at every offset",
+          "[zero]") {
+  for (const CompactCase& k : AllCompactCases()) CheckCompactReplay(k);
+}
+
+TEST_CASE("CudaElementwise: the stochastic form's launches are cut at 2^32 index blocks as the "
+          "host cuts", "[zero]") {
+  const CompactCase k{DType::kBF16, offload::MasterForm::kBf16Stochastic, DType::kBF16, true,
+                      DType::kBF16};
+  const size_t n = 1000;
+  const CompactBytes init = CompactInitial(k, n, 77);
+  struct Cut {
+    uint64_t first_index;
+    int launches;  // of the three ranges below
+  };
+  // The boundary inside the first range, at a range's start, at element 0, in the last element,
+  // after the array (none), and two boundaries inside one range (impossible: 2^32 apart).
+  const Cut cuts[] = {{(uint64_t{1} << 32) - 10, 4},
+                      {(uint64_t{1} << 32) - 400, 3},
+                      {uint64_t{7} << 32, 3},
+                      {(uint64_t{3} << 32) - (n - 1), 4},
+                      {0, 3}};
+  const std::vector<offload::AdamWRange> ranges = CompactRanges(n, {400, 401}, 3);
+  for (const Cut& cut : cuts) {
+    INFO("first_index " << cut.first_index);
+    const offload::StochasticRounding rounding{42, 3, cut.first_index};
+    CompactBytes want = init;
+    REQUIRE(offload::CpuAdamWCompact(CompactArraysOf(k, n, want, rounding), ranges, 1.0f, 1).ok());
+    for (size_t threads : kReplayThreads) {
+      CompactBytes got = init;
+      REQUIRE(ReplayCompact(CompactArraysOf(k, n, got, rounding), ranges, 1.0f, threads) ==
+              cut.launches);
+      REQUIRE(got[1] == want[1]);
+    }
+    // A launch plan that ignored the boundary (one key for the whole array) would differ in
+    // the 990 elements past it: the test can tell.
+    if (cut.first_index == (uint64_t{1} << 32) - 10) {
+      CompactBytes one_key = init;
+      offload::CompactAdamWArrays a = CompactArraysOf(k, n, one_key, rounding);
+      cuda_internal::ForEachCompactLaunch(
+          a, ranges, 1.0f,
+          [&](const AdamWConstants& c, cuda_internal::CompactAdamWArgs piece) {
+            piece.rounding.key = offload::StochasticKey(42, 3, offload::IndexHigh(cut.first_index));
+            VectorOperand ops[cuda_internal::kMaxCompactOperands];
+            const int count = cuda_internal::CompactOperands(piece, ops);
+            cuda_internal::WithCompactAdamWOp(c, piece, [&](const auto& op) {
+              Replay(op, std::vector<VectorOperand>(ops, ops + count), piece.n, 1);
+            });
+            return 0;
+          });
+      REQUIRE(one_key[1] != want[1]);
+    }
+  }
+}
+
 // comm/internal/reduce.h's contract, one element at a time (the former one-element kernel).
 template <DType D>
 std::vector<char> ReduceReference(const std::vector<std::vector<char>>& srcs, size_t count,
@@ -1075,6 +1335,146 @@ TEST_CASE("CudaDevice: AdamW equals CpuAdamW bitwise over three steps", "[zero][
     }
     CheckAdamWSteps(gpu, DType::kF32, DType::kF32, /*out=*/true, /*alias_master=*/true, n);
   }
+}
+
+// Device copies of a compact update's arrays, each at an element offset into its own allocation
+// (the state arrays at state_off, grad and param at io_off); unused arrays stay null.
+struct CompactDeviceArrays {
+  std::vector<std::unique_ptr<memory::Allocation>> bufs;
+  std::array<char*, kCompactArrays> p{};
+
+  CompactDeviceArrays(Device* gpu, const CompactCase& k, const CompactBytes& b, size_t state_off,
+                      size_t io_off) {
+    for (int a = 0; a < kCompactArrays; ++a) {
+      if (!CompactUses(k, a) || b[a].empty()) continue;
+      const size_t skip = ((a == 1 || a == 5) ? io_off : state_off) * CompactElemSize(k, a);
+      std::vector<char> padded(skip, 0);
+      padded.insert(padded.end(), b[a].begin(), b[a].end());
+      bufs.push_back(Upload(gpu, padded));
+      p[a] = static_cast<char*>(bufs.back()->get()) + skip;
+    }
+  }
+};
+
+// Every array of the GPU's state equals the reference's, byte for byte.
+void CheckCompactEqual(Device* gpu, const CompactCase& k, const CompactDeviceArrays& got,
+                       const CompactBytes& want) {
+  for (int a = 0; a < kCompactArrays; ++a) {
+    if (got.p[a] == nullptr) continue;
+    INFO("array " << kCompactArrayNames[a]);
+    REQUIRE(Download(gpu, got.p[a], want[a].size()) == want[a]);
+  }
+}
+
+TEST_CASE("CudaDevice: CompactAdamW equals CpuAdamWCompact bitwise for every form and dtype "
+          "over three steps", "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  for (const CompactCase& k : AllCompactCases()) {
+    for (size_t n : {size_t{1}, size_t{1031}, size_t{70001}}) {
+      INFO(CompactName(k) << " n=" << n);
+      CompactBytes host = CompactInitial(k, n, 300 + static_cast<uint32_t>(n));
+      CompactDeviceArrays dev(gpu, k, host, 0, 0);
+      for (int step = 1; step <= 3; ++step) {
+        INFO("step " << step);
+        host[5] = RandomValues(k.grad, n, 1000 * step + static_cast<uint32_t>(n), -30, 8);
+        REQUIRE(gpu->Copy(dev.p[5], host[5].data(), host[5].size(), nullptr).ok());
+        auto params = offload::MakeAdamWStepParams(1e-3 * step, 0.9, 0.999, 1e-8, 0.01, step);
+        REQUIRE(params.ok());
+        const offload::AdamWRange all{0, n, *params};
+        const float grad_scale = 1.0f / static_cast<float>(1 << (4 * step));
+        // The stochastic form's global index crosses 2^32 in the middle of the array.
+        const offload::StochasticRounding rounding{0xfeedf00dull, static_cast<uint64_t>(step),
+                                                   (uint64_t{1} << 32) - n / 2};
+        REQUIRE(offload::CpuAdamWCompact(CompactArraysOf(k, n, host, rounding),
+                                         absl::MakeConstSpan(&all, 1), grad_scale, 1)
+                    .ok());
+        REQUIRE(gpu->CompactAdamWRanges(CompactArraysAt(k, n, dev.p, rounding),
+                                        absl::MakeConstSpan(&all, 1), grad_scale, nullptr)
+                    .ok());
+        CheckCompactEqual(gpu, k, dev, host);
+      }
+    }
+  }
+}
+
+TEST_CASE("CudaDevice: CompactAdamW over ranges at element offsets equals CpuAdamWCompact "
+          "bitwise", "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  auto stream = gpu->CreateStream();
+  REQUIRE(stream.ok());
+  const size_t n = 10007;
+  // Parameter groups cut at odd places, one empty; the stochastic form's index crosses 2^32
+  // inside the third range.
+  const std::vector<offload::AdamWRange> ranges = CompactRanges(n, {5, 5, 3000, 3001}, 2);
+  const offload::StochasticRounding rounding{7, 2, (uint64_t{9} << 32) - 1234};
+  constexpr std::pair<size_t, size_t> kOffsets[] = {{1, 1}, {3, 3}, {7, 7},
+                                                    {0, 1}, {1, 0}, {2, 5}};
+  for (const CompactCase& k : AllCompactCases()) {
+    for (auto [os, oi] : kOffsets) {
+      INFO(CompactName(k) << " offsets " << os << "," << oi);
+      CompactBytes host = CompactInitial(k, n, 500 + static_cast<uint32_t>(os));
+      CompactDeviceArrays dev(gpu, k, host, os, oi);
+      REQUIRE(offload::CpuAdamWCompact(CompactArraysOf(k, n, host, rounding), ranges, 0.5f, 1)
+                  .ok());
+      REQUIRE(gpu->CompactAdamWRanges(CompactArraysAt(k, n, dev.p, rounding), ranges, 0.5f,
+                                      *stream)
+                  .ok());
+      REQUIRE(gpu->Synchronize(*stream).ok());
+      CheckCompactEqual(gpu, k, dev, host);
+    }
+  }
+  gpu->DestroyStream(*stream);
+}
+
+TEST_CASE("CudaDevice: CompactAdamW refuses what CpuAdamWCompact refuses, with its message",
+          "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  const size_t n = 8;
+  const CompactCase k{DType::kBF16, offload::MasterForm::kBf16Remainder, DType::kBF16, true,
+                      DType::kBF16};
+  CompactBytes host = CompactInitial(k, n, 9);
+  CompactDeviceArrays dev(gpu, k, host, 0, 0);
+  auto params = offload::MakeAdamWStepParams(1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+  REQUIRE(params.ok());
+  const offload::AdamWRange all{0, n, *params};
+  const offload::AdamWRange short_range{0, n - 1, *params};
+  struct Bad {
+    const char* what;
+    std::function<void(offload::CompactAdamWArrays&)> spoil;
+    bool short_ranges;
+  };
+  const Bad bad[] = {
+      {"no remainder", [](offload::CompactAdamWArrays& a) { a.remainder = nullptr; }, false},
+      {"a master it does not use",
+       [&](offload::CompactAdamWArrays& a) { a.master = reinterpret_cast<float*>(a.m); }, false},
+      {"fp16 moments", [](offload::CompactAdamWArrays& a) { a.moment_dtype = DType::kF16; },
+       false},
+      {"an fp32 param", [](offload::CompactAdamWArrays& a) { a.param_dtype = DType::kF32; },
+       false},
+      {"ranges short of n", [](offload::CompactAdamWArrays&) {}, true},
+  };
+  for (const Bad& b : bad) {
+    INFO(b.what);
+    offload::CompactAdamWArrays host_arrays = CompactArraysOf(k, n, host, {});
+    offload::CompactAdamWArrays dev_arrays = CompactArraysAt(k, n, dev.p, {});
+    b.spoil(host_arrays);
+    b.spoil(dev_arrays);
+    const auto span = absl::MakeConstSpan(b.short_ranges ? &short_range : &all, 1);
+    const absl::Status want = offload::CpuAdamWCompact(host_arrays, span, 1.0f, 1);
+    const absl::Status got = gpu->CompactAdamWRanges(dev_arrays, span, 1.0f, nullptr);
+    REQUIRE(want.code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(got.code() == absl::StatusCode::kInvalidArgument);
+    // The same message after the caller's name.
+    std::string expected(want.message());
+    REQUIRE(absl::StartsWith(expected, "CpuAdamWCompact"));
+    expected.replace(0, std::string("CpuAdamWCompact").size(), "cuda:0: CompactAdamW");
+    REQUIRE(got.message() == expected);
+  }
+  // Nothing was launched: the state is as it was.
+  CheckCompactEqual(gpu, k, dev, CompactInitial(k, n, 9));
 }
 
 // The engine passes element offsets into arenas: the vector path after a scalar head (all

@@ -1,6 +1,7 @@
 #include "memory/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -74,6 +75,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
   if (o.offload_param_nvme && o.offload_param_buffer_count < 1) {
     return bad("offload_param_buffer_count", o.offload_param_buffer_count, ">= 1");
   }
+  // Written so that a NaN fails too.
+  if (!(o.offload_optimizer_ratio >= 0 && o.offload_optimizer_ratio <= 1)) {
+    return bad("offload_optimizer_ratio (offload_optimizer.ratio)", o.offload_optimizer_ratio,
+               "[0, 1]");
+  }
   if (o.offload_optimizer_nvme && !o.offload_optimizer) {
     return absl::InvalidArgumentError(
         "offload_optimizer_nvme requires offload_optimizer (the NVMe state is offloaded state)");
@@ -98,6 +104,58 @@ absl::Status ValidateOptions(const PlanOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "mics_shard_size ", o.shard_group_size, " requires stage 1, 2 or 3 (zero_optimization."
         "stage is 0): stage 0 shards nothing, so there is no group to shard within"));
+  }
+  if (o.ranks_per_node < 0 || (o.ranks_per_node > 0 && o.world_size % o.ranks_per_node != 0)) {
+    return bad("ranks_per_node (zerort.ranks_per_node)", o.ranks_per_node,
+               absl::StrCat("0 (not known) or a divisor of world_size ", o.world_size));
+  }
+  if (o.hpz_partition_size < 1 || o.world_size % o.hpz_partition_size != 0) {
+    return bad("hpz_partition_size (zero_hpz_partition_size)", o.hpz_partition_size,
+               absl::StrCat("a divisor of world_size ", o.world_size, " (1: off)"));
+  }
+  if (o.hpz_partition_size > 1) {
+    const std::string k = absl::StrCat("zero_hpz_partition_size ", o.hpz_partition_size);
+    if (o.stage != 3) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " requires stage 3 (zero_optimization.stage is ", o.stage,
+          "): hpZ keeps a secondary partition of the stage-3 parameters"));
+    }
+    if (o.shard_group_size > 0 && o.shard_group_size < o.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with mics_shard_size ", o.shard_group_size, ": hpZ's primary partition is "
+          "flat over the world; use one of the two"));
+    }
+    if (o.hierarchical_gather) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with mics_hierarchical_params_gather: use one of the two"));
+    }
+    if (o.offload_param) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          k, " with offload_param: not supported (the secondary partition would keep 1/",
+          o.hpz_partition_size, " of the parameters on the device that offload_param moves "
+          "off it); set zero_hpz_partition_size 1 or offload_param.device none"));
+    }
+  }
+  if (o.hierarchical_gather) {
+    const int G = o.shard_group_size, L = o.ranks_per_node;
+    if (G <= 0 || o.stage == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather requires mics_shard_size and stage 1, 2 or 3 "
+          "(mics_shard_size is ", G, ", zero_optimization.stage ", o.stage, "): it splits the "
+          "parameter all-gather within a MiCS shard group"));
+    }
+    if (L <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather needs the ranks per node: set zerort.ranks_per_node "
+          "(torchrun: $LOCAL_WORLD_SIZE; mpirun: $OMPI_COMM_WORLD_LOCAL_SIZE) with "
+          "mics_shard_size ", G));
+    }
+    if (G <= L || G % L != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "mics_hierarchical_params_gather with mics_shard_size ", G, " and zerort.ranks_per_node ",
+          L, ": the shard group must span whole nodes (a multiple of ranks_per_node larger "
+          "than it); a group within one node has no across-node step"));
+    }
   }
   if (o.param_alignment < 1) return bad("param_alignment", o.param_alignment, ">= 1");
   if (o.grad_bucket_count < 1) return bad("grad_bucket_count", o.grad_bucket_count, ">= 1");
@@ -448,14 +506,17 @@ absl::Status PlanGradHandoff(absl::Span<const ParamSpec> specs, Plan* plan) {
   // fills its padded size keeps it in the trainer's buffer. A unit with padding is reduced over
   // the gradients after it, whose units then must not keep theirs there: stage 1 keeps its
   // reduced shard in the engine's memory instead (Unit::grad_shard_offset); stage 0 would keep
-  // the whole unit there, as much as a copy, so it is copied.
+  // the whole unit there, as much as a copy, so it is copied. With offload_optimizer (stage 1)
+  // an offloaded unit's reduced shard goes to host memory, and the rule holds for the units
+  // that offload_optimizer.ratio < 1 keeps on the device (SplitOffload has run): an offloaded
+  // unit is still reduced in place, but its padding must not lie over a kept unit's result.
   const PlanOptions& o = plan->options;
-  for (int u = 0; u < plan->trainable_units && GradResultsInTrainerBuffer(o); ++u) {
+  for (int u = 0; u < plan->trainable_units; ++u) {
     Unit& unit = plan->units[u];
     if (unit.grad_source != GradSource::kInPlace || unit.padded == unit.numel) continue;
     const std::string where =
         absl::StrCat("'", plan->grad_buffers[plan->params[unit.params[0]].grad_buffer], "'");
-    if (o.stage == 0) {
+    if (o.stage == 0 && GradResultsInTrainerBuffer(o, unit)) {
       unit.grad_copy_reason = absl::StrCat(
           PaddingText(o, unit), " would lie over the gradients after it in ", where,
           ", and stage 0 without gradient accumulation keeps the whole reduced unit where it "
@@ -468,7 +529,11 @@ absl::Status PlanGradHandoff(absl::Span<const ParamSpec> specs, Plan* plan) {
       unit.grad_copy_reason = absl::StrCat(
           PaddingText(o, unit), " would lie over '", plan->params[q].name, "''s gradient in ",
           where, ", which its unit keeps there as its reduced gradient until the step (stage ",
-          o.stage, " without gradient accumulation)");
+          o.stage, " without gradient accumulation",
+          o.offload_optimizer ? ", its optimizer state kept on the device by "
+                                "offload_optimizer.ratio < 1"
+                              : "",
+          ")");
     }
     if (unit.grad_copy_reason.empty()) continue;
     unit.grad_source = GradSource::kCopied;
@@ -502,6 +567,7 @@ struct UnitTotals {
   std::vector<int64_t> gathered_sizes;   // padded, of every unit gathered into a slot (stage 3)
   int64_t full_grad_elements = 0;        // stages 0-1: the `grads` buffer (Unit::grad_offset)
   int64_t reduced_shard_elements = 0;    // stage 1: `grad_reduced` (Unit::grad_shard_offset)
+  int64_t max_offloaded_unit = 0;  // largest padded unit whose optimizer state is offloaded
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
@@ -520,6 +586,7 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
     }
     if (!u.frozen) {
       totals.max_trainable_unit = std::max(totals.max_trainable_unit, u.padded);
+      if (u.offloaded) totals.max_offloaded_unit = std::max(totals.max_offloaded_unit, u.padded);
       // A unit reduced in place has no gradient storage of the engine's: no bucket, and no
       // range of the full gradients.
       if (u.grad_source != GradSource::kInPlace) {
@@ -529,7 +596,7 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
           totals.full_grad_elements =
               math->Add(totals.full_grad_elements, u.padded, "gradient elements");
         }
-      } else if (o.stage == 1 && GradResultsInTrainerBuffer(o) && u.padded > u.numel) {
+      } else if (o.stage == 1 && GradResultsInTrainerBuffer(o, u) && u.padded > u.numel) {
         u.grad_shard_offset = totals.reduced_shard_elements;
         totals.reduced_shard_elements += u.shard;  // <= shard_elements
       }
@@ -540,6 +607,39 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
     }
   }
   return totals;
+}
+
+// The optimizer state's split (PlanOptions::offload_optimizer_ratio): sets every unit's
+// `offloaded` and `state_offset` and the plan's state element counts. Trainable units in layout
+// order stay on the device while their shards fit in floor((1 - ratio) x St), first fit (a unit
+// too large for what is left is offloaded and the next ones are still tried); the rest are
+// offloaded. Units are the same on every rank, so every rank keeps the same ones.
+void SplitOffload(Plan* plan) {
+  const PlanOptions& o = plan->options;
+  const int64_t St = plan->trainable_shard_elements;
+  if (!o.offload_optimizer) {
+    for (Unit& u : plan->units) u.state_offset = u.shard_offset;
+    plan->device_state_elements = o.stage == 0 ? plan->trainable_padded_elements : St;
+    return;
+  }
+  // In double: (1 - ratio) x St is exact enough for any shard a machine holds, and every rank
+  // computes the same value. Clamped so that ratio 0 keeps all of it despite rounding.
+  const double keep = std::floor((1.0 - o.offload_optimizer_ratio) * static_cast<double>(St));
+  const int64_t limit = keep >= static_cast<double>(St) ? St : static_cast<int64_t>(keep);
+  int64_t kept = 0, offloaded = 0;
+  for (Unit& u : plan->units) {
+    if (u.frozen) continue;  // no optimizer state
+    if (kept + u.shard <= limit) {  // cannot overflow: both are at most St
+      u.state_offset = kept;
+      kept += u.shard;
+    } else {
+      u.offloaded = true;
+      u.state_offset = offloaded;
+      offloaded += u.shard;
+    }
+  }
+  plan->device_state_elements = kept;
+  plan->offloaded_state_elements = offloaded;
 }
 
 int64_t SatMul(int64_t a, int64_t b) {
@@ -610,17 +710,37 @@ MemoryKind HostKind(const PlanOptions& o) {
   return o.pin_memory ? MemoryKind::kPinnedHost : MemoryKind::kPageableHost;
 }
 
+// The two parts of the optimizer state under offload_optimizer (SplitOffload): what is
+// offloaded, and what offload_optimizer_ratio < 1 keeps on the device. A buffer of one part holds
+// the state of that part's units only; each part's bytes are counted in the plan.
+enum class Part { kOffloaded, kDevice };
+
+// Appends a buffer of `part` (none when `elements` is 0) and counts its bytes for the part. With
+// both parts in the plan, the device part's buffers are named "<name>_device"; with one part,
+// every buffer keeps its plain name (the plan is then the one without offload, or full offload).
+void AddPartBuffer(Plan* plan, Checked* math, Part part, const std::string& name,
+                   BufferClass cls, MemoryKind kind, DType dtype, int64_t elements) {
+  if (elements <= 0) return;
+  const bool both = plan->offloaded_state_elements > 0 && plan->device_state_elements > 0;
+  const bool device = part == Part::kDevice;
+  AddBuffer(plan, math, both && device ? absl::StrCat(name, "_device") : name, cls, kind, dtype,
+            elements);
+  int64_t& bytes = device ? plan->device_state_bytes : plan->offloaded_state_bytes;
+  bytes = math->Add(bytes, plan->buffers.back().bytes, "optimizer state bytes");
+}
+
 // params + grads + master + m + v. E: padded elements (all units), S: this rank's shard; Et and
-// St the trainable prefix of them: frozen units have parameters only.
+// St the trainable prefix of them: frozen units have parameters only. With offload_optimizer the
+// optimizer state (and the stage 2-3 gradient shard) comes in two parts: Sh offloaded elements
+// in host memory or the NVMe file, Sd kept on the device, laid out as without offload.
 void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t E = plan->padded_elements, Et = plan->trainable_padded_elements;
   const int64_t S = plan->shard_elements, St = plan->trainable_shard_elements;
+  const int64_t Sh = plan->offloaded_state_elements, Sd = plan->device_state_elements;
   const DType c = o.compute_dtype;
   const bool mixed = c != DType::kF32;
-  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme
-                                : o.offload_optimizer   ? HostKind(o)
-                                                        : MemoryKind::kDevice;
+  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme : HostKind(o);
   const bool sharded_optim = o.stage >= 1;
   if (o.stage <= 2) {
     AddBuffer(plan, math, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
@@ -633,22 +753,35 @@ void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
   }
   const bool full_grads = o.stage <= 1;
   // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum. Gradient
-  // offload keeps it in host memory; the device holds only the buckets it is reduced in.
+  // offload keeps the offloaded units' part in host memory; the device holds only the buckets
+  // they are reduced in, and the kept units' part.
   const DType grad_dtype = full_grads ? c : ReducedGradDType(o);
-  // Stages 0-1: the full gradients of the units not reduced in place in the trainer's buffer.
-  AddBuffer(plan, math, full_grads ? "grads" : "grad_shard", BufferClass::kGrads,
-            full_grads || !GradOffload(o) ? MemoryKind::kDevice : HostKind(o), grad_dtype,
-            full_grads ? totals.full_grad_elements : St);
+  if (full_grads) {
+    // Stages 0-1: the full gradients of the units not reduced in place in the trainer's buffer.
+    AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, grad_dtype,
+              totals.full_grad_elements);
+  } else {
+    AddPartBuffer(plan, math, Part::kDevice, "grad_shard", BufferClass::kGrads,
+                  MemoryKind::kDevice, grad_dtype, Sd);
+    AddPartBuffer(plan, math, Part::kOffloaded, "grad_shard", BufferClass::kGrads, HostKind(o),
+                  grad_dtype, Sh);
+  }
   // fp32 training updates the parameters in place, unless the optimizer state is offloaded
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
-  // (AdamW then runs on the master and the new shard is written to the file after it).
-  const bool master = mixed || o.offload_optimizer || o.offload_param_nvme;
-  const int64_t optim = sharded_optim ? St : Et;
-  if (master) {
-    AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, DType::kF32, optim);
+  // (AdamW then runs on the master and the new shard is written to the file after it). The
+  // part kept on the device is as without offload.
+  const bool device_master = mixed || o.offload_param_nvme;
+  const bool master = device_master || o.offload_optimizer;
+  for (const Part part : {Part::kDevice, Part::kOffloaded}) {
+    const bool device = part == Part::kDevice;
+    const MemoryKind kind = device ? MemoryKind::kDevice : optim_kind;
+    const int64_t n = device ? Sd : Sh;
+    if (device ? device_master : true) {
+      AddPartBuffer(plan, math, part, "master", BufferClass::kMaster, kind, DType::kF32, n);
+    }
+    AddPartBuffer(plan, math, part, "exp_avg", BufferClass::kExpAvg, kind, DType::kF32, n);
+    AddPartBuffer(plan, math, part, "exp_avg_sq", BufferClass::kExpAvgSq, kind, DType::kF32, n);
   }
-  AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, DType::kF32, optim);
-  AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, DType::kF32, optim);
   // What the same buffers would hold for the frozen units (bounded by the sizes above).
   const int64_t frozen_grads = full_grads ? E - Et : S - St;
   const int64_t frozen_optim = sharded_optim ? S - St : E - Et;
@@ -659,13 +792,15 @@ void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
 
 // NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
 // and writes the other, so a failed step leaves the first intact), each array padded to 4 KiB;
-// master, exp_avg and exp_avg_sq count S elements each, nvme_second_copy the rest of the file.
+// master, exp_avg and exp_avg_sq count Sh elements each, nvme_second_copy the rest of the file.
 // Units are streamed in pieces (NvmePieces), each array of a piece padded to 4 KiB. Three
-// pinned slots of the largest piece's master|m|v: read ahead, update, write behind.
+// pinned slots of the largest piece's master|m|v: read ahead, update, write behind. Only the
+// offloaded units are in the file (all of them but with offload_optimizer_ratio < 1).
 void AddNvmeBuffers(Plan* plan, Checked* math) {
   constexpr absl::string_view kWhat = "nvme bytes";
   int64_t copy = 0, largest = 0;
   for (const Unit& u : plan->units) {
+    if (!u.offloaded) continue;
     for (int64_t piece : NvmePieces(u.shard, plan->options.nvme_piece_elements)) {
       const int64_t stride = math->Mul(3, NvmeUnitStride(piece), kWhat);
       copy = math->Add(copy, stride, kWhat);
@@ -673,7 +808,7 @@ void AddNvmeBuffers(Plan* plan, Checked* math) {
     }
   }
   const int64_t rest = math->Add(math->Mul(2, copy, kWhat),
-                                 -math->Mul(12, plan->shard_elements, kWhat), kWhat);
+                                 -math->Mul(12, plan->offloaded_state_elements, kWhat), kWhat);
   AddBuffer(plan, math, "nvme_second_copy", BufferClass::kNvmeSecondCopy, MemoryKind::kNvme,
             DType::kF32, rest / 4);
   AddBuffer(plan, math, "nvme_staging", BufferClass::kNvmeStaging, MemoryKind::kPinnedHost,
@@ -706,14 +841,19 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t world = o.world_size;
   const DType c = o.compute_dtype;
   const DType reduced = ReducedGradDType(o);
-  if ((o.gradient_accumulation_steps > 1 || reduced != c || GradOffload(o)) && o.stage <= 1) {
+  if (o.stage <= 1) {
     // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
     // An fp32 accumulator is needed even without accumulation: it holds the fp32 result. With
-    // gradient offload it is where stage 1's reduced shard lives, in host memory, always.
-    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator,
-              GradOffload(o) ? HostKind(o) : MemoryKind::kDevice, reduced,
-              o.stage == 0 ? plan->trainable_padded_elements : plan->trainable_shard_elements);
+    // gradient offload it is where stage 1's reduced shard of the offloaded units lives, in
+    // host memory, always; the units kept on the device have one as without offload.
+    if (o.gradient_accumulation_steps > 1 || reduced != c) {
+      AddPartBuffer(plan, math, Part::kDevice, "grad_accumulator",
+                    BufferClass::kGradAccumulator, MemoryKind::kDevice, reduced,
+                    plan->device_state_elements);
+    }
+    AddPartBuffer(plan, math, Part::kOffloaded, "grad_accumulator", BufferClass::kGradAccumulator,
+                  HostKind(o), reduced, plan->offloaded_state_elements);
   }
   if (totals.reduced_shard_elements > 0) {
     // Stage 1 without accumulation: the reduced shards of units reduced in place whose padding
@@ -724,9 +864,9 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   if (GradOffload(o) && o.gradient_accumulation_steps > 1) {
     // A micro-step after the first adds its reduced shard to the host-resident sum on the
     // device, one unit at a time: sum up, Accumulate (the kernel of device accumulation, so the
-    // bits are the same), sum down, all on the comm stream.
+    // bits are the same), sum down, all on the comm stream. Offloaded units only.
     AddBuffer(plan, math, "grad_accum_stage", BufferClass::kGradAccumStage, MemoryKind::kDevice,
-              reduced, totals.max_trainable_unit / ShardGroupSize(o));
+              reduced, totals.max_offloaded_unit / ShardGroupSize(o));
   }
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
@@ -769,19 +909,34 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     }
     AddBuffer(plan, math, "persistent_params", BufferClass::kPersistentParams, MemoryKind::kDevice, c,
               totals.persistent_elements);
+    if (Hpz(o)) {
+      // Every gathered unit's secondary block stays until the next update: 1/K of each.
+      int64_t secondary = 0;
+      for (int64_t padded : totals.gathered_sizes) {
+        secondary = math->Add(secondary, padded / o.hpz_partition_size, "hpz_secondary size");
+      }
+      AddBuffer(plan, math, "hpz_secondary", BufferClass::kHpzSecondary, MemoryKind::kDevice, c,
+                secondary);
+    }
+  }
+  if (o.hierarchical_gather && o.stage >= 1) {
+    // Every all-gather goes through it, the largest unit's included (stage 1-2 updates).
+    AddBuffer(plan, math, "gather_stage", BufferClass::kGatherStage, MemoryKind::kDevice, c,
+              plan->max_unit_elements / o.ranks_per_node);
   }
   if (o.offload_optimizer && (!o.offload_param || o.offload_param_nvme)) {
     // Each chunk carries one unit's new parameter shard up to the device (or into the NVMe
     // file); the gradients are in host memory already (gradient offload). A parameter shard in
     // host memory is updated in place and needs none.
+    // Offloaded units only: the kept ones are updated in device memory.
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
-              math->Mul(o.offload_buffer_count, totals.max_trainable_unit / ShardGroupSize(o),
+              math->Mul(o.offload_buffer_count, totals.max_offloaded_unit / ShardGroupSize(o),
                         "offload_staging size"),
               o.offload_buffer_count);
   }
-  if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
+  if (o.offload_optimizer_nvme && plan->offloaded_state_elements > 0) AddNvmeBuffers(plan, math);
   if (o.offload_param_nvme) AddNvmeParamBuffers(plan, math);
-  if (GradOffload(o)) {
+  if (GradOffload(o) && plan->offloaded_state_elements > 0) {
     // The device writes each unit's norm partial and finiteness flag as the shard leaves, in
     // backward: into pinned memory, so that the copy is asynchronous (a copy into pageable
     // memory would make the trainer's thread wait for the reduction). Pinned whatever
@@ -813,7 +968,7 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t S = plan->shard_elements;
   const int64_t persistent = totals.persistent_elements;
   // Only trainable units are reduced, and re-gathered after the step.
-  const int64_t Et = plan->trainable_padded_elements, St = plan->trainable_shard_elements;
+  const int64_t Et = plan->trainable_padded_elements;
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
   const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
   const int64_t gas = o.gradient_accumulation_steps;
@@ -833,37 +988,93 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   auto across = [&](int64_t elements) {
     return mul(2, mul(mul(elements / G / R, R - 1), wb));
   };
-  int64_t within = 0, crossing = 0;
+  // Link classes (ranks_per_node L known): a collective is intra-node when every rank of this
+  // rank's group for it sits in this rank's node.
+  const int64_t L = o.ranks_per_node, r = o.rank;
+  auto spans = [&](int64_t first, int64_t stride, int64_t n) {
+    return L > 0 && first / L != (first + stride * (n - 1)) / L;
+  };
+  auto consecutive_spans = [&](int64_t n) { return spans(r - r % n, 1, n); };
+  int64_t within = 0, crossing = 0, intra = 0, inter = 0;
+  auto place = [&](int64_t bytes, bool spanning) {
+    if (spanning) {
+      inter = add(inter, bytes);
+    } else {
+      intra = add(intra, bytes);
+    }
+  };
+  // `times` reductions of `elements`: in the group, then (HSDP) across the groups.
+  auto reduce = [&](int64_t times, int64_t elements, int passes) {
+    const int64_t in_group = mul(times, mul(passes, reduction(elements)));
+    within = add(within, in_group);
+    place(in_group, consecutive_spans(G));
+    if (R == 1) return;
+    const int64_t across_groups = mul(times, across(elements));
+    crossing = add(crossing, across_groups);
+    place(across_groups, spans(r % G, G, R));
+  };
+  // `times` all-gathers of `elements` within the shard group; MiCS's hierarchical gather sends
+  // 1/G of them to each of the G/L - 1 other nodes, then G/L blocks within the node.
+  auto gather = [&](int64_t times, int64_t elements) {
+    if (o.hierarchical_gather) {
+      const int64_t c = elements / G, nodes = G / L;
+      const int64_t across_nodes = mul(times, mul(mul(c, nodes - 1), cb));
+      const int64_t in_node = mul(times, mul(mul(mul(c, nodes), L - 1), cb));
+      within = add(within, add(across_nodes, in_node));
+      inter = add(inter, across_nodes);
+      intra = add(intra, in_node);
+      return;
+    }
+    const int64_t bytes = mul(times, collective(elements));
+    within = add(within, bytes);
+    place(bytes, consecutive_spans(G));
+  };
   switch (o.stage) {
     case 0:
-      within = mul(reductions, mul(2, reduction(Et)));
+      reduce(reductions, Et, 2);
       break;
     case 1:
     case 2:
-      within = add(mul(reductions, reduction(Et)), collective(Et));
-      crossing = mul(reductions, across(Et));
+      reduce(reductions, Et, 1);
+      gather(1, Et);
       break;
-    case 3:
+    case 3: {
       // Forward and backward gather every non-persistent unit; persistent trainable units are
-      // gathered once after the step.
-      within = add(mul(gas, add(mul(2, collective(E - persistent)), reduction(Et))),
-                   collective(totals.trainable_persistent_elements));
-      crossing = mul(gas, across(Et));
+      // gathered once after the step. hpZ: a unit's first gather after the update runs over
+      // the world, the 2 x gas - 1 others over its K ranks (K - 1 blocks of 1/K each).
+      reduce(gas, Et, 1);
+      gather(1, totals.trainable_persistent_elements);
+      if (!Hpz(o)) {
+        gather(mul(2, gas), E - persistent);
+        break;
+      }
+      gather(1, E - persistent);
+      const int64_t K = o.hpz_partition_size;
+      const int64_t node = mul(mul(2, gas) - 1, mul(mul((E - persistent) / K, K - 1), cb));
+      within = add(within, node);
+      place(node, consecutive_spans(K));
       break;
+    }
   }
   plan->comm_bytes_within_group_per_step = within;
   plan->comm_bytes_across_groups_per_step = crossing;
   plan->comm_bytes_per_step = add(within, crossing);
+  if (L > 0) {
+    plan->comm_bytes_intra_node_per_step = intra;
+    plan->comm_bytes_inter_node_per_step = inter;
+  }
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    // The trainable gradient shard down after every reduction, the running sum up before each
-    // reduction's addition after the first (gradient offload), its parameters up once. Local
-    // accumulation reduces once per window: one copy down.
+    // The offloaded units' gradient shard down after every reduction, the running sum up before
+    // each reduction's addition after the first (gradient offload), its parameters up once. Local
+    // accumulation reduces once per window: one copy down. The units kept on the device move
+    // nothing.
+    const int64_t Sh = plan->offloaded_state_elements;
     const int64_t gb = static_cast<int64_t>(DTypeSize(ReducedGradDType(o)));
     const int64_t grad_moves = math->Add(math->Mul(2, reductions, kHost), -1, kHost);
     plan->host_transfer_bytes_per_step = math->Add(
-        math->Mul(math->Mul(grad_moves, St, kHost), gb, kHost), math->Mul(St, cb, kHost), kHost);
+        math->Mul(math->Mul(grad_moves, Sh, kHost), gb, kHost), math->Mul(Sh, cb, kHost), kHost);
   }
   if (o.offload_param) {
     // The shard goes up for forward and for backward in every micro-step.
@@ -901,14 +1112,14 @@ int64_t GradStorageBytes(const Plan& plan) {
   return bytes;
 }
 
-bool GradResultsInTrainerBuffer(const PlanOptions& o) {
+bool GradResultsInTrainerBuffer(const PlanOptions& o, const Unit& unit) {
   return o.stage <= 1 && o.gradient_accumulation_steps == 1 &&
-         ReducedGradDType(o) == o.compute_dtype && !GradOffload(o);
+         ReducedGradDType(o) == o.compute_dtype && !unit.offloaded;
 }
 
 bool ReducedInTrainerBuffer(const Plan& plan, const Unit& unit) {
-  return GradResultsInTrainerBuffer(plan.options) && unit.grad_source == GradSource::kInPlace &&
-         unit.padded == unit.numel;
+  return GradResultsInTrainerBuffer(plan.options, unit) &&
+         unit.grad_source == GradSource::kInPlace && unit.padded == unit.numel;
 }
 
 const char* GradSourceName(GradSource s) {
@@ -1009,6 +1220,10 @@ const char* BufferClassName(BufferClass c) {
       return "grad_accum_stage";
     case BufferClass::kNormPartials:
       return "norm_partials";
+    case BufferClass::kHpzSecondary:
+      return "hpz_secondary";
+    case BufferClass::kGatherStage:
+      return "gather_stage";
   }
   return "unknown";
 }
@@ -1037,6 +1252,7 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
   if (!numel.ok()) return numel.status();
   if (!math.status().ok()) return math.status();
   BuildUnits(specs, *numel, &plan, &math);
+  SplitOffload(&plan);
   if (absl::Status s = PlanGradHandoff(specs, &plan); !s.ok()) return s;
   const UnitTotals totals = PlaceUnits(&plan, &math);
   AddModelState(totals, &plan, &math);

@@ -124,6 +124,10 @@ enum class BufferClass {
                      // device, where a micro-step adds into the host-resident sum
   kNormPartials,     // gradient offload, pinned: (units) fp32 squared-norm partials, then one
                      // finiteness byte per unit, written by the device as each shard leaves
+  kHpzSecondary,     // hpZ (stage 3): this rank's 1/K of every gathered unit, kept from its
+                     // first all-gather after an update for the gathers that stay in the node
+  kGatherStage,      // MiCS hierarchical gather: the across-node step's output of the largest
+                     // unit (padded / ranks_per_node), before it moves to its place in the unit
 };
 const char* BufferClassName(BufferClass c);
 bool IsModelState(BufferClass c);
@@ -161,6 +165,13 @@ struct PlanOptions {
   // With gradient_accumulation_steps > 1 the sum lives on the host and each micro-step adds on
   // the device through grad_accum_stage (one unit's shard), so the arithmetic is unchanged.
   bool offload_optimizer = false;
+  // offload_optimizer.ratio, DeepSpeed's meaning: the fraction of this rank's optimizer state
+  // that is offloaded, in [0, 1] (1: all of it, 0: none). Below 1, whole trainable units keep
+  // their master, m, v and reduced gradient shard on the device, as without offload
+  // (Unit::offloaded false): in layout order, each unit that still fits, while the kept shards
+  // sum to at most floor((1 - ratio) x the trainable shard). Every rank keeps the same units (their
+  // shards are equal), and both parts run the same AdamW, so the bits do not depend on it.
+  double offload_optimizer_ratio = 1.0;
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
   // With offload_param: the parameter shard lives in the swap file (MemoryKind::kNvme), each
   // unit's padded to kNvmeAlignment, after the optimizer state if that is on NVMe too; it moves
@@ -211,6 +222,22 @@ struct PlanOptions {
   // consecutive flat shards, which keeps the gradient norm's partials those of
   // the flat layout (bitwise the same norm). REQUIRES: divides world_size; stages 1-3.
   int shard_group_size = 0;
+  // hpZ (ZeRO++'s zero_hpz_partition_size K, stage 3): the primary partition stays flat over
+  // the world; a unit's first all-gather after an update also keeps this rank's 1/K of it
+  // (rank r: block r % K of K) in hpz_secondary, and every later gather of the unit before the
+  // next update all-gathers those blocks within the K consecutive ranks r - r % K ... (a node).
+  // 1: off. REQUIRES: divides world_size; stage 3; flat (shard_group_size 0 or world_size);
+  // no offload_param.
+  int hpz_partition_size = 1;
+  // MiCS's mics_hierarchical_params_gather: each all-gather within a shard group runs in two
+  // steps, across nodes among the group's ranks of one node position (into gather_stage), then
+  // within the node. REQUIRES: shard_group_size > 0 and a multiple of ranks_per_node > 0
+  // larger than it (the group spans nodes).
+  bool hierarchical_gather = false;
+  // Consecutive ranks per node (zerort.ranks_per_node), 0: not known. When known the plan
+  // splits comm_bytes_per_step by link class (comm_bytes_intra/inter_node_per_step).
+  // REQUIRES: 0 or a divisor of world_size.
+  int ranks_per_node = 0;
 };
 
 // Where parameter i lives.
@@ -264,6 +291,14 @@ struct Unit {
   // `grad_reduced` buffer (the padding lies over gradients of other units, so the reduced
   // gradient cannot stay in the trainer's buffer); -1 otherwise.
   int64_t grad_shard_offset = -1;
+  // offload_optimizer: this unit's master, m, v and reduced gradient shard live in host memory
+  // or the NVMe file, updated by the host AdamW (true), or stay on the device (false: kept
+  // there by offload_optimizer_ratio < 1). False without offload and for frozen units.
+  bool offloaded = false;
+  // Stages 1-3, trainable units: where this unit's master, m, v (and stage 2-3 gradient shard,
+  // stage-1 accumulator) start in the buffers of its part, the offloaded one or the one kept on
+  // the device; equal to shard_offset when one part holds every unit.
+  int64_t state_offset = 0;
 };
 
 // What the trainer declared of its gradients (ParamSpec::grad_buffer), per rank.
@@ -309,9 +344,29 @@ struct Plan {
   // in the group, then an all-reduce of the shard across the groups' same-position ranks.
   int64_t comm_bytes_within_group_per_step = 0;
   int64_t comm_bytes_across_groups_per_step = 0;
+  // With options.ranks_per_node: comm_bytes_per_step again, by whether a collective's ranks
+  // all sit in one node (intra) or not (inter; its every byte counted there, as the slowest
+  // link it uses sets its time). Both 0 when ranks_per_node is 0.
+  int64_t comm_bytes_intra_node_per_step = 0;
+  int64_t comm_bytes_inter_node_per_step = 0;
   // Offload: device<->host copies per step: gradient shards down in every micro-step (and,
   // accumulating, the running sum up for each after the first), parameter shards up.
   int64_t host_transfer_bytes_per_step = 0;
+  // The optimizer state's split (PlanOptions::offload_optimizer_ratio): elements of the trainable
+  // shard (St; the trainable padded elements in stage 0) whose optimizer state is offloaded and
+  // kept on the device (without offload_optimizer: 0 and all of it), and the bytes each part
+  // holds for them: master, m and v, and the reduced gradient each keeps apart (the stage 2-3
+  // gradient shard, the stage-1 accumulator). Every buffer counted here is in bytes_by_kind too.
+  int64_t offloaded_state_elements = 0;
+  int64_t device_state_elements = 0;
+  int64_t offloaded_state_bytes = 0;
+  int64_t device_state_bytes = 0;
+  // The fraction of the optimizer state actually offloaded: offloaded / (offloaded + device)
+  // elements, at least options.offload_optimizer_ratio (whole units; 0 without offload).
+  double offload_ratio_achieved() const {
+    const int64_t all = offloaded_state_elements + device_state_elements;
+    return all == 0 ? 0.0 : static_cast<double>(offloaded_state_elements) / all;
+  }
   // Sum of ParamSpec::activation_bytes_per_sample: 0 when the trainer declared none. Not part of
   // bytes_by_kind, which holds only what the engine allocates.
   int64_t activation_bytes_per_sample = 0;
@@ -332,11 +387,14 @@ struct Plan {
 // reduced shard, accumulators, buckets, the fp32 wire, local sums, the offload stage.
 int64_t GradStorageBytes(const Plan& plan);
 
-// Stages 0-1 without accumulation (and without gradient offload) keep a unit's reduced
-// gradient where it was reduced: for a unit reduced in place that fills its padded size, in the
-// trainer's buffer (ReducedInTrainerBuffer), which then stays the engine's until the step has
-// read it. Elsewhere the trainer's buffer is only read (and used as scratch) by the reduction.
-bool GradResultsInTrainerBuffer(const PlanOptions& o);
+// Stages 0-1 without accumulation keep a unit's reduced gradient where it was reduced, unless
+// the unit is offloaded (Unit::offloaded: gradient offload copies it to host memory; a unit
+// that offload_optimizer.ratio < 1 keeps on the device is as without offload): for a unit
+// reduced in place that fills its padded size, in the trainer's buffer (ReducedInTrainerBuffer),
+// which then stays the engine's until the step has read it. Elsewhere the trainer's buffer is
+// only read (and used as scratch) by the reduction, offloaded units' included.
+// REQUIRES: `unit` of a plan that MakePlan has split (Unit::offloaded set).
+bool GradResultsInTrainerBuffer(const PlanOptions& o, const Unit& unit);
 bool ReducedInTrainerBuffer(const Plan& plan, const Unit& unit);
 
 // HSDP: the ranks that shard a unit between them (world_size when flat), and this rank's shard
@@ -347,6 +405,8 @@ inline int ShardGroupSize(const PlanOptions& o) {
 inline int ShardIndex(const PlanOptions& o) { return o.rank % ShardGroupSize(o); }
 // More than one shard group: stages 1-3 replicate the group's shards across groups.
 inline bool Hierarchical(const PlanOptions& o) { return ShardGroupSize(o) < o.world_size; }
+// hpZ: stage-3 gathers after a unit's first one since an update stay within K ranks.
+inline bool Hpz(const PlanOptions& o) { return o.hpz_partition_size > 1 && o.stage == 3; }
 
 // The dtype of the reduced gradients the optimizer reads (fp32 with fp32_grad_accum in mixed
 // precision, else the compute dtype), and the dtype gradients are reduced in on the wire.
@@ -355,6 +415,8 @@ DType ReducedGradDType(const PlanOptions& o);
 bool LocalAccumulation(const PlanOptions& o);
 // Whether the reduced gradient shard lives in host memory (gradient offload): with
 // offload_optimizer, always, as in DeepSpeed; there is no key to keep it on the device.
+// With offload_optimizer_ratio < 1 only the offloaded units' shards (Unit::offloaded) go there;
+// the units kept on the device keep theirs as without offload.
 inline bool GradOffload(const PlanOptions& o) { return o.offload_optimizer && o.stage >= 1; }
 DType GradWireDType(const PlanOptions& o);
 
@@ -381,12 +443,12 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // an empty spec list, a zero or negative dimension, a negative activation_bytes_per_sample, a
 // duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
-// offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
-// model in which every parameter is frozen, frozen parameters with NVMe offload, a
-// grad_buffer_offset below kGradBufferPacked, declared gradients that overlap in one trainer
-// buffer (naming both), and a model or options so large that a size would exceed 2^63-1 ("the
-// plan's <quantity> exceeds 2^63-1: ..."); every size is computed with overflow checks, so none
-// is ever wrapped.
+// offload_optimizer, offload_param_nvme without offload_param, an offload_optimizer_ratio outside
+// [0, 1], a non-positive alignment, and a model in which every parameter is frozen, frozen
+// parameters with NVMe offload, a grad_buffer_offset below kGradBufferPacked, declared gradients
+// that overlap in one trainer buffer (naming both), and a model or options so large that a size
+// would exceed 2^63-1 ("the plan's <quantity> exceeds 2^63-1: ..."); every size is computed with
+// overflow checks, so none is ever wrapped.
 absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptions& options);
 
 }  // namespace memory

@@ -119,40 +119,41 @@ RangeFn Select(SimdLevel level, const CompactAdamWArrays& a) {
 }
 
 // InvalidArgument naming `field` unless its presence is what the form asks for.
-absl::Status CheckPresence(const CompactAdamWArrays& a, const char* field, const void* p,
-                           bool wanted) {
+absl::Status CheckPresence(const CompactAdamWArrays& a, const char* who, const char* field,
+                           const void* p, bool wanted) {
   if ((p != nullptr) == wanted) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      "CpuAdamWCompact: master_form=", MasterFormName(a.master_form), " with n=", a.n,
+      who, ": master_form=", MasterFormName(a.master_form), " with n=", a.n,
       wanted ? " needs " : " does not use ", field, wanted ? " (null)" : " (set it to null)"));
 }
 
-absl::Status CheckArrays(const CompactAdamWArrays& a) {
+absl::Status CheckArrays(const CompactAdamWArrays& a, const char* who) {
   const int form = static_cast<int>(a.master_form);
   if (form < 0 || form > 2) {
     return absl::InvalidArgumentError(
-        absl::StrCat("CpuAdamWCompact: master_form=", form, " is not a MasterForm"));
+        absl::StrCat(who, ": master_form=", form, " is not a MasterForm"));
   }
   if (a.moment_dtype != DType::kF32 && a.moment_dtype != DType::kBF16) {
-    return absl::InvalidArgumentError(absl::StrCat("CpuAdamWCompact: moment_dtype=",
+    return absl::InvalidArgumentError(absl::StrCat(who, ": moment_dtype=",
                                                    DTypeName(a.moment_dtype),
                                                    " is not supported (f32 or bf16)"));
   }
   const bool f32 = a.master_form == MasterForm::kF32;
   if (!f32 && a.param_dtype != DType::kBF16) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "CpuAdamWCompact: master_form=", MasterFormName(a.master_form),
+        who, ": master_form=", MasterFormName(a.master_form),
         " keeps the master in a bf16 param; param_dtype=", DTypeName(a.param_dtype)));
   }
   if (a.n == 0) return absl::OkStatus();
   const bool rem = a.master_form == MasterForm::kBf16Remainder;
-  for (absl::Status s : {CheckPresence(a, "master", a.master, f32),
-                         CheckPresence(a, "remainder", a.remainder, rem),
-                         CheckPresence(a, "m", a.m, true), CheckPresence(a, "v", a.v, true),
-                         CheckPresence(a, "grad", a.grad, true)}) {
+  for (absl::Status s : {CheckPresence(a, who, "master", a.master, f32),
+                         CheckPresence(a, who, "remainder", a.remainder, rem),
+                         CheckPresence(a, who, "m", a.m, true),
+                         CheckPresence(a, who, "v", a.v, true),
+                         CheckPresence(a, who, "grad", a.grad, true)}) {
     if (!s.ok()) return s;
   }
-  if (!f32) return CheckPresence(a, "param", a.param, true);
+  if (!f32) return CheckPresence(a, who, "param", a.param, true);
   return absl::OkStatus();
 }
 
@@ -187,6 +188,12 @@ absl::Status CheckConversion(const char* who, size_t n, int threads,
 }
 
 }  // namespace
+
+absl::Status CheckCompactAdamW(const CompactAdamWArrays& arrays,
+                               absl::Span<const AdamWRange> ranges, const char* who) {
+  if (absl::Status s = CheckAdamWRanges(ranges, arrays.n, who); !s.ok()) return s;
+  return CheckArrays(arrays, who);
+}
 
 const char* MasterFormName(MasterForm form) {
   switch (form) {
@@ -254,8 +261,7 @@ absl::Status CpuAdamWCompact(const CompactAdamWArrays& a, absl::Span<const AdamW
     return absl::InvalidArgumentError(absl::StrCat("CpuAdamWCompact: threads=", threads,
                                                    " must be >= 0 (0 = all cores)"));
   }
-  if (absl::Status s = CheckAdamWRanges(ranges, a.n, "CpuAdamWCompact"); !s.ok()) return s;
-  if (absl::Status s = CheckArrays(a); !s.ok()) return s;
+  if (absl::Status s = CheckCompactAdamW(a, ranges, "CpuAdamWCompact"); !s.ok()) return s;
   if (a.n == 0) return absl::OkStatus();
   const RangeFn fn = Select(ActiveSimd(), a);
   internal::ParallelRanges(a.n, threads, kMinElementsPerTask, [&](size_t begin, size_t end) {

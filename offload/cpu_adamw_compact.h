@@ -85,6 +85,12 @@ absl::Status CpuAdamWCompact(const CompactAdamWArrays& arrays,
 absl::Status CpuAdamWCompact(const CompactAdamWArrays& arrays, const AdamWStepParams& params,
                              float grad_scale, int threads);
 
+// The argument checks of CpuAdamWCompact (all but `threads`), for a device kernel to make the
+// same ones with the same messages: InvalidArgument prefixed with `who` unless `ranges` tile
+// [0, n) in order and every pointer and dtype is what the form asks for.
+absl::Status CheckCompactAdamW(const CompactAdamWArrays& arrays,
+                               absl::Span<const AdamWRange> ranges, const char* who);
+
 // Whole-array conversions between an fp32 master and the lossless form, for loading and saving
 // fp32 checkpoints from a kBf16Remainder run and for its first step from fp32 weights:
 // element-wise SplitMaster / JoinMaster (compact_state.h), split over `threads` (0 = all).

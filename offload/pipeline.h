@@ -55,6 +55,9 @@ struct PipelineRegion {
   float* v = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
   void* param = nullptr;       // (n) compute dtype: device, or host with param_on_host
   int64_t n = 0;
+  // The caller's index of this region's unit, which Hooks::gather and nvme_params are given;
+  // -1: its position in the region list (the caller's regions are every unit).
+  int unit = -1;
 };
 
 struct PipelineOptions {
@@ -68,7 +71,8 @@ struct PipelineOptions {
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
   nvme::NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
   // NVMe parameter offload (with param_on_host; regions' param null): AdamW writes each new
-  // shard into its chunk's parameter half, which is then written to the file. Outlives us.
+  // shard into its chunk's parameter half, which is then written to the file (as
+  // PipelineRegion::unit's shard). Outlives us.
   nvme::NvmeParams* nvme_params = nullptr;
 };
 
@@ -87,7 +91,7 @@ class OffloadPipeline {
     // Orders unit's upload (recorded on `uploaded`; null with param_on_host) before the
     // all-gather that reads it.
     std::function<absl::Status(Device::Event uploaded)> before_gather;
-    // All-gathers the unit's new parameters.
+    // All-gathers the unit's new parameters (PipelineRegion::unit).
     std::function<absl::Status(int unit)> gather;
     // NVMe offload: this rank's verdict on the step's I/O in, the group's out (every rank
     // calls it once per step, before the written copy becomes current). Null: the local one.
@@ -113,6 +117,7 @@ class OffloadPipeline {
                   const PipelineOptions& options, Device::Stream grads_stream);
   DType GradDType() const { return options_.grad_dtype.value_or(options_.dtype); }
   const char* Grad(int u) const { return static_cast<const char*>(regions_[u].grad); }
+  int Unit(int u) const { return regions_[u].unit >= 0 ? regions_[u].unit : u; }
   char* ParamChunk(int u) const;
   absl::Status UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale,
                          const Hooks& hooks, Times* times);

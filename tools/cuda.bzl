@@ -13,7 +13,7 @@ _GENCODE = " ".join([
     "-gencode=arch=compute_90,code=compute_90",
 ])
 
-def cuda_library(name, srcs, hdrs = [], deps = [], device_hdrs = [], copts = [], visibility = None, **kwargs):
+def cuda_library(name, srcs, hdrs = [], deps = [], device_hdrs = [], copts = [], visibility = None, linkstatic = True, **kwargs):
     """A cc_library whose srcs are CUDA files compiled by nvcc.
 
     Args:
@@ -24,6 +24,8 @@ def cuda_library(name, srcs, hdrs = [], deps = [], device_hdrs = [], copts = [],
       device_hdrs: headers from other targets that the .cu files include (nvcc sees only these).
       copts: extra nvcc flags.
       visibility: as for cc_library.
+      linkstatic: as for cc_library. False makes one shared library that every binary loads,
+        where True links the kernels (and their device code for every architecture) into each.
       **kwargs: forwarded to the cc_library.
     """
     objs = []
@@ -50,7 +52,7 @@ def cuda_library(name, srcs, hdrs = [], deps = [], device_hdrs = [], copts = [],
         srcs = objs,
         hdrs = hdrs,
         deps = deps + ["@cuda//:cudart"],
-        linkstatic = True,
+        linkstatic = linkstatic,
         visibility = visibility,
         **kwargs
     )

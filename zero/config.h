@@ -38,6 +38,10 @@ struct OffloadOptimizerConfig {
   bool pin_memory = true;  // page-locked host buffers (faster, asynchronous copies)
   int buffer_count = 4;    // >= 0: host staging buffers for gradient copies in flight (0 = 1)
   std::string nvme_path;   // REQUIRES non-empty when device == kNvme: a directory on local disk
+  // [0, 1]: the fraction of each rank's optimizer state that is offloaded (DeepSpeed's
+  // meaning); the rest stays on the device, whole units of it (memory::PlanOptions::
+  // offload_optimizer_ratio). Read only with a device; stages 1-3, "cpu" or "nvme".
+  double ratio = 1.0;
 };
 
 // zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory or under
@@ -94,6 +98,14 @@ struct ZeroConfig {
   // (stages 1-3). -1 (DeepSpeed's default) or 0: flat, one group of every rank. Otherwise it
   // must divide the world size (checked when the plan is made).
   int mics_shard_size = -1;
+  // MiCS: with mics_shard_size spanning nodes, each in-group all-gather runs in two steps,
+  // across nodes among the ranks of one node position, then within the node (needs
+  // zerort.ranks_per_node).
+  bool mics_hierarchical_params_gather = false;
+  // hpZ (ZeRO++): stage 3 keeps, after a unit's first all-gather since the last update, a
+  // secondary copy of 1/K of it, so later gathers run within the K consecutive ranks of a node.
+  // 1: off. Otherwise it must divide the world size (checked when the plan is made).
+  int zero_hpz_partition_size = 1;
   MemoryBudget memory_budget;
 };
 
@@ -218,6 +230,11 @@ struct Config {
   // gradients locally and only the last one reduces (memory/plan.h PlanOptions); a trainer may
   // still ask for a reduction per micro-step with Engine::SetGradientSync(true).
   bool local_grad_accumulation = false;
+  // zerort.ranks_per_node (ours): consecutive ranks that share a node (DeepSpeed infers it from
+  // the launcher; torchrun's LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE). 0: not
+  // known. Needed by mics_hierarchical_params_gather; `zerort plan` splits the bytes per step
+  // into intra- and inter-node with it. Must divide the world size.
+  int ranks_per_node = 0;
   SchedulerConfig scheduler;
   // zerort.strict (ours): every key that would be ignored with a note is an error instead.
   bool strict = false;

@@ -32,6 +32,7 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                                 mem.gather_slots().count));
   host_ = std::make_unique<zero_internal::HostCollectives>(comm_, dev_, compute);
   if (memory::Hierarchical(plan_.options)) RETURN_IF_ERROR(JoinShardGroup(compute));
+  RETURN_IF_ERROR(JoinNodeGroups(mem));
   ASSIGN_OR_RETURN(store_, zero_internal::UnitStore::Create(plan_, *layout_, mem, config_, dev_,
                                                             compute, host_.get()));
   // A pass that has made gradients is a backward one; on the window's last micro-step the
@@ -42,19 +43,27 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
                                                          mem.grad_buckets(), mem.grad_wire(),
                                                          mem.grad_local());
   gatherer_ = std::make_unique<zero_internal::ParamGatherer>(
-      units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get());
+      units, mem.model_state().params, mem.gather_slots(), mem.persistent(), store_.get(),
+      mem.hpz_secondary());
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table(), mem.norm_partials());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
-  if (!offload_) return absl::OkStatus();
+  // Trainable units (frozen ones come after): those the host step updates (offload_optimizer)
+  // and those the device does (every one without offload; with offload_optimizer.ratio < 1
+  // the ones kept on the device).
+  for (int u = 0; u < plan_.trainable_units; ++u) {
+    (region(u).offloaded ? offloaded_units_ : kept_units_).push_back(u);
+  }
+  if (offloaded_units_.empty()) return absl::OkStatus();
   // Gradient offload: the reduced shards go to host memory as their reductions complete; the
   // norm is taken on the device before they leave.
   grads_->SetGradOffload(norm_.get(), mem.grad_accum_stage());
-  std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
-  for (int u = 0; u < plan_.trainable_units; ++u) {
+  std::vector<offload::PipelineRegion> regions;
+  for (int u : offloaded_units_) {
     const Region& r = region(u);
-    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n});
+    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n, u});
   }
+  offloaded_ranges_.resize(offloaded_units_.size());
   offload::PipelineOptions o;
   o.dtype = cdt_;
   o.grad_dtype = memory::ReducedGradDType(plan_.options);
@@ -83,16 +92,41 @@ absl::Status Engine::Impl::JoinShardGroup(Device::Stream compute) {
   return absl::OkStatus();
 }
 
+absl::Status Engine::Impl::JoinNodeGroups(const zero_internal::EngineMemory& mem) {
+  const memory::PlanOptions& o = plan_.options;
+  // Every Split below is collective: the options that decide them are the same on every rank
+  // (a config that differs is caught by CheckPeersAgree after, not by a hang here, because
+  // each rank makes the same calls for the same options).
+  if (memory::Hpz(o)) {
+    // Key = rank: position in the node = rank % K, the block each rank keeps.
+    ASSIGN_OR_RETURN(node_comm_, comm_->Split(rank_ / o.hpz_partition_size, rank_));
+    streams_->SetNodeGroup(node_comm_.get());
+  }
+  if (o.hierarchical_gather) {
+    const int G = memory::ShardGroupSize(o), L = o.ranks_per_node;
+    // One rank per node of the shard group, at this rank's position in its node; then the
+    // node's ranks (a node lies within one group: G is a multiple of L).
+    ASSIGN_OR_RETURN(across_comm_, comm_->Split((rank_ / G) * L + rank_ % L, rank_));
+    ASSIGN_OR_RETURN(within_comm_, comm_->Split(rank_ / L, rank_));
+    streams_->SetHierarchicalGather(across_comm_.get(), within_comm_.get(), mem.gather_stage());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Engine::Impl::CheckPeersAgree() {
   if (world_ == 1) return absl::OkStatus();
   // CRC32C over a canonical description: absl::Hash is seeded per process, which would make
   // identical models on two MPI processes look different.
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
-                                   "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
+                                   "|", offload_, "|", plan_.offloaded_state_elements, "|",
+                                   plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
                                    plan_.options.local_grad_accumulation, "|",
                                    plan_.options.shard_group_size, "|",
+                                   plan_.options.hpz_partition_size, "|",
+                                   plan_.options.hierarchical_gather, "|",
+                                   plan_.options.ranks_per_node, "|",
                                    config_.prescale_gradients,
                                    absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (size_t i = 0; i < specs_.size(); ++i) {

@@ -1,5 +1,5 @@
-// The per-thread work of the CUDA device's elementwise kernels (Cast, Accumulate, AdamW,
-// AllFinite and the in-process rank-order reduction), written once for nvcc's device pass and
+// The per-thread work of the CUDA device's elementwise kernels (Cast, Accumulate, AdamW, the
+// compact-state AdamW, AllFinite and the in-process rank-order reduction), written once for nvcc's device pass and
 // for the host compiler, like cuda_math.h.
 //
 // Why: a kernel that moves one 2- or 4-byte element per thread per iteration leaves the memory
@@ -305,6 +305,159 @@ struct AdamWOp {
     if constexpr (kOut) Store(ch, rout, param_out);
   }
 };
+
+// CompactAdamWElement over a chunk (the arrays' roles: cuda_math.h). Every input of the chunk is
+// loaded before any store, so an fp32 param aliasing master (kF32 form) is read first.
+template <DType G, CompactForm F, DType M, DType P, bool kOut>
+struct CompactAdamWOp {
+  AdamWConstants c;
+  StochasticLaunch rounding;
+  float* master;
+  void* param;
+  uint16_t* remainder;
+  void* m;
+  void* v;
+  const void* grad;
+
+  template <class C>
+  ZERORT_HD void operator()(const C& ch) const {
+    constexpr bool kMaster = F == CompactForm::kF32;  // else the param is the master's storage
+    constexpr bool kRemainder = F == CompactForm::kBf16Remainder;
+    Regs<DType::kF32> rmaster;
+    Regs<P> rparam;
+    Regs<DType::kBF16> rrem;  // uint16_t, as the remainder
+    Regs<M> rm, rv;
+    Regs<G> rgrad;
+    if constexpr (kMaster) {
+      Load(ch, rmaster, master);
+    } else {
+      Load(ch, rparam, param);
+    }
+    if constexpr (kRemainder) Load(ch, rrem, remainder);
+    Load(ch, rm, m);
+    Load(ch, rv, v);
+    Load(ch, rgrad, grad);
+    ZERORT_UNROLL
+    for (int j = 0; j < kChunk; ++j) {
+      if (ch.Has(j)) {
+        CompactAdamWElement<G, F, M, P, kOut>(c, rounding, rmaster.e, rparam.e, rrem.e, rm.e,
+                                              rv.e, rgrad.e, static_cast<size_t>(j), ch.At(j));
+      }
+    }
+    Store(ch, rm, m);
+    Store(ch, rv, v);
+    if constexpr (kMaster) Store(ch, rmaster, master);
+    if constexpr (kOut) Store(ch, rparam, param);
+    if constexpr (kRemainder) Store(ch, rrem, remainder);
+  }
+};
+
+// The arrays of one compact AdamW launch: offload::CompactAdamWArrays from some element on
+// (cuda_compact_plan.h makes them), n elements each; arrays the form does not use are null.
+struct CompactAdamWArgs {
+  CompactForm form;
+  float* master;              // kF32: (n) fp32
+  void* param;                // kF32: (n) param_dtype or null; else (n) bf16, the master
+  DType param_dtype;
+  uint16_t* remainder;        // kBf16Remainder: (n)
+  void* m;                    // (n) moment_dtype (kF32 or kBF16)
+  void* v;
+  DType moment_dtype;
+  const void* grad;           // (n) grad_dtype
+  DType grad_dtype;
+  size_t n;
+  StochasticLaunch rounding;  // kBf16Stochastic
+};
+
+// Most arrays one compact launch touches.
+inline constexpr int kMaxCompactOperands = 6;
+
+// Fills ops with the arrays `a` touches (for SplitForVectors) and returns their count.
+ZERORT_HD int CompactOperands(const CompactAdamWArgs& a, VectorOperand* ops) {
+  int k = 0;
+  auto add = [&](const void* p, size_t size) {
+    if (p != nullptr) ops[k++] = {reinterpret_cast<uintptr_t>(p), size};
+  };
+  add(a.master, 4);
+  add(a.param, DTypeSize(a.param_dtype));
+  add(a.remainder, 2);
+  add(a.m, DTypeSize(a.moment_dtype));
+  add(a.v, DTypeSize(a.moment_dtype));
+  add(a.grad, DTypeSize(a.grad_dtype));
+  return k;
+}
+
+// Calls f(std::integral_constant<DType, D>{}) for the run-time dtype d = D: the one switch
+// from a launcher's dtype argument to the kernel instance (decltype(tag)::value).
+template <typename F>
+void WithDType(DType d, F&& f) {
+  switch (d) {
+    case DType::kF32:
+      f(std::integral_constant<DType, DType::kF32>{});
+      break;
+    case DType::kBF16:
+      f(std::integral_constant<DType, DType::kBF16>{});
+      break;
+    case DType::kF16:
+      f(std::integral_constant<DType, DType::kF16>{});
+      break;
+  }
+}
+
+// Calls f(op) with the chunk op for `a`'s form and dtypes (offload::CpuAdamWCompact's dispatch):
+// the one dispatch of the kernel's launcher and of the host tests that replay it. The kF32 form
+// with fp32 moments is CpuAdamW bit for bit (cpu_adamw_compact_test), so it runs AdamWOp: the
+// same kernels as Device::AdamW, and 12 fewer instances of device code (about 1.4 MB).
+// REQUIRES: the dtypes CheckCompactAdamW accepts (moments kF32 or kBF16; bf16 param unless kF32).
+template <typename F>
+void WithCompactAdamWOp(const AdamWConstants& c, const CompactAdamWArgs& a, F&& f) {
+  using Tag32 = std::integral_constant<DType, DType::kF32>;
+  using Tag16 = std::integral_constant<DType, DType::kBF16>;
+  WithDType(a.grad_dtype, [&](auto g) {
+    constexpr DType G = decltype(g)::value;
+    auto with_moments = [&](auto mtag) {
+      constexpr DType M = decltype(mtag)::value;
+      switch (a.form) {
+        case CompactForm::kF32:
+          if constexpr (M == DType::kF32) {
+            if (a.param == nullptr) {
+              f(AdamWOp<G, DType::kF32, false>{c, a.master, static_cast<float*>(a.m),
+                                               static_cast<float*>(a.v), a.grad, nullptr});
+              return;
+            }
+            WithDType(a.param_dtype, [&](auto p) {
+              f(AdamWOp<G, decltype(p)::value, true>{c, a.master, static_cast<float*>(a.m),
+                                                     static_cast<float*>(a.v), a.grad, a.param});
+            });
+          } else {
+            if (a.param == nullptr) {
+              f(CompactAdamWOp<G, CompactForm::kF32, M, DType::kF32, false>{
+                  c, a.rounding, a.master, nullptr, nullptr, a.m, a.v, a.grad});
+              return;
+            }
+            WithDType(a.param_dtype, [&](auto p) {
+              f(CompactAdamWOp<G, CompactForm::kF32, M, decltype(p)::value, true>{
+                  c, a.rounding, a.master, a.param, nullptr, a.m, a.v, a.grad});
+            });
+          }
+          return;
+        case CompactForm::kBf16Remainder:
+          f(CompactAdamWOp<G, CompactForm::kBf16Remainder, M, DType::kBF16, true>{
+              c, a.rounding, nullptr, a.param, a.remainder, a.m, a.v, a.grad});
+          return;
+        case CompactForm::kBf16Stochastic:
+          f(CompactAdamWOp<G, CompactForm::kBf16Stochastic, M, DType::kBF16, true>{
+              c, a.rounding, nullptr, a.param, nullptr, a.m, a.v, a.grad});
+          return;
+      }
+    };
+    if (a.moment_dtype == DType::kBF16) {
+      with_moments(Tag16{});
+    } else {
+      with_moments(Tag32{});
+    }
+  });
+}
 
 // Read-only: ORs 1 into *bad for an Inf or NaN element (a thread-local flag; the kernel reduces
 // it over the block).

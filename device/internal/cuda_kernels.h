@@ -9,9 +9,9 @@
 // is device-accessible (device memory, pinned host memory, or pageable memory on a device with
 // pageable memory access) and holds n elements of its dtype; n > 0.
 // Pointers need only be aligned to their element size: the elementwise launchers (Cast,
-// Accumulate, Scale, AllFinite, AdamW, ReduceRankOrder) use 16-byte vector accesses where all their
-// arrays reach a 16-byte boundary at the same element, and an unaligned path otherwise
-// (cuda_elementwise.h). The grid is at most what the device holds resident; the SM count and
+// Accumulate, Scale, AllFinite, AdamW, CompactAdamW, ReduceRankOrder) use 16-byte vector
+// accesses where all their arrays reach a 16-byte boundary at the same element, and an
+// unaligned path otherwise (cuda_elementwise.h). The grid is at most what the device holds resident; the SM count and
 // each kernel's occupancy are queried once per device and cached.
 // Thread-safe: launches on any streams may come from any threads.
 #ifndef ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
@@ -20,7 +20,7 @@
 #include <cstddef>
 
 #include "base/dtype.h"
-#include "device/internal/cuda_elementwise.h"  // kMaxReduceSources
+#include "device/internal/cuda_elementwise.h"  // kMaxReduceSources, CompactAdamWArgs
 #include "device/internal/cuda_math.h"          // AdamWConstants
 
 namespace zerort {
@@ -67,6 +67,12 @@ int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite,
 int LaunchAdamW(const AdamWConstants& constants, float* master, float* m, float* v,
                 const void* grad, DType grad_dtype, void* param_out, DType param_dtype, size_t n,
                 void* stream);
+
+// The compact-state AdamW of offload/cpu_adamw_compact.h over one launch's arrays
+// (CompactAdamWArgs, cuda_elementwise.h), every element with the constants `c`; cut a call into
+// launches with cuda_compact_plan.h's ForEachCompactLaunch (ranges, 2^32 index blocks).
+// REQUIRES: `a` passed offload::CheckCompactAdamW; a.n > 0.
+int LaunchCompactAdamW(const AdamWConstants& c, const CompactAdamWArgs& a, void* stream);
 
 // dst[i] = the CPU communicators' reduction (comm/communicator.h): acc = float(srcs[0][i]);
 // acc = op(acc, float(srcs[k][i])) for k = 1..n-1 in order; divided by float(n) for avg; one

@@ -33,6 +33,7 @@
 
 #include "base/dtype.h"
 #include "base/half.h"
+#include "offload/compact_state.h"
 
 namespace zerort {
 namespace cuda_internal {
@@ -105,19 +106,81 @@ struct AdamWConstants {
       decay, grad_scale;
 };
 
-// One element of the fused update, in the reference's op order.
+// The new m, v and master of one element.
+struct AdamWValues {
+  float m, v, master;
+};
+
+// The fused update on fp32 values, in the reference's op order: every AdamW kernel (the fp32
+// state and the compact forms) differs only in how it loads and stores these values.
+ZERORT_HD AdamWValues AdamWUpdate(const AdamWConstants& c, float grad, float m, float v,
+                                  float master) {
+  const float g = Mul(grad, c.grad_scale);
+  const float mi = Fma(c.beta1, m, Mul(c.one_minus_beta1, g));
+  const float vi = Fma(c.beta2, v, Mul(Mul(c.one_minus_beta2, g), g));
+  const float denom = Fma(Sqrt(vi), c.inv_sqrt_bias2, c.eps);
+  const float p = Fma(c.neg_step_size, Div(mi, denom), Mul(master, c.decay));
+  return {mi, vi, p};
+}
+
+// One element of the fused update over fp32 state (offload::CpuAdamW).
 template <DType G, DType P, bool kOut>
 ZERORT_HD void AdamWElement(const AdamWConstants& c, float* master, float* m, float* v,
                             const void* grad, void* param_out, size_t i) {
-  const float g = Mul(LoadAs<G>(grad, i), c.grad_scale);
-  const float mi = Fma(c.beta1, m[i], Mul(c.one_minus_beta1, g));
-  const float vi = Fma(c.beta2, v[i], Mul(Mul(c.one_minus_beta2, g), g));
-  const float denom = Fma(Sqrt(vi), c.inv_sqrt_bias2, c.eps);
-  const float p = Fma(c.neg_step_size, Div(mi, denom), Mul(master[i], c.decay));
-  m[i] = mi;
-  v[i] = vi;
-  master[i] = p;
-  if constexpr (kOut) StoreAs<P>(param_out, i, p);
+  const AdamWValues r = AdamWUpdate(c, LoadAs<G>(grad, i), m[i], v[i], master[i]);
+  m[i] = r.m;
+  v[i] = r.v;
+  master[i] = r.master;
+  if constexpr (kOut) StoreAs<P>(param_out, i, r.master);
+}
+
+// ------------------------------------------------ AdamW over compact state (cpu_adamw_compact.h)
+
+// offload::MasterForm, by value (cuda_compact_plan.h checks that they agree): this header is
+// compiled by nvcc and does not see the host's AdamW declarations.
+enum class CompactForm : int { kF32 = 0, kBf16Remainder = 1, kBf16Stochastic = 2 };
+
+// The stochastic rounding of one launch: every element's global index lies in one 2^32 block
+// (the launch plan cuts at block boundaries, as CpuAdamWCompact does), so the block's
+// offload::StochasticKey serves all of them and element i needs only its index's low word,
+// index_low + i (mod 2^32, as the host's IndexLow(first_index + i)).
+struct StochasticLaunch {
+  uint32_t key;
+  uint32_t index_low;
+};
+
+// One element of offload::CpuAdamWCompact's reference (CompactScalar): the form's master load,
+// AdamWUpdate on the fp32 values, the form's stores. `i` addresses the arrays (or a chunk's
+// registers), `element` is the element's index in the launch (for the stochastic bits).
+//   kF32:             master (fp32) read and written; param (P) written when kOut
+//   kBf16Remainder:   param (bf16 bits) and remainder read and written; P = kBF16
+//   kBf16Stochastic:  param (bf16 bits) read and written; P = kBF16
+// m and v: moment dtype M (kF32 or kBF16, rounded to nearest even on store).
+template <DType G, CompactForm F, DType M, DType P, bool kOut>
+ZERORT_HD void CompactAdamWElement(const AdamWConstants& c, StochasticLaunch rounding,
+                                   float* master, void* param, uint16_t* remainder, void* m,
+                                   void* v, const void* grad, size_t i, size_t element) {
+  float x;
+  if constexpr (F == CompactForm::kF32) {
+    x = master[i];
+  } else if constexpr (F == CompactForm::kBf16Remainder) {
+    x = offload::JoinMaster(static_cast<const uint16_t*>(param)[i], remainder[i]);
+  } else {
+    x = Bf16ToFloat(static_cast<const uint16_t*>(param)[i]);
+  }
+  const AdamWValues r = AdamWUpdate(c, LoadAs<G>(grad, i), LoadAs<M>(m, i), LoadAs<M>(v, i), x);
+  StoreAs<M>(m, i, r.m);
+  StoreAs<M>(v, i, r.v);
+  if constexpr (F == CompactForm::kF32) {
+    master[i] = r.master;
+    if constexpr (kOut) StoreAs<P>(param, i, r.master);
+  } else if constexpr (F == CompactForm::kBf16Remainder) {
+    offload::SplitMaster(r.master, static_cast<uint16_t*>(param) + i, remainder + i);
+  } else {
+    const uint32_t bits = offload::StochasticBits(
+        rounding.key, rounding.index_low + static_cast<uint32_t>(element));
+    static_cast<uint16_t*>(param)[i] = offload::Bf16Stochastic(r.master, bits);
+  }
 }
 
 // ------------------------------------------------------------------ squared norm

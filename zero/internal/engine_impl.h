@@ -93,7 +93,7 @@ class Engine::Impl {
   // AdamW on every owned region; returns the time the pipeline spent in all-gathers.
   absl::StatusOr<double> UpdateOwnedShards(const RangeLists& ranges, float grad_scale,
                                            StepStats* stats);
-  absl::StatusOr<double> UpdateOnDevice(const RangeLists& ranges, float grad_scale);
+  absl::Status UpdateOnDevice(const RangeLists& ranges, float grad_scale);
   absl::StatusOr<double> UpdateOnHost(const RangeLists& ranges, float grad_scale,
                                       StepStats* stats);
   absl::Status GatherUpdatedParams();
@@ -104,6 +104,10 @@ class Engine::Impl {
   // HSDP (memory::Hierarchical): splits this rank's shard group off the communicator and hands
   // it to StreamOrder; an error on a backend without ReduceScatterInGroups. Collective.
   absl::Status JoinShardGroup(Device::Stream compute);
+  // hpZ: splits the node group of zero_hpz_partition_size ranks off the communicator; MiCS's
+  // hierarchical gather: the across-node and within-node groups of the shard group. Hands
+  // them to StreamOrder. Nothing otherwise. Collective.
+  absl::Status JoinNodeGroups(const zero_internal::EngineMemory& mem);
   // Host all-gathers of unit shards: over the shard group with HSDP, else the communicator.
   zero_internal::HostCollectives& shard_host() const {
     return shard_host_ != nullptr ? *shard_host_ : *host_;
@@ -161,13 +165,23 @@ class Engine::Impl {
   // stream) are gone before the group is.
   std::unique_ptr<comm::Communicator> shard_comm_;
   std::unique_ptr<zero_internal::HostCollectives> shard_host_;
+  // hpZ only: the node group (JoinNodeGroups); MiCS's hierarchical gather only: the
+  // across-node and within-node parts of the shard group. Declared early for the same reason.
+  std::unique_ptr<comm::Communicator> node_comm_;
+  std::unique_ptr<comm::Communicator> across_comm_;
+  std::unique_ptr<comm::Communicator> within_comm_;
   std::unique_ptr<zero_internal::ShardLayout> layout_;
   std::unique_ptr<zero_internal::UnitStore> store_;  // where owned state lives
   std::unique_ptr<zero_internal::StreamOrder> streams_;
   std::unique_ptr<zero_internal::HostCollectives> host_;
   std::unique_ptr<zero_internal::GradBuckets> grads_;
   std::unique_ptr<zero_internal::ParamGatherer> gatherer_;
-  std::unique_ptr<offload::OffloadPipeline> pipeline_;  // with offload_optimizer only
+  // With offload_optimizer, when some unit is offloaded (offload_optimizer.ratio > 0 keeps
+  // fewer than all on the device).
+  std::unique_ptr<offload::OffloadPipeline> pipeline_;
+  // Trainable units updated by the host step (pipeline_'s regions, in order) and on the device.
+  std::vector<int> offloaded_units_, kept_units_;
+  RangeLists offloaded_ranges_;  // per pipeline region, the step's ranges of its unit
 
   std::unique_ptr<zero_internal::GradNorm> norm_;
   std::unique_ptr<zero_internal::DeviceStepTimer> dtimer_;  // EngineOptions::device_timing only

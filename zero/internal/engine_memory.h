@@ -1,6 +1,10 @@
 // EngineMemory: exactly the buffers memory::Plan lists, carved from one arena per memory kind,
 // zero-filled, with the count of every byte planned and allocated (ByteCounts).
 //
+// With offload_optimizer.ratio < 1 the optimizer state comes in two parts, each in buffers of its
+// own: the offloaded units' (model_state()'s master, m, v, ...) and the kept units'
+// (model_state().kept), each as the plan lists it.
+//
 // What lives in an NVMe swap file (plan.options.offload_optimizer_nvme: master, m and v;
 // offload_param_nvme: the stage-3 parameter shards) has no buffer here; those model_state()
 // pointers are then null, and UnitStore (unit_store.h) owns the file over the plan's NVMe
@@ -70,6 +74,10 @@ class EngineMemory {
   const SlottedBuffer& nvme_staging() const { return nvme_staging_; }    // NVMe state
   const SlottedBuffer& nvme_param_buffers() const { return nvme_param_buffers_; }  // NVMe params
   char* persistent() const { return persistent_; }    // (sum of persistent units) stage 3
+  // hpZ: (sum of gathered units' padded / K) stage 3, or null.
+  char* hpz_secondary() const { return hpz_secondary_; }
+  // MiCS hierarchical gather: (largest padded unit / ranks_per_node), or null.
+  char* gather_stage() const { return gather_stage_; }
   float* norm_table() const { return norm_table_; }   // (world, units + 1) fp32, or null
   float* grad_wire() const { return grad_wire_; }     // (max unit) fp32, or null
   // (trainable padded) reduced-gradient dtype: local accumulation's sums, or null.
@@ -87,12 +95,14 @@ class EngineMemory {
 
  private:
   EngineMemory() = default;
-  void Assign(const memory::Buffer& b, char* p);
+  void Assign(const memory::PlanOptions& o, const memory::Buffer& b, char* p);
 
   std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds - 1];  // kNvme has none
   ModelStateBuffers model_state_;
   SlottedBuffer grad_buckets_, gather_slots_, staging_, nvme_staging_, nvme_param_buffers_;
   char* persistent_ = nullptr;
+  char* hpz_secondary_ = nullptr;
+  char* gather_stage_ = nullptr;
   float* norm_table_ = nullptr;
   float* grad_wire_ = nullptr;
   char* grad_local_ = nullptr;

@@ -10,22 +10,29 @@ namespace zerort {
 namespace zero_internal {
 
 ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                             char* persistent, UnitStore* store)
+                             char* persistent, UnitStore* store, char* secondary)
     : ctx_(ctx),
       params_(params),
       gather_(slots),
       persistent_(persistent),
       store_(store),
+      secondary_(secondary),
+      hpz_(memory::Hpz(ctx.plan.options) ? ctx.plan.options.hpz_partition_size : 1),
       slots_(slots.count) {
   const size_t nu = ctx.plan.units.size();
   refs_.assign(nu, 0);
   unit_slot_.assign(nu, -1);
   persistent_offset_.assign(nu, -1);
-  int64_t off = 0;
+  secondary_offset_.assign(nu, -1);
+  secondary_valid_.assign(nu, false);
+  int64_t off = 0, secondary_off = 0;
   for (size_t u = 0; u < nu; ++u) {
     if (ctx.plan.units[u].persistent) {
       persistent_offset_[u] = off;
       off += ctx.plan.units[u].padded;
+    } else if (hpz_ > 1) {
+      secondary_offset_[u] = secondary_off;  // memory/plan.cc: the gathered units in order
+      secondary_off += ctx.plan.units[u].padded / hpz_;
     }
   }
 }
@@ -163,6 +170,7 @@ void ParamGatherer::Invalidate() {
   for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
     if (slots_[s].unit >= 0 && !slots_[s].held) Evict(s);
   }
+  secondary_valid_.assign(secondary_valid_.size(), false);
 }
 
 void ParamGatherer::Evict(int s) {
@@ -204,7 +212,8 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   const Stopwatch t;
   RETURN_IF_ERROR(ctx_.streams->BeforeComm());
   RETURN_IF_ERROR(ctx_.streams->BeforeSlotGather(s));
-  RETURN_IF_ERROR(GatherShard(u, ctx_.At(gather_.base, gather_.offset(s))));
+  char* full = ctx_.At(gather_.base, gather_.offset(s));
+  RETURN_IF_ERROR(hpz_ > 1 ? GatherHpz(u, full) : GatherShard(u, full));
   RETURN_IF_ERROR(ctx_.streams->SlotGathered(s));
   slots_[s].unit = u;
   slots_[s].last_use = ++use_clock_;
@@ -225,6 +234,23 @@ absl::Status ParamGatherer::GatherShard(int u, char* full) {
       ctx_.streams->AllGather(store_->ShardToSend(u, block), full, unit.shard, ctx_.cdt));
   ctx_.timer->Sent(unit.shard, 1);
   return store_->AgreeOnRead(read);
+}
+
+absl::Status ParamGatherer::GatherHpz(int u, char* full) {
+  const int64_t block = ctx_.plan.units[u].padded / hpz_;
+  char* mine = ctx_.At(secondary_, secondary_offset_[u]);
+  if (secondary_valid_[u]) {
+    RETURN_IF_ERROR(ctx_.streams->AllGatherInNode(mine, full, block, ctx_.cdt));
+    ctx_.timer->SentOver(block, hpz_);
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(GatherShard(u, full));
+  // On the stream the gather ran on, so the next gather into this slot (same stream) cannot
+  // overwrite the unit before the block is kept, and the node gathers that read it follow it.
+  RETURN_IF_ERROR(ctx_.device->Copy(mine, ctx_.At(full, (ctx_.rank % hpz_) * block),
+                                    block * ctx_.c, ctx_.streams->side()));
+  secondary_valid_[u] = true;
+  return absl::OkStatus();
 }
 
 // Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.

@@ -10,6 +10,12 @@
 // refreshed by AllGatherUpdated. After an update or a restore the gathered copies are stale:
 // Invalidate() drops every unheld one.
 //
+// hpZ (memory::Hpz, ZeRO++'s zero_hpz_partition_size K): a unit's first all-gather since the
+// last Invalidate runs over every rank and also keeps this rank's block (rank % K of K) of the
+// gathered unit in `secondary`; its later gathers (backward, the window's next micro-steps)
+// all-gather those blocks within the K consecutive ranks of this rank's node. The blocks are
+// copies of the gathered bytes, so the parameters are bitwise the same either way.
+//
 // Ordering: collectives run on StreamOrder::side() after BeforeComm; a slot is refilled only
 // after the trainer's work on its previous unit (SlotReleased), and handed to the trainer only
 // after its all-gather (BeforeSlotUse).
@@ -42,8 +48,9 @@ class ParamGatherer {
   // Every pointer must outlive this object. `params`: the full compute-dtype parameters
   // (stages 0-2). Stage 3 gathers this rank's shard from `store`, wherever it lives; a failed
   // read (a shard in a file) fails the gather on every rank after the same collectives.
+  // `secondary`: hpZ's memory::Plan hpz_secondary buffer, null without hpZ.
   ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
-                char* persistent, UnitStore* store);
+                char* persistent, UnitStore* store, char* secondary = nullptr);
 
   // The compute-dtype parameter `p` (memory::Plan::params): stable in stages 0-2 and for
   // persistent units; in stage 3 FailedPrecondition unless its unit is gathered.
@@ -68,8 +75,11 @@ class ParamGatherer {
   // whole copy is kept: stages 0-2's parameters, a stage-3 persistent copy; enqueued on the
   // compute stream (synchronize before `values` goes).
   absl::Status StoreWhole(int unit, const char* values);
-  // Forgets every gathered copy that the trainer does not hold (they hold old parameters).
+  // Forgets every gathered copy that the trainer does not hold (they hold old parameters), and
+  // every hpZ secondary block.
   void Invalidate();
+  // hpZ: whether `unit`'s secondary block holds its current parameters (tests).
+  bool has_secondary(int unit) const { return secondary_valid_[unit]; }
 
  private:
   // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
@@ -90,6 +100,9 @@ class ParamGatherer {
   absl::StatusOr<int> AcquireSlot(int unit);
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
+  // hpZ: the all-gather of `unit` from the node's secondary blocks, or, when they are stale,
+  // over every rank, keeping this rank's block.
+  absl::Status GatherHpz(int unit, char* full);
   absl::Status Prefetch(int from, int direction);
   void Evict(int slot);
 
@@ -99,6 +112,10 @@ class ParamGatherer {
   char* const persistent_;
   UnitStore* const store_;
   std::vector<int64_t> persistent_offset_;  // per unit, elements into persistent_, or -1
+  char* const secondary_;                    // hpZ only: (sum of gathered padded / K)
+  const int hpz_;                            // K; 1 without hpZ
+  std::vector<int64_t> secondary_offset_;    // per gathered unit, elements into secondary_
+  std::vector<bool> secondary_valid_;        // per unit: its block is current
   std::vector<Slot> slots_;
   std::vector<int> unit_slot_;  // per unit, or -1
   std::vector<int> refs_;       // per unit: holds (Acquire, Gather) not yet released

@@ -13,9 +13,17 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   auto at_grad = [gs](char* base, int64_t elems) { return base + elems * gs; };
   const bool accumulate = o.gradient_accumulation_steps > 1 || gdt != o.compute_dtype;
   // Gradient offload: stage 1's reduced shard lives in the (host) accumulator even without
-  // accumulation; stages 2-3 keep it in grad_shard, which is then in host memory.
-  const bool stage1_accum = accumulate || memory::GradOffload(o);
+  // accumulation; stages 2-3 keep it in grad_shard, which is then in host memory. A unit kept
+  // on the device under offload_optimizer.ratio < 1 has its arrays in the kept part's buffers.
+  const bool stage1_accum = accumulate || unit.offloaded;
+  const bool kept = o.offload_optimizer && !unit.offloaded;
+  char* const grads = kept ? b.kept.grads : b.grads;
+  char* const accum = kept ? b.kept.accum : b.accum;
+  float* const master = kept ? b.kept.master : b.master;
+  float* const m = kept ? b.kept.m : b.m;
+  float* const v = kept ? b.kept.v : b.v;
   Region r;
+  r.offloaded = unit.offloaded;
   r.grad_dtype = gdt;
   r.whole_unit = o.stage == 0;
   r.n = r.whole_unit ? unit.padded : unit.shard;
@@ -39,21 +47,23 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
       r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : full(0);
       break;
     case 1:
-      r.grad = stage1_accum                 ? at_grad(b.accum, unit.shard_offset)
-               : unit.grad_shard_offset >= 0 ? at_grad(b.accum, unit.grad_shard_offset)
+      // grad_reduced (Unit::grad_shard_offset) is the plan's device accumulator buffer where
+      // there is no accumulator: `accum`, or the kept part's under offload_optimizer.
+      r.grad = stage1_accum                 ? at_grad(accum, unit.state_offset)
+               : unit.grad_shard_offset >= 0 ? at_grad(accum, unit.grad_shard_offset)
                                              : full(r.unit_begin);
       break;
     default:
-      r.grad = at_grad(b.grads, unit.shard_offset);
+      r.grad = at_grad(grads, unit.state_offset);
       break;
   }
-  // Optimizer state is the concatenation of the owned regions.
-  const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
-  if (b.m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
-  r.params_are_master = b.master == nullptr;
-  r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : b.master + optim;
-  r.m = b.m + optim;
-  r.v = b.v + optim;
+  // Optimizer state is the concatenation of the owned regions (of each part).
+  const int64_t optim = r.whole_unit ? unit.flat_offset : unit.state_offset;
+  if (m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
+  r.params_are_master = master == nullptr;
+  r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : master + optim;
+  r.m = m + optim;
+  r.v = v + optim;
   return r;
 }
 

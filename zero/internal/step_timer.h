@@ -62,6 +62,10 @@ class StepTimer {
     window_.comm_bytes += 2 * (block / replicas_) * (replicas_ - 1) *
                           static_cast<int64_t>(element_bytes);
   }
+  // A collective over `ranks` ranks (hpZ's node gathers) of blocks of `block` elements.
+  void SentOver(int64_t block, int ranks) {
+    window_.comm_bytes += block * (ranks - 1) * static_cast<int64_t>(element_bytes_);
+  }
   void AddReduceMs(double ms) { window_.reduce_ms += ms; }
   void AddGatherMs(double ms) { window_.gather_ms += ms; }
 

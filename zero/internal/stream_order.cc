@@ -90,8 +90,42 @@ absl::Status StreamOrder::BeforeCall() {
 }
 
 absl::Status StreamOrder::AllGather(const void* send, void* recv, size_t count, DType dtype) {
+  if (across_comm_ != nullptr) return HierarchicalAllGather(send, recv, count, dtype);
   RETURN_IF_ERROR(BeforeCall());
   return gather_comm_->AllGather(send, recv, count, dtype, side_);
+}
+
+absl::Status StreamOrder::AllGatherInNode(const void* send, void* recv, size_t count,
+                                          DType dtype) {
+  RETURN_IF_ERROR(BeforeCall());
+  return node_comm_->AllGather(send, recv, count, dtype, side_);
+}
+
+// Group position p = node n * L + local l. The across-node step brings this rank the blocks
+// of (n', l) for every node n' of the group, contiguous in stage_; each goes to its place
+// n' * L + l, and the node's L ranks then fill block n' of L positions in place. Only the
+// first step crosses nodes, 1/G of the unit to each other node, where a flat ring over the
+// group would cross with all of it.
+absl::Status StreamOrder::HierarchicalAllGather(const void* send, void* recv, size_t count,
+                                                DType dtype) {
+  const int nodes = across_comm_->size(), L = within_comm_->size();
+  const int l = within_comm_->rank();
+  const size_t block = count * DTypeSize(dtype);
+  char* const full = static_cast<char*>(recv);
+  RETURN_IF_ERROR(BeforeCall());
+  RETURN_IF_ERROR(across_comm_->AllGather(send, stage_, count, dtype, side_));
+  for (int n = 0; n < nodes; ++n) {
+    RETURN_IF_ERROR(dev_->Copy(full + (static_cast<size_t>(n) * L + l) * block,
+                               stage_ + static_cast<size_t>(n) * block, block, side_));
+  }
+  for (int n = 0; n < nodes; ++n) {
+    // The copies above feed these gathers (a no-op wait for stream-ordered communicators).
+    RETURN_IF_ERROR(BeforeCall());
+    char* node_block = full + static_cast<size_t>(n) * L * block;
+    RETURN_IF_ERROR(
+        within_comm_->AllGather(node_block + l * block, node_block, count, dtype, side_));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status StreamOrder::ReduceScatter(const void* send, void* recv, size_t count, DType dtype,

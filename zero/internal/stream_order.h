@@ -77,9 +77,28 @@ class StreamOrder {
     group_size_ = group_size;
   }
 
+  // hpZ (memory::Hpz): `node` is this rank's group of zero_hpz_partition_size consecutive
+  // ranks, over which AllGatherInNode runs. Call before the first collective; `node` must
+  // outlive this object and be stream-ordered when the world communicator is.
+  void SetNodeGroup(comm::Communicator* node) { node_comm_ = node; }
+  // MiCS's hierarchical gather (PlanOptions::hierarchical_gather): AllGather then runs in two
+  // steps, as DeepSpeed's MiCS does: over `across` (the shard group's ranks at this rank's
+  // position in its node, one per node) into `stage`, whose blocks are copied to their places
+  // in the unit, then over `within` (this node's ranks of the group), one all-gather per node
+  // of the group, in place. `stage`: the plan's gather_stage (device memory, at least
+  // across->size() blocks of the largest gather). Same lifetime rules as SetShardGroup.
+  void SetHierarchicalGather(comm::Communicator* across, comm::Communicator* within,
+                             char* stage) {
+    across_comm_ = across;
+    within_comm_ = within;
+    stage_ = stage;
+  }
+
   // The communicator's collectives on side(), with the buffer contracts of comm/
   // communicator.h; see above for what they wait for first. Collective.
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype);
+  // hpZ: AllGather over the node group of SetNodeGroup. REQUIRES: SetNodeGroup.
+  absl::Status AllGatherInNode(const void* send, void* recv, size_t count, DType dtype);
   absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
                              comm::ReduceOp op);
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
@@ -95,11 +114,16 @@ class StreamOrder {
         side_(compute) {}
   // Complete-on-return communicators: the device work on side() that feeds the next call.
   absl::Status BeforeCall();
+  absl::Status HierarchicalAllGather(const void* send, void* recv, size_t count, DType dtype);
 
   Device* const dev_;
   comm::Communicator* const comm_group_;
   comm::Communicator* gather_comm_;  // comm_group_, or with HSDP the shard group
   int group_size_;                   // ranks per shard group: comm_group_'s size when flat
+  comm::Communicator* node_comm_ = nullptr;    // hpZ only
+  comm::Communicator* across_comm_ = nullptr;  // hierarchical gather only: one rank per node
+  comm::Communicator* within_comm_ = nullptr;  // ... and the node's ranks of the shard group
+  char* stage_ = nullptr;                      // ... and its across-node step's output
   const Device::Stream compute_;
   Device::Stream comm_ = nullptr;          // null unless the communicator is stream-ordered
   Device::Stream side_;
