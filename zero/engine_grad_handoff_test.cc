@@ -158,6 +158,7 @@ TEST_CASE("Engine: trainer buffers in place with optimizer offload, local accumu
     int stage, world, gas;
     bool offload, local;
     int mics;
+    double ratio = 1.0;  // offload_optimizer.ratio: < 1 keeps some units on the device
   };
   for (const Case& k : std::vector<Case>{{1, 2, 1, true, false, -1},
                                          {2, 2, 2, true, false, -1},
@@ -165,9 +166,16 @@ TEST_CASE("Engine: trainer buffers in place with optimizer offload, local accumu
                                          {0, 2, 3, false, true, -1},
                                          {1, 3, 2, false, true, -1},
                                          {1, 4, 1, false, false, 2},
-                                         {3, 4, 2, false, false, 2}}) {
-    CAPTURE(k.stage, k.world, k.gas, k.offload, k.local, k.mics);
+                                         {3, 4, 2, false, false, 2},
+                                         // Partial offload: kept units at stage 1 keep their
+                                         // reduced gradient in the trainer's buffer (or, with
+                                         // padding, in grad_reduced); offloaded ones go to host.
+                                         {1, 2, 1, true, false, -1, 0.5},
+                                         {2, 2, 1, true, false, -1, 0.5},
+                                         {1, 2, 2, true, false, -1, 0.3}}) {
+    CAPTURE(k.stage, k.world, k.gas, k.offload, k.local, k.mics, k.ratio);
     Config c = testing::TestConfig(k.stage, DType::kBF16, k.gas, /*clip=*/0.05, k.offload);
+    c.zero.offload_optimizer.ratio = k.ratio;
     c.zero.reduce_bucket_size = kAutoSize;
     c.local_grad_accumulation = k.local;
     c.zero.mics_shard_size = k.mics;
