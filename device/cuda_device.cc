@@ -31,6 +31,9 @@ constexpr size_t kRawAlignment = 4096;
 
 static_assert(offload::kNormBlock == 1024, "cuda_kernels.cu hard-codes the norm block");
 static_assert(offload::kNormTreeChunk == 1024, "cuda_kernels.cu hard-codes the norm tree chunk");
+static_assert(offload::kNormBlock == cuda_internal::kBatchNormBlock &&
+                  offload::kNormTreeChunk == cuda_internal::kBatchTreeChunk,
+              "cuda_norm_batch.h must cut ranges as offload::SquaredNormF32 does");
 
 // A failed runtime call also records itself as the thread's "last error"; clear it so that the
 // next launch's cudaGetLastError() does not report it again against an innocent kernel.
@@ -549,6 +552,54 @@ class CudaDevice final : public Device {
       const cudaError_t e =
           Cleared(cudaMemcpyAsync(out, total, sizeof(float), cudaMemcpyDefault, s));
       if (e != cudaSuccess) status = CudaFailure(e, absl::StrCat(name_, ": SquaredNorm result"));
+    }
+    Cleared(cudaFreeAsync(scratch, s));
+    return status;
+  }
+
+  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq,
+                                     bool* finite, Stream stream) override {
+    const size_t k = ranges.size();
+    if (k == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    std::vector<cuda_internal::NormRangeSpec> specs(k);
+    for (size_t i = 0; i < k; ++i) {
+      const NormRange& r = ranges[i];
+      if (r.n > 0) {
+        RETURN_IF_ERROR(CheckAccessible(r.x, "SquaredNormsAndFinite", absl::StrCat("range ", i)));
+      }
+      specs[i] = {r.x, r.dtype, r.n};
+    }
+    const int count = static_cast<int>(k);
+    const size_t floats = cuda_internal::NormBatchScratch(specs.data(), count);
+    // One stream-ordered allocation (as SquaredNorm's): the flags (16-byte rounded), the
+    // results, then the partials and tree levels.
+    const size_t flag_bytes = (k + 15) / 16 * 16;
+    const cudaStream_t s = AsStream(stream);
+    void* scratch = nullptr;
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaMallocAsync(&scratch, flag_bytes + (k + floats) * sizeof(float), s)), "(",
+        name_, ": SquaredNormsAndFinite scratch for ", k, " ranges)");
+    auto* flags = static_cast<unsigned char*>(scratch);
+    auto* results = reinterpret_cast<float*>(flags + flag_bytes);
+    absl::Status status = absl::OkStatus();
+    auto fail = [&](cudaError_t e, absl::string_view what) {
+      if (status.ok() && e != cudaSuccess) {
+        status = CudaFailure(e, absl::StrCat(name_, ": SquaredNormsAndFinite ", what));
+      }
+    };
+    fail(Cleared(cudaMemsetAsync(flags, 1, k, s)), "flags");
+    fail(Cleared(cudaMemsetAsync(results, 0, k * sizeof(float), s)), "results");
+    if (status.ok()) {
+      const cuda_internal::NormBatchPlan plan =
+          cuda_internal::PlanNormBatches(specs.data(), count, results + k, results, flags);
+      fail(static_cast<cudaError_t>(cuda_internal::LaunchNormBatches(plan, stream)),
+           absl::StrCat("launches for ", k, " ranges"));
+    }
+    if (status.ok()) {
+      fail(Cleared(cudaMemcpyAsync(sumsq, results, k * sizeof(float), cudaMemcpyDefault, s)),
+           "results");
+      fail(Cleared(cudaMemcpyAsync(finite, flags, k, cudaMemcpyDefault, s)), "flags");
     }
     Cleared(cudaFreeAsync(scratch, s));
     return status;
