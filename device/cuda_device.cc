@@ -453,6 +453,7 @@ class CudaDevice final : public Device {
       case memory::MemoryKind::kPinnedHost:
         return CudaPinnedSlabs();
       case memory::MemoryKind::kPageableHost:
+      case memory::MemoryKind::kNvme:  // files, not memory: nothing allocates there
         break;
     }
     return memory::HostAllocator();

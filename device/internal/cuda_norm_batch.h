@@ -90,13 +90,14 @@ ZERORT_HD size_t BatchChunks(size_t count) {
   return (count + kBatchTreeChunk - 1) / kBatchTreeChunk;
 }
 
-// The entry holding the launch's block b (b < batch.blocks): the last whose
-// first_block <= b.
-ZERORT_HD int BlockEntryOf(const BlockBatch &batch, size_t b) {
+// The last entry of `batch` whose `*First` is at most `at` (entries are in increasing order of
+// it): the range holding the launch's block or chunk `at`.
+template <class Entry, size_t Entry::*First, class Batch>
+ZERORT_HD int LastEntryAtOrBelow(const Batch& batch, size_t at) {
   int lo = 0, hi = batch.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (batch.e[mid].first_block <= b) {
+    if (batch.e[mid].*First <= at) {
       lo = mid;
     } else {
       hi = mid - 1;
@@ -105,17 +106,12 @@ ZERORT_HD int BlockEntryOf(const BlockBatch &batch, size_t b) {
   return lo;
 }
 
-ZERORT_HD int ChunkEntryOf(const TreeBatch &batch, size_t c) {
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.e[mid].first_chunk <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+// The entry holding the launch's block b (b < batch.blocks), and chunk c (c < batch.chunks).
+ZERORT_HD int BlockEntryOf(const BlockBatch& batch, size_t b) {
+  return LastEntryAtOrBelow<BlockEntry, &BlockEntry::first_block>(batch, b);
+}
+ZERORT_HD int ChunkEntryOf(const TreeBatch& batch, size_t c) {
+  return LastEntryAtOrBelow<TreeEntry, &TreeEntry::first_chunk>(batch, c);
 }
 
 // NormLane (the same fma chain over the same elements), and whether one of them
