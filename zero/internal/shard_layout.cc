@@ -24,6 +24,7 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   r.unit_begin = r.whole_unit ? 0 : shard_index * unit.shard;
   r.owned_begin = r.whole_unit ? shard_index * unit.shard : 0;
   r.frozen = unit.frozen;
+  r.first_index = unit.index_offset + r.unit_begin;
   if (b.params != nullptr) {
     r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
                            : at(b.params, unit.flat_offset + r.unit_begin);
@@ -43,11 +44,21 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   }
   // Optimizer state is the concatenation of the owned regions.
   const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
+  const memory::OptimizerStateForm form = memory::StateFormOf(o);
+  r.master_form = form.master;
+  r.moment_dtype = form.moment_dtype;
+  if (form.master_in_params) r.master_bf16 = reinterpret_cast<uint16_t*>(r.param);
   if (b.m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
+  const int64_t mb = static_cast<int64_t>(DTypeSize(form.moment_dtype));
+  r.m = b.m + optim * mb;
+  r.v = b.v + optim * mb;
+  if (form.master != memory::MasterForm::kF32) {
+    if (!form.master_in_params) r.master_bf16 = b.master_bf16 + optim;
+    if (b.remainder != nullptr) r.remainder = b.remainder + optim;
+    return r;
+  }
   r.params_are_master = b.master == nullptr;
   r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : b.master + optim;
-  r.m = b.m + optim;
-  r.v = b.v + optim;
   return r;
 }
 

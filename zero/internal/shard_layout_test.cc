@@ -26,8 +26,9 @@ struct Backing {
     master.resize(size(memory::BufferClass::kMaster));
     m.resize(size(memory::BufferClass::kExpAvg));
     v.resize(size(memory::BufferClass::kExpAvgSq));
-    return {params.data(), grads.data(), master.empty() ? nullptr : master.data(), m.data(),
-            v.data(), accum.empty() ? nullptr : accum.data()};
+    return {params.data(), grads.data(), master.empty() ? nullptr : master.data(),
+            reinterpret_cast<char*>(m.data()), reinterpret_cast<char*>(v.data()),
+            accum.empty() ? nullptr : accum.data()};
   }
 };
 
@@ -55,8 +56,9 @@ TEST_CASE("ShardLayout: every element has one owner and optimizer state tiles th
               const Region& r = layout.region(u);
               REQUIRE(r.unit_begin + r.n <= unit.padded);
               for (int64_t e = 0; e < r.n; ++e) ++owners[u][r.unit_begin + e];
-              for (int64_t e = 0; e < r.n; ++e) ++m_cover[r.m - back.m.data() + e];
-              REQUIRE(r.v - back.v.data() == r.m - back.m.data());
+              const int64_t m_at = (r.m - reinterpret_cast<char*>(back.m.data())) / 4;
+              for (int64_t e = 0; e < r.n; ++e) ++m_cover[m_at + e];
+              REQUIRE(r.v - reinterpret_cast<char*>(back.v.data()) == m_at * 4);
               // This rank's checkpoint range is shard `rank` of the unit, inside the region.
               REQUIRE(r.unit_begin + r.owned_begin == rank * unit.shard);
               REQUIRE(r.owned_begin + unit.shard <= r.n);
