@@ -85,6 +85,26 @@ absl::Status ApplyOffload(const std::string& o, ZeroConfig* zero) {
   return absl::OkStatus();
 }
 
+// --offload-ratio R: offload_optimizer.ratio, the fraction of the optimizer state offloaded
+// (DeepSpeed's meaning). It needs optimizer offload, from --offload or the config, unless
+// --stage auto chooses the offload (the ratio is then the most auto offloads).
+absl::Status ApplyOffloadRatio(const std::string& text, ZeroConfig* zero) {
+  double ratio = 0;
+  if (!absl::SimpleAtod(text, &ratio) || !(ratio >= 0 && ratio <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--offload-ratio '", text, "': expected a number in [0, 1] (the fraction of the "
+        "optimizer state offloaded)"));
+  }
+  if (zero->offload_optimizer.device == OffloadDevice::kNone && !zero->stage_auto) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--offload-ratio ", text, " splits offloaded optimizer state: give --offload "
+        "optimizer|all|nvme|nvme-all (or a config with zero_optimization.offload_optimizer), or "
+        "--stage auto"));
+  }
+  zero->offload_optimizer.ratio = ratio;
+  return absl::OkStatus();
+}
+
 // The config file (its notes included), then the flags that override it.
 absl::StatusOr<Config> PlanConfig(const Flags& flags) {
   Config config;
@@ -96,6 +116,9 @@ absl::StatusOr<Config> PlanConfig(const Flags& flags) {
                    flags.GetComputeDType("precision", config.compute_dtype));
   if (flags.Has("stage")) RETURN_IF_ERROR(ApplyStage(flags.Get("stage"), &config.zero));
   if (flags.Has("offload")) RETURN_IF_ERROR(ApplyOffload(flags.Get("offload"), &config.zero));
+  if (flags.Has("offload-ratio")) {
+    RETURN_IF_ERROR(ApplyOffloadRatio(flags.Get("offload-ratio"), &config.zero));
+  }
   if (flags.Has("budget")) {
     RETURN_IF_ERROR(ApplyBudget(flags.Get("budget"), &config.zero.memory_budget));
   }
@@ -217,6 +240,8 @@ constexpr const char* kPlanUsage =
          --offload none|optimizer|all   CPU offload of optimizer state (and parameters)
          --offload nvme|nvme-all        optimizer state (nvme-all: and the stage-3 parameter
                                         shard) in files: NVMe offload
+         --offload-ratio R   the fraction of the optimizer state offloaded, 0..1 (1); the rest
+                             stays on the device, whole units (offload_optimizer.ratio)
          --precision bf16|fp16|fp32     compute dtype (config's, else bf16)
          --config FILE       a JSON config (DeepSpeed keys); flags above override it
          --budget SIZE | device=SIZE,host=SIZE   per-rank memory budget (for --stage auto);
@@ -275,8 +300,8 @@ absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& 
   ASSIGN_OR_RETURN(Flags flags,
                    Flags::Parse(args,
                                 {"model", "params", "layers", "world", "rank", "stage", "offload",
-                                 "precision", "config", "budget", "fill", "seq", "micro-batch",
-                                 "recompute", "fit"},
+                                 "offload-ratio", "precision", "config", "budget", "fill", "seq",
+                                 "micro-batch", "recompute", "fit"},
                                 {"json", "resolved-config", "strict"}));
   ASSIGN_OR_RETURN(Config config, PlanConfig(flags));
   if (flags.Has("resolved-config")) {

@@ -17,8 +17,9 @@
 namespace zerort {
 
 // `zerort plan --model NAME|FILE | --params N [--layers L] [--world N] [--rank R]
-//   [--stage 0-3|auto] [--offload none|optimizer|all] [--precision bf16|fp16|fp32]
-//   [--config FILE] [--budget SIZE | device=SIZE,host=SIZE] [--json] [--resolved-config]`
+//   [--stage 0-3|auto] [--offload none|optimizer|all] [--offload-ratio R]
+//   [--precision bf16|fp16|fp32] [--config FILE] [--budget SIZE | device=SIZE,host=SIZE]
+//   [--json] [--resolved-config]`
 // The config's notes (keys accepted with no effect) come first as "note: ..." lines, or as the
 // "notes" array of --json (empty without a config).
 absl::Status RunPlanCommand(const std::vector<std::string>& args, std::ostream& out);

@@ -41,6 +41,60 @@ TEST_CASE("CLI: zerort plan prints the plan as JSON with the documented fields",
   CHECK_THAT(std::string(bad_stage.message()), Catch::Contains("--stage '5'"));
 }
 
+TEST_CASE("CLI: zerort plan --offload-ratio splits the optimizer state and says how", "[zero]") {
+  auto plan = [](const std::string& ratio) {
+    std::ostringstream out;
+    const absl::Status s =
+        RunPlanCommand({"--model", "llama2-7b", "--world", "8", "--stage", "2", "--offload",
+                        "optimizer", "--offload-ratio", ratio, "--json"},
+                       out);
+    REQUIRE(s.ok());
+    return nlohmann::json::parse(out.str());
+  };
+  const nlohmann::json full = plan("1"), half = plan("0.5"), none = plan("0");
+  const int64_t full_device = full["per_rank"]["device_bytes"].get<int64_t>();
+  const int64_t half_device = half["per_rank"]["device_bytes"].get<int64_t>();
+  const int64_t none_device = none["per_rank"]["device_bytes"].get<int64_t>();
+  CHECK(full_device < half_device);
+  CHECK(half_device < none_device);
+  const nlohmann::json& split = half["optimizer_offload"];
+  CHECK(split["ratio"] == 0.5);
+  CHECK(split["ratio_achieved"].get<double>() >= 0.5);
+  CHECK(split["device_units"].get<int>() > 0);
+  CHECK(split["offloaded_units"].get<int>() > 0);
+  // What the device holds more than at full offload is the kept part (bf16: master, m, v and
+  // the 2-byte gradient shard, 14 bytes an element) less gradient offload's working buffers.
+  const int64_t kept = split["device_elements"].get<int64_t>();
+  CHECK(split["device_bytes"].get<int64_t>() == 14 * kept);
+  CHECK(split["offloaded_bytes"].get<int64_t>() == 14 * split["offloaded_elements"].get<int64_t>());
+  CHECK(half_device - full_device == 14 * kept);
+  CHECK(full["optimizer_offload"]["device_elements"] == 0);
+  CHECK(none["optimizer_offload"]["offloaded_elements"] == 0);
+  // The table says it too.
+  std::ostringstream text;
+  REQUIRE(RunPlanCommand({"--model", "llama2-7b", "--world", "8", "--stage", "2", "--offload",
+                          "optimizer", "--offload-ratio", "0.5"},
+                         text)
+              .ok());
+  CHECK_THAT(text.str(), Catch::Contains("optimizer state: "));
+  CHECK_THAT(text.str(), Catch::Contains("% offloaded (offload_optimizer.ratio 0.5)"));
+  CHECK_THAT(text.str(), Catch::Contains("exp_avg_device"));
+  // Refused, naming the flag and the value.
+  std::ostringstream err;
+  for (const char* bad : {"1.5", "-0.1", "half", "nan"}) {
+    auto refused = RunPlanCommand({"--model", "gpt2-124m", "--stage", "2", "--offload",
+                                   "optimizer", "--offload-ratio", bad},
+                                  err);
+    REQUIRE_FALSE(refused.ok());
+    CHECK_THAT(std::string(refused.message()),
+               Catch::Contains(std::string("--offload-ratio '") + bad + "'"));
+  }
+  auto without = RunPlanCommand({"--model", "gpt2-124m", "--stage", "2", "--offload-ratio", "0.5"},
+                                err);
+  REQUIRE_FALSE(without.ok());
+  CHECK_THAT(std::string(without.message()), Catch::Contains("--offload optimizer"));
+}
+
 TEST_CASE("CLI: zerort plan --offload nvme and nvme-all plan files without a path", "[zero]") {
   // Planning creates no files, so the flags need no nvme_path; the JSON names the nvme bytes.
   auto plan = [](const std::string& stage, const std::string& offload) {

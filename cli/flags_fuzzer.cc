@@ -53,7 +53,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   absl::StatusOr<Flags> flags =
       Flags::Parse(args, {"model", "params", "layers", "world", "rank", "stage", "offload",
-                          "precision", "budget"},
+                          "offload-ratio", "precision", "budget"},
                    {"json", "resolved-config"});
   if (!flags.ok()) return 0;
   for (const char* name : {"params", "layers", "world", "rank"}) {

@@ -1,6 +1,7 @@
 #include "memory/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -107,6 +108,11 @@ absl::Status ValidateOptions(const PlanOptions& o) {
   }
   if (o.offload_param_nvme && o.offload_param_buffer_count < 1) {
     return bad("offload_param_buffer_count", o.offload_param_buffer_count, ">= 1");
+  }
+  // Written so that a NaN fails too.
+  if (!(o.offload_optimizer_ratio >= 0 && o.offload_optimizer_ratio <= 1)) {
+    return bad("offload_optimizer_ratio (offload_optimizer.ratio)", o.offload_optimizer_ratio,
+               "[0, 1]");
   }
   if (o.offload_optimizer_nvme && !o.offload_optimizer) {
     return absl::InvalidArgumentError(
@@ -390,6 +396,7 @@ struct UnitTotals {
   int64_t trainable_persistent_elements = 0;  // persistent units the optimizer step updates
   std::vector<int64_t> trainable_sizes;  // padded, of every unit with gradients: buckets
   std::vector<int64_t> gathered_sizes;   // padded, of every unit gathered into a slot (stage 3)
+  int64_t max_offloaded_unit = 0;  // largest padded unit whose optimizer state is offloaded
 };
 
 // Marks persistent units, sets every parameter's flat offset and the largest unit.
@@ -416,6 +423,40 @@ UnitTotals PlaceUnits(Plan* plan, Checked* math) {
     }
   }
   return totals;
+}
+
+// The optimizer state's split (PlanOptions::offload_optimizer_ratio): sets every unit's
+// `offloaded` and `state_offset` and the plan's state element counts. Trainable units in layout
+// order stay on the device while their shards fit in floor((1 - ratio) x St), first fit (a unit
+// too large for what is left is offloaded and the next ones are still tried); the rest are
+// offloaded. Units are the same on every rank, so every rank keeps the same ones.
+void SplitOffload(Plan* plan, UnitTotals* totals) {
+  const PlanOptions& o = plan->options;
+  const int64_t St = plan->trainable_shard_elements;
+  if (!o.offload_optimizer) {
+    for (Unit& u : plan->units) u.state_offset = u.shard_offset;
+    plan->device_state_elements = o.stage == 0 ? plan->trainable_padded_elements : St;
+    return;
+  }
+  // In double: (1 - ratio) x St is exact enough for any shard a machine holds, and every rank
+  // computes the same value. Clamped so that ratio 0 keeps all of it despite rounding.
+  const double keep = std::floor((1.0 - o.offload_optimizer_ratio) * static_cast<double>(St));
+  const int64_t limit = keep >= static_cast<double>(St) ? St : static_cast<int64_t>(keep);
+  int64_t kept = 0, offloaded = 0;
+  for (Unit& u : plan->units) {
+    if (u.frozen) continue;  // no optimizer state
+    if (kept + u.shard <= limit) {  // cannot overflow: both are at most St
+      u.state_offset = kept;
+      kept += u.shard;
+    } else {
+      u.offloaded = true;
+      u.state_offset = offloaded;
+      offloaded += u.shard;
+      totals->max_offloaded_unit = std::max(totals->max_offloaded_unit, u.padded);
+    }
+  }
+  plan->device_state_elements = kept;
+  plan->offloaded_state_elements = offloaded;
 }
 
 int64_t SatMul(int64_t a, int64_t b) {
@@ -486,17 +527,37 @@ MemoryKind HostKind(const PlanOptions& o) {
   return o.pin_memory ? MemoryKind::kPinnedHost : MemoryKind::kPageableHost;
 }
 
+// The two parts of the optimizer state under offload_optimizer (SplitOffload): what is
+// offloaded, and what offload_optimizer_ratio < 1 keeps on the device. A buffer of one part holds
+// the state of that part's units only; each part's bytes are counted in the plan.
+enum class Part { kOffloaded, kDevice };
+
+// Appends a buffer of `part` (none when `elements` is 0) and counts its bytes for the part. With
+// both parts in the plan, the device part's buffers are named "<name>_device"; with one part,
+// every buffer keeps its plain name (the plan is then the one without offload, or full offload).
+void AddPartBuffer(Plan* plan, Checked* math, Part part, const std::string& name,
+                   BufferClass cls, MemoryKind kind, DType dtype, int64_t elements) {
+  if (elements <= 0) return;
+  const bool both = plan->offloaded_state_elements > 0 && plan->device_state_elements > 0;
+  const bool device = part == Part::kDevice;
+  AddBuffer(plan, math, both && device ? absl::StrCat(name, "_device") : name, cls, kind, dtype,
+            elements);
+  int64_t& bytes = device ? plan->device_state_bytes : plan->offloaded_state_bytes;
+  bytes = math->Add(bytes, plan->buffers.back().bytes, "optimizer state bytes");
+}
+
 // params + grads + master + m + v. E: padded elements (all units), S: this rank's shard; Et and
-// St the trainable prefix of them: frozen units have parameters only.
+// St the trainable prefix of them: frozen units have parameters only. With offload_optimizer the
+// optimizer state (and the stage 2-3 gradient shard) comes in two parts: Sh offloaded elements
+// in host memory or the NVMe file, Sd kept on the device, laid out as without offload.
 void AddModelState(Plan* plan, Checked* math) {
   const PlanOptions& o = plan->options;
   const int64_t E = plan->padded_elements, Et = plan->trainable_padded_elements;
   const int64_t S = plan->shard_elements, St = plan->trainable_shard_elements;
+  const int64_t Sh = plan->offloaded_state_elements, Sd = plan->device_state_elements;
   const DType c = o.compute_dtype;
   const bool mixed = c != DType::kF32;
-  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme
-                                : o.offload_optimizer   ? HostKind(o)
-                                                        : MemoryKind::kDevice;
+  const MemoryKind optim_kind = o.offload_optimizer_nvme ? MemoryKind::kNvme : HostKind(o);
   const bool sharded_optim = o.stage >= 1;
   if (o.stage <= 2) {
     AddBuffer(plan, math, "params", BufferClass::kParams, MemoryKind::kDevice, c, E);
@@ -509,28 +570,43 @@ void AddModelState(Plan* plan, Checked* math) {
   }
   const bool full_grads = o.stage <= 1;
   // The reduced shard is the accumulator in stages 2-3: fp32 with fp32_grad_accum. Gradient
-  // offload keeps it in host memory; the device holds only the buckets it is reduced in.
+  // offload keeps the offloaded units' part in host memory; the device holds only the buckets
+  // they are reduced in, and the kept units' part.
   const DType grad_dtype = full_grads ? c : ReducedGradDType(o);
-  AddBuffer(plan, math, full_grads ? "grads" : "grad_shard", BufferClass::kGrads,
-            full_grads || !GradOffload(o) ? MemoryKind::kDevice : HostKind(o), grad_dtype,
-            full_grads ? Et : St);
+  if (full_grads) {
+    AddBuffer(plan, math, "grads", BufferClass::kGrads, MemoryKind::kDevice, grad_dtype, Et);
+  } else {
+    AddPartBuffer(plan, math, Part::kDevice, "grad_shard", BufferClass::kGrads,
+                  MemoryKind::kDevice, grad_dtype, Sd);
+    AddPartBuffer(plan, math, Part::kOffloaded, "grad_shard", BufferClass::kGrads, HostKind(o),
+                  grad_dtype, Sh);
+  }
   // fp32 training updates the parameters in place, unless the optimizer state is offloaded
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
-  // (AdamW then runs on the master and the new shard is written to the file after it).
+  // (AdamW then runs on the master and the new shard is written to the file after it). The
+  // part kept on the device is as without offload.
   // A compact master (bf16 only) is the parameter shard itself, or a bf16 copy of it where the
-  // shard is elsewhere (OptimizerStateForm), and its remainder.
+  // shard is elsewhere (OptimizerStateForm, each part's own), and its remainder.
   const OptimizerStateForm form = StateFormOf(o);
-  const bool master = (mixed || o.offload_optimizer || o.offload_param_nvme) && form.master_array();
-  const int64_t optim = sharded_optim ? St : Et;
-  if (master) {
-    AddBuffer(plan, math, "master", BufferClass::kMaster, optim_kind, form.master_dtype(), optim);
+  const bool device_master = mixed || o.offload_param_nvme;
+  const bool master = device_master || o.offload_optimizer;
+  for (const Part part : {Part::kDevice, Part::kOffloaded}) {
+    const bool device = part == Part::kDevice;
+    const OptimizerStateForm part_form = StateFormOf(o, /*offloaded=*/!device);
+    const MemoryKind kind = device ? MemoryKind::kDevice : optim_kind;
+    const int64_t n = device ? Sd : Sh;
+    if ((device ? device_master : true) && part_form.master_array()) {
+      AddPartBuffer(plan, math, part, "master", BufferClass::kMaster, kind,
+                    part_form.master_dtype(), n);
+    }
+    if (part_form.remainder_array()) {
+      AddPartBuffer(plan, math, part, "master_remainder", BufferClass::kMasterRemainder, kind,
+                    DType::kBF16, n);
+    }
+    AddPartBuffer(plan, math, part, "exp_avg", BufferClass::kExpAvg, kind, o.moment_dtype, n);
+    AddPartBuffer(plan, math, part, "exp_avg_sq", BufferClass::kExpAvgSq, kind, o.moment_dtype,
+                  n);
   }
-  if (form.remainder_array()) {
-    AddBuffer(plan, math, "master_remainder", BufferClass::kMasterRemainder, optim_kind,
-              DType::kBF16, optim);
-  }
-  AddBuffer(plan, math, "exp_avg", BufferClass::kExpAvg, optim_kind, o.moment_dtype, optim);
-  AddBuffer(plan, math, "exp_avg_sq", BufferClass::kExpAvgSq, optim_kind, o.moment_dtype, optim);
   // What the same buffers would hold for the frozen units (bounded by the sizes above).
   const int64_t frozen_grads = full_grads ? E - Et : S - St;
   const int64_t frozen_optim = sharded_optim ? S - St : E - Et;
@@ -543,9 +619,10 @@ void AddModelState(Plan* plan, Checked* math) {
 
 // NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
 // and writes the other, so a failed step leaves the first intact), each array padded to 4 KiB;
-// master, exp_avg and exp_avg_sq count S elements each, nvme_second_copy the rest of the file.
+// master, exp_avg and exp_avg_sq count Sh elements each, nvme_second_copy the rest of the file.
 // Units are streamed in pieces (NvmePieces), each array of a piece padded to 4 KiB. Three
-// pinned slots of the largest piece's master|m|v: read ahead, update, write behind.
+// pinned slots of the largest piece's master|m|v: read ahead, update, write behind. Only the
+// offloaded units are in the file (all of them but with offload_optimizer_ratio < 1).
 // A compact form (OptimizerStateForm) keeps its own arrays the same way, each padded to 4 KiB;
 // the counted buffers then hold its bytes and nvme_second_copy (in 2-byte elements) the rest.
 void AddNvmeBuffers(Plan* plan, Checked* math) {
@@ -554,6 +631,7 @@ void AddNvmeBuffers(Plan* plan, Checked* math) {
   const std::vector<int> arrays = form.ElementBytes();
   int64_t copy = 0, largest = 0;
   for (const Unit& u : plan->units) {
+    if (!u.offloaded) continue;
     for (int64_t piece : NvmePieces(u.shard, plan->options.nvme_piece_elements)) {
       int64_t stride = 0;
       for (int bytes : arrays) stride = math->Add(stride, NvmeArrayStride(piece, bytes), kWhat);
@@ -563,7 +641,7 @@ void AddNvmeBuffers(Plan* plan, Checked* math) {
   }
   const int64_t rest =
       math->Add(math->Mul(2, copy, kWhat),
-                -math->Mul(form.BytesPerElement(), plan->shard_elements, kWhat), kWhat);
+                -math->Mul(form.BytesPerElement(), plan->offloaded_state_elements, kWhat), kWhat);
   // The fp32 form in 4-byte elements as before; a compact form's rest may be 2 bytes short of it.
   const DType rest_dtype = form.compact() ? DType::kBF16 : DType::kF32;
   AddBuffer(plan, math, "nvme_second_copy", BufferClass::kNvmeSecondCopy, MemoryKind::kNvme,
@@ -598,21 +676,26 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t world = o.world_size;
   const DType c = o.compute_dtype;
   const DType reduced = ReducedGradDType(o);
-  if ((o.gradient_accumulation_steps > 1 || reduced != c || GradOffload(o)) && o.stage <= 1) {
+  if (o.stage <= 1) {
     // Micro-step gradients are reduced as they arrive and accumulated after the reduction, so
     // that every stage sums in the same order; stages 2-3 accumulate into grad_shard itself.
     // An fp32 accumulator is needed even without accumulation: it holds the fp32 result. With
-    // gradient offload it is where stage 1's reduced shard lives, in host memory, always.
-    AddBuffer(plan, math, "grad_accumulator", BufferClass::kGradAccumulator,
-              GradOffload(o) ? HostKind(o) : MemoryKind::kDevice, reduced,
-              o.stage == 0 ? plan->trainable_padded_elements : plan->trainable_shard_elements);
+    // gradient offload it is where stage 1's reduced shard of the offloaded units lives, in
+    // host memory, always; the units kept on the device have one as without offload.
+    if (o.gradient_accumulation_steps > 1 || reduced != c) {
+      AddPartBuffer(plan, math, Part::kDevice, "grad_accumulator",
+                    BufferClass::kGradAccumulator, MemoryKind::kDevice, reduced,
+                    plan->device_state_elements);
+    }
+    AddPartBuffer(plan, math, Part::kOffloaded, "grad_accumulator", BufferClass::kGradAccumulator,
+                  HostKind(o), reduced, plan->offloaded_state_elements);
   }
   if (GradOffload(o) && o.gradient_accumulation_steps > 1) {
     // A micro-step after the first adds its reduced shard to the host-resident sum on the
     // device, one unit at a time: sum up, Accumulate (the kernel of device accumulation, so the
-    // bits are the same), sum down, all on the comm stream.
+    // bits are the same), sum down, all on the comm stream. Offloaded units only.
     AddBuffer(plan, math, "grad_accum_stage", BufferClass::kGradAccumStage, MemoryKind::kDevice,
-              reduced, totals.max_trainable_unit / ShardGroupSize(o));
+              reduced, totals.max_offloaded_unit / ShardGroupSize(o));
   }
   if (reduced != c || GradWireDType(o) != c) {
     // A whole unit converted for an fp32 reduction, or (fp32 accumulation alone) one reduced
@@ -678,14 +761,15 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     // Each chunk carries one unit's new parameter shard up to the device (or into the NVMe
     // file); the gradients are in host memory already (gradient offload). A parameter shard in
     // host memory is updated in place and needs none.
+    // Offloaded units only: the kept ones are updated in device memory.
     AddBuffer(plan, math, "offload_staging", BufferClass::kOffloadStaging, HostKind(o), c,
-              math->Mul(o.offload_buffer_count, totals.max_trainable_unit / ShardGroupSize(o),
+              math->Mul(o.offload_buffer_count, totals.max_offloaded_unit / ShardGroupSize(o),
                         "offload_staging size"),
               o.offload_buffer_count);
   }
-  if (o.offload_optimizer_nvme) AddNvmeBuffers(plan, math);
+  if (o.offload_optimizer_nvme && plan->offloaded_state_elements > 0) AddNvmeBuffers(plan, math);
   if (o.offload_param_nvme) AddNvmeParamBuffers(plan, math);
-  if (GradOffload(o)) {
+  if (GradOffload(o) && plan->offloaded_state_elements > 0) {
     // The device writes each unit's norm partial and finiteness flag as the shard leaves, in
     // backward: into pinned memory, so that the copy is asynchronous (a copy into pageable
     // memory would make the trainer's thread wait for the reduction). Pinned whatever
@@ -717,7 +801,7 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   const int64_t S = plan->shard_elements;
   const int64_t persistent = totals.persistent_elements;
   // Only trainable units are reduced, and re-gathered after the step.
-  const int64_t Et = plan->trainable_padded_elements, St = plan->trainable_shard_elements;
+  const int64_t Et = plan->trainable_padded_elements;
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
   const int64_t cb = static_cast<int64_t>(DTypeSize(o.compute_dtype));
   const int64_t gas = o.gradient_accumulation_steps;
@@ -815,13 +899,15 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   constexpr absl::string_view kHost = "host transfer bytes per step";
   const int64_t shard_both_ways = math->Mul(math->Mul(2, S, kHost), cb, kHost);
   if (o.offload_optimizer) {
-    // The trainable gradient shard down after every reduction, the running sum up before each
-    // reduction's addition after the first (gradient offload), its parameters up once. Local
-    // accumulation reduces once per window: one copy down.
+    // The offloaded units' gradient shard down after every reduction, the running sum up before
+    // each reduction's addition after the first (gradient offload), its parameters up once. Local
+    // accumulation reduces once per window: one copy down. The units kept on the device move
+    // nothing.
+    const int64_t Sh = plan->offloaded_state_elements;
     const int64_t gb = static_cast<int64_t>(DTypeSize(ReducedGradDType(o)));
     const int64_t grad_moves = math->Add(math->Mul(2, reductions, kHost), -1, kHost);
     plan->host_transfer_bytes_per_step = math->Add(
-        math->Mul(math->Mul(grad_moves, St, kHost), gb, kHost), math->Mul(St, cb, kHost), kHost);
+        math->Mul(math->Mul(grad_moves, Sh, kHost), gb, kHost), math->Mul(Sh, cb, kHost), kHost);
   }
   if (o.offload_param) {
     // The shard goes up for forward and for backward in every micro-step.
@@ -898,13 +984,19 @@ const char* MasterFormName(MasterForm form) {
   return "unknown";
 }
 
-OptimizerStateForm StateFormOf(const PlanOptions& o) {
+OptimizerStateForm StateFormOf(const PlanOptions& o, bool offloaded) {
   OptimizerStateForm f;
   f.master = o.master_form;
   f.moment_dtype = o.moment_dtype;
-  f.master_in_params = o.master_form != MasterForm::kF32 && !o.offload_optimizer_nvme &&
-                       !o.offload_param_nvme && (!o.offload_optimizer || o.offload_param);
+  // The part kept on the device (offloaded false) is as without offload_optimizer.
+  const bool host = offloaded && o.offload_optimizer;
+  f.master_in_params = o.master_form != MasterForm::kF32 && !(host && o.offload_optimizer_nvme) &&
+                       !o.offload_param_nvme && (!host || o.offload_param);
   return f;
+}
+
+OptimizerStateForm StateFormOf(const PlanOptions& o) {
+  return StateFormOf(o, o.offload_optimizer);
 }
 
 std::vector<int> OptimizerStateForm::ElementBytes() const {
@@ -930,8 +1022,17 @@ std::string StateFormDescription(const PlanOptions& o) {
     absl::StrAppend(&master, f.master_in_params ? " in the parameter shard"
                                                 : " (a bf16 copy of the shard beside the state)");
   }
-  return absl::StrCat("optimizer state: ", master, ", ", DTypeName(f.moment_dtype),
-                      " moments: ", f.BytesPerElement(), " bytes per owned parameter");
+  std::string out = absl::StrCat("optimizer state: ", master, ", ", DTypeName(f.moment_dtype),
+                                 " moments: ", f.BytesPerElement(), " bytes per owned parameter");
+  // offload_optimizer.ratio < 1: the units kept on the device hold the form without offload.
+  const OptimizerStateForm kept = StateFormOf(o, /*offloaded=*/false);
+  if (o.offload_optimizer && o.offload_optimizer_ratio < 1 &&
+      kept.master_in_params != f.master_in_params) {
+    absl::StrAppend(&out, " offloaded; ", MasterFormName(kept.master), " master ",
+                    kept.master_in_params ? "in the parameter shard" : "beside the state", ": ",
+                    kept.BytesPerElement(), " bytes per parameter kept on the device");
+  }
+  return out;
 }
 
 const char* BufferClassName(BufferClass c) {
@@ -1009,7 +1110,8 @@ absl::StatusOr<Plan> MakePlan(absl::Span<const ParamSpec> specs, const PlanOptio
   if (!numel.ok()) return numel.status();
   if (!math.status().ok()) return math.status();
   BuildUnits(specs, *numel, &plan, &math);
-  const UnitTotals totals = PlaceUnits(&plan, &math);
+  UnitTotals totals = PlaceUnits(&plan, &math);
+  SplitOffload(&plan, &totals);
   AddModelState(&plan, &math);
   AddWorkingBuffers(totals, &plan, &math);
   CountBytes(totals, &plan, &math);

@@ -157,6 +157,13 @@ struct PlanOptions {
   // With gradient_accumulation_steps > 1 the sum lives on the host and each micro-step adds on
   // the device through grad_accum_stage (one unit's shard), so the arithmetic is unchanged.
   bool offload_optimizer = false;
+  // offload_optimizer.ratio, DeepSpeed's meaning: the fraction of this rank's optimizer state
+  // that is offloaded, in [0, 1] (1: all of it, 0: none). Below 1, whole trainable units keep
+  // their master, m, v and reduced gradient shard on the device, as without offload
+  // (Unit::offloaded false): in layout order, each unit that still fits, while the kept shards
+  // sum to at most floor((1 - ratio) x the trainable shard). Every rank keeps the same units (their
+  // shards are equal), and both parts run the same AdamW, so the bits do not depend on it.
+  double offload_optimizer_ratio = 1.0;
   bool offload_param = false;          // stage 3: the parameter shard lives in host memory
   // With offload_param: the parameter shard lives in the swap file (MemoryKind::kNvme), each
   // unit's padded to kNvmeAlignment, after the optimizer state if that is on NVMe too; it moves
@@ -260,6 +267,14 @@ struct Unit {
   bool persistent = false;       // stage 3 only: kept whole on every rank
   int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
   bool frozen = false;           // holds frozen parameters only (no gradient, no optimizer state)
+  // offload_optimizer: this unit's master, m, v and reduced gradient shard live in host memory
+  // or the NVMe file, updated by the host AdamW (true), or stay on the device (false: kept
+  // there by offload_optimizer_ratio < 1). False without offload and for frozen units.
+  bool offloaded = false;
+  // Stages 1-3, trainable units: where this unit's master, m, v (and stage 2-3 gradient shard,
+  // stage-1 accumulator) start in the buffers of its part, the offloaded one or the one kept on
+  // the device; equal to shard_offset when one part holds every unit.
+  int64_t state_offset = 0;
 };
 
 struct Plan {
@@ -300,6 +315,21 @@ struct Plan {
   // Offload: device<->host copies per step: gradient shards down in every micro-step (and,
   // accumulating, the running sum up for each after the first), parameter shards up.
   int64_t host_transfer_bytes_per_step = 0;
+  // The optimizer state's split (PlanOptions::offload_optimizer_ratio): elements of the trainable
+  // shard (St; the trainable padded elements in stage 0) whose optimizer state is offloaded and
+  // kept on the device (without offload_optimizer: 0 and all of it), and the bytes each part
+  // holds for them: master, m and v, and the reduced gradient each keeps apart (the stage 2-3
+  // gradient shard, the stage-1 accumulator). Every buffer counted here is in bytes_by_kind too.
+  int64_t offloaded_state_elements = 0;
+  int64_t device_state_elements = 0;
+  int64_t offloaded_state_bytes = 0;
+  int64_t device_state_bytes = 0;
+  // The fraction of the optimizer state actually offloaded: offloaded / (offloaded + device)
+  // elements, at least options.offload_optimizer_ratio (whole units; 0 without offload).
+  double offload_ratio_achieved() const {
+    const int64_t all = offloaded_state_elements + device_state_elements;
+    return all == 0 ? 0.0 : static_cast<double>(offloaded_state_elements) / all;
+  }
   // Sum of ParamSpec::activation_bytes_per_sample: 0 when the trainer declared none. Not part of
   // bytes_by_kind, which holds only what the engine allocates.
   int64_t activation_bytes_per_sample = 0;
@@ -338,6 +368,11 @@ struct OptimizerStateForm {
   int64_t BytesPerElement() const;
 };
 OptimizerStateForm StateFormOf(const PlanOptions& o);
+// The form of one part of the state under offload_optimizer (Unit::offloaded): the offloaded
+// units' (`offloaded`: StateFormOf(o)), or that of the units offload_optimizer_ratio < 1 keeps on
+// the device, which is the form without offload (a compact master in the parameter shard, where
+// the device AdamW updates it). Without offload_optimizer both are StateFormOf(o).
+OptimizerStateForm StateFormOf(const PlanOptions& o, bool offloaded);
 // One line naming the form and its bytes, e.g. "optimizer state: bf16 + remainder master in
 // the parameter shard, bf16 moments: 6 bytes per parameter beside the 2-byte parameter".
 std::string StateFormDescription(const PlanOptions& o);
@@ -360,6 +395,8 @@ DType ReducedGradDType(const PlanOptions& o);
 bool LocalAccumulation(const PlanOptions& o);
 // Whether the reduced gradient shard lives in host memory (gradient offload): with
 // offload_optimizer, always, as in DeepSpeed; there is no key to keep it on the device.
+// With offload_optimizer_ratio < 1 only the offloaded units' shards (Unit::offloaded) go there;
+// the units kept on the device keep theirs as without offload.
 inline bool GradOffload(const PlanOptions& o) { return o.offload_optimizer && o.stage >= 1; }
 DType GradWireDType(const PlanOptions& o);
 
@@ -390,7 +427,8 @@ std::vector<int64_t> NvmePieces(int64_t shard_elements, int64_t piece_elements);
 // an empty spec list, a zero or negative dimension, a negative activation_bytes_per_sample, a
 // duplicate parameter name, a stage outside
 // 0..3, rank outside the world, offload_param below stage 3, offload_optimizer_nvme without
-// offload_optimizer, offload_param_nvme without offload_param, a non-positive alignment, and a
+// offload_optimizer, offload_param_nvme without offload_param, an offload_optimizer_ratio outside
+// [0, 1], a non-positive alignment, and a
 // model in which every parameter is frozen, frozen parameters with NVMe offload, and a
 // model or options so large that a size would exceed 2^63-1 ("the plan's <quantity> exceeds
 // 2^63-1: ..."); every size is computed with overflow checks, so none is ever wrapped.

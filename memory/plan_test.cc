@@ -1,6 +1,7 @@
 #include "memory/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -438,6 +439,147 @@ TEST_CASE("Plan: gradient offload keeps the reduced shard in host memory, the de
   CHECK(plan->Find(BufferClass::kOffloadStaging) == nullptr);
 }
 
+// The units a ratio keeps on the device, computed here apart from the planner: trainable
+// units in layout order, each kept while the kept shards stay within floor((1 - ratio) x St).
+std::vector<bool> KeptUnits(const Plan& plan, double ratio) {
+  const int64_t St = plan.trainable_shard_elements;
+  const int64_t limit = static_cast<int64_t>(std::floor((1 - ratio) * static_cast<double>(St)));
+  std::vector<bool> kept(plan.units.size(), false);
+  int64_t sum = 0;
+  for (size_t u = 0; u < plan.units.size(); ++u) {
+    if (plan.units[u].frozen || sum + plan.units[u].shard > limit) continue;
+    kept[u] = true;
+    sum += plan.units[u].shard;
+  }
+  return kept;
+}
+
+TEST_CASE("Plan: offload_optimizer_ratio keeps whole units' state on the device; every part's "
+          "bytes equal a closed form", "[memory]") {
+  std::mt19937 rng(126);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 14, 300);
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (DType dtype : {DType::kBF16, DType::kF32}) {
+      for (bool fp32_accum : {false, true}) {
+        for (int gas : {1, 2}) {
+          for (bool nvme : {false, true}) {
+            if (fp32_accum && dtype == DType::kF32) continue;
+            PlanOptions o;
+            o.stage = stage;
+            o.world_size = 4;
+            o.rank = 1;
+            o.compute_dtype = dtype;
+            o.fp32_grad_accum = fp32_accum;
+            o.gradient_accumulation_steps = gas;
+            o.unit_target_elements = 20000;
+            o.persistence_threshold = 1000;
+            auto none = MakePlan(specs, o);
+            o.offload_optimizer = true;
+            o.offload_optimizer_nvme = nvme;
+            auto full = MakePlan(specs, o);
+            REQUIRE(none.ok());
+            REQUIRE(full.ok());
+            REQUIRE(full->units.size() > 4);
+            const bool mixed = dtype != DType::kF32;
+            const int64_t St = full->trainable_shard_elements;
+            const int64_t cb = static_cast<int64_t>(DTypeSize(dtype));
+            const int64_t gb = fp32_accum ? 4 : cb;
+            // Bytes per element of each part: master (device: mixed precision only; offloaded:
+            // always), m, v, and the reduced gradient it keeps apart (stages 2-3: the shard;
+            // stage 1: the accumulator, always when offloaded, else only when accumulating or
+            // in fp32).
+            const int64_t device_grad = stage >= 2 || gas > 1 || fp32_accum ? gb : 0;
+            const int64_t per_device = (mixed ? 12 : 8) + device_grad;
+            const int64_t per_offloaded = 12 + gb;
+            for (double ratio : {0.0, 0.3, 0.5, 0.7, 0.999, 1.0}) {
+              INFO("stage " << stage << " " << DTypeName(dtype) << " fp32_accum " << fp32_accum
+                            << " gas " << gas << (nvme ? " nvme" : " cpu") << " ratio "
+                            << ratio);
+              o.offload_optimizer_ratio = ratio;
+              auto plan = MakePlan(specs, o);
+              REQUIRE(plan.ok());
+              const std::vector<bool> kept = KeptUnits(*plan, ratio);
+              int64_t Sd = 0, largest_offloaded = 0, nvme_copy = 0, largest_piece = 0;
+              for (size_t u = 0; u < plan->units.size(); ++u) {
+                const Unit& unit = plan->units[u];
+                CHECK(unit.offloaded == !kept[u]);
+                if (kept[u]) {
+                  CHECK(unit.state_offset == Sd);  // the kept part is dense, in unit order
+                  Sd += unit.shard;
+                } else {
+                  CHECK(unit.state_offset == unit.shard_offset - Sd);
+                  largest_offloaded = std::max(largest_offloaded, unit.padded);
+                  const int64_t array = (unit.shard * 4 + 4095) / 4096 * 4096;
+                  nvme_copy += 3 * array;
+                  largest_piece = std::max(largest_piece, 3 * array);
+                }
+              }
+              const int64_t Sh = St - Sd;
+              CHECK(plan->device_state_elements == Sd);
+              CHECK(plan->offloaded_state_elements == Sh);
+              CHECK(Sd <= static_cast<int64_t>((1 - ratio) * St));
+              CHECK(plan->offload_ratio_achieved() >= ratio);
+              CHECK(plan->offload_ratio_achieved() == static_cast<double>(Sh) / St);
+              CHECK(plan->device_state_bytes == per_device * Sd);
+              CHECK(plan->offloaded_state_bytes == per_offloaded * Sh);
+              // Device memory: the plan without offload, less the offloaded units' part, plus
+              // gradient offload's accumulation stage (one offloaded unit's shard).
+              const int64_t stage_buf = gas > 1 ? largest_offloaded / 4 * gb : 0;
+              CHECK(plan->device_bytes() ==
+                    none->device_bytes() - per_device * Sh + stage_buf);
+              // Host memory: the offloaded part (in files with nvme, through three slots), the
+              // staging chunks for its parameter shards, the norm partials.
+              const int64_t chunks = 4 * (largest_offloaded / 4) * cb;
+              const int64_t partials = Sh > 0 ? 8 * static_cast<int64_t>(plan->units.size()) : 0;
+              const int64_t in_host = nvme ? gb * Sh : per_offloaded * Sh;
+              CHECK(plan->pinned_host_bytes() ==
+                    in_host + chunks + partials + (nvme && Sh > 0 ? 3 * largest_piece : 0));
+              CHECK(plan->nvme_bytes() == (nvme ? 2 * nvme_copy : 0));
+              CHECK(plan->host_transfer_bytes_per_step == (2 * gas - 1) * Sh * gb + Sh * cb);
+              // Every byte of model state is in one part or the other (or params / full grads).
+              // (fp32 training keeps no master for the units on the device.)
+              CHECK(plan->model_state_bytes == full->model_state_bytes - (mixed ? 0 : 4 * Sd));
+              // The two ends are the plans without offload and with all of it, buffer for
+              // buffer (names included: one part keeps the plain names).
+              if (ratio == 0.0 || ratio == 1.0) {
+                const Plan& same = ratio == 0.0 ? *none : *full;
+                REQUIRE(plan->buffers.size() == same.buffers.size());
+                for (size_t b = 0; b < same.buffers.size(); ++b) {
+                  CHECK(plan->buffers[b].name == same.buffers[b].name);
+                  CHECK(plan->buffers[b].kind == same.buffers[b].kind);
+                  CHECK(plan->buffers[b].bytes == same.buffers[b].bytes);
+                }
+              }
+              if (Sd > 0 && Sh > 0) {  // both parts: the device part's names say so
+                bool named = false;
+                for (const Buffer& b : plan->buffers) named = named || b.name == "exp_avg_device";
+                CHECK(named);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // A ratio is the least that is offloaded: 0.5 offloads at least half, whole units.
+  PlanOptions o;
+  o.stage = 2;
+  o.world_size = 3;
+  o.unit_target_elements = 20000;
+  o.offload_optimizer = true;
+  o.offload_optimizer_ratio = 0.5;
+  auto half = MakePlan(specs, o);
+  REQUIRE(half.ok());
+  CHECK(half->offload_ratio_achieved() >= 0.5);
+  CHECK(half->offload_ratio_achieved() < 1);
+  // Without offload_optimizer the ratio is not read.
+  o.offload_optimizer = false;
+  auto plain = MakePlan(specs, o);
+  REQUIRE(plain.ok());
+  CHECK(plain->offloaded_state_elements == 0);
+  CHECK(plain->offload_ratio_achieved() == 0);
+}
+
 TEST_CASE("Planner: bad input is an error naming the problem", "[memory]") {
   std::vector<ParamSpec> ok_specs = {{"w", {4, 4}, "m"}};
   PlanOptions o;
@@ -461,6 +603,13 @@ TEST_CASE("Planner: bad input is an error naming the problem", "[memory]") {
   bad.stage = 2;
   bad.offload_param = true;
   expect(MakePlan(ok_specs, bad), "offload_param requires stage 3");
+  for (double ratio : {-0.5, 1.5, std::nan("")}) {
+    bad = o;
+    bad.stage = 2;
+    bad.offload_optimizer = true;
+    bad.offload_optimizer_ratio = ratio;
+    expect(MakePlan(ok_specs, bad), "offload_optimizer_ratio (offload_optimizer.ratio) = ");
+  }
 }
 
 TEST_CASE("Planner: communication bytes per step follow the stage", "[memory]") {

@@ -212,7 +212,7 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   // stale bytes and the file keeps the shard (the engine re-derives the parameters).
   if (params_file != nullptr && nvme_error_.ok()) {
     const auto tp = std::chrono::steady_clock::now();
-    nvme_error_ = params_file->Write(u, static_cast<const char*>(out));
+    nvme_error_ = params_file->Write(Unit(u), static_cast<const char*>(out));
     times->nvme_wait_ms += MsSince(tp);
   }
   if (on_host) return absl::OkStatus();
@@ -285,7 +285,7 @@ absl::Status OffloadPipeline::Gather(int u, const Hooks& hooks, Times* times) {
     RETURN_IF_ERROR(hooks.before_gather(chunk_out_[u % chunk_out_.size()]));
   }
   const auto t0 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(hooks.gather(u));
+  RETURN_IF_ERROR(hooks.gather(Unit(u)));
   times->gather_ms += MsSince(t0);
   return absl::OkStatus();
 }

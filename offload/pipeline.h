@@ -68,6 +68,9 @@ struct PipelineRegion {
   uint16_t* master_bf16 = nullptr;
   uint16_t* remainder = nullptr;
   uint64_t first_index = 0;    // stochastic rounding: the global index of element 0
+  // The caller's index of this region's unit, which Hooks::gather and nvme_params are given;
+  // -1: its position in the region list (the caller's regions are every unit).
+  int unit = -1;
 };
 
 struct PipelineOptions {
@@ -81,7 +84,8 @@ struct PipelineOptions {
   int cpu_threads = 0;           // of the host AdamW (0: the machine's)
   nvme::NvmeState* nvme = nullptr;     // NVMe offload: master, m, v of every region; outlives us
   // NVMe parameter offload (with param_on_host; regions' param null): AdamW writes each new
-  // shard into its chunk's parameter half, which is then written to the file. Outlives us.
+  // shard into its chunk's parameter half, which is then written to the file (as
+  // PipelineRegion::unit's shard). Outlives us.
   nvme::NvmeParams* nvme_params = nullptr;
   // Compact optimizer state (REQUIRES dtype kBF16 unless both are kF32). With nvme the file's
   // arrays are master (fp32, or the compact master's bf16 part), remainder (kBf16Remainder), m
@@ -107,7 +111,7 @@ class OffloadPipeline {
     // Orders unit's upload (recorded on `uploaded`; null with param_on_host) before the
     // all-gather that reads it.
     std::function<absl::Status(Device::Event uploaded)> before_gather;
-    // All-gathers the unit's new parameters.
+    // All-gathers the unit's new parameters (PipelineRegion::unit).
     std::function<absl::Status(int unit)> gather;
     // NVMe offload: this rank's verdict on the step's I/O in, the group's out (every rank
     // calls it once per step, before the written copy becomes current). Null: the local one.
@@ -146,6 +150,7 @@ class OffloadPipeline {
   absl::Status RunAdamW(const CompactAdamWArrays& arrays, absl::Span<const AdamWRange> ranges,
                         float grad_scale) const;
   const char* Grad(int u) const { return static_cast<const char*>(regions_[u].grad); }
+  int Unit(int u) const { return regions_[u].unit >= 0 ? regions_[u].unit : u; }
   char* ParamChunk(int u) const;
   absl::Status UpdateAll(const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale,
                          const Hooks& hooks, Times* times);

@@ -38,6 +38,10 @@ struct OffloadOptimizerConfig {
   bool pin_memory = true;  // page-locked host buffers (faster, asynchronous copies)
   int buffer_count = 4;    // >= 0: host staging buffers for gradient copies in flight (0 = 1)
   std::string nvme_path;   // REQUIRES non-empty when device == kNvme: a directory on local disk
+  // [0, 1]: the fraction of each rank's optimizer state that is offloaded (DeepSpeed's
+  // meaning); the rest stays on the device, whole units of it (memory::PlanOptions::
+  // offload_optimizer_ratio). Read only with a device; stages 1-3, "cpu" or "nvme".
+  double ratio = 1.0;
 };
 
 // zero_optimization.offload_param: the bf16/fp16 parameter shard in host memory or under

@@ -387,6 +387,13 @@ TEST_CASE("Config: wrong types and out-of-range values name the key, the value a
       {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
        "zero_optimization.offload_optimizer.device", "\"gpu\"",
        "\"none\", \"cpu\" or \"nvme\""},
+      // DeepSpeed's Field(1.0, ge=0.0, le=1.0).
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})",
+       "zero_optimization.offload_optimizer.ratio", "1.5", "[0, 1]"},
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": -0.25}}})",
+       "zero_optimization.offload_optimizer.ratio", "-0.25", "[0, 1]"},
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": "half"}}})",
+       "zero_optimization.offload_optimizer.ratio", "\"half\"", "[0, 1]"},
       {R"({"zero_optimization": {"offload_param": {"device": 1}}})",
        "zero_optimization.offload_param.device", "1",
        "\"none\", \"cpu\" or \"nvme\""},
@@ -648,7 +655,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
   json += R"("zero_optimization": {"round_robin_gradients": true, "sub_group_size": 1e9,
       "reduce_scatter": false, "allgather_partitions": false, "stage3_max_reuse_distance": 0,
       "stage3_gather_16bit_weights_on_model_save": true, "zero_quantized_weights": false,
-      "offload_optimizer": {"pipeline_read": true, "ratio": 1.0}}})";
+      "offload_optimizer": {"pipeline_read": true}}})";
   Config c = MustParse(json);
   CHECK(c == Config{});  // no effect on any setting
   const std::vector<std::string> paths = {
@@ -659,8 +666,7 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       "zero_optimization.stage3_max_reuse_distance",
       "zero_optimization.stage3_gather_16bit_weights_on_model_save",
       "zero_optimization.zero_quantized_weights",
-      "zero_optimization.offload_optimizer.pipeline_read",
-      "zero_optimization.offload_optimizer.ratio"};
+      "zero_optimization.offload_optimizer.pipeline_read"};
   CHECK(c.notes.size() == ignored.size() + paths.size());
   std::vector<std::string> all = paths;
   for (const auto& kv : ignored) all.push_back(kv.first);
@@ -682,8 +688,6 @@ TEST_CASE("Config: DeepSpeed keys without effect are accepted with one note each
       {R"({"zero_optimization": {"zero_quantized_gradients": true}})",
        "zero_optimization.zero_quantized_gradients"},
       {R"({"amp": {"enabled": true}})", "amp"},
-      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}})",
-       "zero_optimization.offload_optimizer.ratio"},
       {R"({"fp16": {"consecutive_hysteresis": true}})", "fp16.consecutive_hysteresis"},
   };
   for (const Case& u : unsupported) {
@@ -1108,7 +1112,10 @@ void ChangeSetting(const KeyDef& k, Config* c) {
           const bool twice = d > 0 && d <= k.int_hi / 2;
           m.at(*c) = static_cast<std::decay_t<decltype(m.get(*c))>>(twice ? 2 * d : k.int_lo + 1);
         } else if constexpr (std::is_same_v<M, Member<double>>) {
-          m.at(*c) = m.get(*c) * 2 + 1;
+          // Within a bounded range (offload_optimizer.ratio's [0, 1]): halfway down to its low end.
+          const double d = m.get(*c);
+          m.at(*c) = std::isfinite(k.real.hi) && d * 2 + 1 > k.real.hi ? (k.real.lo + d) / 2
+                                                                      : d * 2 + 1;
         } else if constexpr (std::is_same_v<M, Member<std::string>>) {
           m.at(*c) = "/local_nvme";
         } else if constexpr (std::is_same_v<M, Member<std::optional<DType>>>) {

@@ -49,16 +49,23 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   norm_ = std::make_unique<zero_internal::GradNorm>(plan_, *layout_, dev_, compute, host_.get(),
                                                    mem.norm_table(), mem.norm_partials());
   snapshot_ = std::make_unique<zero_internal::OwnedSnapshot>(plan_, *layout_, dev_, compute);
-  if (!offload_) return absl::OkStatus();
+  // Trainable units (frozen ones come after): those the host step updates (offload_optimizer)
+  // and those the device does (every one without offload; with offload_optimizer.ratio < 1
+  // the ones kept on the device).
+  for (int u = 0; u < plan_.trainable_units; ++u) {
+    (region(u).offloaded ? offloaded_units_ : kept_units_).push_back(u);
+  }
+  if (offloaded_units_.empty()) return absl::OkStatus();
   // Gradient offload: the reduced shards go to host memory as their reductions complete; the
   // norm is taken on the device before they leave.
   grads_->SetGradOffload(norm_.get(), mem.grad_accum_stage());
-  std::vector<offload::PipelineRegion> regions;  // trainable units: frozen ones come after
-  for (int u = 0; u < plan_.trainable_units; ++u) {
+  std::vector<offload::PipelineRegion> regions;
+  for (int u : offloaded_units_) {
     const Region& r = region(u);
     regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n, r.master_bf16, r.remainder,
-                       static_cast<uint64_t>(r.first_index)});
+                       static_cast<uint64_t>(r.first_index), u});
   }
+  offloaded_ranges_.resize(offloaded_units_.size());
   offload::PipelineOptions o;
   o.dtype = cdt_;
   o.master_form = OffloadMasterForm(plan_.options.master_form);
@@ -82,7 +89,9 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
 // first step.
 absl::Status Engine::Impl::ProbeCompactKernel(Device::Stream compute) {
   const memory::OptimizerStateForm form = memory::StateFormOf(plan_.options);
-  if (!form.compact() || offload_) return absl::OkStatus();  // the host AdamW has every form
+  // The host AdamW has every form; the units offload_optimizer.ratio < 1 keeps on the device
+  // run the device's.
+  if (!form.compact() || (offload_ && plan_.device_state_elements == 0)) return absl::OkStatus();
   offload::CompactAdamWArrays probe;
   probe.master_form = OffloadMasterForm(form.master);
   probe.moment_dtype = form.moment_dtype;
@@ -93,9 +102,10 @@ absl::Status Engine::Impl::ProbeCompactKernel(Device::Stream compute) {
       s.message(), ": the config asks for compact optimizer state (",
       memory::StateFormDescription(plan_.options),
       "; bf16.bf16_optimizer_states, bf16.bf16_master_weights_and_grads, "
-      "zerort.store_param_remainders) with the optimizer on the device; use "
-      "zero_optimization.offload_optimizer \"cpu\" (the host AdamW has every form) or "
-      "the fp32 state"));
+      "zerort.store_param_remainders) with the optimizer on the device",
+      offload_ ? " (the units zero_optimization.offload_optimizer.ratio < 1 keeps there)" : "",
+      "; use zero_optimization.offload_optimizer \"cpu\" with ratio 1 (the host AdamW has "
+      "every form) or the fp32 state"));
 }
 
 absl::Status Engine::Impl::JoinShardGroup(Device::Stream compute) {
@@ -138,7 +148,8 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   // identical models on two MPI processes look different.
   std::string canon = absl::StrCat(plan_.options.stage, "|", plan_.padded_elements, "|",
                                    plan_.units.size(), "|", static_cast<int>(cdt_), "|", gas_,
-                                   "|", offload_, "|", plan_.options.fp32_grad_accum, "|",
+                                   "|", offload_, "|", plan_.offloaded_state_elements, "|",
+                                   plan_.options.fp32_grad_accum, "|",
                                    plan_.options.fp32_grad_comm, "|",
                                    plan_.options.local_grad_accumulation, "|",
                                    plan_.options.shard_group_size, "|",

@@ -495,6 +495,135 @@ TEST_CASE("Engine: bf16 moments and the stochastic master equal the serial CpuAd
   }
 }
 
+// Partial optimizer offload (zero_optimization.offload_optimizer.ratio 0.5): the units kept on
+// the device hold the form as without offload (a compact master in the parameter shard), the
+// offloaded ones as with offload (a compact master's bf16 copy in host memory or the NVMe file,
+// or the host parameter shard itself with offload_param "cpu"), in the same step.
+const std::vector<Mode>& PartialModes() {
+  static const std::vector<Mode> modes = {
+      {"offload cpu, ratio 0.5", 1,
+       [](Config* c) {
+         c->zero.offload_optimizer.device = OffloadDevice::kCpu;
+         c->zero.offload_optimizer.ratio = 0.5;
+       }},
+      {"offload nvme, ratio 0.5", 1,
+       [](Config* c) {
+         Nvme(c);
+         c->zero.offload_optimizer.ratio = 0.5;
+       }},
+      {"offload cpu, parameters cpu, ratio 0.5", 3,
+       [](Config* c) {
+         c->zero.offload_optimizer.device = OffloadDevice::kCpu;
+         c->zero.offload_optimizer.ratio = 0.5;
+         c->zero.offload_param.device = OffloadDevice::kCpu;
+       }},
+  };
+  return modes;
+}
+
+// Both parts hold units, and every planned byte was allocated (each part's compact arrays).
+void CheckSplit(const std::vector<RankResult>& run) {
+  for (const RankResult& r : run) {
+    REQUIRE(r.plan.device_state_elements > 0);
+    REQUIRE(r.plan.offloaded_state_elements > 0);
+    for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+      CHECK(r.report.allocated[k] == r.report.planned[k]);
+    }
+  }
+}
+
+TEST_CASE("Engine: partial offload (ratio 0.5) with each compact form equals the serial "
+          "CpuAdamWCompact, and the lossless master the fp32 master, bit for bit",
+          "[zero][compact][offload]") {
+  struct Form {
+    MasterForm master;
+    bool bf16_moments;
+  };
+  const Form forms[] = {{MasterForm::kF32, true},
+                        {MasterForm::kBf16Stochastic, false},
+                        {MasterForm::kBf16Stochastic, true},
+                        {MasterForm::kBf16Remainder, false},
+                        {MasterForm::kBf16Remainder, true}};
+  for (const Form& f : forms) {
+    Config base = WithForm(testing::TestConfig(1, DType::kBF16, 1, 0.0, false), f.master,
+                           f.bf16_moments);
+    const int steps = 4;
+    const Serial ref = SerialCompact(base, steps, f.master, f.bf16_moments);
+    for (const Mode& mode : PartialModes()) {
+      for (int stage = mode.min_stage; stage <= 3; ++stage) {
+        for (int world : {1, 2, 3}) {
+          Config c = base;
+          c.zero.stage = stage;
+          mode.set(&c);
+          INFO("master=" << memory::MasterFormName(f.master) << " bf16 moments="
+                         << f.bf16_moments << " mode=" << mode.name << " stage=" << stage
+                         << " world=" << world);
+          RunOptions run;
+          run.steps = steps;
+          run.rank_free = true;
+          const std::vector<RankResult> got = Train(c, world, run);
+          CheckSplit(got);
+          for (const RankResult& r : got) {
+            REQUIRE(r.master.size() == ref.master.size());
+            for (size_t e = 0; e < ref.master.size(); ++e) {
+              INFO("element " << e << ": " << r.master[e] << " vs " << ref.master[e]);
+              REQUIRE(FloatBits(r.master[e]) == FloatBits(ref.master[e]));
+            }
+          }
+          CheckMoments(got, ref);
+        }
+      }
+    }
+  }
+  // The lossless master against the fp32 master in the same split, rank-dependent gradients,
+  // GAS 2 at stage 2; and against the lossless master without offload.
+  for (const Mode& mode : PartialModes()) {
+    for (int stage = mode.min_stage; stage <= 3; ++stage) {
+      Config c = testing::TestConfig(stage, DType::kBF16, stage == 2 ? 2 : 1, 0.0, false);
+      const Config plain = c;
+      mode.set(&c);
+      INFO("mode=" << mode.name << " stage=" << stage);
+      RunOptions run;
+      run.steps = 4;
+      const std::vector<RankResult> fp32 = Train(c, 2, run);
+      const std::vector<RankResult> lossless =
+          Train(WithForm(c, MasterForm::kBf16Remainder, false), 2, run);
+      CheckSplit(lossless);
+      CheckLossless(fp32, lossless);
+      const std::vector<RankResult> none =
+          Train(WithForm(plain, MasterForm::kBf16Remainder, false), 2, run);
+      for (size_t r = 0; r < none.size(); ++r) {
+        CHECK(BitEqual(lossless[r].master, none[r].master));
+        CHECK(lossless[r].params == none[r].params);
+      }
+    }
+  }
+}
+
+TEST_CASE("Engine: partial offload with the stochastic master on asynchronous streams",
+          "[zero][compact][offload]") {
+  for (const Mode& mode : PartialModes()) {
+    if (mode.min_stage > 1) continue;
+    Config c = WithForm(testing::TestConfig(2, DType::kBF16, 2, 0.0, false),
+                        MasterForm::kBf16Stochastic, true);
+    const Config plain = c;
+    mode.set(&c);
+    INFO("mode=" << mode.name);
+    RunOptions run;
+    run.steps = 3;
+    const std::vector<RankResult> none = Train(plain, 2, run);
+    run.async_streams = true;
+    const std::vector<RankResult> split = Train(c, 2, run);
+    CheckSplit(split);
+    for (size_t r = 0; r < none.size(); ++r) {
+      CHECK(BitEqual(split[r].master, none[r].master));
+      CHECK(split[r].params == none[r].params);
+      CHECK(BitEqual(split[r].own_m, none[r].own_m));
+      CHECK(BitEqual(split[r].own_v, none[r].own_v));
+    }
+  }
+}
+
 TEST_CASE("Engine: stage 0 runs the compact forms on the device too", "[zero][compact]") {
   for (MasterForm form : {MasterForm::kBf16Remainder, MasterForm::kBf16Stochastic}) {
     Config c = WithForm(testing::TestConfig(0, DType::kBF16, 1, 0.0, false), form, true);
@@ -654,15 +783,22 @@ TEST_CASE("Engine: a device without the compact kernel fails at Create, naming i
           "[zero][compact]") {
   auto cpu = CreateCpuDevice();
   NoCompactDevice dev(cpu.get());
-  for (bool offload : {false, true}) {
-    const Config c = WithForm(testing::TestConfig(2, DType::kBF16, 1, 0.0, offload),
-                              MasterForm::kBf16Remainder, true);
+  // Offload at ratio 0.5 keeps some units on the device, which then runs their AdamW.
+  for (double ratio : {-1.0, 1.0, 0.5}) {
+    const bool offload = ratio >= 0;
+    Config c = WithForm(testing::TestConfig(2, DType::kBF16, 1, 0.0, offload),
+                        MasterForm::kBf16Remainder, true);
+    if (offload) c.zero.offload_optimizer.ratio = ratio;
     const std::vector<absl::Status> s =
         comm::testing::OnRanks(1, {20000}, [&](int, comm::Communicator* comm) {
           return Engine::Create(c, SmallModel(), comm, &dev).status();
         });
-    INFO(s[0].ToString());
-    if (offload) {
+    INFO("ratio " << ratio << ": " << s[0].ToString());
+    if (ratio == 0.5) {
+      CHECK(s[0].code() == absl::StatusCode::kUnimplemented);
+      CHECK(s[0].message().find("no-compact") != absl::string_view::npos);
+      CHECK(s[0].message().find("offload_optimizer.ratio") != absl::string_view::npos);
+    } else if (offload) {
       CHECK(s[0].ok());  // the host AdamW runs every form
     } else {
       CHECK(s[0].code() == absl::StatusCode::kUnimplemented);

@@ -210,21 +210,34 @@ absl::StatusOr<const Engine::Impl::RangeLists*> Engine::Impl::StepConstants(Step
   return ranges;
 }
 
-// A failed update is the store's to recover from (UnitStore::AfterFailedUpdate: one policy).
+// The offloaded units on the host first, then the units on the device (every unit without
+// offload; with offload_optimizer.ratio < 1 the kept ones): a host step that fails leaves the
+// device part untouched, so a state file's rollback (UnitStore::AfterFailedUpdate) undoes the
+// whole step. A failed update is the store's to recover from (one policy).
 absl::StatusOr<double> Engine::Impl::UpdateOwnedShards(const RangeLists& ranges,
                                                        float grad_scale, StepStats* stats) {
   RETURN_IF_ERROR(snapshot_->Fence(/*host=*/offload_));
-  absl::StatusOr<double> gather_ms = offload_ ? UpdateOnHost(ranges, grad_scale, stats)
-                                              : UpdateOnDevice(ranges, grad_scale);
-  if (gather_ms.ok()) return gather_ms;
-  const absl::Status failed = store_->AfterFailedUpdate(
-      gather_ms.status(), &step_, [this](int u) { return RegatherUnit(u); });
-  gatherer_->Invalidate();  // gathered stage-3 copies hold re-derived or half-updated values
-  return failed;
+  auto failed = [&](const absl::Status& s, bool offloaded) {
+    const absl::Status out = store_->AfterFailedUpdate(
+        s, offloaded, &step_, [this](int u) { return RegatherUnit(u); });
+    gatherer_->Invalidate();  // gathered stage-3 copies hold re-derived or half-updated values
+    return out;
+  };
+  double gather_ms = 0;
+  if (pipeline_ != nullptr) {
+    absl::StatusOr<double> host = UpdateOnHost(ranges, grad_scale, stats);
+    if (!host.ok()) return failed(host.status(), /*offloaded=*/true);
+    gather_ms = *host;
+  }
+  if (!kept_units_.empty()) {
+    const absl::Status device = UpdateOnDevice(ranges, grad_scale);
+    if (!device.ok()) return failed(device, /*offloaded=*/false);
+  }
+  return gather_ms;
 }
 
-absl::StatusOr<double> Engine::Impl::UpdateOnDevice(const RangeLists& ranges, float grad_scale) {
-  for (int u = 0; u < plan_.trainable_units; ++u) {
+absl::Status Engine::Impl::UpdateOnDevice(const RangeLists& ranges, float grad_scale) {
+  for (int u : kept_units_) {
     const Region& reg = region(u);
     // Without a master copy AdamW updates the parameters in place; a region without parameters
     // (shards in a file) gets them from the store after the update.
@@ -245,7 +258,8 @@ absl::StatusOr<double> Engine::Impl::UpdateOnDevice(const RangeLists& ranges, fl
       a.grad = reg.grad;
       a.grad_dtype = reg.grad_dtype;
       a.n = static_cast<size_t>(reg.n);
-      a.rounding = {config_.stochastic_rounding_seed, static_cast<uint64_t>(step_),
+      a.rounding = {static_cast<uint64_t>(config_.stochastic_rounding_seed),
+                    static_cast<uint64_t>(step_),
                     static_cast<uint64_t>(reg.first_index)};
       RETURN_IF_ERROR(dev_->CompactAdamWRanges(a, ranges[u], grad_scale, streams_->compute()));
       continue;
@@ -255,8 +269,7 @@ absl::StatusOr<double> Engine::Impl::UpdateOnDevice(const RangeLists& ranges, fl
                            param, cdt_, static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(dev_->AdamWRanges(a, ranges[u], grad_scale, streams_->compute()));
   }
-  RETURN_IF_ERROR(store_->AfterDeviceUpdate());
-  return 0.0;
+  return store_->AfterDeviceUpdate();
 }
 
 absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, float grad_scale,
@@ -265,8 +278,17 @@ absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, floa
   hooks.before_gather = [this](Device::Event e) { return streams_->BeforeCommAfter(e); };
   hooks.gather = [this](int u) { return gatherer_->AllGatherUpdated(u); };
   hooks.agree = [this](const absl::Status& local) { return comm::AgreeOnStatus(*host_, local); };
+  // The pipeline's regions are the offloaded units (every trainable one at ratio 1).
+  const RangeLists* host_ranges = &ranges;
+  if (!kept_units_.empty()) {
+    for (size_t k = 0; k < offloaded_units_.size(); ++k) {
+      offloaded_ranges_[k] = ranges[offloaded_units_[k]];
+    }
+    host_ranges = &offloaded_ranges_;
+  }
   ASSIGN_OR_RETURN(const offload::OffloadPipeline::Times t,
-                   pipeline_->Update(ranges, grad_scale, hooks, static_cast<uint64_t>(step_)));
+                   pipeline_->Update(*host_ranges, grad_scale, hooks,
+                                     static_cast<uint64_t>(step_)));
   stats->offload_wait_ms += t.wait_ms;
   // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
   RETURN_IF_ERROR(streams_->JoinComm());
@@ -305,12 +327,11 @@ absl::StatusOr<DeviceStepTimes> Engine::DeviceTimes() {
 }
 
 absl::Status Engine::Impl::GatherUpdatedParams() {
-  if (!offload_) {  // the pipeline gathered as it went
+  // The units updated on the device; the pipeline gathered the offloaded ones as it went.
+  // Frozen units (after the trainable ones) never change.
+  if (!kept_units_.empty()) {
     RETURN_IF_ERROR(streams_->BeforeComm());
-    // Frozen units (after the trainable ones) never change.
-    for (int u = 0; u < plan_.trainable_units; ++u) {
-      RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
-    }
+    for (int u : kept_units_) RETURN_IF_ERROR(gatherer_->AllGatherUpdated(u));
     RETURN_IF_ERROR(streams_->JoinComm());
   }
   // Gathered stage-3 copies are stale now.

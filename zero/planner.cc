@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/bytes.h"
 #include "base/status.h"
@@ -26,6 +27,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.compute_dtype = c.compute_dtype;
   o.offload_optimizer = c.zero.offload_optimizer.device != OffloadDevice::kNone;
   o.offload_optimizer_nvme = c.zero.offload_optimizer.device == OffloadDevice::kNvme;
+  o.offload_optimizer_ratio = c.zero.offload_optimizer.ratio;
   // DeepSpeed accepts 0 for the counts and sizes below (ge=0): the least that runs, one buffer,
   // one element, one unit per parameter, one gather slot, is what 0 asks for here.
   o.nvme_piece_elements = std::max<int64_t>(1, c.zero.offload_param.buffer_size);
@@ -118,11 +120,28 @@ std::string Describe(const memory::PlanOptions& o) {
   } else if (o.offload_optimizer) {
     absl::StrAppend(&s, " + optimizer offload", where);
   }
+  if (o.offload_optimizer && o.offload_optimizer_ratio < 1) {
+    absl::StrAppend(&s, " (offload_optimizer.ratio ", o.offload_optimizer_ratio, ")");
+  }
   // A compact optimizer-state form (docs/compact_state.md) is named with its bytes.
   if (memory::StateFormOf(o).compact()) {
     absl::StrAppend(&s, " (", memory::StateFormDescription(o), ")");
   }
   return s;
+}
+
+// "43.8% of the optimizer state offloaded, 56.2% (12 of 32 units, 1.02 GiB) kept on the device".
+std::string SplitText(const memory::Plan& plan) {
+  int kept = 0, trainable = 0;
+  for (const memory::Unit& u : plan.units) {
+    if (u.frozen) continue;
+    ++trainable;
+    if (!u.offloaded) ++kept;
+  }
+  const double achieved = plan.offload_ratio_achieved();
+  return absl::StrFormat(
+      "%.1f%% of the optimizer state offloaded, %.1f%% (%d of %d units, %s) kept on the device",
+      100 * achieved, 100 * (1 - achieved), kept, trainable, HumanBytes(plan.device_state_bytes));
 }
 
 // Without counted activations, the wording of model-state-only planning, unchanged.
@@ -258,6 +277,63 @@ absl::StatusOr<Evaluated> Evaluate(absl::Span<const memory::ParamSpec> specs,
   return e;
 }
 
+// The grid "stage": "auto" chooses offload_optimizer.ratio on: multiples of 1/kRatioSteps, so
+// that the ratio it reports is one a config can write and plan again to the same plan.
+constexpr int kRatioSteps = 1000;
+
+// Auto chose `chosen`, which offloads the optimizer state at the config's ratio (1, all of it,
+// by default): lowers the ratio to the smallest multiple of 1/kRatioSteps whose plan still fits
+// the budget, so that as much optimizer state as fits stays on the device (its update then
+// needs no host AdamW and no copies). The device bytes only grow as the ratio falls (the
+// units kept on the device are a first fit under a growing limit), so a bisection finds it.
+// Returns what it did, for the reason, or "" when nothing more fits on the device.
+absl::StatusOr<std::string> KeepOnDevice(absl::Span<const memory::ParamSpec> specs,
+                                         const Config& config, const Workload& workload,
+                                         Evaluated* chosen) {
+  const MemoryBudget& budget = config.zero.memory_budget;
+  memory::PlanOptions o = chosen->plan.options;
+  const double asked = o.offload_optimizer_ratio;
+  auto at = [&](int64_t k) -> absl::StatusOr<Evaluated> {
+    o.offload_optimizer_ratio = static_cast<double>(k) / kRatioSteps;
+    return Evaluate(specs, o, config, workload);
+  };
+  int64_t hi = static_cast<int64_t>(std::floor(asked * kRatioSteps));  // a grid point <= asked
+  ASSIGN_OR_RETURN(Evaluated top, at(hi));
+  if (!Fits(top, budget)) return std::string();
+  Evaluated best = std::move(top);
+  int64_t lo = 0;
+  while (lo < hi) {  // the smallest k in [lo, hi] that fits; hi fits
+    const int64_t mid = lo + (hi - lo) / 2;
+    ASSIGN_OR_RETURN(Evaluated e, at(mid));
+    if (Fits(e, budget)) {
+      hi = mid;
+      best = std::move(e);
+    } else {
+      lo = mid + 1;
+    }
+  }
+  if (best.plan.device_state_elements == chosen->plan.device_state_elements) {
+    return std::string();  // not one more unit fits on the device
+  }
+  const int64_t full = chosen->budget.total_bytes;
+  std::string what = absl::StrCat(
+      "offload_optimizer.ratio ", best.plan.options.offload_optimizer_ratio,
+      " (auto; the config's ", asked, "): ", SplitText(best.plan), ", the most that fits: ",
+      "it needs ", HumanBytes(best.budget.total_bytes), " device where offloading ", 
+      asked == 1 ? "all of it" : "at the config's ratio", " needs ", HumanBytes(full));
+  if (hi > 0) {
+    ASSIGN_OR_RETURN(Evaluated next, at(hi - 1));
+    if (next.plan.device_state_elements > best.plan.device_state_elements) {
+      absl::StrAppend(&what, "; keeping the next unit (ratio ",
+                      next.plan.options.offload_optimizer_ratio, ") needs ",
+                      HumanBytes(next.budget.total_bytes), " device + ",
+                      HumanBytes(HostBytes(next.plan)), " host, over the budget");
+    }
+  }
+  *chosen = std::move(best);
+  return what;
+}
+
 // " (activations decided)" when a device term put `e` over, else "".
 std::string DecidedText(const std::string& term) {
   return term.empty() ? "" : absl::StrCat(" (", term, " decided)");
@@ -295,9 +371,15 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
   for (const memory::PlanOptions& o : Candidates(base, nvme)) {
     ASSIGN_OR_RETURN(Evaluated e, Evaluate(specs, o, config, workload));
     if (Fits(e, budget)) {
+      // Offloading fits: keep as much of the optimizer state on the device as still fits.
+      std::string kept;
+      if (o.offload_optimizer) {
+        ASSIGN_OR_RETURN(kept, KeepOnDevice(specs, config, workload, &e));
+      }
       PlanChoice choice;
-      choice.reason = absl::StrCat("auto chose ", Describe(o), ": it needs ", Needs(e),
-                                   ", within the budget of ", BudgetText(budget));
+      choice.reason = absl::StrCat("auto chose ", Describe(e.plan.options), ": it needs ",
+                                   Needs(e), ", within the budget of ", BudgetText(budget));
+      if (!kept.empty()) absl::StrAppend(&choice.reason, "; ", kept);
       choice.decided_by = last_term;
       if (e.budget.counted && !last_term.empty()) {
         absl::StrAppend(&choice.reason, "; ", last_term, " decided");

@@ -144,6 +144,106 @@ TEST_CASE("Planner: auto picks the lowest stage that fits, at the byte boundary"
   CHECK(offload->plan.device_bytes() <= need[3] - 1);
 }
 
+TEST_CASE("Planner: auto keeps as much optimizer state on the device as the budget allows",
+          "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  const int world = 8;
+  // What stage 3 needs without offload (auto's last candidate before offload) and with all of
+  // the optimizer state offloaded: budgets in between make auto offload, with room to spare.
+  auto no_offload = ChoosePlan(*specs, StageConfig(3), world, 0);
+  REQUIRE(no_offload.ok());
+  const int64_t hi = no_offload->plan.device_bytes();
+  // One byte under it auto offloads, at the lowest stage s whose full offload fits; from what
+  // that needs up, auto keeps stage s.
+  auto under = ChoosePlan(*specs, AutoConfig(hi - 1), world, 0);
+  REQUIRE(under.ok());
+  const int s = under->plan.options.stage;
+  Config full_offload = StageConfig(s);
+  full_offload.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  auto full = ChoosePlan(*specs, full_offload, world, 0);
+  REQUIRE(full.ok());
+  const int64_t lo = full->plan.device_bytes();
+  REQUIRE(lo < hi - 1);
+  for (int64_t budget : {lo, lo + (hi - lo) / 4, lo + (hi - lo) / 2, hi - 1}) {
+    INFO("device budget " << budget);
+    auto chosen = ChoosePlan(*specs, AutoConfig(budget), world, 0);
+    REQUIRE(chosen.ok());
+    const memory::PlanOptions& o = chosen->plan.options;
+    REQUIRE(o.offload_optimizer);
+    CHECK(o.stage == s);
+    CHECK(chosen->plan.device_bytes() <= budget);
+    // The ratio is the smallest multiple of 0.001 whose plan fits, found here by scanning them
+    // all (auto bisects).
+    int64_t smallest = -1;
+    memory::PlanOptions scan = o;
+    for (int64_t k = 0; k <= 1000 && smallest < 0; ++k) {
+      scan.offload_optimizer_ratio = k / 1000.0;
+      auto plan = memory::MakePlan(*specs, scan);
+      REQUIRE(plan.ok());
+      if (plan->device_bytes() <= budget) smallest = k;
+    }
+    REQUIRE(smallest >= 0);
+    auto at_smallest = memory::MakePlan(*specs, [&] {
+      memory::PlanOptions p = o;
+      p.offload_optimizer_ratio = smallest / 1000.0;
+      return p;
+    }());
+    REQUIRE(at_smallest.ok());
+    CHECK(chosen->plan.device_state_elements == at_smallest->device_state_elements);
+    if (budget == hi - 1) CHECK(at_smallest->device_state_elements > 0);
+    if (at_smallest->device_state_elements == 0) {
+      // No room for one more unit: everything stays offloaded, and the reason says nothing of
+      // a ratio.
+      CHECK(o.offload_optimizer_ratio == 1.0);
+      CHECK(chosen->plan.offloaded_state_elements == chosen->plan.trainable_shard_elements);
+      CHECK_THAT(chosen->reason, !Catch::Contains("offload_optimizer.ratio"));
+    } else {
+      CHECK(o.offload_optimizer_ratio == smallest / 1000.0);
+      CHECK(chosen->plan.device_state_elements > 0);
+      CHECK(chosen->plan.offload_ratio_achieved() < 1);
+      CHECK(chosen->plan.offload_ratio_achieved() >= o.offload_optimizer_ratio);
+      CHECK_THAT(chosen->reason, Catch::Contains("offload_optimizer.ratio"));
+      CHECK_THAT(chosen->reason, Catch::Contains("(auto; the config's 1)"));
+      CHECK_THAT(chosen->reason, Catch::Contains("kept on the device"));
+      // Planning the reported ratio again gives the same plan (it is one a config can write).
+      Config again = StageConfig(s);
+      again.zero.offload_optimizer.device = OffloadDevice::kCpu;
+      again.zero.offload_optimizer.ratio = o.offload_optimizer_ratio;
+      auto replanned = ChoosePlan(*specs, again, world, 0);
+      REQUIRE(replanned.ok());
+      CHECK(replanned->plan.device_bytes() == chosen->plan.device_bytes());
+      CHECK(replanned->plan.device_state_elements == chosen->plan.device_state_elements);
+    }
+  }
+  // The config's ratio is the most auto offloads: at 0.5 auto starts from half on the device.
+  Config half = AutoConfig(hi - 1);
+  half.zero.offload_optimizer.ratio = 0.5;
+  auto from_half = ChoosePlan(*specs, half, world, 0);
+  REQUIRE(from_half.ok());
+  CHECK(from_half->plan.options.offload_optimizer_ratio <= 0.5);
+  // Counted activations count too: the same budget keeps less on the device when the
+  // activations of a micro-batch must fit beside the state.
+  // (Reserves set to zero: this model is far smaller than a CUDA context.)
+  auto declared = *specs;
+  for (memory::ParamSpec& p : declared) p.activation_bytes_per_sample = 1000;
+  const int64_t budget = hi - 1;
+  Config counted = AutoConfig(budget);
+  counted.reserves.cuda_context_bytes = 0;
+  counted.reserves.nccl_communicator_bytes = 0;
+  counted.reserves.nccl_buffsize = 0;
+  counted.reserves.cublas_workspace_bytes = 0;
+  counted.reserves.fragmentation_fraction = 0;
+  auto with_acts = ChoosePlan(declared, counted, world, 0);
+  auto without = ChoosePlan(*specs, AutoConfig(budget), world, 0);
+  REQUIRE(with_acts.ok());
+  REQUIRE(without.ok());
+  REQUIRE(with_acts->budget.counted);
+  CHECK(with_acts->budget.total_bytes <= budget);
+  CHECK(with_acts->plan.device_bytes() + with_acts->budget.activation_bytes <= budget);
+  CHECK(with_acts->plan.device_state_elements <= without->plan.device_state_elements);
+}
+
 TEST_CASE("Planner: when nothing fits the error names the smallest need and a world that fits",
           "[zero]") {
   auto specs = SyntheticModel(10000000, 10);

@@ -25,6 +25,24 @@ std::string SlotClassesLine(const memory::Buffer& b) {
   return absl::StrCat("    size classes: ", absl::StrJoin(runs, " + "), " elements\n");
 }
 
+int TrainableUnits(const memory::Plan& plan, bool offloaded) {
+  int n = 0;
+  for (const memory::Unit& u : plan.units) n += !u.frozen && u.offloaded == offloaded;
+  return n;
+}
+
+// "optimizer state: 43.8% offloaded (offload_optimizer.ratio 0.437): 20 of 32 units ..."
+std::string OffloadSplitLine(const memory::Plan& plan) {
+  const int offloaded = TrainableUnits(plan, true), kept = TrainableUnits(plan, false);
+  return absl::StrFormat(
+      "optimizer state: %.2f%% offloaded (offload_optimizer.ratio %s): %d of %d units, %s "
+      "(master, m, v, reduced gradient) in %s; %d units, %s on the device\n",
+      100 * plan.offload_ratio_achieved(), absl::StrCat(plan.options.offload_optimizer_ratio),
+      offloaded, offloaded + kept, HumanBytes(plan.offloaded_state_bytes),
+      plan.options.offload_optimizer_nvme ? "nvme" : "host memory", kept,
+      HumanBytes(plan.device_state_bytes));
+}
+
 }  // namespace
 
 std::string PlanTable(const memory::Plan& plan) {
@@ -43,6 +61,7 @@ std::string PlanTable(const memory::Plan& plan) {
                           "(per-rank figures below are at the group size)\n",
                           memory::ShardGroupSize(o), o.world_size / memory::ShardGroupSize(o));
   }
+  if (o.offload_optimizer) out += OffloadSplitLine(plan);
   if (o.hierarchical_gather) {
     absl::StrAppendFormat(&out,
                           "MiCS hierarchical gather: across %d nodes of the group, then within "
@@ -136,6 +155,19 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
   j["comm_bytes_intra_node_per_step"] = plan.comm_bytes_intra_node_per_step;
   j["comm_bytes_inter_node_per_step"] = plan.comm_bytes_inter_node_per_step;
   j["host_transfer_bytes_per_step"] = plan.host_transfer_bytes_per_step;
+  if (o.offload_optimizer) {
+    // The split of the optimizer state (offload_optimizer.ratio): what was asked, what whole
+    // units achieve, and each part's elements and bytes (master, m, v, reduced gradient).
+    j["optimizer_offload"] = nlohmann::ordered_json{
+        {"ratio", o.offload_optimizer_ratio},
+        {"ratio_achieved", plan.offload_ratio_achieved()},
+        {"offloaded_units", TrainableUnits(plan, true)},
+        {"device_units", TrainableUnits(plan, false)},
+        {"offloaded_elements", plan.offloaded_state_elements},
+        {"device_elements", plan.device_state_elements},
+        {"offloaded_bytes", plan.offloaded_state_bytes},
+        {"device_bytes", plan.device_state_bytes}};
+  }
   nlohmann::ordered_json buffers = nlohmann::ordered_json::array();
   for (const memory::Buffer& b : plan.buffers) {
     buffers.push_back(nlohmann::ordered_json{{"name", b.name},

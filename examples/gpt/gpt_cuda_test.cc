@@ -213,14 +213,14 @@ TEST_CASE("GptCuda: the declared training layout is the demo's measured allocati
   CHECK(layout.other_bytes > 0);
 }
 
-// The demo's GPU run (docs/gpt_cuda.md, docs/memory_budget.md): GPT-2 124M's shapes with the
-// byte vocabulary, 8 x 1024 tokens, bf16, stage 2, world 1 over NCCL. The trainer declares its
-// activation buffers on its ParamSpecs, so the plan's budget is model states + the trainer's
-// own bytes + reserves; the driver's count of memory in use, at its highest after a step, must
-// be that within 5%. Measured before the declaration existed (H200, 2026-11-26): 13.31 GiB in
-// use against 10.37 GiB planned with the formula's activations (8.06 GiB; the trainer held
-// 10.83 GiB). Memory in use before the run beyond a CUDA context (other processes, or what an
-// earlier case left cached) is not this run's and is taken off the peak.
+// The demo's GPU run (docs/gpt_cuda.md, docs/memory_budget.md): GPT-2 124M's shapes with the byte
+// vocabulary, 8 x 1024 tokens, bf16, stage 2, world 1 over NCCL. The trainer declares its
+// activation buffers on its ParamSpecs, so the plan's budget is model states + the trainer's own
+// bytes + reserves; the driver's count of memory in use, at its highest after a step, must be that
+// within 5%, without the fragmentation line (see below). Measured before the declaration existed
+// (H200, 2026-11-26): 13.31 GiB in use against 10.37 GiB planned with the formula's activations
+// (8.06 GiB; the trainer held 10.83 GiB). Memory in use before the run beyond a CUDA context (other
+// processes, or what an earlier case left cached) is not this run's and is taken off the peak.
 // [no_sanitizer]: a sanitizer's own device allocations would count as in use.
 TEST_CASE("GptCuda: the driver's peak memory in use is the plan's whole device budget within 5%",
           "[gpt][gpu][no_sanitizer]") {
@@ -251,6 +251,11 @@ TEST_CASE("GptCuda: the driver's peak memory in use is the plan's whole device b
     }
   };
   Config config = TestConfig(2, DType::kBF16);
+  // No fragmentation line: it is headroom for a caching allocator (the trainer's), which this
+  // run does not have (the CUDA device maps exact sizes), so the driver cannot show it. With it
+  // (5% of model states and activations) the H100 run of 2026-11-26 measured 0.943 of the
+  // budget; the other lines are each measured ones.
+  config.reserves.fragmentation_fraction = 0;
   // The demo's unit sizes: "auto", which the engine derives from the hidden size.
   config.zero.reduce_bucket_size = kAutoSize;
   config.zero.stage3_param_persistence_threshold = kAutoSize;

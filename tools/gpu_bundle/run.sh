@@ -341,12 +341,13 @@ run_sanitizer() {  # run_sanitizer TOOL TIMEOUT LABEL FILE
   run_step "$name" "$limit" "" "$sanitizer" --tool "$tool" "${extra[@]}" --error-exitcode 86 \
     --print-limit 50 "$bundle/$file" "${filter[@]}"
   # racecheck ends with "RACECHECK SUMMARY: N hazards displayed", the others "ERROR SUMMARY".
-  local summary
-  summary=$(grep -E '(RACECHECK|ERROR) SUMMARY' "$step_log" | sort -r | head -1 | sed 's/^=* *//')
+  # (Not named `summary`: result() appends to the global of that name, the summary file.)
+  local verdict
+  verdict=$(grep -E '(RACECHECK|ERROR) SUMMARY' "$step_log" | sort -r | head -1 | sed 's/^=* *//')
   if [ $rc -eq 0 ]; then
-    result PASSED "$name (ran on GPU: $summary)"
+    result PASSED "$name (ran on GPU: $verdict)"
   elif [ $rc -eq 86 ]; then
-    result FAILED "$name: $summary"
+    result FAILED "$name: $verdict"
   else
     not_passed "$name"
   fi

@@ -123,7 +123,8 @@ absl::Span<const KeyDef> ZeroKeys() {
       Foreign("zero_optimization.offload_optimizer.pipeline_read", kNvmeTuning),
       Foreign("zero_optimization.offload_optimizer.pipeline_write", kNvmeTuning),
       Foreign("zero_optimization.offload_optimizer.fast_init", kNvmeTuning),
-      Foreign("zero_optimization.offload_optimizer.ratio", "partial optimizer offload", "1.0"),
+      Real("zero_optimization.offload_optimizer.ratio", M(zero.offload_optimizer.ratio),
+           DoubleRange{0, false, 1, false}),
       Foreign("zero_optimization.offload_optimizer.super_offload",
               "SuperOffload's Superchip scheduling is DeepSpeed's; zerort's offloaded step always "
               "runs its host AdamW between the device-to-host and host-to-device streams"),

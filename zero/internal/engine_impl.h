@@ -104,7 +104,7 @@ class Engine::Impl {
   // AdamW on every owned region; returns the time the pipeline spent in all-gathers.
   absl::StatusOr<double> UpdateOwnedShards(const RangeLists& ranges, float grad_scale,
                                            StepStats* stats);
-  absl::StatusOr<double> UpdateOnDevice(const RangeLists& ranges, float grad_scale);
+  absl::Status UpdateOnDevice(const RangeLists& ranges, float grad_scale);
   absl::StatusOr<double> UpdateOnHost(const RangeLists& ranges, float grad_scale,
                                       StepStats* stats);
   absl::Status GatherUpdatedParams();
@@ -190,7 +190,12 @@ class Engine::Impl {
   std::unique_ptr<zero_internal::HostCollectives> host_;
   std::unique_ptr<zero_internal::GradBuckets> grads_;
   std::unique_ptr<zero_internal::ParamGatherer> gatherer_;
-  std::unique_ptr<offload::OffloadPipeline> pipeline_;  // with offload_optimizer only
+  // With offload_optimizer, when some unit is offloaded (offload_optimizer.ratio > 0 keeps
+  // fewer than all on the device).
+  std::unique_ptr<offload::OffloadPipeline> pipeline_;
+  // Trainable units updated by the host step (pipeline_'s regions, in order) and on the device.
+  std::vector<int> offloaded_units_, kept_units_;
+  RangeLists offloaded_ranges_;  // per pipeline region, the step's ranges of its unit
 
   std::unique_ptr<zero_internal::GradNorm> norm_;
   std::unique_ptr<zero_internal::DeviceStepTimer> dtimer_;  // EngineOptions::device_timing only

@@ -46,7 +46,7 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
     }
     ASSIGN_OR_RETURN(void* p, arena.AllocateStaggered(b.name, b.bytes, residue));
     RETURN_IF_ERROR(device->Zero(p, b.bytes, stream));
-    mem->Assign(b, static_cast<char*>(p));
+    mem->Assign(plan.options, b, static_cast<char*>(p));
   }
   // The zero-fills are enqueued on `stream`, but the host writes host and pinned buffers
   // directly from here on, with no stream between (the NVMe state slots and parameter buffers
@@ -60,10 +60,35 @@ absl::StatusOr<std::unique_ptr<EngineMemory>> EngineMemory::Allocate(const memor
   return mem;
 }
 
-void EngineMemory::Assign(const memory::Buffer& b, char* p) {
+void EngineMemory::Assign(const memory::PlanOptions& o, const memory::Buffer& b, char* p) {
   SlottedBuffer slotted{p, static_cast<int>(b.count), b.elements / b.count, b.slot_elements};
   if (!b.slot_elements.empty()) {
     slotted.elements = *std::max_element(b.slot_elements.begin(), b.slot_elements.end());
+  }
+  // With offload_optimizer, optimizer state in device memory is the part that
+  // offload_optimizer.ratio < 1 keeps there (the plan's "<name>_device" buffers, or the plain
+  // ones when every unit is kept); stage 1's full gradients are no optimizer state.
+  if (o.offload_optimizer && b.kind == MemoryKind::kDevice) {
+    ModelStateBuffers::Kept& kept = model_state_.kept;
+    switch (b.cls) {
+      case BufferClass::kGrads:
+        if (o.stage <= 1) break;
+        kept.grads = p;
+        return;
+      case BufferClass::kMaster:
+        // A compact master's bf16 copy (memory::OptimizerStateForm), else the fp32 master.
+        if (b.dtype == DType::kF32) {
+          kept.master = reinterpret_cast<float*>(p);
+        } else {
+          kept.master_bf16 = reinterpret_cast<uint16_t*>(p);
+        }
+        return;
+      case BufferClass::kMasterRemainder: kept.remainder = reinterpret_cast<uint16_t*>(p); return;
+      case BufferClass::kExpAvg: kept.m = p; return;
+      case BufferClass::kExpAvgSq: kept.v = p; return;
+      case BufferClass::kGradAccumulator: kept.accum = p; return;
+      default: break;
+    }
   }
   switch (b.cls) {
     case BufferClass::kParams: model_state_.params = p; break;

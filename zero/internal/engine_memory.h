@@ -1,6 +1,10 @@
 // EngineMemory: exactly the buffers memory::Plan lists, carved from one arena per memory kind,
 // zero-filled, with the count of every byte planned and allocated (ByteCounts).
 //
+// With offload_optimizer.ratio < 1 the optimizer state comes in two parts, each in buffers of its
+// own: the offloaded units' (model_state()'s master, m, v, ...) and the kept units'
+// (model_state().kept), each as the plan lists it.
+//
 // What lives in an NVMe swap file (plan.options.offload_optimizer_nvme: master, m and v;
 // offload_param_nvme: the stage-3 parameter shards) has no buffer here; those model_state()
 // pointers are then null, and UnitStore (unit_store.h) owns the file over the plan's NVMe
@@ -91,7 +95,7 @@ class EngineMemory {
 
  private:
   EngineMemory() = default;
-  void Assign(const memory::Buffer& b, char* p);
+  void Assign(const memory::PlanOptions& o, const memory::Buffer& b, char* p);
 
   std::unique_ptr<memory::Arena> arenas_[memory::kNumMemoryKinds - 1];  // kNvme has none
   ModelStateBuffers model_state_;

@@ -65,10 +65,28 @@ class DirtyDevice final : public ForwardingDevice {
   std::vector<DirtyAllocator> allocators_;
 };
 
-// Where EngineMemory says buffer class `cls` is, and its slots where it has them.
-const char* Pointer(const EngineMemory& mem, BufferClass cls, const SlottedBuffer** slots) {
+// Where EngineMemory says buffer `b` of `plan` is, and its slots where it has them. With
+// offload_optimizer, optimizer state in device memory is the kept part (ModelStateBuffers::kept).
+const char* Pointer(const EngineMemory& mem, const memory::Plan& plan, const memory::Buffer& b,
+                    const SlottedBuffer** slots) {
   const ModelStateBuffers& s = mem.model_state();
   *slots = nullptr;
+  const BufferClass cls = b.cls;
+  if (plan.options.offload_optimizer && b.kind == MemoryKind::kDevice) {
+    switch (cls) {
+      case BufferClass::kGrads:
+        if (plan.options.stage >= 2) return s.kept.grads;
+        break;
+      case BufferClass::kMaster:  // fp32, or a compact master's bf16 copy
+        return s.kept.master != nullptr ? reinterpret_cast<const char*>(s.kept.master)
+                                        : reinterpret_cast<const char*>(s.kept.master_bf16);
+      case BufferClass::kMasterRemainder: return reinterpret_cast<const char*>(s.kept.remainder);
+      case BufferClass::kExpAvg: return s.kept.m;
+      case BufferClass::kExpAvgSq: return s.kept.v;
+      case BufferClass::kGradAccumulator: return s.kept.accum;
+      default: break;
+    }
+  }
   switch (cls) {
     case BufferClass::kParams: return s.params;
     case BufferClass::kGrads: return s.grads;
@@ -126,14 +144,16 @@ void CheckCarving(const memory::Plan& plan, Device* cpu = nullptr,
     }
   }
 
-  std::map<BufferClass, int> seen;
+  std::map<std::pair<BufferClass, MemoryKind>, int> seen;
   std::vector<std::pair<const char*, const char*>> spans;  // [begin, end) of every buffer
   for (const memory::Buffer& b : plan.buffers) {
     INFO("buffer " << b.name << " (" << b.bytes << " bytes in "
                    << memory::MemoryKindName(b.kind) << ")");
-    REQUIRE(++seen[b.cls] == 1);  // one buffer per class: the accessors are unambiguous
+    // One buffer per class and memory kind: the accessors are unambiguous (two of a class
+    // only with partial offload: the offloaded part's and the part kept on the device).
+    REQUIRE(++seen[{b.cls, b.kind}] == 1);
     const SlottedBuffer* slots = nullptr;
-    const char* p = Pointer(mem, b.cls, &slots);
+    const char* p = Pointer(mem, plan, b, &slots);
     if (b.kind == MemoryKind::kNvme) {
       CHECK(p == nullptr);  // in the swap file, not in memory
       continue;
@@ -196,6 +216,23 @@ TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in thei
        [](memory::PlanOptions* o) {
          o->offload_optimizer = true;
          o->offload_param = true;
+       }},
+      {"optimizer half offloaded (offload_optimizer.ratio 0.5)", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_optimizer_ratio = 0.5;
+         o->gradient_accumulation_steps = 2;
+       }},
+      {"optimizer offloaded at ratio 0: every unit kept on the device", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_optimizer_ratio = 0;
+       }},
+      {"optimizer state partly on NVMe (ratio 0.5)", 1,
+       [](memory::PlanOptions* o) {
+         o->offload_optimizer = true;
+         o->offload_optimizer_nvme = true;
+         o->offload_optimizer_ratio = 0.5;
        }},
       {"optimizer state on NVMe", 1,
        [](memory::PlanOptions* o) {

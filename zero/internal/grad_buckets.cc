@@ -17,7 +17,6 @@ GradBuckets::GradBuckets(const UnitContext& ctx, const ShardLayout& layout,
       gas_(ctx.plan.options.gradient_accumulation_steps),
       grad_dtype_(memory::ReducedGradDType(ctx.plan.options)),
       wire_dtype_(memory::GradWireDType(ctx.plan.options)),
-      host_grads_(memory::GradOffload(ctx.plan.options)),
       wire_(wire),
       local_(local),
       grads_(state.grads),
@@ -131,7 +130,8 @@ bool GradBuckets::direct(int u) const {
 }
 
 absl::Status GradBuckets::Reduce(int u, bool first_micro, bool last_micro) {
-  ABSL_RAW_CHECK(!host_grads_ || norm_ != nullptr, "gradient offload without SetGradOffload");
+  ABSL_RAW_CHECK(!layout_.region(u).offloaded || norm_ != nullptr,
+                 "gradient offload without SetGradOffload");
   ++reduced_;
   last_micro_ = last_micro;
   const Stopwatch t;
@@ -245,6 +245,7 @@ absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first
   // is where ShardLayout puts the reduced gradient then.
   const bool to_accum = gas_ > 1 || grad_dtype_ != ctx_.cdt;
   char* dst = layout_.region(u).grad;
+  const bool host_grads = layout_.region(u).offloaded;  // gradient offload
   char* full = src != nullptr ? src : g;
   if (!sync_) {
     RETURN_IF_ERROR(AddLocal(unit, full, local_micros_ == 0));
@@ -255,8 +256,8 @@ absl::Status GradBuckets::ReduceFull(const memory::Unit& unit, int u, bool first
   if (local_micros_ > 0) RETURN_IF_ERROR(MergeLocal(unit, full));
   // The collective cannot write host memory: with gradient offload it reduces in place.
   ASSIGN_OR_RETURN(const Reduced r,
-                   Collective(full, unit, to_accum || host_grads_ ? nullptr : dst));
-  if (host_grads_) {
+                   Collective(full, unit, to_accum || host_grads ? nullptr : dst));
+  if (host_grads) {
     RETURN_IF_ERROR(DepositToHost(u, dst, r, first_micro || !to_accum, Spare(full, unit)));
   } else {
     RETURN_IF_ERROR(Deposit(dst, r, first_micro || !to_accum, Spare(full, unit)));
@@ -300,11 +301,12 @@ absl::Status GradBuckets::ReduceBucket(int u, bool first_micro) {
   const int b = unit_bucket_[u];
   char* bucket = direct(u) ? source_[unit.params[0]] : ctx_.At(buckets_.base, buckets_.offset(b));
   char* shard = layout_.region(u).grad;
+  const bool host_grads = layout_.region(u).offloaded;  // gradient offload
   // The first micro-step reduce-scatters straight into the shard when the dtypes allow.
   // Gradient offload reduces in place: the shard is in host memory.
-  const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt && !host_grads_;
+  const bool into_shard = first_micro && grad_dtype_ == ctx_.cdt && !host_grads;
   ASSIGN_OR_RETURN(const Reduced r, Collective(bucket, unit, into_shard ? shard : nullptr));
-  if (host_grads_) {
+  if (host_grads) {
     RETURN_IF_ERROR(DepositToHost(u, shard, r, first_micro, Spare(bucket, unit)));
   } else {
     RETURN_IF_ERROR(Deposit(shard, r, first_micro, Spare(bucket, unit)));

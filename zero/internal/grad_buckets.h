@@ -25,7 +25,9 @@
 // so the bucket's reuse waits for the copy too. A later micro-step of the window adds on the
 // device, through the plan's grad_accum_stage: the host sum up, Accumulate, the sum down, so the
 // arithmetic is device accumulation's, bit for bit. On the window's last micro-step the final
-// shard is measured (GradNorm::MeasureUnit) on the device before it leaves.
+// shard is measured (GradNorm::MeasureUnit) on the device before it leaves. With
+// offload_optimizer.ratio < 1 only the offloaded units (Region::offloaded) go this way; the units
+// kept on the device are reduced into their device shard as without offload.
 //
 // Frozen parameters (memory::ParamSpec::frozen) have no gradient: grad, GradReady and
 // SetSource fail naming them, and Step never waits for them.
@@ -132,7 +134,6 @@ class GradBuckets {
   const int gas_;
   const DType grad_dtype_;  // of the reduced gradients (accumulator, stage 2-3 shard)
   const DType wire_dtype_;  // gradients are reduced in
-  const bool host_grads_;   // gradient offload: Region::grad is in host memory
   float* const wire_;
   char* const local_;  // grad_local, or null
   char* const grads_;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/base/internal/raw_logging.h"
+#include "absl/strings/str_cat.h"
 #include "base/status.h"
 
 namespace zerort {
@@ -20,7 +21,9 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
       compute_(compute),
       host_(host),
       device_table_(device_table),
-      early_(memory::GradOffload(plan.options)),
+      pinned_(device->device_memory() ? device->allocator(memory::MemoryKind::kPinnedHost)
+                                      : nullptr),
+      early_(memory::GradOffload(plan.options) && plan.offloaded_state_elements > 0),
       early_sumsq_(partials),
       early_finite_(partials == nullptr ? nullptr
                                         : reinterpret_cast<bool*>(partials + plan.units.size())),
@@ -28,9 +31,36 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
   ABSL_RAW_CHECK(!early_ || partials != nullptr, "gradient offload needs norm_partials");
 }
 
+GradNorm::~GradNorm() {
+  if (pinned_ != nullptr && readback_ != nullptr) pinned_->Free(readback_, ReadbackBytes());
+}
+
+size_t GradNorm::ReadbackBytes() const {
+  const size_t nu = plan_.units.size();
+  return static_cast<size_t>(plan_.options.world_size) * (nu + 1) * sizeof(float) + nu;
+}
+
+absl::StatusOr<char*> GradNorm::Readback() {
+  if (readback_ != nullptr) return readback_;
+  if (pinned_ == nullptr) {
+    readback_heap_.resize(ReadbackBytes());
+    readback_ = readback_heap_.data();
+  } else {
+    absl::StatusOr<void*> p = pinned_->Allocate(ReadbackBytes());
+    if (!p.ok()) {
+      return absl::Status(p.status().code(),
+                          absl::StrCat("gradient norm: ", ReadbackBytes(),
+                                       " bytes of pinned host memory for the partials: ",
+                                       p.status().message()));
+    }
+    readback_ = static_cast<char*>(*p);
+  }
+  return readback_;
+}
+
 absl::Status GradNorm::MeasureUnit(int u, const void* grad, Device::Stream stream) {
-  ABSL_RAW_CHECK(early_, "GradNorm::MeasureUnit without gradient offload");
   const Region& reg = layout_.region(u);
+  ABSL_RAW_CHECK(early_ && reg.offloaded, "GradNorm::MeasureUnit of a unit not offloaded");
   // Offload needs stage >= 1: the region is this rank's (group) shard, of which this rank
   // measures exactly what Measure would (OwnSlice: with HSDP only its replica's flat slice).
   early_measured_[u] = 1;
@@ -62,16 +92,20 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   // kept anyway, so that equality with the flat norm does not rest on that.)
   const int group = memory::ShardGroupSize(plan_.options), replicas = world / group;
   auto row_of = [&](int q) { return (q % replicas) * group + q / replicas; };
-  // (world, units + 1) fp32
-  std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
-  // Written by the device when its stream gets there: valid after the Synchronize below.
-  std::unique_ptr<bool[]> unit_finite(new bool[nu]);
+  // (world, units + 1) fp32, and a flag per unit: written by the device when its stream gets
+  // there, valid after the Synchronize below. The previous Measure's copies all landed (it
+  // synchronized), so the host may clear them.
+  const size_t cells = static_cast<size_t>(world) * (nu + 1);
+  ASSIGN_OR_RETURN(char* readback, Readback());
+  float* const partials = reinterpret_cast<float*>(readback);
+  bool* const unit_finite = reinterpret_cast<bool*>(partials + cells);
+  std::fill(partials, partials + cells, 0.0f);
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region& reg = layout_.region(u);
     unit_finite[u] = true;
     if (reg.frozen) continue;  // no gradient: its partials stay zero
-    if (early_) {
+    if (reg.offloaded) {
       // Measured on the device before the shard left it; read after the Synchronize below.
       ABSL_RAW_CHECK(early_measured_[u], "gradient offload: a unit's shard was never measured");
       early_measured_[u] = 0;
@@ -83,26 +117,27 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
       RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
       for (int q = 0; q < world; ++q) {
         RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c, cdt, unit.shard,
-                                          &table[q * (nu + 1) + u], compute_));
+                                          &partials[q * (nu + 1) + u], compute_));
       }
     } else {
       const Slice mine = OwnSlice(u, reg.grad);
       RETURN_IF_ERROR(dev_->AllFinite(mine.data, cdt, mine.n, &unit_finite[u], compute_));
       RETURN_IF_ERROR(
-          dev_->SquaredNorm(mine.data, cdt, mine.n, &table[rank * (nu + 1) + u], compute_));
+          dev_->SquaredNorm(mine.data, cdt, mine.n, &partials[rank * (nu + 1) + u], compute_));
     }
   }
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
+  std::vector<float> table(partials, partials + cells);
   if (early_) {
     for (int u = 0; u < nu; ++u) {
-      if (layout_.region(u).frozen) continue;
+      if (!layout_.region(u).offloaded) continue;  // measured above, or frozen
       unit_finite[u] = early_finite_[u];
       table[rank * (nu + 1) + u] = early_sumsq_[u];
     }
   }
   const bool finite =
-      std::all_of(unit_finite.get(), unit_finite.get() + nu, [](bool f) { return f; });
+      std::all_of(unit_finite, unit_finite + nu, [](bool f) { return f; });
   if (plan_.options.stage == 0) {
     for (int q = 0; q < world; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
   } else {

@@ -13,9 +13,19 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   auto at_grad = [gs](char* base, int64_t elems) { return base + elems * gs; };
   const bool accumulate = o.gradient_accumulation_steps > 1 || gdt != o.compute_dtype;
   // Gradient offload: stage 1's reduced shard lives in the (host) accumulator even without
-  // accumulation; stages 2-3 keep it in grad_shard, which is then in host memory.
-  const bool stage1_accum = accumulate || memory::GradOffload(o);
+  // accumulation; stages 2-3 keep it in grad_shard, which is then in host memory. A unit kept
+  // on the device under offload_optimizer.ratio < 1 has its arrays in the kept part's buffers.
+  const bool stage1_accum = accumulate || unit.offloaded;
+  const bool kept = o.offload_optimizer && !unit.offloaded;
+  char* const grads = kept ? b.kept.grads : b.grads;
+  char* const accum = kept ? b.kept.accum : b.accum;
+  float* const master = kept ? b.kept.master : b.master;
+  char* const m = kept ? b.kept.m : b.m;
+  char* const v = kept ? b.kept.v : b.v;
+  uint16_t* const master_bf16 = kept ? b.kept.master_bf16 : b.master_bf16;
+  uint16_t* const remainder = kept ? b.kept.remainder : b.remainder;
   Region r;
+  r.offloaded = unit.offloaded;
   r.grad_dtype = gdt;
   r.whole_unit = o.stage == 0;
   r.n = r.whole_unit ? unit.padded : unit.shard;
@@ -35,30 +45,31 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
       r.grad = accumulate ? at_grad(b.accum, unit.flat_offset) : at(b.grads, unit.flat_offset);
       break;
     case 1:
-      r.grad = stage1_accum ? at_grad(b.accum, unit.shard_offset)
-                          : at(b.grads, unit.flat_offset + r.unit_begin);
+      r.grad = stage1_accum ? at_grad(accum, unit.state_offset)
+                            : at(b.grads, unit.flat_offset + r.unit_begin);
       break;
     default:
-      r.grad = at_grad(b.grads, unit.shard_offset);
+      r.grad = at_grad(grads, unit.state_offset);
       break;
   }
-  // Optimizer state is the concatenation of the owned regions.
-  const int64_t optim = r.whole_unit ? unit.flat_offset : unit.shard_offset;
-  const memory::OptimizerStateForm form = memory::StateFormOf(o);
+  // Optimizer state is the concatenation of the owned regions (of each part), in the part's
+  // form: a unit kept on the device has the form without offload.
+  const int64_t optim = r.whole_unit ? unit.flat_offset : unit.state_offset;
+  const memory::OptimizerStateForm form = memory::StateFormOf(o, /*offloaded=*/!kept);
   r.master_form = form.master;
   r.moment_dtype = form.moment_dtype;
   if (form.master_in_params) r.master_bf16 = reinterpret_cast<uint16_t*>(r.param);
-  if (b.m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
+  if (m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
   const int64_t mb = static_cast<int64_t>(DTypeSize(form.moment_dtype));
-  r.m = b.m + optim * mb;
-  r.v = b.v + optim * mb;
+  r.m = m + optim * mb;
+  r.v = v + optim * mb;
   if (form.master != memory::MasterForm::kF32) {
-    if (!form.master_in_params) r.master_bf16 = b.master_bf16 + optim;
-    if (b.remainder != nullptr) r.remainder = b.remainder + optim;
+    if (!form.master_in_params) r.master_bf16 = master_bf16 + optim;
+    if (remainder != nullptr) r.remainder = remainder + optim;
     return r;
   }
-  r.params_are_master = b.master == nullptr;
-  r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : b.master + optim;
+  r.params_are_master = master == nullptr;
+  r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : master + optim;
   return r;
 }
 

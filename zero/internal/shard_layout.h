@@ -16,7 +16,11 @@
 //   stage 2-3: the gradient shard (accumulated in place)
 //
 // With offload_optimizer (memory::GradOffload) the reduced gradient is in host memory: the
-// reductions run in device buffers and GradBuckets copies each result there.
+// reductions run in device buffers and GradBuckets copies each result there. With
+// offload_optimizer.ratio < 1 that holds for the offloaded units (memory::Unit::offloaded,
+// Region::offloaded) only: the units kept on the device have every array where they would have
+// it without offload, in the plan's buffers of the kept part (ModelStateBuffers::kept), at
+// memory::Unit::state_offset.
 //
 // Frozen units (plan.units[u].frozen, after every trainable unit) have parameters only.
 //
@@ -54,6 +58,21 @@ struct ModelStateBuffers {
                             // (stage 0) or the shard (stage 1), with GAS > 1 or fp32
   uint16_t* master_bf16 = nullptr;  // a compact master's bf16 copy, where the plan has one
   uint16_t* remainder = nullptr;    // MasterForm::kBf16Remainder
+  // With offload_optimizer the buffers above that hold optimizer state (grads in stages 2-3,
+  // master, m, v, accum, master_bf16, remainder) are the offloaded part's; the part that
+  // offload_optimizer.ratio < 1 keeps on the device is here, laid out as without offload over
+  // the kept units, in their own form (memory::StateFormOf(o, false): a compact master in the
+  // parameter shard) (null when there is none, or without offload).
+  struct Kept {
+    char* grads = nullptr;    // stages 2-3: the kept units' gradient shards
+    float* master = nullptr;  // null in fp32 training: the parameters are the weights
+    char* m = nullptr;        // moment dtype
+    char* v = nullptr;
+    char* accum = nullptr;    // stage 1, with GAS > 1 or fp32
+    uint16_t* master_bf16 = nullptr;  // a compact master's bf16 copy (none: it is the params)
+    uint16_t* remainder = nullptr;    // MasterForm::kBf16Remainder
+  };
+  Kept kept;
 };
 
 // This rank's region of one unit.
@@ -62,6 +81,10 @@ struct Region {
   int64_t unit_begin = 0;    // where the region starts inside the padded unit
   int64_t owned_begin = 0;   // where this rank's shard starts inside the region
   bool whole_unit = false;   // the region is the whole unit (stage 0)
+  // offload_optimizer: the unit's optimizer state and reduced gradient are offloaded (host
+  // memory or a file; the host AdamW updates them). False for a unit that
+  // offload_optimizer.ratio < 1 keeps on the device, and without offload.
+  bool offloaded = false;
   char* grad = nullptr;        // (n) grad_dtype: the reduced gradient (the reduction writes it;
                                // host memory with gradient offload)
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum

@@ -85,6 +85,99 @@ TEST_CASE("ShardLayout: every element has one owner and optimizer state tiles th
   }
 }
 
+// Where unit `unit`'s region of the full gradients (stages 0-1) is in `back`.
+const char* back_grads(Backing& back, const memory::Unit& unit, const Region& r, size_t cs) {
+  return back.grads.data() + (unit.flat_offset + r.unit_begin) * static_cast<int64_t>(cs);
+}
+
+// Elements of `plan`'s buffer of class `cls` in device memory (`device`) or elsewhere.
+size_t PartElements(const memory::Plan& plan, memory::BufferClass cls, bool device) {
+  for (const memory::Buffer& b : plan.buffers) {
+    if (b.cls == cls && (b.kind == memory::MemoryKind::kDevice) == device) {
+      return static_cast<size_t>(b.elements);
+    }
+  }
+  return 0;
+}
+
+TEST_CASE("ShardLayout: with offload_optimizer.ratio each part's state tiles its own buffers",
+          "[zero]") {
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (int world : {1, 3}) {
+      for (int gas : {1, 2}) {
+        for (double ratio : {0.0, 0.4, 0.7, 1.0}) {
+          DYNAMIC_SECTION("stage " << stage << " world " << world << " gas " << gas << " ratio "
+                                   << ratio) {
+            memory::PlanOptions o = SmallPlan(stage, world, world - 1, gas).options;
+            o.offload_optimizer = true;
+            o.offload_optimizer_ratio = ratio;
+            const absl::StatusOr<memory::Plan> made = memory::MakePlan(testing::SmallModel(), o);
+            REQUIRE(made.ok());
+            const memory::Plan& plan = *made;
+            // One backing array per part and class, sized from the plan.
+            const size_t cs = DTypeSize(plan.options.compute_dtype);
+            Backing off, dev;
+            ModelStateBuffers b = off.Buffers(plan);  // full gradients, params: as listed
+            using C = memory::BufferClass;
+            for (Backing* part : {&off, &dev}) {
+              const bool device = part == &dev;
+              part->master.assign(PartElements(plan, C::kMaster, device), 0.0f);
+              part->m.assign(PartElements(plan, C::kExpAvg, device), 0.0f);
+              part->v.assign(PartElements(plan, C::kExpAvgSq, device), 0.0f);
+              part->accum.assign(PartElements(plan, C::kGradAccumulator, device) * cs, 0);
+            }
+            std::vector<char> dev_grads(stage >= 2 ? PartElements(plan, C::kGrads, true) * cs : 0);
+            std::vector<char> off_grads(stage >= 2 ? PartElements(plan, C::kGrads, false) * cs : 0);
+            auto ptr = [](auto& v) { return v.empty() ? nullptr : v.data(); };
+            b.master = ptr(off.master);
+            auto bytes = [&](std::vector<float>& v) { return reinterpret_cast<char*>(ptr(v)); };
+            b.m = bytes(off.m);
+            b.v = bytes(off.v);
+            b.accum = ptr(off.accum);
+            if (stage >= 2) b.grads = ptr(off_grads);
+            b.kept.master = ptr(dev.master);
+            b.kept.m = bytes(dev.m);
+            b.kept.v = bytes(dev.v);
+            b.kept.accum = ptr(dev.accum);
+            b.kept.grads = ptr(dev_grads);
+            const ShardLayout layout(plan, b);
+            std::vector<int> cover_off(off.m.size(), 0), cover_dev(dev.m.size(), 0);
+            for (int u = 0; u < layout.num_units(); ++u) {
+              const Region& r = layout.region(u);
+              const memory::Unit& unit = plan.units[u];
+              REQUIRE(r.offloaded == unit.offloaded);
+              Backing& part = r.offloaded ? off : dev;
+              std::vector<int>& cover = r.offloaded ? cover_off : cover_dev;
+              // m and v are fp32 here (bytes): their element offsets in the part.
+              const int64_t m_at = reinterpret_cast<const float*>(r.m) - part.m.data();
+              const int64_t v_at = reinterpret_cast<const float*>(r.v) - part.v.data();
+              for (int64_t e = 0; e < r.n; ++e) ++cover[m_at + e];
+              REQUIRE(v_at == m_at);
+              REQUIRE(r.master - part.master.data() == m_at);
+              // The reduced gradient lies in the part's gradient shard or accumulator, at the
+              // same offset as its state; stage 1 without accumulation reads the full
+              // gradients in place on the device.
+              const std::vector<char>& grads = r.offloaded ? off_grads : dev_grads;
+              const int64_t at = m_at * static_cast<int64_t>(cs);
+              if (stage >= 2) {
+                REQUIRE(r.grad == grads.data() + at);
+              } else if (r.offloaded || gas > 1) {
+                REQUIRE(r.grad == part.accum.data() + at);
+              } else {
+                REQUIRE(r.grad == back_grads(off, unit, r, cs));
+              }
+            }
+            for (int c : cover_off) REQUIRE(c == 1);
+            for (int c : cover_dev) REQUIRE(c == 1);
+            CHECK(static_cast<int64_t>(off.m.size()) == plan.offloaded_state_elements);
+            CHECK(static_cast<int64_t>(dev.m.size()) == plan.device_state_elements);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zero_internal
 }  // namespace zerort

@@ -27,9 +27,9 @@ UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device
       exchange_(exchange),
       c_(DTypeSize(plan.options.compute_dtype)),
       params_on_host_(plan.options.offload_param),
-      host_optimizer_(plan.options.offload_optimizer),
       form_(memory::StateFormOf(plan.options)),
-      threads_(threads) {}
+      threads_(threads),
+      file_index_(plan.units.size(), -1) {}
 
 absl::StatusOr<std::unique_ptr<UnitStore>> UnitStore::Create(
     const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<UnitStore>> UnitStore::Create(
     comm::HostExchange* exchange) {
   std::unique_ptr<UnitStore> store(
       new UnitStore(plan, layout, device, compute, exchange, config.cpu_threads));
-  if (plan.options.offload_optimizer_nvme || plan.options.offload_param_nvme) {
+  if (StateInFile(plan) || plan.options.offload_param_nvme) {
     RETURN_IF_ERROR(store->CreateFiles(memory, config));
   }
   return store;
@@ -59,7 +59,7 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
   // never share a directory, and a dead pid marks a crashed run's leftovers.
   static std::atomic<int> engines{0};
   const std::string job = absl::StrCat(getpid(), "-", engines++);
-  const bool state = plan_.options.offload_optimizer_nvme;
+  const bool state = StateInFile(plan_);
   // With both on NVMe, the shards take a region of the optimizer state's file, after the state.
   const std::string& dir = state ? config.zero.offload_optimizer.nvme_path
                                  : config.zero.offload_param.nvme_path;
@@ -69,10 +69,16 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
   const AioConfig& a = config.aio;
   ASSIGN_OR_RETURN(aio_, nvme::AioEngine::Create({a.block_size, a.queue_depth, a.single_submit,
                                                   a.overlap_events, a.thread_count, nullptr}));
+  // The state file holds the offloaded units' state only (all of them but with
+  // offload_optimizer.ratio < 1), in unit order; the parameter shards are every unit's.
   std::vector<int64_t> shards, shard_bytes;
-  for (const memory::Unit& u : plan_.units) {
-    shards.push_back(u.shard);
-    shard_bytes.push_back(u.shard * static_cast<int64_t>(c_));
+  for (int u = 0; u < static_cast<int>(plan_.units.size()); ++u) {
+    const memory::Unit& unit = plan_.units[u];
+    if (unit.offloaded) {
+      file_index_[u] = static_cast<int>(shards.size());
+      shards.push_back(unit.shard);
+    }
+    shard_bytes.push_back(unit.shard * static_cast<int64_t>(c_));
   }
   int64_t params_base = 0;
   if (state) {
@@ -84,8 +90,8 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
                                                           slots.base, slots.elements * 4,
                                                           arrays));
     const void* const zeros[nvme::NvmeState::kMaxArrays] = {};
-    for (int u = 0; u < static_cast<int>(shards.size()); ++u) {
-      RETURN_IF_ERROR(state_file_->StoreArrays(u, zeros));
+    for (int k = 0; k < static_cast<int>(shards.size()); ++k) {
+      RETURN_IF_ERROR(state_file_->StoreArrays(k, zeros));
     }
     params_base = nvme::NvmeState::FileBytes(shards, plan_.options.nvme_piece_elements, arrays);
   }
@@ -102,7 +108,7 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
 
 absl::Status UnitStore::StoreState(int u, const float* master, const float* m, const float* v) {
   if (form_.compact()) return StoreCompact(u, master, m, v);
-  if (state_file_ != nullptr) return state_file_->Store(u, master, m, v);
+  if (InFile(u)) return state_file_->Store(file_index_[u], master, m, v);
   const Region& reg = layout_.region(u);
   // A frozen unit keeps no state: its weights are the parameters (StoreParams).
   if (reg.frozen) return absl::OkStatus();
@@ -117,7 +123,7 @@ absl::Status UnitStore::StoreState(int u, const float* master, const float* m, c
 
 absl::Status UnitStore::LoadState(int u, float* master, float* m, float* v) {
   if (form_.compact()) return LoadCompact(u, 0, layout_.region(u).n, master, m, v);
-  if (state_file_ != nullptr) return state_file_->Load(u, master, m, v);
+  if (InFile(u)) return state_file_->Load(file_index_[u], master, m, v);
   const Region& reg = layout_.region(u);
   if (reg.frozen) return LoadFrozen(u, 0, reg.n, master, m, v);
   const size_t bytes = static_cast<size_t>(reg.n) * 4;
@@ -191,14 +197,14 @@ absl::Status UnitStore::StoreCompact(int u, const float* master, const float* m,
     moment_in[k] = moment_host[k]->data();
   }
   const void* rem_in = h.remainder.empty() ? nullptr : h.remainder.data();
-  if (state_file_ != nullptr) {
+  if (InFile(u)) {
     const void* in[nvme::NvmeState::kMaxArrays] = {};
     int next = 0;
     in[next++] = master_in;
     if (form_.remainder_array()) in[next++] = rem_in;
     in[next++] = moment_in[0];
     in[next++] = moment_in[1];
-    return state_file_->StoreArrays(u, in);
+    return state_file_->StoreArrays(file_index_[u], in);
   }
   if (master_in != nullptr) {
     void* dst = compact_master ? static_cast<void*>(reg.master_bf16) : reg.master;
@@ -230,7 +236,7 @@ absl::Status UnitStore::LoadCompact(int u, int64_t begin, int64_t n, float* mast
   }
   if (m != nullptr) h.m.resize(static_cast<size_t>(n) * mb);
   if (v != nullptr) h.v.resize(static_cast<size_t>(n) * mb);
-  if (state_file_ != nullptr) {
+  if (InFile(u)) {
     // The file holds whole shards: read the unit's, keep [begin, begin + n).
     CompactHost whole;
     const int64_t all = reg.n;
@@ -251,7 +257,7 @@ absl::Status UnitStore::LoadCompact(int u, int64_t begin, int64_t n, float* mast
     if (m != nullptr) whole.m.resize(static_cast<size_t>(all) * mb), out[next] = whole.m.data();
     ++next;
     if (v != nullptr) whole.v.resize(static_cast<size_t>(all) * mb), out[next] = whole.v.data();
-    RETURN_IF_ERROR(state_file_->LoadArrays(u, out));
+    RETURN_IF_ERROR(state_file_->LoadArrays(file_index_[u], out));
     auto slice = [begin, n](const std::vector<char>& from, std::vector<char>* to, size_t eb) {
       if (!to->empty()) std::memcpy(to->data(), from.data() + begin * eb, n * eb);
     };
@@ -301,9 +307,10 @@ absl::Status UnitStore::BeforeSnapshot(float* master, float* m, float* v, void**
                                   m + off, v + off));
     }
   }
-  for (int u = 0; state_file_ != nullptr && !form_.compact() && u < layout_.num_units(); ++u) {
+  for (int u = 0; !form_.compact() && u < layout_.num_units(); ++u) {
+    if (!InFile(u)) continue;  // in memory: the snapshot copies it
     const int64_t off = plan_.units[u].shard_offset;
-    RETURN_IF_ERROR(state_file_->Load(u, master + off, m + off, v + off));
+    RETURN_IF_ERROR(state_file_->Load(file_index_[u], master + off, m + off, v + off));
   }
   if (param_file_ == nullptr || *param == nullptr) return absl::OkStatus();
   for (int u = 0; u < layout_.num_units(); ++u) {  // the shards, before the snapshot begins
@@ -393,27 +400,29 @@ void UnitStore::PipelineStorage(offload::PipelineOptions* options) const {
 
 // Last unit first: completed writes stay in the buffers as read-aheads, so the first units,
 // which the next forward gathers first, are the ones left there. The first failed write stops
-// the rest; the ranks then agree, so every rank fails alike (or none does).
+// the rest; the ranks then agree, so every rank fails alike (or none does). The offloaded units'
+// shards (offload_optimizer.ratio < 1) were written by the host step.
 absl::Status UnitStore::AfterDeviceUpdate() {
   if (param_file_ == nullptr) return absl::OkStatus();
   absl::Status written;
   for (int u = layout_.num_units() - 1; u >= 0 && written.ok(); --u) {
-    written = WriteShardFromMaster(u);
+    if (!layout_.region(u).offloaded) written = WriteShardFromMaster(u);
   }
   return comm::AgreeOnStatus(*exchange_, written);
 }
 
 // Unit u's shard as round(master) (what the optimizer step writes) into the file, a pinned
 // buffer at a time, so no host copy of the whole shard exists. With the optimizer on the device
-// the master is device memory and the device rounds it into the buffer; with host state the
-// host does, as the pipeline would.
+// the master is device memory and the device rounds it into the buffer; with host state (an
+// offloaded unit) the host does, as the pipeline would. REQUIRES: the master is in memory.
 absl::Status UnitStore::WriteShardFromMaster(int u) {
   const float* master = layout_.region(u).master;
+  const bool host = layout_.region(u).offloaded;
   const DType cdt = plan_.options.compute_dtype;
   return param_file_->WriteFrom(u, [&](int64_t offset, char* buffer, int64_t bytes) {
     const float* src = master + offset / static_cast<int64_t>(c_);
     const size_t n = static_cast<size_t>(bytes) / c_;
-    if (host_optimizer_) {
+    if (host) {
       RoundToParams(src, buffer, static_cast<int64_t>(n));
       return absl::OkStatus();
     }
@@ -422,16 +431,19 @@ absl::Status UnitStore::WriteShardFromMaster(int u) {
   });
 }
 
-absl::Status UnitStore::AfterFailedUpdate(const absl::Status& failed, int64_t* step,
+absl::Status UnitStore::AfterFailedUpdate(const absl::Status& failed, bool offloaded,
+                                          int64_t* step,
                                           const std::function<absl::Status(int)>& regather) {
-  if (state_file_ != nullptr) {
+  // The state file is written by the host step only: a failure there leaves the offloaded
+  // units' previous state, and the kept units (updated after it) are untouched.
+  if (state_file_ != nullptr && offloaded) {
     --*step;
     return Annotate(failed, RecoverFromFile(regather).ok()
                                 ? "the previous step's state and parameters stay"
                                 : "the parameters could not be re-derived either");
   }
   if (param_file_ != nullptr) {
-    return Annotate(failed, RederiveShards(regather).ok()
+    return Annotate(failed, RederiveShards(offloaded, regather).ok()
                                 ? "the step's update stands; the parameters were re-derived "
                                   "from it"
                                 : "the step's update stands, but the parameters could not be "
@@ -445,6 +457,7 @@ absl::Status UnitStore::AfterFailedUpdate(const absl::Status& failed, int64_t* s
 // overwritten: each unit's are re-derived as round(master) and all-gathered again.
 absl::Status UnitStore::RecoverFromFile(const std::function<absl::Status(int)>& regather) {
   for (int u = 0; u < layout_.num_units(); ++u) {
+    if (!InFile(u)) continue;  // kept on the device: not updated yet
     std::vector<float> master(layout_.region(u).n);
     RETURN_IF_ERROR(LoadState(u, master.data(), nullptr, nullptr));
     RETURN_IF_ERROR(StoreParamsFromMaster(u, master.data()));
@@ -453,12 +466,15 @@ absl::Status UnitStore::RecoverFromFile(const std::function<absl::Status(int)>& 
   return absl::OkStatus();
 }
 
-// Every shard written again as round(master), each unit all-gathered again. A rank whose write
-// fails again still runs every all-gather, so no rank is left in one; the ranks then agree on
-// the writes' verdict.
-absl::Status UnitStore::RederiveShards(const std::function<absl::Status(int)>& regather) {
+// Every shard of the failed update's part (the offloaded units, or the kept ones) written again
+// as round(master), each unit all-gathered again; the other part's shards were not touched. A
+// rank whose write fails again still runs every all-gather, so no rank is left in one; the
+// ranks then agree on the writes' verdict.
+absl::Status UnitStore::RederiveShards(bool offloaded,
+                                       const std::function<absl::Status(int)>& regather) {
   absl::Status written;
   for (int u = 0; u < layout_.num_units(); ++u) {
+    if (layout_.region(u).offloaded != offloaded) continue;
     written.Update(WriteShardFromMaster(u));
     RETURN_IF_ERROR(regather(u));  // a failed read: every rank fails alike
   }

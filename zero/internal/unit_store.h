@@ -1,6 +1,8 @@
 // UnitStore: the one owner of where this rank's owned state of every unit lives, the fp32
 // master, m and v and the compute-dtype parameter shard: in device memory, in host memory
-// (offload_optimizer / offload_param "cpu"), or in an NVMe swap file ("nvme").
+// (offload_optimizer / offload_param "cpu"), or in an NVMe swap file ("nvme"). With
+// offload_optimizer.ratio < 1 the units kept on the device have their state there, as without
+// offload, and only the offloaded units' state is in host memory or the file.
 //
 // Every engine path that reads or writes owned state goes through it: InitParams and restores
 // (StoreState, StoreParams), snapshots (BeforeSnapshot), GatherMasterWeights (LoadState), the
@@ -30,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -105,12 +108,15 @@ class UnitStore {
   // After AdamW on the device: shard copies kept outside the region (a file) are written from
   // the new master. Collective (the ranks agree on the writes).
   absl::Status AfterDeviceUpdate();
-  // The one policy for a failed update (every rank failed alike: the update agreed). State in
-  // a file: the file keeps the previous step's state, so the step is undone (--*step) and the
-  // parameters re-derived from it. Shards alone in a file: the update stands and the shards are
-  // rewritten from the new master. Otherwise the error stands. `regather(u)` all-gathers unit
-  // u's parameters after its shard was rewritten. Returns `failed`, annotated. Collective.
-  absl::Status AfterFailedUpdate(const absl::Status& failed, int64_t* step,
+  // The one policy for a failed update (every rank failed alike: the update agreed) of one part
+  // of the units: the offloaded ones (`offloaded`, the host step) or the ones on the device
+  // (every unit without offload_optimizer; with offload_optimizer.ratio < 1 the kept ones,
+  // updated after the host step succeeded). State in a file (host step only): the file keeps
+  // the previous step's state, so the step is undone (--*step) and the parameters re-derived
+  // from it. Shards alone in a file: the update stands and the part's shards are rewritten from
+  // the new master. Otherwise the error stands. `regather(u)` all-gathers unit u's parameters
+  // after its shard was rewritten. Returns `failed`, annotated. Collective.
+  absl::Status AfterFailedUpdate(const absl::Status& failed, bool offloaded, int64_t* step,
                                  const std::function<absl::Status(int)>& regather);
 
   int64_t file_bytes() const;  // of the swap file, or 0
@@ -130,7 +136,13 @@ class UnitStore {
   absl::Status LoadFrozen(int u, int64_t begin, int64_t n, float* master, float* m, float* v);
   absl::Status ReadAhead(int u, const std::function<bool(int)>& gathered);
   absl::Status RecoverFromFile(const std::function<absl::Status(int)>& regather);
-  absl::Status RederiveShards(const std::function<absl::Status(int)>& regather);
+  absl::Status RederiveShards(bool offloaded, const std::function<absl::Status(int)>& regather);
+  // Whether the optimizer state lives in the NVMe file: offload_optimizer "nvme" with some unit
+  // offloaded; and whether unit u's does.
+  static bool StateInFile(const memory::Plan& plan) {
+    return plan.options.offload_optimizer_nvme && plan.offloaded_state_elements > 0;
+  }
+  bool InFile(int u) const { return state_file_ != nullptr && file_index_[u] >= 0; }
 
   const memory::Plan& plan_;
   const ShardLayout& layout_;
@@ -139,9 +151,13 @@ class UnitStore {
   comm::HostExchange* const exchange_;
   const size_t c_;              // bytes of a compute-dtype element
   const bool params_on_host_;   // offload_param: shards in host memory (or the file)
-  const bool host_optimizer_;   // offload_optimizer: AdamW runs on the host
-  const memory::OptimizerStateForm form_;  // how the state is stored
+  // The offloaded part's form (with offload_optimizer; the form without it otherwise). Its
+  // master, remainder and moment dtypes are the kept part's too; only master_in_params (and so
+  // the file's arrays) differ, which the regions already reflect.
+  const memory::OptimizerStateForm form_;
   const int threads_;           // of the host conversions (cpu_threads; 0: all)
+  // Per unit, its index in the state file (the offloaded units in order), or -1.
+  std::vector<int> file_index_;
   int last_read_ = -1;          // shards in a file: the unit read last (read-ahead direction)
   std::function<bool()> step_next_;
   // Destroyed first (by ~UnitStore): the state waits for its I/O, then the file goes, then the
