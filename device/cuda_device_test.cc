@@ -8,6 +8,7 @@
 // inputs of awkward sizes and element offsets against the CPU device. Without a GPU they print
 // "SKIPPED: no CUDA device: <reason>" and pass.
 #include "device/cuda_device.h"
+#include "device/testing/gpu_or_skip.h"
 
 #include <cuda_runtime.h>
 
@@ -1205,17 +1206,7 @@ TEST_CASE("CudaDevice: creation either succeeds or says why", "[zero][gpu]") {
 
 // ------------------------------------------------------------------ GPU cases
 
-// The device, or nullptr after printing why the case is skipped.
-Device* GpuOrSkip() {
-  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
-      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
-  if (gpu->ok()) return gpu->value().get();
-  std::string reason(gpu->status().message());
-  constexpr absl::string_view kPrefix = "no CUDA device: ";
-  if (absl::StartsWith(reason, kPrefix)) reason.erase(0, kPrefix.size());
-  WARN("SKIPPED: no CUDA device: " << reason);
-  return nullptr;
-}
+using testing::GpuOrSkip;
 
 // A buffer from one of the device's allocators, freed on scope exit.
 memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
