@@ -124,7 +124,7 @@ TEST_CASE(
     "Link bytes: the engine sends, per link class, the bytes the plan "
     "counts (world 8)",
     "[zero][hsdp][hpz]") {
-  const int warm = 2, steps = 2, gas = 2;
+  const int warm = 2, steps = 2;
   const Layout layouts[] = {
       {"flat stage 1", 1, -1, false, 1},
       {"flat stage 2", 2, -1, false, 1},
@@ -138,44 +138,47 @@ TEST_CASE(
       {"hpZ 2, stage 3", 3, -1, false, 2},
       {"hpZ 4, stage 3", 3, -1, false, 4},
   };
-  for (int per_node : {2, 4}) {
-    for (const Layout& l : layouts) {
-      // The hierarchical gather needs groups spanning more than one node.
-      if (l.hierarchical && l.mics <= per_node) continue;
-      INFO(l.name << ", " << per_node << " ranks per node");
-      // Two micro-steps: hpZ's node gathers are 2 x gas - 1 of each unit's 2 x gas per step.
-      Config c = testing::TestConfig(l.stage, DType::kBF16, gas, /*clip=*/0.05,
-                                     /*offload=*/false);
-      c.zero.mics_shard_size = l.mics;
-      c.zero.mics_hierarchical_params_gather = l.hierarchical;
-      c.zero.zero_hpz_partition_size = l.hpz;
-      c.ranks_per_node = per_node;
-      const std::vector<RankBytes> ranks = Measure(c, per_node, warm, steps);
-      for (int r = 0; r < kWorld; ++r) {
-        const RankBytes& b = ranks[r];
-        INFO("rank " << r << ": " << b.status.ToString() << "\nmeasured " << b.log);
-        REQUIRE(b.status.ok());
-        REQUIRE(b.planned.total() == b.planned_total);
-        REQUIRE(b.planned_total > 0);
-        // Stage 3: the plan counts a gather of every unit at every Gather (2 x gas per step), but a
-        // unit still in its slot is not gathered again (zero/internal/param_gatherer.h: slots are
-        // reused least recently used first). At each of the window's 2 x gas - 1 turns of direction
-        // (forward to backward and back; the update empties the slots before the next window) the
-        // first units of the new pass are the last of the one before, still held by the slots:
-        // min(slots, units) re-gathers skipped per turn.
-        comm::LinkBytes skipped;
-        if (l.stage == 3) {
-          REQUIRE(b.gathered_padded > 0);  // one size class: every slot holds any unit
-          const int64_t turns = 2 * gas - 1;
-          const int64_t hits = turns * std::min<int64_t>(b.gather_slots, b.gathered_units);
-          const comm::LinkBytes one = RegatherBytes(l, per_node, r, b.gathered_padded);
-          skipped = {hits * one.intra_node, hits * one.inter_node};
+  // One to three micro-steps: hpZ's node gathers are 2 x gas - 1 of each unit's 2 x gas per
+  // step, and so are the turns of direction at which stage 3 re-uses its slots.
+  for (int gas : {1, 2, 3}) {
+    for (int per_node : {2, 4}) {
+      for (const Layout& l : layouts) {
+        // The hierarchical gather needs groups spanning more than one node.
+        if (l.hierarchical && l.mics <= per_node) continue;
+        INFO(l.name << ", " << per_node << " ranks per node, " << gas << " micro-steps");
+        Config c = testing::TestConfig(l.stage, DType::kBF16, gas, /*clip=*/0.05,
+                                       /*offload=*/false);
+        c.zero.mics_shard_size = l.mics;
+        c.zero.mics_hierarchical_params_gather = l.hierarchical;
+        c.zero.zero_hpz_partition_size = l.hpz;
+        c.ranks_per_node = per_node;
+        const std::vector<RankBytes> ranks = Measure(c, per_node, warm, steps);
+        for (int r = 0; r < kWorld; ++r) {
+          const RankBytes& b = ranks[r];
+          INFO("rank " << r << ": " << b.status.ToString() << "\nmeasured " << b.log);
+          REQUIRE(b.status.ok());
+          REQUIRE(b.planned.total() == b.planned_total);
+          REQUIRE(b.planned_total > 0);
+          // Stage 3: the plan counts a gather of every unit at every Gather (2 x gas per step), but
+          // a unit still in its slot is not gathered again (zero/internal/param_gatherer.h: slots
+          // are reused least recently used first). At each of the window's 2 x gas - 1 turns of
+          // direction (forward to backward and back; the update empties the slots before the next
+          // window) the first units of the new pass are the last of the one before, still held by
+          // the slots: min(slots, units) re-gathers skipped per turn.
+          comm::LinkBytes skipped;
+          if (l.stage == 3) {
+            REQUIRE(b.gathered_padded > 0);  // one size class: every slot holds any unit
+            const int64_t turns = 2 * gas - 1;
+            const int64_t hits = turns * std::min<int64_t>(b.gather_slots, b.gathered_units);
+            const comm::LinkBytes one = RegatherBytes(l, per_node, r, b.gathered_padded);
+            skipped = {hits * one.intra_node, hits * one.inter_node};
+          }
+          // Per step: the plan's figure less the skipped re-gathers, plus the control exchange,
+          // which runs over the world and so crosses nodes whatever the node size.
+          CHECK(b.measured.intra_node == steps * (b.planned.intra_node - skipped.intra_node));
+          CHECK(b.measured.inter_node == steps * (b.planned.inter_node - skipped.inter_node +
+                                                  ControlBytes(l.stage, b.units)));
         }
-        // Per step: the plan's figure less the skipped re-gathers, plus the control exchange, which
-        // runs over the world and so crosses nodes whatever the node size.
-        CHECK(b.measured.intra_node == steps * (b.planned.intra_node - skipped.intra_node));
-        CHECK(b.measured.inter_node ==
-              steps * (b.planned.inter_node - skipped.inter_node + ControlBytes(l.stage, b.units)));
       }
     }
   }
