@@ -16,7 +16,9 @@
 #include "base/crc32c.h"
 #include "base/status.h"
 #include "comm/agree.h"
+#include "comm/launch_env.h"
 #include "offload/cpu_kernels.h"
+#include "zero/auto_fill.h"
 #include "zero/lr_schedule.h"
 #include "zero/internal/engine_impl.h"
 #include "zero/planner.h"
@@ -270,6 +272,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
   RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  FillRanksPerNode(comm::LaunchInfoFromEnv(), comm->size(), comm->rank(), &with_notes);
   Workload workload;  // declared activations only; the reserves for this communicator
   workload.nccl_communicator = comm->backend() == "nccl";
   ASSIGN_OR_RETURN(PlanChoice choice,
