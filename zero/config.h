@@ -248,7 +248,8 @@ struct Config {
   bool local_grad_accumulation = false;
   // zerort.ranks_per_node (ours): consecutive ranks that share a node (DeepSpeed infers it from
   // the launcher; torchrun's LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE). 0: not
-  // known. Needed by mics_hierarchical_params_gather; `zerort plan` splits the bytes per step
+  // known; an engine over MPI or NCCL then takes it from the launcher (FillRanksPerNode,
+  // zero/auto_fill.h). Needed by mics_hierarchical_params_gather; `zerort plan` splits the bytes per step
   // into intra- and inter-node with it. Must divide the world size.
   int ranks_per_node = 0;
   SchedulerConfig scheduler;

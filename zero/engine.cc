@@ -16,7 +16,9 @@
 #include "base/crc32c.h"
 #include "base/status.h"
 #include "comm/agree.h"
+#include "comm/launch_env.h"
 #include "offload/cpu_kernels.h"
+#include "zero/auto_fill.h"
 #include "zero/lr_schedule.h"
 #include "zero/internal/engine_impl.h"
 #include "zero/planner.h"
@@ -302,6 +304,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
   RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  // A launcher describes processes: the threads of an in-process group share one process's
+  // variables (a test's reference group inside an mpirun job), so only a communicator of one
+  // process per rank takes the node size from them.
+  if (comm->backend() != "inprocess") {
+    FillRanksPerNode(comm::LaunchInfoFromEnv(), comm->size(), comm->rank(), &with_notes);
+  }
   Workload workload;  // declared activations only; the reserves for this communicator
   workload.nccl_communicator = comm->backend() == "nccl";
   ASSIGN_OR_RETURN(PlanChoice choice,
