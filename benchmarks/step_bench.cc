@@ -15,7 +15,18 @@
 // step_ms: the trainer's forward and backward, including the stage-3 Gathers and the gradient
 // reductions that overlap backward (reduce_ms and gather_ms count those too).
 //
-// Usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi]
+// --link-bytes: no timings; the bytes rank 0 sends per step by link class (comm/link_bytes.h)
+// at world 8 in-process ranks with 2 and 4 ranks per node, for flat stages 1-3, HSDP, MiCS's
+// hierarchical gather and hpZ on the --quick GPT, against the plan's
+// comm_bytes_intra/inter_node_per_step. Per step = the difference between a run of warmup +
+// measured steps and one of warmup steps, divided by measured (setup, evaluation and the final
+// gathers cancel). The limit: measured <= planned per class, the inter-node class allowing a
+// few hundred bytes of control exchange (norm table, step agreement, the loss all-reduce) that
+// the plan leaves out. Stage 3 sends less than planned: the plan counts two gathers per unit
+// per micro-step, the engine skips those its slots still hold (zero/engine_link_bytes_test.cc
+// accounts for both exactly).
+//
+// Usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi] [--link-bytes]
 //   --quick: a small model and a few steps, a few seconds for CI.
 //   --repeat N: every stage N times in alternating order; `ratio_min`/`ratio_max` are the spread
 //     of the ratio over the repetitions.
@@ -25,12 +36,15 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "benchmarks/bench_util.h"
 #include "base/status.h"
+#include "comm/inprocess.h"
+#include "comm/link_bytes.h"
 #include "comm/mpi.h"
 #include "examples/gpt/gpt.h"
 #include "examples/mlp/mlp.h"
@@ -144,7 +158,7 @@ std::string ModelName(const Setup& s) {
 }
 
 struct Flags {
-  bool quick = false, gpt = false, mpi = false;
+  bool quick = false, gpt = false, mpi = false, link_bytes = false;
   int repeat = 1;
 };
 
@@ -156,6 +170,8 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
       f->quick = true;
     } else if (a == "--mpi") {
       f->mpi = true;
+    } else if (a == "--link-bytes") {
+      f->link_bytes = true;
     } else if (a == "--model" && (next == "gpt" || next == "mlp")) {
       f->gpt = next == "gpt";
       ++i;
@@ -221,13 +237,125 @@ absl::Status MeasureWorld(const Setup& setup, int world, int repeat, comm::Commu
   return absl::OkStatus();
 }
 
+// A layout measured by --link-bytes: its zero_optimization keys over the stage's config.
+struct LinkLayout {
+  const char* name;
+  int stage;
+  int mics;  // mics_shard_size; -1 flat
+  bool hierarchical;
+  int hpz;
+};
+
+// Rank 0's bytes over a whole GPT run of `steps` micro-steps at world 8; `plan` gets its plan.
+absl::StatusOr<comm::LinkBytes> CountRun(const Setup& s, const Config& config, int per_node,
+                                         int steps, memory::Plan* plan) {
+  constexpr int kWorld = 8;
+  ASSIGN_OR_RETURN(std::vector<std::unique_ptr<comm::Communicator>> comms,
+                   comm::CreateInProcessGroup(kWorld));
+  std::vector<comm::LinkByteLog> logs(kWorld);
+  std::vector<absl::Status> status(kWorld);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      status[r] = [&]() -> absl::Status {
+        ASSIGN_OR_RETURN(std::unique_ptr<comm::Communicator> counted,
+                         comm::CountLinkBytes(comms[r].get(), per_node, &logs[r]));
+        examples::gpt::RunOptions o = s.gpt_options;
+        o.world_size = kWorld;
+        o.steps = steps;
+        ASSIGN_OR_RETURN(examples::gpt::RunResult run,
+                         examples::gpt::RunOnCommunicator(config, o, counted.get()));
+        if (r == 0) *plan = std::move(run.plan);
+        return absl::OkStatus();
+      }();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) RETURN_IF_ERROR(Annotate(status[r], absl::StrCat("rank ", r)));
+  return logs[0].Total();
+}
+
+absl::Status MeasureLinkBytes(const Setup& s, nlohmann::ordered_json* results) {
+  const LinkLayout layouts[] = {
+      {"flat", 1, -1, false, 1},
+      {"flat", 2, -1, false, 1},
+      {"flat", 3, -1, false, 1},
+      {"HSDP mics_shard_size 4", 3, 4, false, 1},
+      {"HSDP mics_shard_size 2", 3, 2, false, 1},
+      {"MiCS 4, hierarchical gather", 3, 4, true, 1},
+      {"MiCS 8, hierarchical gather", 3, 8, true, 1},
+      {"hpZ 2", 3, -1, false, 2},
+      {"hpZ 4", 3, -1, false, 4},
+  };
+  constexpr int64_t kControlAllowance = 4096;  // bytes per step, inter-node (world exchanges)
+  for (int per_node : {2, 4}) {
+    for (const LinkLayout& l : layouts) {
+      if (l.hierarchical && l.mics <= per_node) continue;  // needs groups spanning nodes
+      Config c = BenchConfig(s, l.stage);
+      c.zero.mics_shard_size = l.mics;
+      c.zero.mics_hierarchical_params_gather = l.hierarchical;
+      c.zero.zero_hpz_partition_size = l.hpz;
+      c.ranks_per_node = per_node;
+      memory::Plan plan;
+      const std::string what =
+          absl::StrCat(l.name, ", stage ", l.stage, ", ", per_node, " ranks per node");
+      const absl::StatusOr<comm::LinkBytes> shorter = CountRun(s, c, per_node, s.warmup, &plan);
+      if (!shorter.ok()) return Annotate(shorter.status(), what);
+      const absl::StatusOr<comm::LinkBytes> longer =
+          CountRun(s, c, per_node, s.warmup + s.measured, &plan);
+      if (!longer.ok()) return Annotate(longer.status(), what);
+      const int64_t intra = (longer->intra_node - shorter->intra_node) / s.measured;
+      const int64_t inter = (longer->inter_node - shorter->inter_node) / s.measured;
+      results->push_back({
+          {"layout", l.name},
+          {"stage", l.stage},
+          {"ranks_per_node", per_node},
+          {"units", plan.units.size()},
+          {"gather_slots", plan.gather_slots},
+          {"measured_intra_node_bytes", intra},
+          {"planned_intra_node_bytes", plan.comm_bytes_intra_node_per_step},
+          {"measured_inter_node_bytes", inter},
+          {"planned_inter_node_bytes", plan.comm_bytes_inter_node_per_step},
+          {"within_limit", intra <= plan.comm_bytes_intra_node_per_step &&
+                               inter <= plan.comm_bytes_inter_node_per_step + kControlAllowance},
+      });
+    }
+  }
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   Flags flags;
   if (!ParseFlags(argc, argv, &flags)) {
     std::fprintf(stderr,
-                 "usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi]\n"
+                 "usage: step_bench [--quick] [--model mlp|gpt] [--repeat N] [--mpi]"
+                 " [--link-bytes]\n"
                  "  --mpi (under mpirun, one rank per process) needs --model gpt\n");
     return 2;
+  }
+  if (flags.link_bytes) {
+    // Bytes do not depend on the model's speed: the quick GPT, whatever --quick says.
+    const Setup setup = MakeSetup(/*gpt=*/true, /*quick=*/true);
+    nlohmann::ordered_json results = nlohmann::ordered_json::array();
+    const absl::Status st = MeasureLinkBytes(setup, &results);
+    if (!st.ok()) {
+      std::fprintf(stderr, "step_bench --link-bytes: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    const nlohmann::ordered_json head = {
+        {"benchmark", "step_bench --link-bytes"},
+        {"model", ModelName(setup)},
+        {"precision", "bf16"},
+        {"world", 8},
+        {"ranks", "in-process threads, rank 0 counted"},
+        {"bytes", "sent per optimizer step, the plan's convention (comm/link_bytes.h)"},
+        {"limit", "measured <= planned per class (inter-node: + 4096 B of control exchange)"},
+        {"warmup_steps", setup.warmup},
+        {"measured_steps", setup.measured},
+        {"results", results},
+    };
+    std::printf("%s\n", head.dump(2).c_str());
+    return 0;
   }
   comm::MpiJob job;
   std::vector<int> worlds = {1, 2, 4};

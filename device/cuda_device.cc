@@ -22,6 +22,7 @@
 #include "offload/cpu_kernels.h"
 #include "device/internal/cuda_compact_plan.h"
 #include "device/internal/cuda_kernels.h"
+#include "memory/allocation_ledger.h"
 #include "memory/pinned_pool.h"
 
 namespace zerort {
@@ -31,6 +32,9 @@ constexpr size_t kRawAlignment = 4096;
 
 static_assert(offload::kNormBlock == 1024, "cuda_kernels.cu hard-codes the norm block");
 static_assert(offload::kNormTreeChunk == 1024, "cuda_kernels.cu hard-codes the norm tree chunk");
+static_assert(offload::kNormBlock == cuda_internal::kBatchNormBlock &&
+                  offload::kNormTreeChunk == cuda_internal::kBatchTreeChunk,
+              "cuda_norm_batch.h must cut ranges as offload::SquaredNormF32 does");
 
 // A failed runtime call also records itself as the thread's "last error"; clear it so that the
 // next launch's cudaGetLastError() does not report it again against an innocent kernel.
@@ -159,9 +163,9 @@ class CudaAllocator final : public memory::RawAllocator {
     // Allocations must be freed first (RawAllocator's contract); ranges left are returned so
     // that a leak does not keep physical memory.
     absl::MutexLock lock(&mu_);
-    for (auto& [p, a] : live_) {
-      if (a.vmm) FreeVmm(p, a);
-    }
+    ledger_.ForEach([this](void* p, Ledger::Entry& a) {
+      if (a.extra.vmm) FreeVmm(p, a);
+    });
   }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
@@ -180,87 +184,66 @@ class CudaAllocator final : public memory::RawAllocator {
     }
     absl::MutexLock lock(&mu_);
     Live a;
-    a.bytes = bytes;
     a.raw = raw;
-    Add(p, a);
+    ledger_.Add(p, bytes, a);
     return p;
   }
 
   void Free(void* p, size_t) override {
     if (p == nullptr) return;
-    Live a;
+    std::optional<Ledger::Entry> a;
     {
       absl::MutexLock lock(&mu_);
-      auto it = live_.find(p);
-      if (it == live_.end()) return;  // not ours: RawAllocator's REQUIRES
-      a = it->second;
-      reserved_ -= a.bytes;
-      if (a.committed) resident_ -= a.bytes;
-      live_.erase(it);
+      a = ledger_.Remove(p);
     }
+    if (!a.has_value()) return;  // not ours: RawAllocator's REQUIRES
     cudaSetDevice(ordinal_);
-    if (a.vmm) {
-      FreeVmm(p, a);
+    if (a->extra.vmm) {
+      FreeVmm(p, *a);
     } else {
-      Release(a.raw != nullptr ? a.raw : p);
+      Release(a->extra.raw != nullptr ? a->extra.raw : p);
     }
   }
 
   absl::Status Decommit(void* p, size_t bytes) override {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Live * a, Find(p, bytes, /*committed=*/true, "Decommit"));
+    ASSIGN_OR_RETURN(Ledger::Entry * a, Find(p, bytes, /*committed=*/true, "Decommit"));
     RETURN_IF_ERROR(UseLocked());
     // Unmap first: the range stays reserved, so no other allocation can take the addresses.
     const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(p);
     RETURN_IF_ERROR(vmm_->Check(vmm_->unmap(va, a->bytes),
                                 absl::StrCat(name_, ": cuMemUnmap of ", a->bytes, " bytes")));
-    RETURN_IF_ERROR(vmm_->Check(vmm_->release(a->handle),
+    RETURN_IF_ERROR(vmm_->Check(vmm_->release(a->extra.handle),
                                 absl::StrCat(name_, ": cuMemRelease of ", a->bytes, " bytes")));
-    a->handle = 0;
-    a->committed = false;
-    resident_ -= a->bytes;
-    ++decommits_;
+    a->extra.handle = 0;
+    ledger_.Decommitted(a);
     return absl::OkStatus();
   }
 
   absl::Status Recommit(void* p, size_t bytes) override {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Live * a, Find(p, bytes, /*committed=*/false, "Recommit"));
+    ASSIGN_OR_RETURN(Ledger::Entry * a, Find(p, bytes, /*committed=*/false, "Recommit"));
     RETURN_IF_ERROR(UseLocked());
-    ASSIGN_OR_RETURN(a->handle, MapAt(reinterpret_cast<CUdeviceptr>(p), a->bytes));
-    a->committed = true;
-    resident_ += a->bytes;
-    ++recommits_;
+    ASSIGN_OR_RETURN(a->extra.handle, MapAt(reinterpret_cast<CUdeviceptr>(p), a->bytes));
+    ledger_.Recommitted(a);
     return absl::OkStatus();
   }
 
   std::optional<memory::AllocatorUsage> usage() const override {
     absl::MutexLock lock(&mu_);
-    memory::AllocatorUsage u;
-    u.allocations = live_.size();
-    u.reserved_bytes = reserved_;
-    u.resident_bytes = resident_;
-    u.decommits = decommits_;
-    u.recommits = recommits_;
-    return u;
+    return ledger_.usage();
   }
 
   absl::string_view name() const override { return name_; }
 
  private:
+  // What Free and Recommit need beyond the ledger's counts.
   struct Live {
-    size_t bytes = 0;       // as mapped: the granularity-rounded size with VMM
     bool vmm = false;
-    bool committed = true;
     CUmemGenericAllocationHandle handle = 0;  // VMM: the physical allocation while committed
     void* raw = nullptr;    // cudaMalloc: the runtime's pointer of a realigned block, or null
   };
-
-  void Add(void* p, const Live& a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    live_[p] = a;
-    reserved_ += a.bytes;
-    resident_ += a.bytes;
-  }
+  using Ledger = memory::AllocationLedger<Live>;
 
   absl::Status UseLocked() const {
     if (cudaError_t e = Cleared(cudaSetDevice(ordinal_)); e != cudaSuccess) {
@@ -269,25 +252,15 @@ class CudaAllocator final : public memory::RawAllocator {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<Live*> Find(void* p, size_t bytes, bool committed, const char* op)
+  absl::StatusOr<Ledger::Entry*> Find(void* p, size_t bytes, bool committed, const char* op)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (vmm_ == nullptr) {
       return absl::UnimplementedError(absl::StrCat(
           name_, ": ", op, ": device memory comes from cudaMalloc, which cannot release memory "
           "while keeping its addresses (no virtual memory management: ", no_vmm_reason_, ")"));
     }
-    auto it = live_.find(p);
-    if (it == live_.end() || !it->second.vmm || it->second.bytes != Rounded(bytes)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          name_, ": ", op, " of ", bytes, " bytes at ", reinterpret_cast<uintptr_t>(p),
-          ": not a live allocation of this allocator with that size"));
-    }
-    if (it->second.committed != committed) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          name_, ": ", op, " of ", bytes, " bytes: the allocation is already ",
-          committed ? "decommitted" : "committed"));
-    }
-    return &it->second;
+    // Every allocation is a VMM one while vmm_ is set (Allocate).
+    return ledger_.Find(name_, op, p, bytes, Rounded(bytes), committed);
   }
 
   CUmemAllocationProp Prop() const {
@@ -357,19 +330,18 @@ class CudaAllocator final : public memory::RawAllocator {
     void* p = reinterpret_cast<void*>(va);
     absl::MutexLock lock(&mu_);
     Live a;
-    a.bytes = size;
     a.vmm = true;
     a.handle = *handle;
-    Add(p, a);
+    ledger_.Add(p, size, a);
     return p;
   }
 
   // Cannot report (Free's contract): a failure means the context is already broken.
-  void FreeVmm(void* p, const Live& a) const {
+  void FreeVmm(void* p, const Ledger::Entry& a) const {
     const CUdeviceptr va = reinterpret_cast<CUdeviceptr>(p);
     if (a.committed) {
       vmm_->unmap(va, a.bytes);
-      vmm_->release(a.handle);
+      vmm_->release(a.extra.handle);
     }
     vmm_->address_free(va, a.bytes);
   }
@@ -394,11 +366,7 @@ class CudaAllocator final : public memory::RawAllocator {
   mutable absl::once_flag granularity_once_;
   mutable size_t granularity_ = 0;
   mutable absl::Mutex mu_;
-  absl::flat_hash_map<void*, Live> live_ ABSL_GUARDED_BY(mu_);
-  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t resident_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t decommits_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t recommits_ ABSL_GUARDED_BY(mu_) = 0;
+  Ledger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 // cudaHostRegister behind memory::Locker, for the pinned slab cache. Portable: the pages are
@@ -450,6 +418,7 @@ class CudaDevice final : public Device {
       case memory::MemoryKind::kPinnedHost:
         return CudaPinnedSlabs();
       case memory::MemoryKind::kPageableHost:
+      case memory::MemoryKind::kNvme:  // files, not memory: nothing allocates there
         break;
     }
     return memory::HostAllocator();
@@ -549,6 +518,54 @@ class CudaDevice final : public Device {
       const cudaError_t e =
           Cleared(cudaMemcpyAsync(out, total, sizeof(float), cudaMemcpyDefault, s));
       if (e != cudaSuccess) status = CudaFailure(e, absl::StrCat(name_, ": SquaredNorm result"));
+    }
+    Cleared(cudaFreeAsync(scratch, s));
+    return status;
+  }
+
+  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq,
+                                     bool* finite, Stream stream) override {
+    const size_t k = ranges.size();
+    if (k == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(Use());
+    std::vector<cuda_internal::NormRangeSpec> specs(k);
+    for (size_t i = 0; i < k; ++i) {
+      const NormRange& r = ranges[i];
+      if (r.n > 0) {
+        RETURN_IF_ERROR(CheckAccessible(r.x, "SquaredNormsAndFinite", absl::StrCat("range ", i)));
+      }
+      specs[i] = {r.x, r.dtype, r.n};
+    }
+    const int count = static_cast<int>(k);
+    const size_t floats = cuda_internal::NormBatchScratch(specs.data(), count);
+    // One stream-ordered allocation (as SquaredNorm's): the flags (16-byte rounded), the
+    // results, then the partials and tree levels.
+    const size_t flag_bytes = (k + 15) / 16 * 16;
+    const cudaStream_t s = AsStream(stream);
+    void* scratch = nullptr;
+    RETURN_IF_CUDA_ERROR(
+        Cleared(cudaMallocAsync(&scratch, flag_bytes + (k + floats) * sizeof(float), s)), "(",
+        name_, ": SquaredNormsAndFinite scratch for ", k, " ranges)");
+    auto* flags = static_cast<unsigned char*>(scratch);
+    auto* results = reinterpret_cast<float*>(flags + flag_bytes);
+    absl::Status status = absl::OkStatus();
+    auto fail = [&](cudaError_t e, absl::string_view what) {
+      if (status.ok() && e != cudaSuccess) {
+        status = CudaFailure(e, absl::StrCat(name_, ": SquaredNormsAndFinite ", what));
+      }
+    };
+    fail(Cleared(cudaMemsetAsync(flags, 1, k, s)), "flags");
+    fail(Cleared(cudaMemsetAsync(results, 0, k * sizeof(float), s)), "results");
+    if (status.ok()) {
+      const cuda_internal::NormBatchPlan plan =
+          cuda_internal::PlanNormBatches(specs.data(), count, results + k, results, flags);
+      fail(static_cast<cudaError_t>(cuda_internal::LaunchNormBatches(plan, stream)),
+           absl::StrCat("launches for ", k, " ranges"));
+    }
+    if (status.ok()) {
+      fail(Cleared(cudaMemcpyAsync(sumsq, results, k * sizeof(float), cudaMemcpyDefault, s)),
+           "results");
+      fail(Cleared(cudaMemcpyAsync(finite, flags, k, cudaMemcpyDefault, s)), "flags");
     }
     Cleared(cudaFreeAsync(scratch, s));
     return status;

@@ -8,6 +8,7 @@
 // inputs of awkward sizes and element offsets against the CPU device. Without a GPU they print
 // "SKIPPED: no CUDA device: <reason>" and pass.
 #include "device/cuda_device.h"
+#include "device/testing/gpu_or_skip.h"
 
 #include <cuda_runtime.h>
 
@@ -41,6 +42,7 @@
 #include "device/internal/cuda_elementwise.h"
 #include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
+#include "device/internal/cuda_norm_batch.h"
 
 namespace zerort {
 namespace {
@@ -386,6 +388,170 @@ void CheckSchedule(const std::vector<VectorOperand>& ops, size_t n) {
     REQUIRE(std::all_of(seen.begin(), seen.end(), [](int k) { return k == 1; }));
     // Enough threads: no chunk beyond what ChunkThreads asks for.
     REQUIRE(cuda_internal::ChunkThreads(s, n) >= 1);
+  }
+}
+
+// ------------------------------------------------------------------ batched norms (no GPU)
+
+// Runs every launch of `plan` as the kernels would, thread by thread: the block pass's lanes
+// (NormLaneFinite, combined by the lane tree the shuffles pair), then each tree level's chunks
+// (NormTreeSum over a chunk is the 512-thread block's sum: "the kernel's tree levels" above).
+void ReplayNormBatches(const cuda_internal::NormBatchPlan& plan) {
+  using cuda_internal::kNormLanes;
+  for (const cuda_internal::BlockBatch& b : plan.blocks) {
+    REQUIRE(b.count >= 1);
+    REQUIRE(b.count <= cuda_internal::kNormBatch);
+    for (size_t blk = 0; blk < b.blocks; ++blk) {
+      const int j = cuda_internal::BlockEntryOf(b, blk);
+      const cuda_internal::BlockEntry& e = b.e[j];
+      REQUIRE(blk >= e.first_block);
+      const size_t local = blk - e.first_block;
+      REQUIRE(local < cuda_internal::BatchBlocks(e.n));
+      const size_t begin = local * 1024, end = std::min(begin + 1024, e.n);
+      float lane[kNormLanes];
+      bool any = false;
+      for (int l = 0; l < kNormLanes; ++l) {
+        bool bad = false;
+        cuda_internal::WithDType(b.dtype, [&](auto d) {
+          lane[l] = cuda_internal::NormLaneFinite<decltype(d)::value>(e.x, begin, end, l, &bad);
+        });
+        any = any || bad;
+      }
+      using cuda_internal::Add;
+      e.partials[local] = Add(Add(Add(lane[0], lane[1]), Add(lane[2], lane[3])),
+                              Add(Add(lane[4], lane[5]), Add(lane[6], lane[7])));
+      if (any) *e.finite = 0;
+    }
+  }
+  for (const cuda_internal::TreeBatch& t : plan.levels) {
+    for (size_t c = 0; c < t.chunks; ++c) {
+      const cuda_internal::TreeEntry& e = t.e[cuda_internal::ChunkEntryOf(t, c)];
+      const size_t local = c - e.first_chunk;
+      REQUIRE(local < cuda_internal::BatchChunks(e.count));
+      std::vector<float> chunk(e.in + local * 1024, e.in + std::min(e.count, (local + 1) * 1024));
+      e.out[local] = offload::NormTreeSum(chunk.data(), chunk.size());
+    }
+  }
+}
+
+struct NormCase {
+  DType dtype;
+  size_t n;
+  size_t offset;  // elements into the range's buffer: arbitrary alignment
+  int poison;     // 0: finite, 1: one Inf, 2: one NaN
+};
+
+// Each case's buffer, its range, and the references.
+struct NormCases {
+  std::vector<std::vector<char>> buffers;
+  std::vector<Device::NormRange> ranges;
+  std::vector<float> want;
+  std::vector<bool> want_finite;
+};
+
+NormCases MakeNormCases(const std::vector<NormCase>& cases, uint32_t seed) {
+  NormCases out;
+  std::mt19937 rng(seed);
+  for (const NormCase& k : cases) {
+    std::vector<char> buf = RandomValues(k.dtype, k.n + k.offset, seed + rng() % 1000, -12, 3);
+    const size_t size = DTypeSize(k.dtype);
+    if (k.poison != 0 && k.n > 0) {
+      const size_t at = k.offset + rng() % k.n;
+      const float bad = k.poison == 1 ? std::numeric_limits<float>::infinity()
+                                      : std::numeric_limits<float>::quiet_NaN();
+      if (k.dtype == DType::kF32) {
+        std::memcpy(buf.data() + 4 * at, &bad, 4);
+      } else {
+        const uint16_t h = k.dtype == DType::kBF16 ? FloatToBf16(bad) : FloatToHalf(bad);
+        std::memcpy(buf.data() + 2 * at, &h, 2);
+      }
+    }
+    out.buffers.push_back(std::move(buf));
+    const char* x = out.buffers.back().data() + k.offset * size;
+    out.ranges.push_back({x, k.dtype, k.n});
+    out.want.push_back(offload::SquaredNormF32(x, k.dtype, k.n, 1));
+    out.want_finite.push_back(k.poison == 0 || k.n == 0);
+  }
+  return out;
+}
+
+// Mixed dtypes in runs (a batch holds one dtype), empty and one-block ranges, more ranges than
+// one batch holds, ranges of two tree levels, poisoned ones.
+std::vector<NormCase> BatchNormCases() {
+  std::vector<NormCase> cases;
+  std::mt19937 rng(7);
+  const size_t sizes[] = {0, 1, 7, 1023, 1024, 1025, 8 * 1024 + 9, 100003};
+  for (int i = 0; i < 150; ++i) {
+    const DType d = kDTypes[(i / 40) % 3];
+    const size_t n = sizes[rng() % 8], offset = rng() % 8;
+    const int poison = rng() % 5 == 0 ? 1 + static_cast<int>(rng() % 2) : 0;
+    cases.push_back({d, n, offset, poison});
+  }
+  cases.push_back({DType::kBF16, 1025 * 1024 + 5, 3, 0});  // 1026 partials: two levels
+  cases.push_back({DType::kF32, 1025 * 1024, 0, 2});
+  cases.push_back({DType::kF16, 3000 * 1024 + 17, 1, 0});
+  return cases;
+}
+
+TEST_CASE("CudaNormBatch: every launch replayed gives SquaredNormF32 and the finite verdict of "
+          "each range bitwise", "[zero]") {
+  const NormCases c = MakeNormCases(BatchNormCases(), 11);
+  const int count = static_cast<int>(c.ranges.size());
+  std::vector<cuda_internal::NormRangeSpec> specs;
+  for (const Device::NormRange& r : c.ranges) specs.push_back({r.x, r.dtype, r.n});
+  std::vector<float> scratch(cuda_internal::NormBatchScratch(specs.data(), count));
+  std::vector<float> results(count, 0.0f);
+  std::vector<unsigned char> finite(count, 1);
+  const cuda_internal::NormBatchPlan plan = cuda_internal::PlanNormBatches(
+      specs.data(), count, scratch.data(), results.data(), finite.data());
+  CHECK(plan.scratch_floats == scratch.size());
+  CHECK(plan.blocks.size() >= 4);  // 150 ranges in runs of one dtype: several batches
+  ReplayNormBatches(plan);
+  for (int i = 0; i < count; ++i) {
+    INFO("range " << i << " " << DTypeName(c.ranges[i].dtype) << " n=" << c.ranges[i].n);
+    CHECK(Bits(results[i]) == Bits(c.want[i]));
+    CHECK((finite[i] != 0) == c.want_finite[i]);
+  }
+  // The default Device::SquaredNormsAndFinite (the CPU device's) agrees.
+  auto cpu = testing::OneThreadCpuDevice();
+  std::vector<float> sumsq(count, -1.0f);
+  std::unique_ptr<bool[]> ok(new bool[count]);
+  REQUIRE(cpu->SquaredNormsAndFinite(c.ranges, sumsq.data(), ok.get(), nullptr).ok());
+  for (int i = 0; i < count; ++i) {
+    CHECK(Bits(sumsq[i]) == Bits(c.want[i]));
+    CHECK(ok[i] == c.want_finite[i]);
+  }
+}
+
+TEST_CASE("CudaNormBatch: three tree levels and many ranges of one level", "[zero]") {
+  // Partials only (the block pass is not replayed: x is never read): counts past 2^20 need three
+  // levels. Each range's partials are filled where the plan put them, the levels replayed.
+  const size_t counts[] = {2, 1024, 1025, (size_t{1} << 20) + 7, 70001, 3};
+  std::vector<cuda_internal::NormRangeSpec> specs;
+  for (size_t k : counts) specs.push_back({nullptr, DType::kF32, k * 1024});
+  for (size_t k = 0; k < 70; ++k) specs.push_back({nullptr, DType::kF32, 2048 + 1024 * k});
+  const int count = static_cast<int>(specs.size());
+  std::vector<float> scratch(cuda_internal::NormBatchScratch(specs.data(), count));
+  std::vector<float> results(count, 0.0f);
+  std::vector<unsigned char> finite(count, 1);
+  cuda_internal::NormBatchPlan plan = cuda_internal::PlanNormBatches(
+      specs.data(), count, scratch.data(), results.data(), finite.data());
+  std::vector<std::vector<float>> partials;
+  int i = 0;
+  for (const cuda_internal::BlockBatch& b : plan.blocks) {
+    for (int j = 0; j < b.count; ++j, ++i) {
+      const size_t blocks = cuda_internal::BatchBlocks(specs[i].n);
+      partials.push_back(RandomPartials(blocks, 900 + static_cast<uint32_t>(i)));
+      std::copy(partials.back().begin(), partials.back().end(), b.e[j].partials);
+    }
+  }
+  REQUIRE(i == count);
+  plan.blocks.clear();
+  CHECK(plan.levels.size() >= 4);  // three levels, the first two batches wide
+  ReplayNormBatches(plan);
+  for (i = 0; i < count; ++i) {
+    INFO("range " << i << " partials " << partials[i].size());
+    CHECK(Bits(results[i]) == Bits(offload::NormTreeSum(partials[i].data(), partials[i].size())));
   }
 }
 
@@ -1040,17 +1206,7 @@ TEST_CASE("CudaDevice: creation either succeeds or says why", "[zero][gpu]") {
 
 // ------------------------------------------------------------------ GPU cases
 
-// The device, or nullptr after printing why the case is skipped.
-Device* GpuOrSkip() {
-  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
-      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
-  if (gpu->ok()) return gpu->value().get();
-  std::string reason(gpu->status().message());
-  constexpr absl::string_view kPrefix = "no CUDA device: ";
-  if (absl::StartsWith(reason, kPrefix)) reason.erase(0, kPrefix.size());
-  WARN("SKIPPED: no CUDA device: " << reason);
-  return nullptr;
-}
+using testing::GpuOrSkip;
 
 // A buffer from one of the device's allocators, freed on scope exit.
 memory::Allocation Alloc(Device* dev, memory::MemoryKind kind, size_t bytes) {
@@ -1200,6 +1356,39 @@ TEST_CASE("CudaDevice: the norm's tree levels equal NormTreeSum bitwise", "[zero
     REQUIRE(Bits(g) == Bits(offload::NormTreeSum(values.data(), count)));
     // The input is left as it was.
     REQUIRE(Download(gpu, dvalues->get(), bytes.size()) == bytes);
+  }
+}
+
+TEST_CASE("CudaDevice: SquaredNormsAndFinite equals SquaredNormF32 and AllFinite per range",
+          "[zero][gpu]") {
+  Device* gpu = GpuOrSkip();
+  if (gpu == nullptr) return;
+  const NormCases c = MakeNormCases(BatchNormCases(), 13);
+  const int count = static_cast<int>(c.ranges.size());
+  std::vector<std::unique_ptr<memory::Allocation>> on_gpu;
+  std::vector<Device::NormRange> ranges;
+  for (int i = 0; i < count; ++i) {
+    on_gpu.push_back(Upload(gpu, c.buffers[i]));
+    const size_t offset = static_cast<const char*>(c.ranges[i].x) - c.buffers[i].data();
+    ranges.push_back({on_gpu.back()->as<char>() + offset, c.ranges[i].dtype, c.ranges[i].n});
+  }
+  // Pinned destinations (the engine's readback) and pageable ones.
+  for (bool pinned : {true, false}) {
+    INFO("pinned " << pinned);
+    memory::Allocation host =
+        Alloc(gpu, memory::MemoryKind::kPinnedHost, count * (sizeof(float) + 1));
+    std::vector<char> pageable(count * (sizeof(float) + 1));
+    char* out = pinned ? host.as<char>() : pageable.data();
+    std::memset(out, 0xff, count * sizeof(float));
+    auto* sumsq = reinterpret_cast<float*>(out);
+    auto* finite = reinterpret_cast<bool*>(out + count * sizeof(float));
+    REQUIRE(gpu->SquaredNormsAndFinite(ranges, sumsq, finite, nullptr).ok());
+    REQUIRE(gpu->Synchronize(nullptr).ok());
+    for (int i = 0; i < count; ++i) {
+      INFO("range " << i << " " << DTypeName(ranges[i].dtype) << " n=" << ranges[i].n);
+      CHECK(Bits(sumsq[i]) == Bits(c.want[i]));
+      CHECK(finite[i] == c.want_finite[i]);
+    }
   }
 }
 

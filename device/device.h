@@ -72,6 +72,27 @@ class Device {
   // *out = every element finite.
   virtual absl::Status AllFinite(const void* x, DType dtype, size_t n, bool* out,
                                  Stream stream) = 0;
+  // One range of SquaredNormsAndFinite.
+  struct NormRange {
+    const void* x;
+    DType dtype;
+    size_t n;
+  };
+  // For every range i: sumsq[i] = its SquaredNorm and finite[i] = its AllFinite, bit for bit,
+  // in one call: what the engine measures each step, every unit at once. The default calls the
+  // two per range; the CUDA device batches all ranges into a few launches (each call of the two
+  // costs host work that left the GPU idle between units). The ranges are copied: they need
+  // not outlive an enqueued call. sumsq and finite: ranges.size() each.
+  virtual absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq,
+                                             bool* finite, Stream stream) {
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const NormRange& r = ranges[i];
+      absl::Status s = SquaredNorm(r.x, r.dtype, r.n, &sumsq[i], stream);
+      if (s.ok()) s = AllFinite(r.x, r.dtype, r.n, &finite[i], stream);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // The fused AdamW of offload/cpu_adamw.h over arrays in this device's memory, each range
   // with its own constants (parameter groups). REQUIRES: `ranges` tile [0, arrays.n) in order
   // (offload::CheckAdamWRanges; InvalidArgument otherwise). The ranges are copied: they need

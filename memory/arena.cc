@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "memory/allocation_ledger.h"
 
 namespace zerort {
 namespace memory {
@@ -60,9 +61,7 @@ class MmapAllocator final : public RawAllocator {
       madvise(start, bytes, MADV_HUGEPAGE);  // a hint: fails harmlessly where THP is off
     }
     absl::MutexLock lock(&mu_);
-    live_[start] = Entry{RoundUpToPage(bytes), true};
-    reserved_ += RoundUpToPage(bytes);
-    resident_ += RoundUpToPage(bytes);
+    ledger_.Add(start, RoundUpToPage(bytes), NoExtra{});
     return static_cast<void*>(start);
   }
 
@@ -70,12 +69,7 @@ class MmapAllocator final : public RawAllocator {
     if (p == nullptr) return;
     {
       absl::MutexLock lock(&mu_);
-      auto it = live_.find(p);
-      if (it != live_.end()) {
-        reserved_ -= it->second.bytes;
-        if (it->second.committed) resident_ -= it->second.bytes;
-        live_.erase(it);
-      }
+      ledger_.Remove(p);
     }
     munmap(p, bytes);
   }
@@ -87,76 +81,48 @@ class MmapAllocator final : public RawAllocator {
   // mapping to take.
   absl::Status Decommit(void* p, size_t bytes) override {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, Find(p, bytes, /*committed=*/true, "Decommit"));
+    ASSIGN_OR_RETURN(Ledger::Entry * e,
+                     ledger_.Find(name_, "Decommit", p, bytes, RoundUpToPage(bytes),
+                                  /*committed=*/true));
     if (mprotect(p, e->bytes, PROT_NONE) != 0 || madvise(p, e->bytes, MADV_DONTNEED) != 0) {
       const int err = errno;
       mprotect(p, e->bytes, PROT_READ | PROT_WRITE);
       return absl::InternalError(absl::StrCat(name_, ": Decommit of ", e->bytes,
                                               " bytes failed: ", std::strerror(err)));
     }
-    e->committed = false;
-    resident_ -= e->bytes;
-    ++decommits_;
+    ledger_.Decommitted(e);
     return absl::OkStatus();
   }
 
   // The pages come back zero-filled, on first touch.
   absl::Status Recommit(void* p, size_t bytes) override {
     absl::MutexLock lock(&mu_);
-    ASSIGN_OR_RETURN(Entry * e, Find(p, bytes, /*committed=*/false, "Recommit"));
+    ASSIGN_OR_RETURN(Ledger::Entry * e,
+                     ledger_.Find(name_, "Recommit", p, bytes, RoundUpToPage(bytes),
+                                  /*committed=*/false));
     if (mprotect(p, e->bytes, PROT_READ | PROT_WRITE) != 0) {
       const int err = errno;
       return absl::ResourceExhaustedError(absl::StrCat(
           name_, ": Recommit of ", e->bytes, " bytes failed: ", std::strerror(err)));
     }
-    e->committed = true;
-    resident_ += e->bytes;
-    ++recommits_;
+    ledger_.Recommitted(e);
     return absl::OkStatus();
   }
 
   std::optional<AllocatorUsage> usage() const override {
     absl::MutexLock lock(&mu_);
-    AllocatorUsage u;
-    u.allocations = live_.size();
-    u.reserved_bytes = reserved_;
-    u.resident_bytes = resident_;
-    u.decommits = decommits_;
-    u.recommits = recommits_;
-    return u;
+    return ledger_.usage();
   }
 
   absl::string_view name() const override { return name_; }
 
  private:
-  struct Entry {
-    size_t bytes;  // page-rounded
-    bool committed;
-  };
-
-  absl::StatusOr<Entry*> Find(void* p, size_t bytes, bool committed, const char* op)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = live_.find(p);
-    if (it == live_.end() || it->second.bytes != RoundUpToPage(bytes)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          name_, ": ", op, " of ", bytes, " bytes at ", reinterpret_cast<uintptr_t>(p),
-          ": not a live allocation of this allocator with that size"));
-    }
-    if (it->second.committed != committed) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          name_, ": ", op, " of ", bytes, " bytes: the allocation is already ",
-          committed ? "decommitted" : "committed"));
-    }
-    return &it->second;
-  }
+  struct NoExtra {};
+  using Ledger = AllocationLedger<NoExtra>;
 
   const std::string name_;
   mutable absl::Mutex mu_;
-  std::map<void*, Entry> live_ ABSL_GUARDED_BY(mu_);
-  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t resident_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t decommits_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t recommits_ ABSL_GUARDED_BY(mu_) = 0;
+  Ledger ledger_ ABSL_GUARDED_BY(mu_);
 };
 
 alignas(Arena::kAlignment) char g_empty_sentinel[Arena::kAlignment];

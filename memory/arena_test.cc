@@ -14,6 +14,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "memory/testing/resident_pages.h"
+
 namespace zerort {
 namespace memory {
 namespace {
@@ -254,16 +256,7 @@ TEST_CASE("HostAllocator: buffers of 2 MiB or more sit on huge-page boundaries, 
   CHECK(MappedKib() - before < 16 * 1024);
 }
 
-// Pages of [p, p + bytes) resident in memory, by mincore: the kernel's answer, independent of
-// the allocator's own counts.
-size_t ResidentPages(const void* p, size_t bytes) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> vec((bytes + page - 1) / page);
-  REQUIRE(mincore(const_cast<void*>(p), bytes, vec.data()) == 0);
-  size_t n = 0;
-  for (unsigned char c : vec) n += c & 1;
-  return n;
-}
+using testing::ResidentPages;
 
 TEST_CASE("NewHostAllocator: Decommit returns the pages and keeps the addresses; Recommit "
           "backs them again", "[memory][park]") {

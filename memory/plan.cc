@@ -48,6 +48,40 @@ class Checked {
   absl::Status status_;
 };
 
+// The config key that selects each compact choice, for the errors below.
+const char* MasterFormKey(MasterForm form) {
+  return form == MasterForm::kBf16Remainder ? "zerort.store_param_remainders"
+                                            : "bf16.bf16_master_weights_and_grads";
+}
+
+// Compact optimizer state (docs/compact_state.md) keeps bf16 values beside bf16 parameters.
+absl::Status ValidateStateForm(const PlanOptions& o) {
+  const int form = static_cast<int>(o.master_form);
+  if (form < 0 || form > 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan option master_form = ", form, " is not a MasterForm (0..2)"));
+  }
+  if (o.moment_dtype != DType::kF32 && o.moment_dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bf16.bf16_optimizer_states: moments in ", DTypeName(o.moment_dtype),
+        " are not supported (fp32 or bf16)"));
+  }
+  const bool compact_master = o.master_form != MasterForm::kF32;
+  if (o.compute_dtype != DType::kBF16 && (compact_master || o.moment_dtype != DType::kF32)) {
+    const char* key = compact_master ? MasterFormKey(o.master_form) : "bf16.bf16_optimizer_states";
+    return absl::InvalidArgumentError(absl::StrCat(
+        key, " requires bf16 parameters (bf16.enabled), but the compute dtype is ",
+        DTypeName(o.compute_dtype), ": the compact optimizer state keeps bf16 values"));
+  }
+  if (compact_master && o.offload_param_nvme) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        MasterFormKey(o.master_form), " is not supported with zero_optimization.offload_param "
+        "device \"nvme\" yet: the master would live in the parameter file; use offload_param "
+        "\"cpu\" (or bf16.bf16_optimizer_states alone)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateOptions(const PlanOptions& o) {
   auto bad = [](absl::string_view what, auto value, absl::string_view range) {
     return absl::InvalidArgumentError(
@@ -157,6 +191,7 @@ absl::Status ValidateOptions(const PlanOptions& o) {
           "than it); a group within one node has no across-node step"));
     }
   }
+  if (absl::Status s = ValidateStateForm(o); !s.ok()) return s;
   if (o.param_alignment < 1) return bad("param_alignment", o.param_alignment, ">= 1");
   if (o.grad_bucket_count < 1) return bad("grad_bucket_count", o.grad_bucket_count, ">= 1");
   if (o.persistence_threshold < 0) return bad("persistence_threshold", o.persistence_threshold, ">= 0");
@@ -266,6 +301,8 @@ class UnitBuilder {
     current_.shard = current_.padded / ShardGroupSize(o_);
     current_.flat_offset = plan_->padded_elements;
     current_.shard_offset = plan_->shard_elements;
+    current_.index_offset = index_elements_;
+    index_elements_ = math_.Add(index_elements_, current_.numel, "unit size");
     plan_->padded_elements =
         math_.Add(plan_->padded_elements, current_.padded, "padded element count");
     plan_->shard_elements = math_.Add(plan_->shard_elements, current_.shard, "shard size");
@@ -305,6 +342,7 @@ class UnitBuilder {
   Checked& math_;
   Unit current_;
   std::string first_module_, last_module_;
+  int64_t index_elements_ = 0;  // sum of closed units' numel: the next Unit::index_offset
 };
 
 // Trainable units first, then frozen ones (each kind grouped by module as above), so that
@@ -770,24 +808,36 @@ void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
   // (the host then needs its own fp32 copy to run AdamW on) or the parameters are in a file
   // (AdamW then runs on the master and the new shard is written to the file after it). The
   // part kept on the device is as without offload.
+  // A compact master (bf16 only) is the parameter shard itself, or a bf16 copy of it where the
+  // shard is elsewhere (OptimizerStateForm, each part's own), and its remainder.
+  const OptimizerStateForm form = StateFormOf(o);
   const bool device_master = mixed || o.offload_param_nvme;
   const bool master = device_master || o.offload_optimizer;
   for (const Part part : {Part::kDevice, Part::kOffloaded}) {
     const bool device = part == Part::kDevice;
+    const OptimizerStateForm part_form = StateFormOf(o, /*offloaded=*/!device);
     const MemoryKind kind = device ? MemoryKind::kDevice : optim_kind;
     const int64_t n = device ? Sd : Sh;
-    if (device ? device_master : true) {
-      AddPartBuffer(plan, math, part, "master", BufferClass::kMaster, kind, DType::kF32, n);
+    if ((device ? device_master : true) && part_form.master_array()) {
+      AddPartBuffer(plan, math, part, "master", BufferClass::kMaster, kind,
+                    part_form.master_dtype(), n);
     }
-    AddPartBuffer(plan, math, part, "exp_avg", BufferClass::kExpAvg, kind, DType::kF32, n);
-    AddPartBuffer(plan, math, part, "exp_avg_sq", BufferClass::kExpAvgSq, kind, DType::kF32, n);
+    if (part_form.remainder_array()) {
+      AddPartBuffer(plan, math, part, "master_remainder", BufferClass::kMasterRemainder, kind,
+                    DType::kBF16, n);
+    }
+    AddPartBuffer(plan, math, part, "exp_avg", BufferClass::kExpAvg, kind, o.moment_dtype, n);
+    AddPartBuffer(plan, math, part, "exp_avg_sq", BufferClass::kExpAvgSq, kind, o.moment_dtype,
+                  n);
   }
   // What the same buffers would hold for the frozen units (bounded by the sizes above).
   const int64_t frozen_grads = full_grads ? E - Et : S - St;
   const int64_t frozen_optim = sharded_optim ? S - St : E - Et;
+  const int64_t state_bytes =
+      master || !form.master_array() ? form.BytesPerElement() : 2 * DTypeSize(o.moment_dtype);
   plan->frozen_state_bytes_saved =
       math->Add(math->Mul(frozen_grads, static_cast<int64_t>(DTypeSize(grad_dtype)), "saved"),
-                math->Mul(frozen_optim, master ? 12 : 8, "saved"), "frozen bytes saved");
+                math->Mul(frozen_optim, state_bytes, "saved"), "frozen bytes saved");
 }
 
 // NVMe offload: the swap file holds two copies of every unit's master|m|v (a step reads one
@@ -796,21 +846,29 @@ void AddModelState(const UnitTotals& totals, Plan* plan, Checked* math) {
 // Units are streamed in pieces (NvmePieces), each array of a piece padded to 4 KiB. Three
 // pinned slots of the largest piece's master|m|v: read ahead, update, write behind. Only the
 // offloaded units are in the file (all of them but with offload_optimizer_ratio < 1).
+// A compact form (OptimizerStateForm) keeps its own arrays the same way, each padded to 4 KiB;
+// the counted buffers then hold its bytes and nvme_second_copy (in 2-byte elements) the rest.
 void AddNvmeBuffers(Plan* plan, Checked* math) {
   constexpr absl::string_view kWhat = "nvme bytes";
+  const OptimizerStateForm form = StateFormOf(plan->options);
+  const std::vector<int> arrays = form.ElementBytes();
   int64_t copy = 0, largest = 0;
   for (const Unit& u : plan->units) {
     if (!u.offloaded) continue;
     for (int64_t piece : NvmePieces(u.shard, plan->options.nvme_piece_elements)) {
-      const int64_t stride = math->Mul(3, NvmeUnitStride(piece), kWhat);
+      int64_t stride = 0;
+      for (int bytes : arrays) stride = math->Add(stride, NvmeArrayStride(piece, bytes), kWhat);
       copy = math->Add(copy, stride, kWhat);
       largest = std::max(largest, stride);
     }
   }
-  const int64_t rest = math->Add(math->Mul(2, copy, kWhat),
-                                 -math->Mul(12, plan->offloaded_state_elements, kWhat), kWhat);
+  const int64_t rest =
+      math->Add(math->Mul(2, copy, kWhat),
+                -math->Mul(form.BytesPerElement(), plan->offloaded_state_elements, kWhat), kWhat);
+  // The fp32 form in 4-byte elements as before; a compact form's rest may be 2 bytes short of it.
+  const DType rest_dtype = form.compact() ? DType::kBF16 : DType::kF32;
   AddBuffer(plan, math, "nvme_second_copy", BufferClass::kNvmeSecondCopy, MemoryKind::kNvme,
-            DType::kF32, rest / 4);
+            rest_dtype, rest / static_cast<int64_t>(DTypeSize(rest_dtype)));
   AddBuffer(plan, math, "nvme_staging", BufferClass::kNvmeStaging, MemoryKind::kPinnedHost,
             DType::kF32, math->Mul(3, largest / 4, kWhat), 3);
 }
@@ -924,7 +982,11 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
     AddBuffer(plan, math, "gather_stage", BufferClass::kGatherStage, MemoryKind::kDevice, c,
               plan->max_unit_elements / o.ranks_per_node);
   }
-  if (o.offload_optimizer && (!o.offload_param || o.offload_param_nvme)) {
+  // A compact master's host copy (OptimizerStateForm) is itself the new shard that goes up.
+  const OptimizerStateForm form = StateFormOf(o);
+  const bool upload_master_copy =
+      form.master != MasterForm::kF32 && !form.master_in_params && !o.offload_optimizer_nvme;
+  if (o.offload_optimizer && (!o.offload_param || o.offload_param_nvme) && !upload_master_copy) {
     // Each chunk carries one unit's new parameter shard up to the device (or into the NVMe
     // file); the gradients are in host memory already (gradient offload). A parameter shard in
     // host memory is updated in place and needs none.
@@ -1180,6 +1242,69 @@ const char* MemoryKindName(MemoryKind kind) {
   return "unknown";
 }
 
+const char* MasterFormName(MasterForm form) {
+  switch (form) {
+    case MasterForm::kF32:
+      return "fp32";
+    case MasterForm::kBf16Remainder:
+      return "bf16 + remainder";
+    case MasterForm::kBf16Stochastic:
+      return "bf16 (stochastic rounding)";
+  }
+  return "unknown";
+}
+
+OptimizerStateForm StateFormOf(const PlanOptions& o, bool offloaded) {
+  OptimizerStateForm f;
+  f.master = o.master_form;
+  f.moment_dtype = o.moment_dtype;
+  // The part kept on the device (offloaded false) is as without offload_optimizer.
+  const bool host = offloaded && o.offload_optimizer;
+  f.master_in_params = o.master_form != MasterForm::kF32 && !(host && o.offload_optimizer_nvme) &&
+                       !o.offload_param_nvme && (!host || o.offload_param);
+  return f;
+}
+
+OptimizerStateForm StateFormOf(const PlanOptions& o) {
+  return StateFormOf(o, o.offload_optimizer);
+}
+
+std::vector<int> OptimizerStateForm::ElementBytes() const {
+  std::vector<int> out;
+  if (master_array()) out.push_back(static_cast<int>(DTypeSize(master_dtype())));
+  if (remainder_array()) out.push_back(2);
+  const int moment = static_cast<int>(DTypeSize(moment_dtype));
+  out.push_back(moment);
+  out.push_back(moment);
+  return out;
+}
+
+int64_t OptimizerStateForm::BytesPerElement() const {
+  int64_t sum = 0;
+  for (int b : ElementBytes()) sum += b;
+  return sum;
+}
+
+std::string StateFormDescription(const PlanOptions& o) {
+  const OptimizerStateForm f = StateFormOf(o);
+  std::string master = absl::StrCat(MasterFormName(f.master), " master");
+  if (f.master != MasterForm::kF32) {
+    absl::StrAppend(&master, f.master_in_params ? " in the parameter shard"
+                                                : " (a bf16 copy of the shard beside the state)");
+  }
+  std::string out = absl::StrCat("optimizer state: ", master, ", ", DTypeName(f.moment_dtype),
+                                 " moments: ", f.BytesPerElement(), " bytes per owned parameter");
+  // offload_optimizer.ratio < 1: the units kept on the device hold the form without offload.
+  const OptimizerStateForm kept = StateFormOf(o, /*offloaded=*/false);
+  if (o.offload_optimizer && o.offload_optimizer_ratio < 1 &&
+      kept.master_in_params != f.master_in_params) {
+    absl::StrAppend(&out, " offloaded; ", MasterFormName(kept.master), " master ",
+                    kept.master_in_params ? "in the parameter shard" : "beside the state", ": ",
+                    kept.BytesPerElement(), " bytes per parameter kept on the device");
+  }
+  return out;
+}
+
 const char* BufferClassName(BufferClass c) {
   switch (c) {
     case BufferClass::kParams:
@@ -1192,6 +1317,8 @@ const char* BufferClassName(BufferClass c) {
       return "exp_avg";
     case BufferClass::kExpAvgSq:
       return "exp_avg_sq";
+    case BufferClass::kMasterRemainder:
+      return "master_remainder";
     case BufferClass::kGradAccumulator:
       return "grad_accumulator";
     case BufferClass::kGradBucket:
@@ -1230,7 +1357,8 @@ const char* BufferClassName(BufferClass c) {
 
 bool IsModelState(BufferClass c) {
   return c == BufferClass::kParams || c == BufferClass::kGrads || c == BufferClass::kMaster ||
-         c == BufferClass::kExpAvg || c == BufferClass::kExpAvgSq;
+         c == BufferClass::kExpAvg || c == BufferClass::kExpAvgSq ||
+         c == BufferClass::kMasterRemainder;
 }
 
 const Buffer* Plan::Find(BufferClass cls) const {

@@ -102,9 +102,13 @@ enum class BufferClass {
   kParams,           // compute-dtype parameters (full, or the owned shard in stage 3)
   kGrads,            // compute-dtype gradients (full, or the owned shard in stages 2-3; the
                      // shard in host memory with offload_optimizer: gradient offload)
-  kMaster,           // fp32 master weights of the owned shard (mixed precision only)
-  kExpAvg,           // Adam m of the owned shard, fp32
-  kExpAvgSq,         // Adam v of the owned shard, fp32
+  kMaster,           // fp32 master weights of the owned shard (mixed precision only); with a
+                     // compact master form (MasterForm) and a host optimizer beside device
+                     // parameters, the master's bf16 part (the host's copy of the shard)
+  kExpAvg,           // Adam m of the owned shard, fp32 (bf16 with PlanOptions::moment_dtype)
+  kExpAvgSq,         // Adam v of the owned shard, fp32 (bf16 with PlanOptions::moment_dtype)
+  kMasterRemainder,  // MasterForm::kBf16Remainder: the low 16 bits of each owned master (the
+                     // 2-byte dtype column says bf16; the elements are raw uint16_t)
   kGradAccumulator,  // reduced-gradient accumulator (gradient_accumulation_steps > 1, or fp32;
                      // stage 1 with offload_optimizer: always, in host memory); stage 1
                      // without either, "grad_reduced": the reduced shards of units reduced in
@@ -152,6 +156,15 @@ struct Buffer {
 // larger class, so the small units cannot starve the large ones of their slots.
 int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padded);
 
+// How the optimizer stores the master weight of an owned element (docs/compact_state.md; the
+// same values as offload::MasterForm, which the kernels take). The compact forms need bf16
+// parameters: their master is the owned bf16 parameter shard, plus a 16-bit remainder
+// (kBf16Remainder: the fp32 master bit for bit; zerort.store_param_remainders) or alone
+// (kBf16Stochastic: rounded stochastically; bf16.bf16_master_weights_and_grads).
+enum class MasterForm { kF32 = 0, kBf16Remainder = 1, kBf16Stochastic = 2 };
+// "fp32", "bf16 + remainder", "bf16 (stochastic rounding)".
+const char* MasterFormName(MasterForm form);
+
 // Everything that changes the layout. zero/planner fills it from the JSON config.
 struct PlanOptions {
   int stage = 0;                  // 0..3
@@ -182,7 +195,8 @@ struct PlanOptions {
   bool offload_param_nvme = false;
   int offload_param_buffer_count = 5;
   // With offload_optimizer: master, m and v live in a swap file (MemoryKind::kNvme), two copies
-  // of each unit's master|m|v, each array padded to kNvmeAlignment bytes (NvmeUnitStride).
+  // of each unit's master|m|v, each array padded to kNvmeAlignment bytes (NvmeUnitStride); with
+  // a compact form, the arrays of OptimizerStateForm (NvmeArrayStride).
   bool offload_optimizer_nvme = false;
   // NVMe offload: unit shards are streamed in pieces of at most this many elements (rounded
   // down to a multiple of 1024, at least 1024; 0: whole shards), bounding the pinned slots.
@@ -214,6 +228,12 @@ struct PlanOptions {
   int64_t persistence_threshold = 100000;   // stage 3: units this small stay whole
   int64_t prefetch_elements = 50000000;     // stage 3: stage3_prefetch_bucket_size
   int64_t max_live_elements = 1000000000;   // stage 3: stage3_max_live_parameters
+  // Compact optimizer state (docs/compact_state.md, OptimizerStateForm below): how each owned
+  // master weight is stored, and the dtype of Adam's m and v (kF32, or kBF16:
+  // bf16.bf16_optimizer_states). REQUIRES compute_dtype kBF16 unless both are kF32, and
+  // master_form kF32 with offload_param_nvme (the errors name the config keys).
+  MasterForm master_form = MasterForm::kF32;
+  DType moment_dtype = DType::kF32;
   // HSDP / MiCS (zero_optimization.mics_shard_size): ranks are cut into groups of this many
   // consecutive ranks; stages 1-3 shard within a group and replicate across groups (rank r
   // owns shard r % shard_group_size of every unit; its replicas r +- k * shard_group_size own
@@ -274,6 +294,12 @@ struct Unit {
   int64_t shard = 0;             // padded / ShardGroupSize (padded / world_size when flat)
   int64_t flat_offset = 0;       // start in the full buffer (sum of earlier units' padded)
   int64_t shard_offset = 0;      // start of this unit's shard in a rank's shard buffers
+  // Start in the flat parameter order that no world size or stage changes: the sum of earlier
+  // units' numel (not padded). Element j of the padded unit has global index index_offset + j:
+  // stochastic rounding draws by it (offload::StochasticRounding::first_index), so every stage
+  // and world size rounds each element alike. Padding elements share indices with the next
+  // unit's first ones; they are zero and stay zero under any draw.
+  int64_t index_offset = 0;
   bool persistent = false;       // stage 3 only: kept whole on every rank
   int64_t activation_bytes_per_sample = 0;  // sum of its parameters' declarations
   bool frozen = false;           // holds frozen parameters only (no gradient, no optimizer state)
@@ -397,6 +423,41 @@ int64_t GradStorageBytes(const Plan& plan);
 bool GradResultsInTrainerBuffer(const PlanOptions& o, const Unit& unit);
 bool ReducedInTrainerBuffer(const Plan& plan, const Unit& unit);
 
+// Where the optimizer keeps the state of one owned element under o's form (PlanOptions::
+// master_form, moment_dtype) and offload: the arrays of its own storage (device or host memory,
+// or the NVMe file), in the order the file and its slots keep them:
+//   [master: fp32, or the master's bf16 part]  [remainder]  m  v
+// The master's bf16 part is the owned bf16 parameter shard itself (no array of its own) where
+// the layout keeps that shard beside the optimizer: AdamW on the device (the shard in device
+// memory, or in host memory with offload_param "cpu"), or AdamW on the host with the shard in
+// host memory (offload_optimizer and offload_param "cpu"). A host optimizer beside device
+// parameters keeps its own bf16 copy (uploaded as the new parameters), and so does NVMe state,
+// whose file must keep the previous step's master when a step fails.
+struct OptimizerStateForm {
+  MasterForm master = MasterForm::kF32;
+  DType moment_dtype = DType::kF32;
+  bool master_in_params = false;  // compact master whose bf16 part is the parameter shard
+
+  bool compact() const { return master != MasterForm::kF32 || moment_dtype != DType::kF32; }
+  bool master_array() const { return master == MasterForm::kF32 || !master_in_params; }
+  DType master_dtype() const { return master == MasterForm::kF32 ? DType::kF32 : DType::kBF16; }
+  bool remainder_array() const { return master == MasterForm::kBf16Remainder; }
+  // Bytes per element of each array, in order ({4, 4, 4} for the fp32 form).
+  std::vector<int> ElementBytes() const;
+  // Their sum: the optimizer's bytes per owned element (12 for fp32; 4 for the stochastic bf16
+  // master in the parameter shard with bf16 moments).
+  int64_t BytesPerElement() const;
+};
+OptimizerStateForm StateFormOf(const PlanOptions& o);
+// The form of one part of the state under offload_optimizer (Unit::offloaded): the offloaded
+// units' (`offloaded`: StateFormOf(o)), or that of the units offload_optimizer_ratio < 1 keeps on
+// the device, which is the form without offload (a compact master in the parameter shard, where
+// the device AdamW updates it). Without offload_optimizer both are StateFormOf(o).
+OptimizerStateForm StateFormOf(const PlanOptions& o, bool offloaded);
+// One line naming the form and its bytes, e.g. "optimizer state: bf16 + remainder master in
+// the parameter shard, bf16 moments: 6 bytes per parameter beside the 2-byte parameter".
+std::string StateFormDescription(const PlanOptions& o);
+
 // HSDP: the ranks that shard a unit between them (world_size when flat), and this rank's shard
 // (its position in its group: rank % ShardGroupSize).
 inline int ShardGroupSize(const PlanOptions& o) {
@@ -426,6 +487,10 @@ constexpr int64_t kNvmeAlignment = 4096;
 // kNvmeAlignment. A unit's master|m|v take 3 strides; a copy of the state the sum over units.
 inline int64_t NvmeUnitStride(int64_t shard_elements) {
   return (shard_elements * 4 + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
+}
+// The same for an array of `elements` of `element_bytes` each (a compact form's 2-byte arrays).
+inline int64_t NvmeArrayStride(int64_t elements, int64_t element_bytes) {
+  return (elements * element_bytes + kNvmeAlignment - 1) / kNvmeAlignment * kNvmeAlignment;
 }
 
 // NVMe parameter offload: a shard of `bytes` in the file, padded to kNvmeAlignment; and the

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 namespace zerort {
 namespace memory {
@@ -1356,6 +1357,133 @@ TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gat
     auto refused = MakePlan(specs, h);
     CHECK(refused.status().code() == absl::StatusCode::kInvalidArgument);
     CHECK(absl::StrContains(refused.status().message(), "ranks_per_node"));
+  }
+}
+
+TEST_CASE("Plan: compact optimizer state counts each form's bytes in closed form", "[memory]") {
+  std::mt19937 rng(29);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 9, 700);
+  struct Where {
+    const char* name;
+    int min_stage;
+    bool optimizer, param, nvme;
+  };
+  const Where wheres[] = {{"device", 0, false, false, false},
+                          {"offload cpu", 1, true, false, false},
+                          {"offload nvme", 1, true, false, true},
+                          {"offload cpu + parameters", 3, true, true, false},
+                          {"offload nvme + parameters", 3, true, true, true},
+                          {"device optimizer, parameters on the host", 3, false, true, false}};
+  for (const Where& w : wheres) {
+    for (int stage = w.min_stage; stage <= 3; ++stage) {
+      for (int world : {1, 3}) {
+        for (MasterForm form :
+             {MasterForm::kF32, MasterForm::kBf16Remainder, MasterForm::kBf16Stochastic}) {
+          for (DType moments : {DType::kF32, DType::kBF16}) {
+            PlanOptions o = ThreeRanks(stage, world - 1);
+            o.world_size = world;
+            o.offload_optimizer = w.optimizer;
+            o.offload_optimizer_nvme = w.nvme;
+            o.offload_param = w.param;
+            o.nvme_piece_elements = 1024;
+            o.master_form = form;
+            o.moment_dtype = moments;
+            INFO(w.name << ", stage " << stage << ", world " << world << ", master "
+                        << MasterFormName(form) << ", moments " << DTypeName(moments));
+            auto plan = MakePlan(specs, o);
+            REQUIRE(plan.ok());
+            // Bytes per owned element, by hand: the master's bf16 part lives in the parameter
+            // shard where the optimizer runs beside it (device, or host with host parameters),
+            // never with NVMe state; elsewhere the optimizer keeps a bf16 copy.
+            const bool in_params = !w.nvme && (!w.optimizer || w.param);
+            const int64_t master = form == MasterForm::kF32             ? 4
+                                   : form == MasterForm::kBf16Remainder ? (in_params ? 2 : 4)
+                                                                        : (in_params ? 0 : 2);
+            const int64_t per = master + 2 * static_cast<int64_t>(DTypeSize(moments));
+            const int64_t owned = stage == 0 ? plan->padded_elements : plan->shard_elements;
+            int64_t state = 0;
+            for (const Buffer& b : plan->buffers) {
+              if (b.cls == BufferClass::kMaster || b.cls == BufferClass::kMasterRemainder ||
+                  b.cls == BufferClass::kExpAvg || b.cls == BufferClass::kExpAvgSq) {
+                state += b.bytes;
+              }
+            }
+            CHECK(state == owned * per);
+            CHECK(StateFormOf(o).BytesPerElement() == per);
+            CHECK((plan->Find(BufferClass::kMasterRemainder) != nullptr) ==
+                  (form == MasterForm::kBf16Remainder));
+            const int64_t params = plan->Find(BufferClass::kParams)->bytes;
+            const int64_t grads = plan->Find(BufferClass::kGrads)->bytes;
+            CHECK(plan->model_state_bytes == params + grads + state);
+            if (w.nvme) {
+              // Two copies of each piece's arrays, each padded to 4 KiB.
+              int64_t copy = 0;
+              std::vector<int64_t> arrays;  // bytes per element, in file order
+              if (form == MasterForm::kF32) arrays.push_back(4);
+              if (form != MasterForm::kF32) arrays.push_back(2);  // the bf16 copy
+              if (form == MasterForm::kBf16Remainder) arrays.push_back(2);
+              arrays.push_back(DTypeSize(moments));
+              arrays.push_back(DTypeSize(moments));
+              for (const Unit& u : plan->units) {
+                for (int64_t left = u.shard; left > 0; left -= 1024) {
+                  for (int64_t b : arrays) {
+                    copy += (std::min<int64_t>(left, 1024) * b + 4095) / 4096 * 4096;
+                  }
+                }
+              }
+              CHECK(plan->nvme_bytes() == 2 * copy);
+            }
+            // The staging chunks carry new shards up unless the compact master's host copy
+            // goes up itself (host optimizer, device parameters, no NVMe).
+            const bool direct = form != MasterForm::kF32 && w.optimizer && !w.param && !w.nvme;
+            const bool staging = w.optimizer && !w.param && !direct;
+            CHECK((plan->Find(BufferClass::kOffloadStaging) != nullptr) == staging);
+            const std::string line = StateFormDescription(o);
+            CHECK(line.find(MasterFormName(form)) != std::string::npos);
+            CHECK(line.find(absl::StrCat(per, " bytes")) != std::string::npos);
+          }
+        }
+      }
+    }
+  }
+  // Refused: compact state without bf16 parameters, and a compact master with NVMe parameters.
+  PlanOptions o = ThreeRanks(3, 0);
+  o.compute_dtype = DType::kF32;
+  o.moment_dtype = DType::kBF16;
+  CHECK(MakePlan(specs, o).status().message().find("bf16.bf16_optimizer_states") !=
+        std::string::npos);
+  o.moment_dtype = DType::kF32;
+  o.master_form = MasterForm::kBf16Remainder;
+  CHECK(MakePlan(specs, o).status().message().find("zerort.store_param_remainders") !=
+        std::string::npos);
+  o.compute_dtype = DType::kBF16;
+  o.master_form = MasterForm::kBf16Stochastic;
+  o.offload_param = o.offload_param_nvme = true;
+  CHECK(MakePlan(specs, o).status().message().find("bf16.bf16_master_weights_and_grads") !=
+        std::string::npos);
+}
+
+TEST_CASE("Plan: unit index offsets do not depend on the world size or the stage", "[memory]") {
+  std::mt19937 rng(31);
+  const std::vector<ParamSpec> specs = RandomModel(rng, 12, 300);
+  auto reference = MakePlan(specs, ThreeRanks(0, 0));
+  REQUIRE(reference.ok());
+  int64_t sum = 0;
+  for (const Unit& u : reference->units) {
+    CHECK(u.index_offset == sum);
+    sum += u.numel;
+  }
+  for (int stage = 0; stage <= 3; ++stage) {
+    for (int world : {1, 2, 5, 64}) {
+      PlanOptions o = ThreeRanks(stage, 0);
+      o.world_size = world;
+      auto plan = MakePlan(specs, o);
+      REQUIRE(plan.ok());
+      REQUIRE(plan->units.size() == reference->units.size());
+      for (size_t u = 0; u < plan->units.size(); ++u) {
+        CHECK(plan->units[u].index_offset == reference->units[u].index_offset);
+      }
+    }
   }
 }
 

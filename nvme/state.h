@@ -8,7 +8,10 @@
 //   slot (k-1)%3: write k-1
 //
 // File layout: two copies of the state; in each, every piece's master|m|v, each array padded
-// to memory::kNvmeAlignment bytes (memory::NvmeUnitStride), pieces in plan order. A step reads the
+// to memory::kNvmeAlignment bytes (memory::NvmeUnitStride), pieces in plan order. A compact
+// optimizer-state form (memory::OptimizerStateForm) keeps its own arrays instead, given to
+// Create as their element sizes (2-byte bf16 moments, the master's bf16 part, its remainder),
+// each padded the same way (memory::NvmeArrayStride). A step reads the
 // current copy and writes every unit into the other one; only when every write has completed
 // does the other copy become current (Finish). A step that fails (EIO, ENOSPC, a short
 // transfer) leaves the current copy untouched: the next step, or a checkpoint save, reads the
@@ -39,11 +42,15 @@ namespace nvme {
 class NvmeState {
  public:
   static constexpr int kSlots = 3;
+  static constexpr int kMaxArrays = 4;
+  // Bytes per element of each array of a piece: the fp32 master, m and v.
+  static std::vector<int> Fp32Arrays() { return {4, 4, 4}; }
   // Where an acquired piece's state sits in its pinned slot, for AdamW to update in place.
   struct Arrays {
-    float* master = nullptr;  // (n) fp32, pinned slot
+    float* master = nullptr;  // (n) fp32, pinned slot: array[0..2] of the fp32 layout
     float* m = nullptr;
     float* v = nullptr;
+    char* array[kMaxArrays] = {};  // every array of the layout, in order
   };
 
   // A piece: elements [begin, begin + n) of a unit's shard.
@@ -54,17 +61,20 @@ class NvmeState {
   };
 
   // `unit_elements[u]`: unit u's shard elements; `piece_elements` as memory::NvmePieces.
-  // `slots`: kSlots x `slot_bytes`, aligned to kIoAlignment. Errors: InvalidArgument if a
-  // piece does not fit a slot or the file is too small.
-  static absl::StatusOr<std::unique_ptr<NvmeState>> Create(AioEngine* io, const SwapFile* file,
-                                                           std::vector<int64_t> unit_elements,
-                                                           int64_t piece_elements, char* slots,
-                                                           int64_t slot_bytes);
+  // `slots`: kSlots x `slot_bytes`, aligned to kIoAlignment. `element_bytes`: the arrays of a
+  // piece (1 to kMaxArrays, each 2 or 4 bytes per element). Errors: InvalidArgument if a piece
+  // does not fit a slot, the file is too small or the arrays are not as above.
+  static absl::StatusOr<std::unique_ptr<NvmeState>> Create(
+      AioEngine* io, const SwapFile* file, std::vector<int64_t> unit_elements,
+      int64_t piece_elements, char* slots, int64_t slot_bytes,
+      std::vector<int> element_bytes = Fp32Arrays());
   ~NvmeState();  // waits for I/O in flight (its buffers are the caller's)
 
-  // The file bytes the layout needs (two copies), and the largest piece's master|m|v.
-  static int64_t FileBytes(const std::vector<int64_t>& unit_elements, int64_t piece_elements);
-  static int64_t SlotBytes(const std::vector<int64_t>& unit_elements, int64_t piece_elements);
+  // The file bytes the layout needs (two copies), and the largest piece's arrays.
+  static int64_t FileBytes(const std::vector<int64_t>& unit_elements, int64_t piece_elements,
+                           const std::vector<int>& element_bytes = Fp32Arrays());
+  static int64_t SlotBytes(const std::vector<int64_t>& unit_elements, int64_t piece_elements,
+                           const std::vector<int>& element_bytes = Fp32Arrays());
 
   const std::vector<Piece>& pieces() const { return pieces_; }  // in file (and unit) order
   int first_piece(int unit) const { return first_[unit]; }      // unit's: [first, first(u+1))
@@ -88,12 +98,19 @@ class NvmeState {
   // null arrays are skipped on Store (zero-filled in the file) and on Load.
   absl::Status Load(int unit, float* master, float* m, float* v);
   absl::Status Store(int unit, const float* master, const float* m, const float* v);
+  // The same for any layout: out[a] / in[a] for each array a of `element_bytes` (null: skipped).
+  absl::Status LoadArrays(int unit, void* const* out);
+  absl::Status StoreArrays(int unit, const void* const* in);
+  const std::vector<int>& element_bytes() const { return element_bytes_; }
 
   int current_copy() const { return current_; }
 
  private:
   NvmeState(AioEngine* io, const SwapFile* file, std::vector<Piece> pieces,
-            std::vector<int> first, char* slots, int64_t slot_bytes);
+            std::vector<int> first, char* slots, int64_t slot_bytes,
+            std::vector<int> element_bytes);
+  static int64_t PieceStride(int64_t n, const std::vector<int>& element_bytes);
+  int64_t ArrayOffset(int piece, int array) const;  // within the piece's bytes
   static std::vector<Piece> PiecesOf(const std::vector<int64_t>& unit_elements,
                                      int64_t piece_elements, std::vector<int>* first);
   int64_t Offset(int copy, int piece) const;  // of the piece's master|m|v in the file
@@ -106,6 +123,7 @@ class NvmeState {
   const SwapFile* const file_;
   const std::vector<Piece> pieces_;
   const std::vector<int> first_;  // per unit, and one past the last
+  const std::vector<int> element_bytes_;  // per array of a piece
   std::vector<int64_t> offset_;   // of each piece within a copy
   int64_t copy_bytes_ = 0;
   char* const slots_;

@@ -5,6 +5,8 @@
 #include <utility>
 #include <vector>
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 
@@ -45,8 +47,23 @@ OffloadPipeline::OffloadPipeline(Device* device, std::vector<PipelineRegion> reg
 absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
     Device* device, std::vector<PipelineRegion> regions, const PipelineOptions& options,
     Device::Stream grads_stream) {
-  // Chunks carry parameter shards up, or into the NVMe file.
-  const bool needs_chunks = !options.param_on_host || options.nvme_params != nullptr;
+  const bool compact_master = options.master_form != MasterForm::kF32;
+  if ((compact_master || options.moment_dtype != DType::kF32) && options.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "OffloadPipeline: compact optimizer state (master ", MasterFormName(options.master_form),
+        ", moments ", DTypeName(options.moment_dtype), ") needs bf16 parameters, not ",
+        DTypeName(options.dtype)));
+  }
+  if (compact_master && options.nvme_params != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "OffloadPipeline: a ", MasterFormName(options.master_form),
+        " master with parameters on NVMe is not supported"));
+  }
+  // Chunks carry parameter shards up, or into the NVMe file; a compact master's host copy goes
+  // up itself.
+  const bool direct = compact_master && !options.param_on_host && options.nvme == nullptr;
+  const bool needs_chunks =
+      (!options.param_on_host && !direct) || options.nvme_params != nullptr;
   if (options.chunks < (needs_chunks ? 1 : 0)) {
     return absl::InvalidArgumentError("OffloadPipeline: needs at least one staging chunk");
   }
@@ -61,7 +78,9 @@ absl::StatusOr<std::unique_ptr<OffloadPipeline>> OffloadPipeline::Create(
       new OffloadPipeline(device, std::move(regions), options, grads_stream));
   ASSIGN_OR_RETURN(p->h2d_, device->CreateStream());
   ASSIGN_OR_RETURN(p->grads_ready_, device->CreateEvent());
-  for (int k = 0; k < options.chunks; ++k) {
+  // One event per chunk; uploads without chunks (a compact master's copy) record one.
+  const int events = std::max(options.chunks, options.param_on_host ? 0 : 1);
+  for (int k = 0; k < events; ++k) {
     ASSIGN_OR_RETURN(Device::Event out, device->CreateEvent());
     p->chunk_out_.push_back(out);
   }
@@ -86,13 +105,16 @@ char* OffloadPipeline::ParamChunk(int u) const {
 
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(const AdamWStepParams& params,
                                                                float grad_scale,
-                                                               const Hooks& hooks) {
+                                                               const Hooks& hooks,
+                                                               uint64_t step) {
   for (std::vector<AdamWRange>& unit : whole_ranges_) unit[0].params = params;
-  return Update(whole_ranges_, grad_scale, hooks);
+  return Update(whole_ranges_, grad_scale, hooks, step);
 }
 
 absl::StatusOr<OffloadPipeline::Times> OffloadPipeline::Update(
-    const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale, const Hooks& hooks) {
+    const std::vector<std::vector<AdamWRange>>& ranges, float grad_scale, const Hooks& hooks,
+    uint64_t step) {
+  step_ = step;
   if (ranges.size() != regions_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("OffloadPipeline::Update: ", ranges.size(),
                                                    " range lists for ", regions_.size(),
@@ -136,6 +158,9 @@ absl::Status OffloadPipeline::UpdateAll(const std::vector<std::vector<AdamWRange
   const auto tw = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(dev_->Record(grads_ready_, grads_stream_));
   RETURN_IF_ERROR(dev_->WaitHost(grads_ready_));
+  // A compact master's host copy is rewritten in place: the last step's uploads from it (one
+  // stream, in order) have left.
+  if (direct_upload()) RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[0]));
   times->wait_ms += MsSince(tw);
   for (int u = 0; u < nu; ++u) {
     RETURN_IF_ERROR(UpdateUnit(u, ranges[u], grad_scale, times));
@@ -150,21 +175,37 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   const PipelineRegion& r = regions_[u];
   const int chunks = options_.chunks;
   const bool on_host = options_.param_on_host;
+  const bool direct = direct_upload();
   // Unit u - B's upload has left the chunk before AdamW overwrites it.
-  if (u >= chunks && !on_host) {
+  if (u >= chunks && !on_host && !direct) {
     const auto tw = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(dev_->WaitHost(chunk_out_[u % chunks]));
     times->wait_ms += MsSince(tw);
   }
   nvme::NvmeParams* params_file = options_.nvme_params;
-  void* out = on_host && params_file == nullptr ? r.param : ParamChunk(u);
+  void* out = on_host && params_file == nullptr ? r.param
+              : direct                          ? static_cast<void*>(r.master_bf16)
+                                                : ParamChunk(u);
   if (options_.nvme != nullptr) {
     // After an I/O error the remaining units keep their old parameters in `out`'s place only
     // nominally (the chunk holds stale bytes); the engine re-derives them from the state.
     if (nvme_error_.ok()) nvme_error_ = UpdateNvmePieces(u, out, ranges, grad_scale, times);
+  } else if (compact()) {
+    CompactAdamWArrays a;
+    a.master_form = options_.master_form;
+    a.master = r.master;
+    a.remainder = r.remainder;
+    // A compact master is updated in place (with param_on_host, or direct, it is `out`).
+    a.param = compact_master() ? static_cast<void*>(r.master_bf16) : out;
+    a.m = r.m;
+    a.v = r.v;
+    a.grad = r.grad;
+    a.n = static_cast<size_t>(r.n);
+    a.rounding.first_index = r.first_index;
+    RETURN_IF_ERROR(RunAdamW(a, ranges, grad_scale));
   } else {
-    AdamWArrays a{r.master, r.m, r.v, r.grad, GradDType(), out, options_.dtype,
-                  static_cast<size_t>(r.n)};
+    AdamWArrays a{r.master, static_cast<float*>(r.m), static_cast<float*>(r.v), r.grad,
+                  GradDType(), out, options_.dtype, static_cast<size_t>(r.n)};
     RETURN_IF_ERROR(CpuAdamW(a, ranges, grad_scale, options_.cpu_threads));
   }
   // Written synchronously, so the chunk is free again at once; after an error the chunk holds
@@ -176,7 +217,21 @@ absl::Status OffloadPipeline::UpdateUnit(int u, absl::Span<const AdamWRange> ran
   }
   if (on_host) return absl::OkStatus();
   RETURN_IF_ERROR(dev_->Copy(r.param, out, r.n * c_, h2d_));
-  return dev_->Record(chunk_out_[u % chunks], h2d_);
+  return dev_->Record(chunk_out_[u % chunk_out_.size()], h2d_);
+}
+
+// The options' form, dtypes, threads and draw filled in around the caller's arrays.
+absl::Status OffloadPipeline::RunAdamW(const CompactAdamWArrays& arrays,
+                                       absl::Span<const AdamWRange> ranges,
+                                       float grad_scale) const {
+  CompactAdamWArrays a = arrays;
+  a.master_form = options_.master_form;
+  a.param_dtype = options_.dtype;
+  a.moment_dtype = options_.moment_dtype;
+  a.grad_dtype = GradDType();
+  a.rounding.seed = options_.rounding_seed;
+  a.rounding.step = step_;
+  return CpuAdamWCompact(a, ranges, grad_scale, options_.cpu_threads);
 }
 
 // AdamW piece by piece on the pinned slots nvme::NvmeState fills: each Acquire reads the next piece
@@ -191,11 +246,35 @@ absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
     const auto tn = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(const nvme::NvmeState::Arrays s, state->Acquire(k));
     times->nvme_wait_ms += MsSince(tn);
-    AdamWArrays a{s.master, s.m, s.v, Grad(u) + p.begin * static_cast<int64_t>(gc_),
-                  GradDType(), static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_),
-                  options_.dtype, static_cast<size_t>(p.n)};
+    char* const piece_out = static_cast<char*>(out) + p.begin * static_cast<int64_t>(c_);
     SliceRanges(ranges, static_cast<size_t>(p.begin), static_cast<size_t>(p.n), &piece_ranges_);
-    RETURN_IF_ERROR(CpuAdamW(a, piece_ranges_, grad_scale, options_.cpu_threads));
+    if (!compact()) {
+      AdamWArrays a{s.master, s.m, s.v, Grad(u) + p.begin * static_cast<int64_t>(gc_),
+                    GradDType(), piece_out, options_.dtype, static_cast<size_t>(p.n)};
+      RETURN_IF_ERROR(CpuAdamW(a, piece_ranges_, grad_scale, options_.cpu_threads));
+    } else {
+      // The file's arrays in memory::OptimizerStateForm's order: master (or the compact
+      // master's bf16 part), remainder, m, v.
+      CompactAdamWArrays a;
+      int next = 0;
+      if (compact_master()) {
+        a.param = s.array[next++];
+      } else {
+        a.master = reinterpret_cast<float*>(s.array[next++]);
+        a.param = piece_out;
+      }
+      if (options_.master_form == MasterForm::kBf16Remainder) {
+        a.remainder = reinterpret_cast<uint16_t*>(s.array[next++]);
+      }
+      a.m = s.array[next++];
+      a.v = s.array[next++];
+      a.grad = Grad(u) + p.begin * static_cast<int64_t>(gc_);
+      a.n = static_cast<size_t>(p.n);
+      a.rounding.first_index = regions_[u].first_index + static_cast<uint64_t>(p.begin);
+      RETURN_IF_ERROR(RunAdamW(a, piece_ranges_, grad_scale));
+      // The new parameters are the compact master's bf16 part.
+      if (compact_master()) std::memcpy(piece_out, a.param, static_cast<size_t>(p.n) * c_);
+    }
     RETURN_IF_ERROR(state->Release(k));
   }
   return absl::OkStatus();
@@ -203,7 +282,7 @@ absl::Status OffloadPipeline::UpdateNvmePieces(int u, void* out,
 
 absl::Status OffloadPipeline::Gather(int u, const Hooks& hooks, Times* times) {
   if (!options_.param_on_host) {
-    RETURN_IF_ERROR(hooks.before_gather(chunk_out_[u % options_.chunks]));
+    RETURN_IF_ERROR(hooks.before_gather(chunk_out_[u % chunk_out_.size()]));
   }
   const auto t0 = std::chrono::steady_clock::now();
   RETURN_IF_ERROR(hooks.gather(Unit(u)));

@@ -13,6 +13,12 @@
 // param_on_host (ZeRO-3 offload_param) the parameter shard lives on the host and AdamW writes
 // it in place: no chunk is used.
 //
+// Compact optimizer state (options.master_form, moment_dtype: offload/cpu_adamw_compact.h,
+// docs/compact_state.md) runs CpuAdamWCompact instead. A compact master is the bf16 parameter
+// shard itself with param_on_host; otherwise the region's host bf16 copy, updated in place and
+// uploaded from there (no chunk), or, with NVMe, the bf16 part in the file, copied into the
+// chunk (or the host shard) after each piece.
+//
 // With options.nvme (NVMe offload) the regions' master, m and v are null: they live in a swap
 // file, and AdamW runs piece by piece (a unit is one piece or several) on pinned slots that
 // nvme::NvmeState filled while the previous piece was updated, while the piece before that is
@@ -41,6 +47,7 @@
 #include "base/dtype.h"
 #include "device/device.h"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 #include "nvme/params.h"
 #include "nvme/state.h"
 
@@ -50,11 +57,17 @@ namespace offload {
 // One unit's owned region.
 struct PipelineRegion {
   const void* grad = nullptr;  // (n) grad dtype, host: the reduced gradient (gradient offload)
-  float* master = nullptr;     // (n) fp32, host (null with PipelineOptions::nvme)
-  float* m = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
-  float* v = nullptr;          // (n) fp32, host (null with PipelineOptions::nvme)
+  float* master = nullptr;     // (n) fp32, host (null with PipelineOptions::nvme, or with a
+                               // compact master)
+  void* m = nullptr;           // (n) moment dtype, host (null with PipelineOptions::nvme)
+  void* v = nullptr;           // (n) moment dtype, host (null with PipelineOptions::nvme)
   void* param = nullptr;       // (n) compute dtype: device, or host with param_on_host
   int64_t n = 0;
+  // A compact master (PipelineOptions::master_form), host: its bf16 part (`param` itself with
+  // param_on_host) and the kBf16Remainder remainder; null with PipelineOptions::nvme.
+  uint16_t* master_bf16 = nullptr;
+  uint16_t* remainder = nullptr;
+  uint64_t first_index = 0;    // stochastic rounding: the global index of element 0
   // The caller's index of this region's unit, which Hooks::gather and nvme_params are given;
   // -1: its position in the region list (the caller's regions are every unit).
   int unit = -1;
@@ -74,6 +87,13 @@ struct PipelineOptions {
   // shard into its chunk's parameter half, which is then written to the file (as
   // PipelineRegion::unit's shard). Outlives us.
   nvme::NvmeParams* nvme_params = nullptr;
+  // Compact optimizer state (REQUIRES dtype kBF16 unless both are kF32). With nvme the file's
+  // arrays are master (fp32, or the compact master's bf16 part), remainder (kBf16Remainder), m
+  // and v: memory::OptimizerStateForm's order. A compact master needs no chunks unless nvme is
+  // set (its host copy goes up itself) and is refused with nvme_params.
+  MasterForm master_form = MasterForm::kF32;
+  DType moment_dtype = DType::kF32;
+  uint64_t rounding_seed = 0;    // kBf16Stochastic: StochasticRounding::seed
 };
 
 class OffloadPipeline {
@@ -102,13 +122,14 @@ class OffloadPipeline {
     double gather_ms = 0;  // in hooks.gather
     double nvme_wait_ms = 0;  // NVMe offload: host time waiting for state reads and writes
   };
-  // AdamW over every region (see above), then hooks.gather of every unit in order.
+  // AdamW over every region (see above), then hooks.gather of every unit in order. `step`: the
+  // optimizer step t, stochastic rounding's draw (StochasticRounding::step).
   absl::StatusOr<Times> Update(const AdamWStepParams& params, float grad_scale,
-                               const Hooks& hooks);
+                               const Hooks& hooks, uint64_t step = 0);
   // The same with per-range constants (parameter groups): ranges[u] tiles region u's n
   // elements as CpuAdamW's ranges do.
   absl::StatusOr<Times> Update(const std::vector<std::vector<AdamWRange>>& ranges,
-                               float grad_scale, const Hooks& hooks);
+                               float grad_scale, const Hooks& hooks, uint64_t step = 0);
   // Orders the uploads before `stream`'s next work (no-op with param_on_host).
   absl::Status JoinUploads(Device::Stream stream);
 
@@ -116,6 +137,18 @@ class OffloadPipeline {
   OffloadPipeline(Device* device, std::vector<PipelineRegion> regions,
                   const PipelineOptions& options, Device::Stream grads_stream);
   DType GradDType() const { return options_.grad_dtype.value_or(options_.dtype); }
+  bool compact() const {
+    return options_.master_form != MasterForm::kF32 || options_.moment_dtype != DType::kF32;
+  }
+  bool compact_master() const { return options_.master_form != MasterForm::kF32; }
+  // A compact master's host copy goes up itself: no chunk carries the new shard.
+  bool direct_upload() const {
+    return compact_master() && !options_.param_on_host && options_.nvme == nullptr;
+  }
+  // AdamW over one region's (or NVMe piece's) arrays, compact or not. `param`: where the new
+  // parameters go (kF32 master), or the compact master's bf16 part.
+  absl::Status RunAdamW(const CompactAdamWArrays& arrays, absl::Span<const AdamWRange> ranges,
+                        float grad_scale) const;
   const char* Grad(int u) const { return static_cast<const char*>(regions_[u].grad); }
   int Unit(int u) const { return regions_[u].unit >= 0 ? regions_[u].unit : u; }
   char* ParamChunk(int u) const;
@@ -138,7 +171,9 @@ class OffloadPipeline {
   const Device::Stream grads_stream_;
   Device::Stream h2d_ = nullptr;           // new parameter shards back up
   Device::Event grads_ready_ = nullptr;    // recorded on grads_stream_: the gradients landed
-  std::vector<Device::Event> chunk_out_;   // per chunk: its parameters have left
+  std::vector<Device::Event> chunk_out_;   // per chunk (one without chunks): its parameters
+                                           // have left
+  uint64_t step_ = 0;                      // of the Update running
   // Kept across steps so that a step builds no range list. Per unit, the one range {0, n} that
   // Update(params) fills with the step's constants.
   std::vector<std::vector<AdamWRange>> whole_ranges_;

@@ -362,4 +362,38 @@ absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text) {
   return f;
 }
 
+void FillRanksPerNode(const absl::StatusOr<comm::LaunchInfo>& launch, int world_size, int rank,
+                      Config* config) {
+  if (config->ranks_per_node != 0) return;
+  if (absl::IsNotFound(launch.status())) return;  // no launcher: nothing to infer
+  constexpr absl::string_view kKey = "zerort.ranks_per_node";
+  if (!launch.ok()) {
+    config->notes.push_back(absl::StrCat(kKey, ": left unknown, the launcher's variables do not "
+                                               "parse (", launch.status().message(), ")"));
+    return;
+  }
+  const comm::LaunchInfo& l = *launch;
+  const int per_node = l.local_world_size;
+  std::string why;
+  if (l.world_size != world_size || l.rank != rank) {
+    why = absl::StrCat(l.source, " describes rank ", l.rank, " of ", l.world_size,
+                       ", this engine is rank ", rank, " of ", world_size);
+  } else if (per_node <= 0) {
+    why = absl::StrCat(l.source, " does not say how many ranks share this node");
+  } else if (world_size % per_node != 0) {
+    why = absl::StrCat(l.source, "'s ", per_node, " ranks on this node do not divide the world "
+                       "size ", world_size);
+  } else if (l.local_rank != rank % per_node) {
+    why = absl::StrCat(l.source, " places rank ", rank, " at local rank ", l.local_rank, " of ",
+                       per_node, ", not in consecutive blocks per node");
+  }
+  if (!why.empty()) {
+    config->notes.push_back(absl::StrCat(kKey, ": left unknown (", why, ")"));
+    return;
+  }
+  config->ranks_per_node = per_node;
+  config->notes.push_back(
+      absl::StrCat(kKey, ": 0 -> ", per_node, " (", l.source, ": ranks on this node)"));
+}
+
 }  // namespace zerort

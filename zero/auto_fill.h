@@ -22,6 +22,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
+#include "comm/launch_env.h"
 #include "memory/plan.h"
 #include "zero/config.h"
 
@@ -91,6 +92,20 @@ absl::StatusOr<AutoFill> ParseAutoFill(absl::string_view json_text);
 enum class AutoPurpose { kEngine, kPlan };
 absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpec> specs,
                          Config* config, AutoPurpose purpose = AutoPurpose::kEngine);
+
+// zerort.ranks_per_node left 0 (not known): taken from the launcher that started this rank
+// (`launch`, from comm::LaunchInfoFromEnv: torchrun's LOCAL_WORLD_SIZE, mpirun's
+// OMPI_COMM_WORLD_LOCAL_SIZE, srun's tasks per node), as DeepSpeed infers its node size, but
+// only when the launcher describes this engine's ranks placed in consecutive blocks per node:
+// its world size and rank are `world_size` and `rank`, its local size L divides the world and
+// its local rank is rank % L. A round-robin placement (mpirun --map-by node) fails that and
+// keeps 0; Engine::Create does not call it for in-process groups, whose threads share one
+// process's variables. Each rank decides alone: where only some ranks pass, the ranks' configs
+// differ and Engine::Create's agreement check fails.
+// Adds a note saying what it took, or why it took nothing when a launcher was found; changes
+// nothing when ranks_per_node is set or no launcher variables are present (NotFound).
+void FillRanksPerNode(const absl::StatusOr<comm::LaunchInfo>& launch, int world_size, int rank,
+                      Config* config);
 
 }  // namespace zerort
 

@@ -445,6 +445,36 @@ void CheckZeroAcrossKeys(Reader* r, const ZeroConfig& z) {
   }
 }
 
+// Compact optimizer state (docs/compact_state.md) keeps bf16 values beside bf16 parameters,
+// and one master form at a time. A compute dtype written "auto" is checked when the planner
+// has it (memory::MakePlan names the key too).
+void CheckCompactState(Reader* r, const Config& c) {
+  const bool masters_ok = !r->Failed("bf16.bf16_master_weights_and_grads") &&
+                          !r->Failed("zerort.store_param_remainders");
+  if (masters_ok && c.bf16_master_weights_and_grads && c.store_param_remainders) {
+    r->Error(
+        "bf16.bf16_master_weights_and_grads and zerort.store_param_remainders are both true: "
+        "the master is either the bf16 parameter rounded stochastically or the bf16 parameter "
+        "plus its remainder (lossless); set one");
+  }
+  const bool dtype_auto =
+      std::find(c.auto_keys.begin(), c.auto_keys.end(), "bf16.enabled") != c.auto_keys.end() ||
+      std::find(c.auto_keys.begin(), c.auto_keys.end(), "fp16.enabled") != c.auto_keys.end();
+  if (dtype_auto || c.compute_dtype == DType::kBF16 || r->Failed("bf16") || r->Failed("fp16")) {
+    return;
+  }
+  const std::pair<const char*, bool> keys[] = {
+      {"bf16.bf16_optimizer_states", c.bf16_optimizer_states},
+      {"bf16.bf16_master_weights_and_grads", c.bf16_master_weights_and_grads},
+      {"zerort.store_param_remainders", c.store_param_remainders},
+  };
+  for (const auto& [key, on] : keys) {
+    if (!on || r->Failed(key)) continue;
+    r->Error(absl::StrCat(key, " is true but the parameters are ", DTypeName(c.compute_dtype),
+                          ": compact optimizer state needs bf16 parameters (bf16.enabled)"));
+  }
+}
+
 // Rules across keys (and the one rule on a single key beyond its range), each checked only when
 // the keys involved parsed.
 void CheckAcrossKeys(Reader* r, const Config& c) {
@@ -465,6 +495,7 @@ void CheckAcrossKeys(Reader* r, const Config& c) {
   if (c.aio.block_size % 4096 != 0 && !r->Failed("aio.block_size")) {
     r->Error(absl::StrCat("aio.block_size: expected a multiple of 4096, got ", c.aio.block_size));
   }
+  CheckCompactState(r, c);
 }
 
 void ReadConfig(Reader* r, const Json& root, Config* config) {

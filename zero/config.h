@@ -195,10 +195,26 @@ struct ReservesConfig {
 
 struct Config {
   ZeroConfig zero;
-  // Compute dtype of parameters and gradients (optimizer state is always fp32). DeepSpeed's
-  // rule: bf16.enabled -> kBF16, fp16.enabled -> kF16, neither -> kF32 (also when both blocks
-  // are absent). Both enabled is an error.
+  // Compute dtype of parameters and gradients (optimizer state is fp32 unless a compact form
+  // below is chosen). DeepSpeed's rule: bf16.enabled -> kBF16, fp16.enabled -> kF16, neither ->
+  // kF32 (also when both blocks are absent). Both enabled is an error.
   DType compute_dtype = DType::kF32;
+  // Compact optimizer state (docs/compact_state.md), bf16 parameters only (an error naming the
+  // key otherwise):
+  // bf16.bf16_optimizer_states: Adam's m and v in bf16 (DeepSpeed's meaning), rounded to
+  // nearest even on store.
+  bool bf16_optimizer_states = false;
+  // bf16.bf16_master_weights_and_grads: the master weight is the bf16 parameter itself, rounded
+  // stochastically after each update (DeepSpeed rounds to nearest; docs/config.md). Gradients
+  // stay in the compute dtype as always (data_types.grad_accum_dtype may still ask for fp32).
+  bool bf16_master_weights_and_grads = false;
+  // zerort.store_param_remainders (ours; Megatron's store_param_remainders): the master is the
+  // bf16 parameter plus a 16-bit remainder, the fp32 master bit for bit in 2 bytes beside the
+  // parameter (the parameter then rounds ties away from zero). Not with the one above.
+  bool store_param_remainders = false;
+  // zerort.stochastic_rounding_seed (ours): >= 0, the seed of the stochastic rounding above;
+  // fixed by default so that runs are reproducible.
+  int64_t stochastic_rounding_seed = 0;
   Fp16Config fp16;  // read whenever present; used only when compute_dtype == kF16
   OptimizerConfig optimizer;
   // >= 0; global L2 norm limit, 0 = off. 1.0 is DeepSpeed's default since v0.19.3 (zerort's was
@@ -232,7 +248,8 @@ struct Config {
   bool local_grad_accumulation = false;
   // zerort.ranks_per_node (ours): consecutive ranks that share a node (DeepSpeed infers it from
   // the launcher; torchrun's LOCAL_WORLD_SIZE, mpirun's OMPI_COMM_WORLD_LOCAL_SIZE). 0: not
-  // known. Needed by mics_hierarchical_params_gather; `zerort plan` splits the bytes per step
+  // known; an engine over MPI or NCCL then takes it from the launcher (FillRanksPerNode,
+  // zero/auto_fill.h). Needed by mics_hierarchical_params_gather; `zerort plan` splits the bytes per step
   // into intra- and inter-node with it. Must divide the world size.
   int ranks_per_node = 0;
   SchedulerConfig scheduler;

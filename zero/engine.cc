@@ -16,7 +16,9 @@
 #include "base/crc32c.h"
 #include "base/status.h"
 #include "comm/agree.h"
+#include "comm/launch_env.h"
 #include "offload/cpu_kernels.h"
+#include "zero/auto_fill.h"
 #include "zero/lr_schedule.h"
 #include "zero/internal/engine_impl.h"
 #include "zero/planner.h"
@@ -24,6 +26,7 @@
 namespace zerort {
 
 absl::Status Engine::Impl::Build(Device::Stream compute) {
+  RETURN_IF_ERROR(ProbeCompactKernel(compute));
   ASSIGN_OR_RETURN(memory_, zero_internal::EngineMemory::Allocate(plan_, dev_, compute));
   const zero_internal::EngineMemory& mem = *memory_;
   layout_ = std::make_unique<zero_internal::ShardLayout>(plan_, mem.model_state());
@@ -61,11 +64,15 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   std::vector<offload::PipelineRegion> regions;
   for (int u : offloaded_units_) {
     const Region& r = region(u);
-    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n, u});
+    regions.push_back({r.grad, r.master, r.m, r.v, r.param, r.n, r.master_bf16, r.remainder,
+                       static_cast<uint64_t>(r.first_index), u});
   }
   offloaded_ranges_.resize(offloaded_units_.size());
   offload::PipelineOptions o;
   o.dtype = cdt_;
+  o.master_form = OffloadMasterForm(plan_.options.master_form);
+  o.moment_dtype = plan_.options.moment_dtype;
+  o.rounding_seed = config_.stochastic_rounding_seed;
   o.grad_dtype = memory::ReducedGradDType(plan_.options);
   o.staging = mem.staging().base;
   o.chunks = mem.staging().count;  // 0 when the parameter shards are updated in host memory
@@ -77,6 +84,30 @@ absl::Status Engine::Impl::Build(Device::Stream compute) {
   ASSIGN_OR_RETURN(pipeline_, offload::OffloadPipeline::Create(dev_, std::move(regions), o,
                                                                streams_->side()));
   return absl::OkStatus();
+}
+
+// A device that runs the optimizer must have the compact form's kernel: asked with nothing to
+// update, so that a device without it fails here, naming itself (and the keys), not at the
+// first step.
+absl::Status Engine::Impl::ProbeCompactKernel(Device::Stream compute) {
+  const memory::OptimizerStateForm form = memory::StateFormOf(plan_.options);
+  // The host AdamW has every form; the units offload_optimizer.ratio < 1 keeps on the device
+  // run the device's.
+  if (!form.compact() || (offload_ && plan_.device_state_elements == 0)) return absl::OkStatus();
+  offload::CompactAdamWArrays probe;
+  probe.master_form = OffloadMasterForm(form.master);
+  probe.moment_dtype = form.moment_dtype;
+  probe.param_dtype = cdt_;
+  const absl::Status s = dev_->CompactAdamWRanges(probe, {}, 1.0f, compute);
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(
+      s.message(), ": the config asks for compact optimizer state (",
+      memory::StateFormDescription(plan_.options),
+      "; bf16.bf16_optimizer_states, bf16.bf16_master_weights_and_grads, "
+      "zerort.store_param_remainders) with the optimizer on the device",
+      offload_ ? " (the units zero_optimization.offload_optimizer.ratio < 1 keeps there)" : "",
+      "; use zero_optimization.offload_optimizer \"cpu\" with ratio 1 (the host AdamW has "
+      "every form) or the fp32 state"));
 }
 
 absl::Status Engine::Impl::JoinShardGroup(Device::Stream compute) {
@@ -127,6 +158,9 @@ absl::Status Engine::Impl::CheckPeersAgree() {
                                    plan_.options.hpz_partition_size, "|",
                                    plan_.options.hierarchical_gather, "|",
                                    plan_.options.ranks_per_node, "|",
+                                   static_cast<int>(plan_.options.master_form), "|",
+                                   static_cast<int>(plan_.options.moment_dtype), "|",
+                                   config_.stochastic_rounding_seed, "|",
                                    config_.prescale_gradients,
                                    absl::StrFormat("|%a", config_.gradient_predivide_factor));
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -276,6 +310,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
   // Frozen by the config's globs as well as by the trainer's flags: the plan sees both.
   RETURN_IF_ERROR(MarkFrozen(config, &params));
   ASSIGN_OR_RETURN(Config with_notes, ResolvedForEngine(config, params, comm->size()));
+  // A launcher describes processes: the threads of an in-process group share one process's
+  // variables (a test's reference group inside an mpirun job), so only a communicator of one
+  // process per rank takes the node size from them.
+  if (comm->backend() != "inprocess") {
+    FillRanksPerNode(comm::LaunchInfoFromEnv(), comm->size(), comm->rank(), &with_notes);
+  }
   Workload workload;  // declared activations only; the reserves for this communicator
   workload.nccl_communicator = comm->backend() == "nccl";
   ASSIGN_OR_RETURN(PlanChoice choice,
@@ -378,9 +418,10 @@ absl::Status Engine::InitParams(const Initializer& init, bool from_rank0) {
     if (from_rank0) {
       RETURN_IF_ERROR(m.host_->BroadcastHost(values.data(), unit.padded, DType::kF32, 0));
     }
-    // The compute-dtype copy is what forward sees: round the fp32 values once, on the host.
+    // The compute-dtype copy is what forward sees: round the fp32 values once, on the host
+    // (as the store rounds a master: the lossless form's parameters are its bf16 part).
     std::vector<char> compute_values(unit.padded * m.c_);
-    offload::Cast(values.data(), DType::kF32, compute_values.data(), m.cdt_, unit.padded);
+    m.store_->RoundToParams(values.data(), compute_values.data(), unit.padded);
     // An initialisation is a restore with m and v at zero.
     const int64_t begin = m.region(u).unit_begin;
     RETURN_IF_ERROR(m.store_->StoreState(u, values.data() + begin, nullptr, nullptr));

@@ -21,6 +21,7 @@
 #include "comm/testing/stream_ordered.h"
 #include "device/testing/one_thread.h"
 #include "device/cuda_device.h"
+#include "device/testing/gpu_or_skip.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -32,16 +33,7 @@ using testing::TestConfig;
 using testing::TrainRank;
 using testing::TrainResult;
 
-// The GPU, or nullptr after printing why the case is skipped.
-Device* GpuOrSkip() {
-  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
-      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
-  if (gpu->ok()) return gpu->value().get();
-  std::string reason(gpu->status().message());
-  if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-  WARN("SKIPPED: no CUDA device: " << reason);
-  return nullptr;
-}
+using testing::GpuOrSkip;
 
 TrainResult CpuReference(const Config& c, int steps) {
   auto comms = comm::CreateInProcessGroup(1).value();

@@ -5,12 +5,14 @@
 // numbers whatever the stage and whatever the backend. Stages 1-3 also run as HSDP with shard
 // groups of one rank (zero_optimization.mics_shard_size 1).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "comm/testing/mpi_main.h"
 #include "device/testing/one_thread.h"
+#include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -57,6 +59,21 @@ int Main(comm::Communicator* mpi) {
   }
   std::printf("rank %d of %d: %d of %d stage/precision/accumulation runs bit-identical\n", rank,
               world, checks - failures, checks);
+  // zerort.ranks_per_node unset: the engine over MPI takes mpirun's ranks on this node (every
+  // process of this test runs on one host, so all of them, in one consecutive block).
+  {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    const int want = local != nullptr ? std::atoi(local) : 0;
+    auto e = Engine::Create(testing::TestConfig(3, DType::kBF16, 1, 0, false), specs, mpi,
+                            device.get());
+    const int got = e.ok() ? (*e)->plan().options.ranks_per_node : -1;
+    if (got != want) {
+      ++failures;
+      std::fprintf(stderr, "rank %d: FAILED ranks_per_node %d from the launcher, want %d (%s)\n",
+                   rank, got, want,
+                   e.ok() ? "OMPI_COMM_WORLD_LOCAL_SIZE" : e.status().ToString().c_str());
+    }
+  }
   return failures == 0 ? 0 : 1;
 }
 

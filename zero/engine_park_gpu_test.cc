@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "comm/inprocess.h"
 #include "device/cuda_device.h"
+#include "device/testing/gpu_or_skip.h"
 #include "memory/pinned_pool.h"
 #include "zero/engine.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -28,15 +29,7 @@ namespace {
 
 using memory::MemoryKind;
 
-Device* GpuOrSkip() {
-  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
-      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
-  if (gpu->ok()) return gpu->value().get();
-  std::string reason(gpu->status().message());
-  if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-  WARN("SKIPPED: no CUDA device: " << reason);
-  return nullptr;
-}
+using testing::GpuOrSkip;
 
 size_t Resident(Device* gpu) {
   return gpu->allocator(MemoryKind::kDevice)->usage()->resident_bytes;

@@ -242,7 +242,30 @@ absl::Status Engine::Impl::UpdateOnDevice(const RangeLists& ranges, float grad_s
     // Without a master copy AdamW updates the parameters in place; a region without parameters
     // (shards in a file) gets them from the store after the update.
     char* param = reg.params_are_master ? nullptr : reg.param;
-    offload::AdamWArrays a{reg.master, reg.m, reg.v, reg.grad, reg.grad_dtype,
+    if (reg.compact()) {
+      // Compact state (docs/compact_state.md): a compact master is the bf16 parameter shard
+      // itself, updated in place; stochastic rounding draws by (seed, step, global index).
+      offload::CompactAdamWArrays a;
+      a.master_form = OffloadMasterForm(reg.master_form);
+      a.master = reg.master;
+      a.remainder = reg.remainder;
+      a.param = reg.master_form == memory::MasterForm::kF32 ? static_cast<void*>(param)
+                                                             : reg.master_bf16;
+      a.param_dtype = cdt_;
+      a.m = reg.m;
+      a.v = reg.v;
+      a.moment_dtype = reg.moment_dtype;
+      a.grad = reg.grad;
+      a.grad_dtype = reg.grad_dtype;
+      a.n = static_cast<size_t>(reg.n);
+      a.rounding = {static_cast<uint64_t>(config_.stochastic_rounding_seed),
+                    static_cast<uint64_t>(step_),
+                    static_cast<uint64_t>(reg.first_index)};
+      RETURN_IF_ERROR(dev_->CompactAdamWRanges(a, ranges[u], grad_scale, streams_->compute()));
+      continue;
+    }
+    offload::AdamWArrays a{reg.master, reinterpret_cast<float*>(reg.m),
+                           reinterpret_cast<float*>(reg.v), reg.grad, reg.grad_dtype,
                            param, cdt_, static_cast<size_t>(reg.n)};
     RETURN_IF_ERROR(dev_->AdamWRanges(a, ranges[u], grad_scale, streams_->compute()));
   }
@@ -264,7 +287,8 @@ absl::StatusOr<double> Engine::Impl::UpdateOnHost(const RangeLists& ranges, floa
     host_ranges = &offloaded_ranges_;
   }
   ASSIGN_OR_RETURN(const offload::OffloadPipeline::Times t,
-                   pipeline_->Update(*host_ranges, grad_scale, hooks));
+                   pipeline_->Update(*host_ranges, grad_scale, hooks,
+                                     static_cast<uint64_t>(step_)));
   stats->offload_wait_ms += t.wait_ms;
   // The trainer's stream reads the new parameters next (forward, stage-3 gathers).
   RETURN_IF_ERROR(streams_->JoinComm());

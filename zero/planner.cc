@@ -43,6 +43,10 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
   o.fp32_grad_accum = mixed && c.grad_accum_dtype == DType::kF32;
   o.fp32_grad_comm = mixed && c.communication_dtype == DType::kF32;
   o.local_grad_accumulation = c.local_grad_accumulation;
+  o.master_form = c.store_param_remainders          ? memory::MasterForm::kBf16Remainder
+                  : c.bf16_master_weights_and_grads ? memory::MasterForm::kBf16Stochastic
+                                                    : memory::MasterForm::kF32;
+  o.moment_dtype = c.bf16_optimizer_states ? DType::kBF16 : DType::kF32;
   const UnitSizes sizes = ResolveUnitSizes(specs, c);
   o.unit_target_elements = std::max<int64_t>(1, sizes.reduce_bucket_size);
   o.unit_per_module = sizes.per_module;
@@ -118,6 +122,10 @@ std::string Describe(const memory::PlanOptions& o) {
   }
   if (o.offload_optimizer && o.offload_optimizer_ratio < 1) {
     absl::StrAppend(&s, " (offload_optimizer.ratio ", o.offload_optimizer_ratio, ")");
+  }
+  // A compact optimizer-state form (docs/compact_state.md) is named with its bytes.
+  if (memory::StateFormOf(o).compact()) {
+    absl::StrAppend(&s, " (", memory::StateFormDescription(o), ")");
   }
   return s;
 }

@@ -1,6 +1,7 @@
 #include "zero/planner.h"
 
 #include <algorithm>
+#include <map>
 #include <sstream>
 #include <utility>
 #include <string>
@@ -10,6 +11,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "comm/launch_env.h"
 #include "zero/auto_fill.h"
 #include "zero/model_spec.h"
 
@@ -1090,6 +1092,72 @@ TEST_CASE("Planner: zeros DeepSpeed accepts plan the least that runs", "[zero]")
   REQUIRE(choice.ok());
   CHECK(choice->plan.units.size() == specs.size());
   CHECK(choice->plan.gather_slots == 1);
+}
+
+TEST_CASE("FillRanksPerNode: the launcher's ranks per node when they form consecutive blocks",
+          "[zero]") {
+  using Env = std::map<std::string, std::string>;
+  // Parsed by comm/launch_env.h from a fake environment, as the engine reads the real one.
+  auto fill = [](const Env& env, int world, int rank, int written = 0) {
+    Config c;
+    c.ranks_per_node = written;
+    FillRanksPerNode(comm::LaunchInfoFromEnv([&](const char* name) -> const char* {
+                       auto it = env.find(name);
+                       return it == env.end() ? nullptr : it->second.c_str();
+                     }),
+                     world, rank, &c);
+    return c;
+  };
+  const Env torchrun = {{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "n0"}, {"MASTER_PORT", "1"}};
+  Config c = fill(torchrun, 8, 5);
+  CHECK(c.ranks_per_node == 4);
+  REQUIRE(c.notes.size() == 1);
+  CHECK(c.notes[0] == "zerort.ranks_per_node: 0 -> 4 (torchrun: ranks on this node)");
+  const Env openmpi = {{"OMPI_COMM_WORLD_RANK", "6"}, {"OMPI_COMM_WORLD_SIZE", "8"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+  CHECK(fill(openmpi, 8, 6).ranks_per_node == 2);
+  const Env srun = {{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "3"},
+                    {"SLURM_NODEID", "0"}, {"SLURM_NTASKS_PER_NODE", "4"}};
+  CHECK(fill(srun, 8, 3).ranks_per_node == 4);
+  // Written in the config: kept, whatever the launcher says.
+  c = fill(torchrun, 8, 5, /*written=*/2);
+  CHECK(c.ranks_per_node == 2);
+  CHECK(c.notes.empty());
+  // No launcher: not known, silently (a single process).
+  c = fill({}, 8, 5);
+  CHECK(c.ranks_per_node == 0);
+  CHECK(c.notes.empty());
+  struct Refused {
+    const char* why;
+    Env env;
+    int world, rank;
+    const char* says;
+  };
+  Env round_robin = openmpi;  // mpirun --map-by node: rank 6 is local rank 3 of 4
+  round_robin["OMPI_COMM_WORLD_LOCAL_RANK"] = "3";
+  round_robin["OMPI_COMM_WORLD_LOCAL_SIZE"] = "4";
+  Env uneven = torchrun;
+  uneven["LOCAL_WORLD_SIZE"] = "3";
+  Env no_size = torchrun;
+  no_size.erase("LOCAL_WORLD_SIZE");
+  const Refused refused[] = {
+      {"in-process ranks under one launcher process", torchrun, 8, 2, "this engine is rank 2"},
+      {"another world", torchrun, 4, 5, "rank 5 of 8"},
+      {"round-robin placement", round_robin, 8, 6, "not in consecutive blocks"},
+      {"a local size that does not divide the world", uneven, 8, 5, "do not divide"},
+      {"no local size", no_size, 8, 5, "does not say"},
+      {"a malformed variable", {{"RANK", "x"}, {"WORLD_SIZE", "8"}}, 8, 5, "do not parse"},
+  };
+  for (const Refused& r : refused) {
+    INFO(r.why);
+    c = fill(r.env, r.world, r.rank);
+    CHECK(c.ranks_per_node == 0);
+    REQUIRE(c.notes.size() == 1);
+    INFO(c.notes[0]);
+    CHECK(absl::StrContains(c.notes[0], "zerort.ranks_per_node: left unknown"));
+    CHECK(absl::StrContains(c.notes[0], r.says));
+  }
 }
 
 }  // namespace

@@ -68,6 +68,9 @@ std::string PlanTable(const memory::Plan& plan) {
       plan.num_elements, absl::StrCat(plan.padded_elements), plan.units.size(), o.world_size,
       o.stage, DTypeName(o.compute_dtype), o.offload_optimizer ? ", optimizer offload" : "",
       o.offload_param ? ", parameter offload" : "");
+  if (memory::StateFormOf(o).compact()) {
+    absl::StrAppend(&out, memory::StateFormDescription(o), "\n");
+  }
   if (memory::Hierarchical(o)) {
     absl::StrAppendFormat(&out,
                           "HSDP: shard groups of %d consecutive ranks, %d replicas of each shard "
@@ -156,6 +159,12 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
   j["compute_dtype"] = std::string(DTypeName(o.compute_dtype));
   j["offload_optimizer"] = o.offload_optimizer;
   j["offload_param"] = o.offload_param;
+  // The optimizer state's form (docs/compact_state.md) and its bytes per owned element.
+  const memory::OptimizerStateForm form = memory::StateFormOf(o);
+  j["master_form"] = memory::MasterFormName(form.master);
+  j["master_in_params"] = form.master_in_params;
+  j["moment_dtype"] = std::string(DTypeName(form.moment_dtype));
+  j["optimizer_state_bytes_per_element"] = form.BytesPerElement();
   j["units"] = plan.units.size();
   j["max_unit_elements"] = plan.max_unit_elements;
   j["per_rank"] = nlohmann::ordered_json{{"model_state_bytes", plan.model_state_bytes},

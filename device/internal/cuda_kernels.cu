@@ -14,6 +14,7 @@
 #include "device/internal/cuda_elementwise.h"
 #include "device/internal/cuda_kernels.h"
 #include "device/internal/cuda_math.h"
+#include "device/internal/cuda_norm_batch.h"
 
 namespace zerort {
 namespace cuda_internal {
@@ -107,11 +108,11 @@ constexpr int kTreeThreads = kTreeChunk / 2;
 // shared memory and the last five with shfl_down by `stride`, which hands lane i the value of
 // lane i + stride: exactly the definition's pairs (fp addition is commutative, so only the
 // pairing matters). Lanes at or past `stride` compute values nobody reads.
-__global__ void __launch_bounds__(kTreeThreads)
-    NormTreeLevelKernel(const float* __restrict__ in, size_t count, float* __restrict__ out) {
+__device__ __forceinline__ void TreeChunk(const float* __restrict__ in, size_t count,
+                                          size_t chunk, float* __restrict__ out) {
   __shared__ float slot[kTreeThreads];
   const int t = threadIdx.x;
-  const size_t base = static_cast<size_t>(blockIdx.x) * kTreeChunk;
+  const size_t base = chunk * kTreeChunk;
   const size_t i = base + static_cast<size_t>(t);
   const float lo = i < count ? in[i] : 0.0f;
   const float hi = i + kTreeThreads < count ? in[i + kTreeThreads] : 0.0f;
@@ -126,8 +127,58 @@ __global__ void __launch_bounds__(kTreeThreads)
     for (int stride = 16; stride >= 1; stride /= 2) {
       v = Add(v, __shfl_down_sync(0xffffffffu, v, stride));
     }
-    if (t == 0) out[blockIdx.x] = v;
+    if (t == 0) out[chunk] = v;
   }
+}
+
+__global__ void __launch_bounds__(kTreeThreads)
+    NormTreeLevelKernel(const float* __restrict__ in, size_t count, float* __restrict__ out) {
+  TreeChunk(in, count, blockIdx.x, out);
+}
+
+// ------------------------------------------------------------------ batched norms
+
+// cuda_norm_batch.h's block pass: NormBlocksKernel over the blocks of every range of `batch`
+// (8 lanes per block, a warp's four blocks possibly of two ranges), with the finite flag.
+// __grid_constant__: the batch is read in place in parameter space, indexed at run time.
+template <DType D>
+__global__ void __launch_bounds__(kThreads)
+    BatchNormBlocksKernel(const __grid_constant__ BlockBatch batch) {
+  const size_t t = GlobalThread();
+  const size_t b = t / kNormLanes;
+  const int lane = static_cast<int>(t % kNormLanes);
+  float acc = 0.0f;
+  bool bad = false;
+  int j = 0;
+  size_t local = 0;
+  if (b < batch.blocks) {
+    j = BlockEntryOf(batch, b);
+    const BlockEntry& e = batch.e[j];
+    local = b - e.first_block;
+    const size_t begin = local * kNormBlockElems;
+    const size_t end = begin + kNormBlockElems < e.n ? begin + kNormBlockElems : e.n;
+    acc = NormLaneFinite<D>(e.x, begin, end, lane, &bad);
+  }
+  // The lane tree of NormBlocksKernel; the flags OR over the same partners.
+  int any = bad ? 1 : 0;
+  acc = Add(acc, __shfl_xor_sync(0xffffffffu, acc, 1));
+  any |= __shfl_xor_sync(0xffffffffu, any, 1);
+  acc = Add(acc, __shfl_xor_sync(0xffffffffu, acc, 2));
+  any |= __shfl_xor_sync(0xffffffffu, any, 2);
+  acc = Add(acc, __shfl_xor_sync(0xffffffffu, acc, 4));
+  any |= __shfl_xor_sync(0xffffffffu, any, 4);
+  if (lane == 0 && b < batch.blocks) {
+    const BlockEntry& e = batch.e[j];
+    e.partials[local] = acc;
+    if (any) *e.finite = 0;  // concurrent stores all write the same 0
+  }
+}
+
+__global__ void __launch_bounds__(kTreeThreads)
+    BatchTreeLevelKernel(const __grid_constant__ TreeBatch batch) {
+  const int j = ChunkEntryOf(batch, blockIdx.x);
+  const TreeEntry& e = batch.e[j];
+  TreeChunk(e.in, e.count, blockIdx.x - e.first_chunk, e.out);
 }
 
 size_t TreeChunks(size_t count) { return (count + kTreeChunk - 1) / kTreeChunk; }
@@ -273,6 +324,23 @@ int LaunchNormTreeSum(const float* values, size_t count, float* scratch, float* 
     return static_cast<int>(cudaMemcpyAsync(out, values, sizeof(float), cudaMemcpyDefault, s));
   }
   return static_cast<int>(LaunchTreeLevels(values, count, scratch, out, s));
+}
+
+int LaunchNormBatches(const NormBatchPlan& plan, void* stream) {
+  const cudaStream_t s = AsStream(stream);
+  for (const BlockBatch& b : plan.blocks) {
+    const size_t threads = b.blocks * kNormLanes;
+    const unsigned grid = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+    WithDType(b.dtype, [&](auto d) {
+      BatchNormBlocksKernel<decltype(d)::value><<<grid, kThreads, 0, s>>>(b);
+    });
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
+  }
+  for (const TreeBatch& t : plan.levels) {
+    BatchTreeLevelKernel<<<static_cast<unsigned>(t.chunks), kTreeThreads, 0, s>>>(t);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return static_cast<int>(e);
+  }
+  return static_cast<int>(cudaSuccess);
 }
 
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream) {

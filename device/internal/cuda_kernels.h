@@ -11,8 +11,8 @@
 // Pointers need only be aligned to their element size: the elementwise launchers (Cast,
 // Accumulate, Scale, AllFinite, AdamW, CompactAdamW, ReduceRankOrder) use 16-byte vector
 // accesses where all their arrays reach a 16-byte boundary at the same element, and an
-// unaligned path otherwise (cuda_elementwise.h). The grid is at most what the device holds resident; the SM count and
-// each kernel's occupancy are queried once per device and cached.
+// unaligned path otherwise (cuda_elementwise.h). One thread per chunk of work (no grid cap:
+// cuda_kernels.cu says why).
 // Thread-safe: launches on any streams may come from any threads.
 #ifndef ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
 #define ZERORT_DEVICE_INTERNAL_CUDA_KERNELS_H_
@@ -22,6 +22,7 @@
 #include "base/dtype.h"
 #include "device/internal/cuda_elementwise.h"  // kMaxReduceSources, CompactAdamWArgs
 #include "device/internal/cuda_math.h"          // AdamWConstants
+#include "device/internal/cuda_norm_batch.h"    // NormBatchPlan
 
 namespace zerort {
 namespace cuda_internal {
@@ -59,6 +60,10 @@ int LaunchSquaredNorm(const void* x, DType dtype, size_t n, float* scratch, floa
 // cudaMemcpyAsync and returns that call's error. REQUIRES: values holds count >= 1 floats;
 // scratch holds NormTreeScratch(count) floats; no overlaps.
 int LaunchNormTreeSum(const float* values, size_t count, float* scratch, float* out, void* stream);
+
+// Enqueues every launch of `plan` (cuda_norm_batch.h's PlanNormBatches) in order: the squared
+// norms and finite flags of many ranges. REQUIRES: as PlanNormBatches.
+int LaunchNormBatches(const NormBatchPlan& plan, void* stream);
 
 // Clears *finite (a byte preset to 1 by the caller) if any element is Inf or NaN.
 int LaunchAllFinite(const void* x, DType dtype, size_t n, unsigned char* finite, void* stream);

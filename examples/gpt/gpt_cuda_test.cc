@@ -22,6 +22,7 @@
 
 #include "absl/strings/match.h"
 #include "catch2/catch.hpp"
+#include "device/testing/gpu_or_skip.h"
 #include "examples/gpt/gpt.h"
 #include "examples/gpt/internal/cuda_model.h"
 #include "examples/gpt/internal/random.h"
@@ -40,9 +41,7 @@ bool GpuOrSkip() {
     WARN("GPU: " << (*gpu)->name << "; " << (*gpu)->peak_source);
     return true;
   }
-  std::string reason(gpu->status().message());
-  if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-  WARN("SKIPPED: no CUDA device: " << reason);
+  zerort::testing::WarnNoGpu(gpu->status());
   return false;
 }
 

@@ -217,10 +217,9 @@ absl::Span<const KeyDef> PrecisionAndOptimizerKeys() {
       // DeepSpeed's default (true since v0.19.3) skips a step with a non-finite gradient; so does
       // zerort, and it keeps doing so with false: a NaN written into the fp32 masters and
       // moments cannot be undone, a skipped step costs one step.
-      // Separate rows from the ones above: the reduced-precision master work may replace them.
-      Foreign("bf16.bf16_master_weights_and_grads", "master weights and gradients in fp32",
-              "false"),
-      Foreign("bf16.bf16_optimizer_states", "optimizer states in fp32", "false"),
+      // Compact optimizer state (docs/compact_state.md): bf16 parameters only (config.cc).
+      Scalar("bf16.bf16_master_weights_and_grads", M(bf16_master_weights_and_grads)),
+      Scalar("bf16.bf16_optimizer_states", M(bf16_optimizer_states)),
       Foreign("bf16.check_grad_overflow",
               "a step with a non-finite gradient is always skipped, in every dtype: applied, it "
               "would write NaN or Inf into the fp32 master weights and Adam moments for good"),
@@ -280,6 +279,8 @@ absl::Span<const KeyDef> TopKeys() {
       Scalar("zerort.frozen_params", M(frozen_params)),
       Scalar("zerort.local_grad_accumulation", M(local_grad_accumulation)),
       Int("zerort.ranks_per_node", M(ranks_per_node), 0),
+      Scalar("zerort.store_param_remainders", M(store_param_remainders)),
+      Int64("zerort.stochastic_rounding_seed", M(stochastic_rounding_seed), 0),
       Int64("zerort.reserves.cuda_context_bytes", M(reserves.cuda_context_bytes), 0),
       Int64("zerort.reserves.nccl_communicator_bytes", M(reserves.nccl_communicator_bytes), 0),
       Int64("zerort.reserves.nccl_buffsize", M(reserves.nccl_buffsize), 0),

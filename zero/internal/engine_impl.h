@@ -14,6 +14,7 @@
 #include "base/status.h"
 #include "comm/agree.h"
 #include "offload/cpu_adamw.h"
+#include "offload/cpu_adamw_compact.h"
 #include "offload/pipeline.h"
 #include "zero/internal/adamw_groups.h"
 #include "zero/internal/device_step_timer.h"
@@ -35,6 +36,16 @@
 namespace zerort {
 
 using zero_internal::Region;
+
+// The plan's master form as the kernels name it (the same values).
+inline offload::MasterForm OffloadMasterForm(memory::MasterForm form) {
+  static_assert(static_cast<int>(memory::MasterForm::kBf16Remainder) ==
+                        static_cast<int>(offload::MasterForm::kBf16Remainder) &&
+                    static_cast<int>(memory::MasterForm::kBf16Stochastic) ==
+                        static_cast<int>(offload::MasterForm::kBf16Stochastic),
+                "memory::MasterForm and offload::MasterForm differ");
+  return static_cast<offload::MasterForm>(form);
+}
 using zero_internal::Stopwatch;
 
 // The engine's parts, each a class of its own (zero/internal/, offload/pipeline.h), and the
@@ -101,6 +112,9 @@ class Engine::Impl {
   absl::Status CheckGradsReady() const;
   absl::Status CheckPending(const char* call, bool want) const;
 
+  // Unimplemented naming the device when it runs the optimizer and lacks the compact form's
+  // kernel (Device::CompactAdamWRanges).
+  absl::Status ProbeCompactKernel(Device::Stream compute);
   // HSDP (memory::Hierarchical): splits this rank's shard group off the communicator and hands
   // it to StreamOrder; an error on a backend without ReduceScatterInGroups. Collective.
   absl::Status JoinShardGroup(Device::Stream compute);

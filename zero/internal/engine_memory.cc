@@ -75,9 +75,17 @@ void EngineMemory::Assign(const memory::PlanOptions& o, const memory::Buffer& b,
         if (o.stage <= 1) break;
         kept.grads = p;
         return;
-      case BufferClass::kMaster: kept.master = reinterpret_cast<float*>(p); return;
-      case BufferClass::kExpAvg: kept.m = reinterpret_cast<float*>(p); return;
-      case BufferClass::kExpAvgSq: kept.v = reinterpret_cast<float*>(p); return;
+      case BufferClass::kMaster:
+        // A compact master's bf16 copy (memory::OptimizerStateForm), else the fp32 master.
+        if (b.dtype == DType::kF32) {
+          kept.master = reinterpret_cast<float*>(p);
+        } else {
+          kept.master_bf16 = reinterpret_cast<uint16_t*>(p);
+        }
+        return;
+      case BufferClass::kMasterRemainder: kept.remainder = reinterpret_cast<uint16_t*>(p); return;
+      case BufferClass::kExpAvg: kept.m = p; return;
+      case BufferClass::kExpAvgSq: kept.v = p; return;
       case BufferClass::kGradAccumulator: kept.accum = p; return;
       default: break;
     }
@@ -85,9 +93,19 @@ void EngineMemory::Assign(const memory::PlanOptions& o, const memory::Buffer& b,
   switch (b.cls) {
     case BufferClass::kParams: model_state_.params = p; break;
     case BufferClass::kGrads: model_state_.grads = p; break;
-    case BufferClass::kMaster: model_state_.master = reinterpret_cast<float*>(p); break;
-    case BufferClass::kExpAvg: model_state_.m = reinterpret_cast<float*>(p); break;
-    case BufferClass::kExpAvgSq: model_state_.v = reinterpret_cast<float*>(p); break;
+    case BufferClass::kMaster:
+      // A compact master's bf16 copy (memory::OptimizerStateForm), else the fp32 master.
+      if (b.dtype == DType::kF32) {
+        model_state_.master = reinterpret_cast<float*>(p);
+      } else {
+        model_state_.master_bf16 = reinterpret_cast<uint16_t*>(p);
+      }
+      break;
+    case BufferClass::kMasterRemainder:
+      model_state_.remainder = reinterpret_cast<uint16_t*>(p);
+      break;
+    case BufferClass::kExpAvg: model_state_.m = p; break;
+    case BufferClass::kExpAvgSq: model_state_.v = p; break;
     case BufferClass::kGradAccumulator: model_state_.accum = p; break;
     case BufferClass::kGradBucket: grad_buckets_ = slotted; break;
     case BufferClass::kGradWire: grad_wire_ = reinterpret_cast<float*>(p); break;

@@ -77,9 +77,12 @@ const char* Pointer(const EngineMemory& mem, const memory::Plan& plan, const mem
       case BufferClass::kGrads:
         if (plan.options.stage >= 2) return s.kept.grads;
         break;
-      case BufferClass::kMaster: return reinterpret_cast<const char*>(s.kept.master);
-      case BufferClass::kExpAvg: return reinterpret_cast<const char*>(s.kept.m);
-      case BufferClass::kExpAvgSq: return reinterpret_cast<const char*>(s.kept.v);
+      case BufferClass::kMaster:  // fp32, or a compact master's bf16 copy
+        return s.kept.master != nullptr ? reinterpret_cast<const char*>(s.kept.master)
+                                        : reinterpret_cast<const char*>(s.kept.master_bf16);
+      case BufferClass::kMasterRemainder: return reinterpret_cast<const char*>(s.kept.remainder);
+      case BufferClass::kExpAvg: return s.kept.m;
+      case BufferClass::kExpAvgSq: return s.kept.v;
       case BufferClass::kGradAccumulator: return s.kept.accum;
       default: break;
     }
@@ -87,9 +90,12 @@ const char* Pointer(const EngineMemory& mem, const memory::Plan& plan, const mem
   switch (cls) {
     case BufferClass::kParams: return s.params;
     case BufferClass::kGrads: return s.grads;
-    case BufferClass::kMaster: return reinterpret_cast<const char*>(s.master);
-    case BufferClass::kExpAvg: return reinterpret_cast<const char*>(s.m);
-    case BufferClass::kExpAvgSq: return reinterpret_cast<const char*>(s.v);
+    case BufferClass::kMaster:  // fp32, or a compact master's bf16 copy
+      return s.master != nullptr ? reinterpret_cast<const char*>(s.master)
+                                 : reinterpret_cast<const char*>(s.master_bf16);
+    case BufferClass::kMasterRemainder: return reinterpret_cast<const char*>(s.remainder);
+    case BufferClass::kExpAvg: return s.m;
+    case BufferClass::kExpAvgSq: return s.v;
     case BufferClass::kGradAccumulator: return s.accum;
     case BufferClass::kGradWire: return reinterpret_cast<const char*>(mem.grad_wire());
     case BufferClass::kGradLocal: return mem.grad_local();
@@ -247,17 +253,43 @@ TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in thei
          o->offload_param_nvme = true;
        }},
   };
+  // Compact optimizer state (bf16 only; docs/compact_state.md): each master form, with fp32 and
+  // bf16 moments, and the moments alone.
+  struct Form {
+    memory::MasterForm master;
+    DType moments;
+  };
+  const Form forms[] = {{memory::MasterForm::kF32, DType::kF32},
+                        {memory::MasterForm::kF32, DType::kBF16},
+                        {memory::MasterForm::kBf16Remainder, DType::kF32},
+                        {memory::MasterForm::kBf16Remainder, DType::kBF16},
+                        {memory::MasterForm::kBf16Stochastic, DType::kF32},
+                        {memory::MasterForm::kBf16Stochastic, DType::kBF16}};
   for (const Variant& v : variants) {
     for (int stage = v.min_stage; stage <= 3; ++stage) {
       for (DType dtype : {DType::kBF16, DType::kF32}) {
-        for (int world : {1, 3}) {
-          INFO(v.name << ", stage " << stage << ", " << DTypeName(dtype) << ", rank "
-                      << world - 1 << " of " << world);
-          memory::PlanOptions o = SmallPlan(stage, world, world - 1, 1, dtype).options;
-          v.apply(&o);
-          const absl::StatusOr<memory::Plan> plan = memory::MakePlan(testing::SmallModel(), o);
-          REQUIRE(plan.ok());
-          CheckCarving(*plan);
+        for (const Form& f : forms) {
+          const bool compact = f.master != memory::MasterForm::kF32 || f.moments != DType::kF32;
+          if (compact && dtype != DType::kBF16) continue;
+          for (int world : {1, 3}) {
+            INFO(v.name << ", stage " << stage << ", " << DTypeName(dtype) << ", master "
+                        << memory::MasterFormName(f.master) << ", moments "
+                        << DTypeName(f.moments) << ", rank " << world - 1 << " of " << world);
+            memory::PlanOptions o = SmallPlan(stage, world, world - 1, 1, dtype).options;
+            v.apply(&o);
+            o.master_form = f.master;
+            o.moment_dtype = f.moments;
+            const absl::StatusOr<memory::Plan> plan =
+                memory::MakePlan(testing::SmallModel(), o);
+            // A compact master with the parameters on NVMe is refused, naming the key.
+            if (f.master != memory::MasterForm::kF32 && o.offload_param_nvme) {
+              REQUIRE(!plan.ok());
+              CHECK(plan.status().message().find("nvme") != absl::string_view::npos);
+              continue;
+            }
+            REQUIRE(plan.ok());
+            CheckCarving(*plan);
+          }
         }
       }
     }

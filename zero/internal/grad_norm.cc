@@ -35,10 +35,12 @@ GradNorm::~GradNorm() {
   if (pinned_ != nullptr && readback_ != nullptr) pinned_->Free(readback_, ReadbackBytes());
 }
 
-size_t GradNorm::ReadbackBytes() const {
-  const size_t nu = plan_.units.size();
-  return static_cast<size_t>(plan_.options.world_size) * (nu + 1) * sizeof(float) + nu;
+size_t GradNorm::MaxRanges() const {
+  // Stage 0: every shard of every unit, and the whole region where the shards do not cover it.
+  return (static_cast<size_t>(plan_.options.world_size) + 1) * plan_.units.size();
 }
+
+size_t GradNorm::ReadbackBytes() const { return MaxRanges() * (sizeof(float) + sizeof(bool)); }
 
 absl::StatusOr<char*> GradNorm::Readback() {
   if (readback_ != nullptr) return readback_;
@@ -92,18 +94,13 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   // kept anyway, so that equality with the flat norm does not rest on that.)
   const int group = memory::ShardGroupSize(plan_.options), replicas = world / group;
   auto row_of = [&](int q) { return (q % replicas) * group + q / replicas; };
-  // (world, units + 1) fp32, and a flag per unit: written by the device when its stream gets
-  // there, valid after the Synchronize below. The previous Measure's copies all landed (it
-  // synchronized), so the host may clear them.
-  const size_t cells = static_cast<size_t>(world) * (nu + 1);
-  ASSIGN_OR_RETURN(char* readback, Readback());
-  float* const partials = reinterpret_cast<float*>(readback);
-  bool* const unit_finite = reinterpret_cast<bool*>(partials + cells);
-  std::fill(partials, partials + cells, 0.0f);
+  // Every unit this rank measures now, as ranges of one device call: each range's squared
+  // norm goes to a cell of the (world, units + 1) table, its verdict to its unit's flag.
+  ranges_.clear();
+  slots_.clear();
   for (int u = 0; u < nu; ++u) {
     const memory::Unit& unit = plan_.units[u];
     const Region& reg = layout_.region(u);
-    unit_finite[u] = true;
     if (reg.frozen) continue;  // no gradient: its partials stay zero
     if (reg.offloaded) {
       // Measured on the device before the shard left it; read after the Synchronize below.
@@ -114,30 +111,44 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
     const DType cdt = reg.grad_dtype;
     const size_t c = DTypeSize(cdt);
     if (reg.whole_unit) {
-      RETURN_IF_ERROR(dev_->AllFinite(reg.grad, cdt, reg.n, &unit_finite[u], compute_));
       for (int q = 0; q < world; ++q) {
-        RETURN_IF_ERROR(dev_->SquaredNorm(reg.grad + q * unit.shard * c, cdt, unit.shard,
-                                          &partials[q * (nu + 1) + u], compute_));
+        ranges_.push_back({reg.grad + q * unit.shard * c, cdt, static_cast<size_t>(unit.shard)});
+        slots_.push_back({q * (nu + 1) + u, u});
+      }
+      // The shards' flags are the region's when they cover it; else the region is checked too.
+      if (reg.n != static_cast<int64_t>(world) * unit.shard) {
+        ranges_.push_back({reg.grad, cdt, static_cast<size_t>(reg.n)});
+        slots_.push_back({-1, u});
       }
     } else {
       const Slice mine = OwnSlice(u, reg.grad);
-      RETURN_IF_ERROR(dev_->AllFinite(mine.data, cdt, mine.n, &unit_finite[u], compute_));
-      RETURN_IF_ERROR(
-          dev_->SquaredNorm(mine.data, cdt, mine.n, &partials[rank * (nu + 1) + u], compute_));
+      ranges_.push_back({mine.data, cdt, static_cast<size_t>(mine.n)});
+      slots_.push_back({rank * (nu + 1) + u, u});
     }
   }
+  // Written by the device when its stream gets there, valid after the Synchronize below.
+  ASSIGN_OR_RETURN(char* readback, Readback());
+  float* const norms = reinterpret_cast<float*>(readback);
+  bool* const range_finite = reinterpret_cast<bool*>(norms + MaxRanges());
+  ABSL_RAW_CHECK(ranges_.size() <= MaxRanges(), "gradient norm: more ranges than the readback");
+  RETURN_IF_ERROR(dev_->SquaredNormsAndFinite(ranges_, norms, range_finite, compute_));
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
-  std::vector<float> table(partials, partials + cells);
+  std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
+  std::vector<uint8_t> unit_finite(nu, 1);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].cell >= 0) table[slots_[i].cell] = norms[i];
+    if (!range_finite[i]) unit_finite[slots_[i].unit] = 0;
+  }
   if (early_) {
     for (int u = 0; u < nu; ++u) {
       if (!layout_.region(u).offloaded) continue;  // measured above, or frozen
-      unit_finite[u] = early_finite_[u];
+      unit_finite[u] = early_finite_[u] ? 1 : 0;
       table[rank * (nu + 1) + u] = early_sumsq_[u];
     }
   }
   const bool finite =
-      std::all_of(unit_finite, unit_finite + nu, [](bool f) { return f; });
+      std::all_of(unit_finite.begin(), unit_finite.end(), [](uint8_t f) { return f != 0; });
   if (plan_.options.stage == 0) {
     for (int q = 0; q < world; ++q) table[q * (nu + 1) + nu] = finite ? 1.0f : 0.0f;
   } else {

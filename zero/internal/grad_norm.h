@@ -15,7 +15,9 @@
 // offload_optimizer.ratio < 1 that is so for the offloaded units (Region::offloaded); Measure
 // measures the units kept on the device itself, as without offload.
 //
-// Where the device writes the partials: on a device with its own memory, into a pinned host
+// Every unit is measured in one device call (Device::SquaredNormsAndFinite), which the CUDA
+// device runs as a few launches for all units instead of several per unit. Where the device
+// writes the partials: on a device with its own memory, into a pinned host
 // buffer taken once from the device's pinned allocator (the readback), because a copy of a
 // device result into pageable memory returns only when the copy is done: the host then waits
 // for every unit's kernels in turn, two waits per unit, and cannot enqueue ahead (measured on
@@ -85,10 +87,19 @@ class GradNorm {
   // that this rank measures: all of it when flat, its replica's flat slice with HSDP.
   // REQUIRES: stage >= 1.
   Slice OwnSlice(int u, const char* shard) const;
-  // The readback, allocated on first use: (world, units + 1) fp32 partials in the table's
-  // layout, then one finiteness byte per unit.
+  // The readback, allocated on first use: MaxRanges() fp32 squared norms, then as many
+  // finiteness bytes, one each per range of Measure's device call.
   absl::StatusOr<char*> Readback();
+  size_t MaxRanges() const;
   size_t ReadbackBytes() const;
+  // Measure's ranges and, per range, its table cell (-1: checked for finiteness only) and unit;
+  // kept to reuse their memory.
+  struct RangeSlot {
+    int cell;
+    int unit;
+  };
+  std::vector<Device::NormRange> ranges_;
+  std::vector<RangeSlot> slots_;
   memory::RawAllocator* const pinned_;  // null: the host device (readback_heap_)
   char* readback_ = nullptr;
   std::vector<char> readback_heap_;

@@ -1,8 +1,5 @@
 #include "zero/internal/parking.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstring>
 #include <memory>
 #include <string>
@@ -13,6 +10,7 @@
 #include "device/testing/one_thread.h"
 #include "memory/arena.h"
 #include "memory/pinned_pool.h"
+#include "memory/testing/resident_pages.h"
 
 namespace zerort {
 namespace zero_internal {
@@ -20,15 +18,7 @@ namespace {
 
 using memory::MemoryKind;
 
-// Pages of [p, p + bytes) resident, by mincore: the kernel's count, not the allocator's.
-size_t ResidentPages(const void* p, size_t bytes) {
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  std::vector<unsigned char> vec((bytes + page - 1) / page);
-  REQUIRE(mincore(const_cast<void*>(p), bytes, vec.data()) == 0);
-  size_t n = 0;
-  for (unsigned char c : vec) n += c & 1;
-  return n;
-}
+using memory::testing::ResidentPages;
 
 // An allocator that cannot decommit (the RawAllocator defaults).
 class PlainAllocator final : public memory::RawAllocator {

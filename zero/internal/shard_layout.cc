@@ -20,8 +20,10 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   char* const grads = kept ? b.kept.grads : b.grads;
   char* const accum = kept ? b.kept.accum : b.accum;
   float* const master = kept ? b.kept.master : b.master;
-  float* const m = kept ? b.kept.m : b.m;
-  float* const v = kept ? b.kept.v : b.v;
+  char* const m = kept ? b.kept.m : b.m;
+  char* const v = kept ? b.kept.v : b.v;
+  uint16_t* const master_bf16 = kept ? b.kept.master_bf16 : b.master_bf16;
+  uint16_t* const remainder = kept ? b.kept.remainder : b.remainder;
   Region r;
   r.offloaded = unit.offloaded;
   r.grad_dtype = gdt;
@@ -32,6 +34,7 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
   r.unit_begin = r.whole_unit ? 0 : shard_index * unit.shard;
   r.owned_begin = r.whole_unit ? shard_index * unit.shard : 0;
   r.frozen = unit.frozen;
+  r.first_index = unit.index_offset + r.unit_begin;
   if (b.params != nullptr) {
     r.param = o.stage == 3 ? at(b.params, unit.shard_offset)
                            : at(b.params, unit.flat_offset + r.unit_begin);
@@ -57,13 +60,24 @@ Region RegionOf(const memory::Plan& plan, const memory::Unit& unit, const ModelS
       r.grad = at_grad(grads, unit.state_offset);
       break;
   }
-  // Optimizer state is the concatenation of the owned regions (of each part).
+  // Optimizer state is the concatenation of the owned regions (of each part), in the part's
+  // form: a unit kept on the device has the form without offload.
   const int64_t optim = r.whole_unit ? unit.flat_offset : unit.state_offset;
+  const memory::OptimizerStateForm form = memory::StateFormOf(o, /*offloaded=*/!kept);
+  r.master_form = form.master;
+  r.moment_dtype = form.moment_dtype;
+  if (form.master_in_params) r.master_bf16 = reinterpret_cast<uint16_t*>(r.param);
   if (m == nullptr) return r;  // NVMe offload: the optimizer state is in a file
+  const int64_t mb = static_cast<int64_t>(DTypeSize(form.moment_dtype));
+  r.m = m + optim * mb;
+  r.v = v + optim * mb;
+  if (form.master != memory::MasterForm::kF32) {
+    if (!form.master_in_params) r.master_bf16 = master_bf16 + optim;
+    if (remainder != nullptr) r.remainder = remainder + optim;
+    return r;
+  }
   r.params_are_master = master == nullptr;
   r.master = r.params_are_master ? reinterpret_cast<float*>(r.param) : master + optim;
-  r.m = m + optim;
-  r.v = v + optim;
   return r;
 }
 

@@ -31,6 +31,11 @@
 //
 // Frozen units (plan.units[u].frozen, after every trainable unit) have parameters only.
 //
+// A compact optimizer-state form (memory::OptimizerStateForm, docs/compact_state.md) keeps m
+// and v in bf16, and a compact master as the bf16 parameter shard itself (master_bf16 ==
+// param) or as a bf16 copy beside the state (a host optimizer beside device parameters), with
+// a remainder array for the lossless form; `master` is then null.
+//
 // Every engine path that touches owned state (InitParams, the optimizer, snapshots, restore,
 // GatherMasterWeights, the offload pipeline) reads this table instead of redoing the arithmetic.
 //
@@ -54,22 +59,27 @@ struct ModelStateBuffers {
   char* grads = nullptr;    // compute dtype: full (stages 0-1); the shard (stages 2-3) in
                             // the reduced-gradient dtype
   float* master = nullptr;  // fp32: full (stage 0) or the shard (stages 1-3)
-  float* m = nullptr;
-  float* v = nullptr;
+  char* m = nullptr;        // moment dtype (fp32, or bf16)
+  char* v = nullptr;
   char* accum = nullptr;    // reduced-gradient dtype (memory::ReducedGradDType): full
                             // (stage 0) or the shard (stage 1), with GAS > 1 or fp32;
                             // stage 1 without either, the plan's grad_reduced
+  uint16_t* master_bf16 = nullptr;  // a compact master's bf16 copy, where the plan has one
+  uint16_t* remainder = nullptr;    // MasterForm::kBf16Remainder
   // With offload_optimizer the buffers above that hold optimizer state (grads in stages 2-3,
-  // master, m, v, accum) are the offloaded part's; the part that offload_optimizer.ratio < 1
-  // keeps on the device is here, laid out as without offload over the kept units (null when
-  // there is none, or without offload).
+  // master, m, v, accum, master_bf16, remainder) are the offloaded part's; the part that
+  // offload_optimizer.ratio < 1 keeps on the device is here, laid out as without offload over
+  // the kept units, in their own form (memory::StateFormOf(o, false): a compact master in the
+  // parameter shard) (null when there is none, or without offload).
   struct Kept {
     char* grads = nullptr;    // stages 2-3: the kept units' gradient shards
     float* master = nullptr;  // null in fp32 training: the parameters are the weights
-    float* m = nullptr;
-    float* v = nullptr;
+    char* m = nullptr;        // moment dtype
+    char* v = nullptr;
     char* accum = nullptr;    // stage 1, with GAS > 1 or fp32; without either, the plan's
                               // grad_reduced (kept units reduced in place, with padding)
+    uint16_t* master_bf16 = nullptr;  // a compact master's bf16 copy (none: it is the params)
+    uint16_t* remainder = nullptr;    // MasterForm::kBf16Remainder
   };
   Kept kept;
 };
@@ -87,15 +97,31 @@ struct Region {
   char* grad = nullptr;        // (n) grad_dtype: the reduced gradient (the reduction writes it;
                                // host memory with gradient offload)
   DType grad_dtype = DType::kF32;  // the compute dtype, or fp32 with fp32_grad_accum
-  float* master = nullptr;     // (n) fp32; master, m, v null when they live in a file
-  float* m = nullptr;          // (n) fp32
-  float* v = nullptr;          // (n) fp32
+  float* master = nullptr;     // (n) fp32; master, m, v null when they live in a file, and
+                               // master null with a compact master form
+  char* m = nullptr;           // (n) moment_dtype
+  char* v = nullptr;           // (n) moment_dtype
   char* param = nullptr;       // (n) compute dtype; null when the shards live in a file
+  // Compact optimizer state (memory::OptimizerStateForm; null / fp32 / kF32 otherwise):
+  memory::MasterForm master_form = memory::MasterForm::kF32;
+  DType moment_dtype = DType::kF32;
+  // (n) a compact master's bf16 part: `param` itself (form.master_in_params) or its copy;
+  // null when it lives in a file.
+  uint16_t* master_bf16 = nullptr;
+  uint16_t* remainder = nullptr;  // (n) kBf16Remainder; null when it lives in a file
+  // Global index of element 0 in the flat order of memory::Unit::index_offset, the same at
+  // every stage and world size: where stochastic rounding draws for this region.
+  int64_t first_index = 0;
   // fp32 training without a master copy: `master` is `param`, updated in place.
   bool params_are_master = false;
   // A unit of frozen parameters: only `param` is set (grad, master, m and v are null), and
   // UnitStore derives its fp32 weights from the parameters.
   bool frozen = false;
+
+  // A compact form: the state is not the fp32 master, m and v.
+  bool compact() const {
+    return master_form != memory::MasterForm::kF32 || moment_dtype != DType::kF32;
+  }
 };
 
 class ShardLayout {

@@ -26,8 +26,9 @@ struct Backing {
     master.resize(size(memory::BufferClass::kMaster));
     m.resize(size(memory::BufferClass::kExpAvg));
     v.resize(size(memory::BufferClass::kExpAvgSq));
-    return {params.data(), grads.data(), master.empty() ? nullptr : master.data(), m.data(),
-            v.data(), accum.empty() ? nullptr : accum.data()};
+    return {params.data(), grads.data(), master.empty() ? nullptr : master.data(),
+            reinterpret_cast<char*>(m.data()), reinterpret_cast<char*>(v.data()),
+            accum.empty() ? nullptr : accum.data()};
   }
 };
 
@@ -55,8 +56,9 @@ TEST_CASE("ShardLayout: every element has one owner and optimizer state tiles th
               const Region& r = layout.region(u);
               REQUIRE(r.unit_begin + r.n <= unit.padded);
               for (int64_t e = 0; e < r.n; ++e) ++owners[u][r.unit_begin + e];
-              for (int64_t e = 0; e < r.n; ++e) ++m_cover[r.m - back.m.data() + e];
-              REQUIRE(r.v - back.v.data() == r.m - back.m.data());
+              const int64_t m_at = (r.m - reinterpret_cast<char*>(back.m.data())) / 4;
+              for (int64_t e = 0; e < r.n; ++e) ++m_cover[m_at + e];
+              REQUIRE(r.v - reinterpret_cast<char*>(back.v.data()) == m_at * 4);
               // This rank's checkpoint range is shard `rank` of the unit, inside the region.
               REQUIRE(r.unit_begin + r.owned_begin == rank * unit.shard);
               REQUIRE(r.owned_begin + unit.shard <= r.n);
@@ -128,13 +130,14 @@ TEST_CASE("ShardLayout: with offload_optimizer.ratio each part's state tiles its
             std::vector<char> off_grads(stage >= 2 ? PartElements(plan, C::kGrads, false) * cs : 0);
             auto ptr = [](auto& v) { return v.empty() ? nullptr : v.data(); };
             b.master = ptr(off.master);
-            b.m = ptr(off.m);
-            b.v = ptr(off.v);
+            auto bytes = [&](std::vector<float>& v) { return reinterpret_cast<char*>(ptr(v)); };
+            b.m = bytes(off.m);
+            b.v = bytes(off.v);
             b.accum = ptr(off.accum);
             if (stage >= 2) b.grads = ptr(off_grads);
             b.kept.master = ptr(dev.master);
-            b.kept.m = ptr(dev.m);
-            b.kept.v = ptr(dev.v);
+            b.kept.m = bytes(dev.m);
+            b.kept.v = bytes(dev.v);
             b.kept.accum = ptr(dev.accum);
             b.kept.grads = ptr(dev_grads);
             const ShardLayout layout(plan, b);
@@ -145,14 +148,17 @@ TEST_CASE("ShardLayout: with offload_optimizer.ratio each part's state tiles its
               REQUIRE(r.offloaded == unit.offloaded);
               Backing& part = r.offloaded ? off : dev;
               std::vector<int>& cover = r.offloaded ? cover_off : cover_dev;
-              for (int64_t e = 0; e < r.n; ++e) ++cover[r.m - part.m.data() + e];
-              REQUIRE(r.v - part.v.data() == r.m - part.m.data());
-              REQUIRE(r.master - part.master.data() == r.m - part.m.data());
+              // m and v are fp32 here (bytes): their element offsets in the part.
+              const int64_t m_at = reinterpret_cast<const float*>(r.m) - part.m.data();
+              const int64_t v_at = reinterpret_cast<const float*>(r.v) - part.v.data();
+              for (int64_t e = 0; e < r.n; ++e) ++cover[m_at + e];
+              REQUIRE(v_at == m_at);
+              REQUIRE(r.master - part.master.data() == m_at);
               // The reduced gradient lies in the part's gradient shard or accumulator, at the
               // same offset as its state; stage 1 without accumulation reads the full
               // gradients in place on the device.
               const std::vector<char>& grads = r.offloaded ? off_grads : dev_grads;
-              const int64_t at = (r.m - part.m.data()) * static_cast<int64_t>(cs);
+              const int64_t at = m_at * static_cast<int64_t>(cs);
               if (stage >= 2) {
                 REQUIRE(r.grad == grads.data() + at);
               } else if (r.offloaded || gas > 1) {

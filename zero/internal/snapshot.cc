@@ -56,10 +56,12 @@ absl::Status OwnedSnapshot::Begin(float* master, float* m, float* v, void* param
     // The snapshot holds this rank's shard of the region (all of it but in stage 0).
     const int64_t skip = reg.owned_begin;
     const size_t bytes = static_cast<size_t>(unit.shard) * 4;
-    if (reg.m != nullptr) {  // null when they live in a file: UnitStore read them already
+    // Null when they live in a file, and a compact form's arrays are not fp32: UnitStore read
+    // them (BeforeSnapshot) already.
+    if (reg.m != nullptr && !reg.compact()) {
       RETURN_IF_ERROR(dev_->Copy(master + off, reg.master + skip, bytes, stream_));
-      RETURN_IF_ERROR(dev_->Copy(m + off, reg.m + skip, bytes, stream_));
-      RETURN_IF_ERROR(dev_->Copy(v + off, reg.v + skip, bytes, stream_));
+      RETURN_IF_ERROR(dev_->Copy(m + off, reg.m + skip * 4, bytes, stream_));
+      RETURN_IF_ERROR(dev_->Copy(v + off, reg.v + skip * 4, bytes, stream_));
     }
     if (param != nullptr) {
       RETURN_IF_ERROR(dev_->Copy(static_cast<char*>(param) + off * c, reg.param + skip * c,

@@ -2,6 +2,9 @@
 // compute-dtype parameters) of every unit into host buffers on a stream of its own, so that a
 // checkpoint overlaps the next forward and backward passes.
 //
+// A compact optimizer-state form (docs/compact_state.md) is not fp32: UnitStore::BeforeSnapshot
+// converts it into the caller's arrays before Begin, which then copies only the parameters.
+//
 // The copies start after the work enqueued so far on the compute stream. Until they have
 // landed, the owned state must not be written: every writer calls Fence first (on the compute
 // stream for device-side updates, on the host for host-side ones).

@@ -47,7 +47,7 @@ struct Fixture {
   }
 
   float* Array(const Region& reg, int a) const {
-    return a == 0 ? reg.master : a == 1 ? reg.m : reg.v;
+    return a == 0 ? reg.master : reinterpret_cast<float*>(a == 1 ? reg.m : reg.v);
   }
   // Generation `gen` of every region, written by the host.
   void Fill(int gen) {

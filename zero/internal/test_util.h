@@ -75,6 +75,11 @@ class ForwardingDevice : public Device {
                            Stream s) override {
     return inner_->AdamWRanges(arrays, ranges, grad_scale, s);
   }
+  absl::Status CompactAdamWRanges(const offload::CompactAdamWArrays& arrays,
+                                  absl::Span<const offload::AdamWRange> ranges, float grad_scale,
+                                  Stream s) override {
+    return inner_->CompactAdamWRanges(arrays, ranges, grad_scale, s);
+  }
   absl::Status Synchronize(Stream s) override { return inner_->Synchronize(s); }
   absl::StatusOr<Stream> CreateStream() override { return inner_->CreateStream(); }
   void DestroyStream(Stream s) override { inner_->DestroyStream(s); }

@@ -10,13 +10,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "offload/cpu_adamw_compact.h"
 #include "offload/cpu_kernels.h"
 
 namespace zerort {
 namespace zero_internal {
 
+using memory::MasterForm;
+
 UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-                     Device::Stream compute, comm::HostExchange* exchange)
+                     Device::Stream compute, comm::HostExchange* exchange, int threads)
     : plan_(plan),
       layout_(layout),
       dev_(device),
@@ -24,13 +27,16 @@ UnitStore::UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device
       exchange_(exchange),
       c_(DTypeSize(plan.options.compute_dtype)),
       params_on_host_(plan.options.offload_param),
+      form_(memory::StateFormOf(plan.options)),
+      threads_(threads),
       file_index_(plan.units.size(), -1) {}
 
 absl::StatusOr<std::unique_ptr<UnitStore>> UnitStore::Create(
     const memory::Plan& plan, const ShardLayout& layout, const EngineMemory& memory,
     const Config& config, Device* device, Device::Stream compute,
     comm::HostExchange* exchange) {
-  std::unique_ptr<UnitStore> store(new UnitStore(plan, layout, device, compute, exchange));
+  std::unique_ptr<UnitStore> store(
+      new UnitStore(plan, layout, device, compute, exchange, config.cpu_threads));
   if (StateInFile(plan) || plan.options.offload_param_nvme) {
     RETURN_IF_ERROR(store->CreateFiles(memory, config));
   }
@@ -77,13 +83,17 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
   int64_t params_base = 0;
   if (state) {
     const SlottedBuffer& slots = memory.nvme_staging();
+    // The form's arrays (memory::OptimizerStateForm): master|m|v in fp32, or fewer bytes.
+    const std::vector<int> arrays = form_.ElementBytes();
     ASSIGN_OR_RETURN(state_file_, nvme::NvmeState::Create(aio_.get(), swap_file_.get(), shards,
                                                           plan_.options.nvme_piece_elements,
-                                                          slots.base, slots.elements * 4));
+                                                          slots.base, slots.elements * 4,
+                                                          arrays));
+    const void* const zeros[nvme::NvmeState::kMaxArrays] = {};
     for (int k = 0; k < static_cast<int>(shards.size()); ++k) {
-      RETURN_IF_ERROR(state_file_->Store(k, nullptr, nullptr, nullptr));
+      RETURN_IF_ERROR(state_file_->StoreArrays(k, zeros));
     }
-    params_base = nvme::NvmeState::FileBytes(shards, plan_.options.nvme_piece_elements);
+    params_base = nvme::NvmeState::FileBytes(shards, plan_.options.nvme_piece_elements, arrays);
   }
   if (!plan_.options.offload_param_nvme) return absl::OkStatus();
   const SlottedBuffer& buffers = memory.nvme_param_buffers();
@@ -97,12 +107,13 @@ absl::Status UnitStore::CreateFiles(const EngineMemory& memory, const Config& co
 // --- optimizer state --------------------------------------------------------------------------
 
 absl::Status UnitStore::StoreState(int u, const float* master, const float* m, const float* v) {
+  if (form_.compact()) return StoreCompact(u, master, m, v);
   if (InFile(u)) return state_file_->Store(file_index_[u], master, m, v);
   const Region& reg = layout_.region(u);
   // A frozen unit keeps no state: its weights are the parameters (StoreParams).
   if (reg.frozen) return absl::OkStatus();
   const size_t bytes = static_cast<size_t>(reg.n) * 4;
-  auto put = [&](float* dst, const float* src) {
+  auto put = [&](void* dst, const float* src) {
     return src != nullptr ? dev_->Copy(dst, src, bytes, compute_) : dev_->Zero(dst, bytes, compute_);
   };
   if (master != nullptr) RETURN_IF_ERROR(dev_->Copy(reg.master, master, bytes, compute_));
@@ -111,11 +122,12 @@ absl::Status UnitStore::StoreState(int u, const float* master, const float* m, c
 }
 
 absl::Status UnitStore::LoadState(int u, float* master, float* m, float* v) {
+  if (form_.compact()) return LoadCompact(u, 0, layout_.region(u).n, master, m, v);
   if (InFile(u)) return state_file_->Load(file_index_[u], master, m, v);
   const Region& reg = layout_.region(u);
   if (reg.frozen) return LoadFrozen(u, 0, reg.n, master, m, v);
   const size_t bytes = static_cast<size_t>(reg.n) * 4;
-  const float* src[3] = {reg.master, reg.m, reg.v};
+  const void* src[3] = {reg.master, reg.m, reg.v};
   float* dst[3] = {master, m, v};
   for (int k = 0; k < 3; ++k) {
     if (dst[k] != nullptr) RETURN_IF_ERROR(dev_->Copy(dst[k], src[k], bytes, compute_));
@@ -140,16 +152,162 @@ absl::Status UnitStore::LoadFrozen(int u, int64_t begin, int64_t n, float* maste
   return absl::OkStatus();
 }
 
+// A compact form's state as fp32 arrays, in the stored arrays' order (OptimizerStateForm).
+namespace {
+
+// Host arrays of one region's state in the form it is stored in.
+struct CompactHost {
+  std::vector<char> master;  // fp32, or the compact master's bf16 part
+  std::vector<uint16_t> remainder;
+  std::vector<char> m, v;    // moment dtype
+};
+
+}  // namespace
+
+absl::Status UnitStore::StoreCompact(int u, const float* master, const float* m, const float* v) {
+  const Region& reg = layout_.region(u);
+  if (reg.frozen) return absl::OkStatus();  // no state: its weights are the parameters
+  const int64_t n = reg.n;
+  const bool compact_master = form_.master != MasterForm::kF32;
+  const DType mdt = form_.moment_dtype;
+  const size_t mb = DTypeSize(mdt);
+  CompactHost h;
+  const void* master_in = master;  // as stored: the fp32 master, or its bf16 part
+  if (compact_master && master != nullptr) {
+    h.master.resize(static_cast<size_t>(n) * 2);
+    uint16_t* hi = reinterpret_cast<uint16_t*>(h.master.data());
+    if (form_.master == MasterForm::kBf16Remainder) {
+      h.remainder.resize(n);
+      RETURN_IF_ERROR(offload::SplitMasters(master, hi, h.remainder.data(), n, threads_));
+    } else {
+      // The stochastic form's master from an fp32 one: to nearest (even), deterministically.
+      offload::Cast(master, DType::kF32, hi, DType::kBF16, n, threads_);
+    }
+    master_in = hi;
+  }
+  // Moments in their dtype; null ones are zeros.
+  const void* moment_in[2] = {m, v};
+  std::vector<char>* moment_host[2] = {&h.m, &h.v};
+  for (int k = 0; k < 2; ++k) {
+    if (mdt == DType::kF32 && moment_in[k] != nullptr) continue;
+    moment_host[k]->assign(static_cast<size_t>(n) * mb, 0);
+    if (moment_in[k] != nullptr) {
+      offload::Cast(moment_in[k], DType::kF32, moment_host[k]->data(), mdt, n, threads_);
+    }
+    moment_in[k] = moment_host[k]->data();
+  }
+  const void* rem_in = h.remainder.empty() ? nullptr : h.remainder.data();
+  if (InFile(u)) {
+    const void* in[nvme::NvmeState::kMaxArrays] = {};
+    int next = 0;
+    in[next++] = master_in;
+    if (form_.remainder_array()) in[next++] = rem_in;
+    in[next++] = moment_in[0];
+    in[next++] = moment_in[1];
+    return state_file_->StoreArrays(file_index_[u], in);
+  }
+  if (master_in != nullptr) {
+    void* dst = compact_master ? static_cast<void*>(reg.master_bf16) : reg.master;
+    RETURN_IF_ERROR(dev_->Copy(dst, master_in, static_cast<size_t>(n) * (compact_master ? 2 : 4),
+                               compute_));
+    if (rem_in != nullptr) {
+      RETURN_IF_ERROR(dev_->Copy(reg.remainder, rem_in, static_cast<size_t>(n) * 2, compute_));
+    }
+  }
+  RETURN_IF_ERROR(dev_->Copy(reg.m, moment_in[0], static_cast<size_t>(n) * mb, compute_));
+  RETURN_IF_ERROR(dev_->Copy(reg.v, moment_in[1], static_cast<size_t>(n) * mb, compute_));
+  return dev_->Synchronize(compute_);  // before the host arrays go
+}
+
+absl::Status UnitStore::LoadCompact(int u, int64_t begin, int64_t n, float* master, float* m,
+                                    float* v) {
+  const Region& reg = layout_.region(u);
+  if (reg.frozen) return LoadFrozen(u, begin, n, master, m, v);
+  const bool compact_master = form_.master != MasterForm::kF32;
+  const DType mdt = form_.moment_dtype;
+  const size_t mb = DTypeSize(mdt);
+  const size_t master_bytes = compact_master ? 2 : 4;
+  // The stored arrays of elements [begin, begin + n), on the host.
+  CompactHost h;
+  const bool want_master = master != nullptr;
+  if (want_master) {
+    h.master.resize(static_cast<size_t>(n) * master_bytes);
+    if (form_.remainder_array()) h.remainder.resize(n);
+  }
+  if (m != nullptr) h.m.resize(static_cast<size_t>(n) * mb);
+  if (v != nullptr) h.v.resize(static_cast<size_t>(n) * mb);
+  if (InFile(u)) {
+    // The file holds whole shards: read the unit's, keep [begin, begin + n).
+    CompactHost whole;
+    const int64_t all = reg.n;
+    void* out[nvme::NvmeState::kMaxArrays] = {};
+    int next = 0;
+    if (want_master) {
+      whole.master.resize(static_cast<size_t>(all) * master_bytes);
+      out[next] = whole.master.data();
+    }
+    ++next;
+    if (form_.remainder_array()) {
+      if (want_master) {
+        whole.remainder.resize(all);
+        out[next] = whole.remainder.data();
+      }
+      ++next;
+    }
+    if (m != nullptr) whole.m.resize(static_cast<size_t>(all) * mb), out[next] = whole.m.data();
+    ++next;
+    if (v != nullptr) whole.v.resize(static_cast<size_t>(all) * mb), out[next] = whole.v.data();
+    RETURN_IF_ERROR(state_file_->LoadArrays(file_index_[u], out));
+    auto slice = [begin, n](const std::vector<char>& from, std::vector<char>* to, size_t eb) {
+      if (!to->empty()) std::memcpy(to->data(), from.data() + begin * eb, n * eb);
+    };
+    slice(whole.master, &h.master, master_bytes);
+    slice(whole.m, &h.m, mb);
+    slice(whole.v, &h.v, mb);
+    if (!h.remainder.empty()) {
+      std::memcpy(h.remainder.data(), whole.remainder.data() + begin, n * 2);
+    }
+  } else {
+    if (want_master) {
+      const char* src = compact_master ? reinterpret_cast<const char*>(reg.master_bf16)
+                                       : reinterpret_cast<const char*>(reg.master);
+      RETURN_IF_ERROR(
+          dev_->Copy(h.master.data(), src + begin * master_bytes, h.master.size(), compute_));
+      if (!h.remainder.empty()) {
+        RETURN_IF_ERROR(
+            dev_->Copy(h.remainder.data(), reg.remainder + begin, n * 2, compute_));
+      }
+    }
+    if (m != nullptr) RETURN_IF_ERROR(dev_->Copy(h.m.data(), reg.m + begin * mb, h.m.size(), compute_));
+    if (v != nullptr) RETURN_IF_ERROR(dev_->Copy(h.v.data(), reg.v + begin * mb, h.v.size(), compute_));
+    RETURN_IF_ERROR(dev_->Synchronize(compute_));
+  }
+  if (want_master) {
+    if (!compact_master) {
+      std::memcpy(master, h.master.data(), h.master.size());
+    } else if (form_.master == MasterForm::kBf16Remainder) {
+      RETURN_IF_ERROR(offload::JoinMasters(reinterpret_cast<const uint16_t*>(h.master.data()),
+                                           h.remainder.data(), master, n, threads_));
+    } else {
+      offload::Cast(h.master.data(), DType::kBF16, master, DType::kF32, n, threads_);  // exact
+    }
+  }
+  if (m != nullptr) offload::Cast(h.m.data(), mdt, m, DType::kF32, n, threads_);
+  if (v != nullptr) offload::Cast(h.v.data(), mdt, v, DType::kF32, n, threads_);
+  return absl::OkStatus();
+}
+
 absl::Status UnitStore::BeforeSnapshot(float* master, float* m, float* v, void** param) {
   for (int u = 0; u < layout_.num_units(); ++u) {
     const Region& reg = layout_.region(u);
     const int64_t off = plan_.units[u].shard_offset;
-    if (reg.frozen) {
-      RETURN_IF_ERROR(LoadFrozen(u, reg.owned_begin, plan_.units[u].shard, master + off,
-                                 m + off, v + off));
+    // A compact form's state is converted here (the snapshot copies fp32 arrays only).
+    if (reg.frozen || form_.compact()) {
+      RETURN_IF_ERROR(LoadCompact(u, reg.owned_begin, plan_.units[u].shard, master + off,
+                                  m + off, v + off));
     }
   }
-  for (int u = 0; u < layout_.num_units(); ++u) {
+  for (int u = 0; !form_.compact() && u < layout_.num_units(); ++u) {
     if (!InFile(u)) continue;  // in memory: the snapshot copies it
     const int64_t off = plan_.units[u].shard_offset;
     RETURN_IF_ERROR(state_file_->Load(file_index_[u], master + off, m + off, v + off));
@@ -178,9 +336,20 @@ absl::Status UnitStore::StoreParams(int u, const char* values) {
 absl::Status UnitStore::StoreParamsFromMaster(int u, const float* master) {
   const int64_t n = layout_.region(u).n;
   std::vector<char> values(n * c_);  // (n) compute dtype, host
-  offload::Cast(master, DType::kF32, values.data(), plan_.options.compute_dtype, n);
+  RoundToParams(master, values.data(), n);
   RETURN_IF_ERROR(StoreParams(u, values.data()));
   return dev_->Synchronize(compute_);  // before `values` goes
+}
+
+void UnitStore::RoundToParams(const float* master, char* out, int64_t n) const {
+  if (form_.master != MasterForm::kBf16Remainder) {
+    offload::Cast(master, DType::kF32, out, plan_.options.compute_dtype, n, threads_);
+    return;
+  }
+  std::vector<uint16_t> remainder(n);  // not kept: the parameters are the bf16 part alone
+  // Cannot fail: no pointer is null and threads_ >= 0 (the config's range).
+  offload::SplitMasters(master, reinterpret_cast<uint16_t*>(out), remainder.data(), n, threads_)
+      .IgnoreError();
 }
 
 // Collectives only ever see device buffers: a shard in host memory or in the file is staged
@@ -254,7 +423,7 @@ absl::Status UnitStore::WriteShardFromMaster(int u) {
     const float* src = master + offset / static_cast<int64_t>(c_);
     const size_t n = static_cast<size_t>(bytes) / c_;
     if (host) {
-      offload::Cast(src, DType::kF32, buffer, cdt, n);
+      RoundToParams(src, buffer, static_cast<int64_t>(n));
       return absl::OkStatus();
     }
     RETURN_IF_ERROR(dev_->Cast(src, DType::kF32, buffer, cdt, n, compute_));
@@ -290,7 +459,7 @@ absl::Status UnitStore::RecoverFromFile(const std::function<absl::Status(int)>& 
   for (int u = 0; u < layout_.num_units(); ++u) {
     if (!InFile(u)) continue;  // kept on the device: not updated yet
     std::vector<float> master(layout_.region(u).n);
-    RETURN_IF_ERROR(state_file_->Load(file_index_[u], master.data(), nullptr, nullptr));
+    RETURN_IF_ERROR(LoadState(u, master.data(), nullptr, nullptr));
     RETURN_IF_ERROR(StoreParamsFromMaster(u, master.data()));
     RETURN_IF_ERROR(regather(u));
   }

@@ -11,7 +11,11 @@
 // where state lives: a new place for it (or a compact form of it) is a change here.
 //
 // Arrays handed in and out are a unit's region (ShardLayout): region(u).n elements, the whole
-// padded unit in stage 0 and this rank's shard otherwise. A frozen unit (parameters only) reads
+// padded unit in stage 0 and this rank's shard otherwise. They are always fp32 master, m and v:
+// a compact optimizer-state form (memory::OptimizerStateForm, docs/compact_state.md) is
+// converted here, on the host: the master split into its bf16 part and remainder
+// (offload::SplitMasters) or rounded to nearest (the stochastic form's bf16 master) on the way
+// in, joined or widened on the way out; bf16 moments rounded to nearest even in, widened out. A frozen unit (parameters only) reads
 // as master = its parameters in fp32 and m = v = 0; StoreState ignores it (StoreParams sets it).
 //
 //   ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, memory, config, dev, compute,
@@ -77,6 +81,10 @@ class UnitStore {
   // Unit u's region of the compute-dtype parameters as round(master) of host fp32 `master`
   // (region(u).n elements), what the step and InitParams write; complete on return.
   absl::Status StoreParamsFromMaster(int u, const float* master);
+  // round(master) into `out` (n compute-dtype elements): to nearest even, or, with the lossless
+  // master form, ties away from zero (the bf16 part offload::SplitMaster stores), so that
+  // parameters written from an fp32 master (InitParams, restores) are the master's own.
+  void RoundToParams(const float* master, char* out, int64_t n) const;
   // Stage 3: the send buffer of unit u's all-gather, in device memory: the shard itself, or
   // `block` (this rank's block of the gather destination) when the shard lives on the host or
   // in a file and StageShard copies it there.
@@ -117,8 +125,12 @@ class UnitStore {
 
  private:
   UnitStore(const memory::Plan& plan, const ShardLayout& layout, Device* device,
-            Device::Stream compute, comm::HostExchange* exchange);
+            Device::Stream compute, comm::HostExchange* exchange, int threads);
   absl::Status CreateFiles(const EngineMemory& memory, const Config& config);
+  // A compact form's StoreState, and its LoadState of elements [begin, begin + n) of unit u's
+  // region into host fp32 arrays (null ones skipped).
+  absl::Status StoreCompact(int u, const float* master, const float* m, const float* v);
+  absl::Status LoadCompact(int u, int64_t begin, int64_t n, float* master, float* m, float* v);
   absl::Status WriteShardFromMaster(int u);
   // Frozen unit u: elements [begin, begin + n) of its region as master, m, v (see .cc).
   absl::Status LoadFrozen(int u, int64_t begin, int64_t n, float* master, float* m, float* v);
@@ -139,6 +151,11 @@ class UnitStore {
   comm::HostExchange* const exchange_;
   const size_t c_;              // bytes of a compute-dtype element
   const bool params_on_host_;   // offload_param: shards in host memory (or the file)
+  // The offloaded part's form (with offload_optimizer; the form without it otherwise). Its
+  // master, remainder and moment dtypes are the kept part's too; only master_in_params (and so
+  // the file's arrays) differ, which the regions already reflect.
+  const memory::OptimizerStateForm form_;
+  const int threads_;           // of the host conversions (cpu_threads; 0: all)
   // Per unit, its index in the state file (the offloaded units in order), or -1.
   std::vector<int> file_index_;
   int last_read_ = -1;          // shards in a file: the unit read last (read-ahead direction)
@@ -148,7 +165,8 @@ class UnitStore {
   std::unique_ptr<nvme::SwapDir> swap_dir_;
   std::unique_ptr<nvme::SwapFile> swap_file_;
   std::unique_ptr<nvme::AioEngine> aio_;
-  std::unique_ptr<nvme::NvmeState> state_file_;   // master|m|v of every unit, or null
+  std::unique_ptr<nvme::NvmeState> state_file_;   // master|m|v of every unit (the form's
+                                                  // arrays), or null
   std::unique_ptr<nvme::NvmeParams> param_file_;  // stage-3 shards, or null
 };
 

@@ -155,8 +155,10 @@ absl::Status OneRank(const Where& where, int r, comm::Communicator* comm, Device
     EXPECT_OR_RETURN((reg.m == nullptr) == where.state_in_file, "unit ", u);
     if (reg.m != nullptr) {
       RETURN_IF_ERROR(CheckEqual(reg.master, kept[3 * u], "region master", u));
-      RETURN_IF_ERROR(CheckEqual(reg.m, kept[3 * u + 1], "region m", u));
-      RETURN_IF_ERROR(CheckEqual(reg.v, kept[3 * u + 2], "region v", u));
+      RETURN_IF_ERROR(
+          CheckEqual(reinterpret_cast<const float*>(reg.m), kept[3 * u + 1], "region m", u));
+      RETURN_IF_ERROR(
+          CheckEqual(reinterpret_cast<const float*>(reg.v), kept[3 * u + 2], "region v", u));
     }
   }
 
