@@ -1160,6 +1160,58 @@ TEST_CASE("Plan: stages 0-1 without accumulation keep reduced gradients in the t
   }
 }
 
+TEST_CASE("Plan: with offload_optimizer.ratio the hand-off rule holds per unit: a padded unit "
+          "is copied only where its padding lies over a result kept on the device",
+          "[memory]") {
+  // Unit a (200 elements, padded to 256 at world 2) lies before b (256, no padding) in one
+  // buffer: a's padding lies over b's gradient. Stage 1 without accumulation keeps b's reduced
+  // gradient in the trainer's buffer only where b's optimizer state stays on the device; an
+  // offloaded b's reduced shard goes to host memory, so a may be reduced over it.
+  std::vector<ParamSpec> specs = {{"a.w", {200}, "a"}, {"b.w", {256}, "b"}};
+  for (ParamSpec& p : specs) p.grad_buffer = "g";
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = 1;
+  o.offload_optimizer = true;
+  bool saw_b_kept_a_offloaded = false, saw_b_offloaded = false, saw_all_kept = false;
+  for (double ratio : {0.0, 0.25, 0.5, 0.75, 1.0}) {
+    CAPTURE(ratio);
+    o.offload_optimizer_ratio = ratio;
+    auto plan = MakePlan(specs, o);
+    REQUIRE(plan.ok());
+    const Unit& a = UnitOf(*plan, "a.w");
+    const Unit& b = UnitOf(*plan, "b.w");
+    REQUIRE(a.padded == 256);
+    REQUIRE(b.padded == b.numel);
+    // b is reduced in place whatever its part; its result stays in the trainer's buffer only
+    // when its state is on the device.
+    CHECK(b.grad_source == GradSource::kInPlace);
+    CHECK(ReducedInTrainerBuffer(*plan, b) == !b.offloaded);
+    if (b.offloaded) {
+      saw_b_offloaded = true;
+      CHECK(a.grad_source == GradSource::kInPlace);
+      CHECK(a.grad_copy_reason.empty());
+      CHECK(plan->grad_handoff.tensors_in_place == 2);
+    } else {
+      if (a.offloaded) saw_b_kept_a_offloaded = true;
+      if (!a.offloaded) saw_all_kept = true;
+      CHECK(a.grad_source == GradSource::kCopied);
+      CHECK_THAT(a.grad_copy_reason,
+                 Catch::Contains("would lie over 'b.w''s gradient in 'g'") &&
+                     Catch::Contains("its optimizer state kept on the device by "
+                                     "offload_optimizer.ratio < 1"));
+      CHECK(plan->grad_handoff.tensors_in_place == 1);
+      CHECK(plan->grad_handoff.bytes_copied == 200 * 4);
+    }
+  }
+  // The ratios above cover each arrangement the rule distinguishes.
+  CHECK(saw_b_offloaded);
+  CHECK(saw_b_kept_a_offloaded);
+  CHECK(saw_all_kept);
+}
+
 TEST_CASE("Plan: a unit of per-layer slices of stacked tensors is copied, saying why",
           "[memory]") {
   // llm.c's buffer declared per layer (ln1w[l], ln1b[l], ... in module h[l]): a layer's
