@@ -30,6 +30,7 @@ Usage: deepspeed_cpu_adam_ref.py [--elements N ...] [--reps R] [--threads T]
                                  [--adamw_bench bazel-bin/benchmarks/adamw_bench]
 """
 import argparse
+import contextlib
 import inspect
 import json
 import statistics
@@ -117,17 +118,83 @@ def run_zerort(path, sizes):
     return {"command": " ".join(cmd), "output": json.loads(out)}
 
 
+def zerort_row(doc, key, n, threads, **match):
+    """adamw_bench's row of `key` ("results" or "forms") for n, threads and the fields given."""
+    for r in doc.get(key, []):
+        if r["params"] == n and r["threads"] == threads and all(
+                r.get(k) == v for k, v in match.items()):
+            return r
+    raise KeyError(f"adamw_bench printed no {key} row for n={n} threads={threads} {match}")
+
+
+def interleaved(torch, path, n, rounds, reps, threads):
+    """Rounds of DeepSpeed's mixed-precision step beside adamw_bench at the same size, in turn,
+    so that each round's ratios compare figures measured under the same load. Besides ours, each
+    round divides our memory floors by DeepSpeed's step: the speed no implementation of our
+    access pattern can pass on this machine (the floor streams exactly its bytes, trivially)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    step_args = inspect.signature(DeepSpeedCPUAdam.step).parameters
+    p = param_with_grad(torch, n, torch.float32)
+    opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    if "fp16_param_groups" in step_args:
+        mixed = lambda: opt.step(fp16_param_groups=[[copy]])
+    else:
+        mixed = lambda: (opt.step(), copy.copy_(p.data))
+    cmd = [path, f"--min_params={n}", f"--max_params={n}", "--forms=all"]
+    out = []
+    for k in range(rounds):
+        ds_fp32 = timed(opt.step, reps)[0]
+        ds_mixed = timed(mixed, reps)[0]
+        z = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        ours = zerort_row(z, "results", n, threads, dtype="bf16")
+        ours_fp32 = zerort_row(z, "results", n, threads, dtype="fp32")
+        lossless = zerort_row(z, "forms", n, threads, master_form="bf16_remainder",
+                              moment_dtype="fp32")
+        ds_mixed_rate = n / ds_mixed
+        r = {"round": k, "elements": n, "threads": threads,
+             "deepspeed_fp32_params_per_s": n / ds_fp32,
+             "deepspeed_fp32_gbps": 32 * n / ds_fp32 / 1e9,
+             "deepspeed_mixed_params_per_s": ds_mixed_rate,
+             "deepspeed_mixed_gbps": 34 * n / ds_mixed / 1e9,
+             "ours_mixed_params_per_s": ours["adamw_params_per_s"],
+             "ours_mixed_floor_params_per_s": ours["floor_params_per_s"],
+             "ours_fp32_floor_gbps": 32 * ours_fp32["floor_params_per_s"] / 1e9,
+             "ours_lossless_params_per_s": lossless["adamw_params_per_s"],
+             "ours_lossless_floor_params_per_s": lossless["floor_params_per_s"],
+             "ours_over_deepspeed": ours["adamw_params_per_s"] / ds_mixed_rate,
+             "ours_floor_over_deepspeed": ours["floor_params_per_s"] / ds_mixed_rate,
+             "lossless_over_deepspeed": lossless["adamw_params_per_s"] / ds_mixed_rate,
+             "lossless_floor_over_deepspeed": lossless["floor_params_per_s"] / ds_mixed_rate}
+        print(f"round {k} n={n}: ours/DeepSpeed mixed {r['ours_over_deepspeed']:.2f}, our floor "
+              f"{r['ours_floor_over_deepspeed']:.2f}, lossless {r['lossless_over_deepspeed']:.2f} "
+              f"(floor {r['lossless_floor_over_deepspeed']:.2f})", file=sys.stderr)
+        out.append(r)
+    summary = {"elements": n, "threads": threads, "rounds": rounds}
+    for key in ("ours_over_deepspeed", "ours_floor_over_deepspeed", "lossless_over_deepspeed",
+                "lossless_floor_over_deepspeed"):
+        v = sorted(r[key] for r in out)
+        summary[key] = {"min": v[0], "median": statistics.median(v), "max": v[-1]}
+    return {"summary": summary, "rounds": out}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", nargs="+", type=float, default=[1e7, 1e8])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
     parser.add_argument("--adamw_bench", default="", help="path of zerort's adamw_bench")
+    parser.add_argument("--interleave", type=int, default=0,
+                        help="R > 0: instead of the rows above, R rounds per size of "
+                             "DeepSpeed's fp32 and mixed steps then adamw_bench, in turn "
+                             "(needs --adamw_bench and --threads)")
     args = parser.parse_args()
     doc = {"benchmark": "deepspeed_cpu_adam_ref"}
     try:
         import torch
-        import deepspeed
+        # DeepSpeed's logger writes to the stdout it finds at import: keep the JSON clean.
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed
     except ImportError as e:
         doc["skipped"] = f"needs torch and deepspeed: {e}"
         print(json.dumps(doc, indent=2))
@@ -137,6 +204,13 @@ def main():
     doc.update(torch=torch.__version__, deepspeed=deepspeed.__version__,
                threads=torch.get_num_threads())
     sizes = [int(n) for n in args.elements]
+    if args.interleave > 0:
+        if not args.adamw_bench or args.threads <= 0:
+            parser.error("--interleave needs --adamw_bench and --threads")
+        doc["interleaved"] = [interleaved(torch, args.adamw_bench, n, args.interleave,
+                                          args.reps, args.threads) for n in sizes]
+        print(json.dumps(doc, indent=2))
+        return 0
     doc["results"] = []
     for n in sizes:
         doc["results"] += deepspeed_rows(torch, n, args.reps) + torch_rows(torch, n, args.reps)
