@@ -100,8 +100,8 @@ absl::Status ResolveAuto(const AutoFill& fill, absl::Span<const memory::ParamSpe
 // its world size and rank are `world_size` and `rank`, its local size L divides the world and
 // its local rank is rank % L. A round-robin placement (mpirun --map-by node) fails that and
 // keeps 0; Engine::Create does not call it for in-process groups, whose threads share one
-// process's variables. Each rank decides alone: where only some ranks pass, the ranks' configs
-// differ and Engine::Create's agreement check fails.
+// process's variables. Each rank decides alone: where only some ranks pass, Engine::Create's
+// agreement check fails on every rank, naming zerort.ranks_per_node and both values.
 // Adds a note saying what it took, or why it took nothing when a launcher was found; changes
 // nothing when ranks_per_node is set or no launcher variables are present (NotFound).
 void FillRanksPerNode(const absl::StatusOr<comm::LaunchInfo>& launch, int world_size, int rank,

@@ -187,11 +187,22 @@ absl::Status Engine::Impl::CheckPeersAgree() {
   // that engines sharing a communicator tell their steps apart.
   static std::atomic<uint64_t> created{0};
   const uint64_t proposal = (static_cast<uint64_t>(::getpid()) << 32) | created++;
+  // The node size travels apart: each rank may take it from its own launcher variables
+  // (FillRanksPerNode), so it is the one config value that can differ without a user's mistake
+  // in the config, and the error should say so.
+  const uint64_t per_node = static_cast<uint64_t>(plan_.options.ranks_per_node);
   ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
-                   comm::AllGatherU64(*host_, {mine, proposal}));
+                   comm::AllGatherU64(*host_, {mine, proposal, per_node}));
   engine_id_ = all[1];
   for (int r = 0; r < world_; ++r) {
-    if (all[2 * r] != mine) {
+    if (all[3 * r + 2] != per_node) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank_, " and rank ", r, " disagree on zerort.ranks_per_node (", per_node,
+          " here, ", all[3 * r + 2], " there; 0: unknown): a launcher's placement that is not "
+          "consecutive blocks per node on every rank leaves some ranks without it (see this "
+          "engine's config notes); set zerort.ranks_per_node in the config"));
+    }
+    if (all[3 * r] != mine) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank_, " and rank ", r, " disagree on the model or the config (parameter "
           "names, shapes, modules, stage, precision, gradient accumulation or parameter "

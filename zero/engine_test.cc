@@ -1031,6 +1031,21 @@ TEST_CASE("Engine: ranks that registered different models are told so", "[zero]"
     REQUIRE_FALSE(s.ok());
     CHECK_THAT(std::string(s.message()), Catch::Contains("disagree on the model"));
   }
+  // The node size, which each rank may take from its own launcher: named, with the way out.
+  const std::vector<absl::Status> per_node =
+      comm::testing::OnRanks(2, {5000}, [&](int r, comm::Communicator* c) {
+        Config config = MakeConfig(0, DType::kBF16, 1, 0, false);
+        config.ranks_per_node = r == 0 ? 2 : 0;
+        return Engine::Create(config, SmallModel(), c, device.get()).status();
+      });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE_FALSE(per_node[r].ok());
+    CHECK_THAT(std::string(per_node[r].message()),
+               Catch::Contains(absl::StrCat("disagree on zerort.ranks_per_node (", r == 0 ? 2 : 0,
+                                            " here, ", r == 0 ? 0 : 2, " there")) &&
+                   Catch::Contains("set zerort.ranks_per_node in the config"));
+  }
 }
 
 // --- NVMe parameter offload with the optimizer step on the device (no optimizer offload) ---
