@@ -154,6 +154,37 @@ TEST_CASE("HSDP: stages 1-3 in shard groups equal flat stage 3 bit for bit (2x2,
   }
 }
 
+TEST_CASE("HSDP: stage \"auto\" over two nodes trains in node-sized shard groups, bit for bit "
+          "flat",
+          "[zero][hsdp]") {
+  // With room for any stage, auto takes HSDP's stage 1 in groups of the node's 2 ranks; the
+  // engine must build that layout (its planned bytes are the explicit HSDP config's, not flat
+  // stage 1's) and train as flat does.
+  const int world = 4, steps = 6;
+  const Variant v{"plain", false, false, 1};
+  Config automatic = Make(1, v, -1);
+  automatic.zero.stage_auto = true;
+  automatic.zero.memory_budget.device_bytes = int64_t{1} << 40;
+  automatic.ranks_per_node = 2;
+  Config explicit_hsdp = Make(1, v, 2);
+  explicit_hsdp.ranks_per_node = 2;
+  const Run chosen = Train(automatic, world, steps);
+  const Run hsdp = Train(explicit_hsdp, world, steps);
+  const Run flat = Train(Make(1, v, -1), world, steps);
+  RequireOk(chosen);
+  RequireOk(hsdp);
+  RequireOk(flat);
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
+      CHECK(chosen.ranks[r].report.planned[k] == hsdp.ranks[r].report.planned[k]);
+    }
+    CHECK(chosen.ranks[r].report.planned[0] > flat.ranks[r].report.planned[0]);
+    CHECK(BitEqual(chosen.ranks[r].master, flat.ranks[0].master));
+    CHECK(chosen.ranks[r].params == flat.ranks[0].params);
+  }
+}
+
 TEST_CASE("HSDP: stage 1 with local gradient accumulation equals flat stage 1 with it",
           "[zero][hsdp]") {
   // Local accumulation sums the micro-steps before the one reduction of the window, a different

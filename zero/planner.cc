@@ -124,6 +124,10 @@ std::string Describe(const memory::PlanOptions& o) {
     absl::StrAppend(&s, " (offload_optimizer.ratio ", o.offload_optimizer_ratio, ")");
   }
   // A compact optimizer-state form (docs/compact_state.md) is named with its bytes.
+  // HSDP (mics_shard_size without the hierarchical gather); hpZ and MiCS are the config's.
+  if (memory::Hierarchical(o) && !o.hierarchical_gather) {
+    absl::StrAppend(&s, " in shard groups of ", o.shard_group_size, " (HSDP)");
+  }
   if (memory::StateFormOf(o).compact()) {
     absl::StrAppend(&s, " (", memory::StateFormDescription(o), ")");
   }
@@ -161,17 +165,45 @@ std::string BudgetText(const MemoryBudget& b) {
                       b.host_bytes ? HumanBytes(b.host_bytes) : "unlimited", " host");
 }
 
+// The shard groups auto chooses between, smallest first; {0} (the config's layout) when it
+// chooses none. Over several nodes (zerort.ranks_per_node L known, 1 < L < world) and with no
+// layout in the config (mics_shard_size, zero_hpz_partition_size and the hierarchical gather
+// unset), the candidates are the multiples of L that divide the world, then the world itself
+// (0: flat). A smaller group sends fewer bytes between nodes at every stage (HSDP in node-sized
+// groups crosses nodes only with the all-reduce of its 1/L shard: docs/architecture.md, section
+// 4) and holds more state per rank, which the budget decides.
+std::vector<int> ShardGroups(const memory::PlanOptions& base) {
+  const int L = base.ranks_per_node, N = base.world_size;
+  if (L <= 1 || L >= N || base.shard_group_size > 0 || base.hpz_partition_size > 1 ||
+      base.hierarchical_gather) {
+    return {base.shard_group_size};
+  }
+  std::vector<int> groups;
+  for (int g = L; g < N; g += L) {
+    if (N % g == 0) groups.push_back(g);
+  }
+  groups.push_back(0);
+  return groups;
+}
+
 // Auto candidates in order of preference: no offload, optimizer offload to host memory, then
 // (with `nvme`: offload_optimizer.nvme_path names a directory) the optimizer state on NVMe,
-// which needs only its pinned slots of host memory.
+// which needs only its pinned slots of host memory. Where auto chooses the shard group
+// (ShardGroups), the candidates without offload and with optimizer offload are each tried at
+// every group, smallest first, and stage 0 is left out: HSDP's stage 1 in the smallest group
+// holds less than stage 0 and sends less between nodes, so stage 0 could never be preferred.
+// Parameter offload and NVMe stay flat.
 std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, bool nvme) {
   std::vector<memory::PlanOptions> out;
-  auto add = [&](int stage, bool optimizer, bool param, bool on_nvme) {
+  const std::vector<int> groups = ShardGroups(base);
+  const bool choose_group = groups.size() > 1;
+  auto add = [&](int stage, bool optimizer, bool param, bool on_nvme, int group) {
     // Local accumulation needs the full gradients of stages 0-1.
     if (base.local_grad_accumulation && stage >= 2) return;
-    // HSDP shards within groups, which stage 0 does not do.
-    if (memory::Hierarchical(base) && stage == 0) return;
     memory::PlanOptions o = base;
+    o.shard_group_size = group;
+    // HSDP shards within groups, which stage 0 does not do.
+    if (memory::Hierarchical(o) && stage == 0) return;
     o.stage = stage;
     o.offload_optimizer = optimizer;
     o.offload_param = param;
@@ -179,12 +211,17 @@ std::vector<memory::PlanOptions> Candidates(const memory::PlanOptions& base, boo
     o.offload_param_nvme = false;
     out.push_back(o);
   };
-  for (int stage = 0; stage <= 3; ++stage) add(stage, false, false, false);
-  for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, false);
-  add(3, true, true, false);
+  const int flat = choose_group ? 0 : base.shard_group_size;
+  for (int g : groups) {
+    for (int stage = choose_group ? 1 : 0; stage <= 3; ++stage) add(stage, false, false, false, g);
+  }
+  for (int g : groups) {
+    for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, false, g);
+  }
+  add(3, true, true, false, flat);
   if (nvme) {
-    for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, true);
-    add(3, true, true, true);
+    for (int stage = 1; stage <= 3; ++stage) add(stage, true, false, true, flat);
+    add(3, true, true, true, flat);
   }
   return out;
 }
@@ -380,6 +417,12 @@ absl::StatusOr<PlanChoice> ChooseStage(absl::Span<const memory::ParamSpec> specs
       choice.reason = absl::StrCat("auto chose ", Describe(e.plan.options), ": it needs ",
                                    Needs(e), ", within the budget of ", BudgetText(budget));
       if (!kept.empty()) absl::StrAppend(&choice.reason, "; ", kept);
+      if (ShardGroups(base).size() > 1) {
+        absl::StrAppend(&choice.reason, "; shard groups tried smallest first, from "
+                        "zerort.ranks_per_node ", base.ranks_per_node, " (a smaller group sends "
+                        "fewer bytes between nodes; set zero_optimization.mics_shard_size to "
+                        "fix the layout)");
+      }
       choice.decided_by = last_term;
       if (e.budget.counted && !last_term.empty()) {
         absl::StrAppend(&choice.reason, "; ", last_term, " decided");

@@ -3,7 +3,10 @@
 // `"stage": "auto"` picks the cheapest configuration whose plan fits the memory budget: the
 // lowest stage first (fewer bytes on the wire), then optimizer offload, then parameter offload,
 // then (when offload_optimizer.nvme_path is set) the optimizer state on NVMe, which needs little
-// host memory, and says which it chose and why. Given a Workload (or activations declared on the
+// host memory, and says which it chose and why. Over several nodes (Config::ranks_per_node
+// known and smaller than the world, no layout in the config) it tries each of those in HSDP
+// shard groups too, node-sized first, since a smaller group sends fewer bytes between nodes.
+// Given a Workload (or activations declared on the
 // ParamSpecs), "fits" means the whole device budget fits: model-state buffers, the activations of
 // one micro-batch and the runtime's reserves (DeviceBudget, docs/memory_budget.md), and the
 // reason names the term that decided. When nothing fits, the error names the smallest requirement
@@ -98,7 +101,9 @@ struct PlanChoice {
 
 // Explicit stage: the plan for it, with `fits` checked against the budget if one is set.
 // Auto: the first candidate of (stage 0, 1, 2, 3; then 1, 2, 3 with optimizer offload; then 3
-// with optimizer and parameter offload) that fits. ResourceExhausted when none does.
+// with optimizer and parameter offload) that fits; over several nodes, stages 1-3 (then 1-3
+// with optimizer offload) at each shard group from the node size up to flat, before parameter
+// offload. ResourceExhausted when none does.
 // The device figure compared with the budget is DeviceBudget::total_bytes: model state alone
 // without a workload (and without declared activations), else activations and reserves too.
 absl::StatusOr<PlanChoice> ChoosePlan(absl::Span<const memory::ParamSpec> specs,

@@ -162,6 +162,82 @@ TEST_CASE("Planner: auto picks the lowest stage that fits, at the byte boundary"
   CHECK(offload->plan.device_bytes() <= need[3] - 1);
 }
 
+TEST_CASE("Planner: over several nodes auto also chooses the shard group, smallest first, at "
+          "the byte boundary",
+          "[zero]") {
+  auto specs = SyntheticModel(10000000, 10);
+  REQUIRE(specs.ok());
+  const int world = 16, per_node = 4;
+  // The device bytes of each explicit (stage, mics_shard_size), through the explicit path.
+  auto need = [&](int stage, int group) {
+    Config c = StageConfig(stage);
+    c.zero.mics_shard_size = group;
+    c.ranks_per_node = per_node;
+    auto choice = ChoosePlan(*specs, c, world, 0);
+    REQUIRE(choice.ok());
+    return choice->plan.device_bytes();
+  };
+  // The documented order: every stage in groups of 4, then 8, then flat (0); stage 0 never.
+  std::vector<std::pair<int, int>> order;
+  for (int group : {4, 8, 0}) {
+    for (int stage = 1; stage <= 3; ++stage) order.push_back({stage, group});
+  }
+  std::vector<int64_t> needs;
+  for (const auto& [stage, group] : order) needs.push_back(need(stage, group));
+  // A group holds more per rank than a larger one at the same stage: the choice is not trivial.
+  REQUIRE(needs[0] > needs[3]);
+  REQUIRE(needs[2] > needs[8]);
+  for (size_t i = 0; i < order.size(); ++i) {
+    for (int64_t budget : {needs[i], needs[i] - 1}) {
+      CAPTURE(order[i].first, order[i].second, budget);
+      size_t expected = 0;
+      while (expected < order.size() && needs[expected] > budget) ++expected;
+      Config c = AutoConfig(budget);
+      c.ranks_per_node = per_node;
+      auto chosen = ChoosePlan(*specs, c, world, 0);
+      REQUIRE(chosen.ok());
+      if (expected == order.size()) {  // nothing fits without offload
+        CHECK(chosen->plan.options.offload_optimizer);
+        continue;
+      }
+      CHECK_FALSE(chosen->plan.options.offload_optimizer);
+      CHECK(chosen->plan.options.stage == order[expected].first);
+      CHECK(chosen->plan.options.shard_group_size == order[expected].second);
+      CHECK(chosen->plan.device_bytes() == needs[expected]);
+      CHECK_THAT(chosen->reason, Catch::Contains("from zerort.ranks_per_node 4"));
+      if (order[expected].second > 0) {
+        CHECK_THAT(chosen->reason,
+                   Catch::Contains(absl::StrCat("auto chose stage ", order[expected].first,
+                                                " in shard groups of ", order[expected].second,
+                                                " (HSDP)")));
+      }
+    }
+  }
+  // Room for stage 0 still gives HSDP's stage 1 in node-sized groups: less memory, and only the
+  // all-reduce of a quarter of the gradients between nodes.
+  const int64_t stage0 = need(0, 0);
+  REQUIRE(stage0 > needs[0]);
+  Config roomy = AutoConfig(stage0);
+  roomy.ranks_per_node = per_node;
+  auto hsdp = ChoosePlan(*specs, roomy, world, 0);
+  REQUIRE(hsdp.ok());
+  CHECK(hsdp->plan.options.stage == 1);
+  CHECK(hsdp->plan.options.shard_group_size == 4);
+  // A layout in the config, one node, or an unknown node size: the stages alone, as before.
+  Config fixed = roomy;
+  fixed.zero.mics_shard_size = world;
+  Config one_node = roomy;
+  one_node.ranks_per_node = world;
+  Config unknown = roomy;
+  unknown.ranks_per_node = 0;
+  for (const Config& c : {fixed, one_node, unknown}) {
+    auto plain = ChoosePlan(*specs, c, world, 0);
+    REQUIRE(plain.ok());
+    CHECK(plain->plan.options.stage == 0);
+    CHECK_THAT(plain->reason, !Catch::Contains("shard groups"));
+  }
+}
+
 TEST_CASE("Planner: auto keeps as much optimizer state on the device as the budget allows",
           "[zero]") {
   auto specs = SyntheticModel(10000000, 10);
