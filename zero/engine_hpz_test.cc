@@ -3,28 +3,26 @@
 // fp32 masters, the parameters and every step's norm equal flat stage 3 bit for bit, with
 // clipping, optimizer offload, fp32 accumulation and gradient accumulation. What changes is
 // which ranks each all-gather runs over, which a counting communicator records here.
-#include <catch2/catch.hpp>
-#include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
+
+#include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
 #include "base/status.h"
 #include "comm/forwarding.h"
-#include "comm/inprocess.h"
-#include "comm/testing/stream_ordered.h"
-#include "device/cpu_device.h"
 #include "zero/engine.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/world_run.h"
 
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::RequireOk;
 using testing::SmallModel;
 
 // Forwards every call to `inner` and counts this rank's all-gathers by the size of the group
@@ -59,9 +57,7 @@ class CountingComm final : public comm::ForwardingCommunicator {
   Log* const log_;
 };
 
-struct Run {
-  std::vector<testing::TrainResult> ranks;
-  std::vector<absl::Status> errors;
+struct Run : testing::WorldRun {
   std::vector<CountingComm::Log> logs;
   // Per rank: every parameter byte the trainer read after a Gather, in order (read_gathers).
   std::vector<std::vector<char>> seen;
@@ -110,58 +106,27 @@ absl::Status TrainReading(const Config& config, comm::Communicator* comm, Device
 // `steps` optimizer steps of the synthetic trainer on `world` ranks (one thread each), on the
 // in-process group, or with `stream_ordered` on the stream-ordered test group over a CPU device
 // whose streams run late on threads of their own (the secondary blocks are then written and
-// read by delayed stream work).
+// read by delayed stream work). Every rank's all-gathers are counted in its log.
 Run Train(const Config& config, int world, int steps, bool stream_ordered = false,
           bool read_gathers = false) {
-  CpuDeviceOptions o;
-  o.threads = 1;
-  o.async_streams = stream_ordered;
-  o.stream_delay_us = stream_ordered ? 200 : 0;
-  std::unique_ptr<Device> device = CreateCpuDevice(o);
-  comm::CommOptions co;
-  co.timeout_ms = config.comm_timeout_ms;
-  auto comms = stream_ordered ? comm::testing::CreateStreamOrderedGroup(world, device.get(), co)
-                              : comm::CreateInProcessGroup(world, co);
-  REQUIRE(comms.ok());
+  testing::WorldOptions o =
+      stream_ordered ? testing::StreamOrderedWorld() : testing::WorldOptions();
+  o.timeout_ms = config.comm_timeout_ms;
   Run run;
-  run.ranks.resize(world);
-  run.errors.resize(world);
   run.logs.resize(world);
   run.seen.resize(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      CountingComm counted((*comms)[r].get(), &run.logs[r]);
-      Device::Stream stream = nullptr;
-      if (stream_ordered) stream = device->CreateStream().value();
-      if (read_gathers) {
-        run.errors[r] = TrainReading(config, &counted, device.get(), steps, stream, &run.seen[r]);
-        if (stream != nullptr) device->DestroyStream(stream);
-        return;
-      }
-      auto result =
-          testing::TrainRank(config, SmallModel(), &counted, device.get(), steps, -1, -1, stream);
-      if (stream != nullptr) device->DestroyStream(stream);
-      if (!result.ok()) {
-        run.errors[r] = result.status();
-      } else {
-        run.ranks[r] = *std::move(result);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  static_cast<testing::WorldRun&>(run) = testing::RunWorld(
+      world, o,
+      [&](int r, comm::Communicator* comm, Device* device,
+          Device::Stream stream) -> absl::StatusOr<testing::TrainResult> {
+        CountingComm counted(comm, &run.logs[r]);
+        if (read_gathers) {
+          RETURN_IF_ERROR(TrainReading(config, &counted, device, steps, stream, &run.seen[r]));
+          return testing::TrainResult();
+        }
+        return testing::TrainRank(config, SmallModel(), &counted, device, steps, -1, -1, stream);
+      });
   return run;
-}
-
-void RequireOk(const Run& run) {
-  for (size_t r = 0; r < run.errors.size(); ++r) {
-    INFO("rank " << r << ": " << run.errors[r].ToString());
-    REQUIRE(run.errors[r].ok());
-  }
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 struct Variant {
