@@ -1,15 +1,20 @@
 #include "zero/testing/world_run.h"
 
-#include <catch2/catch.hpp>
+#include <cerrno>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <thread>
 #include <utility>
+
+#include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
 #include "comm/inprocess.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
+#include "nvme/io.h"
 
 namespace zerort {
 namespace testing {
@@ -86,6 +91,50 @@ void CheckAllOk(const std::vector<absl::Status>& errors) {
 bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
+
+absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
+                                                      comm::Communicator* comm, Device* device,
+                                                      int steps) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(config, SmallModel(), comm, device));
+  RETURN_IF_ERROR(SetInitValues(*e));
+  RETURN_IF_ERROR(TrainSteps(*e, 0, steps));
+  return e;
+}
+
+absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
+  const size_t n = static_cast<size_t>(e.plan().shard_elements);
+  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
+  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
+  return e.WaitSnapshot();
+}
+
+absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
+  std::vector<float> sa[3], sb[3];
+  RETURN_IF_ERROR(SnapshotOf(a, sa));
+  RETURN_IF_ERROR(SnapshotOf(b, sb));
+  for (int k = 0; k < 3; ++k) {
+    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat(what, ": array ", k));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
+  ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
+  ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
+  return BitEqual(ma, mb) ? absl::OkStatus() : absl::InternalError(what);
+}
+
+NvmeWriteFault::NvmeWriteFault() {
+  nvme::SetIoFaultForTesting(
+      [this](nvme::IoOp op, const std::string& path, int64_t, int64_t) -> std::optional<int> {
+        const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
+        if (op != nvme::IoOp::kWrite || armed_[r] == 0) return std::nullopt;
+        if (--armed_[r] == 0) return -EIO;
+        return std::nullopt;
+      });
+}
+
+NvmeWriteFault::~NvmeWriteFault() { nvme::SetIoFaultForTesting(nullptr); }
 
 }  // namespace testing
 }  // namespace zerort

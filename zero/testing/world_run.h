@@ -12,7 +12,9 @@
 #ifndef ZERORT_ZERO_TESTING_WORLD_RUN_H_
 #define ZERORT_ZERO_TESTING_WORLD_RUN_H_
 
+#include <atomic>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,6 +72,37 @@ void RequireOk(const WorldRun& run);
 void CheckAllOk(const std::vector<absl::Status>& errors);
 
 bool BitEqual(const std::vector<float>& a, const std::vector<float>& b);
+
+// An engine on SmallModel() with InitValue parameters, trained `steps` optimizer steps.
+absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
+                                                      comm::Communicator* comm, Device* device,
+                                                      int steps);
+
+// This rank's owned master, m, v through BeginSnapshot (the checkpoint's layout).
+absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]);
+
+// Internal errors naming `what` (and the array: 0 master, 1 m, 2 v) where the two engines'
+// owned snapshots, or their gathered fp32 masters, differ in any bit.
+absl::Status SameSnapshots(Engine& a, Engine& b, const char* what);
+absl::Status SameMasters(Engine& a, Engine& b, const char* what);
+
+// For as long as it lives, NVMe writes of the two ranks of a world-2 run can be made to fail
+// (nvme::SetIoFaultForTesting; rank 1's are those on its "-rank1/" files): after Arm(rank, n),
+// that rank's n-th write from then on completes with EIO. Construct it before the engines.
+// Thread-safe.
+class NvmeWriteFault {
+ public:
+  NvmeWriteFault();
+  ~NvmeWriteFault();
+  NvmeWriteFault(const NvmeWriteFault&) = delete;
+  NvmeWriteFault& operator=(const NvmeWriteFault&) = delete;
+
+  // REQUIRES: rank is 0 or 1, writes >= 0 (0 disarms).
+  void Arm(int rank, int writes) { armed_[rank] = writes; }
+
+ private:
+  std::atomic<int> armed_[2] = {{0}, {0}};  // writes left before the failing one, + 1
+};
 
 }  // namespace testing
 }  // namespace zerort
