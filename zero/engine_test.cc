@@ -307,31 +307,6 @@ TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host sta
   }));
 }
 
-absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communicator* comm,
-                          Device* dev, testing::NvmeWriteFault* fault) {
-  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
-  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
-  const int r = comm->rank();
-  fault->Arm(r, 2);
-  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
-  fault->Arm(r, 0);
-  if (failed.ok() ||
-      failed.message().find("/optimizer_state at offset ") == absl::string_view::npos ||
-      failed.message().find("Input/output error") == absl::string_view::npos) {
-    return absl::InternalError(
-        absl::StrCat("expected an EIO naming file and offset, got ", failed.ToString()));
-  }
-  if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
-  // The NVMe state is the one before the failed step, not half-updated.
-  RETURN_IF_ERROR(SameSnapshots(*a, *b, "half-updated"));
-  // ... and so are the parameters the next forward reads (re-derived after the failure).
-  RETURN_IF_ERROR(SameParams(*a, *b, "parameters half-updated"));
-  // The next attempt (the same micro-step again) continues as if nothing had failed.
-  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
-  RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
-  return SameMasters(*a, *b, "masters differ after the retried step");
-}
-
 TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the previous state",
           "[zero][nvme]") {
   const int world = 2;
@@ -340,9 +315,14 @@ TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the pr
   if (!NvmeConfig(&nvme, 2)) return;
   testing::NvmeWriteFault fault;  // installed until the end of the case
   auto device = CreateCpuDevice(CpuDeviceOptions());
-  const std::vector<absl::Status> errors = comm::testing::OnRanks(
-      world, {cpu.comm_timeout_ms},
-      [&](int, comm::Communicator* c) { return FaultMidStep(cpu, nvme, c, device.get(), &fault); });
+  const std::vector<absl::Status> errors =
+      comm::testing::OnRanks(world, {cpu.comm_timeout_ms}, [&](int, comm::Communicator* c) {
+        // The parameters the next forward reads are re-derived after the failure.
+        auto same_params = [](Engine& a, Engine& b) {
+          return SameParams(a, b, "parameters half-updated");
+        };
+        return testing::CheckWriteFaultUndone(cpu, nvme, c, device.get(), &fault, same_params);
+      });
   CheckAllOk(errors);
 }
 

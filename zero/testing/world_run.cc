@@ -136,5 +136,32 @@ NvmeWriteFault::NvmeWriteFault() {
 
 NvmeWriteFault::~NvmeWriteFault() { nvme::SetIoFaultForTesting(nullptr); }
 
+absl::Status CheckWriteFaultUndone(const Config& reference, const Config& faulty,
+                                   comm::Communicator* comm, Device* device, NvmeWriteFault* fault,
+                                   const std::function<absl::Status(Engine& a, Engine& b)>& also) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> a, TrainedEngine(reference, comm, device, 2));
+  ASSIGN_OR_RETURN(std::unique_ptr<Engine> b, TrainedEngine(faulty, comm, device, 2));
+  const int r = comm->rank();
+  fault->Arm(r, 2);
+  const absl::Status failed = TrainSteps(*b, 2, 1);
+  fault->Arm(r, 0);
+  if (failed.ok() ||
+      failed.message().find("/optimizer_state at offset ") == absl::string_view::npos ||
+      failed.message().find("Input/output error") == absl::string_view::npos) {
+    return absl::InternalError(
+        absl::StrCat("expected an EIO naming file and offset, got ", failed.ToString()));
+  }
+  if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
+  // Nothing moved: the swap file holds the state before the step, and whatever the device holds
+  // is updated only after the host step succeeds.
+  RETURN_IF_ERROR(SameSnapshots(*a, *b, "state after the failed step"));
+  RETURN_IF_ERROR(SameMasters(*a, *b, "masters after the failed step"));
+  if (also) RETURN_IF_ERROR(also(*a, *b));
+  // The next attempt (the same micro-step again) continues as if nothing had failed.
+  RETURN_IF_ERROR(TrainSteps(*a, 2, 2));
+  RETURN_IF_ERROR(TrainSteps(*b, 2, 2));
+  return SameMasters(*a, *b, "masters differ after the retried step");
+}
+
 }  // namespace testing
 }  // namespace zerort

@@ -104,6 +104,16 @@ class NvmeWriteFault {
   std::atomic<int> armed_[2] = {{0}, {0}};  // writes left before the failing one, + 1
 };
 
+// One rank's check that a failed NVMe write undoes its step (world 2): engines `a` (config
+// `reference`) and `b` (`faulty`, state in NVMe swap files) train 2 steps; b's third step then
+// fails at its second state write. OK when the failure is an EIO naming the swap file and
+// offset, b's step count, owned state (BeginSnapshot) and masters are those before the step,
+// `also(a, b)` holds (when given), and after the retried step and one more b's masters equal
+// a's; else an Internal error saying which check failed.
+absl::Status CheckWriteFaultUndone(
+    const Config& reference, const Config& faulty, comm::Communicator* comm, Device* device,
+    NvmeWriteFault* fault, const std::function<absl::Status(Engine& a, Engine& b)>& also = {});
+
 }  // namespace testing
 }  // namespace zerort
 
