@@ -267,22 +267,23 @@ absl::Status ChooseDevice(const Flags& flags, std::ostream& out,
   return absl::OkStatus();
 }
 
-// The plan's whole device budget for this run (model states, the activations the trainer
-// declared for its micro-batch, reserves) beside what the driver counted in use at the highest,
-// for all ranks together (they share the GPU); and, for comparison, what Korthikanti et al.'s
-// formula would have counted for the GPT's shape.
+// The device budget each rank's engine fitted its plan to (MemoryReport::device_budget_bytes:
+// model states, the activations the trainer declared for its micro-batch, reserves) beside what
+// the driver counted in use at the highest, for all ranks together (they share the GPU); and, for
+// comparison, what Korthikanti et al.'s formula would have counted for the GPT's shape.
 absl::Status PrintDeviceBudgetCheck(const Config& config, const examples::gpt::RunOptions& options,
                                     const examples::gpt::RunResult& result, int64_t peak_in_use,
                                     const absl::Status& in_use_status, std::ostream& out) {
-  Workload workload;
-  workload.micro_batch = options.batch;
-  workload.nccl_communicator = true;  // the CUDA trainer makes one at every world size
-  ASSIGN_OR_RETURN(const DeviceBudget budget, MakeDeviceBudget(result.plan, config, workload));
-  const int64_t ranks = options.world_size;
+  if (result.memory.empty()) return absl::InternalError("the GPT run reported no rank's memory");
   auto gib = [](int64_t bytes) { return absl::StrFormat("%.2f GiB", bytes / 1073741824.0); };
-  out << "device budget planned per rank: " << gib(budget.total_bytes) << " = model states "
-      << gib(budget.model_state_bytes) << " + activations " << gib(budget.activation_bytes)
-      << " (" << budget.activation_source << ") + reserves " << gib(budget.reserve_bytes) << "\n";
+  // Rank 0's lines; the ranks' plans differ only in their shards' padding.
+  const MemoryReport& m = result.memory[0];
+  const int64_t model_states = m.planned[static_cast<int>(memory::MemoryKind::kDevice)];
+  out << "device budget planned per rank: " << gib(m.device_budget_bytes) << " = model states "
+      << gib(model_states) << " + activations " << gib(m.activation_bytes) << " (declared: "
+      << GroupedBytes(m.activation_bytes_per_sample) << " B per sequence x " << m.micro_batch
+      << ") + reserves " << gib(m.device_budget_bytes - model_states - m.activation_bytes)
+      << "\n";
   const int seq = options.seq > 0 ? options.seq : options.shape.context;
   const absl::StatusOr<ActivationEstimate> formula = TransformerActivations(
       TransformerShape{options.shape.layers, options.shape.d_model, options.shape.heads,
@@ -296,11 +297,13 @@ absl::Status PrintDeviceBudgetCheck(const Config& config, const examples::gpt::R
     out << "device memory in use: not measured (" << in_use_status.message() << ")\n";
     return absl::OkStatus();
   }
+  int64_t planned = 0;
+  for (const MemoryReport& rank : result.memory) planned += rank.device_budget_bytes;
   out << "device memory in use (the driver's count, cudaMemGetInfo), highest after a step: "
-      << gib(peak_in_use) << " for " << ranks << " rank(s); planned "
-      << gib(budget.total_bytes * ranks) << ": measured / planned = "
-      << absl::StrFormat("%.3f", static_cast<double>(peak_in_use) /
-                                     static_cast<double>(budget.total_bytes * ranks))
+      << gib(peak_in_use) << " for " << result.memory.size() << " rank(s); planned "
+      << gib(planned) << ": measured / planned = "
+      << absl::StrFormat("%.3f",
+                         static_cast<double>(peak_in_use) / static_cast<double>(planned))
       << "\n";
   return absl::OkStatus();
 }

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status.h"
 #include "comm/agree.h"
+#include "comm/forwarding.h"
 
 namespace zerort {
 namespace comm {
@@ -49,41 +50,36 @@ void LinkByteLog::Clear() {
 
 namespace {
 
-class LinkCountingCommunicator final : public Communicator {
+class LinkCountingCommunicator final : public ForwardingCommunicator {
  public:
-  // members[i]: world rank of this group's rank i.
-  LinkCountingCommunicator(Communicator* inner, std::unique_ptr<Communicator> owned,
-                           std::vector<int> members, int ranks_per_node, LinkByteLog* log)
-      : owned_(std::move(owned)),
-        inner_(inner),
+  // `inner`: the communicator counted, a Communicator* (not owned) or a
+  // std::unique_ptr<Communicator> (a Split's, owned). members[i]: world rank of its rank i.
+  template <typename Inner>
+  LinkCountingCommunicator(Inner inner, std::vector<int> members, int ranks_per_node,
+                           LinkByteLog* log)
+      : ForwardingCommunicator(std::move(inner)),
         members_(std::move(members)),
         ranks_per_node_(ranks_per_node),
         log_(log) {}
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
-  bool device_memory() const override { return inner_->device_memory(); }
-  bool stream_ordered() const override { return inner_->stream_ordered(); }
-
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
                          Stream stream) override {
     Count("all_gather", AllOf(), (size() - 1) * Bytes(count, dtype));
-    return inner_->AllGather(send, recv, count, dtype, stream);
+    return inner()->AllGather(send, recv, count, dtype, stream);
   }
   absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                              Stream stream) override {
     Count("reduce_scatter", AllOf(), (size() - 1) * Bytes(count, dtype));
-    return inner_->ReduceScatter(send, recv, count, dtype, op, stream);
+    return inner()->ReduceScatter(send, recv, count, dtype, op, stream);
   }
   absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op,
                          Stream stream) override {
     Count("all_reduce", AllOf(), 2 * (size() - 1) * Bytes(count, dtype) / size());
-    return inner_->AllReduce(send, recv, count, dtype, op, stream);
+    return inner()->AllReduce(send, recv, count, dtype, op, stream);
   }
   absl::Status Broadcast(void* buf, size_t count, DType dtype, int root, Stream stream) override {
     Count("broadcast", AllOf(), Bytes(count, dtype));
-    return inner_->Broadcast(buf, count, dtype, root, stream);
+    return inner()->Broadcast(buf, count, dtype, root, stream);
   }
   absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
                                      ReduceOp op, int group_size, Stream stream) override {
@@ -98,14 +94,12 @@ class LinkCountingCommunicator final : public Communicator {
       Count("all_reduce (across groups)", position,
             2 * (groups - 1) * Bytes(count, dtype) / groups);
     }
-    return inner_->ReduceScatterInGroups(send, recv, count, dtype, op, group_size, stream);
+    return inner()->ReduceScatterInGroups(send, recv, count, dtype, op, group_size, stream);
   }
-  absl::Status Barrier() override { return inner_->Barrier(); }
-  absl::Status Synchronize(Stream stream) override { return inner_->Synchronize(stream); }
 
-  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
-    ASSIGN_OR_RETURN(std::unique_ptr<Communicator> sub, inner_->Split(color, key));
-    if (sub == nullptr) return sub;
+ protected:
+  absl::StatusOr<std::unique_ptr<Communicator>> WrapSplit(
+      int color, std::unique_ptr<Communicator> sub) override {
     if (sub->stream_ordered()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "CountLinkBytes: Split(color=", color, ") on rank ", rank(), " gave a stream-ordered ",
@@ -116,9 +110,8 @@ class LinkCountingCommunicator final : public Communicator {
     ASSIGN_OR_RETURN(const std::vector<uint64_t> world,
                      AllGatherU64(exchange, {static_cast<uint64_t>(members_[rank()])}));
     std::vector<int> members(world.begin(), world.end());
-    Communicator* inner = sub.get();
-    return std::unique_ptr<Communicator>(new LinkCountingCommunicator(
-        inner, std::move(sub), std::move(members), ranks_per_node_, log_));
+    return std::unique_ptr<Communicator>(
+        new LinkCountingCommunicator(std::move(sub), std::move(members), ranks_per_node_, log_));
   }
 
  private:
@@ -143,8 +136,6 @@ class LinkCountingCommunicator final : public Communicator {
     log_->Add(absl::StrCat(op, " over ranks ", absl::StrJoin(world, ",")), bytes, inter);
   }
 
-  const std::unique_ptr<Communicator> owned_;
-  Communicator* const inner_;
   const std::vector<int> members_;
   const int ranks_per_node_;
   LinkByteLog* const log_;
@@ -162,7 +153,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CountLinkBytes(Communicator* world
   std::vector<int> members;
   for (int k = 0; k < world->size(); ++k) members.push_back(k);
   return std::unique_ptr<Communicator>(
-      new LinkCountingCommunicator(world, nullptr, std::move(members), ranks_per_node, log));
+      new LinkCountingCommunicator(world, std::move(members), ranks_per_node, log));
 }
 
 }  // namespace comm

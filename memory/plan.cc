@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/saturating.h"
 
 namespace zerort {
 namespace memory {
@@ -678,16 +679,6 @@ void SplitOffload(Plan* plan) {
   }
   plan->device_state_elements = kept;
   plan->offloaded_state_elements = offloaded;
-}
-
-int64_t SatMul(int64_t a, int64_t b) {
-  int64_t r;
-  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
-}
-
-int64_t SatAdd(int64_t a, int64_t b) {
-  int64_t r;
-  return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
 }
 
 // The slots of a buffer that holds one unit per slot, for units of `sizes` (padded elements,

@@ -343,7 +343,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const Config& config,
                                                      options.param_groups, options.no_decay_1d,
                                                      &with_notes.notes));
   auto impl = std::make_unique<Impl>(std::move(with_notes), std::move(params),
-                                     std::move(choice.plan), comm, device);
+                                     std::move(choice.plan), std::move(choice.budget), comm,
+                                     device);
   RETURN_IF_ERROR(impl->Build(options.compute_stream));
   if (options.device_timing) {
     absl::StatusOr<std::unique_ptr<zero_internal::DeviceStepTimer>> timer =
@@ -381,24 +382,18 @@ MemoryReport Engine::memory_report() const {
   std::copy(std::begin(b.planned), std::end(b.planned), r.planned);
   std::copy(std::begin(b.allocated), std::end(b.allocated), r.allocated);
   r.allocated[static_cast<int>(memory::MemoryKind::kNvme)] = impl_->store_->file_bytes();
-  // The budget Create fitted: the same plan, resolved config and workload (declared activations
-  // only, this communicator's reserves). It succeeded there, so it cannot fail here.
-  Workload workload;
-  workload.nccl_communicator = impl_->comm_->backend() == "nccl";
-  const absl::StatusOr<DeviceBudget> budget =
-      MakeDeviceBudget(impl_->plan_, impl_->config_, workload);
   const memory::GradHandoff& h = impl_->plan_.grad_handoff;
   r.trainer_grad_bytes = h.bytes;
   r.trainer_grad_in_place_bytes = h.bytes_in_place;
   r.trainer_grad_copied_bytes = h.bytes_copied;
   r.engine_grad_bytes = h.engine_grad_bytes;
-  if (budget.ok()) {
-    r.device_budget_bytes = budget->total_bytes;
-    if (budget->counted) {
-      r.activation_bytes_per_sample = impl_->plan_.activation_bytes_per_sample;
-      r.micro_batch = budget->micro_batch;
-      r.activation_bytes = budget->activation_bytes;
-    }
+  // The budget Create fitted (declared activations only, this communicator's reserves).
+  const DeviceBudget& budget = impl_->budget_;
+  r.device_budget_bytes = budget.total_bytes;
+  if (budget.counted) {
+    r.activation_bytes_per_sample = impl_->plan_.activation_bytes_per_sample;
+    r.micro_batch = budget.micro_batch;
+    r.activation_bytes = budget.activation_bytes;
   }
   return r;
 }

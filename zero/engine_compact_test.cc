@@ -51,6 +51,18 @@ Config WithForm(Config c, MasterForm form, bool bf16_moments) {
   return c;
 }
 
+// Every compact form of the optimizer state: a master form with bf16 or fp32 moments, all but
+// the fp32 master with fp32 moments (the uncompacted state the forms are compared with).
+struct Form {
+  MasterForm master;
+  bool bf16_moments;
+};
+const Form kCompactForms[] = {{MasterForm::kF32, true},
+                              {MasterForm::kBf16Stochastic, false},
+                              {MasterForm::kBf16Stochastic, true},
+                              {MasterForm::kBf16Remainder, false},
+                              {MasterForm::kBf16Remainder, true}};
+
 // Where the state lives: the optimizer on the device or the host, NVMe, parameters on the host.
 struct Mode {
   const char* name;
@@ -448,15 +460,7 @@ void CheckMoments(const std::vector<RankResult>& run, const Serial& ref) {
 TEST_CASE("Engine: bf16 moments and the stochastic master equal the serial CpuAdamWCompact "
           "at every stage, world size and storage mode",
           "[zero][compact]") {
-  struct Form {
-    MasterForm master;
-    bool bf16_moments;
-  };
-  const Form forms[] = {{MasterForm::kF32, true},
-                        {MasterForm::kBf16Stochastic, false},
-                        {MasterForm::kBf16Stochastic, true},
-                        {MasterForm::kBf16Remainder, true}};
-  for (const Form& f : forms) {
+  for (const Form& f : kCompactForms) {
     for (int gas : {1, 2}) {
       Config base = WithForm(testing::TestConfig(1, DType::kBF16, gas, 0.0, false), f.master,
                              f.bf16_moments);
@@ -535,16 +539,7 @@ void CheckSplit(const std::vector<RankResult>& run) {
 TEST_CASE("Engine: partial offload (ratio 0.5) with each compact form equals the serial "
           "CpuAdamWCompact, and the lossless master the fp32 master, bit for bit",
           "[zero][compact][offload]") {
-  struct Form {
-    MasterForm master;
-    bool bf16_moments;
-  };
-  const Form forms[] = {{MasterForm::kF32, true},
-                        {MasterForm::kBf16Stochastic, false},
-                        {MasterForm::kBf16Stochastic, true},
-                        {MasterForm::kBf16Remainder, false},
-                        {MasterForm::kBf16Remainder, true}};
-  for (const Form& f : forms) {
+  for (const Form& f : kCompactForms) {
     Config base = WithForm(testing::TestConfig(1, DType::kBF16, 1, 0.0, false), f.master,
                            f.bf16_moments);
     const int steps = 4;

@@ -3,33 +3,31 @@
 // fp32 masters, the parameters and every step's norm equal flat stage 3 bit for bit, with
 // clipping, optimizer offload, fp32 accumulation and gradient accumulation. What changes is
 // which ranks each all-gather runs over, which a counting communicator records here.
-#include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
 #include "base/status.h"
-#include "comm/inprocess.h"
-#include "comm/testing/stream_ordered.h"
-#include "device/cpu_device.h"
+#include "comm/forwarding.h"
 #include "zero/engine.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/world_run.h"
 
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::RequireOk;
 using testing::SmallModel;
 
 // Forwards every call to `inner` and counts this rank's all-gathers by the size of the group
 // they ran over (a Split's communicators count into the same log).
-class CountingComm final : public comm::Communicator {
+class CountingComm final : public comm::ForwardingCommunicator {
  public:
   // all-gathers by group size: calls and elements received
   struct Log {
@@ -37,56 +35,29 @@ class CountingComm final : public comm::Communicator {
     std::map<int, int64_t> elements;
   };
   CountingComm(std::unique_ptr<comm::Communicator> owned, Log* log)
-      : owned_(std::move(owned)), inner_(owned_.get()), log_(log) {}
-  CountingComm(comm::Communicator* inner, Log* log) : inner_(inner), log_(log) {}
+      : ForwardingCommunicator(std::move(owned)), log_(log) {}
+  CountingComm(comm::Communicator* inner, Log* log) : ForwardingCommunicator(inner), log_(log) {}
 
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::string_view backend() const override { return inner_->backend(); }
-  bool device_memory() const override { return inner_->device_memory(); }
-  bool stream_ordered() const override { return inner_->stream_ordered(); }
   absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
                          comm::Stream s) override {
     if (count > 0) {
       log_->calls[size()] += 1;
       log_->elements[size()] += static_cast<int64_t>(count) * size();
     }
-    return inner_->AllGather(send, recv, count, dtype, s);
+    return ForwardingCommunicator::AllGather(send, recv, count, dtype, s);
   }
-  absl::Status ReduceScatter(const void* send, void* recv, size_t count, DType dtype,
-                             comm::ReduceOp op, comm::Stream s) override {
-    return inner_->ReduceScatter(send, recv, count, dtype, op, s);
-  }
-  absl::Status AllReduce(const void* send, void* recv, size_t count, DType dtype,
-                         comm::ReduceOp op, comm::Stream s) override {
-    return inner_->AllReduce(send, recv, count, dtype, op, s);
-  }
-  absl::Status Broadcast(void* buf, size_t count, DType dtype, int root,
-                         comm::Stream s) override {
-    return inner_->Broadcast(buf, count, dtype, root, s);
-  }
-  absl::Status ReduceScatterInGroups(const void* send, void* recv, size_t count, DType dtype,
-                                     comm::ReduceOp op, int group_size,
-                                     comm::Stream s) override {
-    return inner_->ReduceScatterInGroups(send, recv, count, dtype, op, group_size, s);
-  }
-  absl::Status Barrier() override { return inner_->Barrier(); }
-  absl::Status Synchronize(comm::Stream s) override { return inner_->Synchronize(s); }
-  absl::StatusOr<std::unique_ptr<comm::Communicator>> Split(int color, int key) override {
-    absl::StatusOr<std::unique_ptr<comm::Communicator>> sub = inner_->Split(color, key);
-    if (!sub.ok() || *sub == nullptr) return sub;
-    return std::unique_ptr<comm::Communicator>(new CountingComm(*std::move(sub), log_));
+
+ protected:
+  absl::StatusOr<std::unique_ptr<comm::Communicator>> WrapSplit(
+      int color, std::unique_ptr<comm::Communicator> sub) override {
+    return std::unique_ptr<comm::Communicator>(new CountingComm(std::move(sub), log_));
   }
 
  private:
-  std::unique_ptr<comm::Communicator> owned_;
-  comm::Communicator* const inner_;
   Log* const log_;
 };
 
-struct Run {
-  std::vector<testing::TrainResult> ranks;
-  std::vector<absl::Status> errors;
+struct Run : testing::WorldRun {
   std::vector<CountingComm::Log> logs;
   // Per rank: every parameter byte the trainer read after a Gather, in order (read_gathers).
   std::vector<std::vector<char>> seen;
@@ -111,8 +82,8 @@ absl::Status ReadUnit(Engine& e, int u, std::vector<char>* seen) {
 // would not show in the masters: this loop reads what every gather hands the trainer. Each
 // micro-step reads every unit in forward order, again in backward order (re-gathers: with hpZ
 // from the node's secondary blocks), then runs the synthetic forward and backward and steps.
-absl::Status TrainReading(const Config& config, comm::Communicator* comm, Device* device,
-                          int steps, Device::Stream stream, std::vector<char>* seen) {
+absl::Status TrainReading(const Config& config, comm::Communicator* comm, Device* device, int steps,
+                          Device::Stream stream, std::vector<char>* seen) {
   EngineOptions options;
   options.compute_stream = stream;
   ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
@@ -135,58 +106,27 @@ absl::Status TrainReading(const Config& config, comm::Communicator* comm, Device
 // `steps` optimizer steps of the synthetic trainer on `world` ranks (one thread each), on the
 // in-process group, or with `stream_ordered` on the stream-ordered test group over a CPU device
 // whose streams run late on threads of their own (the secondary blocks are then written and
-// read by delayed stream work).
+// read by delayed stream work). Every rank's all-gathers are counted in its log.
 Run Train(const Config& config, int world, int steps, bool stream_ordered = false,
           bool read_gathers = false) {
-  CpuDeviceOptions o;
-  o.threads = 1;
-  o.async_streams = stream_ordered;
-  o.stream_delay_us = stream_ordered ? 200 : 0;
-  std::unique_ptr<Device> device = CreateCpuDevice(o);
-  comm::CommOptions co;
-  co.timeout_ms = config.comm_timeout_ms;
-  auto comms = stream_ordered ? comm::testing::CreateStreamOrderedGroup(world, device.get(), co)
-                              : comm::CreateInProcessGroup(world, co);
-  REQUIRE(comms.ok());
+  testing::WorldOptions o =
+      stream_ordered ? testing::StreamOrderedWorld() : testing::WorldOptions();
+  o.timeout_ms = config.comm_timeout_ms;
   Run run;
-  run.ranks.resize(world);
-  run.errors.resize(world);
   run.logs.resize(world);
   run.seen.resize(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      CountingComm counted((*comms)[r].get(), &run.logs[r]);
-      Device::Stream stream = nullptr;
-      if (stream_ordered) stream = device->CreateStream().value();
-      if (read_gathers) {
-        run.errors[r] = TrainReading(config, &counted, device.get(), steps, stream, &run.seen[r]);
-        if (stream != nullptr) device->DestroyStream(stream);
-        return;
-      }
-      auto result = testing::TrainRank(config, SmallModel(), &counted, device.get(), steps, -1,
-                                       -1, stream);
-      if (stream != nullptr) device->DestroyStream(stream);
-      if (!result.ok()) {
-        run.errors[r] = result.status();
-      } else {
-        run.ranks[r] = *std::move(result);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  static_cast<testing::WorldRun&>(run) = testing::RunWorld(
+      world, o,
+      [&](int r, comm::Communicator* comm, Device* device,
+          Device::Stream stream) -> absl::StatusOr<testing::TrainResult> {
+        CountingComm counted(comm, &run.logs[r]);
+        if (read_gathers) {
+          RETURN_IF_ERROR(TrainReading(config, &counted, device, steps, stream, &run.seen[r]));
+          return testing::TrainResult();
+        }
+        return testing::TrainRank(config, SmallModel(), &counted, device, steps, -1, -1, stream);
+      });
   return run;
-}
-
-void RequireOk(const Run& run) {
-  for (size_t r = 0; r < run.errors.size(); ++r) {
-    INFO("rank " << r << ": " << run.errors[r].ToString());
-    REQUIRE(run.errors[r].ok());
-  }
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 struct Variant {
@@ -222,8 +162,10 @@ void RequireSameAsFlat(const Run& run, const Run& flat) {
   }
 }
 
-TEST_CASE("hpZ: stage 3 with node-local re-gathers equals flat stage 3 bit for bit (2x2, 4x2, "
-          "2x4)", "[zero][hpz]") {
+TEST_CASE(
+    "hpZ: stage 3 with node-local re-gathers equals flat stage 3 bit for bit (2x2, 4x2, "
+    "2x4)",
+    "[zero][hpz]") {
   const int steps = 8;
   struct Shape {
     int world, k;  // k ranks per node: world / k nodes
@@ -347,8 +289,10 @@ TEST_CASE("MiCS hierarchical gather on the stream-ordered group with delayed str
   }
 }
 
-TEST_CASE("hpZ and the hierarchical gather: every gather hands the trainer flat stage 3's "
-          "parameters", "[zero][hpz]") {
+TEST_CASE(
+    "hpZ and the hierarchical gather: every gather hands the trainer flat stage 3's "
+    "parameters",
+    "[zero][hpz]") {
   // Re-gathers within a step (hpZ's node gathers) and every two-step gather are compared, byte
   // for byte, with what flat stage 3 hands the trainer at the same point; on the in-process
   // group and on the stream-ordered one with delayed streams.
@@ -431,8 +375,10 @@ TEST_CASE("hpZ and the hierarchical gather: what is not supported is refused by 
   }
 }
 
-TEST_CASE("hpZ: the plan holds 1/K of every gathered unit as secondary blocks and counts the "
-          "node gathers", "[zero][hpz]") {
+TEST_CASE(
+    "hpZ: the plan holds 1/K of every gathered unit as secondary blocks and counts the "
+    "node gathers",
+    "[zero][hpz]") {
   const Variant v{"4 micro-steps", false, false, 4};
   Config c = Make(3, v);
   auto flat = ChoosePlan(SmallModel(), c, 8, 5);

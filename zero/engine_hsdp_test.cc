@@ -4,7 +4,6 @@
 // of every element), optimizer offload, fp32 accumulation and gradient accumulation; on the
 // in-process group and on the stream-ordered test group (the engine's NCCL-shaped path).
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,68 +17,20 @@
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/weights.h"
 #include "comm/inprocess.h"
-#include "comm/testing/stream_ordered.h"
 #include "device/cpu_device.h"
 #include "zero/engine.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/world_run.h"
 
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::RequireOk;
 using testing::SmallModel;
-
-struct Run {
-  std::vector<testing::TrainResult> ranks;
-  std::vector<absl::Status> errors;
-};
-
-// `steps` optimizer steps of the synthetic trainer on `world` ranks (one thread each), on the
-// in-process group, or with `stream_ordered` on the stream-ordered test group over a CPU device
-// whose streams run late on threads of their own.
-Run Train(const Config& config, int world, int steps, bool stream_ordered = false) {
-  CpuDeviceOptions o;
-  o.threads = 1;
-  o.async_streams = stream_ordered;
-  o.stream_delay_us = stream_ordered ? 200 : 0;
-  std::unique_ptr<Device> device = CreateCpuDevice(o);
-  comm::CommOptions co;
-  co.timeout_ms = config.comm_timeout_ms;
-  auto comms = stream_ordered ? comm::testing::CreateStreamOrderedGroup(world, device.get(), co)
-                              : comm::CreateInProcessGroup(world, co);
-  REQUIRE(comms.ok());
-  Run run;
-  run.ranks.resize(world);
-  run.errors.resize(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      Device::Stream stream = nullptr;
-      if (stream_ordered) stream = device->CreateStream().value();
-      auto result = testing::TrainRank(config, SmallModel(), (*comms)[r].get(), device.get(),
-                                       steps, -1, -1, stream);
-      if (stream != nullptr) device->DestroyStream(stream);
-      if (!result.ok()) {
-        run.errors[r] = result.status();
-      } else {
-        run.ranks[r] = *std::move(result);
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return run;
-}
-
-void RequireOk(const Run& run) {
-  for (size_t r = 0; r < run.errors.size(); ++r) {
-    INFO("rank " << r << ": " << run.errors[r].ToString());
-    REQUIRE(run.errors[r].ok());
-  }
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using testing::TrainWorld;
+using testing::WorldRun;
 
 struct Variant {
   const char* name;
@@ -111,7 +62,7 @@ TEST_CASE("HSDP: stages 1-3 in shard groups equal flat stage 3 bit for bit (2x2,
   };
   for (Shape sh : {Shape{4, 2}, Shape{8, 4}, Shape{8, 2}}) {
     for (const Variant& v : variants) {
-      const Run flat = Train(Make(3, v, -1), sh.world, steps);
+      const WorldRun flat = TrainWorld(Make(3, v, -1), SmallModel(), sh.world, steps);
       RequireOk(flat);
       const std::vector<float>& want = flat.ranks[0].master;
       bool clipped = false;
@@ -120,7 +71,7 @@ TEST_CASE("HSDP: stages 1-3 in shard groups equal flat stage 3 bit for bit (2x2,
       for (int stage = 1; stage <= 3; ++stage) {
         INFO("world " << sh.world << " = " << sh.world / sh.group << " groups of " << sh.group
                       << ", stage " << stage << ", " << v.name);
-        const Run hsdp = Train(Make(stage, v, sh.group), sh.world, steps);
+        const WorldRun hsdp = TrainWorld(Make(stage, v, sh.group), SmallModel(), sh.world, steps);
         RequireOk(hsdp);
         REQUIRE(hsdp.ranks[0].report.planned[0] > 0);
         if (stage == 3 && v.gas == 1) {
@@ -168,9 +119,9 @@ TEST_CASE("HSDP: stage \"auto\" over two nodes trains in node-sized shard groups
   automatic.ranks_per_node = 2;
   Config explicit_hsdp = Make(1, v, 2);
   explicit_hsdp.ranks_per_node = 2;
-  const Run chosen = Train(automatic, world, steps);
-  const Run hsdp = Train(explicit_hsdp, world, steps);
-  const Run flat = Train(Make(1, v, -1), world, steps);
+  const WorldRun chosen = TrainWorld(automatic, SmallModel(), world, steps);
+  const WorldRun hsdp = TrainWorld(explicit_hsdp, SmallModel(), world, steps);
+  const WorldRun flat = TrainWorld(Make(1, v, -1), SmallModel(), world, steps);
   RequireOk(chosen);
   RequireOk(hsdp);
   RequireOk(flat);
@@ -193,7 +144,8 @@ TEST_CASE("HSDP: stage 1 with local gradient accumulation equals flat stage 1 wi
   for (int group : {2, 1}) {
     Config flat_config = Make(1, v, -1), hsdp_config = Make(1, v, group);
     flat_config.local_grad_accumulation = hsdp_config.local_grad_accumulation = true;
-    const Run flat = Train(flat_config, 4, 8), hsdp = Train(hsdp_config, 4, 8);
+    const WorldRun flat = TrainWorld(flat_config, SmallModel(), 4, 8),
+                   hsdp = TrainWorld(hsdp_config, SmallModel(), 4, 8);
     RequireOk(flat);
     RequireOk(hsdp);
     for (int r = 0; r < 4; ++r) {
@@ -211,24 +163,9 @@ TEST_CASE("HSDP: an overflow on one rank skips the step on every rank, as flat d
   const Variant v{"plain", false, false, 1};
   Config flat_config = Make(3, v, -1), hsdp_config = Make(3, v, 2);
   auto run = [&](const Config& c) {
-    Run out;
-    out.ranks.resize(4);
-    out.errors.resize(4);
-    std::unique_ptr<Device> device = CreateCpuDevice(CpuDeviceOptions());
-    auto comms = comm::CreateInProcessGroup(4).value();
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 4; ++r) {
-      threads.emplace_back([&, r] {
-        auto result = testing::TrainRank(c, SmallModel(), comms[r].get(), device.get(), 5,
-                                         /*inject_step=*/2, /*inject_rank=*/3);
-        if (result.ok()) out.ranks[r] = *std::move(result);
-        if (!result.ok()) out.errors[r] = result.status();
-      });
-    }
-    for (auto& t : threads) t.join();
-    return out;
+    return TrainWorld(c, SmallModel(), 4, 5, {}, /*inject_step=*/2, /*inject_rank=*/3);
   };
-  const Run flat = run(flat_config), hsdp = run(hsdp_config);
+  const WorldRun flat = run(flat_config), hsdp = run(hsdp_config);
   RequireOk(flat);
   RequireOk(hsdp);
   bool skipped = false;
@@ -248,11 +185,13 @@ TEST_CASE("HSDP: on the stream-ordered group (the NCCL-shaped path) stage 3 equa
           "[zero][hsdp]") {
   const int steps = 6;
   const Variant v{"plain", false, false, 1};
-  const Run flat = Train(Make(3, v, -1), 4, steps, /*stream_ordered=*/true);
+  const WorldRun flat =
+      TrainWorld(Make(3, v, -1), SmallModel(), 4, steps, testing::StreamOrderedWorld());
   RequireOk(flat);
   for (int stage : {2, 3}) {
     INFO("stage " << stage);
-    const Run hsdp = Train(Make(stage, v, 2), 4, steps, /*stream_ordered=*/true);
+    const WorldRun hsdp =
+        TrainWorld(Make(stage, v, 2), SmallModel(), 4, steps, testing::StreamOrderedWorld());
     RequireOk(hsdp);
     for (int r = 0; r < 4; ++r) {
       CAPTURE(r);
@@ -314,8 +253,10 @@ TEST_CASE("HSDP: a shard size that does not divide the world, or stage 0, is ref
   CHECK(absl::StrContains(stage0.status().message(), "stage"));
 }
 
-TEST_CASE("HSDP: weights move between shard groups and flat engines exactly; a checkpoint "
-          "restores the shard groups' state", "[zero][hsdp]") {
+TEST_CASE(
+    "HSDP: weights move between shard groups and flat engines exactly; a checkpoint "
+    "restores the shard groups' state",
+    "[zero][hsdp]") {
   const Variant v{"plain", false, false, 1};
   const std::string from_hsdp = testing::TempDir("hsdp_out_");
   const std::string from_flat = testing::TempDir("flat_out_");

@@ -23,70 +23,35 @@
 #include "zero/engine.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/world_run.h"
 
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::CheckAllOk;
+using testing::RequireOk;
+using testing::SameMasters;
+using testing::SameSnapshots;
 using testing::SmallModel;
-
-struct RunResult {
-  std::vector<std::vector<float>> master;  // per rank
-  std::vector<std::vector<char>> params;   // per rank: compute-dtype parameters at the end
-  std::vector<absl::Status> errors;        // per rank
-  MemoryReport report;                     // rank 0
-};
+using testing::SnapshotOf;
+using testing::TrainedEngine;
+using testing::WorldRun;
 
 // `steps` optimizer steps on `world` in-process ranks. `async_streams`: the CPU device runs its
 // streams on threads with a 200 us delay per operation and each rank's engine and trainer work
 // on a stream of their own, so every copy races what follows it unless the stream order holds.
-RunResult Train(const Config& config, int world, int steps, bool async_streams = false) {
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  device_options.async_streams = async_streams;
-  device_options.stream_delay_us = async_streams ? 200 : 0;
-  auto device = CreateCpuDevice(device_options);
-  RunResult result;
-  result.master.resize(world);
-  result.params.resize(world);
-  result.errors.resize(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      Device::Stream stream = nullptr;
-      if (async_streams) stream = device->CreateStream().value();
-      auto run = testing::TrainRank(config, SmallModel(), comms[r].get(), device.get(), steps,
-                                    -1, -1, stream);
-      if (stream != nullptr) device->DestroyStream(stream);
-      if (!run.ok()) {
-        result.errors[r] = run.status();
-        return;
-      }
-      result.master[r] = std::move(run->master);
-      result.params[r] = std::move(run->params);
-      if (r == 0) result.report = run->report;
-    });
-  }
-  for (auto& t : threads) t.join();
-  return result;
+WorldRun Train(const Config& config, int world, int steps, bool async_streams = false) {
+  testing::WorldOptions o;
+  o.async_streams = o.rank_streams = async_streams;
+  return testing::TrainWorld(config, SmallModel(), world, steps, o);
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void RequireOk(const RunResult& r) {
-  for (size_t k = 0; k < r.errors.size(); ++k) {
-    INFO("rank " << k << ": " << r.errors[k].ToString());
-    REQUIRE(r.errors[k].ok());
-  }
-}
-
-void CheckSame(const RunResult& run, const RunResult& want) {
-  for (size_t r = 0; r < run.master.size(); ++r) {
+void CheckSame(const WorldRun& run, const WorldRun& want) {
+  for (size_t r = 0; r < run.ranks.size(); ++r) {
     INFO("rank " << r);
-    CHECK(BitEqual(run.master[r], want.master[r]));
-    CHECK(run.params[r] == want.params[r]);
+    CHECK(BitEqual(run.ranks[r].master, want.ranks[r].master));
+    CHECK(run.ranks[r].params == want.ranks[r].params);
   }
 }
 
@@ -110,8 +75,10 @@ memory::Plan PlanOf(const Config& c, int world) {
   return choice->plan;
 }
 
-TEST_CASE("Partial offload: every ratio gives the fp32 masters of no offload and of full "
-          "offload, bit for bit, with the bytes the plan lists", "[zero][offload][nvme]") {
+TEST_CASE(
+    "Partial offload: every ratio gives the fp32 masters of no offload and of full "
+    "offload, bit for bit, with the bytes the plan lists",
+    "[zero][offload][nvme]") {
   const int steps = 4;
   for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int world : {1, 2, 3}) {
@@ -121,15 +88,15 @@ TEST_CASE("Partial offload: every ratio gives the fp32 masters of no offload and
       const int gas = world == 3 ? 2 : 1;
       for (int stage = 1; stage <= 3; ++stage) {
         const Config plain = testing::TestConfig(stage, precision, gas, 0.05, false);
-        const RunResult none = Train(plain, world, steps);
+        const WorldRun none = Train(plain, world, steps);
         RequireOk(none);
         for (bool nvme : {false, true}) {
-          const RunResult full = Train(Offloaded(plain, nvme, 1.0), world, steps, async);
+          const WorldRun full = Train(Offloaded(plain, nvme, 1.0), world, steps, async);
           RequireOk(full);
           for (double ratio : {0.0, 0.3, 0.5, 1.0}) {
-            INFO(DTypeName(precision) << " world " << world << " gas " << gas << " stage "
-                                      << stage << (nvme ? " nvme" : " cpu") << " ratio "
-                                      << ratio << (async ? " async" : ""));
+            INFO(DTypeName(precision)
+                 << " world " << world << " gas " << gas << " stage " << stage
+                 << (nvme ? " nvme" : " cpu") << " ratio " << ratio << (async ? " async" : ""));
             const Config c = Offloaded(plain, nvme, ratio);
             const memory::Plan plan = PlanOf(c, world);
             // 0.3 and 0.5 really split this model: both parts hold units.
@@ -140,17 +107,17 @@ TEST_CASE("Partial offload: every ratio gives the fp32 masters of no offload and
             CHECK(plan.offload_ratio_achieved() >= ratio);
             CHECK(plan.offloaded_state_elements + plan.device_state_elements ==
                   plan.trainable_shard_elements);
-            const RunResult run = ratio == 1.0 ? full : Train(c, world, steps, async);
+            const WorldRun run = ratio == 1.0 ? full : Train(c, world, steps, async);
             RequireOk(run);
             CheckSame(run, none);
             CheckSame(run, full);
             for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
               INFO("memory kind " << memory::MemoryKindName(static_cast<memory::MemoryKind>(k)));
-              CHECK(run.report.allocated[k] == run.report.planned[k]);
-              CHECK(run.report.planned[k] == plan.bytes_by_kind[k]);
+              CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
+              CHECK(run.ranks[0].report.planned[k] == plan.bytes_by_kind[k]);
             }
             const int nvme_kind = static_cast<int>(memory::MemoryKind::kNvme);
-            CHECK((run.report.planned[nvme_kind] > 0) == (nvme && ratio > 0));
+            CHECK((run.ranks[0].report.planned[nvme_kind] > 0) == (nvme && ratio > 0));
           }
         }
       }
@@ -158,8 +125,10 @@ TEST_CASE("Partial offload: every ratio gives the fp32 masters of no offload and
   }
 }
 
-TEST_CASE("Partial offload: fp32 accumulation, an fp32 wire and parameter offload match the "
-          "device optimizer bit for bit", "[zero][offload][nvme]") {
+TEST_CASE(
+    "Partial offload: fp32 accumulation, an fp32 wire and parameter offload match the "
+    "device optimizer bit for bit",
+    "[zero][offload][nvme]") {
   const int steps = 4;
   for (int world : {1, 3}) {
     for (int variant = 0; variant < 4; ++variant) {
@@ -170,7 +139,7 @@ TEST_CASE("Partial offload: fp32 accumulation, an fp32 wire and parameter offloa
         Config c = testing::TestConfig(stage, DType::kBF16, variant <= 1 ? 2 : 1, 0.05, false);
         if (variant <= 1) c.grad_accum_dtype = DType::kF32;
         if (variant == 1) c.communication_dtype = DType::kF32;
-        const RunResult reference = Train(c, world, steps);
+        const WorldRun reference = Train(c, world, steps);
         RequireOk(reference);
         if (variant == 2) c.zero.offload_param.device = OffloadDevice::kCpu;
         if (variant == 3) {
@@ -181,11 +150,11 @@ TEST_CASE("Partial offload: fp32 accumulation, an fp32 wire and parameter offloa
         for (bool nvme : {false, true}) {
           INFO("world " << world << " variant " << variant << " stage " << stage
                         << (nvme ? " nvme" : " cpu"));
-          const RunResult run = Train(Offloaded(c, nvme, 0.5), world, steps, /*async=*/true);
+          const WorldRun run = Train(Offloaded(c, nvme, 0.5), world, steps, /*async=*/true);
           RequireOk(run);
           CheckSame(run, reference);
           for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-            CHECK(run.report.allocated[k] == run.report.planned[k]);
+            CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
           }
         }
       }
@@ -198,7 +167,7 @@ TEST_CASE("Partial offload: HSDP groups split their shards the same way on every
   // mics_shard_size 2 of world 4: a unit's group shard is kept or offloaded alike on all four
   // ranks (its size is the same everywhere), and the result is flat stage 3's without offload.
   const int steps = 4, world = 4;
-  const RunResult flat = Train(testing::TestConfig(3, DType::kBF16, 1, 0.05, false), world, steps);
+  const WorldRun flat = Train(testing::TestConfig(3, DType::kBF16, 1, 0.05, false), world, steps);
   RequireOk(flat);
   for (int stage = 1; stage <= 3; ++stage) {
     for (double ratio : {0.3, 0.6}) {
@@ -209,56 +178,17 @@ TEST_CASE("Partial offload: HSDP groups split their shards the same way on every
       const memory::Plan plan = PlanOf(c, world);
       REQUIRE(plan.device_state_elements > 0);
       REQUIRE(plan.offloaded_state_elements > 0);
-      const RunResult run = Train(c, world, steps);
+      const WorldRun run = Train(c, world, steps);
       RequireOk(run);
       CheckSame(run, flat);
     }
   }
 }
 
-// An engine on SmallModel with InitValue parameters, trained `steps` optimizer steps.
-absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
-                                                      comm::Communicator* comm, Device* dev,
-                                                      int steps) {
-  ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(testing::SetInitValues(*e));
-  RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));
-  return e;
-}
-
-// This rank's owned master, m, v through BeginSnapshot (the checkpoint's layout).
-absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
-  const size_t n = static_cast<size_t>(e.plan().shard_elements);
-  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
-  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
-  return e.WaitSnapshot();
-}
-
-absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
-  std::vector<float> sa[3], sb[3];
-  RETURN_IF_ERROR(SnapshotOf(a, sa));
-  RETURN_IF_ERROR(SnapshotOf(b, sb));
-  for (int k = 0; k < 3; ++k) {
-    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat(what, ": array ", k));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
-  ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
-  ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
-  return BitEqual(ma, mb) ? absl::OkStatus() : absl::InternalError(what);
-}
-
-void CheckAllOk(const std::vector<absl::Status>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
-}
-
-TEST_CASE("Partial offload: snapshots do not depend on the ratio; state restored at another "
-          "ratio trains on bit-identically", "[zero][offload][nvme]") {
+TEST_CASE(
+    "Partial offload: snapshots do not depend on the ratio; state restored at another "
+    "ratio trains on bit-identically",
+    "[zero][offload][nvme]") {
   const int world = 2;
   for (int stage = 1; stage <= 3; ++stage) {
     for (bool nvme : {false, true}) {
@@ -307,8 +237,8 @@ TEST_CASE("Partial offload: a checkpoint saved at one ratio resumes at another b
                         {2, true, 0.5, 1.0},  {3, true, 0.3, 0.0},  {1, false, 1.0, 0.5},
                         {2, false, 0.0, 0.3}};
   for (const Case& c : cases) {
-    DYNAMIC_SECTION("stage " << c.stage << (c.nvme ? " nvme" : " cpu") << " saved at "
-                             << c.saved << ", resumed at " << c.resumed) {
+    DYNAMIC_SECTION("stage " << c.stage << (c.nvme ? " nvme" : " cpu") << " saved at " << c.saved
+                             << ", resumed at " << c.resumed) {
       const Config plain = testing::TestConfig(c.stage, DType::kBF16, 1, 0.05, false);
       const Config saved = Offloaded(plain, c.nvme, c.saved);
       const Config resumed = Offloaded(plain, c.nvme, c.resumed);
@@ -341,48 +271,21 @@ TEST_CASE("Partial offload: a checkpoint saved at one ratio resumes at another b
   }
 }
 
-// Armed per rank: the second state write after arming fails with EIO.
-struct WriteFault {
-  std::atomic<int> armed[2] = {{0}, {0}};  // writes left before the failing one, + 1
-};
-
-TEST_CASE("Partial offload: an NVMe write error undoes the whole step, the units on the device "
-          "included; the retry matches", "[zero][nvme]") {
+TEST_CASE(
+    "Partial offload: an NVMe write error undoes the whole step, the units on the device "
+    "included; the retry matches",
+    "[zero][nvme]") {
   const int world = 2;
   const Config plain = testing::TestConfig(2, DType::kBF16, 1, 0.05, false);
   const Config half = Offloaded(plain, /*nvme=*/true, 0.5);
-  WriteFault fault;
-  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
-                                 int64_t) -> std::optional<int> {
-    const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
-    if (op != nvme::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
-    if (--fault.armed[r] == 0) return -EIO;
-    return std::nullopt;
-  });
+  testing::NvmeWriteFault fault;  // installed until the end of the case
   auto device = CreateCpuDevice(CpuDeviceOptions());
-  const std::vector<absl::Status> errors = comm::testing::OnRanks(
-      world, {20000}, [&](int, comm::Communicator* comm) -> absl::Status {
-        ASSIGN_OR_RETURN(auto a, TrainedEngine(plain, comm, device.get(), 2));
-        ASSIGN_OR_RETURN(auto b, TrainedEngine(half, comm, device.get(), 2));
-        const int r = comm->rank();
-        fault.armed[r] = 2;
-        const absl::Status failed = testing::TrainSteps(*b, 2, 1);
-        fault.armed[r] = 0;
-        if (failed.ok() ||
-            failed.message().find("/optimizer_state at offset ") == absl::string_view::npos) {
-          return absl::InternalError(
-              absl::StrCat("expected an EIO naming file and offset, got ", failed.ToString()));
-        }
-        if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
-        // Neither part moved: the offloaded state is the file's previous copy, and the units on
+  const std::vector<absl::Status> errors =
+      comm::testing::OnRanks(world, {20000}, [&](int, comm::Communicator* comm) {
+        // Neither part moves: the offloaded state is the file's previous copy, and the units on
         // the device are updated only after the host step succeeds.
-        RETURN_IF_ERROR(SameSnapshots(*a, *b, "state after the failed step"));
-        RETURN_IF_ERROR(SameMasters(*a, *b, "masters after the failed step"));
-        RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
-        RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
-        return SameMasters(*a, *b, "masters differ after the retried step");
+        return testing::CheckWriteFaultUndone(plain, half, comm, device.get(), &fault);
       });
-  nvme::SetIoFaultForTesting(nullptr);
   CheckAllOk(errors);
 }
 

@@ -3,11 +3,11 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
-#include <optional>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,22 +24,23 @@
 #include "nvme/io.h"
 #include "zero/planner.h"
 #include "zero/testing/synthetic_trainer.h"
+#include "zero/testing/world_run.h"
 
 namespace zerort {
 namespace {
 
 using memory::ParamSpec;
 
+using testing::BitEqual;
+using testing::CheckAllOk;
 using testing::GradValue;
+using testing::RequireOk;
+using testing::SameMasters;
+using testing::SameSnapshots;
 using testing::SmallModel;
-
-struct RunResult {
-  std::vector<std::vector<float>> master;  // per rank
-  std::vector<std::vector<char>> params;   // per rank: compute-dtype parameters at the end
-  std::vector<StepStats> stats;            // rank 0, per boundary
-  std::vector<absl::Status> errors;        // per rank
-  MemoryReport report;
-};
+using testing::SnapshotOf;
+using testing::TrainedEngine;
+using testing::WorldRun;
 
 Config MakeConfig(int stage, DType precision, int gas, double clip, bool offload) {
   return testing::TestConfig(stage, precision, gas, clip, offload);
@@ -48,53 +49,13 @@ Config MakeConfig(int stage, DType precision, int gas, double clip, bool offload
 // Trains `steps` optimizer steps on `world` in-process ranks (one thread each).
 // `async_streams`: the CPU device runs its streams on threads, as a GPU would; with
 // `on_compute_stream`, each rank's engine and trainer work on a stream of their own.
-RunResult Train(const Config& config, int world, int steps, int inject_step = -1,
-                int inject_rank = -1, const std::vector<ParamSpec>& specs = SmallModel(),
-                bool async_streams = false, bool on_compute_stream = false) {
-  auto comms = comm::CreateInProcessGroup(world, {config.comm_timeout_ms}).value();
-  // 200 us per asynchronous operation: longer than any of this model's host AdamW calls.
-  CpuDeviceOptions device_options;
-  device_options.threads = 1;
-  device_options.async_streams = async_streams;
-  device_options.stream_delay_us = async_streams ? 200 : 0;
-  auto device = CreateCpuDevice(device_options);
-  RunResult result;
-  result.master.resize(world);
-  result.params.resize(world);
-  result.errors.resize(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      Device::Stream stream = nullptr;
-      if (on_compute_stream) stream = device->CreateStream().value();
-      auto run = testing::TrainRank(config, specs, comms[r].get(), device.get(), steps,
-                                    inject_step, inject_rank, stream);
-      if (stream != nullptr) device->DestroyStream(stream);
-      if (!run.ok()) {
-        result.errors[r] = run.status();
-        return;
-      }
-      result.master[r] = std::move(run->master);
-      result.params[r] = std::move(run->params);
-      if (r == 0) {
-        result.stats = std::move(run->stats);
-        result.report = run->report;
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return result;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-void RequireOk(const RunResult& r) {
-  for (size_t k = 0; k < r.errors.size(); ++k) {
-    INFO("rank " << k << ": " << r.errors[k].ToString());
-    REQUIRE(r.errors[k].ok());
-  }
+WorldRun Train(const Config& config, int world, int steps, int inject_step = -1,
+               int inject_rank = -1, const std::vector<ParamSpec>& specs = SmallModel(),
+               bool async_streams = false, bool on_compute_stream = false) {
+  testing::WorldOptions o;
+  o.async_streams = async_streams;
+  o.rank_streams = on_compute_stream;
+  return testing::TrainWorld(config, specs, world, steps, o, inject_step, inject_rank);
 }
 
 TEST_CASE("Engine: stages 0-3, with and without offload, give bit-identical fp32 masters",
@@ -104,7 +65,7 @@ TEST_CASE("Engine: stages 0-3, with and without offload, give bit-identical fp32
     for (int world : {1, 2, 3, 4}) {
       for (int gas : {1, 3}) {
         for (double clip : {0.0, 0.05}) {
-          RunResult reference = Train(MakeConfig(0, precision, gas, clip, false), world, steps);
+          WorldRun reference = Train(MakeConfig(0, precision, gas, clip, false), world, steps);
           RequireOk(reference);
           for (int stage = 0; stage <= 3; ++stage) {
             for (bool offload : {false, true}) {
@@ -113,21 +74,22 @@ TEST_CASE("Engine: stages 0-3, with and without offload, give bit-identical fp32
               INFO("precision=" << static_cast<int>(precision) << " world=" << world
                                 << " gas=" << gas << " clip=" << clip << " stage=" << stage
                                 << " offload=" << offload);
-              RunResult run = Train(MakeConfig(stage, precision, gas, clip, offload), world, steps);
+              WorldRun run = Train(MakeConfig(stage, precision, gas, clip, offload), world, steps);
               RequireOk(run);
               for (int r = 0; r < world; ++r) {
-                CHECK(BitEqual(run.master[r], reference.master[0]));
-                CHECK(run.params[r] == reference.params[0]);
+                CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+                CHECK(run.ranks[r].params == reference.ranks[0].params);
               }
               if (clip > 0) {
                 // Clipping really engaged at least once (the test would be vacuous otherwise).
                 bool clipped = false;
-                for (const StepStats& s : run.stats) clipped = clipped || s.clip_coef < 1;
+                for (const StepStats& s : run.ranks[0].stats) clipped = clipped || s.clip_coef < 1;
                 CHECK(clipped);
               }
             }
           }
-          for (int r = 1; r < world; ++r) CHECK(BitEqual(reference.master[r], reference.master[0]));
+          for (int r = 1; r < world; ++r)
+            CHECK(BitEqual(reference.ranks[r].master, reference.ranks[0].master));
         }
       }
     }
@@ -140,7 +102,7 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
   // pipeline's events order them; one chunk forces every reuse hazard, more chunks overlap.
   const int steps = 12;
   for (int world : {1, 3}) {
-    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    WorldRun reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
     RequireOk(reference);
     for (int stage = 1; stage <= 3; ++stage) {
       for (int chunks : {1, 2, 4}) {
@@ -151,15 +113,16 @@ TEST_CASE("Engine: the offload pipeline on asynchronous streams matches stage 0 
           if (offload_param) c.zero.offload_param.device = OffloadDevice::kCpu;
           INFO("world=" << world << " stage=" << stage << " chunks=" << chunks
                         << " offload_param=" << offload_param);
-          RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+          WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
           RequireOk(run);
           for (int r = 0; r < world; ++r) {
-            CHECK(BitEqual(run.master[r], reference.master[0]));
+            CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
             // The uploads and all-gathers of the new parameters are ordered too.
-            CHECK(run.params[r] == reference.params[0]);
+            CHECK(run.ranks[r].params == reference.ranks[0].params);
           }
-          if (offload_param) CHECK(run.report.planned[static_cast<int>(
-                                       memory::MemoryKind::kPinnedHost)] > 0);
+          if (offload_param)
+            CHECK(run.ranks[0].report.planned[static_cast<int>(memory::MemoryKind::kPinnedHost)] >
+                  0);
         }
       }
     }
@@ -190,29 +153,29 @@ TEST_CASE("Engine: gradient offload gives bit-identical masters, on asynchronous
   for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int world : {1, 2, 3, 4}) {
       for (int gas : {1, 2}) {
-        RunResult reference = Train(MakeConfig(0, precision, gas, clip, false), world, steps);
+        WorldRun reference = Train(MakeConfig(0, precision, gas, clip, false), world, steps);
         RequireOk(reference);
         for (int stage = 1; stage <= 3; ++stage) {
           INFO("precision=" << DTypeName(precision) << " world=" << world << " gas=" << gas
                             << " stage=" << stage);
           const Config c = MakeConfig(stage, precision, gas, clip, true);
-          RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
-                                /*on_compute_stream=*/true);
+          WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
+                               /*on_compute_stream=*/true);
           RequireOk(run);
           for (int r = 0; r < world; ++r) {
-            CHECK(BitEqual(run.master[r], reference.master[0]));
-            CHECK(run.params[r] == reference.params[0]);
+            CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+            CHECK(run.ranks[r].params == reference.ranks[0].params);
           }
           bool clipped = false;
-          for (const StepStats& st : run.stats) clipped = clipped || st.clip_coef < 1;
+          for (const StepStats& st : run.ranks[0].stats) clipped = clipped || st.clip_coef < 1;
           CHECK(clipped);
           for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-            CHECK(run.report.allocated[k] == run.report.planned[k]);
+            CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
           }
           // The plan says where the shard went: no reduced gradient in device memory.
           auto offloaded = ChoosePlan(SmallModel(), c, world, 0);
-          auto on_device = ChoosePlan(SmallModel(), MakeConfig(stage, precision, gas, clip,
-                                                               false), world, 0);
+          auto on_device =
+              ChoosePlan(SmallModel(), MakeConfig(stage, precision, gas, clip, false), world, 0);
           REQUIRE(offloaded.ok());
           REQUIRE(on_device.ok());
           CHECK(ReducedGradDeviceBytes(offloaded->plan) == 0);
@@ -223,32 +186,33 @@ TEST_CASE("Engine: gradient offload gives bit-identical masters, on asynchronous
   }
 }
 
-TEST_CASE("Engine: gradient offload with fp32 accumulation, an fp32 wire or local accumulation "
-          "matches the device optimizer bit for bit", "[zero][offload]") {
+TEST_CASE(
+    "Engine: gradient offload with fp32 accumulation, an fp32 wire or local accumulation "
+    "matches the device optimizer bit for bit",
+    "[zero][offload]") {
   const int steps = 6;
   for (int world : {1, 3}) {
     for (int gas : {1, 2}) {
       for (int variant = 0; variant < 4; ++variant) {
         for (int stage = 1; stage <= 3; ++stage) {
           if (variant == 3 && (stage != 1 || gas == 1)) continue;  // stages 0-1, GAS > 1
-          INFO("world=" << world << " gas=" << gas << " stage=" << stage << " variant="
-                        << variant);
+          INFO("world=" << world << " gas=" << gas << " stage=" << stage << " variant=" << variant);
           Config c = MakeConfig(stage, DType::kBF16, gas, 0.05, false);
           if (variant == 0 || variant == 2) c.grad_accum_dtype = DType::kF32;
           if (variant == 1 || variant == 2) c.communication_dtype = DType::kF32;
           if (variant == 3) c.local_grad_accumulation = true;
-          RunResult reference = Train(c, world, steps);
+          WorldRun reference = Train(c, world, steps);
           RequireOk(reference);
           c.zero.offload_optimizer.device = OffloadDevice::kCpu;
-          RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
-                                /*on_compute_stream=*/true);
+          WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
+                               /*on_compute_stream=*/true);
           RequireOk(run);
           for (int r = 0; r < world; ++r) {
-            CHECK(BitEqual(run.master[r], reference.master[r]));
-            CHECK(run.params[r] == reference.params[r]);
+            CHECK(BitEqual(run.ranks[r].master, reference.ranks[r].master));
+            CHECK(run.ranks[r].params == reference.ranks[r].params);
           }
           for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-            CHECK(run.report.allocated[k] == run.report.planned[k]);
+            CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
           }
         }
       }
@@ -277,53 +241,25 @@ bool NvmeConfig(Config* c, int chunks) {
 TEST_CASE("Engine: NVMe offload matches stage 0 and CPU offload bit for bit", "[zero][nvme]") {
   const int steps = 8;
   for (int world : {1, 3}) {
-    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    WorldRun reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
     RequireOk(reference);
     for (int stage = 1; stage <= 3; ++stage) {
       for (int chunks : {1, 3}) {
         Config c = MakeConfig(stage, DType::kBF16, 1, 0.05, true);
         if (!NvmeConfig(&c, chunks)) return;
         INFO("world=" << world << " stage=" << stage << " chunks=" << chunks);
-        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+        WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
         RequireOk(run);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(run.master[r], reference.master[0]));
-          CHECK(run.params[r] == reference.params[0]);
+          CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+          CHECK(run.ranks[r].params == reference.ranks[0].params);
         }
         const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
-        CHECK(run.report.planned[nvme] > 0);
-        CHECK(run.report.allocated[nvme] == run.report.planned[nvme]);
+        CHECK(run.ranks[0].report.planned[nvme] > 0);
+        CHECK(run.ranks[0].report.allocated[nvme] == run.ranks[0].report.planned[nvme]);
       }
     }
   }
-}
-
-// An engine on SmallModel with InitValue parameters, trained `steps` optimizer steps.
-absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
-                                                      comm::Communicator* comm, Device* dev,
-                                                      int steps) {
-  ASSIGN_OR_RETURN(auto e, Engine::Create(config, SmallModel(), comm, dev));
-  RETURN_IF_ERROR(testing::SetInitValues(*e));
-  RETURN_IF_ERROR(testing::TrainSteps(*e, 0, steps));
-  return e;
-}
-
-// This rank's owned master, m, v through BeginSnapshot.
-absl::Status SnapshotOf(Engine& e, std::vector<float> out[3]) {
-  const size_t n = static_cast<size_t>(e.plan().shard_elements);
-  for (int k = 0; k < 3; ++k) out[k].assign(n, -1.0f);
-  RETURN_IF_ERROR(e.BeginSnapshot(out[0].data(), out[1].data(), out[2].data(), nullptr));
-  return e.WaitSnapshot();
-}
-
-absl::Status SameSnapshots(Engine& a, Engine& b, const char* what) {
-  std::vector<float> sa[3], sb[3];
-  RETURN_IF_ERROR(SnapshotOf(a, sa));
-  RETURN_IF_ERROR(SnapshotOf(b, sb));
-  for (int k = 0; k < 3; ++k) {
-    if (!BitEqual(sa[k], sb[k])) return absl::InternalError(absl::StrCat(what, ": array ", k));
-  }
-  return absl::OkStatus();
 }
 
 // The compute-dtype parameters (stages 0-2: every rank holds all of them), byte for byte.
@@ -337,12 +273,6 @@ absl::Status SameParams(Engine& a, Engine& b, const char* what) {
     }
   }
   return absl::OkStatus();
-}
-
-absl::Status SameMasters(Engine& a, Engine& b, const char* what) {
-  ASSIGN_OR_RETURN(std::vector<float> ma, a.GatherMasterWeights());
-  ASSIGN_OR_RETURN(std::vector<float> mb, b.GatherMasterWeights());
-  return BitEqual(ma, mb) ? absl::OkStatus() : absl::InternalError(what);
 }
 
 // One rank's check: NVMe-resident state is saved (BeginSnapshot) and restored
@@ -365,13 +295,6 @@ absl::Status SnapshotAndResume(const Config& cpu, const Config& nvme, comm::Comm
   return absl::OkStatus();
 }
 
-void CheckAllOk(const std::vector<absl::Status>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    INFO("rank " << r << ": " << errors[r].ToString());
-    CHECK(errors[r].ok());
-  }
-}
-
 TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host state",
           "[zero][nvme]") {
   const int world = 2;
@@ -384,55 +307,22 @@ TEST_CASE("Engine: NVMe-resident state is snapshotted and restored like host sta
   }));
 }
 
-// Armed per rank: the second state write after arming fails with EIO (unit 0 of the step is
-// written, unit 1 is not: the failure lands mid-step on every rank alike).
-struct WriteFault {
-  std::atomic<int> armed[2] = {{0}, {0}};  // writes left before the failing one, + 1
-};
-
-absl::Status FaultMidStep(const Config& cpu, const Config& nvme, comm::Communicator* comm,
-                          Device* dev, WriteFault* fault) {
-  ASSIGN_OR_RETURN(auto a, TrainedEngine(cpu, comm, dev, 2));
-  ASSIGN_OR_RETURN(auto b, TrainedEngine(nvme, comm, dev, 2));
-  const int r = comm->rank();
-  fault->armed[r] = 2;
-  const absl::Status failed = testing::TrainSteps(*b, 2, 1);
-  fault->armed[r] = 0;
-  if (failed.ok() || failed.message().find("/optimizer_state at offset ") == absl::string_view::npos ||
-      failed.message().find("Input/output error") == absl::string_view::npos) {
-    return absl::InternalError(absl::StrCat("expected an EIO naming file and offset, got ",
-                                            failed.ToString()));
-  }
-  if (b->step() != 2) return absl::InternalError(absl::StrCat("step count ", b->step()));
-  // The NVMe state is the one before the failed step, not half-updated.
-  RETURN_IF_ERROR(SameSnapshots(*a, *b, "half-updated"));
-  // ... and so are the parameters the next forward reads (re-derived after the failure).
-  RETURN_IF_ERROR(SameParams(*a, *b, "parameters half-updated"));
-  // The next attempt (the same micro-step again) continues as if nothing had failed.
-  RETURN_IF_ERROR(testing::TrainSteps(*a, 2, 2));
-  RETURN_IF_ERROR(testing::TrainSteps(*b, 2, 2));
-  return SameMasters(*a, *b, "masters differ after the retried step");
-}
-
 TEST_CASE("Engine: an NVMe write error mid-step names the file and leaves the previous state",
           "[zero][nvme]") {
   const int world = 2;
   Config cpu = MakeConfig(2, DType::kBF16, 1, 0.05, true);
   Config nvme = cpu;
   if (!NvmeConfig(&nvme, 2)) return;
-  WriteFault fault;
-  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
-                                    int64_t) -> std::optional<int> {
-    const int r = path.find("-rank1/") != std::string::npos ? 1 : 0;
-    if (op != nvme::IoOp::kWrite || fault.armed[r] == 0) return std::nullopt;
-    if (--fault.armed[r] == 0) return -EIO;
-    return std::nullopt;
-  });
+  testing::NvmeWriteFault fault;  // installed until the end of the case
   auto device = CreateCpuDevice(CpuDeviceOptions());
-  const std::vector<absl::Status> errors = comm::testing::OnRanks(
-      world, {cpu.comm_timeout_ms},
-      [&](int, comm::Communicator* c) { return FaultMidStep(cpu, nvme, c, device.get(), &fault); });
-  nvme::SetIoFaultForTesting(nullptr);
+  const std::vector<absl::Status> errors =
+      comm::testing::OnRanks(world, {cpu.comm_timeout_ms}, [&](int, comm::Communicator* c) {
+        // The parameters the next forward reads are re-derived after the failure.
+        auto same_params = [](Engine& a, Engine& b) {
+          return SameParams(a, b, "parameters half-updated");
+        };
+        return testing::CheckWriteFaultUndone(cpu, nvme, c, device.get(), &fault, same_params);
+      });
   CheckAllOk(errors);
 }
 
@@ -463,30 +353,30 @@ TEST_CASE("Engine: NVMe parameter offload matches stage 0 and CPU parameter offl
           "[zero][nvme]") {
   const int steps = 8;
   for (int world : {1, 3}) {
-    RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
+    WorldRun reference = Train(MakeConfig(0, DType::kBF16, 1, 0.05, false), world, steps);
     RequireOk(reference);
     Config cpu_param = MakeConfig(3, DType::kBF16, 1, 0.05, true);
     cpu_param.zero.offload_param.device = OffloadDevice::kCpu;
-    RunResult host = Train(cpu_param, world, steps, -1, -1, SmallModel(), true);
+    WorldRun host = Train(cpu_param, world, steps, -1, -1, SmallModel(), true);
     RequireOk(host);
     for (bool optimizer_nvme : {false, true}) {
       for (int buffers : {1, 3}) {
         INFO("world=" << world << " optimizer_nvme=" << optimizer_nvme << " buffers=" << buffers);
         const Config c = NvmeParamConfig(optimizer_nvme, buffers);
-        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
+        WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true);
         RequireOk(run);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(run.master[r], reference.master[0]));
-          CHECK(run.params[r] == reference.params[0]);
-          CHECK(BitEqual(run.master[r], host.master[r]));
-          CHECK(run.params[r] == host.params[r]);
+          CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+          CHECK(run.ranks[r].params == reference.ranks[0].params);
+          CHECK(BitEqual(run.ranks[r].master, host.ranks[r].master));
+          CHECK(run.ranks[r].params == host.ranks[r].params);
         }
         // The shards are planned and allocated as nvme bytes, not host bytes.
         const int nvme = static_cast<int>(memory::MemoryKind::kNvme);
         const int pinned = static_cast<int>(memory::MemoryKind::kPinnedHost);
-        CHECK(run.report.planned[nvme] > 0);
-        CHECK(run.report.allocated[nvme] == run.report.planned[nvme]);
-        CHECK(run.report.allocated[pinned] == run.report.planned[pinned]);
+        CHECK(run.ranks[0].report.planned[nvme] > 0);
+        CHECK(run.ranks[0].report.allocated[nvme] == run.ranks[0].report.planned[nvme]);
+        CHECK(run.ranks[0].report.allocated[pinned] == run.ranks[0].report.planned[pinned]);
         auto plan = ChoosePlan(SmallModel(), c, world, 0);
         REQUIRE(plan.ok());
         const memory::Buffer* shard = plan->plan.Find(memory::BufferClass::kParams);
@@ -510,10 +400,11 @@ absl::Status ParamReadFault(const Config& config, comm::Communicator* comm, Devi
   if (comm->rank() == 0) *armed = true;
   const absl::Status failed = testing::TrainSteps(*e, 1, 1);
   if (comm->rank() == 0) *armed = false;
-  if (failed.ok() || failed.message().find("-rank0/param_shard at offset ") == absl::string_view::npos ||
+  if (failed.ok() ||
+      failed.message().find("-rank0/param_shard at offset ") == absl::string_view::npos ||
       failed.message().find("Input/output error") == absl::string_view::npos) {
-    return absl::InternalError(absl::StrCat("expected rank 0's EIO naming file and offset, got ",
-                                            failed.ToString()));
+    return absl::InternalError(
+        absl::StrCat("expected rank 0's EIO naming file and offset, got ", failed.ToString()));
   }
   return absl::OkStatus();
 }
@@ -523,12 +414,12 @@ TEST_CASE("Engine: an NVMe parameter read error fails the gather on every rank a
   const int world = 2;
   const Config config = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
   std::atomic<bool> armed{false};
-  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
-                                    int64_t) -> std::optional<int> {
-    const bool rank0 = path.find("-rank0/param_shard") != std::string::npos;
-    if (op == nvme::IoOp::kRead && rank0 && armed) return -EIO;
-    return std::nullopt;
-  });
+  nvme::SetIoFaultForTesting(
+      [&](nvme::IoOp op, const std::string& path, int64_t, int64_t) -> std::optional<int> {
+        const bool rank0 = path.find("-rank0/param_shard") != std::string::npos;
+        if (op == nvme::IoOp::kRead && rank0 && armed) return -EIO;
+        return std::nullopt;
+      });
   CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
     return ParamReadFault(config, comm, dev, &armed);
   });
@@ -553,7 +444,8 @@ absl::Status ParamWriteFault(const Config& cpu, const Config& nvme, comm::Commun
   if (comm->rank() == 1) *armed = 2;
   const absl::Status failed = testing::TrainSteps(*b, 2, 1);
   if (comm->rank() == 1) *armed = 0;
-  if (failed.ok() || failed.message().find("-rank1/param_shard at offset ") == absl::string_view::npos ||
+  if (failed.ok() ||
+      failed.message().find("-rank1/param_shard at offset ") == absl::string_view::npos ||
       failed.message().find("re-derived from it") == absl::string_view::npos) {
     return absl::InternalError(absl::StrCat("expected rank 1's EIO, got ", failed.ToString()));
   }
@@ -579,13 +471,13 @@ TEST_CASE("Engine: an NVMe parameter write error re-derives the parameters on ev
   cpu.zero.offload_param.device = OffloadDevice::kCpu;
   const Config nvme = NvmeParamConfig(/*optimizer_nvme=*/false, 2);
   std::atomic<int> armed{0};
-  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
-                                    int64_t) -> std::optional<int> {
-    const bool rank1 = path.find("-rank1/param_shard") != std::string::npos;
-    if (op != nvme::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
-    if (--armed == 0) return -EIO;
-    return std::nullopt;
-  });
+  nvme::SetIoFaultForTesting(
+      [&](nvme::IoOp op, const std::string& path, int64_t, int64_t) -> std::optional<int> {
+        const bool rank1 = path.find("-rank1/param_shard") != std::string::npos;
+        if (op != nvme::IoOp::kWrite || !rank1 || armed == 0) return std::nullopt;
+        if (--armed == 0) return -EIO;
+        return std::nullopt;
+      });
   CheckOnRanks(world, [&](comm::Communicator* comm, Device* dev) {
     return ParamWriteFault(cpu, nvme, comm, dev, &armed);
   });
@@ -598,19 +490,19 @@ TEST_CASE("Engine: on an asynchronous compute stream every stage matches stage 0
   // wait for them before reducing, and its own device work must follow them on the stream.
   const int steps = 6;
   for (int world : {1, 2}) {
-    RunResult reference = Train(MakeConfig(0, DType::kBF16, 2, 0.05, false), world, steps);
+    WorldRun reference = Train(MakeConfig(0, DType::kBF16, 2, 0.05, false), world, steps);
     RequireOk(reference);
     for (int stage = 0; stage <= 3; ++stage) {
       for (bool offload : {false, true}) {
         if (stage == 0 && offload) continue;
         INFO("world=" << world << " stage=" << stage << " offload=" << offload);
-        RunResult run = Train(MakeConfig(stage, DType::kBF16, 2, 0.05, offload), world, steps,
-                              -1, -1, SmallModel(), /*async_streams=*/true,
-                              /*on_compute_stream=*/true);
+        WorldRun run = Train(MakeConfig(stage, DType::kBF16, 2, 0.05, offload), world, steps, -1,
+                             -1, SmallModel(), /*async_streams=*/true,
+                             /*on_compute_stream=*/true);
         RequireOk(run);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(run.master[r], reference.master[0]));
-          CHECK(run.params[r] == reference.params[0]);
+          CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+          CHECK(run.ranks[r].params == reference.ranks[0].params);
         }
       }
     }
@@ -629,18 +521,16 @@ TEST_CASE("Engine: on asynchronous streams every storage mode matches its synchr
     std::function<void(Config*)> set;
   };
   const std::vector<Mode> modes = {
-      {"offload_param cpu", [](Config* c) {
-         c->zero.offload_param.device = OffloadDevice::kCpu;
-       }},
+      {"offload_param cpu", [](Config* c) { c->zero.offload_param.device = OffloadDevice::kCpu; }},
       {"fp32 wire", [](Config* c) { c->communication_dtype = DType::kF32; }},
       {"fp32 accumulation", [](Config* c) { c->grad_accum_dtype = DType::kF32; }},
-      {"fp32 wire and accumulation", [](Config* c) {
+      {"fp32 wire and accumulation",
+       [](Config* c) {
          c->communication_dtype = DType::kF32;
          c->grad_accum_dtype = DType::kF32;
        }},
-      {"nvme state and parameters", [](Config* c) {
-         *c = NvmeParamConfig(/*optimizer_nvme=*/true, /*buffers=*/2);
-       }},
+      {"nvme state and parameters",
+       [](Config* c) { *c = NvmeParamConfig(/*optimizer_nvme=*/true, /*buffers=*/2); }},
   };
   for (int world : {1, 2}) {
     for (const Mode& mode : modes) {
@@ -649,14 +539,14 @@ TEST_CASE("Engine: on asynchronous streams every storage mode matches its synchr
         mode.set(&c);
         if (c.zero.stage != stage || !ValidateConfig(c).ok()) continue;
         INFO("world=" << world << " stage=" << stage << " mode=" << mode.name);
-        RunResult reference = Train(c, world, steps);
+        WorldRun reference = Train(c, world, steps);
         RequireOk(reference);
-        RunResult run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
-                              /*on_compute_stream=*/true);
+        WorldRun run = Train(c, world, steps, -1, -1, SmallModel(), /*async_streams=*/true,
+                             /*on_compute_stream=*/true);
         RequireOk(run);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(run.master[r], reference.master[r]));
-          CHECK(run.params[r] == reference.params[r]);
+          CHECK(BitEqual(run.ranks[r].master, reference.ranks[r].master));
+          CHECK(run.ranks[r].params == reference.ranks[r].params);
         }
       }
     }
@@ -669,21 +559,20 @@ TEST_CASE("Engine: an overflow skips the step cleanly while gradient copies are 
   // must neither apply them nor let the next window's gradients race them. The engine and the
   // trainer run on an asynchronous stream so that the copies are really in flight.
   const int steps = 8, inject_step = 3;
-  RunResult reference = Train(MakeConfig(0, DType::kBF16, 1, 0, false), 2, steps,
-                              inject_step, 1);
+  WorldRun reference = Train(MakeConfig(0, DType::kBF16, 1, 0, false), 2, steps, inject_step, 1);
   RequireOk(reference);
   for (int stage : {1, 2, 3}) {
     Config c = MakeConfig(stage, DType::kBF16, 1, 0, true);
     c.zero.offload_optimizer.buffer_count = 2;
     INFO("stage=" << stage);
-    RunResult run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true,
-                          /*on_compute_stream=*/true);
+    WorldRun run = Train(c, 2, steps, inject_step, 1, SmallModel(), /*async_streams=*/true,
+                         /*on_compute_stream=*/true);
     RequireOk(run);
-    REQUIRE(run.stats.size() == reference.stats.size());
-    CHECK(run.stats[inject_step].skipped);
+    REQUIRE(run.ranks[0].stats.size() == reference.ranks[0].stats.size());
+    CHECK(run.ranks[0].stats[inject_step].skipped);
     for (int r = 0; r < 2; ++r) {
-      CHECK(BitEqual(run.master[r], reference.master[0]));
-      CHECK(run.params[r] == reference.params[0]);
+      CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+      CHECK(run.ranks[r].params == reference.ranks[0].params);
     }
   }
 }
@@ -703,8 +592,7 @@ class DeviceMemoryComm final : public comm::Communicator {
                              comm::Stream) override {
     return Unreached();
   }
-  absl::Status AllReduce(const void*, void*, size_t, DType, comm::ReduceOp,
-                         comm::Stream) override {
+  absl::Status AllReduce(const void*, void*, size_t, DType, comm::ReduceOp, comm::Stream) override {
     return Unreached();
   }
   absl::Status Broadcast(void*, size_t, DType, int, comm::Stream) override { return Unreached(); }
@@ -718,27 +606,27 @@ class DeviceMemoryComm final : public comm::Communicator {
 TEST_CASE("Engine: a CPU device with a GPU communicator is refused by name", "[zero]") {
   DeviceMemoryComm comm;
   auto device = testing::OneThreadCpuDevice();
-  auto engine = Engine::Create(MakeConfig(2, DType::kBF16, 1, 0, false), SmallModel(), &comm,
-                               device.get());
+  auto engine =
+      Engine::Create(MakeConfig(2, DType::kBF16, 1, 0, false), SmallModel(), &comm, device.get());
   REQUIRE(engine.status().code() == absl::StatusCode::kInvalidArgument);
   CHECK(engine.status().message().find("'cpu'") != std::string::npos);
   CHECK(engine.status().message().find("'nccl'") != std::string::npos);
 }
 
-TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 1e-6",
-          "[zero]") {
+TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 1e-6", "[zero]") {
   for (int world : {1, 3}) {
     for (int gas : {1, 3}) {
       for (double clip : {0.0, 0.05}) {
         const Config c = MakeConfig(2, DType::kF32, gas, clip, false);
-        RunResult run = Train(c, world, 20);
+        WorldRun run = Train(c, world, 20);
         RequireOk(run);
         const std::vector<double> ref =
             testing::SerialAdamW(SmallModel(), world, 20, gas, clip, c.optimizer);
-        REQUIRE(run.master[0].size() == ref.size());
+        REQUIRE(run.ranks[0].master.size() == ref.size());
         double worst = 0;
         for (size_t j = 0; j < ref.size(); ++j) {
-          worst = std::max(worst, std::fabs(run.master[0][j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
+          worst = std::max(
+              worst, std::fabs(run.ranks[0].master[j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
         }
         INFO("world=" << world << " gas=" << gas << " clip=" << clip << " worst=" << worst);
         CHECK(worst <= 1e-6);
@@ -747,9 +635,10 @@ TEST_CASE("Engine: fp32 training matches a serial double-precision AdamW within 
   }
 }
 
-TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit at power-of-two "
-          "worlds",
-          "[zero]") {
+TEST_CASE(
+    "Engine: prescaled gradients match the serial reference, bit for bit at power-of-two "
+    "worlds",
+    "[zero]") {
   // Dividing by 2 or 4 before an fp32 sum in rank order is exact, so prescaling (and a
   // predivide factor of 2) must give exactly the averaged run; at 3 ranks each share is
   // rounded once more, and the result stays within the serial double reference's tolerance.
@@ -758,19 +647,19 @@ TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit a
       for (int world : {2, 4}) {
         INFO("dtype=" << DTypeName(dtype) << " stage=" << stage << " world=" << world);
         const Config plain = MakeConfig(stage, dtype, 2, 0.05, false);
-        RunResult base = Train(plain, world, 6);
+        WorldRun base = Train(plain, world, 6);
         RequireOk(base);
         Config pre = plain;
         pre.prescale_gradients = true;
-        RunResult prescaled = Train(pre, world, 6);
+        WorldRun prescaled = Train(pre, world, 6);
         RequireOk(prescaled);
         Config div = plain;
         div.gradient_predivide_factor = 2;
-        RunResult predivided = Train(div, world, 6);
+        WorldRun predivided = Train(div, world, 6);
         RequireOk(predivided);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(prescaled.master[r], base.master[r]));
-          CHECK(BitEqual(predivided.master[r], base.master[r]));
+          CHECK(BitEqual(prescaled.ranks[r].master, base.ranks[r].master));
+          CHECK(BitEqual(predivided.ranks[r].master, base.ranks[r].master));
         }
       }
     }
@@ -781,13 +670,14 @@ TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit a
     const Config plain = MakeConfig(2, DType::kBF16, 1, 0, false);
     Config div = plain;
     div.gradient_predivide_factor = 3;
-    RunResult base = Train(plain, 2, 4), thirds = Train(div, 2, 4);
+    WorldRun base = Train(plain, 2, 4), thirds = Train(div, 2, 4);
     RequireOk(base);
     RequireOk(thirds);
-    CHECK_FALSE(BitEqual(thirds.master[0], base.master[0]));
+    CHECK_FALSE(BitEqual(thirds.ranks[0].master, base.ranks[0].master));
     double worst = 0;
-    for (size_t j = 0; j < base.master[0].size(); ++j) {
-      worst = std::max(worst, std::fabs(double(thirds.master[0][j]) - base.master[0][j]));
+    for (size_t j = 0; j < base.ranks[0].master.size(); ++j) {
+      worst =
+          std::max(worst, std::fabs(double(thirds.ranks[0].master[j]) - base.ranks[0].master[j]));
     }
     // An AdamW step moves a weight by about lr (1e-2) at most, so two runs of 4 steps cannot
     // be further apart than 2 * 4 * lr.
@@ -796,15 +686,15 @@ TEST_CASE("Engine: prescaled gradients match the serial reference, bit for bit a
   for (int world : {3, 4}) {
     Config c = MakeConfig(2, DType::kF32, 3, 0.05, false);
     c.prescale_gradients = true;
-    RunResult run = Train(c, world, 20);
+    WorldRun run = Train(c, world, 20);
     RequireOk(run);
     const std::vector<double> ref =
         testing::SerialAdamW(SmallModel(), world, 20, 3, 0.05, c.optimizer);
-    REQUIRE(run.master[0].size() == ref.size());
+    REQUIRE(run.ranks[0].master.size() == ref.size());
     double worst = 0;
     for (size_t j = 0; j < ref.size(); ++j) {
-      worst = std::max(worst,
-                       std::fabs(run.master[0][j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
+      worst = std::max(
+          worst, std::fabs(run.ranks[0].master[j] - ref[j]) / std::max(std::fabs(ref[j]), 1.0));
     }
     INFO("world=" << world << " worst=" << worst);
     CHECK(worst <= 1e-6);
@@ -815,12 +705,12 @@ TEST_CASE("Engine: allocated bytes equal planned bytes for every memory kind", "
   for (int stage = 0; stage <= 3; ++stage) {
     for (bool offload : {false, true}) {
       if (stage == 0 && offload) continue;
-      RunResult run = Train(MakeConfig(stage, DType::kBF16, 3, 0, offload), 2, 1);
+      WorldRun run = Train(MakeConfig(stage, DType::kBF16, 3, 0, offload), 2, 1);
       RequireOk(run);
       for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-        CHECK(run.report.allocated[k] == run.report.planned[k]);
+        CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
       }
-      CHECK((run.report.planned[1] > 0) == offload);
+      CHECK((run.ranks[0].report.planned[1] > 0) == offload);
     }
   }
 }
@@ -830,45 +720,46 @@ TEST_CASE("Engine: an overflow on one rank skips the step on every rank", "[zero
   c.fp16.initial_scale_power = 4;
   c.fp16.hysteresis = 1;
   c.fp16.loss_scale_window = 3;
-  RunResult clean = Train(c, 3, 2);  // the state after steps 0 and 1
+  WorldRun clean = Train(c, 3, 2);  // the state after steps 0 and 1
   RequireOk(clean);
-  RunResult run = Train(c, 3, 7, /*inject_step=*/2, /*inject_rank=*/1);
+  WorldRun run = Train(c, 3, 7, /*inject_step=*/2, /*inject_rank=*/1);
   RequireOk(run);
-  REQUIRE(run.stats.size() == 7);
+  REQUIRE(run.ranks[0].stats.size() == 7);
   // DeepSpeed's rule with hysteresis 1 and window 3: halve on the overflow, double after three
   // clean steps since it.
   const double expected[] = {16, 16, 16, 8, 8, 8, 16};
   for (int k = 0; k < 7; ++k) {
     INFO("step " << k);
-    CHECK(run.stats[k].loss_scale == expected[k]);
-    CHECK(run.stats[k].skipped == (k == 2));
+    CHECK(run.ranks[0].stats[k].loss_scale == expected[k]);
+    CHECK(run.ranks[0].stats[k].skipped == (k == 2));
   }
-  CHECK(run.stats[2].step == 2);  // the skipped step did not advance t
-  CHECK(run.stats[6].step == 6);
-  for (int r = 1; r < 3; ++r) CHECK(BitEqual(run.master[r], run.master[0]));
+  CHECK(run.ranks[0].stats[2].step == 2);  // the skipped step did not advance t
+  CHECK(run.ranks[0].stats[6].step == 6);
+  for (int r = 1; r < 3; ++r) CHECK(BitEqual(run.ranks[r].master, run.ranks[0].master));
   // Stopping right after the skipped step leaves exactly the state of two clean steps.
-  RunResult to_skip = Train(c, 3, 3, 2, 1);
+  WorldRun to_skip = Train(c, 3, 3, 2, 1);
   RequireOk(to_skip);
-  CHECK(BitEqual(to_skip.master[0], clean.master[0]));
+  CHECK(BitEqual(to_skip.ranks[0].master, clean.ranks[0].master));
 }
 
-TEST_CASE("Engine: a bf16 step with an infinite gradient is skipped on every rank, as DeepSpeed's "
-          "check_grad_overflow does",
-          "[zero]") {
+TEST_CASE(
+    "Engine: a bf16 step with an infinite gradient is skipped on every rank, as DeepSpeed's "
+    "check_grad_overflow does",
+    "[zero]") {
   // The chosen behaviour (docs/config.md): skip, never write Inf or NaN into the fp32 masters.
   Config c = MakeConfig(2, DType::kBF16, 1, 1.0, false);
-  RunResult clean = Train(c, 2, 2);
+  WorldRun clean = Train(c, 2, 2);
   RequireOk(clean);
-  RunResult run = Train(c, 2, 3, /*inject_step=*/2, /*inject_rank=*/1);
+  WorldRun run = Train(c, 2, 3, /*inject_step=*/2, /*inject_rank=*/1);
   RequireOk(run);
-  REQUIRE(run.stats.size() == 3);
-  CHECK_FALSE(run.stats[1].skipped);
-  CHECK(run.stats[2].skipped);
-  CHECK(run.stats[2].loss_scale == 1);  // bf16 has no scaler to back off
+  REQUIRE(run.ranks[0].stats.size() == 3);
+  CHECK_FALSE(run.ranks[0].stats[1].skipped);
+  CHECK(run.ranks[0].stats[2].skipped);
+  CHECK(run.ranks[0].stats[2].loss_scale == 1);  // bf16 has no scaler to back off
   for (int r = 0; r < 2; ++r) {
     INFO("rank " << r);
-    CHECK(BitEqual(run.master[r], clean.master[r]));
-    for (float x : run.master[r]) REQUIRE(std::isfinite(x));
+    CHECK(BitEqual(run.ranks[r].master, clean.ranks[r].master));
+    for (float x : run.ranks[r].master) REQUIRE(std::isfinite(x));
   }
 }
 
@@ -882,14 +773,14 @@ TEST_CASE("Engine: a written warmup_max_lr is the rate after warmup, not optimiz
     c.scheduler.warmup_max_lr = 0.02;
     c.scheduler.warmup_num_steps = 2;
     c.scheduler.total_num_steps = 1000;
-    RunResult run = Train(c, 2, 4);
+    WorldRun run = Train(c, 2, 4);
     RequireOk(run);
-    REQUIRE(run.stats.size() == 4);
+    REQUIRE(run.ranks[0].stats.size() == 4);
     // DeepSpeed's WarmupLR holds warmup_max_lr once the warmup is over (step 3, iteration 2);
     // WarmupDecayLR has decayed by (1000 - 2) / (1000 - 2) = 1 there, i.e. not yet.
     INFO(SchedulerTypeName(type));
-    CHECK(run.stats[3].lr == 0.02);
-    CHECK(run.stats[0].lr == 0);  // warmup_min_lr, the rate set when the schedule is built
+    CHECK(run.ranks[0].stats[3].lr == 0.02);
+    CHECK(run.ranks[0].stats[0].lr == 0);  // warmup_min_lr, the rate set when the schedule is built
   }
 }
 
@@ -898,7 +789,7 @@ TEST_CASE("Engine: overflow at the minimum loss scale is an error, not endless s
   Config c = MakeConfig(1, DType::kF16, 1, 0, false);
   c.fp16.initial_scale_power = 0;  // already at min_loss_scale = 1
   c.fp16.hysteresis = 1;
-  RunResult run = Train(c, 2, 1, 0, 0);
+  WorldRun run = Train(c, 2, 1, 0, 0);
   for (const absl::Status& s : run.errors) {
     REQUIRE_FALSE(s.ok());
     CHECK(s.code() == absl::StatusCode::kFailedPrecondition);
@@ -942,30 +833,32 @@ TEST_CASE("Engine: uneven shapes keep stages bit-identical", "[zero]") {
     const std::string m = "tiny" + std::to_string(i);
     huge_and_tiny.push_back({m + ".w", {1 + i % 3}, m});
   }
-  const std::vector<ParamSpec> fewer_than_ranks = {{"a", {2}, "a"}, {"b", {1, 1}, "b"},
-                                                   {"c", {2}, "a"}};
+  const std::vector<ParamSpec> fewer_than_ranks = {
+      {"a", {2}, "a"}, {"b", {1, 1}, "b"}, {"c", {2}, "a"}};
   struct Case {
     std::vector<ParamSpec> specs;
     int world;
   };
-  for (const Case& c : {Case{huge_and_tiny, 3}, Case{huge_and_tiny, 4},
-                        Case{fewer_than_ranks, 8}}) {
-    RunResult reference =
+  for (const Case& c :
+       {Case{huge_and_tiny, 3}, Case{huge_and_tiny, 4}, Case{fewer_than_ranks, 8}}) {
+    WorldRun reference =
         Train(MakeConfig(0, DType::kBF16, 2, 0.05, false), c.world, 6, -1, -1, c.specs);
     RequireOk(reference);
     for (int stage = 1; stage <= 3; ++stage) {
       INFO("world=" << c.world << " stage=" << stage << " params=" << c.specs.size());
-      RunResult run =
-          Train(MakeConfig(stage, DType::kBF16, 2, 0.05, stage == 2), c.world, 6, -1, -1,
-                c.specs);
+      WorldRun run =
+          Train(MakeConfig(stage, DType::kBF16, 2, 0.05, stage == 2), c.world, 6, -1, -1, c.specs);
       RequireOk(run);
-      for (int r = 0; r < c.world; ++r) CHECK(BitEqual(run.master[r], reference.master[0]));
+      for (int r = 0; r < c.world; ++r)
+        CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
     }
   }
 }
 
-TEST_CASE("Engine: buckets and gather slots in two size classes keep stages 2-3 bit-identical "
-          "to stage 1", "[zero]") {
+TEST_CASE(
+    "Engine: buckets and gather slots in two size classes keep stages 2-3 bit-identical "
+    "to stage 1",
+    "[zero]") {
   // An embedding far larger than the blocks, as GPT-2's: it gets a bucket and a gather slot of
   // its own, the blocks buckets and slots of a block (memory/plan.h, size classes).
   std::vector<ParamSpec> specs = {{"embed.w", {61, 47}, "embed"}};
@@ -978,7 +871,7 @@ TEST_CASE("Engine: buckets and gather slots in two size classes keep stages 2-3 
     for (int world : {2, 3}) {
       for (int gas : {1, 2}) {
         INFO("precision=" << DTypeName(precision) << " world=" << world << " gas=" << gas);
-        RunResult reference =
+        WorldRun reference =
             Train(MakeConfig(1, precision, gas, 0.05, false), world, 8, -1, -1, specs);
         RequireOk(reference);
         for (int stage = 2; stage <= 3; ++stage) {
@@ -1003,14 +896,14 @@ TEST_CASE("Engine: buckets and gather slots in two size classes keep stages 2-3 
             CHECK(slots.back() == largest);
             CHECK(slots[slots.size() - 2] == block);
           }
-          RunResult run = Train(config, world, 8, -1, -1, specs);
+          WorldRun run = Train(config, world, 8, -1, -1, specs);
           RequireOk(run);
           for (int k = 0; k < memory::kNumMemoryKinds; ++k) {
-            CHECK(run.report.allocated[k] == run.report.planned[k]);
+            CHECK(run.ranks[0].report.allocated[k] == run.ranks[0].report.planned[k]);
           }
           for (int r = 0; r < world; ++r) {
-            CHECK(BitEqual(run.master[r], reference.master[0]));
-            CHECK(run.params[r] == reference.params[0]);
+            CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+            CHECK(run.ranks[r].params == reference.ranks[0].params);
           }
         }
       }
@@ -1121,9 +1014,10 @@ absl::Status DeviceStepMatches(const Config& nvme, int steps, comm::Communicator
   return absl::OkStatus();
 }
 
-TEST_CASE("Engine: NVMe parameter offload with the optimizer on the device matches stage 0 "
-          "and host parameter offload bit for bit",
-          "[zero][nvme]") {
+TEST_CASE(
+    "Engine: NVMe parameter offload with the optimizer on the device matches stage 0 "
+    "and host parameter offload bit for bit",
+    "[zero][nvme]") {
   for (int world : {1, 3}) {
     for (int buffers : {1, 3}) {
       INFO("world=" << world << " buffers=" << buffers);
@@ -1138,17 +1032,17 @@ TEST_CASE("Engine: NVMe parameter offload with the optimizer on the device match
     for (DType dtype : {DType::kBF16, DType::kF32}) {
       for (int gas : {1, 2}) {
         INFO("world=" << world << " dtype=" << DTypeName(dtype) << " gas=" << gas);
-        RunResult reference = Train(MakeConfig(0, dtype, gas, 0.05, false), world, 4);
+        WorldRun reference = Train(MakeConfig(0, dtype, gas, 0.05, false), world, 4);
         RequireOk(reference);
         Config c = DeviceStepNvmeParamConfig(2);
         c.compute_dtype = dtype;
         c.gradient_accumulation_steps = gas;
-        RunResult run = Train(c, world, 4, -1, -1, SmallModel(), /*async_streams=*/true,
-                              /*on_compute_stream=*/true);
+        WorldRun run = Train(c, world, 4, -1, -1, SmallModel(), /*async_streams=*/true,
+                             /*on_compute_stream=*/true);
         RequireOk(run);
         for (int r = 0; r < world; ++r) {
-          CHECK(BitEqual(run.master[r], reference.master[0]));
-          CHECK(run.params[r] == reference.params[0]);
+          CHECK(BitEqual(run.ranks[r].master, reference.ranks[0].master));
+          CHECK(run.ranks[r].params == reference.ranks[0].params);
         }
       }
     }
@@ -1213,9 +1107,10 @@ absl::Status DeviceStepWriteFaults(const Config& nvme, comm::Communicator* comm,
   return SameReadParams(*want, *e, "after the restore and two steps");
 }
 
-TEST_CASE("Engine: after a device optimizer step the first units' new shards wait in the "
-          "NVMe buffers for the next forward",
-          "[zero][nvme]") {
+TEST_CASE(
+    "Engine: after a device optimizer step the first units' new shards wait in the "
+    "NVMe buffers for the next forward",
+    "[zero][nvme]") {
   // The write-back runs from the last unit to the first, and completed writes stay in the
   // buffers as read-aheads: the next forward's first gathers read nothing from the file.
   CheckOnRanks(1, [&](comm::Communicator* comm, Device* dev) -> absl::Status {
@@ -1258,20 +1153,21 @@ TEST_CASE("Engine: the parameter read-ahead does not turn round into the optimiz
   }
 }
 
-TEST_CASE("Engine: an NVMe parameter write error in a device optimizer step names the file; "
-          "training goes on, or restores, bit-identically",
-          "[zero][nvme]") {
+TEST_CASE(
+    "Engine: an NVMe parameter write error in a device optimizer step names the file; "
+    "training goes on, or restores, bit-identically",
+    "[zero][nvme]") {
   const Config nvme = DeviceStepNvmeParamConfig(2);
   ParamWriteFaults faults;
-  nvme::SetIoFaultForTesting([&](nvme::IoOp op, const std::string& path, int64_t,
-                                    int64_t) -> std::optional<int> {
-    if (op != nvme::IoOp::kWrite || path.find("-rank1/param_shard") == std::string::npos) {
-      return std::nullopt;
-    }
-    if (faults.always) return -EIO;
-    if (faults.once > 0 && --faults.once == 0) return -EIO;
-    return std::nullopt;
-  });
+  nvme::SetIoFaultForTesting(
+      [&](nvme::IoOp op, const std::string& path, int64_t, int64_t) -> std::optional<int> {
+        if (op != nvme::IoOp::kWrite || path.find("-rank1/param_shard") == std::string::npos) {
+          return std::nullopt;
+        }
+        if (faults.always) return -EIO;
+        if (faults.once > 0 && --faults.once == 0) return -EIO;
+        return std::nullopt;
+      });
   CheckOnRanks(2, [&](comm::Communicator* comm, Device* dev) {
     return DeviceStepWriteFaults(nvme, comm, dev, &faults);
   });
@@ -1290,7 +1186,8 @@ void RequireRefusedEverywhere(const std::vector<absl::Status>& st,
   for (size_t r = 0; r < st.size(); ++r) {
     INFO("rank " << r << ": " << st[r].ToString());
     REQUIRE(st[r].code() == absl::StatusCode::kFailedPrecondition);
-    for (const std::string& n : needles) CHECK_THAT(std::string(st[r].message()), Catch::Contains(n));
+    for (const std::string& n : needles)
+      CHECK_THAT(std::string(st[r].message()), Catch::Contains(n));
   }
 }
 
@@ -1372,12 +1269,11 @@ TEST_CASE("Engine: stage-3 ranks that gathered different units fail the step on 
                            {"collectives", "different units"});
 }
 
-TEST_CASE("Engine: two engines on one communicator stepping in crossed order both fail",
-          "[zero]") {
+TEST_CASE("Engine: two engines on one communicator stepping in crossed order both fail", "[zero]") {
   const Config c = MakeConfig(2, DType::kF32, 1, 0, false);
   auto device = CreateCpuDevice({});
-  std::vector<absl::Status> st = comm::testing::OnRanks(
-      2, {20000}, [&](int r, comm::Communicator* comm) -> absl::Status {
+  std::vector<absl::Status> st =
+      comm::testing::OnRanks(2, {20000}, [&](int r, comm::Communicator* comm) -> absl::Status {
         ASSIGN_OR_RETURN(auto first, Engine::Create(c, SmallModel(), comm, device.get()));
         ASSIGN_OR_RETURN(auto second, Engine::Create(c, SmallModel(), comm, device.get()));
         RETURN_IF_ERROR(testing::SetInitValues(*first));

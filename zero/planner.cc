@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "base/bytes.h"
+#include "base/saturating.h"
 #include "base/status.h"
 #include "zero/hyperparams.h"
 
@@ -62,20 +63,7 @@ memory::PlanOptions BaseOptions(absl::Span<const memory::ParamSpec> specs, const
 
 // Pinned plus pageable host bytes, saturating: MakePlan bounds each total by 2^63-1, not their sum.
 int64_t HostBytes(const memory::Plan& plan) {
-  int64_t host;
-  return __builtin_add_overflow(plan.pinned_host_bytes(), plan.host_bytes(), &host)
-             ? std::numeric_limits<int64_t>::max()
-             : host;
-}
-
-int64_t SatAdd(int64_t a, int64_t b) {
-  int64_t r;
-  return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
-}
-
-int64_t SatMul(int64_t a, int64_t b) {
-  int64_t r;
-  return __builtin_mul_overflow(a, b, &r) ? std::numeric_limits<int64_t>::max() : r;
+  return SatAdd(plan.pinned_host_bytes(), plan.host_bytes());
 }
 
 // A plan with its device budget: what every decision below compares.

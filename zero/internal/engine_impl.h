@@ -32,6 +32,7 @@
 #include "zero/internal/unit_store.h"
 #include "zero/loss_scaler.h"
 #include "zero/engine.h"
+#include "zero/planner.h"
 
 namespace zerort {
 
@@ -53,10 +54,11 @@ using zero_internal::Stopwatch;
 class Engine::Impl {
  public:
   Impl(Config config, std::vector<memory::ParamSpec> specs, memory::Plan plan,
-       comm::Communicator* comm, Device* device)
+       DeviceBudget budget, comm::Communicator* comm, Device* device)
       : config_(std::move(config)),
         specs_(std::move(specs)),
         plan_(std::move(plan)),
+        budget_(std::move(budget)),
         comm_(comm),
         dev_(device),
         rank_(comm->rank()),
@@ -139,6 +141,8 @@ class Engine::Impl {
   const Config config_;
   const std::vector<memory::ParamSpec> specs_;
   const memory::Plan plan_;
+  // The device budget Create fitted the plan to (memory_report's figures).
+  const DeviceBudget budget_;
   comm::Communicator* const comm_;
   Device* const dev_;
   const int rank_, world_, stage_;

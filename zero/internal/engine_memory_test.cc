@@ -108,10 +108,19 @@ const char* Pointer(const EngineMemory& mem, const memory::Plan& plan, const mem
     case BufferClass::kNormTable: return reinterpret_cast<const char*>(mem.norm_table());
     case BufferClass::kNvmeStaging: *slots = &mem.nvme_staging(); break;
     case BufferClass::kNvmeParamBuffers: *slots = &mem.nvme_param_buffers(); break;
+    case BufferClass::kHpzSecondary: return mem.hpz_secondary();
+    case BufferClass::kGatherStage: return mem.gather_stage();
     case BufferClass::kNvmeSecondCopy:
     case BufferClass::kNvmeParamPadding: return nullptr;  // file regions
   }
   return (*slots)->base;
+}
+
+bool HasClass(const memory::Plan& plan, BufferClass cls) {
+  for (const memory::Buffer& b : plan.buffers) {
+    if (b.cls == cls && b.bytes > 0) return true;
+  }
+  return false;
 }
 
 // `cpu` and `stream`: where Allocate zero-fills (default: inline, on the calling thread).
@@ -292,6 +301,33 @@ TEST_CASE("EngineMemory: carves exactly the plan's buffers, zero-filled, in thei
           }
         }
       }
+    }
+  }
+}
+
+TEST_CASE("EngineMemory: carves hpZ's secondary blocks and the hierarchical gather's stage",
+          "[zero]") {
+  // World 4 on nodes of 2: hpZ over each node (stage 3), and shard groups of the whole world
+  // gathered across nodes first (stages 1-3).
+  for (int rank : {0, 3}) {
+    memory::PlanOptions hpz = SmallPlan(3, 4, rank).options;
+    hpz.hpz_partition_size = 2;
+    hpz.ranks_per_node = 2;
+    INFO("hpZ, rank " << rank);
+    const absl::StatusOr<memory::Plan> plan = memory::MakePlan(testing::SmallModel(), hpz);
+    REQUIRE(plan.ok());
+    REQUIRE(HasClass(*plan, BufferClass::kHpzSecondary));
+    CheckCarving(*plan);
+    for (int stage = 1; stage <= 3; ++stage) {
+      memory::PlanOptions mics = SmallPlan(stage, 4, rank).options;
+      mics.shard_group_size = 4;
+      mics.hierarchical_gather = true;
+      mics.ranks_per_node = 2;
+      INFO("hierarchical gather, stage " << stage << ", rank " << rank);
+      const absl::StatusOr<memory::Plan> staged = memory::MakePlan(testing::SmallModel(), mics);
+      REQUIRE(staged.ok());
+      REQUIRE(HasClass(*staged, BufferClass::kGatherStage));
+      CheckCarving(*staged);
     }
   }
 }

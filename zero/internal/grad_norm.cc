@@ -21,6 +21,8 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
       compute_(compute),
       host_(host),
       device_table_(device_table),
+      table_(static_cast<size_t>(plan.options.world_size) * (plan.units.size() + 1), 0.0f),
+      unit_finite_(plan.units.size(), 1),
       pinned_(device->device_memory() ? device->allocator(memory::MemoryKind::kPinnedHost)
                                       : nullptr),
       early_(memory::GradOffload(plan.options) && plan.offloaded_state_elements > 0),
@@ -29,6 +31,8 @@ GradNorm::GradNorm(const memory::Plan& plan, const ShardLayout& layout, Device* 
                                         : reinterpret_cast<bool*>(partials + plan.units.size())),
       early_measured_(plan.units.size(), 0) {
   ABSL_RAW_CHECK(!early_ || partials != nullptr, "gradient offload needs norm_partials");
+  ranges_.reserve(MaxRanges());
+  slots_.reserve(MaxRanges());
 }
 
 GradNorm::~GradNorm() {
@@ -134,8 +138,10 @@ absl::StatusOr<GradNorm::Result> GradNorm::Measure(double scale, Device::Event d
   RETURN_IF_ERROR(dev_->SquaredNormsAndFinite(ranges_, norms, range_finite, compute_));
   if (device_done != nullptr) RETURN_IF_ERROR(dev_->Record(device_done, compute_));
   RETURN_IF_ERROR(dev_->Synchronize(compute_));  // the step's one wait for device results
-  std::vector<float> table(static_cast<size_t>(world) * (nu + 1), 0.0f);
-  std::vector<uint8_t> unit_finite(nu, 1);
+  std::vector<float>& table = table_;
+  std::vector<uint8_t>& unit_finite = unit_finite_;
+  std::fill(table.begin(), table.end(), 0.0f);
+  std::fill(unit_finite.begin(), unit_finite.end(), 1);
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (slots_[i].cell >= 0) table[slots_[i].cell] = norms[i];
     if (!range_finite[i]) unit_finite[slots_[i].unit] = 0;

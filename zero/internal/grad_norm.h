@@ -93,13 +93,17 @@ class GradNorm {
   size_t MaxRanges() const;
   size_t ReadbackBytes() const;
   // Measure's ranges and, per range, its table cell (-1: checked for finiteness only) and unit;
-  // kept to reuse their memory.
+  // reserved for MaxRanges() once, so that no step allocates.
   struct RangeSlot {
     int cell;
     int unit;
   };
   std::vector<Device::NormRange> ranges_;
   std::vector<RangeSlot> slots_;
+  // Measure's (world, units + 1) table of partials, last column the finiteness flags, and
+  // per unit whether every range of it was finite: sized once, refilled every step.
+  std::vector<float> table_;
+  std::vector<uint8_t> unit_finite_;
   memory::RawAllocator* const pinned_;  // null: the host device (readback_heap_)
   char* readback_ = nullptr;
   std::vector<char> readback_heap_;
