@@ -36,6 +36,29 @@ absl::StatusOr<std::vector<RankLinkBytes>> MeasureLinkBytes(int world, int ranks
   return out;
 }
 
+absl::Status TrainStandardOrder(Engine& engine, int steps) {
+  const int gas = engine.plan().options.gradient_accumulation_steps;
+  for (int step = 0; step < steps; ++step) {
+    for (int micro = 0; micro < gas; ++micro) {
+      for (int u = engine.num_units() - 1; u >= 0; --u) {
+        RETURN_IF_ERROR(engine.Gather(u));
+        RETURN_IF_ERROR(engine.Release(u));
+      }
+      for (int u = 0; u < engine.num_units(); ++u) {
+        RETURN_IF_ERROR(engine.Gather(u));
+        for (int i : engine.plan().units[u].params) {
+          if (engine.frozen(i)) continue;
+          RETURN_IF_ERROR(engine.grad(i).status());
+          RETURN_IF_ERROR(engine.GradReady(i));
+        }
+        RETURN_IF_ERROR(engine.Release(u));
+      }
+      RETURN_IF_ERROR(engine.Step().status());
+    }
+  }
+  return absl::OkStatus();
+}
+
 LinkBytesComparison CompareWithPlan(const memory::Plan& plan, const comm::LinkBytes& sent,
                                     int steps) {
   LinkBytesComparison c;

@@ -22,6 +22,7 @@
 #include "comm/communicator.h"
 #include "comm/link_bytes.h"
 #include "memory/plan.h"
+#include "zero/engine.h"
 
 namespace zerort {
 namespace testing {
@@ -42,6 +43,13 @@ struct RankLinkBytes {
 // Errors: the first failing rank's status, naming the rank.
 absl::StatusOr<std::vector<RankLinkBytes>> MeasureLinkBytes(int world, int ranks_per_node,
                                                             const LinkBytesRun& run);
+
+// Runs `steps` optimizer steps on `engine` in the standard order that the plan's stage-3 gather
+// bytes assume (memory/plan.h, Plan::comm_bytes_per_step): per micro-step, Gather and Release
+// each unit from the last to the first (forward), then from the first to the last (backward),
+// marking each trainable parameter's gradient ready there; Step() after each micro-step. The
+// gradients are left as the engine holds them (bytes do not depend on values).
+absl::Status TrainStandardOrder(Engine& engine, int steps);
 
 // Per optimizer step: measured (sent / steps) against planned, per link class.
 struct LinkBytesComparison {
