@@ -21,8 +21,9 @@ namespace {
 constexpr int kWorld = 8;
 
 // Trains `warm` steps, then counts what each rank sends during `steps` more.
-std::vector<testing::RankLinkBytes> Measure(const Config& config, int per_node, int warm,
-                                            int steps) {
+std::vector<testing::RankLinkBytes> Measure(
+    const Config& config, int per_node, int warm, int steps,
+    const std::vector<memory::ParamSpec>& specs = testing::SmallModel()) {
   CpuDeviceOptions o;
   o.threads = 1;  // eight ranks already share two cores
   std::unique_ptr<Device> device = CreateCpuDevice(o);
@@ -30,7 +31,7 @@ std::vector<testing::RankLinkBytes> Measure(const Config& config, int per_node, 
       kWorld, per_node,
       [&](comm::Communicator* comm, comm::LinkByteLog* log) -> absl::StatusOr<memory::Plan> {
         ASSIGN_OR_RETURN(std::unique_ptr<Engine> e,
-                         Engine::Create(config, testing::SmallModel(), comm, device.get()));
+                         Engine::Create(config, specs, comm, device.get()));
         RETURN_IF_ERROR(testing::SetInitValues(*e));
         RETURN_IF_ERROR(testing::TrainSteps(*e, 0, warm));
         log->Clear();
@@ -110,6 +111,52 @@ TEST_CASE(
           CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
           CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
         }
+      }
+    }
+  }
+}
+
+// Units of two slot size classes and a frozen unit: the plan's replay of the slots must follow
+// the engine's per class (the large unit alone in its slot, five small units in three slots;
+// the frozen unit gathered in both passes like the others, and one slot more for it).
+TEST_CASE("Link bytes: stage-3 gathers of two size classes and a frozen unit equal the plan's",
+          "[zero][hpz]") {
+  std::vector<memory::ParamSpec> specs = {{"big.w", {3000}, "big"}, {"a.w", {150}, "a"},
+                                          {"b.w", {150}, "b"},      {"c.w", {150}, "c"},
+                                          {"d.w", {150}, "d"},      {"e.w", {150}, "e"}};
+  specs[4].frozen = true;
+  const Layout layouts[] = {
+      {"flat stage 3", 3, -1, false, 1},
+      {"MiCS 2 groups of 4, hierarchical gather, stage 3", 3, 4, true, 1},
+      {"hpZ 2, stage 3", 3, -1, false, 2},
+  };
+  const int per_node = 2, warm = 1, steps = 2;
+  for (int gas : {1, 3}) {
+    for (const Layout& l : layouts) {
+      INFO(l.name << ", " << gas << " micro-steps");
+      Config c = testing::TestConfig(l.stage, DType::kBF16, gas, /*clip=*/0.05,
+                                     /*offload=*/false);
+      c.zero.mics_shard_size = l.mics;
+      c.zero.mics_hierarchical_params_gather = l.hierarchical;
+      c.zero.zero_hpz_partition_size = l.hpz;
+      c.ranks_per_node = per_node;
+      const std::vector<testing::RankLinkBytes> ranks = Measure(c, per_node, warm, steps, specs);
+      const memory::Plan& plan = ranks[0].plan;
+      // The case is about what it says: six gathered units, one frozen, two slot classes with
+      // fewer small slots than small units.
+      REQUIRE(plan.units.size() == 6);
+      REQUIRE(plan.trainable_units == 5);
+      const memory::Buffer* slots = plan.Find(memory::BufferClass::kGatherBuffer);
+      REQUIRE(slots != nullptr);
+      REQUIRE(slots->slot_elements.size() == 4);
+      REQUIRE(slots->slot_elements.front() < slots->slot_elements.back());
+      for (int r = 0; r < kWorld; ++r) {
+        const testing::RankLinkBytes& b = ranks[r];
+        const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
+        INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
+        CHECK(cmp.divisible);
+        CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
+        CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
       }
     }
   }
