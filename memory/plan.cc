@@ -807,9 +807,10 @@ std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
   std::vector<int64_t> sizes = buffer->slot_elements;
   if (sizes.empty())
     sizes.assign(static_cast<size_t>(buffer->count), buffer->elements / buffer->count);
-  auto for_unit = [&](int s, int64_t padded) {
-    return sizes[s] == SlotClassElements(sizes, padded);
-  };
+  // Each unit's slot size, looked up once: the replay asks for every slot it considers.
+  std::vector<int64_t> unit_class(n);
+  for (int u = 0; u < n; ++u) unit_class[u] = SlotClassElements(sizes, plan.units[u].padded);
+  auto for_unit = [&](int s, int u) { return sizes[s] == unit_class[u]; };
   struct Slot {
     int unit = -1;
     bool held = false;
@@ -837,7 +838,7 @@ std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
       int pick = -1;
       for (int s = 0; s < static_cast<int>(slots.size()); ++s) {
         const Slot& slot = slots[s];
-        if (slot.held || !for_unit(s, unit.padded)) continue;
+        if (slot.held || !for_unit(s, u)) continue;
         if (slot.unit < 0) {
           pick = s;
           break;
@@ -856,7 +857,7 @@ std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
     if (s < 0) {
       int best = -1;
       for (int k = 0; k < static_cast<int>(slots.size()); ++k) {
-        if (slots[k].held || !for_unit(k, plan.units[u].padded)) continue;
+        if (slots[k].held || !for_unit(k, u)) continue;
         if (slots[k].unit < 0) {
           best = k;
           break;
