@@ -338,9 +338,11 @@ TEST_CASE("CLI: config values at the int limits plan exactly or are refused", "[
                          small)
               .ok());
   // fp32 (the config has no bf16 block) all-reduce of 1024 elements: 2 passes of 512 elements
-  // sent, 2147483647 micro-steps.
-  CHECK(nlohmann::json::parse(small.str())["comm_bytes_per_step"] ==
-        int64_t{2147483647} * 2 * 512 * 4);
+  // sent, 2147483647 micro-steps; once per step the control exchange, stage 0: AgreeBeforeUpdate's
+  // six 64-bit words to the other rank.
+  const nlohmann::json planned = nlohmann::json::parse(small.str());
+  CHECK(planned["comm_control_bytes_per_step"] == 6 * 8);
+  CHECK(planned["comm_bytes_per_step"] == int64_t{2147483647} * 2 * 512 * 4 + 6 * 8);
 
   const std::string prefetch = TempPath("prefetch.json");
   std::ofstream(prefetch) << R"({"zero_optimization": {"stage": 3,

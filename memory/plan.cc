@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/base/internal/raw_logging.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -1006,6 +1007,125 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
   }
 }
 
+// Stage 3: how many times the engine all-gathers each unit in one optimizer step when the trainer
+// holds units in the standard order (plan.h, Plan::stage3_gathers_per_step): per micro-step,
+// forward from the last unit to the first, then backward from the first to the last, each unit
+// gathered, used and released before the next. This replays zero/internal/param_gatherer.cc's
+// policy on the plan's slots: a unit still in a slot of its class is not gathered again; a
+// gather takes an empty slot of the unit's class, else the least recently used unheld one; then
+// the next units in the pass's direction (up to prefetch_elements of them) are prefetched into
+// empty slots or slots of units already passed. The update empties every slot (Invalidate), so
+// every step is the same. Micro-steps repeat once the slots start one as they started the one
+// before, so the replay stops there: a huge gradient_accumulation_steps costs nothing.
+// Returns per unit the gathers of one step (0 for persistent units).
+std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
+  const PlanOptions& o = plan.options;
+  const int n = static_cast<int>(plan.units.size());
+  std::vector<int64_t> per_step(n, 0);
+  const Buffer* buffer = plan.Find(BufferClass::kGatherBuffer);
+  if (buffer == nullptr) return per_step;
+  std::vector<int64_t> sizes = buffer->slot_elements;
+  if (sizes.empty())
+    sizes.assign(static_cast<size_t>(buffer->count), buffer->elements / buffer->count);
+  // Each unit's slot size, looked up once: the replay asks for every slot it considers.
+  std::vector<int64_t> unit_class(n);
+  for (int u = 0; u < n; ++u) unit_class[u] = SlotClassElements(sizes, plan.units[u].padded);
+  auto for_unit = [&](int s, int u) { return sizes[s] == unit_class[u]; };
+  struct Slot {
+    int unit = -1;
+    bool held = false;
+    uint64_t last_use = 0;
+  };
+  std::vector<Slot> slots(sizes.size());
+  std::vector<int> unit_slot(n, -1);
+  uint64_t clock = 0;
+  int last_gathered = -1;
+  std::vector<int64_t> micro(n, 0);  // gathers of the current micro-step
+  auto gather_into = [&](int u, int s) {
+    if (slots[s].unit >= 0) unit_slot[slots[s].unit] = -1;
+    ++micro[u];
+    slots[s].unit = u;
+    slots[s].last_use = ++clock;
+    unit_slot[u] = s;
+  };
+  auto prefetch = [&](int from, int direction) {
+    int64_t budget = o.prefetch_elements;
+    for (int u = from + direction; u >= 0 && u < n && budget > 0; u += direction) {
+      const Unit& unit = plan.units[u];
+      if (unit.persistent) continue;
+      budget -= unit.padded;
+      if (unit_slot[u] >= 0) continue;
+      int pick = -1;
+      for (int s = 0; s < static_cast<int>(slots.size()); ++s) {
+        const Slot& slot = slots[s];
+        if (slot.held || !for_unit(s, u)) continue;
+        if (slot.unit < 0) {
+          pick = s;
+          break;
+        }
+        const bool passed = (slot.unit - from) * direction < 0;
+        if (passed && (pick < 0 || slot.last_use < slots[pick].last_use)) pick = s;
+      }
+      if (pick < 0) break;
+      gather_into(u, pick);
+    }
+  };
+  auto hold_and_release = [&](int u) {
+    if (plan.units[u].persistent) return;
+    const int direction = last_gathered >= 0 && u > last_gathered ? 1 : -1;
+    int s = unit_slot[u];
+    if (s < 0) {
+      int best = -1;
+      for (int k = 0; k < static_cast<int>(slots.size()); ++k) {
+        if (slots[k].held || !for_unit(k, u)) continue;
+        if (slots[k].unit < 0) {
+          best = k;
+          break;
+        }
+        if (best < 0 || slots[k].last_use < slots[best].last_use) best = k;
+      }
+      // One unit held at a time and at least one slot per class: a slot is always free.
+      ABSL_RAW_CHECK(best >= 0, "stage-3 gather replay: no free slot");
+      s = best;
+      gather_into(u, s);
+    }
+    slots[s].held = true;  // a prefetch never takes the slot of the unit in use
+    slots[s].last_use = ++clock;
+    last_gathered = u;
+    prefetch(u, direction);
+    slots[s].held = false;  // released before the next unit is gathered
+  };
+  // What the next micro-step's gathers depend on: each slot's unit and the slots' LRU order.
+  auto signature = [&]() {
+    std::vector<std::pair<uint64_t, int>> by_use;
+    for (const Slot& slot : slots) by_use.push_back({slot.last_use, slot.unit});
+    std::sort(by_use.begin(), by_use.end());
+    std::vector<int> sig;
+    for (const auto& [use, unit] : by_use) sig.push_back(unit);
+    for (const Slot& slot : slots) sig.push_back(slot.unit);
+    sig.push_back(last_gathered);
+    return sig;
+  };
+  const int64_t gas = o.gradient_accumulation_steps;
+  std::vector<int> before = signature();
+  for (int64_t m = 0; m < gas; ++m) {
+    micro.assign(n, 0);
+    for (int u = n - 1; u >= 0; --u) hold_and_release(u);
+    for (int u = 0; u < n; ++u) hold_and_release(u);
+    std::vector<int> after = signature();
+    const bool repeats = m > 0 && after == before;
+    // From here on every micro-step repeats this one: count the rest at once.
+    const int64_t times = repeats ? gas - m : 1;
+    for (int u = 0; u < n; ++u) {
+      per_step[u] =
+          math->Add(per_step[u], math->Mul(times, micro[u], "stage-3 gathers"), "stage-3 gathers");
+    }
+    if (repeats) break;
+    before = std::move(after);
+  }
+  return per_step;
+}
+
 // Totals per memory kind and model state, then the bytes this rank moves per step.
 void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   for (const Buffer& b : plan->buffers) {
@@ -1017,9 +1137,7 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   }
   const PlanOptions& o = plan->options;
   const int64_t world = o.world_size;
-  const int64_t E = plan->padded_elements;
   const int64_t S = plan->shard_elements;
-  const int64_t persistent = totals.persistent_elements;
   // Only trainable units are reduced, and re-gathered after the step.
   const int64_t Et = plan->trainable_padded_elements;
   // Communication: bytes sent by this rank, (n-1)/n of the full buffer per collective.
@@ -1038,9 +1156,7 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
   // Gradient reductions move the wire dtype (fp32 with fp32_grad_comm).
   const int64_t wb = static_cast<int64_t>(DTypeSize(GradWireDType(o)));
   auto reduction = [&](int64_t elements) { return mul(mul(elements / G, G - 1), wb); };
-  auto across = [&](int64_t elements) {
-    return mul(2, mul(mul(elements / G / R, R - 1), wb));
-  };
+  auto across = [&](int64_t elements) { return mul(2, mul(mul(elements / G / R, R - 1), wb)); };
   // Link classes (ranks_per_node L known): a collective is intra-node when every rank of this
   // rank's group for it sits in this rank's node.
   const int64_t L = o.ranks_per_node, r = o.rank;
@@ -1092,26 +1208,64 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
       gather(1, Et);
       break;
     case 3: {
-      // Forward and backward gather every non-persistent unit; persistent trainable units are
-      // gathered once after the step. hpZ: a unit's first gather after the update runs over
-      // the world, the 2 x gas - 1 others over its K ranks (K - 1 blocks of 1/K each).
+      // Persistent trainable units are gathered once after the step, the others as often as
+      // the standard order makes the engine gather them (SimulateStage3Gathers). hpZ: a unit's
+      // first gather after the update runs over the world, its later ones over its K ranks
+      // (K - 1 blocks of 1/K each).
       reduce(gas, Et, 1);
       gather(1, totals.trainable_persistent_elements);
+      const std::vector<int64_t> times = SimulateStage3Gathers(*plan, math);
+      int64_t first = 0, again = 0;  // elements: each unit's first gather, and the others
+      for (size_t u = 0; u < times.size(); ++u) {
+        if (times[u] == 0) continue;
+        const int64_t padded = plan->units[u].padded;
+        plan->stage3_gathers_per_step = add(plan->stage3_gathers_per_step, times[u]);
+        first = add(first, padded);
+        again = add(again, mul(times[u] - 1, padded));
+      }
       if (!Hpz(o)) {
-        gather(mul(2, gas), E - persistent);
+        gather(1, add(first, again));
         break;
       }
-      gather(1, E - persistent);
+      gather(1, first);
       const int64_t K = o.hpz_partition_size;
-      const int64_t node = mul(mul(2, gas) - 1, mul(mul((E - persistent) / K, K - 1), cb));
+      const int64_t node = mul(mul(again / K, K - 1), cb);
       within = add(within, node);
       place(node, consecutive_spans(K));
       break;
     }
   }
+  // The control exchange (Plan::comm_control_bytes_per_step): small host values all-gathered
+  // over the world as their bits, (world - 1) copies of this rank's words sent.
+  int64_t control = 0;
+  if (world > 1) {
+    const int64_t others = world - 1;
+    // zero/internal/grad_norm.cc: the norm table's row, units + 1 fp32 (stages 1-3).
+    if (o.stage >= 1) {
+      control = mul(mul(others, static_cast<int64_t>(plan->units.size()) + 1), 4);
+    }
+    // zero/internal/step_control.cc: AgreeBeforeUpdate's six 64-bit words.
+    control = add(control, mul(others, 6 * 8));
+    // comm::AgreeOnStatus (one 64-bit code) where a file's I/O may fail: after every stage-3
+    // gather of a shard read from the NVMe file (persistent units' after the update too), and
+    // after each part of the update that writes the file (the host pipeline, the device part).
+    int64_t agreements = 0;
+    if (o.offload_param_nvme) {
+      int64_t persistent_trainable = 0;
+      for (const Unit& u : plan->units) persistent_trainable += u.persistent && !u.frozen;
+      agreements = add(plan->stage3_gathers_per_step, persistent_trainable);
+      if (plan->device_state_elements > 0) agreements = add(agreements, 1);
+    }
+    if (plan->offloaded_state_elements > 0 && (o.offload_optimizer_nvme || o.offload_param_nvme)) {
+      agreements = add(agreements, 1);
+    }
+    control = add(control, mul(agreements, mul(others, 8)));
+  }
+  plan->comm_control_bytes_per_step = control;
+  place(control, spans(0, 1, world));
   plan->comm_bytes_within_group_per_step = within;
   plan->comm_bytes_across_groups_per_step = crossing;
-  plan->comm_bytes_per_step = add(within, crossing);
+  plan->comm_bytes_per_step = add(add(within, crossing), control);
   if (L > 0) {
     plan->comm_bytes_intra_node_per_step = intra;
     plan->comm_bytes_inter_node_per_step = inter;

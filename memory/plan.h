@@ -363,16 +363,40 @@ struct Plan {
 
   int64_t bytes_by_kind[kNumMemoryKinds] = {0, 0, 0, 0};
   int64_t model_state_bytes = 0;   // params + grads + master + m + v held by this rank
-  int64_t comm_bytes_per_step = 0; // bytes this rank sends per optimizer step (nccl-tests'
-                                   // convention: (n-1)/n of each reduce-scatter/all-gather)
-  // comm_bytes_per_step by link class: between ranks of one shard group (all of it when flat)
-  // and between groups. HSDP counts its gradient reduction as NCCL runs it: a reduce-scatter
-  // in the group, then an all-reduce of the shard across the groups' same-position ranks.
+  // Bytes this rank sends per optimizer step (nccl-tests' convention: (n-1)/n of each
+  // reduce-scatter/all-gather): the collectives on gradients and parameters, within and across
+  // groups, plus the control exchange. Exact, byte for byte, for a trainer that calls Step()
+  // once per micro-step and (stage 3) gathers in the standard order: in every micro-step,
+  // forward holds units from the last to the first (the plan lists them in backward order),
+  // backward from the first to the last, each gathered, used and released before the next
+  // (Gather/Release or AcquireParams/ReleaseParams). A unit still in its gather slot is not
+  // gathered again, so the count follows the engine's slots (stage3_gathers_per_step); a trainer
+  // that holds units in another order, or several at once, sends other stage-3 gather bytes.
+  int64_t comm_bytes_per_step = 0;
+  // Stage 3: all-gathers of non-persistent units per step in the standard order (between
+  // units x 1 and units x 2 x gradient_accumulation_steps: at each of a window's 2 x gas - 1
+  // turns of direction the units the slots still hold are not gathered again, and the update
+  // empties the slots). Persistent units' gathers after the update are not counted here.
+  int64_t stage3_gathers_per_step = 0;
+  // The control exchange, part of comm_bytes_per_step and of the link class the world's ranks
+  // span (inter-node unless the world is one node), not of within/across groups: every rank's
+  // row of the norm table ((units + 1) fp32, stages 1-3) and AgreeBeforeUpdate's six 64-bit
+  // words, all-gathered over the world, (world - 1) copies sent; with NVMe offload one 64-bit
+  // status agreement more after each stage-3 gather of a shard read from the file and after
+  // each part of the update that writes it. 0 at world 1. For an applied step through Step():
+  // a skipped step (fp16 overflow) sends no AgreeBeforeUpdate, and the split step
+  // (ComputeGradNorm, then ApplyStep or SkipStep) two 64-bit words more.
+  int64_t comm_control_bytes_per_step = 0;
+  // comm_bytes_per_step less the control exchange, by link class: between ranks of one shard
+  // group (all of it when flat) and between groups. HSDP counts its gradient reduction as NCCL
+  // runs it: a reduce-scatter in the group, then an all-reduce of the shard across the groups'
+  // same-position ranks.
   int64_t comm_bytes_within_group_per_step = 0;
   int64_t comm_bytes_across_groups_per_step = 0;
-  // With options.ranks_per_node: comm_bytes_per_step again, by whether a collective's ranks
-  // all sit in one node (intra) or not (inter; its every byte counted there, as the slowest
-  // link it uses sets its time). Both 0 when ranks_per_node is 0.
+  // With options.ranks_per_node: comm_bytes_per_step again (the control exchange included), by
+  // whether a collective's ranks all sit in one node (intra) or not (inter; its every byte
+  // counted there, as the slowest link it uses sets its time). Both 0 when ranks_per_node is 0.
+  // What comm::CountLinkBytes measures, class for class (zero/engine_link_bytes_test.cc).
   int64_t comm_bytes_intra_node_per_step = 0;
   int64_t comm_bytes_inter_node_per_step = 0;
   // Offload: device<->host copies per step: gradient shards down in every micro-step (and,

@@ -35,6 +35,13 @@ std::vector<ParamSpec> RandomModel(std::mt19937& rng, int modules, int max_dim) 
   return specs;
 }
 
+// The control exchange each rank sends per step over the world (plan.h,
+// comm_control_bytes_per_step): (world - 1) copies of its norm-table row, units + 1 fp32 (stages
+// 1-3), and of AgreeBeforeUpdate's six 64-bit words.
+int64_t ControlBytes(int64_t world, int64_t units, int stage) {
+  return (world - 1) * ((stage >= 1 ? (units + 1) * 4 : 0) + 6 * 8);
+}
+
 int64_t TotalElements(const std::vector<ParamSpec>& specs) {
   int64_t total = 0;
   for (const ParamSpec& s : specs) {
@@ -625,10 +632,11 @@ TEST_CASE("Planner: communication bytes per step follow the stage", "[memory]") 
     bytes[stage] = plan->comm_bytes_per_step;
   }
   const int64_t one_pass = (1 << 16) / 8 * 7 * 2;  // (n-1)/n of the bf16 buffer
-  CHECK(bytes[0] == 2 * one_pass);  // all-reduce
-  CHECK(bytes[1] == 2 * one_pass);  // reduce-scatter + all-gather
-  CHECK(bytes[2] == 2 * one_pass);
-  CHECK(bytes[3] == 3 * one_pass);  // gather for forward and backward + reduce-scatter
+  CHECK(bytes[0] == 2 * one_pass + ControlBytes(8, 1, 0));  // all-reduce
+  CHECK(bytes[1] == 2 * one_pass + ControlBytes(8, 1, 1));  // reduce-scatter + all-gather
+  CHECK(bytes[2] == 2 * one_pass + ControlBytes(8, 1, 2));
+  // Gather for forward + reduce-scatter: backward finds the one unit still in its slot.
+  CHECK(bytes[3] == 2 * one_pass + ControlBytes(8, 1, 3));
 }
 
 TEST_CASE("Planner: fp32 gradient accumulation and reduction count their bytes", "[memory]") {
@@ -720,8 +728,10 @@ TEST_CASE("Planner: gradient_accumulation_steps 2^31-1 gives exact or refused co
   o.gradient_accumulation_steps = 2147483647;
   auto small = MakePlan({{"w", {1024}, "m"}}, o);
   REQUIRE(small.ok());
-  // All-reduce: 2 passes of (n-1)/n of 1024 bf16 elements per micro-step.
-  CHECK(small->comm_bytes_per_step == int64_t{2147483647} * 2 * (1024 / 2 * 2));
+  // All-reduce: 2 passes of (n-1)/n of 1024 bf16 elements per micro-step; the control exchange
+  // once per step.
+  CHECK(small->comm_bytes_per_step ==
+        int64_t{2147483647} * 2 * (1024 / 2 * 2) + ControlBytes(2, 1, 0));
   ExpectTooLarge(MakePlan({{"w", {int64_t{1} << 40}, "m"}}, o), "communication bytes per step");
   o.stage = 3;
   o.offload_optimizer = o.offload_param = true;
@@ -957,16 +967,19 @@ TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class
   CHECK(flat->shard_elements == 512);
   // Per rank: params, gradient and fp32 master + m + v of the 1024-element shard.
   CHECK(hsdp->model_state_bytes == 1024 * (2 + 2 + 12));
-  // Within the group, bf16: forward and backward gathers 2 x 3/4 x 4096 x 2 B, the gradient
-  // reduce-scatter 3/4 x 4096 x 2 B; across the 2 groups, the all-reduce of the 1024-element
-  // shard: 2 x 1/2 x 1024 x 2 B.
-  CHECK(hsdp->comm_bytes_within_group_per_step == 3 * 3072 * 2);
+  // Within the group, bf16: the forward gather 3/4 x 4096 x 2 B (backward finds the one unit
+  // still in its slot), the gradient reduce-scatter 3/4 x 4096 x 2 B; across the 2 groups, the
+  // all-reduce of the 1024-element shard: 2 x 1/2 x 1024 x 2 B; the control exchange over the
+  // world apart.
+  CHECK(hsdp->comm_bytes_within_group_per_step == 2 * 3072 * 2);
   CHECK(hsdp->comm_bytes_across_groups_per_step == 2048);
-  CHECK(hsdp->comm_bytes_per_step == 3 * 3072 * 2 + 2048);
+  CHECK(hsdp->comm_control_bytes_per_step == ControlBytes(8, 1, 3));
+  CHECK(hsdp->comm_bytes_per_step == 2 * 3072 * 2 + 2048 + ControlBytes(8, 1, 3));
   // Flat: everything within the one group, (7/8) of each collective.
-  CHECK(flat->comm_bytes_within_group_per_step == 3 * 3584 * 2);
+  CHECK(flat->comm_bytes_within_group_per_step == 2 * 3584 * 2);
   CHECK(flat->comm_bytes_across_groups_per_step == 0);
-  CHECK(flat->comm_bytes_per_step == flat->comm_bytes_within_group_per_step);
+  CHECK(flat->comm_bytes_per_step ==
+        flat->comm_bytes_within_group_per_step + ControlBytes(8, 1, 3));
 
   // Gradient offload's per-unit buffers hold a group shard (1024 elements), not a flat one.
   {
@@ -1322,12 +1335,115 @@ TEST_CASE("Plan: declared gradient buffers: mixed units, explicit offsets, gaps 
   CHECK(plan->params[1].grad_buffer == -1);
 }
 
+// The stage-3 gathers in the standard order against a closed form written from the slots'
+// behaviour, not from the plan's replay: units of one size class share its slots, least
+// recently used first, so each pass gathers every unit of the class except, at each of the
+// window's 2 x gas - 1 turns of direction, the first min(slots, units) of the new pass, which
+// the slots still hold (a prefetch only moves gathers earlier). Per class and step:
+// 2 x gas x units - (2 x gas - 1) x min(slots, units).
+TEST_CASE("Planner: stage-3 gathers follow the slots, per size class, with frozen units",
+          "[memory]") {
+  constexpr int64_t kLarge = 16384, kSmall = 2048;  // multiples of 8 x 128: no padding
+  struct Model {
+    const char* name;
+    int64_t prefetch;
+    bool frozen;  // the last small module frozen: its own unit, one more slot per class
+    int classes;  // the gather_buffer's size classes the case is about
+  };
+  const Model models[] = {
+      {"two classes: the large unit's one slot, two slots for four small units", kSmall, false,
+       2},
+      {"one class: five units of two sizes share one slot (no prefetch)", 0, false, 1},
+      {"a frozen unit, no prefetch: one slot more per class, so two classes", 0, true, 2},
+      {"a frozen unit and prefetch: three slots for four small units", kSmall, true, 2},
+  };
+  for (const Model& m : models) {
+    for (int gas : {1, 3}) {
+      for (int hpz : {1, 2}) {
+        INFO(m.name << ", " << gas << " micro-steps, hpZ " << hpz);
+        std::vector<ParamSpec> specs = {{"big", {kLarge}, "big"}};
+        for (int i = 0; i < 4; ++i) {
+          specs.push_back({absl::StrCat("s", i), {kSmall}, absl::StrCat("s", i)});
+        }
+        specs.back().frozen = m.frozen;
+        PlanOptions o;
+        o.stage = 3;
+        o.world_size = 8;
+        o.rank = 3;
+        o.unit_per_module = true;
+        o.persistence_threshold = 0;
+        o.prefetch_elements = m.prefetch;
+        o.gradient_accumulation_steps = gas;
+        o.hpz_partition_size = hpz;
+        o.compute_dtype = DType::kBF16;
+        absl::StatusOr<Plan> p = MakePlan(specs, o);
+        REQUIRE(p.ok());
+        REQUIRE(p->units.size() == 5);
+        const Buffer* slots = p->Find(BufferClass::kGatherBuffer);
+        REQUIRE(slots != nullptr);
+        std::vector<int64_t> sizes = slots->slot_elements;
+        if (sizes.empty()) sizes.assign(slots->count, slots->elements / slots->count);
+        std::vector<int64_t> classes = sizes;
+        classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
+        REQUIRE(static_cast<int>(classes.size()) == m.classes);
+        int64_t gathers = 0, first = 0, again = 0;  // elements: first gathers, later ones
+        bool few = false;  // some class has fewer slots than units
+        for (int64_t c : classes) {
+          const int64_t n_slots = std::count(sizes.begin(), sizes.end(), c);
+          int64_t units = 0, elements = 0;
+          for (const Unit& u : p->units) {
+            if (SlotClassElements(sizes, u.padded) != c) continue;
+            ++units;
+            elements += u.padded;
+          }
+          REQUIRE(units > 0);
+          few = few || n_slots < units;
+          const int64_t held = std::min(n_slots, units);
+          const int64_t per_class = 2 * gas * units - (2 * gas - 1) * held;
+          gathers += per_class;
+          // Which units the turns find held depends on their order; the bytes do only when
+          // the class's units differ in size: take the sizes as they come in the passes.
+          std::vector<int64_t> order;  // the class's unit sizes in forward order
+          for (int u = static_cast<int>(p->units.size()) - 1; u >= 0; --u) {
+            if (SlotClassElements(sizes, p->units[u].padded) == c) {
+              order.push_back(p->units[u].padded);
+            }
+          }
+          // Forward ends with order.back(), backward with order.front(): a turn into backward
+          // finds the last `held` of forward, a turn into forward the last `held` of backward.
+          int64_t skipped = 0;
+          for (int64_t t = 0; t < 2 * gas - 1; ++t) {
+            for (int64_t k = 0; k < held; ++k) {
+              skipped += t % 2 == 0 ? order[order.size() - 1 - k] : order[k];
+            }
+          }
+          first += elements;
+          again += 2 * gas * elements - skipped - elements;
+        }
+        if (m.prefetch == 0 && !m.frozen) REQUIRE(few);
+        CHECK(p->stage3_gathers_per_step == gathers);
+        // Bytes within the world (flat): the reduce-scatters of the trainable units, then the
+        // gathers, each over the world (hpZ: a unit's first over the world, its others over
+        // the 2 ranks of the node), and the control exchange.
+        const int64_t b = 2;
+        const int64_t reduce = gas * p->trainable_padded_elements / 8 * 7 * b;
+        const int64_t gather_bytes =
+            hpz == 1 ? (first + again) / 8 * 7 * b : first / 8 * 7 * b + again / 2 * 1 * b;
+        CHECK(p->comm_bytes_within_group_per_step == reduce + gather_bytes);
+        CHECK(p->comm_control_bytes_per_step == ControlBytes(8, 5, 3));
+        CHECK(p->comm_bytes_per_step == reduce + gather_bytes + ControlBytes(8, 5, 3));
+      }
+    }
+  }
+}
+
 TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gather and hpZ",
           "[memory][hsdp][hpz]") {
   // One 8192-element unit (a multiple of 16 * 128: no padding) on 16 ranks, 4 nodes of 4,
   // bf16, one micro-step, rank 6 (node 1). In nccl-tests' convention a gather or reduce-scatter
   // of n over g ranks sends n (g - 1) / g; a collective whose ranks span nodes counts whole
-  // as inter-node.
+  // as inter-node. The one unit is gathered once per step (backward finds it in its slot); the
+  // control exchange (840 B) runs over the world, across nodes.
   std::vector<ParamSpec> specs = {{"w", {64, 128}, "m"}};
   PlanOptions o;
   o.stage = 3;
@@ -1343,10 +1459,11 @@ TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gat
     return *made;
   };
   {
-    INFO("flat: two gathers and a reduce-scatter over 16 ranks, all across nodes");
+    INFO("flat: a gather and a reduce-scatter over 16 ranks, all across nodes");
     const Plan p = plan(o);
+    CHECK(p.comm_control_bytes_per_step == ControlBytes(16, 1, 3));
     CHECK(p.comm_bytes_intra_node_per_step == 0);
-    CHECK(p.comm_bytes_inter_node_per_step == 3 * n / 16 * 15 * b);
+    CHECK(p.comm_bytes_inter_node_per_step == 2 * n / 16 * 15 * b + ControlBytes(16, 1, 3));
     CHECK(p.comm_bytes_per_step == p.comm_bytes_inter_node_per_step);
   }
   {
@@ -1355,8 +1472,8 @@ TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gat
     PlanOptions h = o;
     h.shard_group_size = 4;
     const Plan p = plan(h);
-    CHECK(p.comm_bytes_intra_node_per_step == 3 * n / 4 * 3 * b);
-    CHECK(p.comm_bytes_inter_node_per_step == 2 * 2048 / 4 * 3 * b);
+    CHECK(p.comm_bytes_intra_node_per_step == 2 * n / 4 * 3 * b);
+    CHECK(p.comm_bytes_inter_node_per_step == 2 * 2048 / 4 * 3 * b + ControlBytes(16, 1, 3));
     CHECK(p.comm_bytes_intra_node_per_step + p.comm_bytes_inter_node_per_step ==
           p.comm_bytes_per_step);
   }
@@ -1370,8 +1487,9 @@ TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gat
     const Plan p = plan(h);
     const int64_t across = n / 8 * 1 * b, within = n / 8 * 2 * 3 * b;
     const int64_t reduce = n / 8 * 7 * b, allreduce = 2 * 1024 / 2 * 1 * b;
-    CHECK(p.comm_bytes_inter_node_per_step == 2 * across + reduce + allreduce);
-    CHECK(p.comm_bytes_intra_node_per_step == 2 * within);
+    CHECK(p.comm_bytes_inter_node_per_step ==
+          across + reduce + allreduce + ControlBytes(16, 1, 3));
+    CHECK(p.comm_bytes_intra_node_per_step == within);
     // The same total as the flat gather over the group: the gather only moves differently.
     CHECK(p.comm_bytes_per_step == flat_gather.comm_bytes_per_step);
     CHECK(flat_gather.comm_bytes_intra_node_per_step == 0);
@@ -1381,22 +1499,33 @@ TEST_CASE("Planner: bytes per link class for flat, HSDP, MiCS's hierarchical gat
     CHECK(p.device_bytes() == flat_gather.device_bytes() + stage->bytes);
   }
   {
-    INFO("hpZ over the node (K = 4), 3 micro-steps: the first gather over 16 ranks, the 5 "
-         "others within the node; the secondary blocks are 1/4 of the unit");
+    INFO("hpZ over the node (K = 4), 3 micro-steps, two units in one slot (no prefetch): of "
+         "the 12 passes over a unit 5 find it in the slot (one at each turn of direction), "
+         "the other 7 gather: each unit's first over 16 ranks, the 5 others within the node; "
+         "the secondary blocks are 1/4 of each unit");
+    const std::vector<ParamSpec> two = {{"w", {64, 128}, "m"}, {"v", {64, 128}, "n"}};
     PlanOptions h = o;
+    h.unit_per_module = true;
+    h.prefetch_elements = 0;
     h.gradient_accumulation_steps = 3;
-    const Plan flat = plan(h);
+    absl::StatusOr<Plan> flat = MakePlan(two, h);
     h.hpz_partition_size = 4;
-    const Plan p = plan(h);
-    CHECK(p.comm_bytes_inter_node_per_step == (1 + 3) * n / 16 * 15 * b);
-    CHECK(p.comm_bytes_intra_node_per_step == 5 * n / 4 * 3 * b);
-    CHECK(p.comm_bytes_per_step ==
-          p.comm_bytes_inter_node_per_step + p.comm_bytes_intra_node_per_step);
-    const Buffer* secondary = p.Find(BufferClass::kHpzSecondary);
+    absl::StatusOr<Plan> p = MakePlan(two, h);
+    REQUIRE(flat.ok());
+    REQUIRE(p.ok());
+    REQUIRE(p->units.size() == 2);
+    REQUIRE(p->gather_slots == 1);
+    CHECK(p->stage3_gathers_per_step == 7);
+    CHECK(p->comm_bytes_inter_node_per_step ==
+          (2 + 3 * 2) * n / 16 * 15 * b + ControlBytes(16, 2, 3));
+    CHECK(p->comm_bytes_intra_node_per_step == 5 * n / 4 * 3 * b);
+    CHECK(p->comm_bytes_per_step ==
+          p->comm_bytes_inter_node_per_step + p->comm_bytes_intra_node_per_step);
+    const Buffer* secondary = p->Find(BufferClass::kHpzSecondary);
     REQUIRE(secondary != nullptr);
-    CHECK(secondary->elements == n / 4);
-    CHECK(p.device_bytes() == flat.device_bytes() + n / 4 * b);
-    CHECK(flat.Find(BufferClass::kHpzSecondary) == nullptr);
+    CHECK(secondary->elements == 2 * n / 4);
+    CHECK(p->device_bytes() == flat->device_bytes() + 2 * n / 4 * b);
+    CHECK(flat->Find(BufferClass::kHpzSecondary) == nullptr);
   }
   {
     INFO("without ranks_per_node no link classes; a bad one is refused by name");

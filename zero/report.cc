@@ -140,6 +140,16 @@ std::string PlanTable(const memory::Plan& plan) {
                           o.ranks_per_node, HumanBytes(plan.comm_bytes_intra_node_per_step),
                           HumanBytes(plan.comm_bytes_inter_node_per_step));
   }
+  if (plan.comm_control_bytes_per_step > 0) {
+    absl::StrAppendFormat(&out, "; of which control exchange (norm table, step agreement) over "
+                          "the world: %s", HumanBytes(plan.comm_control_bytes_per_step));
+  }
+  if (o.stage == 3 && plan.stage3_gathers_per_step > 0) {
+    absl::StrAppendFormat(&out, "; %d unit gathers per step for a trainer that holds one unit "
+                          "at a time, forward from the last unit to the first and backward "
+                          "back (units still in their slots are not gathered again)",
+                          plan.stage3_gathers_per_step);
+  }
   if (plan.host_transfer_bytes_per_step > 0) {
     absl::StrAppendFormat(&out, "; device<->host copies per step: %s",
                           HumanBytes(plan.host_transfer_bytes_per_step));
@@ -176,6 +186,9 @@ nlohmann::ordered_json PlanJson(const memory::Plan& plan) {
                    {"frozen_params", plan.frozen_elements},
                    {"frozen_state_bytes_saved", plan.frozen_state_bytes_saved}};
   j["comm_bytes_per_step"] = plan.comm_bytes_per_step;
+  // Part of comm_bytes_per_step (and of its link class): the norm table and step agreement.
+  j["comm_control_bytes_per_step"] = plan.comm_control_bytes_per_step;
+  j["stage3_gathers_per_step"] = plan.stage3_gathers_per_step;
   // HSDP: the same bytes by link class (flat: all within the one group of every rank).
   j["shard_group_size"] = memory::ShardGroupSize(o);
   j["comm_bytes_within_group_per_step"] = plan.comm_bytes_within_group_per_step;

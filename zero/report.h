@@ -18,7 +18,8 @@ namespace zerort {
 std::string PlanTable(const memory::Plan& plan);
 
 // params, world_size, stage, per_rank.{model_state_bytes, device_bytes, pinned_host_bytes,
-// host_bytes, nvme_bytes}, comm_bytes_per_step, host_transfer_bytes_per_step, units, buffers[],
+// host_bytes, nvme_bytes}, comm_bytes_per_step (comm_control_bytes_per_step of it),
+// stage3_gathers_per_step, host_transfer_bytes_per_step, units, buffers[],
 // grad_handoff.{buffers, tensors, tensors_in_place, bytes, bytes_in_place, bytes_copied,
 // engine_grad_bytes, engine_grad_bytes_undeclared, copied[{tensor, unit, reason}]}.
 nlohmann::ordered_json PlanJson(const memory::Plan& plan);

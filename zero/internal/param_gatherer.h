@@ -16,6 +16,10 @@
 // all-gather those blocks within the K consecutive ranks of this rank's node. The blocks are
 // copies of the gathered bytes, so the parameters are bitwise the same either way.
 //
+// memory/plan.cc (SimulateStage3Gathers) replays this slot policy (LRU per size class, the
+// prefetch, the direction) to count the plan's stage-3 gather bytes exactly; a change here
+// changes what //zero:engine_link_bytes_test measures against that replay.
+//
 // Ordering: collectives run on StreamOrder::side() after BeforeComm; a slot is refilled only
 // after the trainer's work on its previous unit (SlotReleased), and handed to the trainer only
 // after its all-gather (BeforeSlotUse).
