@@ -64,6 +64,7 @@ void EngineMemory::Assign(const memory::PlanOptions& o, const memory::Buffer& b,
   SlottedBuffer slotted{p, static_cast<int>(b.count), b.elements / b.count, b.slot_elements};
   if (!b.slot_elements.empty()) {
     slotted.elements = *std::max_element(b.slot_elements.begin(), b.slot_elements.end());
+    slotted.Index();
   }
   // With offload_optimizer, optimizer state in device memory is the part that
   // offload_optimizer.ratio < 1 keeps there (the plan's "<name>_device" buffers, or the plain

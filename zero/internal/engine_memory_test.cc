@@ -4,6 +4,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -354,6 +355,41 @@ TEST_CASE("EngineMemory: the zero-fills have landed when Allocate returns, on an
   REQUIRE(plan.ok());
   CheckCarving(*plan, cpu.get(), *stream);
   cpu->DestroyStream(*stream);
+}
+
+TEST_CASE("SlottedBuffer: the indexed offsets and size classes answer as the scans do",
+          "[zero]") {
+  // Size classes as the plan makes them: runs of equal slots, in any order of sizes.
+  std::mt19937 rng(13);
+  for (int trial = 0; trial < 200; ++trial) {
+    SlottedBuffer b;
+    const int classes = 1 + static_cast<int>(rng() % 5);
+    for (int c = 0; c < classes; ++c) {
+      const int64_t size = 128 * (1 + static_cast<int64_t>(rng() % 40));
+      for (int k = 1 + static_cast<int>(rng() % 4); k > 0; --k) b.sizes.push_back(size);
+    }
+    b.count = static_cast<int>(b.sizes.size());
+    b.elements = *std::max_element(b.sizes.begin(), b.sizes.end());
+    SlottedBuffer indexed = b;
+    indexed.Index();
+    REQUIRE(indexed.offsets.size() == b.sizes.size());
+    int64_t off = 0;
+    for (int s = 0; s < b.count; ++s) {
+      CAPTURE(trial, s);
+      CHECK(indexed.offset(s) == off);  // the prefix sum, written here
+      CHECK(b.offset(s) == off);
+      off += b.sizes[s];
+      for (int64_t padded = 1; padded <= b.elements + 256; padded += 61) {
+        // The smallest slot size that holds the unit, found here by a plain scan.
+        int64_t want = 0;
+        for (int64_t e : b.sizes) {
+          if (e >= padded && (want == 0 || e < want)) want = e;
+        }
+        CHECK(indexed.ForUnit(s, padded) == (want != 0 && b.sizes[s] == want));
+        CHECK(b.ForUnit(s, padded) == indexed.ForUnit(s, padded));
+      }
+    }
+  }
 }
 
 }  // namespace
