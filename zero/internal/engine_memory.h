@@ -44,16 +44,15 @@ struct SlottedBuffer {
   int64_t elements = 0;  // per slot; with size classes, of the largest slot
   std::vector<int64_t> sizes;  // with size classes: each slot's elements, in order; else empty
 
-  // With size classes, filled by Index(): each slot's offset, and the distinct slot sizes in
-  // ascending order. The gatherer asks ForUnit of every slot at every acquire and offset at every
-  // parameter access, so a plan with many slots would otherwise cost O(slots^2) host work per
-  // gather; an unindexed buffer (a test's) still answers, by scanning.
+  // With size classes: each slot's offset, and the distinct slot sizes in ascending order,
+  // derived from `sizes` by Index() (EngineMemory calls it). The gatherer asks ForUnit of every
+  // slot at every acquire and offset at every parameter access: scanning the slots there would
+  // cost O(slots^2) host work per gather.
   std::vector<int64_t> offsets;
   std::vector<int64_t> classes;
 
   void Index() {
     offsets.clear();
-    classes.clear();
     int64_t off = 0;
     for (int64_t e : sizes) {
       offsets.push_back(off);
@@ -63,20 +62,14 @@ struct SlottedBuffer {
     std::sort(classes.begin(), classes.end());
     classes.erase(std::unique(classes.begin(), classes.end()), classes.end());
   }
-  // Elements from `base` to slot s, and the elements it holds. REQUIRES: 0 <= s < count.
-  int64_t offset(int s) const {
-    if (sizes.empty()) return s * elements;
-    if (!offsets.empty()) return offsets[s];
-    int64_t off = 0;
-    for (int k = 0; k < s; ++k) off += sizes[k];
-    return off;
-  }
+  // Elements from `base` to slot s, and the elements it holds. REQUIRES: 0 <= s < count, and
+  // Index() called after `sizes` was set.
+  int64_t offset(int s) const { return sizes.empty() ? s * elements : offsets[s]; }
   int64_t size(int s) const { return sizes.empty() ? elements : sizes[s]; }
   // Whether a unit of `padded` elements uses slot s: the slot belongs to the unit's size class
   // (memory::SlotClassElements: the smallest slot size that holds the unit).
   bool ForUnit(int s, int64_t padded) const {
     if (sizes.empty()) return padded <= elements;
-    if (classes.empty()) return sizes[s] == memory::SlotClassElements(sizes, padded);
     const auto c = std::lower_bound(classes.begin(), classes.end(), padded);
     return c != classes.end() && sizes[s] == *c;
   }
