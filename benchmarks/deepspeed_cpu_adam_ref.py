@@ -69,21 +69,25 @@ def param_with_grad(torch, n, dtype):
     return p
 
 
+def mixed_step(torch, opt, p):
+    """DeepSpeedCPUAdam's mixed-precision step on p and a bf16 copy of it, and how it is made:
+    in the same call where this DeepSpeed takes fp16_param_groups, else step() then copy_."""
+    copy = torch.empty(p.numel(), dtype=torch.bfloat16)
+    if "fp16_param_groups" in inspect.signature(type(opt).step).parameters:
+        return (lambda: opt.step(fp16_param_groups=[[copy]]),
+                "bf16 copy written by step(fp16_param_groups=...)")
+    return (lambda: (opt.step(), copy.copy_(p.data)),
+            "this DeepSpeed has no fp16_param_groups: step() then a separate bf16 copy_")
+
+
 def deepspeed_rows(torch, n, reps):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     init = inspect.signature(DeepSpeedCPUAdam.__init__).parameters
-    step_args = inspect.signature(DeepSpeedCPUAdam.step).parameters
     rows = []
     p = param_with_grad(torch, n, torch.float32)
     opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
     rows.append(row("deepspeed_fp32", n, timed(opt.step, reps), 32))
-    copy = torch.empty(n, dtype=torch.bfloat16)
-    if "fp16_param_groups" in step_args:
-        step = lambda: opt.step(fp16_param_groups=[[copy]])
-        note = "bf16 copy written by step(fp16_param_groups=...)"
-    else:
-        step = lambda: (opt.step(), copy.copy_(p.data))
-        note = "this DeepSpeed has no fp16_param_groups: step() then a separate bf16 copy_"
+    step, note = mixed_step(torch, opt, p)
     rows.append(row("deepspeed_mixed", n, timed(step, reps), 34, note))
     del opt, p
     if "fp32_optimizer_states" in init:
@@ -133,14 +137,9 @@ def interleaved(torch, path, n, rounds, reps, threads):
     round divides our memory floors by DeepSpeed's step: the speed no implementation of our
     access pattern can pass on this machine (the floor streams exactly its bytes, trivially)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    step_args = inspect.signature(DeepSpeedCPUAdam.step).parameters
     p = param_with_grad(torch, n, torch.float32)
     opt = DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
-    copy = torch.empty(n, dtype=torch.bfloat16)
-    if "fp16_param_groups" in step_args:
-        mixed = lambda: opt.step(fp16_param_groups=[[copy]])
-    else:
-        mixed = lambda: (opt.step(), copy.copy_(p.data))
+    mixed, _ = mixed_step(torch, opt, p)
     cmd = [path, f"--min_params={n}", f"--max_params={n}", "--forms=all"]
     out = []
     for k in range(rounds):
