@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "memory/testing/llmc_tensors.h"
 
 namespace zerort {
 namespace memory {
@@ -1012,25 +1013,9 @@ TEST_CASE("Planner: HSDP shards within the group and counts bytes per link class
   CHECK(MakePlan(specs, o).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
-// llm.c's CPU GPT-2 (L = 4, C = 128, V = 50304, 64 positions) as its trainer holds it: 16
-// tensors (per-layer ones stacked [L, ...]) packed in one gradient buffer in this order, each
-// registered as a module of its own.
+// llm.c's CPU GPT-2 (L = 4, C = 128, V = 50304, 64 positions) as its trainer holds it.
 std::vector<ParamSpec> LlmcTensors(const std::string& buffer = "grads") {
-  const int64_t L = 4, C = 128, V = 50304, T = 64;
-  const std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {
-      {"wte", {V, C}},           {"wpe", {T, C}},          {"ln1w", {L, C}},
-      {"ln1b", {L, C}},          {"qkvw", {L, 3 * C, C}},  {"qkvb", {L, 3 * C}},
-      {"attprojw", {L, C, C}},   {"attprojb", {L, C}},     {"ln2w", {L, C}},
-      {"ln2b", {L, C}},          {"fcw", {L, 4 * C, C}},   {"fcb", {L, 4 * C}},
-      {"fcprojw", {L, C, 4 * C}}, {"fcprojb", {L, C}},     {"lnfw", {C}},
-      {"lnfb", {C}}};
-  std::vector<ParamSpec> specs;
-  for (const auto& [name, shape] : tensors) {
-    ParamSpec s{name, shape, name};
-    s.grad_buffer = buffer;
-    specs.push_back(s);
-  }
-  return specs;
+  return memory::testing::LlmcTensors(/*L=*/4, /*C=*/128, /*V=*/50304, /*T=*/64, buffer);
 }
 
 const Unit& UnitOf(const Plan& plan, const std::string& param) {

@@ -8,26 +8,15 @@
 
 #include "base/dtype.h"
 #include "base/status.h"
+#include "memory/testing/llmc_tensors.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
 namespace testing {
 
 std::vector<memory::ParamSpec> MiniLlmc(bool declared) {
-  const int64_t L = 2, C = 8, V = 40, T = 6;
-  const std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {
-      {"wte", {V, C}},            {"wpe", {T, C}},         {"ln1w", {L, C}},
-      {"ln1b", {L, C}},           {"qkvw", {L, 3 * C, C}}, {"qkvb", {L, 3 * C}},
-      {"attprojw", {L, C, C}},    {"attprojb", {L, C}},    {"ln2w", {L, C}},
-      {"ln2b", {L, C}},           {"fcw", {L, 4 * C, C}},  {"fcb", {L, 4 * C}},
-      {"fcprojw", {L, C, 4 * C}}, {"fcprojb", {L, C}},     {"lnfw", {C}},
-      {"lnfb", {C}}};
-  std::vector<memory::ParamSpec> specs;
-  for (const auto& [name, shape] : tensors) {
-    specs.push_back({name, shape, name});
-    if (declared) specs.back().grad_buffer = "grads";
-  }
-  return specs;
+  return memory::testing::LlmcTensors(/*L=*/2, /*C=*/8, /*V=*/40, /*T=*/6,
+                                      declared ? "grads" : "");
 }
 
 namespace {
