@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "comm/testing/on_ranks.h"
 #include "device/device.h"
+#include "device/testing/forwarding_device.h"
 #include "memory/plan.h"
 #include "zero/testing/synthetic_trainer.h"
 
@@ -38,62 +39,7 @@ inline std::vector<absl::Status> OnRanks(
   return comm::testing::OnRanks(world, {}, fn);
 }
 
-// A Device that forwards every call to `inner`: tests override the calls they watch or break
-// (an allocator that hands out dirty memory, a WaitHost that fails). `inner` must outlive it.
-class ForwardingDevice : public Device {
- public:
-  explicit ForwardingDevice(Device* inner) : inner_(inner) {}
-  absl::string_view name() const override { return inner_->name(); }
-  bool device_memory() const override { return inner_->device_memory(); }
-  memory::RawAllocator* allocator(memory::MemoryKind kind) override {
-    return inner_->allocator(kind);
-  }
-  absl::Status Copy(void* dst, const void* src, size_t bytes, Stream s) override {
-    return inner_->Copy(dst, src, bytes, s);
-  }
-  absl::Status Zero(void* dst, size_t bytes, Stream s) override {
-    return inner_->Zero(dst, bytes, s);
-  }
-  absl::Status Cast(const void* src, DType sd, void* dst, DType dd, size_t n,
-                    Stream s) override {
-    return inner_->Cast(src, sd, dst, dd, n, s);
-  }
-  absl::Status Accumulate(void* acc, const void* x, DType d, size_t n, Stream s) override {
-    return inner_->Accumulate(acc, x, d, n, s);
-  }
-  absl::Status SquaredNorm(const void* x, DType d, size_t n, float* out, Stream s) override {
-    return inner_->SquaredNorm(x, d, n, out, s);
-  }
-  absl::Status Scale(void* x, DType d, size_t n, float factor, Stream s) override {
-    return inner_->Scale(x, d, n, factor, s);
-  }
-  absl::Status AllFinite(const void* x, DType d, size_t n, bool* out, Stream s) override {
-    return inner_->AllFinite(x, d, n, out, s);
-  }
-  absl::Status AdamWRanges(const offload::AdamWArrays& arrays,
-                           absl::Span<const offload::AdamWRange> ranges, float grad_scale,
-                           Stream s) override {
-    return inner_->AdamWRanges(arrays, ranges, grad_scale, s);
-  }
-  absl::Status CompactAdamWRanges(const offload::CompactAdamWArrays& arrays,
-                                  absl::Span<const offload::AdamWRange> ranges, float grad_scale,
-                                  Stream s) override {
-    return inner_->CompactAdamWRanges(arrays, ranges, grad_scale, s);
-  }
-  absl::Status Synchronize(Stream s) override { return inner_->Synchronize(s); }
-  absl::StatusOr<Stream> CreateStream() override { return inner_->CreateStream(); }
-  void DestroyStream(Stream s) override { inner_->DestroyStream(s); }
-  absl::StatusOr<Event> CreateEvent() override { return inner_->CreateEvent(); }
-  void DestroyEvent(Event e) override { inner_->DestroyEvent(e); }
-  absl::Status Record(Event e, Stream s) override { return inner_->Record(e, s); }
-  absl::Status Wait(Stream s, Event e) override { return inner_->Wait(s, e); }
-  absl::Status WaitHost(Event e) override { return inner_->WaitHost(e); }
-  absl::StatusOr<Event> CreateTimingEvent() override { return inner_->CreateTimingEvent(); }
-  absl::StatusOr<double> ElapsedMs(Event a, Event b) override { return inner_->ElapsedMs(a, b); }
-
- protected:
-  Device* const inner_;
-};
+using ForwardingDevice = testing::ForwardingDevice;  // device/testing/forwarding_device.h
 
 }  // namespace zero_internal
 }  // namespace zerort
