@@ -34,6 +34,14 @@
 //                                timing events on the engine's streams): norm_ms, update_ms,
 //                                gather_ms, total_ms of the optimizer step on the GPU's clock
 //   create_s, init_s             Engine::Create and InitParams (all parameters zero: cheap)
+//   host                         the calling thread's work on the step's path: cpu_ms_median,
+//                                its CPU time (CLOCK_THREAD_CPUTIME_ID) from the first GradReady
+//                                to Step()'s return; return_ms_median, the wall time of the same
+//                                span; cpu_us_per_unit = cpu_ms_median / units (the goal: 10 us).
+//                                CUDA's default sync spins, so a host wait inside the step
+//                                (the norm's result, an offload pipeline) counts as CPU time:
+//                                --blocking-sync (cudaDeviceScheduleBlockingSync, set before the
+//                                device is created) makes the waits sleep and leaves the work.
 //
 // The floor: bytes the step's kernels must read + write, over the bandwidth they are limited by.
 // E = plan().trainable_padded_elements (at world 1 this rank owns all of it in every stage).
@@ -68,11 +76,12 @@
 // when a config failed (its row has "error").
 //
 // Usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S]
-//                       [--grads handoff|engine]
+//                       [--grads handoff|engine] [--offload none|cpu|both] [--blocking-sync]
 //   default: --shape all (124M, then 1.3B while the budget lasts), --budget-s 85,
-//   --grads handoff.
+//   --grads handoff, --offload both, CUDA's default (spinning) host sync.
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -120,6 +129,8 @@ struct Options {
   std::vector<std::string> shapes = {"small", "1.3b"};
   double budget_s = 85;
   bool grads_into_engine = false;  // --grads engine
+  int offload_from = 0, offload_to = 1;  // --offload: none [0, 0], cpu [1, 1], both [0, 1]
+  bool blocking_sync = false;            // --blocking-sync
 };
 
 bool ParseArgs(int argc, char** argv, Options* opt) {
@@ -135,6 +146,12 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
     } else if (a == "--grads" && (next == "handoff" || next == "engine")) {
       opt->grads_into_engine = next == "engine";
       ++i;
+    } else if (a == "--offload" && (next == "none" || next == "cpu" || next == "both")) {
+      opt->offload_from = next == "cpu" ? 1 : 0;
+      opt->offload_to = next == "none" ? 0 : 1;
+      ++i;
+    } else if (a == "--blocking-sync") {
+      opt->blocking_sync = true;
     } else if (a == "--budget-s" && !next.empty()) {
       char* end = nullptr;
       opt->budget_s = std::strtod(next.c_str(), &end);
@@ -150,6 +167,13 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
 
 double Seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+// CPU time of the calling thread, in milliseconds.
+double ThreadCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
 examples::gpt::GptShape ShapeOf(const std::string& name) {
@@ -263,6 +287,8 @@ struct Timings {
   std::vector<double> wall_ms, event_ms, reduce, optimizer, gather, offload_wait, total;
   // Engine::DeviceTimes: the step's phases on the GPU's clock.
   std::vector<double> dev_norm, dev_update, dev_gather, dev_total;
+  // The calling thread from the first GradReady to Step()'s return: CPU time and wall time.
+  std::vector<double> host_cpu, host_return;
   StepStats last;
   int overflow_steps = 0;  // steps the engine dropped for an Inf/NaN (none expected)
 };
@@ -376,6 +402,8 @@ class ConfigRun {
       const cudaStream_t cs = static_cast<cudaStream_t>(stream_);
       const Clock::time_point t0 = Clock::now();
       CheckCuda(cudaEventRecord(ev_start, cs), "cudaEventRecord");
+      const double cpu0 = ThreadCpuMs();
+      const Clock::time_point h0 = Clock::now();
       // In backward order (plan().units), as a trainer's backward marks them.
       for (const memory::Unit& unit : engine->plan().units) {
         for (int i : unit.params) {
@@ -384,6 +412,8 @@ class ConfigRun {
       }
       if (!status.ok()) break;
       absl::StatusOr<StepStats> stats = engine->Step();
+      const double host_cpu_ms = ThreadCpuMs() - cpu0;
+      const double host_return_ms = Seconds(h0) * 1e3;
       if (!stats.ok()) {
         status = stats.status();
         break;
@@ -405,6 +435,8 @@ class ConfigRun {
       tm.dev_total.push_back(dt->total_ms);
       tm.wall_ms.push_back(wall_ms);
       tm.event_ms.push_back(event_ms);
+      tm.host_cpu.push_back(host_cpu_ms);
+      tm.host_return.push_back(host_return_ms);
       tm.reduce.push_back(stats->reduce_ms);
       tm.optimizer.push_back(stats->optimizer_ms);
       tm.gather.push_back(stats->gather_ms);
@@ -421,12 +453,12 @@ class ConfigRun {
                                        " timed steps: past the time budget");
       return absl::OkStatus();
     }
-    Report(tm, e, offload, row);
+    Report(tm, e, offload, engine->num_units(), row);
     return absl::OkStatus();
   }
 
  private:
-  void Report(const Timings& tm, int64_t e, bool offload, json* row) const {
+  void Report(const Timings& tm, int64_t e, bool offload, int units, json* row) const {
     const double step_ms = Median(tm.wall_ms);
     double floor_ms;
     if (offload) {
@@ -465,6 +497,11 @@ class ConfigRun {
         {"gather_ms", Median(tm.dev_gather)},
         {"total_ms", Median(tm.dev_total)},
     };
+    (*row)["host"] = {
+        {"cpu_ms_median", Median(tm.host_cpu)},
+        {"return_ms_median", Median(tm.host_return)},
+        {"cpu_us_per_unit", Median(tm.host_cpu) * 1e3 / std::max(units, 1)},
+    };
   }
 
   Device* const dev_;
@@ -490,8 +527,16 @@ int Main(int argc, char** argv) {
   if (!ParseArgs(argc, argv, &opt)) {
     std::fprintf(stderr,
                  "usage: gpu_step_bench [--quick] [--shape small|1.3b|all] [--budget-s S] "
-                 "[--grads handoff|engine]\n");
+                 "[--grads handoff|engine] [--offload none|cpu|both] [--blocking-sync]\n");
     return 2;
+  }
+  // Before anything creates the context: the flag applies to a context made after it.
+  if (opt.blocking_sync) {
+    const cudaError_t e = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync);
+    if (e != cudaSuccess && e != cudaErrorNoDevice && e != cudaErrorInsufficientDriver) {
+      std::fprintf(stderr, "gpu_step_bench: cudaSetDeviceFlags: %s\n", cudaGetErrorString(e));
+      return 1;
+    }
   }
   absl::StatusOr<std::unique_ptr<Device>> gpu = CreateCudaDevice(0);
   if (!gpu.ok()) {
@@ -538,7 +583,7 @@ int Main(int argc, char** argv) {
     const examples::gpt::Gpt gpt(shape);
     const std::vector<memory::ParamSpec> specs = gpt.ParamSpecs();
     const int64_t params = gpt.num_elements();
-    for (int offload = 0; offload <= 1; ++offload) {
+    for (int offload = opt.offload_from; offload <= opt.offload_to; ++offload) {
       for (int stage = 0; stage <= 3; ++stage) {
         json row = {{"shape", shape_name}, {"params", params}, {"stage", stage},
                     {"offload", offload ? "cpu" : "none"}};
@@ -571,14 +616,15 @@ int Main(int argc, char** argv) {
           std::fprintf(stderr,
                        "%-5s stage %d offload %-4s: step %8.2f ms (min %8.2f, events %8.2f), "
                        "floor %8.2f ms, ratio %6.2f; device: norm %.2f update %.2f gather "
-                       "%.2f ms; create %.1f s, init %.1f s\n",
+                       "%.2f ms; host %.1f us/unit; create %.1f s, init %.1f s\n",
                        shape_name.c_str(), stage, offload ? "cpu" : "none",
                        row["step_ms_median"].get<double>(), row["step_ms_min"].get<double>(),
                        row["event_ms_median"].get<double>(), row["floor_ms"].get<double>(),
                        row["ratio_to_floor"].get<double>(),
                        row["device_times"]["norm_ms"].get<double>(),
                        row["device_times"]["update_ms"].get<double>(),
-                       row["device_times"]["gather_ms"].get<double>(), row["create_s"].get<double>(),
+                       row["device_times"]["gather_ms"].get<double>(),
+                       row["host"]["cpu_us_per_unit"].get<double>(), row["create_s"].get<double>(),
                        row["init_s"].get<double>());
         } else {
           std::fprintf(stderr, "%-5s stage %d offload %-4s: %s\n", shape_name.c_str(), stage,
@@ -597,6 +643,7 @@ int Main(int argc, char** argv) {
       {"world", 1},
       {"precision", "bf16"},
       {"grads", opt.grads_into_engine ? "engine" : "handoff"},
+      {"host_sync", opt.blocking_sync ? "blocking" : "spin (CUDA's default)"},
       {"warmup_steps", warmup},
       {"measured_steps", measured},
       {"d2d_copy_GBps", limits.d2d},

@@ -375,6 +375,9 @@ for i in "${!bench_labels[@]}"; do
     # The step without the hand-off copies: gradients written into engine.grad(i), 1.3B only.
     run_bench "$label --shape 1.3b --grads engine" 75 "$file" --shape 1.3b --grads engine \
       --budget-s 45
+    # The host's work per unit with the waits asleep (CUDA's spinning sync counts them as CPU).
+    run_bench "$label --shape small --offload none --blocking-sync" 45 "$file" --shape small \
+      --offload none --blocking-sync --budget-s 25
   else
     run_bench "$label" 120 "$file"
   fi

@@ -35,6 +35,7 @@ def main():
     transfers = []
     torch_adamw = {}
     others = []
+    steps = []
     device = ""
     for d in docs:
         name = d.get("benchmark")
@@ -51,6 +52,8 @@ def main():
                     by_size.setdefault(n, {})[label(k)] = (k["median_ms"],
                                                            k["fraction_of_d2d_copy"])
             transfers += d.get("transfers", [])
+        elif name == "gpu_step_bench":
+            steps.append(d)
         elif name == "adamw_torch_ref":
             for size in d["sizes"]:
                 torch_adamw[size["elements"]] = size["adamw_fused"]
@@ -76,6 +79,23 @@ def main():
             print(f"\nAdamW at n = {n:.0e} (fp32 grads, no param copy, 28 B/element): zerort "
                   f"{ours[0]:.3f} ms, torch.optim.AdamW(fused=True) {t['median_ms']:.3f} ms: "
                   f"{t['median_ms'] / ours[0]:.2f}x torch's bytes per second")
+    for d in steps:
+        print(f"\ngpu_step_bench ({d.get('device')}, grads {d.get('grads')}, host sync "
+              f"{d.get('host_sync', 'spin')}):\n")
+        print("| shape | stage | offload | units | step ms | floor ms | ratio | norm ms | "
+              "host us/unit | host return ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for c in d.get("configs", []):
+            head = f"| {c['shape']} | {c['stage']} | {c['offload']} | "
+            if "step_ms_median" not in c:
+                why = c.get("error") or c.get("not_run", "")
+                print(head + f"- | {why[:80]} | | | | | |")
+                continue
+            host = c.get("host", {})
+            print(head + f"{c['units']} | {c['step_ms_median']:.2f} | {c['floor_ms']:.2f} | "
+                  f"{c['ratio_to_floor']:.2f} | {c['device_times']['norm_ms']:.2f} | "
+                  f"{host.get('cpu_us_per_unit', float('nan')):.1f} | "
+                  f"{host.get('return_ms_median', float('nan')):.2f} |")
     for t in transfers:
         print(f"\ntransfer: {json.dumps(t)}")
     for d in others:
