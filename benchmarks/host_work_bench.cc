@@ -83,8 +83,7 @@ class CountingDevice : public testing::ForwardingDevice {
     Count(kKernel);
     return inner_->Zero(dst, bytes, s);
   }
-  absl::Status Cast(const void* src, DType sd, void* dst, DType dd, size_t n,
-                    Stream s) override {
+  absl::Status Cast(const void* src, DType sd, void* dst, DType dd, size_t n, Stream s) override {
     Count(kKernel);
     return inner_->Cast(src, sd, dst, dd, n, s);
   }
@@ -105,8 +104,8 @@ class CountingDevice : public testing::ForwardingDevice {
     return inner_->AllFinite(x, d, n, out, s);
   }
   // One call, as the CUDA device batches it (a launch per 64 ranges and tree level there).
-  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq,
-                                     bool* finite, Stream s) override {
+  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq, bool* finite,
+                                     Stream s) override {
     Count(kKernel);
     counts_[kNormRange] += static_cast<int64_t>(ranges.size());
     return inner_->SquaredNormsAndFinite(ranges, sumsq, finite, s);

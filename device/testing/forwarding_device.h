@@ -32,8 +32,7 @@ class ForwardingDevice : public Device {
   absl::Status Zero(void* dst, size_t bytes, Stream s) override {
     return inner_->Zero(dst, bytes, s);
   }
-  absl::Status Cast(const void* src, DType sd, void* dst, DType dd, size_t n,
-                    Stream s) override {
+  absl::Status Cast(const void* src, DType sd, void* dst, DType dd, size_t n, Stream s) override {
     return inner_->Cast(src, sd, dst, dd, n, s);
   }
   absl::Status Accumulate(void* acc, const void* x, DType d, size_t n, Stream s) override {
@@ -49,8 +48,8 @@ class ForwardingDevice : public Device {
     return inner_->AllFinite(x, d, n, out, s);
   }
   // Forwarded whole: a device that batches the ranges (CUDA) keeps batching them.
-  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq,
-                                     bool* finite, Stream s) override {
+  absl::Status SquaredNormsAndFinite(absl::Span<const NormRange> ranges, float* sumsq, bool* finite,
+                                     Stream s) override {
     return inner_->SquaredNormsAndFinite(ranges, sumsq, finite, s);
   }
   absl::Status AdamWRanges(const offload::AdamWArrays& arrays,
