@@ -204,6 +204,16 @@ TEST_CASE("Planner: over several nodes auto also chooses the shard group, smalle
       CHECK(chosen->plan.options.stage == order[expected].first);
       CHECK(chosen->plan.options.shard_group_size == order[expected].second);
       CHECK(chosen->plan.device_bytes() == needs[expected]);
+      // Each rank chooses alone (Engine::Create), so every rank must reach the same choice,
+      // at the boundary too; a rank-dependent need would split the world between two plans.
+      for (int rank = 1; rank < world; ++rank) {
+        CAPTURE(rank);
+        auto other = ChoosePlan(*specs, c, world, rank);
+        REQUIRE(other.ok());
+        CHECK(other->plan.options.stage == chosen->plan.options.stage);
+        CHECK(other->plan.options.shard_group_size == chosen->plan.options.shard_group_size);
+        CHECK(other->plan.device_bytes() == chosen->plan.device_bytes());
+      }
       CHECK_THAT(chosen->reason, Catch::Contains("from zerort.ranks_per_node 4"));
       if (order[expected].second > 0) {
         CHECK_THAT(chosen->reason,
