@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/temp_dir.h"
 #include "comm/link_bytes.h"
 #include "device/cpu_device.h"
 #include "zero/engine.h"
@@ -154,6 +155,71 @@ TEST_CASE("Link bytes: stage-3 gathers of two size classes and a frozen unit equ
         const testing::RankLinkBytes& b = ranks[r];
         const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
         INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
+        CHECK(cmp.divisible);
+        CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
+        CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
+      }
+    }
+  }
+}
+
+// NVMe offload adds agreements to the control exchange (comm::AgreeOnStatus, one 64-bit code
+// per rank wherever a file's I/O may fail): after each stage-3 gather of a shard read from the
+// parameter file, after each persistent unit's refresh, and after each part of the update that
+// writes a file. The plan counts them; the engine's sends must match, class for class.
+TEST_CASE("Link bytes: NVMe offload's agreements are in the plan's control bytes", "[zero]") {
+  struct NvmeLayout {
+    const char* name;
+    int stage;
+    bool optimizer_nvme;
+    double ratio;  // offload_optimizer.ratio
+    bool param_nvme;
+  };
+  const NvmeLayout layouts[] = {
+      {"stage 1, optimizer on NVMe", 1, true, 1.0, false},
+      {"stage 2, half the optimizer on NVMe", 2, true, 0.5, false},
+      {"stage 3, optimizer on NVMe", 3, true, 1.0, false},
+      {"stage 3, parameters on NVMe", 3, false, 1.0, true},
+      {"stage 3, parameters and optimizer on NVMe", 3, true, 1.0, true},
+      {"stage 3, parameters and half the optimizer on NVMe", 3, true, 0.5, true},
+  };
+  const int per_node = 4, warm = 1, steps = 2;
+  for (int gas : {1, 2}) {
+    for (const NvmeLayout& l : layouts) {
+      INFO(l.name << ", " << gas << " micro-steps");
+      Config c = testing::TestConfig(l.stage, DType::kBF16, gas, /*clip=*/0.05,
+                                     /*offload=*/false);
+      const std::string dir = testing::TempDir("link_bytes_nvme_");
+      if (l.optimizer_nvme) {
+        c.zero.offload_optimizer.device = OffloadDevice::kNvme;
+        c.zero.offload_optimizer.nvme_path = dir;
+        c.zero.offload_optimizer.ratio = l.ratio;
+      }
+      if (l.param_nvme) {
+        c.zero.offload_param.device = OffloadDevice::kNvme;
+        c.zero.offload_param.nvme_path = dir;
+        c.zero.offload_param.buffer_size = 1024;
+        // Some of SmallModel's units (those of at most 160 elements) stay whole on every rank.
+        c.zero.stage3_param_persistence_threshold = 160;
+      }
+      c.aio.block_size = 8192;
+      c.aio.queue_depth = 2;
+      c.ranks_per_node = per_node;
+      const std::vector<testing::RankLinkBytes> ranks = Measure(c, per_node, warm, steps);
+      for (int r = 0; r < kWorld; ++r) {
+        const testing::RankLinkBytes& b = ranks[r];
+        const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
+        INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
+        // The case is about what it says: agreements beyond the norm table and the pre-update
+        // agreement (and, with parameters on NVMe, persistent units among the gathered ones).
+        REQUIRE(b.plan.comm_control_bytes_per_step >
+                ControlBytes(l.stage, static_cast<int>(b.plan.units.size())));
+        if (l.param_nvme) {
+          int persistent = 0;
+          for (const memory::Unit& u : b.plan.units) persistent += u.persistent;
+          REQUIRE(persistent > 0);
+          REQUIRE(persistent < static_cast<int>(b.plan.units.size()));
+        }
         CHECK(cmp.divisible);
         CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
         CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
