@@ -62,6 +62,15 @@ int64_t ControlBytes(int stage, int units) {
   return norm_table + agree_before_update;
 }
 
+// What rank r sent per step equals its plan, byte for byte and class for class.
+void CheckSentEqualsPlan(int r, const testing::RankLinkBytes& b, int steps) {
+  const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
+  INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
+  CHECK(cmp.divisible);
+  CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
+  CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
+}
+
 TEST_CASE(
     "Link bytes: the engine sends, per link class, the bytes the plan "
     "counts (world 8)",
@@ -105,12 +114,9 @@ TEST_CASE(
           // over the world, which spans nodes at every node size here.
           CHECK(b.plan.comm_control_bytes_per_step ==
                 ControlBytes(l.stage, static_cast<int>(b.plan.units.size())));
-          // Everything the engine sends equals the plan, byte for byte and class for class:
-          // stage 3's gathers as the slots make them (a unit still held is not gathered again),
-          // the control exchange included.
-          CHECK(cmp.divisible);
-          CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
-          CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
+          // Everything the engine sends equals the plan: stage 3's gathers as the slots make
+          // them (a unit still held is not gathered again), the control exchange included.
+          CheckSentEqualsPlan(r, b, steps);
         }
       }
     }
@@ -151,14 +157,7 @@ TEST_CASE("Link bytes: stage-3 gathers of two size classes and a frozen unit equ
       REQUIRE(slots != nullptr);
       REQUIRE(slots->slot_elements.size() == 4);
       REQUIRE(slots->slot_elements.front() < slots->slot_elements.back());
-      for (int r = 0; r < kWorld; ++r) {
-        const testing::RankLinkBytes& b = ranks[r];
-        const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
-        INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
-        CHECK(cmp.divisible);
-        CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
-        CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
-      }
+      for (int r = 0; r < kWorld; ++r) CheckSentEqualsPlan(r, ranks[r], steps);
     }
   }
 }
@@ -208,8 +207,7 @@ TEST_CASE("Link bytes: NVMe offload's agreements are in the plan's control bytes
       const std::vector<testing::RankLinkBytes> ranks = Measure(c, per_node, warm, steps);
       for (int r = 0; r < kWorld; ++r) {
         const testing::RankLinkBytes& b = ranks[r];
-        const testing::LinkBytesComparison cmp = testing::CompareWithPlan(b.plan, b.sent, steps);
-        INFO("rank " << r << ": " << cmp.ToString() << "\nmeasured " << b.log);
+        INFO("rank " << r);
         // The case is about what it says: agreements beyond the norm table and the pre-update
         // agreement (and, with parameters on NVMe, persistent units among the gathered ones).
         REQUIRE(b.plan.comm_control_bytes_per_step >
@@ -220,9 +218,7 @@ TEST_CASE("Link bytes: NVMe offload's agreements are in the plan's control bytes
           REQUIRE(persistent > 0);
           REQUIRE(persistent < static_cast<int>(b.plan.units.size()));
         }
-        CHECK(cmp.divisible);
-        CHECK(cmp.measured.intra_node == cmp.planned.intra_node);
-        CHECK(cmp.measured.inter_node == cmp.planned.inter_node);
+        CheckSentEqualsPlan(r, b, steps);
       }
     }
   }
