@@ -17,7 +17,10 @@
 # The targets: every cc_test and cc_binary tagged gpu, plus every benchmark or example binary
 # that links the CUDA device, and the `zerort` command (its `demo --device cuda` trains the example
 # GPT on the GPU; manifest kind "demo"); minus those that link OpenMPI (it does not bundle: its MCA
-# components are found through its install prefix), which manifest.txt lists as excluded.
+# components are found through its install prefix), which manifest.txt lists as excluded. Also
+# the host SIMD kernels' tests (tagged host_simd) and adamw_bench, flagged "host": the lent
+# machines' CPUs may have AVX-512, which the build machines lack, so their AVX-512 paths run
+# there (run.sh runs them last, on what is left of the time budget).
 # Fails if the bundle exceeds 48 MiB: what may travel with a command is 64 MiB, the source tree
 # about 4 MiB of it; the `zerort` command, with the demo's kernels, takes 9 MiB of the 38.
 #
@@ -44,8 +47,11 @@ readonly max_bytes=$((48 << 20))
 query() { bazel query --noshow_progress "$1" 2>/dev/null | sort; }
 candidates='kind("cc_(test|binary)", attr(tags, "\bgpu\b", //...))
   + kind(cc_binary, rdeps(//benchmarks/... + //examples/..., //device:cuda_device))
-  + //cli:zerort'
+  + //cli:zerort
+  + kind(cc_test, attr(tags, "\bhost_simd\b", //...)) + //benchmarks:adamw_bench'
 mapfile -t all < <(query "$candidates")
+mapfile -t host_targets < <(query 'kind(cc_test, attr(tags, "\bhost_simd\b", //...))
+  + //benchmarks:adamw_bench')
 mapfile -t mpi < <(query "let c = $candidates in \$c intersect rdeps(\$c, @openmpi//:mpi)")
 mapfile -t gpu_other < <(query 'attr(tags, "\bgpu\b", //...) except kind("cc_(test|binary)", //...)')
 targets=()
@@ -95,7 +101,7 @@ copy_libs() {
 {
   echo "# Written by tools/gpu_bundle.sh; read by run.sh."
   echo "# test|bench LABEL FILE FLAGS (comma-separated, - for none; kernel: run under"
-  echo "#   compute-sanitizer; runfiles: has data files in runfiles/NAME)"
+  echo "#   compute-sanitizer; runfiles: has data files in runfiles/NAME; host: runs on the CPU)"
   echo "# excluded LABEL WHY"
 } >"$dir/manifest.txt"
 for t in "${targets[@]}"; do
@@ -108,6 +114,7 @@ for t in "${targets[@]}"; do
   copy_libs "$src"
   flags=()
   [[ " ${kernel_tests[*]} " == *" $t "* ]] && flags+=(kernel)
+  [[ " ${host_targets[*]} " == *" $t "* ]] && flags+=(host)
   # Data files: whatever the runfiles tree holds beyond the binary and its libraries.
   if [ -d "$src.runfiles/zerort" ]; then
     data=$(cd "$src.runfiles/zerort" && find -L . -type f ! -path "./$pkg/$name" \

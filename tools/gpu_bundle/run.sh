@@ -4,9 +4,12 @@
 # Usage: DIR/run.sh OUT [--quick]
 #   full:    the tests, the GPT demo on the GPU beside PyTorch's, cuda_bench at 1e8 and 1e9 elements, torch's fused AdamW on the same sizes
 #            (with /opt/torch/.venv/bin/python or $ZERORT_TORCH_PYTHON), then compute-sanitizer
-#            (memcheck, racecheck, synccheck) on the engine/kernel tests, while time is left:
-#            at most 6 minutes in all ($ZERORT_BUNDLE_BUDGET_S).
-#   --quick: the tests, small benchmarks and memcheck on the kernel tests: at most 3 minutes.
+#            (memcheck, racecheck, synccheck) on the engine/kernel tests, then the host SIMD
+#            kernels' tests and adamw_bench's compact forms on this machine's CPU (its AVX-512
+#            path, which the build machines lack), while time is left: at most 6 minutes in all
+#            ($ZERORT_BUNDLE_BUDGET_S).
+#   --quick: the tests, small benchmarks and memcheck on the kernel tests, then the host SIMD
+#            tests and adamw_bench --quick: at most 3 minutes.
 # Each step runs under its own timeout, cut to the time left; a step that cannot start in time
 # is SKIPPED. It writes three files into OUT, appending as it goes (a run cut short keeps what
 # it did):
@@ -64,6 +67,12 @@ logline "gpu bundle run: $(date -u +%Y-%m-%dT%H:%M:%SZ), quick=$quick, budget ${
 cat "$bundle/bundle.txt" >>"$log" 2>/dev/null
 logline "host: $(uname -a)"
 logline "glibc: $(ldd --version 2>&1 | head -1)"
+# The host kernels' best SIMD level here (offload/simd.h picks it the same way, from CPUID).
+simd=scalar
+grep -qw avx2 /proc/cpuinfo 2>/dev/null && simd=avx2
+grep -qw avx512f /proc/cpuinfo 2>/dev/null && simd=avx512
+logline "cpu: $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: //'), $(nproc) cores, \
+SIMD up to $simd ($(grep -m1 -ow -E 'avx512_bf16|avx512bw' /proc/cpuinfo 2>/dev/null | sort -u | oneline))"
 gpu_seen=0
 smi=$(command -v nvidia-smi || true)
 if [ -n "$smi" ] && "$smi" -L >"$scratch/smi" 2>&1 && grep -q '^GPU ' "$scratch/smi"; then
@@ -184,8 +193,22 @@ why_failed() {
 
 # ---------------------------------------------------------------- the steps
 declare -a test_labels test_files kernel_tests bench_labels bench_files demo_files
+declare -a host_test_labels host_test_files host_bench_labels host_bench_files
 while read -r kind label rest; do
   file=${rest%% *} flags=${rest#"$file"} flags=${flags# }
+  if [[ ",$flags," == *,host,* ]]; then  # the CPU's kernels: run last, after the GPU's work
+    case $kind in
+      test)
+        host_test_labels+=("$label")
+        host_test_files+=("$file")
+        ;;
+      bench)
+        host_bench_labels+=("$label")
+        host_bench_files+=("$file")
+        ;;
+    esac
+    continue
+  fi
   case $kind in
     test)
       test_labels+=("$label")
@@ -400,6 +423,33 @@ if [ $quick -eq 0 ]; then
     run_sanitizer synccheck 120 ${kt}
   done
 fi
+
+# The host SIMD kernels (AdamW, casts, norms), each bit for bit at every level this CPU has.
+for i in "${!host_test_labels[@]}"; do
+  label=${host_test_labels[$i]}
+  run_step "$label" 60 "" "$bundle/${host_test_files[$i]}" --durations yes
+  if [ $rc -ne 0 ]; then
+    not_passed "$label"
+  else
+    result PASSED "$label (host CPU, every SIMD level up to $simd)"
+  fi
+done
+for i in "${!host_bench_labels[@]}"; do
+  label=${host_bench_labels[$i]} file=${host_bench_files[$i]}
+  if [ $quick -eq 1 ]; then
+    args=(--quick)
+  else  # the compact forms against their floors, where the AVX2 machines were compute-bound
+    args=(--forms=only --min_params=10000000 --max_params=100000000)
+  fi
+  run_step "$label ${args[*]}" 90 "$scratch/bench.json" "$bundle/$file" "${args[@]}"
+  cat "$scratch/bench.json" >>"$json" 2>/dev/null
+  if [ $rc -ne 0 ]; then
+    not_passed "$label"
+  else
+    result PASSED "$label ${args[*]} (host CPU, SIMD $simd; JSON in benchmarks.json)"
+  fi
+  rm -f "$scratch/bench.json"
+done
 
 total="TOTAL: $passed passed, $skipped skipped, $failed failed in $((SECONDS - start))s"
 if [ $gpu_seen -eq 0 ] && [ $gpu_ran -eq 0 ]; then total="$total (no GPU: nothing ran on one)"; fi
