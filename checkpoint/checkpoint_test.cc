@@ -31,6 +31,7 @@
 #include "absl/strings/string_view.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "tests/testing/private_mount.h"
 #include "comm/testing/on_ranks.h"
@@ -44,6 +45,9 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::RequireAllOk;
+using testing::RequireError;
 using memory::ParamSpec;
 using testing::SmallModel;
 
@@ -63,28 +67,10 @@ void WriteFile(const std::string& path, const std::string& data) {
   f.write(data.data(), static_cast<std::streamsize>(data.size()));
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // Runs fn(rank, comm) on `world` in-process ranks, one thread each; returns each rank's status.
 std::vector<absl::Status> OnRanks(int world,
                                   const std::function<absl::Status(int, comm::Communicator*)>& fn) {
   return comm::testing::OnRanks(world, {20000}, fn);
-}
-
-// REQUIREs that `s` failed with `code` and a message that contains `text`.
-void RequireError(const absl::Status& s, absl::StatusCode code, absl::string_view text) {
-  INFO(s.ToString());
-  REQUIRE(s.code() == code);
-  REQUIRE(absl::StrContains(s.message(), text));
-}
-
-void RequireAllOk(const std::vector<absl::Status>& st) {
-  for (size_t r = 0; r < st.size(); ++r) {
-    INFO("rank " << r << ": " << st[r].ToString());
-    REQUIRE(st[r].ok());
-  }
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> NewEngine(const Config& config, comm::Communicator* comm,

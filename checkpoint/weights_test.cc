@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
@@ -28,6 +29,8 @@
 namespace zerort {
 namespace {
 
+using testing::RequireAllOk;
+using testing::RequireError;
 using testing::SmallModel;
 
 std::string ReadAll(const std::string& path) {
@@ -38,19 +41,6 @@ std::string ReadAll(const std::string& path) {
 void WriteAll(const std::string& path, const std::string& data) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   f.write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-void RequireAllOk(const std::vector<absl::Status>& st) {
-  for (size_t r = 0; r < st.size(); ++r) {
-    INFO("rank " << r << ": " << st[r].ToString());
-    REQUIRE(st[r].ok());
-  }
-}
-
-void RequireError(const absl::Status& s, absl::StatusCode code, absl::string_view text) {
-  INFO(s.ToString());
-  REQUIRE(s.code() == code);
-  REQUIRE(absl::StrContains(s.message(), text));
 }
 
 // What an import must produce from a file of `dtype` written from `master`: the values

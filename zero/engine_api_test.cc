@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
@@ -27,6 +28,8 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
+using testing::RequireAllOk;
 using memory::ParamSpec;
 using testing::GradValue;
 using testing::SmallModel;
@@ -110,17 +113,6 @@ double WorstRelative(const std::vector<float>& got, const std::vector<double>& w
     worst = std::max(worst, std::fabs(got[j] - want[j]) / std::max(std::fabs(want[j]), 1.0));
   }
   return worst;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
-}
-
-void RequireAllOk(const std::vector<absl::Status>& s) {
-  for (size_t r = 0; r < s.size(); ++r) {
-    INFO("rank " << r << ": " << s[r].ToString());
-    REQUIRE(s[r].ok());
-  }
 }
 
 struct Variant {

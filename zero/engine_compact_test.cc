@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/testing/on_ranks.h"
@@ -35,6 +36,7 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
 using memory::MasterForm;
 using memory::ParamSpec;
 using testing::GradValue;
@@ -214,10 +216,6 @@ std::vector<RankResult> Train(const Config& config, int world, const RunOptions&
     REQUIRE(status[r].ok());
   }
   return out;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // The parameters' (unit-order) element k as its registration-order master index.

@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "comm/inprocess.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
@@ -21,6 +22,7 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
 using memory::ParamSpec;
 
 // Base weights frozen, rank-2 adapters beside them, biases trainable, an embedding frozen.
@@ -50,14 +52,6 @@ std::vector<testing::TrainResult> Train(const Config& c, int world, int steps,
   INFO(runs.status().ToString());
   REQUIRE(runs.ok());
   return *runs;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) return false;
-  }
-  return true;
 }
 
 TEST_CASE("Frozen: a LoRA-shaped model trains bitwise alike on stages 0-3 and 1, 2, 4 ranks",

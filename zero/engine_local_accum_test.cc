@@ -22,6 +22,7 @@
 #include <catch2/catch.hpp>
 
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "comm/inprocess.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
@@ -32,6 +33,7 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
 using memory::ParamSpec;
 
 struct Run {
@@ -79,10 +81,6 @@ Config LocalConfig(int stage, DType precision, int gas, double clip, bool local)
   Config c = testing::TestConfig(stage, precision, gas, clip, /*offload=*/false);
   c.local_grad_accumulation = local;
   return c;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 TEST_CASE("Local accumulation: one rank gives the reducing mode's results bit for bit",

@@ -88,10 +88,6 @@ void CheckAllOk(const std::vector<absl::Status>& errors) {
   }
 }
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
                                                       comm::Communicator* comm, Device* device,
                                                       int steps) {

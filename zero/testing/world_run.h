@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/testing/checks.h"
 #include "comm/communicator.h"
 #include "device/device.h"
 #include "memory/plan.h"
@@ -71,7 +72,6 @@ void RequireOk(const WorldRun& run);
 // Every status is OK (Catch2 CHECK per rank, naming the rank).
 void CheckAllOk(const std::vector<absl::Status>& errors);
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b);
 
 // An engine on SmallModel() with InitValue parameters, trained `steps` optimizer steps.
 absl::StatusOr<std::unique_ptr<Engine>> TrainedEngine(const Config& config,
