@@ -2,7 +2,6 @@
 // the checkpoint stores its weights as the master (its parameters widened to fp32, exact) with
 // m = v = 0. Resuming gives what an uninterrupted run gives, and loading into an engine that
 // trains the formerly frozen parameters (unfreezing by re-creation) starts from those weights.
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/testing/on_ranks.h"
@@ -22,6 +22,7 @@ namespace zerort {
 namespace {
 
 using memory::ParamSpec;
+using testing::BitEqual;
 
 std::vector<ParamSpec> LoraModel(bool frozen) {
   std::vector<ParamSpec> s = {{"embed.w", {37, 5}, "embed"}, {"l0.w", {13, 11}, "l0"},
@@ -29,10 +30,6 @@ std::vector<ParamSpec> LoraModel(bool frozen) {
                               {"l1.w", {64, 9}, "l1"},       {"l1.b", {9}, "l1"}};
   for (ParamSpec& p : s) p.frozen = frozen && (p.name == "embed.w" || absl::EndsWith(p.name, ".w"));
   return s;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // On 2 ranks: 3 steps, a save, 3 more steps (the uninterrupted run); then a fresh engine

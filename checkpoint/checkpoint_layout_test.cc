@@ -9,7 +9,6 @@
 // save, and the masters after more steps with a flat engine of the target's world loading the
 // flat checkpoint (and, where the world does not change, with the run that never stopped).
 #include <algorithm>
-#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -20,9 +19,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "base/testing/checks.h"
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/internal/ckpt_fs.h"
+#include "checkpoint/testing/posix_forwarding_fs.h"
 #include "comm/testing/on_ranks.h"
 #include "device/cpu_device.h"
 #include "zero/engine.h"
@@ -31,11 +32,8 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
 using testing::SmallModel;
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 struct Layout {
   int world;
@@ -215,7 +213,7 @@ TEST_CASE("Checkpoint layouts: HSDP 2x2 saves the flat checkpoint and loads into
 
 // POSIX, except that creating the file named `fail_name` fails: one rank's shard (not rank 0's)
 // of an HSDP save.
-class FailCreate : public ckpt_internal::FileSystem {
+class FailCreate : public testing::PosixForwardingFs {
  public:
   explicit FailCreate(std::string fail_name) : fail_name_(std::move(fail_name)) {}
   absl::StatusOr<std::unique_ptr<ckpt_internal::WritableFile>> NewWritableFile(
@@ -223,26 +221,10 @@ class FailCreate : public ckpt_internal::FileSystem {
     if (absl::EndsWith(path, "/" + fail_name_)) {
       return absl::UnavailableError(absl::StrCat("injected failure: create '", path, "'"));
     }
-    return posix_->NewWritableFile(path);
+    return posix()->NewWritableFile(path);
   }
-  absl::StatusOr<std::unique_ptr<ckpt_internal::ReadableFile>> NewReadableFile(
-      const std::string& path) override {
-    return posix_->NewReadableFile(path);
-  }
-  absl::StatusOr<int64_t> FileSize(const std::string& path) override {
-    return posix_->FileSize(path);
-  }
-  bool Exists(const std::string& path) override { return posix_->Exists(path); }
-  bool IsDirectory(const std::string& path) override { return posix_->IsDirectory(path); }
-  absl::Status MakeDir(const std::string& path) override { return posix_->MakeDir(path); }
-  absl::Status SyncDir(const std::string& path) override { return posix_->SyncDir(path); }
-  absl::Status Rename(const std::string& from, const std::string& to) override {
-    return posix_->Rename(from, to);
-  }
-  absl::Status RemoveAll(const std::string& path) override { return posix_->RemoveAll(path); }
 
  private:
-  ckpt_internal::FileSystem* const posix_ = ckpt_internal::PosixFileSystem();
   const std::string fail_name_;
 };
 

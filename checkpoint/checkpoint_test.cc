@@ -40,6 +40,7 @@
 #include "device/testing/one_thread.h"
 #include "checkpoint/internal/ckpt_fs.h"
 #include "checkpoint/internal/ckpt_manifest.h"
+#include "checkpoint/testing/posix_forwarding_fs.h"
 #include "zero/testing/synthetic_trainer.h"
 
 namespace zerort {
@@ -455,7 +456,7 @@ TEST_CASE("Checkpoint: another world size without allow_reshard, or another mode
 
 // POSIX, except that mutating operation number `fail_at` (1-based, counted across ranks) fails,
 // or with `kill` set, kills the process there (a write first writes half its data).
-class FaultyFs : public ckpt_internal::FileSystem {
+class FaultyFs : public testing::PosixForwardingFs {
  public:
   FaultyFs(int fail_at, bool kill) : fail_at_(fail_at), kill_(kill) {}
   int ops() const { return ops_.load(); }
@@ -507,37 +508,27 @@ class FaultyFs : public ckpt_internal::FileSystem {
   absl::StatusOr<std::unique_ptr<ckpt_internal::WritableFile>> NewWritableFile(
       const std::string& path) override {
     if (Hit("create")) return Injected("create", path);
-    ASSIGN_OR_RETURN(auto f, posix_->NewWritableFile(path));
+    ASSIGN_OR_RETURN(auto f, posix()->NewWritableFile(path));
     return std::unique_ptr<ckpt_internal::WritableFile>(new File(this, std::move(f), path));
   }
-  absl::StatusOr<std::unique_ptr<ckpt_internal::ReadableFile>> NewReadableFile(
-      const std::string& path) override {
-    return posix_->NewReadableFile(path);
-  }
-  absl::StatusOr<int64_t> FileSize(const std::string& path) override {
-    return posix_->FileSize(path);
-  }
-  bool Exists(const std::string& path) override { return posix_->Exists(path); }
-  bool IsDirectory(const std::string& path) override { return posix_->IsDirectory(path); }
   absl::Status MakeDir(const std::string& path) override {
     if (Hit("mkdir")) return Injected("mkdir", path);
-    return posix_->MakeDir(path);
+    return posix()->MakeDir(path);
   }
   absl::Status SyncDir(const std::string& path) override {
     if (Hit("fsync dir")) return Injected("fsync dir", path);
-    return posix_->SyncDir(path);
+    return posix()->SyncDir(path);
   }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (Hit("rename")) return Injected("rename", from);
-    return posix_->Rename(from, to);
+    return posix()->Rename(from, to);
   }
   absl::Status RemoveAll(const std::string& path) override {
     if (Hit("remove")) return Injected("remove", path);
-    return posix_->RemoveAll(path);
+    return posix()->RemoveAll(path);
   }
 
  private:
-  ckpt_internal::FileSystem* const posix_ = ckpt_internal::PosixFileSystem();
   const int fail_at_;
   const bool kill_;
   std::atomic<int> ops_{0};

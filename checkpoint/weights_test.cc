@@ -29,6 +29,7 @@
 namespace zerort {
 namespace {
 
+using testing::BitEqual;
 using testing::RequireAllOk;
 using testing::RequireError;
 using testing::SmallModel;
@@ -51,10 +52,6 @@ std::vector<float> RoundTo(DType dtype, const std::vector<float>& master) {
     for (float& f : out) f = Bf16ToFloat(FloatToBf16(f));
   }
   return out;
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
 
 // Trains SmallModel for two steps on `world` ranks and exports it to `out`; returns the masters.
@@ -108,6 +105,19 @@ std::vector<std::string> Files(const std::string& dir, int shards) {
   return out;
 }
 
+// REQUIREs each file of SmallModel's export to `a` (one file with `max_shard` 0, else 5 shards
+// in fp32 and 3 in 16 bits) to be non-empty and the same bytes in each of `copies`.
+void RequireSameExports(const std::string& a, const std::vector<std::string>& copies,
+                        DType dtype, int64_t max_shard) {
+  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
+  for (const std::string& f : Files(a, shards)) {
+    INFO(f);
+    const std::string there = ReadAll(f);
+    REQUIRE(!there.empty());
+    for (const std::string& copy : copies) REQUIRE(there == ReadAll(copy + f.substr(a.size())));
+  }
+}
+
 TEST_CASE("Weights: export -> import -> export gives identical files", "[weights]") {
   const DType dtype = GENERATE(DType::kF32, DType::kBF16);
   const int stage = GENERATE(0, 1, 2, 3);
@@ -124,13 +134,7 @@ TEST_CASE("Weights: export -> import -> export gives identical files", "[weights
   // Import into the other world size too: the masters must not depend on who reads them.
   const std::vector<float> imported = ImportAndExport(stage, 3 - world, a, b, options);
   REQUIRE(BitEqual(imported, RoundTo(dtype, trained)));
-  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
-  for (const std::string& f : Files(a, shards)) {
-    INFO(f);
-    const std::string there = ReadAll(f);
-    REQUIRE(!there.empty());
-    REQUIRE(there == ReadAll(b + f.substr(a.size())));
-  }
+  RequireSameExports(a, {b}, dtype, max_shard);
 }
 
 // The bytes of the exported file, read by hand: the layout Hugging Face's loaders expect.
@@ -764,14 +768,7 @@ TEST_CASE("Weights: export -> import -> export through a name map gives identica
   // The checkpoint's streamed export through the same map: a third writer, the same bytes.
   const std::string c = testing::TempDir("weights_map_c_");
   REQUIRE(ExportCheckpointWeights(root, c, out).ok());
-  const int shards = max_shard == 0 ? 1 : (dtype == DType::kF32 ? 5 : 3);
-  for (const std::string& f : Files(a, shards)) {
-    INFO(f);
-    const std::string there = ReadAll(f);
-    REQUIRE(!there.empty());
-    REQUIRE(there == ReadAll(b + f.substr(a.size())));
-    REQUIRE(there == ReadAll(c + f.substr(a.size())));
-  }
+  RequireSameExports(a, {b, c}, dtype, max_shard);
 }
 
 TEST_CASE("Weights: an export map that writes two parameters under one name is refused",

@@ -358,6 +358,21 @@ int64_t BytesOf(const Plan& plan, BufferClass cls, MemoryKind kind) {
   return bytes;
 }
 
+// The options of the offload tests' cases: rank 1 of 4, units of about 20000 elements, units
+// under 1000 elements persistent; no offload yet.
+PlanOptions OffloadCaseOptions(int stage, DType dtype, bool fp32_accum, int gas) {
+  PlanOptions o;
+  o.stage = stage;
+  o.world_size = 4;
+  o.rank = 1;
+  o.compute_dtype = dtype;
+  o.fp32_grad_accum = fp32_accum;
+  o.gradient_accumulation_steps = gas;
+  o.unit_target_elements = 20000;
+  o.persistence_threshold = 1000;
+  return o;
+}
+
 TEST_CASE("Plan: gradient offload keeps the reduced shard in host memory, the device only "
           "the reduction buffers", "[memory]") {
   std::mt19937 rng(26);
@@ -369,15 +384,7 @@ TEST_CASE("Plan: gradient offload keeps the reduced shard in host memory, the de
           if (fp32_accum && dtype == DType::kF32) continue;
           INFO("stage " << stage << " " << DTypeName(dtype) << " fp32_accum " << fp32_accum
                         << " gas " << gas);
-          PlanOptions o;
-          o.stage = stage;
-          o.world_size = 4;
-          o.rank = 1;
-          o.compute_dtype = dtype;
-          o.fp32_grad_accum = fp32_accum;
-          o.gradient_accumulation_steps = gas;
-          o.unit_target_elements = 20000;
-          o.persistence_threshold = 1000;
+          PlanOptions o = OffloadCaseOptions(stage, dtype, fp32_accum, gas);
           auto on_device = MakePlan(specs, o);
           o.offload_optimizer = true;
           auto offloaded = MakePlan(specs, o);
@@ -472,15 +479,7 @@ TEST_CASE("Plan: offload_optimizer_ratio keeps whole units' state on the device;
         for (int gas : {1, 2}) {
           for (bool nvme : {false, true}) {
             if (fp32_accum && dtype == DType::kF32) continue;
-            PlanOptions o;
-            o.stage = stage;
-            o.world_size = 4;
-            o.rank = 1;
-            o.compute_dtype = dtype;
-            o.fp32_grad_accum = fp32_accum;
-            o.gradient_accumulation_steps = gas;
-            o.unit_target_elements = 20000;
-            o.persistence_threshold = 1000;
+            PlanOptions o = OffloadCaseOptions(stage, dtype, fp32_accum, gas);
             auto none = MakePlan(specs, o);
             o.offload_optimizer = true;
             o.offload_optimizer_nvme = nvme;

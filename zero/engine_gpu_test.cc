@@ -4,8 +4,6 @@
 // communicator, for stages 0-3, with and without optimizer offload (through the stream
 // pipeline) and with parameter offload. Without a GPU it prints
 // "SKIPPED: no CUDA device: <reason>" and passes.
-#include <nccl.h>
-
 #include <memory>
 #include <string>
 #include <thread>
@@ -17,7 +15,7 @@
 #include "base/testing/temp_dir.h"
 #include "checkpoint/checkpoint.h"
 #include "comm/inprocess.h"
-#include "comm/nccl.h"
+#include "comm/testing/one_rank_nccl.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/testing/one_thread.h"
 #include "device/cuda_device.h"
@@ -84,10 +82,7 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
           "[zero][gpu]") {
   Device* const gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
-  REQUIRE(nccl.ok());
+  const std::unique_ptr<comm::Communicator> nccl = comm::testing::OneRankNccl();
   const int steps = 6;
   for (DType precision : {DType::kF32, DType::kBF16}) {
     for (int stage = 0; stage <= 3; ++stage) {
@@ -98,7 +93,7 @@ TEST_CASE("EngineGpu: CUDA device + NCCL equals CPU device + in-process, stages 
         INFO("precision=" << static_cast<int>(precision) << " stage=" << stage
                           << " offload=" << offload);
         const TrainResult want = CpuReference(c, steps);
-        auto got = TrainRank(c, SmallModel(), nccl->get(), gpu, steps);
+        auto got = TrainRank(c, SmallModel(), nccl.get(), gpu, steps);
         INFO((got.ok() ? std::string("ok") : std::string(got.status().message())));
         REQUIRE(got.ok());
         CHECK(got->master == want.master);
@@ -181,10 +176,7 @@ TEST_CASE("EngineGpu: checkpoints of an NCCL engine save, load on GPU and CPU, a
           "bitwise", "[zero][gpu]") {
   Device* const gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
-  REQUIRE(nccl.ok());
+  const std::unique_ptr<comm::Communicator> nccl = comm::testing::OneRankNccl();
   auto cpu_comms = comm::CreateInProcessGroup(1).value();
   auto cpu = testing::OneThreadCpuDevice();
   for (int stage : {2, 3}) {
@@ -194,7 +186,7 @@ TEST_CASE("EngineGpu: checkpoints of an NCCL engine save, load on GPU and CPU, a
       const std::string sync_root = testing::TempDir("gpu_ckpt_sync_");
       const std::string async_root = testing::TempDir("gpu_ckpt_async_");
 
-      std::unique_ptr<Engine> a = NewEngine(c, nccl->get(), gpu);
+      std::unique_ptr<Engine> a = NewEngine(c, nccl.get(), gpu);
       REQUIRE(testing::TrainSteps(*a, 0, 3).ok());
       absl::StatusOr<std::string> saved = SaveCheckpoint(*a, sync_root);
       INFO(saved.status().message());
@@ -212,7 +204,7 @@ TEST_CASE("EngineGpu: checkpoints of an NCCL engine save, load on GPU and CPU, a
 
       for (const std::string& root : {sync_root, async_root}) {
         INFO("loading " << root);
-        std::unique_ptr<Engine> g = NewEngine(c, nccl->get(), gpu);
+        std::unique_ptr<Engine> g = NewEngine(c, nccl.get(), gpu);
         absl::Status loaded = LoadCheckpoint(*g, root);
         INFO(loaded.message());
         REQUIRE(loaded.ok());

@@ -4,20 +4,17 @@
 // padding's zero-fill on the comm stream), each rank on a compute stream of its own: fp32
 // masters bit for bit those of the CPU device through grad(i). Without a GPU it prints
 // "SKIPPED: no CUDA device: <reason>" and passes.
-#include <nccl.h>
-
 #include <memory>
-#include <string>
 #include <thread>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
-#include "absl/strings/match.h"
 #include "comm/inprocess.h"
-#include "comm/nccl.h"
+#include "comm/testing/one_rank_nccl.h"
 #include "comm/testing/stream_ordered.h"
 #include "device/cuda_device.h"
+#include "device/testing/gpu_or_skip.h"
 #include "device/testing/one_thread.h"
 #include "zero/testing/handoff_trainer.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -25,18 +22,9 @@
 namespace zerort {
 namespace {
 
+using testing::GpuOrSkip;
 using testing::HandoffRun;
 using testing::TrainHandoffRank;
-
-Device* GpuOrSkip() {
-  static absl::StatusOr<std::unique_ptr<Device>>* const gpu =
-      new absl::StatusOr<std::unique_ptr<Device>>(CreateCudaDevice(0));
-  if (gpu->ok()) return gpu->value().get();
-  std::string reason(gpu->status().message());
-  if (absl::StartsWith(reason, "no CUDA device: ")) reason.erase(0, 16);
-  WARN("SKIPPED: no CUDA device: " << reason);
-  return nullptr;
-}
 
 // Every rank of `comms` on a thread and a compute stream of its own.
 std::vector<HandoffRun> Train(const Config& c, bool declared, bool forward_order, Device* dev,
@@ -67,12 +55,8 @@ TEST_CASE("EngineGpu: trainer gradients reduced in place in device memory equal 
           "[zero][gpu]") {
   Device* const gpu = GpuOrSkip();
   if (gpu == nullptr) return;
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  auto nccl = comm::CreateNcclCommunicator(id, /*rank=*/0, /*world_size=*/1, /*device=*/0);
-  REQUIRE(nccl.ok());
   std::vector<std::unique_ptr<comm::Communicator>> one;
-  one.push_back(*std::move(nccl));
+  one.push_back(comm::testing::OneRankNccl());
   for (int stage = 0; stage <= 3; ++stage) {
     for (int gas : {1, 2}) {
       Config c = testing::TestConfig(stage, DType::kBF16, gas, /*clip=*/0.05, false);

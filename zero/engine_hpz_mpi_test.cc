@@ -4,10 +4,10 @@
 // hierarchically over zerort.ranks_per_node 2, and checks that the fp32 masters equal, bit for
 // bit, flat stage 3 run on an in-process group of the same world size inside this process.
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "base/testing/bit_equal.h"
 #include "comm/testing/mpi_main.h"
 #include "device/testing/one_thread.h"
 #include "zero/testing/synthetic_trainer.h"
@@ -42,9 +42,7 @@ int Main(comm::Communicator* mpi) {
         }
         auto run = testing::TrainRank(config, specs, mpi, device.get(), steps);
         ++checks;
-        const bool same = run.ok() && !ref.empty() && run->master.size() == ref.size() &&
-                          std::memcmp(run->master.data(), ref.data(),
-                                      ref.size() * sizeof(float)) == 0;
+        const bool same = run.ok() && !ref.empty() && testing::BitEqual(run->master, ref);
         if (!same) {
           ++failures;
           std::fprintf(stderr, "rank %d: FAILED %s offload=%d gas=%d: %s\n", rank, variant,

@@ -6,10 +6,10 @@
 // groups of one rank (zero_optimization.mics_shard_size 1).
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <vector>
 
+#include "base/testing/bit_equal.h"
 #include "comm/testing/mpi_main.h"
 #include "device/testing/one_thread.h"
 #include "zero/engine.h"
@@ -42,9 +42,7 @@ int Main(comm::Communicator* mpi) {
           config.zero.mics_shard_size = mics;
           auto run = testing::TrainRank(config, specs, mpi, device.get(), steps);
           ++checks;
-          const bool same = run.ok() && !ref.empty() && run->master.size() == ref.size() &&
-                            std::memcmp(run->master.data(), ref.data(),
-                                        ref.size() * sizeof(float)) == 0;
+          const bool same = run.ok() && !ref.empty() && testing::BitEqual(run->master, ref);
           if (!same) {
             ++failures;
             std::fprintf(stderr,

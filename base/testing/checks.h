@@ -5,20 +5,15 @@
 #define ZERORT_BASE_TESTING_CHECKS_H_
 
 #include <catch2/catch.hpp>
-#include <cstring>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
+#include "base/testing/bit_equal.h"  // BitEqual, with the checks below
 
 namespace zerort {
 namespace testing {
-
-// Same length and the same bits (so -0 differs from +0 and NaNs compare by payload).
-inline bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 // REQUIREs every rank's status to be OK, naming the first rank that is not.
 inline void RequireAllOk(const std::vector<absl::Status>& st) {
