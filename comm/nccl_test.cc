@@ -6,10 +6,13 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
+
+#include "comm/testing/one_rank_nccl.h"
 
 namespace zerort {
 namespace comm {
@@ -86,12 +89,7 @@ void CheckWorldOne(Communicator& comm) {
 
 TEST_CASE("Nccl: a communicator created from a unique id runs every collective", "[comm][gpu]") {
   SKIP_WITHOUT_GPU();
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  auto comm = CreateNcclCommunicator(id, 0, 1, 0);
-  INFO(comm.status().ToString());
-  REQUIRE(comm.ok());
-  CheckWorldOne(**comm);
+  CheckWorldOne(*testing::OneRankNccl());
 }
 
 TEST_CASE("Nccl: an external communicator is wrapped, not destroyed", "[comm][gpu]") {
@@ -113,16 +111,12 @@ TEST_CASE("Nccl: an external communicator is wrapped, not destroyed", "[comm][gp
 TEST_CASE("Nccl: split of a world-1 communicator runs every collective; no color, no group",
           "[comm][gpu]") {
   SKIP_WITHOUT_GPU();
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  auto comm = CreateNcclCommunicator(id, 0, 1, 0);
-  INFO(comm.status().ToString());
-  REQUIRE(comm.ok());
-  auto sub = (*comm)->Split(3, 0);
+  std::unique_ptr<Communicator> comm = testing::OneRankNccl();
+  auto sub = comm->Split(3, 0);
   INFO(sub.status().ToString());
   REQUIRE(sub.ok());
   REQUIRE(*sub != nullptr);
-  comm->reset();  // the child owns its own ncclComm_t
+  comm.reset();  // the child owns its own ncclComm_t
   CheckWorldOne(**sub);
   auto none = (*sub)->Split(-1, 0);
   INFO(none.status().ToString());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/testing/bit_equal.h"
 #include "catch2/catch.hpp"
 #include "checkpoint/weights.h"
 #include "examples/gpt/testing/stage_runs.h"
@@ -256,11 +257,9 @@ TEST_CASE("Gpt: N steps, a checkpoint, a resume and N more steps equal 2N steps 
   CHECK(c->final_val_loss == a->final_val_loss);
   for (int r = 0; r < 2; ++r) {
     REQUIRE(c->master[r].size() == a->master[r].size());
-    CHECK(std::memcmp(c->master[r].data(), a->master[r].data(),
-                      a->master[r].size() * sizeof(float)) == 0);
+    CHECK(zerort::testing::BitEqual(c->master[r], a->master[r]));
     // The resumed run trained: its weights moved away from those it loaded.
-    CHECK(std::memcmp(c->master[r].data(), b->master[r].data(),
-                      b->master[r].size() * sizeof(float)) != 0);
+    CHECK_FALSE(zerort::testing::BitEqual(c->master[r], b->master[r]));
   }
 
   // A checkpoint at or past the last step leaves nothing to train.
@@ -310,8 +309,7 @@ TEST_CASE("Gpt: init_from starts from exported weights", "[gpt]") {
   CHECK(m->initial_val_loss == a->final_val_loss);
   for (int r = 0; r < 2; ++r) {
     REQUIRE(m->master[r].size() == b->master[r].size());
-    CHECK(std::memcmp(m->master[r].data(), b->master[r].data(),
-                      b->master[r].size() * sizeof(float)) == 0);
+    CHECK(zerort::testing::BitEqual(m->master[r], b->master[r]));
   }
   mapped.init_map = root + "/missing.map";
   m = RunInProcess(config, mapped);
