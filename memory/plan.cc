@@ -1010,13 +1010,14 @@ void AddWorkingBuffers(const UnitTotals& totals, Plan* plan, Checked* math) {
 // Stage 3: how many times the engine all-gathers each unit in one optimizer step when the trainer
 // holds units in the standard order (plan.h, Plan::stage3_gathers_per_step): per micro-step,
 // forward from the last unit to the first, then backward from the first to the last, each unit
-// gathered, used and released before the next. This replays zero/internal/param_gatherer.cc's
-// policy on the plan's slots: a unit still in a slot of its class is not gathered again; a
-// gather takes an empty slot of the unit's class, else the least recently used unheld one; then
-// the next units in the pass's direction (up to prefetch_elements of them) are prefetched into
-// empty slots or slots of units already passed. The update empties every slot (Invalidate), so
-// every step is the same. Micro-steps repeat once the slots start one as they started the one
-// before, so the replay stops there: a huge gradient_accumulation_steps costs nothing.
+// gathered, used and released before the next. This drives the engine's own slot policy
+// (memory::GatherSlots, which zero/internal/param_gatherer.cc performs) on the plan's slots: a
+// unit still in a slot of its class is not gathered again; a gather takes an empty slot of the
+// unit's class, else the least recently used unheld one; then the next units in the pass's
+// direction (up to prefetch_elements of them) are prefetched into empty slots or slots of units
+// already passed. The update empties every slot (Invalidate), so every step is the same.
+// Micro-steps repeat once the slots start one as they started the one before, so the replay
+// stops there: a huge gradient_accumulation_steps costs nothing.
 // Returns per unit the gathers of one step (0 for persistent units).
 std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
   const PlanOptions& o = plan.options;
@@ -1027,83 +1028,47 @@ std::vector<int64_t> SimulateStage3Gathers(const Plan& plan, Checked* math) {
   std::vector<int64_t> sizes = buffer->slot_elements;
   if (sizes.empty())
     sizes.assign(static_cast<size_t>(buffer->count), buffer->elements / buffer->count);
-  // Each unit's slot size, looked up once: the replay asks for every slot it considers.
-  std::vector<int64_t> unit_class(n);
-  for (int u = 0; u < n; ++u) unit_class[u] = SlotClassElements(sizes, plan.units[u].padded);
-  auto for_unit = [&](int s, int u) { return sizes[s] == unit_class[u]; };
-  struct Slot {
-    int unit = -1;
-    bool held = false;
-    uint64_t last_use = 0;
-  };
-  std::vector<Slot> slots(sizes.size());
-  std::vector<int> unit_slot(n, -1);
-  uint64_t clock = 0;
-  int last_gathered = -1;
+  std::vector<int64_t> padded(n);
+  std::vector<bool> persistent(n);
+  for (int u = 0; u < n; ++u) {
+    padded[u] = plan.units[u].padded;
+    persistent[u] = plan.units[u].persistent;
+  }
+  GatherSlots slots(std::move(sizes), std::move(padded), std::move(persistent),
+                    o.prefetch_elements);
   std::vector<int64_t> micro(n, 0);  // gathers of the current micro-step
-  auto gather_into = [&](int u, int s) {
-    if (slots[s].unit >= 0) unit_slot[slots[s].unit] = -1;
-    ++micro[u];
-    slots[s].unit = u;
-    slots[s].last_use = ++clock;
-    unit_slot[u] = s;
-  };
-  auto prefetch = [&](int from, int direction) {
-    int64_t budget = o.prefetch_elements;
-    for (int u = from + direction; u >= 0 && u < n && budget > 0; u += direction) {
-      const Unit& unit = plan.units[u];
-      if (unit.persistent) continue;
-      budget -= unit.padded;
-      if (unit_slot[u] >= 0) continue;
-      int pick = -1;
-      for (int s = 0; s < static_cast<int>(slots.size()); ++s) {
-        const Slot& slot = slots[s];
-        if (slot.held || !for_unit(s, u)) continue;
-        if (slot.unit < 0) {
-          pick = s;
-          break;
-        }
-        const bool passed = (slot.unit - from) * direction < 0;
-        if (passed && (pick < 0 || slot.last_use < slots[pick].last_use)) pick = s;
-      }
-      if (pick < 0) break;
-      gather_into(u, pick);
-    }
+  auto gather = [&](const GatherSlots::Decision& d) {
+    ++micro[d.unit];
+    slots.Filled(d.unit, d.slot);
   };
   auto hold_and_release = [&](int u) {
     if (plan.units[u].persistent) return;
-    const int direction = last_gathered >= 0 && u > last_gathered ? 1 : -1;
-    int s = unit_slot[u];
-    if (s < 0) {
-      int best = -1;
-      for (int k = 0; k < static_cast<int>(slots.size()); ++k) {
-        if (slots[k].held || !for_unit(k, u)) continue;
-        if (slots[k].unit < 0) {
-          best = k;
-          break;
-        }
-        if (best < 0 || slots[k].last_use < slots[best].last_use) best = k;
-      }
+    const int direction = slots.Direction(u);
+    if (slots.slot_of(u) < 0) {
+      const GatherSlots::Decision d = slots.Take(u);
       // One unit held at a time and at least one slot per class: a slot is always free.
-      ABSL_RAW_CHECK(best >= 0, "stage-3 gather replay: no free slot");
-      s = best;
-      gather_into(u, s);
+      ABSL_RAW_CHECK(d.slot >= 0, "stage-3 gather replay: no free slot");
+      gather(d);
     }
-    slots[s].held = true;  // a prefetch never takes the slot of the unit in use
-    slots[s].last_use = ++clock;
-    last_gathered = u;
-    prefetch(u, direction);
-    slots[s].held = false;  // released before the next unit is gathered
+    slots.Hold(u);  // a prefetch never takes the slot of the unit in use
+    GatherSlots::Walk walk = slots.StartPrefetch(u, direction);
+    for (GatherSlots::Decision d = slots.NextPrefetch(&walk); d.unit >= 0;
+         d = slots.NextPrefetch(&walk)) {
+      gather(d);
+    }
+    slots.Release(u);  // released before the next unit is gathered
   };
   // What the next micro-step's gathers depend on: each slot's unit and the slots' LRU order.
   auto signature = [&]() {
     std::vector<std::pair<uint64_t, int>> by_use;
-    for (const Slot& slot : slots) by_use.push_back({slot.last_use, slot.unit});
+    for (int s = 0; s < slots.slot_count(); ++s) {
+      by_use.push_back({slots.last_use(s), slots.unit_in(s)});
+    }
     std::sort(by_use.begin(), by_use.end());
     std::vector<int> sig;
     for (const auto& [use, unit] : by_use) sig.push_back(unit);
-    for (const Slot& slot : slots) sig.push_back(slot.unit);
-    sig.push_back(last_gathered);
+    for (int s = 0; s < slots.slot_count(); ++s) sig.push_back(slots.unit_in(s));
+    sig.push_back(slots.last_held());
     return sig;
   };
   const int64_t gas = o.gradient_accumulation_steps;
@@ -1291,14 +1256,6 @@ void CountBytes(const UnitTotals& totals, Plan* plan, Checked* math) {
 }
 
 }  // namespace
-
-int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padded) {
-  int64_t best = 0;
-  for (int64_t e : slot_elements) {
-    if (e >= padded && (best == 0 || e < best)) best = e;
-  }
-  return best;
-}
 
 int64_t GradStorageBytes(const Plan& plan) {
   int64_t bytes = 0;

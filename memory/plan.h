@@ -42,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "base/dtype.h"
+#include "memory/gather_slots.h"
 
 namespace zerort {
 namespace memory {
@@ -151,10 +152,8 @@ struct Buffer {
   std::vector<int64_t> slot_elements;
 };
 
-// The slot size a unit of `padded` elements uses in a buffer of size classes: the smallest
-// slot of `slot_elements` that holds it (0 when none does). A unit never takes a slot of a
-// larger class, so the small units cannot starve the large ones of their slots.
-int64_t SlotClassElements(absl::Span<const int64_t> slot_elements, int64_t padded);
+// SlotClassElements (memory/gather_slots.h): the slot size a unit uses in a buffer of size
+// classes.
 
 // How the optimizer stores the master weight of an owned element (docs/compact_state.md; the
 // same values as offload::MasterForm, which the kernels take). The compact forms need bf16

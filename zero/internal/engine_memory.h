@@ -45,9 +45,10 @@ struct SlottedBuffer {
   std::vector<int64_t> sizes;  // with size classes: each slot's elements, in order; else empty
 
   // With size classes: each slot's offset, and the distinct slot sizes in ascending order,
-  // derived from `sizes` by Index() (EngineMemory calls it). The gatherer asks ForUnit of every
-  // slot at every acquire and offset at every parameter access: scanning the slots there would
-  // cost O(slots^2) host work per gather.
+  // derived from `sizes` by Index() (EngineMemory calls it). GradBuckets asks ForUnit of every
+  // bucket at every acquire and the gatherer asks offset at every parameter access: scanning
+  // the slots there would cost O(slots^2) host work per unit. (The gather slots' policy indexes
+  // its size classes itself: memory::GatherSlots.)
   std::vector<int64_t> offsets;
   std::vector<int64_t> classes;
 

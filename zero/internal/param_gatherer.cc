@@ -1,6 +1,7 @@
 #include "zero/internal/param_gatherer.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -8,6 +9,24 @@
 
 namespace zerort {
 namespace zero_internal {
+namespace {
+
+// The slot policy over the plan's gather slots (`slots`: none outside stage 3).
+memory::GatherSlots SlotPolicy(const UnitContext& ctx, const SlottedBuffer& slots) {
+  std::vector<int64_t> sizes = slots.sizes;
+  if (sizes.empty()) sizes.assign(static_cast<size_t>(slots.count), slots.elements);
+  const size_t nu = ctx.plan.units.size();
+  std::vector<int64_t> padded(nu);
+  std::vector<bool> persistent(nu);
+  for (size_t u = 0; u < nu; ++u) {
+    padded[u] = ctx.plan.units[u].padded;
+    persistent[u] = ctx.plan.units[u].persistent;
+  }
+  return memory::GatherSlots(std::move(sizes), std::move(padded), std::move(persistent),
+                             ctx.plan.options.prefetch_elements);
+}
+
+}  // namespace
 
 ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const SlottedBuffer& slots,
                              char* persistent, UnitStore* store, char* secondary)
@@ -18,10 +37,9 @@ ParamGatherer::ParamGatherer(const UnitContext& ctx, char* params, const Slotted
       store_(store),
       secondary_(secondary),
       hpz_(memory::Hpz(ctx.plan.options) ? ctx.plan.options.hpz_partition_size : 1),
-      slots_(slots.count) {
+      slots_(SlotPolicy(ctx, slots)) {
   const size_t nu = ctx.plan.units.size();
   refs_.assign(nu, 0);
-  unit_slot_.assign(nu, -1);
   persistent_offset_.assign(nu, -1);
   secondary_offset_.assign(nu, -1);
   secondary_valid_.assign(nu, false);
@@ -46,8 +64,8 @@ absl::StatusOr<void*> ParamGatherer::Param(const memory::ParamLayout& p) const {
   if (ctx_.plan.units[p.unit].persistent) {
     return static_cast<void*>(ctx_.At(persistent_copy(p.unit), p.offset_in_unit));
   }
-  const int s = unit_slot_[p.unit];
-  if (s < 0 || !slots_[s].held) {
+  const int s = slots_.slot_of(p.unit);
+  if (s < 0 || !slots_.held(s)) {
     return absl::FailedPreconditionError(absl::StrCat("parameter '", p.name, "' (unit ", p.unit,
                                                       ") is not gathered: Acquire it (or Gather(",
                                                       p.unit, ")) first"));
@@ -78,8 +96,8 @@ absl::Status ParamGatherer::Release(int unit) {
 absl::Status ParamGatherer::Hold(int unit) {
   const bool first = refs_[unit]++ == 0;
   if (!first || !gathers(unit)) return absl::OkStatus();
-  int s = unit_slot_[unit];
-  const int direction = last_gathered_ >= 0 && unit > last_gathered_ ? 1 : -1;
+  int s = slots_.slot_of(unit);
+  const int direction = slots_.Direction(unit);
   if (s < 0) {
     absl::StatusOr<int> acquired = AcquireSlot(unit);
     if (acquired.ok()) {
@@ -92,9 +110,7 @@ absl::Status ParamGatherer::Hold(int unit) {
       return acquired.status();
     }
   }
-  slots_[s].held = true;
-  slots_[s].last_use = ++use_clock_;
-  last_gathered_ = unit;
+  slots_.Hold(unit);
   RETURN_IF_ERROR(ctx_.streams->BeforeSlotUse(s));
   return Prefetch(unit, direction);
 }
@@ -102,8 +118,8 @@ absl::Status ParamGatherer::Hold(int unit) {
 // Drops one hold of `unit`; the last lets its slot be reused.
 absl::Status ParamGatherer::Drop(int unit) {
   if (--refs_[unit] > 0 || !gathers(unit)) return absl::OkStatus();
-  const int s = unit_slot_[unit];
-  slots_[s].held = false;
+  const int s = slots_.slot_of(unit);
+  slots_.Release(unit);
   // The next all-gather into this slot waits for the trainer's work on this unit.
   return ctx_.streams->SlotReleased(s);
 }
@@ -167,33 +183,19 @@ absl::Status ParamGatherer::StoreWhole(int u, const char* values) {
 }
 
 void ParamGatherer::Invalidate() {
-  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-    if (slots_[s].unit >= 0 && !slots_[s].held) Evict(s);
-  }
+  slots_.Invalidate();
   secondary_valid_.assign(secondary_valid_.size(), false);
 }
 
-void ParamGatherer::Evict(int s) {
-  unit_slot_[slots_[s].unit] = -1;
-  slots_[s].unit = -1;
-}
-
 absl::StatusOr<int> ParamGatherer::AcquireSlot(int unit) {
-  const int64_t padded = ctx_.plan.units[unit].padded;
-  int best = -1;
-  for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-    const Slot& slot = slots_[s];
-    if (slot.held || !gather_.ForUnit(s, padded)) continue;
-    if (slot.unit < 0) return s;
-    if (best < 0 || slot.last_use < slots_[best].last_use) best = s;
-  }
-  if (best < 0) {
+  const memory::GatherSlots::Decision taken = slots_.Take(unit);
+  if (taken.slot < 0) {
+    const int64_t padded = ctx_.plan.units[unit].padded;
     std::vector<int> held;
     int64_t slot_elements = 0;
-    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-      if (!gather_.ForUnit(s, padded)) continue;
-      held.push_back(slots_[s].unit);
-      slot_elements = gather_.size(s);
+    for (int s : slots_.ClassSlots(unit)) {
+      held.push_back(slots_.unit_in(s));
+      slot_elements = slots_.slot_elements(s);
     }
     // memory/plan.cc: per size class, slots = max(1, min(1 + ceil(prefetch / its largest
     // unit), max_live / its largest unit, its gathered units)).
@@ -204,8 +206,7 @@ absl::StatusOr<int> ParamGatherer::AcquireSlot(int unit) {
         "stage3_prefetch_bucket_size / ", slot_elements, ") such slots (the largest padded "
         "unit of their size class), at most stage3_max_live_parameters / ", slot_elements));
   }
-  Evict(best);
-  return best;
+  return taken.slot;
 }
 
 absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
@@ -215,9 +216,7 @@ absl::Status ParamGatherer::GatherIntoSlot(int u, int s) {
   char* full = ctx_.At(gather_.base, gather_.offset(s));
   RETURN_IF_ERROR(hpz_ > 1 ? GatherHpz(u, full) : GatherShard(u, full));
   RETURN_IF_ERROR(ctx_.streams->SlotGathered(s));
-  slots_[s].unit = u;
-  slots_[s].last_use = ++use_clock_;
-  unit_slot_[u] = s;
+  slots_.Filled(u, s);
   ctx_.timer->AddGatherMs(t.ElapsedMs());
   return absl::OkStatus();
 }
@@ -229,7 +228,7 @@ absl::Status ParamGatherer::GatherShard(int u, char* full) {
   const memory::Unit& unit = ctx_.plan.units[u];
   char* block = ctx_.At(full, ctx_.rank * unit.shard);
   const absl::Status read = store_->StageShard(u, block, ctx_.streams->side(),
-                                               [this](int v) { return unit_slot_[v] >= 0; });
+                                               [this](int v) { return slots_.slot_of(v) >= 0; });
   RETURN_IF_ERROR(
       ctx_.streams->AllGather(store_->ShardToSend(u, block), full, unit.shard, ctx_.cdt));
   ctx_.timer->Sent(unit.shard, 1);
@@ -253,32 +252,16 @@ absl::Status ParamGatherer::GatherHpz(int u, char* full) {
   return absl::OkStatus();
 }
 
-// Gathers the units after `from` in `direction` into free slots, up to the prefetch budget.
-// Only empty slots and slots holding units already passed in this direction are reused, so a
-// prefetch never evicts a unit that is about to be needed. Every rank runs the same
-// Gather/Release sequence, so every rank prefetches the same units in the same order.
+// Gathers the units after `from` in `direction` into free slots, up to the prefetch budget
+// (memory::GatherSlots::NextPrefetch decides which and where). Only empty slots and slots
+// holding units already passed in this direction are reused, so a prefetch never evicts a unit
+// that is about to be needed. Every rank runs the same Gather/Release sequence, so every rank
+// prefetches the same units in the same order.
 absl::Status ParamGatherer::Prefetch(int from, int direction) {
-  int64_t budget = ctx_.plan.options.prefetch_elements;
-  const int nu = static_cast<int>(ctx_.plan.units.size());
-  for (int u = from + direction; u >= 0 && u < nu && budget > 0; u += direction) {
-    const memory::Unit& unit = ctx_.plan.units[u];
-    if (unit.persistent) continue;
-    budget -= unit.padded;
-    if (unit_slot_[u] >= 0) continue;
-    int pick = -1;
-    for (int s = 0; s < static_cast<int>(slots_.size()); ++s) {
-      const Slot& slot = slots_[s];
-      if (slot.held || !gather_.ForUnit(s, unit.padded)) continue;
-      if (slot.unit < 0) {
-        pick = s;
-        break;
-      }
-      const bool passed = (slot.unit - from) * direction < 0;
-      if (passed && (pick < 0 || slot.last_use < slots_[pick].last_use)) pick = s;
-    }
-    if (pick < 0) break;
-    if (slots_[pick].unit >= 0) Evict(pick);
-    RETURN_IF_ERROR(GatherIntoSlot(u, pick));
+  memory::GatherSlots::Walk walk = slots_.StartPrefetch(from, direction);
+  for (memory::GatherSlots::Decision d = slots_.NextPrefetch(&walk); d.unit >= 0;
+       d = slots_.NextPrefetch(&walk)) {
+    RETURN_IF_ERROR(GatherIntoSlot(d.unit, d.slot));
   }
   return absl::OkStatus();
 }

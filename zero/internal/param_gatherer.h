@@ -16,9 +16,11 @@
 // all-gather those blocks within the K consecutive ranks of this rank's node. The blocks are
 // copies of the gathered bytes, so the parameters are bitwise the same either way.
 //
-// memory/plan.cc (SimulateStage3Gathers) replays this slot policy (LRU per size class, the
-// prefetch, the direction) to count the plan's stage-3 gather bytes exactly; a change here
-// changes what //zero:engine_link_bytes_test measures against that replay.
+// The slot policy itself (which slot a gather takes: LRU per size class; the prefetch; the
+// direction; what Invalidate drops) is memory::GatherSlots (memory/gather_slots.h); this class
+// performs its decisions. memory/plan.cc (SimulateStage3Gathers) drives the same class in the
+// standard order to count the plan's stage-3 gather bytes exactly, which
+// //zero:engine_link_bytes_test measures against what the engine sends.
 //
 // Ordering: collectives run on StreamOrder::side() after BeforeComm; a slot is refilled only
 // after the trainer's work on its previous unit (SlotReleased), and handed to the trainer only
@@ -37,6 +39,7 @@
 #include "absl/types/span.h"
 #include "comm/communicator.h"
 #include "device/device.h"
+#include "memory/gather_slots.h"
 #include "memory/plan.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/step_timer.h"
@@ -88,11 +91,6 @@ class ParamGatherer {
  private:
   // Stage 3: the whole-unit buffer of a persistent unit (padded elements), else null.
   char* persistent_copy(int unit) const;
-  struct Slot {
-    int unit = -1;
-    bool held = false;
-    uint64_t last_use = 0;
-  };
   // Stage 3 and not persistent: the unit lives in a gather slot.
   bool gathers(int unit) const {
     return ctx_.stage == 3 && !ctx_.plan.units[unit].persistent;
@@ -100,7 +98,8 @@ class ParamGatherer {
   absl::Status Hold(int unit);
   absl::Status Drop(int unit);
   std::vector<int> UnitsOf(absl::Span<const int> params) const;
-  // A slot of `unit`'s size class: an empty one, else the least recently used unheld one.
+  // A slot of `unit`'s size class (memory::GatherSlots::Take: an empty one, else the least
+  // recently used unheld one, its unit evicted), or FailedPrecondition naming the held units.
   absl::StatusOr<int> AcquireSlot(int unit);
   absl::Status GatherIntoSlot(int unit, int slot);
   absl::Status GatherShard(int unit, char* full);
@@ -108,7 +107,6 @@ class ParamGatherer {
   // over every rank, keeping this rank's block.
   absl::Status GatherHpz(int unit, char* full);
   absl::Status Prefetch(int from, int direction);
-  void Evict(int slot);
 
   const UnitContext ctx_;
   char* const params_;
@@ -120,11 +118,8 @@ class ParamGatherer {
   const int hpz_;                            // K; 1 without hpZ
   std::vector<int64_t> secondary_offset_;    // per gathered unit, elements into secondary_
   std::vector<bool> secondary_valid_;        // per unit: its block is current
-  std::vector<Slot> slots_;
-  std::vector<int> unit_slot_;  // per unit, or -1
-  std::vector<int> refs_;       // per unit: holds (Acquire, Gather) not yet released
-  uint64_t use_clock_ = 0;
-  int last_gathered_ = -1;
+  memory::GatherSlots slots_;  // which unit is in which gather slot, held, the LRU clock
+  std::vector<int> refs_;      // per unit: holds (Acquire, Gather) not yet released
 };
 
 }  // namespace zero_internal
