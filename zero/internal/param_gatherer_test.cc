@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status.h"
+#include "comm/forwarding.h"
 #include "device/cpu_device.h"
 #include "zero/internal/engine_memory.h"
 #include "zero/internal/shard_layout.h"
@@ -147,6 +148,93 @@ TEST_CASE("ParamGatherer: units of each size class use slots of their class", "[
   auto dev = CreateCpuDevice();
   const auto statuses = OnRanks(
       2, [&](int r, comm::Communicator* comm) { return RunClasses(r, comm, dev.get()); });
+  for (const absl::Status& s : statuses) {
+    INFO(s);
+    CHECK(s.ok());
+  }
+}
+
+// Counts this rank's all-gathers.
+class GatherCounter final : public comm::ForwardingCommunicator {
+ public:
+  using ForwardingCommunicator::ForwardingCommunicator;
+  absl::Status AllGather(const void* send, void* recv, size_t count, DType dtype,
+                         comm::Stream s) override {
+    ++gathers;
+    return ForwardingCommunicator::AllGather(send, recv, count, dtype, s);
+  }
+  int gathers = 0;
+};
+
+// Four units of one size class, two slots and a prefetch of one unit: the prefetch follows the
+// pass's direction, taken before the hold (a unit after the last held one: forward).
+absl::Status RunDirection(int r, comm::Communicator* inner, Device* dev) {
+  GatherCounter comm(inner);
+  std::vector<memory::ParamSpec> specs;
+  for (int l = 0; l < 4; ++l) {
+    specs.push_back({absl::StrCat("l", l, ".w"), {100}, absl::StrCat("l", l)});
+  }
+  memory::PlanOptions o;
+  o.stage = 3;
+  o.world_size = comm.size();
+  o.rank = r;
+  o.compute_dtype = DType::kF32;
+  o.unit_per_module = true;
+  o.shard_alignment = 8;
+  o.persistence_threshold = 0;
+  o.prefetch_elements = 112;  // one padded unit: 1 + ceil(112 / 112) = 2 slots
+  const memory::Plan plan = memory::MakePlan(specs, o).value();
+  if (plan.Find(memory::BufferClass::kGatherBuffer)->count != 2) {
+    return absl::InternalError("expected two gather slots");
+  }
+  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
+  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, &comm, 0, 2));
+  StepTimer timer(comm.size(), 4);
+  float* shard = reinterpret_cast<float*>(mem->model_state().params);
+  for (const memory::Unit& u : plan.units) {
+    for (int64_t e = 0; e < u.shard; ++e) {
+      shard[u.shard_offset + e] = Full(&u - plan.units.data(), r * u.shard + e, 1);
+    }
+  }
+  const ShardLayout layout(plan, mem->model_state());
+  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
+  ParamGatherer g(UnitContext(plan, &comm, dev, streams.get(), &timer), mem->model_state().params,
+                  mem->gather_slots(), mem->persistent(), store.get());
+  auto expect_gathers = [&](int n, const char* after) -> absl::Status {
+    if (comm.gathers == n) return absl::OkStatus();
+    return absl::InternalError(
+        absl::StrCat(comm.gathers, " all-gathers after ", after, ", expected ", n));
+  };
+  // The first hold has no direction yet (backward): nothing before unit 0 to prefetch.
+  RETURN_IF_ERROR(g.Gather(0));
+  RETURN_IF_ERROR(expect_gathers(1, "Gather(0)"));
+  RETURN_IF_ERROR(g.Release(0));
+  // Forward (1 after 0): unit 1 into the empty slot, then unit 2 prefetched into unit 0's slot
+  // (a unit the pass has passed).
+  RETURN_IF_ERROR(g.Gather(1));
+  RETURN_IF_ERROR(expect_gathers(3, "Gather(1)"));
+  RETURN_IF_ERROR(g.Release(1));
+  // Unit 2 is there already; unit 3 is prefetched into unit 1's slot.
+  RETURN_IF_ERROR(g.Gather(2));
+  RETURN_IF_ERROR(expect_gathers(4, "Gather(2)"));
+  RETURN_IF_ERROR(Expect(plan, g, 2, 1));
+  RETURN_IF_ERROR(g.Release(2));
+  // Backward (1 before 2): unit 1 again, into the least recently used slot (unit 2's), then
+  // unit 0 prefetched into unit 3's slot, which the backward pass has passed.
+  RETURN_IF_ERROR(g.Gather(1));
+  RETURN_IF_ERROR(expect_gathers(6, "Gather(1) backward"));
+  RETURN_IF_ERROR(Expect(plan, g, 1, 1));
+  RETURN_IF_ERROR(g.Release(1));
+  RETURN_IF_ERROR(g.Gather(0));  // prefetched
+  RETURN_IF_ERROR(expect_gathers(6, "Gather(0) backward"));
+  RETURN_IF_ERROR(Expect(plan, g, 0, 1));
+  return g.Release(0);
+}
+
+TEST_CASE("ParamGatherer: the prefetch follows the pass's direction", "[zero]") {
+  auto dev = CreateCpuDevice();
+  const auto statuses = OnRanks(
+      2, [&](int r, comm::Communicator* comm) { return RunDirection(r, comm, dev.get()); });
   for (const absl::Status& s : statuses) {
     INFO(s);
     CHECK(s.ok());
