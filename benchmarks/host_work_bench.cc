@@ -11,7 +11,7 @@
 // test communicator (comm/testing/stream_ordered.h: collectives enqueued on streams and joined
 // by events, NCCL's completion model, so the engine makes the GPU path's calls; the in-process
 // communicator completes on return and moves the data on the calling thread, which is not host
-// overhead); --quick: the demo's tiny GPT (2 layers, d_model 64), for CI.
+// overhead); --quick: the demo's GPT (examples/gpt's default GptShape, 0.83M parameters), for CI.
 //
 // Per stage, after 2 warm-up steps (--quick: 1), medians over 5 steps (--quick: 3) of one
 // optimizer step in the standard order (zero/testing/link_bytes_check.h TrainStandardOrder:
@@ -221,15 +221,8 @@ absl::Status RunStage(const std::vector<memory::ParamSpec>& specs, int stage, in
 int Main(int argc, char** argv) {
   bool quick = false;
   if (!bench::ParseQuick(argc, argv, "host_work_bench", &quick)) return 2;
-  examples::gpt::GptShape shape = examples::gpt::GptShape::Gpt2Small();
-  if (quick) {
-    shape.vocab = 256;
-    shape.context = 64;
-    shape.layers = 2;
-    shape.heads = 2;
-    shape.d_model = 64;
-  }
-  const examples::gpt::Gpt gpt(shape);
+  const examples::gpt::Gpt gpt(quick ? examples::gpt::GptShape()
+                                     : examples::gpt::GptShape::Gpt2Small());
   CpuDeviceOptions device_options;
   device_options.async_streams = true;
   std::unique_ptr<Device> cpu = CreateCpuDevice(device_options);
@@ -257,7 +250,7 @@ int Main(int argc, char** argv) {
   }
   const json doc = {
       {"benchmark", "host_work_bench"},
-      {"model", quick ? "gpt tiny (2 layers, d_model 64)" : "gpt2-124m shapes"},
+      {"model", quick ? "the demo's gpt (4 layers, d_model 128)" : "gpt2-124m shapes"},
       {"params", gpt.num_elements()},
       {"device", "cpu, asynchronous streams (arithmetic on worker threads)"},
       {"communicator", "stream-ordered in-process group (NCCL's completion model)"},
