@@ -27,6 +27,14 @@
 //   transfers  host<->device of one buffer with Device::Copy from pinned and from pageable host
 //              memory, against a bare cudaMemcpyAsync between the same pinned buffer and the GPU
 //              (the PCIe / C2C limit): `pinned_fraction_of_raw` should be about 1.
+//   host_calls  the host's cost of each call the engine makes per unit (issue #23's goal: 10 us
+//              of host work per unit per step), in microseconds per call on the host's clock:
+//              bursts of 200 calls on one stream, the loop alone timed (the stream drains
+//              between bursts, so a full launch queue never blocks the host). The driver's
+//              calls bare (cudaPointerGetAttributes, cudaEventRecord, cudaStreamWaitEvent, a
+//              256-byte cudaMemsetAsync as a launch) and through the Device (Record, Wait,
+//              Zero and Scale of 256 bytes: what the engine calls, argument checks and pointer
+//              queries included). Measured with the transfers.
 //
 // Times are CUDA events around each call on the legacy default stream (median and best of the
 // repetitions after one warm-up). Sizes that do not fit in free GPU memory (five arrays of 4n
@@ -43,6 +51,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -368,6 +377,61 @@ json BenchTransfers(Device* dev, size_t bytes, int reps) {
   return out;
 }
 
+// Microseconds per call of `call` (median and best of `reps` bursts of `calls` on `stream`).
+json HostCallRow(const char* name, cudaStream_t stream, int reps, int calls,
+                 const std::function<void()>& call) {
+  std::vector<double> us;
+  for (int r = 0; r < reps + 1; ++r) {
+    CheckCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < calls; ++k) call();
+    const auto t1 = std::chrono::steady_clock::now();
+    if (r > 0) us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+  }
+  CheckCuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::sort(us.begin(), us.end());
+  std::fprintf(stderr, "cuda_bench: host call %s: %.2f us (best %.2f)\n", name, Median(us),
+               us.front());
+  return {{"call", name}, {"us_per_call_median", Median(us)}, {"us_per_call_best", us.front()}};
+}
+
+json BenchHostCalls(Device* dev, int reps) {
+  const int calls = 200;
+  absl::StatusOr<Device::Stream> created = dev->CreateStream();
+  Check(created.status(), "CreateStream");
+  const Device::Stream s = *created;
+  const cudaStream_t cs = static_cast<cudaStream_t>(s);
+  absl::StatusOr<Device::Event> event = dev->CreateEvent();
+  Check(event.status(), "CreateEvent");
+  const cudaEvent_t ev = static_cast<cudaEvent_t>(*event);
+  memory::Allocation buf = Alloc(dev, memory::MemoryKind::kDevice, 256);
+  void* const p = buf.get();
+  json out = json::array();
+  out.push_back(HostCallRow("cudaPointerGetAttributes", cs, reps, calls, [&] {
+    cudaPointerAttributes attr;
+    CheckCuda(cudaPointerGetAttributes(&attr, p), "cudaPointerGetAttributes");
+  }));
+  out.push_back(HostCallRow("cudaEventRecord", cs, reps, calls,
+                            [&] { CheckCuda(cudaEventRecord(ev, cs), "cudaEventRecord"); }));
+  out.push_back(HostCallRow("cudaStreamWaitEvent", cs, reps, calls, [&] {
+    CheckCuda(cudaStreamWaitEvent(cs, ev, 0), "cudaStreamWaitEvent");
+  }));
+  out.push_back(HostCallRow("cudaMemsetAsync 256 B", cs, reps, calls, [&] {
+    CheckCuda(cudaMemsetAsync(p, 0, 256, cs), "cudaMemsetAsync");
+  }));
+  out.push_back(HostCallRow("Device::Record", cs, reps, calls,
+                            [&] { Check(dev->Record(*event, s), "Record"); }));
+  out.push_back(HostCallRow("Device::Wait", cs, reps, calls,
+                            [&] { Check(dev->Wait(s, *event), "Wait"); }));
+  out.push_back(HostCallRow("Device::Zero 256 B", cs, reps, calls,
+                            [&] { Check(dev->Zero(p, 256, s), "Zero"); }));
+  out.push_back(HostCallRow("Device::Scale 64 fp32", cs, reps, calls,
+                            [&] { Check(dev->Scale(p, DType::kF32, 64, 1.0f, s), "Scale"); }));
+  dev->DestroyEvent(*event);
+  dev->DestroyStream(s);
+  return out;
+}
+
 int Main(int argc, char** argv) {
   Options opt;
   if (!ParseArgs(argc, argv, &opt)) return 2;
@@ -406,6 +470,7 @@ int Main(int argc, char** argv) {
   if (opt.transfers) {
     doc["transfers"] = BenchTransfers(dev, opt.quick ? (size_t{1} << 24) : (size_t{1} << 28),
                                       opt.quick ? 3 : 10);
+    doc["host_calls"] = BenchHostCalls(dev, opt.quick ? 3 : 10);
   }
   std::printf("%s\n", doc.dump(2).c_str());
   return 0;

@@ -33,6 +33,7 @@ def main():
     by_size = {}  # elements -> {label: (median_ms, fraction)}
     copy_ms = {}
     transfers = []
+    host_calls = []
     torch_adamw = {}
     others = []
     steps = []
@@ -52,6 +53,7 @@ def main():
                     by_size.setdefault(n, {})[label(k)] = (k["median_ms"],
                                                            k["fraction_of_d2d_copy"])
             transfers += d.get("transfers", [])
+            host_calls += d.get("host_calls", [])
         elif name == "gpu_step_bench":
             steps.append(d)
         elif name == "adamw_torch_ref":
@@ -98,6 +100,12 @@ def main():
                   f"{host.get('return_ms_median', float('nan')):.2f} |")
     for t in transfers:
         print(f"\ntransfer: {json.dumps(t)}")
+    if host_calls:
+        print("\nHost cost per call (us, median / best):\n")
+        print("| call | median | best |")
+        print("|---|---|---|")
+        for c in host_calls:
+            print(f"| {c['call']} | {c['us_per_call_median']:.2f} | {c['us_per_call_best']:.2f} |")
     for d in others:
         print(f"\n{d.get('benchmark')}: {json.dumps(d)[:2000]}")
     return 0
