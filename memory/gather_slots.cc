@@ -52,24 +52,30 @@ void GatherSlots::Evict(int s) {
   slots_[s].unit = -1;
 }
 
-GatherSlots::Decision GatherSlots::Take(int unit) {
-  Decision d;
-  d.unit = unit;
+template <typename Evictable>
+int GatherSlots::PickSlot(int unit, const Evictable& evictable) const {
   int best = -1;
   for (int s : ClassSlots(unit)) {
     const Slot& slot = slots_[s];
     if (slot.held) continue;
-    if (slot.unit < 0) {
-      best = s;
-      break;
-    }
-    if (best < 0 || slot.last_use < slots_[best].last_use) best = s;
+    if (slot.unit < 0) return s;
+    if (evictable(slot.unit) && (best < 0 || slot.last_use < slots_[best].last_use)) best = s;
   }
-  if (best < 0) return d;
-  d.slot = best;
-  d.evicted = slots_[best].unit;
-  if (d.evicted >= 0) Evict(best);
+  return best;
+}
+
+GatherSlots::Decision GatherSlots::Claim(int unit, int s) {
+  Decision d;
+  d.unit = unit;
+  d.slot = s;
+  if (s < 0) return d;
+  d.evicted = slots_[s].unit;
+  if (d.evicted >= 0) Evict(s);
   return d;
+}
+
+GatherSlots::Decision GatherSlots::Take(int unit) {
+  return Claim(unit, PickSlot(unit, [](int) { return true; }));
 }
 
 void GatherSlots::Filled(int unit, int s) {
@@ -103,25 +109,12 @@ GatherSlots::Decision GatherSlots::NextPrefetch(Walk* w) {
     if (persistent_[u]) continue;
     w->budget -= unit_padded_[u];
     if (unit_slot_[u] >= 0) continue;
-    int pick = -1;
-    for (int s : ClassSlots(u)) {
-      const Slot& slot = slots_[s];
-      if (slot.held) continue;
-      if (slot.unit < 0) {
-        pick = s;
-        break;
-      }
-      const bool passed = (slot.unit - w->from) * w->direction < 0;
-      if (passed && (pick < 0 || slot.last_use < slots_[pick].last_use)) pick = s;
-    }
+    // Only a unit the pass has passed may be evicted: never one it is about to need.
+    const int pick =
+        PickSlot(u, [&](int resident) { return (resident - w->from) * w->direction < 0; });
     if (pick < 0) break;
     w->next += w->direction;
-    Decision d;
-    d.unit = u;
-    d.slot = pick;
-    d.evicted = slots_[pick].unit;
-    if (d.evicted >= 0) Evict(pick);
-    return d;
+    return Claim(u, pick);
   }
   // Stopped: a later call stops too.
   w->next = w->direction > 0 ? n : -1;

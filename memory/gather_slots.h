@@ -133,6 +133,12 @@ class GatherSlots {
     uint64_t last_use = 0;
   };
   void Evict(int s);
+  // The empty slot of `unit`'s class with the lowest index, else the least recently used unheld
+  // one whose unit `evictable(unit)` allows, else -1.
+  template <typename Evictable>
+  int PickSlot(int unit, const Evictable& evictable) const;
+  // `unit` takes slot s (evicting its unit); s < 0: no slot, nothing changes.
+  Decision Claim(int unit, int s);
 
   std::vector<Slot> slots_;
   std::vector<int64_t> unit_padded_;
