@@ -1,6 +1,8 @@
 #include "zero/internal/param_gatherer.h"
 
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -34,34 +36,69 @@ absl::Status Expect(const memory::Plan& plan, const ParamGatherer& g, int unit, 
   return absl::OkStatus();
 }
 
-absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
+// Stage-3 plan options for rank r of `comm`, fp32, no persistent units.
+memory::PlanOptions Stage3Options(int r, const comm::Communicator& comm) {
   memory::PlanOptions o;
   o.stage = 3;
-  o.world_size = comm->size();
+  o.world_size = comm.size();
   o.rank = r;
   o.compute_dtype = DType::kF32;
-  o.unit_target_elements = 300;
   o.shard_alignment = 8;
   o.persistence_threshold = 0;
-  o.prefetch_elements = 0;  // one gather slot: 1 + ceil(0 / largest unit)
-  const memory::Plan plan = memory::MakePlan(testing::SmallModel(), o).value();
-  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
-  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, comm, 0, 1));
-  StepTimer timer(comm->size(), 4);
-  float* shard = reinterpret_cast<float*>(mem->model_state().params);
-  auto write_shards = [&](float gen) {
+  return o;
+}
+
+// A ParamGatherer over rank r's memory for `plan`, with the parts it is built on.
+struct Gathering {
+  static absl::StatusOr<std::unique_ptr<Gathering>> Create(memory::Plan plan, int r,
+                                                           comm::Communicator* comm, Device* dev) {
+    std::unique_ptr<Gathering> g(new Gathering(std::move(plan), r, comm));
+    ASSIGN_OR_RETURN(g->mem, EngineMemory::Allocate(g->plan, dev, nullptr));
+    ASSIGN_OR_RETURN(g->streams,
+                     StreamOrder::Create(dev, nullptr, comm, 0, g->mem->gather_slots().count));
+    g->WriteShards(1);
+    g->layout = std::make_unique<ShardLayout>(g->plan, g->mem->model_state());
+    ASSIGN_OR_RETURN(g->store,
+                     UnitStore::Create(g->plan, *g->layout, *g->mem, {}, dev, nullptr, nullptr));
+    g->gatherer = std::make_unique<ParamGatherer>(
+        UnitContext(g->plan, comm, dev, g->streams.get(), &g->timer), g->mem->model_state().params,
+        g->mem->gather_slots(), g->mem->persistent(), g->store.get());
+    return g;
+  }
+
+  // Every unit's shard of this rank: Full(unit, its elements, gen).
+  void WriteShards(float gen) {
+    float* shard = reinterpret_cast<float*>(mem->model_state().params);
     for (const memory::Unit& u : plan.units) {
       for (int64_t e = 0; e < u.shard; ++e) {
-        shard[u.shard_offset + e] = Full(&u - plan.units.data(), r * u.shard + e, gen);
+        shard[u.shard_offset + e] = Full(&u - plan.units.data(), rank * u.shard + e, gen);
       }
     }
-  };
-  write_shards(1);
-  const ShardLayout layout(plan, mem->model_state());
-  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
-  ParamGatherer g(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state().params,
-                  mem->gather_slots(), mem->persistent(), store.get());
-  if (mem->gather_slots().count != 1) return absl::InternalError("expected one slot");
+  }
+
+  const memory::Plan plan;
+  const int rank;
+  StepTimer timer;
+  std::unique_ptr<EngineMemory> mem;
+  std::unique_ptr<StreamOrder> streams;
+  std::unique_ptr<ShardLayout> layout;
+  std::unique_ptr<UnitStore> store;
+  std::unique_ptr<ParamGatherer> gatherer;
+
+ private:
+  Gathering(memory::Plan p, int r, comm::Communicator* comm)
+      : plan(std::move(p)), rank(r), timer(comm->size(), 4) {}
+};
+
+absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
+  memory::PlanOptions o = Stage3Options(r, *comm);
+  o.unit_target_elements = 300;
+  o.prefetch_elements = 0;  // one gather slot: 1 + ceil(0 / largest unit)
+  ASSIGN_OR_RETURN(
+      auto fx, Gathering::Create(memory::MakePlan(testing::SmallModel(), o).value(), r, comm, dev));
+  const memory::Plan& plan = fx->plan;
+  ParamGatherer& g = *fx->gatherer;
+  if (fx->mem->gather_slots().count != 1) return absl::InternalError("expected one slot");
   RETURN_IF_ERROR(g.Gather(0));
   RETURN_IF_ERROR(Expect(plan, g, 0, 1));
   const absl::Status held = g.Gather(1);
@@ -77,7 +114,7 @@ absl::Status Run(int r, comm::Communicator* comm, Device* dev) {
   }
   // After an update the released copy is stale: Invalidate makes the next Gather fetch again.
   RETURN_IF_ERROR(g.Release(1));
-  write_shards(2);
+  fx->WriteShards(2);
   g.Invalidate();
   RETURN_IF_ERROR(g.Gather(1));
   RETURN_IF_ERROR(Expect(plan, g, 1, 2));
@@ -102,14 +139,8 @@ absl::Status RunClasses(int r, comm::Communicator* comm, Device* dev) {
   for (int l = 0; l < 4; ++l) {
     specs.push_back({absl::StrCat("l", l, ".w"), {100}, absl::StrCat("l", l)});
   }
-  memory::PlanOptions o;
-  o.stage = 3;
-  o.world_size = comm->size();
-  o.rank = r;
-  o.compute_dtype = DType::kF32;
+  memory::PlanOptions o = Stage3Options(r, *comm);
   o.unit_per_module = true;
-  o.shard_alignment = 8;
-  o.persistence_threshold = 0;
   o.prefetch_elements = 1;
   const memory::Plan plan = memory::MakePlan(specs, o).value();
   // Backward order: l3, l2, l1, l0, big = units 0..4, padded to 112 and 4000 at world 2.
@@ -117,19 +148,8 @@ absl::Status RunClasses(int r, comm::Communicator* comm, Device* dev) {
   if (plan.Find(memory::BufferClass::kGatherBuffer)->slot_elements != classes) {
     return absl::InternalError("expected gather slots of 112, 112 and 4000 elements");
   }
-  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
-  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, comm, 0, 3));
-  StepTimer timer(comm->size(), 4);
-  float* shard = reinterpret_cast<float*>(mem->model_state().params);
-  for (const memory::Unit& u : plan.units) {
-    for (int64_t e = 0; e < u.shard; ++e) {
-      shard[u.shard_offset + e] = Full(&u - plan.units.data(), r * u.shard + e, 1);
-    }
-  }
-  const ShardLayout layout(plan, mem->model_state());
-  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
-  ParamGatherer g(UnitContext(plan, comm, dev, streams.get(), &timer), mem->model_state().params,
-                  mem->gather_slots(), mem->persistent(), store.get());
+  ASSIGN_OR_RETURN(auto fx, Gathering::Create(plan, r, comm, dev));
+  ParamGatherer& g = *fx->gatherer;
   RETURN_IF_ERROR(g.Gather(0));
   RETURN_IF_ERROR(g.Gather(1));
   // Both small slots are held: a third small unit waits although the large slot is free.
@@ -174,32 +194,15 @@ absl::Status RunDirection(int r, comm::Communicator* inner, Device* dev) {
   for (int l = 0; l < 4; ++l) {
     specs.push_back({absl::StrCat("l", l, ".w"), {100}, absl::StrCat("l", l)});
   }
-  memory::PlanOptions o;
-  o.stage = 3;
-  o.world_size = comm.size();
-  o.rank = r;
-  o.compute_dtype = DType::kF32;
+  memory::PlanOptions o = Stage3Options(r, comm);
   o.unit_per_module = true;
-  o.shard_alignment = 8;
-  o.persistence_threshold = 0;
   o.prefetch_elements = 112;  // one padded unit: 1 + ceil(112 / 112) = 2 slots
   const memory::Plan plan = memory::MakePlan(specs, o).value();
   if (plan.Find(memory::BufferClass::kGatherBuffer)->count != 2) {
     return absl::InternalError("expected two gather slots");
   }
-  ASSIGN_OR_RETURN(auto mem, EngineMemory::Allocate(plan, dev, nullptr));
-  ASSIGN_OR_RETURN(auto streams, StreamOrder::Create(dev, nullptr, &comm, 0, 2));
-  StepTimer timer(comm.size(), 4);
-  float* shard = reinterpret_cast<float*>(mem->model_state().params);
-  for (const memory::Unit& u : plan.units) {
-    for (int64_t e = 0; e < u.shard; ++e) {
-      shard[u.shard_offset + e] = Full(&u - plan.units.data(), r * u.shard + e, 1);
-    }
-  }
-  const ShardLayout layout(plan, mem->model_state());
-  ASSIGN_OR_RETURN(auto store, UnitStore::Create(plan, layout, *mem, {}, dev, nullptr, nullptr));
-  ParamGatherer g(UnitContext(plan, &comm, dev, streams.get(), &timer), mem->model_state().params,
-                  mem->gather_slots(), mem->persistent(), store.get());
+  ASSIGN_OR_RETURN(auto fx, Gathering::Create(plan, r, &comm, dev));
+  ParamGatherer& g = *fx->gatherer;
   auto expect_gathers = [&](int n, const char* after) -> absl::Status {
     if (comm.gathers == n) return absl::OkStatus();
     return absl::InternalError(
