@@ -32,7 +32,6 @@
 // penalty; --offsets: each array's start modulo 4 KiB (master, m, v, grad, param), for
 // placement experiments (docs/offload.md).
 #include <immintrin.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +46,7 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "benchmarks/bench_util.h"
 #include "nlohmann/json.hpp"
 #include "offload/compact_state.h"
 #include "offload/cpu_adamw.h"
@@ -345,13 +345,11 @@ double ComputeCeiling(MasterForm form, DType moments) {
   const AdamWStepParams step = *offload::MakeAdamWStepParams(kLr, kBeta1, kBeta2, kEps, kWd, 1);
   double best = 1e30;
   for (int batch = 0; batch < 5; ++batch) {
-    timespec t0, t1;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t0);
+    const double t0 = bench::ThreadCpuMs();
     for (int k = 0; k < 400; ++k) {
       if (!offload::CpuAdamWCompact(a, step, 1.0f, 1).ok()) std::abort();
     }
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t1);
-    best = std::min(best, (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec));
+    best = std::min(best, (bench::ThreadCpuMs() - t0) * 1e-3);
   }
   FreeArrays();
   return 400.0 * n / best;

@@ -1,9 +1,12 @@
-// What the benchmark binaries share: the --quick flag, the median they report, and the JSON
-// document of the training-step benchmarks.
+// What the benchmark binaries share: the --quick flag, the median they report, the clocks they
+// read, and the JSON document of the training-step benchmarks.
 #ifndef ZERORT_BENCHMARKS_BENCH_UTIL_H_
 #define ZERORT_BENCHMARKS_BENCH_UTIL_H_
 
+#include <time.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <thread>
@@ -26,6 +29,19 @@ inline bool ParseQuick(int argc, char** argv, const char* name, bool* quick) {
     *quick = true;
   }
   return true;
+}
+
+// Seconds of the steady clock since `since`.
+inline double SecondsSince(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// CPU time of the calling thread, in milliseconds: its work, not its waits (a thread asleep in a
+// wait uses none), whatever else runs on the machine.
+inline double ThreadCpuMs() {
+  timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
 // Medians resist the outliers a shared 2-core machine produces. REQUIRES: !v.empty().

@@ -81,7 +81,6 @@
 //   --grads handoff, --offload both, CUDA's default (spinning) host sync.
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -117,6 +116,8 @@ using json = nlohmann::ordered_json;
 using bench::CheckCuda;
 using bench::EventTimes;
 using bench::Median;
+using bench::SecondsSince;
+using bench::ThreadCpuMs;
 using Clock = std::chrono::steady_clock;
 
 constexpr double kDeviceBytesPerElement = 32;    // finite 2 + norm 2 + AdamW 28
@@ -165,16 +166,6 @@ bool ParseArgs(int argc, char** argv, Options* opt) {
 }
 
 
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
-// CPU time of the calling thread, in milliseconds.
-double ThreadCpuMs() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
 
 examples::gpt::GptShape ShapeOf(const std::string& name) {
   examples::gpt::GptShape s;
@@ -220,7 +211,7 @@ double HostCopyGBps(size_t bytes) {
       });
     }
     for (std::thread& th : pool) th.join();
-    best = std::max(best, 2.0 * bytes / Seconds(t0) / 1e9);
+    best = std::max(best, 2.0 * bytes / SecondsSince(t0) / 1e9);
   }
   return best;
 }
@@ -335,13 +326,13 @@ class ConfigRun {
     }
     if (!created.ok()) return created.status();
     std::unique_ptr<Engine> engine = *std::move(created);
-    (*row)["create_s"] = Seconds(t);
+    (*row)["create_s"] = SecondsSince(t);
     t = Clock::now();
     RETURN_IF_ERROR(engine->InitParams(
         // The engine hands out zero-filled values: zeros are cheap and finite.
         [](int, const memory::ParamSpec&, float*) {},
         /*from_rank0=*/true));
-    (*row)["init_s"] = Seconds(t);
+    (*row)["init_s"] = SecondsSince(t);
 
     int direct = 0;
     if (!grads_into_engine_) {
@@ -395,7 +386,7 @@ class ConfigRun {
     absl::Status status;
     bool cut = false;
     for (int s = 0; s < warmup + measured && status.ok(); ++s) {
-      if (Seconds(start) > deadline_s) {
+      if (SecondsSince(start) > deadline_s) {
         cut = true;
         break;
       }
@@ -413,14 +404,14 @@ class ConfigRun {
       if (!status.ok()) break;
       absl::StatusOr<StepStats> stats = engine->Step();
       const double host_cpu_ms = ThreadCpuMs() - cpu0;
-      const double host_return_ms = Seconds(h0) * 1e3;
+      const double host_return_ms = SecondsSince(h0) * 1e3;
       if (!stats.ok()) {
         status = stats.status();
         break;
       }
       CheckCuda(cudaEventRecord(ev_stop, cs), "cudaEventRecord");
       CheckCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize after Step");
-      const double wall_ms = Seconds(t0) * 1e3;
+      const double wall_ms = SecondsSince(t0) * 1e3;
       float event_ms = 0;
       CheckCuda(cudaEventElapsedTime(&event_ms, ev_start, ev_stop), "cudaEventElapsedTime");
       if (s < warmup) continue;
@@ -568,7 +559,7 @@ int Main(int argc, char** argv) {
   std::fprintf(stderr,
                "gpu_step_bench: d2d copy %.0f GB/s (read + written), pinned h2d %.1f GB/s, d2h "
                "%.1f GB/s, host memcpy %.1f GB/s; limits measured at %.1f s\n",
-               limits.d2d, limits.h2d, limits.d2h, limits.host, Seconds(start));
+               limits.d2d, limits.h2d, limits.d2h, limits.host, SecondsSince(start));
   const int warmup = opt.quick ? 1 : 3;
   const int measured = opt.quick ? 5 : 10;
   const std::vector<std::string> shapes =
@@ -590,7 +581,7 @@ int Main(int argc, char** argv) {
         double rate = seconds_per_element[offload];
         if (rate == 0 && seconds_per_element[0] > 0) rate = 4 * seconds_per_element[0];
         const double predicted_s = rate * params;
-        const double elapsed = Seconds(start);
+        const double elapsed = SecondsSince(start);
         if (elapsed + predicted_s > opt.budget_s) {
           row["not_run"] = absl::StrCat("time budget: ", static_cast<int>(elapsed), " s elapsed, ~",
                                         static_cast<int>(predicted_s + 0.5), " s predicted, ",
@@ -604,7 +595,7 @@ int Main(int argc, char** argv) {
         const absl::Status st = runner.Run(specs, stage, offload, warmup, measured, start,
                                            opt.budget_s + kOverrunS, &row);
         // Only a config that ran predicts the next (a refused one returns at once).
-        if (row.contains("step_ms_median")) seconds_per_element[offload] = Seconds(t0) / params;
+        if (row.contains("step_ms_median")) seconds_per_element[offload] = SecondsSince(t0) / params;
         if (!st.ok()) {
           failed = true;
           row["error"] = st.ToString();
@@ -657,7 +648,7 @@ int Main(int argc, char** argv) {
       {"baseline",
        "floor_ms: 32 B/elem at d2d_copy_GBps without offload; 2 B/elem down at d2h_GBps + 2 B/elem "
        "up at h2d_GBps with CPU offload (host AdamW apart: host_adamw_floor_ms)"},
-      {"elapsed_s", Seconds(start)},
+      {"elapsed_s", SecondsSince(start)},
       {"configs", configs},
   };
   std::printf("%s\n", doc.dump(2).c_str());

@@ -31,8 +31,6 @@
 // Prints one JSON document on stdout and a line per stage on stderr; exits 1 when a stage failed.
 //
 // Usage: host_work_bench [--quick]
-#include <time.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -59,6 +57,8 @@ namespace {
 
 using json = nlohmann::ordered_json;
 using Clock = std::chrono::steady_clock;
+using bench::SecondsSince;
+using bench::ThreadCpuMs;
 
 // Counts the calls that cost a GPU's host a driver call. Atomic: the offload and NVMe paths
 // call the device from their own threads.
@@ -145,16 +145,6 @@ class CountingDevice : public testing::ForwardingDevice {
   std::atomic<int64_t> counts_[kKinds] = {};
 };
 
-double ThreadCpuMs() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
 Config StageConfig(int stage) {
   const std::string text = absl::StrCat(
       R"({"zero_optimization": {"stage": )", stage, R"(}, "bf16": {"enabled": true},)",
@@ -187,7 +177,7 @@ absl::Status RunStage(const std::vector<memory::ParamSpec>& specs, int stage, in
       const Clock::time_point t0 = Clock::now();
       status = testing::TrainStandardOrder(*engine, 1);
       const double cpu = ThreadCpuMs() - c0;
-      const double wall = Seconds(t0) * 1e3;
+      const double wall = SecondsSince(t0) * 1e3;
       if (!status.ok() || s < warmup) continue;
       cpu_ms.push_back(cpu);
       wall_ms.push_back(wall);

@@ -112,10 +112,6 @@ bool ParseFlags(int argc, char** argv, Flags* f) {
   return true;
 }
 
-double Seconds(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 // Our bandwidth (bytes moved / s) for `pattern` over the whole file: requests of `request`
 // bytes, request k into buffer k mod N of the N `bufs`, all N in flight (a buffer is reused once
 // its request has completed). "step" alternates reads and writes, each direction sequential
@@ -139,7 +135,7 @@ absl::StatusOr<double> OurBandwidth(AioEngine* io, const SwapFile* file, int64_t
   for (AioEngine::Ticket t : pending) {
     if (t != 0) RETURN_IF_ERROR(io->Wait(t));
   }
-  return static_cast<double>(n * request) / Seconds(t0);
+  return static_cast<double>(n * request) / bench::SecondsSince(t0);
 }
 
 // fio's bandwidth (bytes / s, read + write) for the same pattern on `file`, or a negative value.
@@ -230,7 +226,7 @@ absl::StatusOr<nlohmann::ordered_json> StepRows(const Flags& f, const nvme::AioO
         }
         RETURN_IF_ERROR(nvme->Finish());
       }
-      if (t > 1) ms[k].push_back(1e3 * Seconds(t0));
+      if (t > 1) ms[k].push_back(1e3 * bench::SecondsSince(t0));
     }
   }
   for (auto& p : pipes) p.reset();
