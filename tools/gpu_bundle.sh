@@ -45,13 +45,12 @@ readonly max_bytes=$((48 << 20))
 
 # ---------------------------------------------------------------- targets
 query() { bazel query --noshow_progress "$1" 2>/dev/null | sort; }
-candidates='kind("cc_(test|binary)", attr(tags, "\bgpu\b", //...))
+host_set='kind(cc_test, attr(tags, "\bhost_simd\b", //...)) + //benchmarks:adamw_bench'
+candidates="kind(\"cc_(test|binary)\", attr(tags, \"\\bgpu\\b\", //...))
   + kind(cc_binary, rdeps(//benchmarks/... + //examples/..., //device:cuda_device))
-  + //cli:zerort
-  + kind(cc_test, attr(tags, "\bhost_simd\b", //...)) + //benchmarks:adamw_bench'
+  + //cli:zerort + $host_set"
 mapfile -t all < <(query "$candidates")
-mapfile -t host_targets < <(query 'kind(cc_test, attr(tags, "\bhost_simd\b", //...))
-  + //benchmarks:adamw_bench')
+mapfile -t host_targets < <(query "$host_set")
 mapfile -t mpi < <(query "let c = $candidates in \$c intersect rdeps(\$c, @openmpi//:mpi)")
 mapfile -t gpu_other < <(query 'attr(tags, "\bgpu\b", //...) except kind("cc_(test|binary)", //...)')
 targets=()

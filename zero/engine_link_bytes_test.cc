@@ -1,7 +1,8 @@
 // The plan's bytes per link class (memory/plan.h: comm_bytes_intra_node_per_step and
 // comm_bytes_inter_node_per_step) against what the engine sends, measured at world 8 on the
 // in-process group through comm::CountLinkBytes, for every layout that splits traffic by node: flat
-// stages 1-3, HSDP, MiCS's hierarchical gather and hpZ, with 2 and 4 ranks per node.
+// stages 1-3, HSDP, MiCS's hierarchical gather and hpZ, with 2 and 4 ranks per node; and for NVMe
+// offload, whose I/O agreements are part of the plan's control exchange.
 #include <catch2/catch.hpp>
 #include <memory>
 #include <string>
