@@ -1017,6 +1017,16 @@ std::vector<ParamSpec> LlmcTensors(const std::string& buffer = "grads") {
   return memory::testing::LlmcTensors(/*L=*/4, /*C=*/128, /*V=*/50304, /*T=*/64, buffer);
 }
 
+// The options of the llm.c hand-off cases: fp32, world 2, a unit per module, `stage`.
+PlanOptions LlmcOptions(int stage) {
+  PlanOptions o;
+  o.compute_dtype = DType::kF32;
+  o.world_size = 2;
+  o.unit_per_module = true;
+  o.stage = stage;
+  return o;
+}
+
 const Unit& UnitOf(const Plan& plan, const std::string& param) {
   for (const ParamLayout& p : plan.params) {
     if (p.name == param) return plan.units[p.unit];
@@ -1028,11 +1038,7 @@ const Unit& UnitOf(const Plan& plan, const std::string& param) {
 TEST_CASE("Plan: gradients declared in the trainer's buffer are reduced in place where the "
           "layout allows, and get no storage of the engine's",
           "[memory]") {
-  PlanOptions o;
-  o.compute_dtype = DType::kF32;
-  o.world_size = 2;
-  o.unit_per_module = true;
-  o.stage = 2;
+  PlanOptions o = LlmcOptions(2);
   const std::vector<ParamSpec> declared = LlmcTensors();
   auto plan = MakePlan(declared, o);
   REQUIRE(plan.ok());
@@ -1097,11 +1103,7 @@ TEST_CASE("Plan: gradients declared in the trainer's buffer are reduced in place
 TEST_CASE("Plan: stages 0-1 without accumulation keep reduced gradients in the trainer's "
           "buffer, or, with padding, stage 1 in a shard of the engine's",
           "[memory]") {
-  PlanOptions o;
-  o.compute_dtype = DType::kF32;
-  o.world_size = 2;
-  o.unit_per_module = true;
-  o.stage = 0;
+  PlanOptions o = LlmcOptions(0);
   auto plan = MakePlan(LlmcTensors(), o);
   REQUIRE(plan.ok());
   // Stage 0 would keep lnfw's whole padded unit where it is reduced: over lnfb's gradient.
@@ -1166,11 +1168,7 @@ TEST_CASE("Plan: with offload_optimizer.ratio the hand-off rule holds per unit: 
   // offloaded b's reduced shard goes to host memory, so a may be reduced over it.
   std::vector<ParamSpec> specs = {{"a.w", {200}, "a"}, {"b.w", {256}, "b"}};
   for (ParamSpec& p : specs) p.grad_buffer = "g";
-  PlanOptions o;
-  o.compute_dtype = DType::kF32;
-  o.world_size = 2;
-  o.unit_per_module = true;
-  o.stage = 1;
+  PlanOptions o = LlmcOptions(1);
   o.offload_optimizer = true;
   bool saw_b_kept_a_offloaded = false, saw_b_offloaded = false, saw_all_kept = false;
   for (double ratio : {0.0, 0.25, 0.5, 0.75, 1.0}) {
@@ -1233,11 +1231,7 @@ TEST_CASE("Plan: a unit of per-layer slices of stacked tensors is copied, saying
     offset += t.numel();
   }
   REQUIRE(specs.size() == 52);
-  PlanOptions o;
-  o.compute_dtype = DType::kF32;
-  o.world_size = 2;
-  o.unit_per_module = true;
-  o.stage = 2;
+  PlanOptions o = LlmcOptions(2);
   auto plan = MakePlan(specs, o);
   REQUIRE(plan.ok());
   // wte, wpe and the final LayerNorm (two consecutive [C] tensors: 256 elements) are in place.
